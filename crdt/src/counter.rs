@@ -1,0 +1,162 @@
+//! The PN-counter: one lane per replica, merged lane by lane.
+
+use crate::{Lane, Overflow, ReplicaId, Version};
+use serde::{Deserialize, Serialize};
+
+/// A lane as held in a counter: whose it is, its totals, and the version its writer
+/// stamped on its latest write (zero when the counter is used without delta sync).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Slot {
+    /// The replica that writes this lane.
+    pub replica: ReplicaId,
+    /// Its totals.
+    pub lane: Lane,
+    /// The writer's version of these totals.
+    pub version: Version,
+}
+
+/// A PN-counter: a grow-only lane per replica. Its value is the sum over lanes of
+/// `incr - decr`, computed in `i128` so that no sum of `u64` lanes can overflow it.
+///
+/// Invariant: `slots` is sorted by replica and holds at most one slot per replica.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PnCounter {
+    slots: Vec<Slot>,
+}
+
+impl PnCounter {
+    /// An empty counter: value zero, no lanes.
+    pub fn new() -> PnCounter {
+        PnCounter::default()
+    }
+
+    /// The counter's value: the sum of every lane's `incr - decr`.
+    pub fn value(&self) -> i128 {
+        self.slots.iter().map(|slot| slot.lane.value()).sum()
+    }
+
+    /// The value of every lane except `replica`'s.
+    pub fn value_without(&self, replica: ReplicaId) -> i128 {
+        self.slots
+            .iter()
+            .filter(|slot| slot.replica != replica)
+            .map(|slot| slot.lane.value())
+            .sum()
+    }
+
+    /// `replica`'s lane, or an empty lane if it has none.
+    pub fn lane(&self, replica: ReplicaId) -> Lane {
+        self.slot(replica).map(|slot| slot.lane).unwrap_or_default()
+    }
+
+    /// `replica`'s slot, if it has one.
+    pub fn slot(&self, replica: ReplicaId) -> Option<&Slot> {
+        let at = self.find(replica).ok()?;
+        Some(&self.slots[at])
+    }
+
+    /// Every lane, in replica order.
+    pub fn slots(&self) -> &[Slot] {
+        &self.slots
+    }
+
+    /// Adds `amount` to `replica`'s increments. On overflow nothing changes.
+    pub fn incr(&mut self, replica: ReplicaId, amount: u64) -> Result<(), Overflow> {
+        let mut lane = self.lane(replica);
+        lane.incr(amount)?;
+        self.merge_slot(Slot {
+            replica,
+            lane,
+            version: Version::ZERO,
+        });
+        Ok(())
+    }
+
+    /// Adds `amount` to `replica`'s decrements. On overflow nothing changes.
+    pub fn decr(&mut self, replica: ReplicaId, amount: u64) -> Result<(), Overflow> {
+        let mut lane = self.lane(replica);
+        lane.decr(amount)?;
+        self.merge_slot(Slot {
+            replica,
+            lane,
+            version: Version::ZERO,
+        });
+        Ok(())
+    }
+
+    /// Merges every lane of `other` into `self`. Total: never fails.
+    pub fn merge(&mut self, other: &PnCounter) {
+        for slot in &other.slots {
+            self.merge_slot(*slot);
+        }
+    }
+
+    /// Merges one lane, taking the larger of each total and of the version. Returns
+    /// whether anything changed.
+    pub fn merge_slot(&mut self, incoming: Slot) -> bool {
+        match self.find(incoming.replica) {
+            Ok(at) => {
+                let slot = &mut self.slots[at];
+                let before = *slot;
+                slot.lane.merge(incoming.lane);
+                slot.version = slot.version.max(incoming.version);
+                *slot != before
+            }
+            Err(at) => {
+                self.slots.insert(at, incoming);
+                true
+            }
+        }
+    }
+
+    /// How many lanes the counter holds.
+    pub fn lanes(&self) -> usize {
+        self.slots.len()
+    }
+
+    fn find(&self, replica: ReplicaId) -> Result<usize, usize> {
+        self.slots.binary_search_by_key(&replica, |slot| slot.replica)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::{Generation, NodeId};
+
+    fn replica(node: u64) -> ReplicaId {
+        ReplicaId::new(NodeId(node), Generation(1))
+    }
+
+    #[test]
+    fn value_sums_lanes_in_i128_without_wrapping() {
+        let mut counter = PnCounter::new();
+        counter.incr(replica(1), u64::MAX).unwrap();
+        counter.incr(replica(2), u64::MAX).unwrap();
+        counter.decr(replica(3), 5).unwrap();
+        assert_eq!(counter.value(), 2 * i128::from(u64::MAX) - 5);
+        assert_eq!(counter.value_without(replica(1)), i128::from(u64::MAX) - 5);
+    }
+
+    #[test]
+    fn overflowing_increment_is_refused_whole() {
+        let mut counter = PnCounter::new();
+        counter.incr(replica(1), u64::MAX).unwrap();
+        let before = counter.clone();
+        assert!(counter.incr(replica(1), 1).is_err());
+        assert_eq!(counter, before);
+    }
+
+    #[test]
+    fn merge_takes_the_larger_total_per_lane() {
+        let mut a = PnCounter::new();
+        let mut b = PnCounter::new();
+        a.incr(replica(1), 5).unwrap();
+        b.incr(replica(1), 3).unwrap();
+        b.decr(replica(1), 2).unwrap();
+        b.incr(replica(2), 1).unwrap();
+        a.merge(&b);
+        assert_eq!(a.lane(replica(1)), Lane::new(5, 2));
+        assert_eq!(a.value(), 5 - 2 + 1);
+    }
+}

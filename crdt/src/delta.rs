@@ -1,0 +1,102 @@
+//! What replicas exchange: digests (what I hold) and deltas (what you lack).
+
+use crate::{Key, Lane, ReplicaId};
+use serde::{Deserialize, Serialize};
+use std::collections::BTreeMap;
+
+/// A replica's count of its own lane writes. Each write of one of its lanes takes the next
+/// version, so versions order one replica's writes and no two writes share one.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
+pub struct Version(pub u64);
+
+impl Version {
+    /// Before any write.
+    pub const ZERO: Version = Version(0);
+
+    /// The version after this one.
+    pub fn next(self) -> Version {
+        Version(self.0 + 1)
+    }
+}
+
+/// An origin's own wall-clock reading (milliseconds since the unix epoch) when it produced
+/// a state. Carried with that state so every holder can tell how stale it is. Opaque to
+/// this crate, which never reads a clock.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
+pub struct Stamp(pub u64);
+
+/// What a holder knows of one origin: every lane of it whose version is at most `version`
+/// at the origin, and the origin's clock reading for its freshest state.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Watermark {
+    /// The highest version held.
+    pub version: Version,
+    /// The origin's clock when it produced that state, or last said it had nothing newer.
+    pub stamp: Stamp,
+}
+
+/// Per origin, what a node holds. Sent so a peer can answer with only what is missing.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Digest {
+    /// Origin to watermark, in origin order.
+    pub origins: BTreeMap<ReplicaId, Watermark>,
+}
+
+/// One lane write, as sent: the key, the totals, and the origin's version for them.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct LaneUpdate {
+    /// The counter.
+    pub key: Key,
+    /// The origin's totals for it.
+    pub lane: Lane,
+    /// The origin's version of those totals.
+    pub version: Version,
+}
+
+/// The lanes of one origin that a peer lacks, in version order.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct OriginDelta {
+    /// Whose lanes these are.
+    pub origin: ReplicaId,
+    /// After applying `lanes`, the receiver holds everything of `origin` up to here.
+    /// Equal to the sender's watermark when the send is complete, or to the last lane's
+    /// version when the budget cut it short.
+    pub through: Watermark,
+    /// Lanes with versions above the receiver's watermark, ascending.
+    pub lanes: Vec<LaneUpdate>,
+}
+
+/// Everything one send carries: per origin, lanes in version order.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Delta {
+    /// One entry per origin with anything to send.
+    pub origins: Vec<OriginDelta>,
+}
+
+impl Delta {
+    /// How many lane updates the delta carries.
+    pub fn lanes(&self) -> usize {
+        self.origins.iter().map(|origin| origin.lanes.len()).sum()
+    }
+
+    /// Whether the delta carries nothing at all.
+    pub fn is_empty(&self) -> bool {
+        self.origins.is_empty()
+    }
+}
+
+/// Upper bounds on encoded sizes, used to cut deltas under a frame budget. Integers are
+/// counted at their widest variable-length encoding (9 bytes for a `u64`, 5 for a `u32`).
+pub(crate) mod size {
+    use crate::Key;
+
+    /// An origin header: replica id, watermark, and the lane count prefix.
+    pub const ORIGIN_HEADER: usize = 9 + 9 + 9 + 9 + 9;
+    /// The delta's own header: the origin count prefix.
+    pub const DELTA_HEADER: usize = 9;
+
+    /// One lane update: its key, two totals and a version.
+    pub fn lane(key: &Key) -> usize {
+        key.encoded_len_max() + 3 * 9
+    }
+}

@@ -1,0 +1,264 @@
+//! What a counter counts: a rule, a subject and a window.
+
+use serde::{Deserialize, Serialize};
+use std::fmt;
+use std::sync::Arc;
+
+/// The longest rule name, in bytes.
+pub const RULE_BYTES_MAX: usize = 64;
+/// The longest subject, in bytes.
+pub const SUBJECT_BYTES_MAX: usize = 256;
+/// The longest window, in seconds (one week).
+pub const WINDOW_SECS_MAX: u32 = 7 * 24 * 3600;
+
+/// A key that does not fit its bounds. Nothing was created.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum KeyError {
+    /// The rule name is empty, too long, or has a character outside `[A-Za-z0-9_.:-]`.
+    #[error("rule: {0:?} must be 1 to {RULE_BYTES_MAX} bytes of [A-Za-z0-9_.:-]")]
+    Rule(String),
+    /// The subject is empty or longer than [`SUBJECT_BYTES_MAX`] bytes.
+    #[error("subject: {len} bytes, must be 1 to {SUBJECT_BYTES_MAX}")]
+    Subject {
+        /// The subject's length in bytes.
+        len: usize,
+    },
+    /// The window length is zero or longer than [`WINDOW_SECS_MAX`].
+    #[error("window: length {len_secs} s, must be 1 to {WINDOW_SECS_MAX}")]
+    WindowLen {
+        /// The refused window length.
+        len_secs: u32,
+    },
+}
+
+/// The name of a rule, as configured: 1 to 64 bytes of `[A-Za-z0-9_.:-]`.
+#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
+#[serde(try_from = "String", into = "String")]
+pub struct Rule(Arc<str>);
+
+/// What a rule counts for: a user, an IP, an API key. 1 to 256 bytes of UTF-8.
+#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
+#[serde(try_from = "String", into = "String")]
+pub struct Subject(Arc<str>);
+
+/// A fixed time window: `index = floor(unix_secs / len_secs)`.
+///
+/// The node that first counts a key fixes its window and the window travels with the key:
+/// no receiver re-derives it from its own clock, so a skewed clock cannot move counts
+/// between windows.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
+#[serde(try_from = "WindowParts", into = "WindowParts")]
+pub struct Window {
+    index: u64,
+    len_secs: u32,
+}
+
+/// The key of one counter. Cloning is cheap: the strings are shared.
+#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
+pub struct Key {
+    /// The rule that counts.
+    pub rule: Rule,
+    /// What it counts for.
+    pub subject: Subject,
+    /// When it counts.
+    pub window: Window,
+}
+
+impl Rule {
+    /// Checks the bounds and makes a rule name.
+    pub fn new(name: impl Into<String>) -> Result<Rule, KeyError> {
+        let name = name.into();
+        let valid = !name.is_empty()
+            && name.len() <= RULE_BYTES_MAX
+            && name
+                .bytes()
+                .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'_' | b'.' | b':' | b'-'));
+        if valid {
+            Ok(Rule(name.into()))
+        } else {
+            Err(KeyError::Rule(name))
+        }
+    }
+
+    /// The name.
+    pub fn as_str(&self) -> &str {
+        &self.0
+    }
+}
+
+impl Subject {
+    /// Checks the bounds and makes a subject.
+    pub fn new(subject: impl Into<String>) -> Result<Subject, KeyError> {
+        let subject = subject.into();
+        if subject.is_empty() || subject.len() > SUBJECT_BYTES_MAX {
+            return Err(KeyError::Subject { len: subject.len() });
+        }
+        Ok(Subject(subject.into()))
+    }
+
+    /// The subject.
+    pub fn as_str(&self) -> &str {
+        &self.0
+    }
+}
+
+impl Window {
+    /// The window of length `len_secs` that holds the instant `unix_secs`.
+    pub fn containing(unix_secs: u64, len_secs: u32) -> Result<Window, KeyError> {
+        Window::new(unix_secs / u64::from(len_secs.max(1)), len_secs)
+    }
+
+    /// The window with this index and length.
+    pub fn new(index: u64, len_secs: u32) -> Result<Window, KeyError> {
+        if len_secs == 0 || len_secs > WINDOW_SECS_MAX {
+            return Err(KeyError::WindowLen { len_secs });
+        }
+        Ok(Window { index, len_secs })
+    }
+
+    /// `floor(start / len)`.
+    pub fn index(&self) -> u64 {
+        self.index
+    }
+
+    /// The window's length in seconds.
+    pub fn len_secs(&self) -> u32 {
+        self.len_secs
+    }
+
+    /// The unix second at which the window opens.
+    pub fn start_unix_secs(&self) -> u64 {
+        self.index.saturating_mul(u64::from(self.len_secs))
+    }
+
+    /// The unix second at which the window closes (exclusive).
+    pub fn end_unix_secs(&self) -> u64 {
+        self.start_unix_secs().saturating_add(u64::from(self.len_secs))
+    }
+
+    /// The window just before this one, if there is one.
+    pub fn previous(&self) -> Option<Window> {
+        Some(Window {
+            index: self.index.checked_sub(1)?,
+            len_secs: self.len_secs,
+        })
+    }
+
+    /// Whether a counter in this window is still needed at `now_unix_secs`.
+    ///
+    /// A window is kept for one more length after it closes, because a sliding-window
+    /// estimate weights the previous window.
+    pub fn is_live(&self, now_unix_secs: u64) -> bool {
+        now_unix_secs < self.end_unix_secs().saturating_add(u64::from(self.len_secs))
+    }
+}
+
+impl Key {
+    /// A key from its parts.
+    pub fn new(rule: Rule, subject: Subject, window: Window) -> Key {
+        Key {
+            rule,
+            subject,
+            window,
+        }
+    }
+
+    /// An upper bound on the key's encoded size in bytes, for frame budgets: the strings
+    /// plus a length prefix each and the window's two integers at their widest.
+    pub fn encoded_len_max(&self) -> usize {
+        self.rule.0.len() + self.subject.0.len() + 2 * 9 + 9 + 5
+    }
+}
+
+impl TryFrom<String> for Rule {
+    type Error = KeyError;
+    fn try_from(name: String) -> Result<Rule, KeyError> {
+        Rule::new(name)
+    }
+}
+
+impl From<Rule> for String {
+    fn from(rule: Rule) -> String {
+        rule.as_str().to_owned()
+    }
+}
+
+impl TryFrom<String> for Subject {
+    type Error = KeyError;
+    fn try_from(subject: String) -> Result<Subject, KeyError> {
+        Subject::new(subject)
+    }
+}
+
+impl From<Subject> for String {
+    fn from(subject: Subject) -> String {
+        subject.as_str().to_owned()
+    }
+}
+
+/// The serialized form of a [`Window`], checked on the way back in.
+#[derive(Serialize, Deserialize)]
+struct WindowParts {
+    index: u64,
+    len_secs: u32,
+}
+
+impl TryFrom<WindowParts> for Window {
+    type Error = KeyError;
+    fn try_from(parts: WindowParts) -> Result<Window, KeyError> {
+        Window::new(parts.index, parts.len_secs)
+    }
+}
+
+impl From<Window> for WindowParts {
+    fn from(window: Window) -> WindowParts {
+        WindowParts {
+            index: window.index,
+            len_secs: window.len_secs,
+        }
+    }
+}
+
+impl fmt::Display for Key {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "{}/{}@{}x{}s",
+            self.rule.as_str(),
+            self.subject.as_str(),
+            self.window.index,
+            self.window.len_secs
+        )
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn bad_rule_names_are_refused_with_the_name() {
+        assert_eq!(Rule::new(""), Err(KeyError::Rule(String::new())));
+        assert!(Rule::new("a b").is_err());
+        assert!(Rule::new("x".repeat(RULE_BYTES_MAX + 1)).is_err());
+        assert!(Rule::new("x".repeat(RULE_BYTES_MAX)).is_ok());
+        assert!(Rule::new("api.login:per-ip_1").is_ok());
+    }
+
+    #[test]
+    fn subject_bounds_are_enforced() {
+        assert_eq!(Subject::new(""), Err(KeyError::Subject { len: 0 }));
+        assert!(Subject::new("é".repeat(SUBJECT_BYTES_MAX)).is_err());
+        assert!(Subject::new("u".repeat(SUBJECT_BYTES_MAX)).is_ok());
+    }
+
+    #[test]
+    fn window_is_fixed_by_its_index_and_kept_one_length_past_its_end() {
+        let w = Window::containing(125, 60).unwrap();
+        assert_eq!((w.index(), w.start_unix_secs(), w.end_unix_secs()), (2, 120, 180));
+        assert!(w.is_live(239));
+        assert!(!w.is_live(240));
+        assert_eq!(w.previous().unwrap().index(), 1);
+        assert_eq!(Window::new(0, 0), Err(KeyError::WindowLen { len_secs: 0 }));
+    }
+}

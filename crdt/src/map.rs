@@ -1,0 +1,291 @@
+//! Many counters with versioned lanes: the state that gossip keeps in sync.
+
+use crate::delta::size;
+use crate::{
+    Delta, Digest, Key, Lane, LaneUpdate, OriginDelta, Overflow, PnCounter, ReplicaId, Slot,
+    Stamp, Version, Watermark,
+};
+use std::collections::BTreeMap;
+
+/// Every counter a node holds, with the per-origin bookkeeping that delta sync needs.
+///
+/// Architecture Invariant: for every origin, the watermark covers exactly the lanes held:
+/// a node whose watermark for an origin is `v` holds every lane of that origin whose
+/// current version at the origin is at most `v`. Deltas are cut in version order so a
+/// partial send keeps this true.
+#[derive(Debug, Clone, Default)]
+pub struct CounterMap {
+    counters: BTreeMap<Key, PnCounter>,
+    origins: BTreeMap<ReplicaId, Origin>,
+}
+
+/// What the map holds of one origin.
+#[derive(Debug, Clone, Default)]
+struct Origin {
+    watermark: Watermark,
+    // Invariant: one entry per lane of this origin held in `counters`, at its version.
+    by_version: BTreeMap<Version, Key>,
+}
+
+/// What applying a delta changed.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Applied {
+    /// Keys whose value may have changed, in no particular order, without repeats.
+    pub keys: Vec<Key>,
+    /// Lane updates that raised a lane.
+    pub lanes_raised: usize,
+    /// Lane updates skipped because their window had already expired here.
+    pub lanes_expired: usize,
+}
+
+impl CounterMap {
+    /// An empty map.
+    pub fn new() -> CounterMap {
+        CounterMap::default()
+    }
+
+    /// The counter at `key`, if any lane of it is held.
+    pub fn counter(&self, key: &Key) -> Option<&PnCounter> {
+        self.counters.get(key)
+    }
+
+    /// The value at `key`: zero if nothing is held.
+    pub fn value(&self, key: &Key) -> i128 {
+        self.counter(key).map_or(0, PnCounter::value)
+    }
+
+    /// Every key and its counter, in key order.
+    pub fn iter(&self) -> impl Iterator<Item = (&Key, &PnCounter)> {
+        self.counters.iter()
+    }
+
+    /// How many counters are held.
+    pub fn len(&self) -> usize {
+        self.counters.len()
+    }
+
+    /// Whether no counter is held.
+    pub fn is_empty(&self) -> bool {
+        self.counters.is_empty()
+    }
+
+    /// How many lanes are held, over all counters.
+    pub fn lanes(&self) -> usize {
+        self.origins.values().map(|o| o.by_version.len()).sum()
+    }
+
+    /// The watermark held for `origin`.
+    pub fn watermark(&self, origin: ReplicaId) -> Watermark {
+        self.origins
+            .get(&origin)
+            .map(|o| o.watermark)
+            .unwrap_or_default()
+    }
+
+    /// What this map holds, per origin.
+    pub fn digest(&self) -> Digest {
+        Digest {
+            origins: self
+                .origins
+                .iter()
+                .map(|(replica, origin)| (*replica, origin.watermark))
+                .collect(),
+        }
+    }
+
+    /// Adds `amount` to `replica`'s lane at `key`, as a write by that replica at clock
+    /// reading `stamp`. On overflow nothing changes.
+    pub fn incr(
+        &mut self,
+        replica: ReplicaId,
+        key: &Key,
+        amount: u64,
+        stamp: Stamp,
+    ) -> Result<Version, Overflow> {
+        let mut lane = self.lane(key, replica);
+        lane.incr(amount)?;
+        Ok(self.write(replica, key, lane, stamp))
+    }
+
+    /// Adds `amount` to `replica`'s decrements at `key`. On overflow nothing changes.
+    pub fn decr(
+        &mut self,
+        replica: ReplicaId,
+        key: &Key,
+        amount: u64,
+        stamp: Stamp,
+    ) -> Result<Version, Overflow> {
+        let mut lane = self.lane(key, replica);
+        lane.decr(amount)?;
+        Ok(self.write(replica, key, lane, stamp))
+    }
+
+    /// Records `replica`'s own lane at `key` as `totals` (merged with what is held, so a
+    /// stale snapshot never lowers it). If the lane rose, the write takes the replica's
+    /// next version. Returns the lane's version after the write.
+    ///
+    /// Only the replica itself may call this for its lanes: versions are its own count.
+    pub fn write(&mut self, replica: ReplicaId, key: &Key, totals: Lane, stamp: Stamp) -> Version {
+        let held = self.lane(key, replica);
+        let origin = self.origins.entry(replica).or_default();
+        origin.watermark.stamp = origin.watermark.stamp.max(stamp);
+        let mut lane = held;
+        lane.merge(totals);
+        let counter = self.counters.entry(key.clone()).or_default();
+        if lane == held {
+            if let Some(slot) = counter.slot(replica) {
+                return slot.version;
+            }
+        }
+        let version = origin.watermark.version.next();
+        origin.watermark.version = version;
+        if let Some(old) = counter.slot(replica) {
+            origin.by_version.remove(&old.version);
+        }
+        origin.by_version.insert(version, key.clone());
+        counter.merge_slot(Slot {
+            replica,
+            lane,
+            version,
+        });
+        version
+    }
+
+    /// Moves `origin`'s clock reading forward without a write: the origin says it has
+    /// nothing newer than its watermark as of `stamp`.
+    pub fn touch(&mut self, origin: ReplicaId, stamp: Stamp) {
+        let origin = self.origins.entry(origin).or_default();
+        origin.watermark.stamp = origin.watermark.stamp.max(stamp);
+    }
+
+    /// `replica`'s lane at `key`, or an empty lane.
+    pub fn lane(&self, key: &Key, replica: ReplicaId) -> Lane {
+        self.counter(key).map_or(Lane::default(), |c| c.lane(replica))
+    }
+
+    /// The lanes a peer with digest `peer` lacks, per origin in version order, cut so the
+    /// encoded delta stays within `bytes_max`. Origins are visited starting at the
+    /// `rotate`-th (modulo their number), so that repeated budget-cut sends serve every
+    /// origin in turn. An origin whose lanes the peer holds but whose stamp is older gets
+    /// an entry with no lanes, carrying the newer stamp.
+    pub fn delta_for(&self, peer: &Digest, bytes_max: usize, rotate: usize) -> Delta {
+        let mut delta = Delta::default();
+        let mut budget = bytes_max.saturating_sub(size::DELTA_HEADER);
+        let count = self.origins.len();
+        let start = if count == 0 { 0 } else { rotate % count };
+        let ordered = self.origins.iter().skip(start).chain(self.origins.iter().take(start));
+        for (replica, origin) in ordered {
+            let theirs = peer.origins.get(replica).copied().unwrap_or_default();
+            let lacks_lanes = origin.watermark.version > theirs.version;
+            let lacks_stamp = origin.watermark.stamp > theirs.stamp;
+            if !lacks_lanes && !lacks_stamp {
+                continue;
+            }
+            if budget < size::ORIGIN_HEADER {
+                break;
+            }
+            budget -= size::ORIGIN_HEADER;
+            let mut entry = OriginDelta {
+                origin: *replica,
+                through: origin.watermark,
+                lanes: Vec::new(),
+            };
+            let mut cut = false;
+            let after = Version(theirs.version.0.saturating_add(1));
+            for (&version, key) in origin.by_version.range(after..) {
+                let cost = size::lane(key);
+                if cost > budget {
+                    cut = true;
+                    break;
+                }
+                budget -= cost;
+                entry.lanes.push(LaneUpdate {
+                    key: key.clone(),
+                    lane: self.lane(key, *replica),
+                    version,
+                });
+            }
+            if cut {
+                // The receiver will hold everything up to the last lane sent, and nothing
+                // shows that it has the origin's newest stamp.
+                entry.through = Watermark {
+                    version: entry.lanes.last().map_or(theirs.version, |l| l.version),
+                    stamp: theirs.stamp,
+                };
+            }
+            if !entry.lanes.is_empty() || !cut {
+                delta.origins.push(entry);
+            }
+            if cut {
+                break;
+            }
+        }
+        delta
+    }
+
+    /// Merges a delta. Lanes of windows no longer live at `now_unix_secs` are skipped
+    /// (they were collected here and must not come back). Idempotent, and total: a delta
+    /// never makes a lane or a watermark go back.
+    pub fn apply(&mut self, delta: &Delta, now_unix_secs: u64) -> Applied {
+        let mut applied = Applied::default();
+        for entry in &delta.origins {
+            let origin = self.origins.entry(entry.origin).or_default();
+            for update in &entry.lanes {
+                if !update.key.window.is_live(now_unix_secs) {
+                    applied.lanes_expired += 1;
+                    continue;
+                }
+                let counter = self.counters.entry(update.key.clone()).or_default();
+                let old_version = counter.slot(entry.origin).map(|slot| slot.version);
+                let raised = counter.merge_slot(Slot {
+                    replica: entry.origin,
+                    lane: update.lane,
+                    version: update.version,
+                });
+                if !raised {
+                    continue;
+                }
+                applied.lanes_raised += 1;
+                applied.keys.push(update.key.clone());
+                let new_version = counter.slot(entry.origin).map(|slot| slot.version);
+                if old_version != new_version {
+                    if let Some(old) = old_version {
+                        origin.by_version.remove(&old);
+                    }
+                    if let Some(new) = new_version {
+                        origin.by_version.insert(new, update.key.clone());
+                    }
+                }
+            }
+            origin.watermark.version = origin.watermark.version.max(entry.through.version);
+            origin.watermark.stamp = origin.watermark.stamp.max(entry.through.stamp);
+        }
+        applied.keys.sort_unstable();
+        applied.keys.dedup();
+        applied
+    }
+
+    /// Drops every counter whose window is no longer live at `now_unix_secs`, then every
+    /// origin left with no lanes for which `keep_origin` is false (a retired generation,
+    /// a dead node). Returns how many counters were dropped.
+    pub fn expire(&mut self, now_unix_secs: u64, keep_origin: impl Fn(ReplicaId) -> bool) -> usize {
+        let expired: Vec<Key> = self
+            .counters
+            .keys()
+            .filter(|key| !key.window.is_live(now_unix_secs))
+            .cloned()
+            .collect();
+        for key in &expired {
+            if let Some(counter) = self.counters.remove(key) {
+                for slot in counter.slots() {
+                    if let Some(origin) = self.origins.get_mut(&slot.replica) {
+                        origin.by_version.remove(&slot.version);
+                    }
+                }
+            }
+        }
+        self.origins
+            .retain(|replica, origin| !origin.by_version.is_empty() || keep_origin(*replica));
+        expired.len()
+    }
+}

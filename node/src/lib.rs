@@ -1,0 +1,1 @@
+//! tally-node: `tallyd`, the sidecar daemon.
