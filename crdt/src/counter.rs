@@ -115,7 +115,8 @@ impl PnCounter {
     }
 
     fn find(&self, replica: ReplicaId) -> Result<usize, usize> {
-        self.slots.binary_search_by_key(&replica, |slot| slot.replica)
+        self.slots
+            .binary_search_by_key(&replica, |slot| slot.replica)
     }
 }
 

@@ -6,7 +6,9 @@ use std::collections::BTreeMap;
 
 /// A replica's count of its own lane writes. Each write of one of its lanes takes the next
 /// version, so versions order one replica's writes and no two writes share one.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
+#[derive(
+    Debug, Clone, Copy, Default, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize,
+)]
 pub struct Version(pub u64);
 
 impl Version {
@@ -22,7 +24,9 @@ impl Version {
 /// An origin's own wall-clock reading (milliseconds since the unix epoch) when it produced
 /// a state. Carried with that state so every holder can tell how stale it is. Opaque to
 /// this crate, which never reads a clock.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
+#[derive(
+    Debug, Clone, Copy, Default, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize,
+)]
 pub struct Stamp(pub u64);
 
 /// What a holder knows of one origin: every lane of it whose version is at most `version`
@@ -73,6 +77,10 @@ pub struct Delta {
     pub origins: Vec<OriginDelta>,
 }
 
+/// The smallest byte budget a delta is ever cut to: room for one origin and its largest
+/// possible lane, so every send makes progress. Smaller budgets are raised to this.
+pub const DELTA_BYTES_MIN: usize = size::DELTA_HEADER + size::ORIGIN_HEADER + size::LANE_MAX;
+
 impl Delta {
     /// How many lane updates the delta carries.
     pub fn lanes(&self) -> usize {
@@ -88,7 +96,7 @@ impl Delta {
 /// Upper bounds on encoded sizes, used to cut deltas under a frame budget. Integers are
 /// counted at their widest variable-length encoding (9 bytes for a `u64`, 5 for a `u32`).
 pub(crate) mod size {
-    use crate::Key;
+    use crate::{Key, RULE_BYTES_MAX, SUBJECT_BYTES_MAX};
 
     /// An origin header: replica id, watermark, and the lane count prefix.
     pub const ORIGIN_HEADER: usize = 9 + 9 + 9 + 9 + 9;
@@ -97,6 +105,12 @@ pub(crate) mod size {
 
     /// One lane update: its key, two totals and a version.
     pub fn lane(key: &Key) -> usize {
-        key.encoded_len_max() + 3 * 9
+        key.encoded_len_max() + LANE_FIELDS
     }
+
+    const LANE_FIELDS: usize = 3 * 9;
+
+    /// The largest lane update any key can make.
+    pub const LANE_MAX: usize =
+        RULE_BYTES_MAX + SUBJECT_BYTES_MAX + Key::ENCODED_FIXED_MAX + LANE_FIELDS;
 }

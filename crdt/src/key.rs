@@ -133,7 +133,8 @@ impl Window {
 
     /// The unix second at which the window closes (exclusive).
     pub fn end_unix_secs(&self) -> u64 {
-        self.start_unix_secs().saturating_add(u64::from(self.len_secs))
+        self.start_unix_secs()
+            .saturating_add(u64::from(self.len_secs))
     }
 
     /// The window just before this one, if there is one.
@@ -149,7 +150,10 @@ impl Window {
     /// A window is kept for one more length after it closes, because a sliding-window
     /// estimate weights the previous window.
     pub fn is_live(&self, now_unix_secs: u64) -> bool {
-        now_unix_secs < self.end_unix_secs().saturating_add(u64::from(self.len_secs))
+        now_unix_secs
+            < self
+                .end_unix_secs()
+                .saturating_add(u64::from(self.len_secs))
     }
 }
 
@@ -166,8 +170,11 @@ impl Key {
     /// An upper bound on the key's encoded size in bytes, for frame budgets: the strings
     /// plus a length prefix each and the window's two integers at their widest.
     pub fn encoded_len_max(&self) -> usize {
-        self.rule.0.len() + self.subject.0.len() + 2 * 9 + 9 + 5
+        self.rule.0.len() + self.subject.0.len() + Key::ENCODED_FIXED_MAX
     }
+
+    /// The encoded size of everything in a key but its strings' bytes, at most.
+    pub const ENCODED_FIXED_MAX: usize = 2 * 9 + 9 + 5;
 }
 
 impl TryFrom<String> for Rule {
@@ -255,7 +262,10 @@ mod tests {
     #[test]
     fn window_is_fixed_by_its_index_and_kept_one_length_past_its_end() {
         let w = Window::containing(125, 60).unwrap();
-        assert_eq!((w.index(), w.start_unix_secs(), w.end_unix_secs()), (2, 120, 180));
+        assert_eq!(
+            (w.index(), w.start_unix_secs(), w.end_unix_secs()),
+            (2, 120, 180)
+        );
         assert!(w.is_live(239));
         assert!(!w.is_live(240));
         assert_eq!(w.previous().unwrap().index(), 1);

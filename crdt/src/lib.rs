@@ -42,8 +42,12 @@ mod lane;
 mod map;
 
 pub use counter::{PnCounter, Slot};
-pub use delta::{Delta, Digest, LaneUpdate, OriginDelta, Stamp, Version, Watermark};
+pub use delta::{
+    Delta, Digest, LaneUpdate, OriginDelta, Stamp, Version, Watermark, DELTA_BYTES_MIN,
+};
 pub use id::{Generation, NodeId, ReplicaId};
-pub use key::{Key, KeyError, Rule, Subject, Window, RULE_BYTES_MAX, SUBJECT_BYTES_MAX, WINDOW_SECS_MAX};
+pub use key::{
+    Key, KeyError, Rule, Subject, Window, RULE_BYTES_MAX, SUBJECT_BYTES_MAX, WINDOW_SECS_MAX,
+};
 pub use lane::{Lane, Overflow};
 pub use map::{Applied, CounterMap};

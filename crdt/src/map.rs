@@ -2,8 +2,8 @@
 
 use crate::delta::size;
 use crate::{
-    Delta, Digest, Key, Lane, LaneUpdate, OriginDelta, Overflow, PnCounter, ReplicaId, Slot,
-    Stamp, Version, Watermark,
+    Delta, Digest, Key, Lane, LaneUpdate, OriginDelta, Overflow, PnCounter, ReplicaId, Slot, Stamp,
+    Version, Watermark, DELTA_BYTES_MIN,
 };
 use std::collections::BTreeMap;
 
@@ -160,20 +160,26 @@ impl CounterMap {
 
     /// `replica`'s lane at `key`, or an empty lane.
     pub fn lane(&self, key: &Key, replica: ReplicaId) -> Lane {
-        self.counter(key).map_or(Lane::default(), |c| c.lane(replica))
+        self.counter(key)
+            .map_or(Lane::default(), |c| c.lane(replica))
     }
 
     /// The lanes a peer with digest `peer` lacks, per origin in version order, cut so the
     /// encoded delta stays within `bytes_max`. Origins are visited starting at the
     /// `rotate`-th (modulo their number), so that repeated budget-cut sends serve every
-    /// origin in turn. An origin whose lanes the peer holds but whose stamp is older gets
+    /// origin in turn. A `bytes_max` below [`DELTA_BYTES_MIN`] is raised to it, so every
+    /// delta to a peer that lacks something carries at least one lane. An origin whose lanes the peer holds but whose stamp is older gets
     /// an entry with no lanes, carrying the newer stamp.
     pub fn delta_for(&self, peer: &Digest, bytes_max: usize, rotate: usize) -> Delta {
         let mut delta = Delta::default();
-        let mut budget = bytes_max.saturating_sub(size::DELTA_HEADER);
+        let mut budget = bytes_max.max(DELTA_BYTES_MIN) - size::DELTA_HEADER;
         let count = self.origins.len();
         let start = if count == 0 { 0 } else { rotate % count };
-        let ordered = self.origins.iter().skip(start).chain(self.origins.iter().take(start));
+        let ordered = self
+            .origins
+            .iter()
+            .skip(start)
+            .chain(self.origins.iter().take(start));
         for (replica, origin) in ordered {
             let theirs = peer.origins.get(replica).copied().unwrap_or_default();
             let lacks_lanes = origin.watermark.version > theirs.version;
@@ -287,5 +293,118 @@ impl CounterMap {
         self.origins
             .retain(|replica, origin| !origin.by_version.is_empty() || keep_origin(*replica));
         expired.len()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::{Generation, NodeId, Rule, Subject, Window};
+
+    const NOW: u64 = 600;
+
+    fn replica(node: u64) -> ReplicaId {
+        ReplicaId::new(NodeId(node), Generation(1))
+    }
+
+    fn key(subject: usize, len_secs: u32) -> Key {
+        Key::new(
+            Rule::new("r").unwrap(),
+            Subject::new(format!("subject-{subject}")).unwrap(),
+            Window::containing(NOW, len_secs).unwrap(),
+        )
+    }
+
+    #[test]
+    fn a_cut_send_advances_the_watermark_to_the_last_lane_sent() {
+        let mut origin = CounterMap::new();
+        for subject in 0..100 {
+            origin
+                .incr(replica(1), &key(subject, 60), 1, Stamp(5))
+                .unwrap();
+        }
+        let mut peer = CounterMap::new();
+        let delta = origin.delta_for(&peer.digest(), DELTA_BYTES_MIN, 0);
+        let sent = delta.lanes();
+        assert!(
+            sent > 0 && sent < 100,
+            "expected a cut send, got {sent} lanes"
+        );
+        peer.apply(&delta, NOW);
+        let watermark = peer.watermark(replica(1));
+        assert_eq!(watermark.version, Version(sent as u64));
+        assert_eq!(
+            watermark.stamp,
+            Stamp(0),
+            "a cut send must not claim the newest stamp"
+        );
+        let mut sends = 1;
+        loop {
+            let delta = origin.delta_for(&peer.digest(), DELTA_BYTES_MIN, 0);
+            if delta.is_empty() {
+                break;
+            }
+            peer.apply(&delta, NOW);
+            sends += 1;
+        }
+        assert!(sends > 1);
+        assert_eq!(peer.watermark(replica(1)), origin.watermark(replica(1)));
+        assert_eq!(peer.len(), 100);
+    }
+
+    #[test]
+    fn an_idle_origin_sends_its_newer_stamp_without_lanes() {
+        let mut origin = CounterMap::new();
+        origin.incr(replica(1), &key(0, 60), 1, Stamp(5)).unwrap();
+        let mut peer = CounterMap::new();
+        peer.apply(&origin.delta_for(&peer.digest(), 0, 0), NOW);
+        origin.touch(replica(1), Stamp(9));
+        let delta = origin.delta_for(&peer.digest(), 0, 0);
+        assert_eq!(delta.lanes(), 0);
+        assert_eq!(delta.origins.len(), 1);
+        peer.apply(&delta, NOW);
+        assert_eq!(peer.watermark(replica(1)).stamp, Stamp(9));
+        assert!(origin.delta_for(&peer.digest(), 0, 0).is_empty());
+    }
+
+    #[test]
+    fn rewriting_a_lane_replaces_its_version() {
+        let mut map = CounterMap::new();
+        map.incr(replica(1), &key(0, 60), 1, Stamp(1)).unwrap();
+        map.incr(replica(1), &key(1, 60), 1, Stamp(1)).unwrap();
+        let v = map.incr(replica(1), &key(0, 60), 1, Stamp(2)).unwrap();
+        assert_eq!(v, Version(3));
+        assert_eq!(map.lanes(), 2);
+        let unchanged = map.write(replica(1), &key(0, 60), Lane::new(1, 0), Stamp(3));
+        assert_eq!(
+            unchanged,
+            Version(3),
+            "a write that raises nothing keeps its version"
+        );
+    }
+
+    #[test]
+    fn expired_windows_are_collected_with_retired_origins_and_do_not_come_back() {
+        let mut map = CounterMap::new();
+        let (short, long) = (key(0, 10), key(1, 3600));
+        map.incr(replica(1), &short, 1, Stamp(1)).unwrap();
+        map.incr(replica(2), &short, 1, Stamp(1)).unwrap();
+        map.incr(replica(2), &long, 1, Stamp(1)).unwrap();
+        let stale = map.delta_for(&Digest::default(), 0, 0);
+
+        let later = short.window.end_unix_secs() + 10;
+        assert_eq!(map.expire(later, |_| false), 1);
+        assert_eq!(map.len(), 1);
+        assert_eq!(
+            map.digest().origins.len(),
+            1,
+            "retired origin 1 is collected"
+        );
+        assert_eq!(map.watermark(replica(2)).version, Version(2));
+
+        let applied = map.apply(&stale, later);
+        assert_eq!(applied.lanes_expired, 2);
+        assert!(map.counter(&short).is_none());
+        assert_eq!(map.value(&long), 1);
     }
 }

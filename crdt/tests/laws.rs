@@ -1,0 +1,245 @@
+//! The CRDT laws, checked by proptest over arbitrary histories.
+//!
+//! Each test is named after the law it guards. A failing case prints its minimal input;
+//! pin it under `crdt/tests/laws.proptest-regressions` (proptest does this itself).
+
+use proptest::collection::vec;
+use proptest::prelude::*;
+use std::collections::BTreeMap;
+use tally_crdt::*;
+
+const CASES: u32 = 1_000;
+const NOW: u64 = 1_000 * 60;
+
+fn replica(index: usize) -> ReplicaId {
+    ReplicaId::new(NodeId(index as u64), Generation(7))
+}
+
+fn key(index: usize) -> Key {
+    Key::new(
+        Rule::new("r").expect("valid rule"),
+        Subject::new(format!("s{index}")).expect("valid subject"),
+        Window::containing(NOW, 60).expect("valid window"),
+    )
+}
+
+/// One counter write: which replica, incr or decr, how much.
+#[derive(Debug, Clone)]
+struct Write {
+    replica: usize,
+    key: usize,
+    decr: bool,
+    amount: u64,
+}
+
+fn writes(replicas: usize, keys: usize, len: usize) -> impl Strategy<Value = Vec<Write>> {
+    vec(
+        (0..replicas, 0..keys, any::<bool>(), 0..1_000u64).prop_map(
+            |(replica, key, decr, amount)| Write {
+                replica,
+                key,
+                decr,
+                amount,
+            },
+        ),
+        0..len,
+    )
+}
+
+fn counter(replicas: usize) -> impl Strategy<Value = PnCounter> {
+    vec((0..replicas, any::<bool>(), 0..u64::MAX / 4), 0..16).prop_map(|writes| {
+        let mut counter = PnCounter::new();
+        for (index, decr, amount) in writes {
+            let written = if decr {
+                counter.decr(replica(index), amount)
+            } else {
+                counter.incr(replica(index), amount)
+            };
+            // An overflowing write is refused whole; the counter stays valid either way.
+            let _ = written;
+        }
+        counter
+    })
+}
+
+fn merged(a: &PnCounter, b: &PnCounter) -> PnCounter {
+    let mut out = a.clone();
+    out.merge(b);
+    out
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(CASES))]
+
+    #[test]
+    fn merge_is_commutative(a in counter(6), b in counter(6)) {
+        prop_assert_eq!(merged(&a, &b), merged(&b, &a));
+    }
+
+    #[test]
+    fn merge_is_associative(a in counter(6), b in counter(6), c in counter(6)) {
+        prop_assert_eq!(merged(&merged(&a, &b), &c), merged(&a, &merged(&b, &c)));
+    }
+
+    #[test]
+    fn merge_is_idempotent(a in counter(6), b in counter(6)) {
+        let once = merged(&a, &b);
+        prop_assert_eq!(merged(&once, &b), once.clone());
+        prop_assert_eq!(merged(&a, &a), a);
+    }
+
+    #[test]
+    fn lanes_never_decrease_under_merge(a in counter(6), b in counter(6)) {
+        let after = merged(&a, &b);
+        for slot in a.slots().iter().chain(b.slots()) {
+            prop_assert!(after.lane(slot.replica).covers(slot.lane));
+        }
+    }
+
+    #[test]
+    fn overflowing_writes_never_wrap_a_lane(start in (u64::MAX - 1_000)..=u64::MAX, amount in 0..2_000u64) {
+        let mut lane = Lane::new(start, start);
+        let before = lane;
+        match lane.incr(amount) {
+            Ok(()) => prop_assert_eq!(u128::from(lane.incr), u128::from(start) + u128::from(amount)),
+            Err(err) => {
+                prop_assert_eq!(lane, before);
+                prop_assert!(u128::from(start) + u128::from(amount) > u128::from(u64::MAX));
+                prop_assert_eq!(err.amount, amount);
+            }
+        }
+    }
+
+    #[test]
+    fn value_is_increments_minus_decrements_once_all_is_delivered(
+        (replicas, history) in (2..=12usize).prop_flat_map(|n| (Just(n), writes(n, 4, 200)))
+    ) {
+        let mut maps = vec![CounterMap::new(); replicas];
+        let mut truth: BTreeMap<usize, i128> = BTreeMap::new();
+        for write in &history {
+            apply_write(&mut maps[write.replica], write);
+            let sign = if write.decr { -1 } else { 1 };
+            *truth.entry(write.key).or_default() += sign * i128::from(write.amount);
+        }
+        sync_until_quiet(&mut maps, usize::MAX);
+        for map in &maps {
+            for k in 0..4 {
+                prop_assert_eq!(map.value(&key(k)), truth.get(&k).copied().unwrap_or(0));
+            }
+        }
+    }
+
+    /// Deltas computed against stale digests, cut short by small budgets, delivered in any
+    /// order and more than once, reach exactly the state of a full merge.
+    #[test]
+    fn deltas_in_any_order_with_duplicates_and_cuts_reach_the_full_merge(
+        (replicas, history, schedule, budgets) in (2..=12usize).prop_flat_map(|n| (
+            Just(n),
+            writes(n, 24, 150),
+            vec((0..n, 0..n, 0..64usize, any::<prop::sample::Index>()), 1..120),
+            vec(0..(4 * DELTA_BYTES_MIN), 1..8),
+        ))
+    ) {
+        let mut maps = vec![CounterMap::new(); replicas];
+        let mut snapshots: Vec<(usize, Digest)> = Vec::new();
+        let mut pool: Vec<(usize, Delta)> = Vec::new();
+        let mut writes = history.iter();
+        for (step, (from, to, rotate, pick)) in schedule.iter().enumerate() {
+            if let Some(write) = writes.next() {
+                apply_write(&mut maps[write.replica], write);
+            }
+            snapshots.push((*to, maps[*to].digest()));
+            // A digest from any earlier moment of `to`: stale digests make old replays.
+            let seen_by_to: Vec<&Digest> = snapshots.iter().filter(|(r, _)| r == to).map(|(_, d)| d).collect();
+            let digest = *pick.get(&seen_by_to);
+            let budget = budgets[step % budgets.len()];
+            pool.push((*to, maps[*from].delta_for(digest, budget, *rotate)));
+            if step % 3 == 0 {
+                let (target, delta) = pool[pick.index(pool.len())].clone();
+                let before = snapshot_lanes(&maps[target]);
+                maps[target].apply(&delta, NOW);
+                assert_monotone(&before, &maps[target])?;
+            }
+        }
+        for write in writes {
+            apply_write(&mut maps[write.replica], write);
+        }
+        // Replay the whole pool, reversed and then again: duplicates and reordering.
+        for (target, delta) in pool.iter().rev().chain(pool.iter()) {
+            let before = snapshot_lanes(&maps[*target]);
+            maps[*target].apply(delta, NOW);
+            assert_monotone(&before, &maps[target.to_owned()])?;
+        }
+        sync_until_quiet(&mut maps, budgets[0]);
+
+        let mut full: BTreeMap<Key, PnCounter> = BTreeMap::new();
+        for map in &maps {
+            for (k, c) in map.iter() {
+                full.entry(k.clone()).or_default().merge(c);
+            }
+        }
+        for map in &maps {
+            let held: BTreeMap<Key, PnCounter> = map.iter().map(|(k, c)| (k.clone(), c.clone())).collect();
+            prop_assert_eq!(&held, &full);
+            prop_assert_eq!(map.digest(), maps[0].digest());
+        }
+    }
+}
+
+fn apply_write(map: &mut CounterMap, write: &Write) {
+    let at = replica(write.replica);
+    let result = if write.decr {
+        map.decr(at, &key(write.key), write.amount, Stamp(0))
+    } else {
+        map.incr(at, &key(write.key), write.amount, Stamp(0))
+    };
+    result.expect("small amounts never overflow");
+}
+
+/// Anti-entropy between every ordered pair, in budget-cut chunks, until no delta is left.
+fn sync_until_quiet(maps: &mut [CounterMap], bytes_max: usize) {
+    for round in 0.. {
+        assert!(
+            round < 10_000,
+            "sync did not converge: a cut send made no progress"
+        );
+        let mut sent = false;
+        for from in 0..maps.len() {
+            for to in 0..maps.len() {
+                if from == to {
+                    continue;
+                }
+                let delta = maps[from].delta_for(&maps[to].digest(), bytes_max, round);
+                if !delta.is_empty() {
+                    sent = true;
+                    maps[to].apply(&delta, NOW);
+                }
+            }
+        }
+        if !sent {
+            return;
+        }
+    }
+}
+
+type Lanes = BTreeMap<(Key, ReplicaId), Lane>;
+
+fn snapshot_lanes(map: &CounterMap) -> Lanes {
+    map.iter()
+        .flat_map(|(k, c)| {
+            c.slots()
+                .iter()
+                .map(move |s| ((k.clone(), s.replica), s.lane))
+        })
+        .collect()
+}
+
+fn assert_monotone(before: &Lanes, after: &CounterMap) -> Result<(), TestCaseError> {
+    for ((k, replica), lane) in before {
+        prop_assert!(
+            after.lane(k, *replica).covers(*lane),
+            "lane {k} {replica} went back"
+        );
+    }
+    Ok(())
+}
