@@ -191,34 +191,7 @@ impl CounterMap {
                 break;
             }
             budget -= size::ORIGIN_HEADER;
-            let mut entry = OriginDelta {
-                origin: *replica,
-                through: origin.watermark,
-                lanes: Vec::new(),
-            };
-            let mut cut = false;
-            let after = Version(theirs.version.0.saturating_add(1));
-            for (&version, key) in origin.by_version.range(after..) {
-                let cost = size::lane(key);
-                if cost > budget {
-                    cut = true;
-                    break;
-                }
-                budget -= cost;
-                entry.lanes.push(LaneUpdate {
-                    key: key.clone(),
-                    lane: self.lane(key, *replica),
-                    version,
-                });
-            }
-            if cut {
-                // The receiver will hold everything up to the last lane sent, and nothing
-                // shows that it has the origin's newest stamp.
-                entry.through = Watermark {
-                    version: entry.lanes.last().map_or(theirs.version, |l| l.version),
-                    stamp: theirs.stamp,
-                };
-            }
+            let (entry, cut) = self.origin_delta(*replica, origin, theirs, &mut budget);
             if !entry.lanes.is_empty() || !cut {
                 delta.origins.push(entry);
             }
@@ -227,6 +200,84 @@ impl CounterMap {
             }
         }
         delta
+    }
+
+    /// `origin`'s lanes with versions above `after`, in version order, cut so the entry
+    /// stays within `bytes_max` (raised to [`DELTA_BYTES_MIN`]). Used to push fresh own
+    /// lanes eagerly; the receiver applies it with [`CounterMap::apply_since`]. `None` if
+    /// nothing of `origin` is held.
+    pub fn lanes_since(
+        &self,
+        origin: ReplicaId,
+        after: Version,
+        bytes_max: usize,
+    ) -> Option<OriginDelta> {
+        let held = self.origins.get(&origin)?;
+        let mut budget = bytes_max.max(DELTA_BYTES_MIN) - size::DELTA_HEADER - size::ORIGIN_HEADER;
+        let theirs = Watermark {
+            version: after,
+            stamp: Stamp::default(),
+        };
+        Some(self.origin_delta(origin, held, theirs, &mut budget).0)
+    }
+
+    /// Applies lanes that a sender says follow its version `after` of their origin. If this
+    /// map holds the origin only below `after`, there is a gap: the lanes are merged, but
+    /// the watermark and stamp stay where they are, since versions in the gap are missing.
+    pub fn apply_since(
+        &mut self,
+        after: Version,
+        entry: &OriginDelta,
+        now_unix_secs: u64,
+    ) -> Applied {
+        let held = self.watermark(entry.origin);
+        let mut entry = entry.clone();
+        if held.version < after {
+            entry.through = held;
+        }
+        self.apply(
+            &Delta {
+                origins: vec![entry],
+            },
+            now_unix_secs,
+        )
+    }
+
+    /// The lanes of `origin` a holder at `theirs` lacks, and whether `budget` cut them.
+    fn origin_delta(
+        &self,
+        replica: ReplicaId,
+        origin: &Origin,
+        theirs: Watermark,
+        budget: &mut usize,
+    ) -> (OriginDelta, bool) {
+        let mut entry = OriginDelta {
+            origin: replica,
+            through: origin.watermark,
+            lanes: Vec::new(),
+        };
+        let after = Version(theirs.version.0.saturating_add(1));
+        for (&version, key) in origin.by_version.range(after..) {
+            let cost = size::lane(key);
+            if cost > *budget {
+                // The receiver will hold everything up to the last lane sent (never past
+                // what this map itself holds completely), and nothing shows that it has
+                // the origin's newest stamp.
+                let last = entry.lanes.last().map_or(theirs.version, |l| l.version);
+                entry.through = Watermark {
+                    version: last.min(origin.watermark.version),
+                    stamp: theirs.stamp,
+                };
+                return (entry, true);
+            }
+            *budget -= cost;
+            entry.lanes.push(LaneUpdate {
+                key: key.clone(),
+                lane: self.lane(key, replica),
+                version,
+            });
+        }
+        (entry, false)
     }
 
     /// Merges a delta. Lanes of windows no longer live at `now_unix_secs` are skipped
@@ -406,5 +457,28 @@ mod tests {
         assert_eq!(applied.lanes_expired, 2);
         assert!(map.counter(&short).is_none());
         assert_eq!(map.value(&long), 1);
+    }
+
+    #[test]
+    fn a_push_after_a_gap_merges_lanes_without_raising_the_watermark() {
+        let mut origin = CounterMap::new();
+        let mut peer = CounterMap::new();
+        origin.incr(replica(1), &key(0, 60), 1, Stamp(1)).unwrap();
+        let first = origin.lanes_since(replica(1), Version(0), 0).unwrap();
+        origin.incr(replica(1), &key(1, 60), 1, Stamp(2)).unwrap();
+        let second = origin.lanes_since(replica(1), Version(1), 0).unwrap();
+        assert_eq!(second.lanes.len(), 1);
+
+        peer.apply_since(Version(1), &second, NOW);
+        assert_eq!(peer.value(&key(1, 60)), 1, "the lanes are merged");
+        assert_eq!(
+            peer.watermark(replica(1)),
+            Watermark::default(),
+            "but the gap keeps the watermark"
+        );
+        peer.apply_since(Version(0), &first, NOW);
+        assert_eq!(peer.watermark(replica(1)).version, Version(1));
+        peer.apply_since(Version(1), &second, NOW);
+        assert_eq!(peer.watermark(replica(1)), origin.watermark(replica(1)));
     }
 }
