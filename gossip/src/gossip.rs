@@ -1,0 +1,488 @@
+//! The gossip state machine: anti-entropy, eager push, membership, staleness.
+
+use crate::membership::{Members, State, Transition};
+use crate::message::{Envelope, MemberEntry, Message};
+use crate::stats::Stats;
+use crate::wire;
+use crate::Config;
+use rand::seq::SliceRandom;
+use rand::SeedableRng;
+use rand_chacha::ChaCha8Rng;
+use std::collections::{BTreeMap, VecDeque};
+use std::time::Duration;
+use tally_crdt::{CounterMap, Delta, Key, Lane, NodeId, ReplicaId, Stamp, Version};
+
+/// The time, as given by the driver: its monotonic clock (for timers) and its wall clock
+/// (for stamps and windows). The protocol never reads either itself.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Now {
+    /// Monotonic time since any fixed origin.
+    pub mono: Duration,
+    /// Wall-clock milliseconds since the unix epoch.
+    pub wall: Stamp,
+}
+
+impl Now {
+    fn unix_secs(&self) -> u64 {
+        self.wall.0 / 1_000
+    }
+}
+
+/// What the driver hands in.
+#[derive(Debug, Clone)]
+pub enum Input {
+    /// A frame arrived from `from`, whose identity the transport has authenticated.
+    Receive {
+        /// When.
+        now: Now,
+        /// The authenticated sender.
+        from: NodeId,
+        /// The raw frame.
+        frame: Vec<u8>,
+    },
+    /// A deadline given by [`Output::Timeout`] has passed (or the driver just woke up).
+    Timeout {
+        /// When.
+        now: Now,
+    },
+    /// This node's own lanes that changed, as absolute totals (from the lane store).
+    LocalLanes {
+        /// When they were collected.
+        now: Now,
+        /// Key and the own lane's totals.
+        lanes: Vec<(Key, Lane)>,
+    },
+    /// Leave the cluster gracefully: tell every member.
+    Leave {
+        /// When.
+        now: Now,
+    },
+}
+
+/// What the driver must do.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Output {
+    /// Send `frame` to `to`, reachable at `addr`.
+    Send {
+        /// The peer.
+        to: NodeId,
+        /// Its address (opaque to the protocol).
+        addr: String,
+        /// The encoded frame.
+        frame: Vec<u8>,
+    },
+    /// Something the driver may act on.
+    Event(Event),
+    /// Nothing more to do until this monotonic deadline, or until the next input.
+    Timeout(Duration),
+}
+
+/// Things that happened.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Event {
+    /// Remote lanes of these keys rose: their estimates changed.
+    Changed {
+        /// The keys, without repeats.
+        keys: Vec<Key>,
+    },
+    /// A member changed state.
+    Member(Transition),
+    /// A peer holds this node's own replica at a version it never wrote: this replica id
+    /// was used before by a life that lost its state. The node must take a new generation.
+    GenerationReused {
+        /// The version a peer holds.
+        seen: Version,
+        /// The version this node has written.
+        written: Version,
+    },
+}
+
+/// One node's gossip: a deterministic state machine. The same config, seed and inputs
+/// give the same outputs.
+#[derive(Debug)]
+pub struct Gossip {
+    config: Config,
+    map: CounterMap,
+    members: Members,
+    rng: ChaCha8Rng,
+    outbox: VecDeque<Output>,
+    stats: Stats,
+    // Deadlines on the monotonic clock; `None` until the first input sets them.
+    next_round: Option<Duration>,
+    next_push: Option<Duration>,
+    // Invariant: every own lane with a version at most this has been pushed to the peers
+    // alive at the time.
+    pushed_through: Version,
+    rounds: u64,
+}
+
+impl Gossip {
+    /// A node with no state, joining through `config.seeds`.
+    pub fn new(config: Config) -> Gossip {
+        Gossip::with_state(config, CounterMap::new())
+    }
+
+    /// A node that restored `map` from its own durable snapshot (same generation).
+    pub fn with_state(config: Config, map: CounterMap) -> Gossip {
+        assert!(
+            config.frame_bytes_max >= Config::FRAME_BYTES_MIN,
+            "frame_bytes_max {} is below the minimum {}",
+            config.frame_bytes_max,
+            Config::FRAME_BYTES_MIN
+        );
+        assert!(config.fanout > 0, "fanout must be at least 1");
+        let me = MemberEntry {
+            node: config.node(),
+            generation: config.replica.generation,
+            addr: config.addr.clone(),
+            left: false,
+        };
+        let pushed_through = map.watermark(config.replica).version;
+        Gossip {
+            members: Members::new(me, config.gossip_interval),
+            rng: ChaCha8Rng::seed_from_u64(config.rng_seed),
+            map,
+            outbox: VecDeque::new(),
+            stats: Stats::default(),
+            next_round: None,
+            next_push: None,
+            pushed_through,
+            rounds: 0,
+            config,
+        }
+    }
+
+    /// Feeds one input. Never fails: bad frames are counted in [`Gossip::stats`] and
+    /// dropped.
+    pub fn handle_input(&mut self, input: Input) {
+        match input {
+            Input::Receive { now, from, frame } => self.handle_frame(now, from, &frame),
+            Input::Timeout { now } => self.handle_timeout(now),
+            Input::LocalLanes { now, lanes } => self.handle_local_lanes(now, lanes),
+            Input::Leave { now } => self.handle_leave(now),
+        }
+    }
+
+    /// The next thing to do. Drain until it returns [`Output::Timeout`].
+    pub fn poll_output(&mut self) -> Output {
+        if let Some(output) = self.outbox.pop_front() {
+            return output;
+        }
+        let deadline = match (self.next_round, self.next_push) {
+            (Some(round), Some(push)) => round.min(push),
+            (Some(round), None) => round,
+            // Before the first input: ask to be woken at once.
+            (None, _) => Duration::ZERO,
+        };
+        Output::Timeout(deadline)
+    }
+
+    /// The counters as held here.
+    pub fn map(&self) -> &CounterMap {
+        &self.map
+    }
+
+    /// This node's replica.
+    pub fn replica(&self) -> ReplicaId {
+        self.config.replica
+    }
+
+    /// Counters of frames, bytes, errors and propagation delays.
+    pub fn stats(&self) -> &Stats {
+        &self.stats
+    }
+
+    /// The membership table.
+    pub fn members(&self) -> &Members {
+        &self.members
+    }
+
+    /// Per origin held, how old its newest state is at wall time `wall`: the origin's
+    /// stamp against `wall`. Own replica excluded. Zero when the origin's clock is ahead.
+    pub fn staleness(&self, wall: Stamp) -> BTreeMap<ReplicaId, Duration> {
+        self.map
+            .digest()
+            .origins
+            .into_iter()
+            .filter(|(replica, _)| *replica != self.config.replica)
+            .map(|(replica, watermark)| {
+                (
+                    replica,
+                    Duration::from_millis(wall.0.saturating_sub(watermark.stamp.0)),
+                )
+            })
+            .collect()
+    }
+
+    fn handle_timeout(&mut self, now: Now) {
+        let round_due = self.next_round.is_none_or(|at| now.mono >= at);
+        if self.next_push.is_some_and(|at| now.mono >= at) {
+            self.push();
+        }
+        if round_due {
+            self.round(now);
+        }
+    }
+
+    fn handle_local_lanes(&mut self, now: Now, lanes: Vec<(Key, Lane)>) {
+        let me = self.config.replica;
+        for (key, lane) in lanes {
+            self.map.write(me, &key, lane, now.wall);
+        }
+        if self.config.eager_push
+            && self.next_push.is_none()
+            && self.map.watermark(me).version > self.pushed_through
+        {
+            self.next_push = Some(now.mono + self.config.push_interval);
+        }
+    }
+
+    fn handle_leave(&mut self, now: Now) {
+        self.members.leave();
+        let announce = Message::Members {
+            members: self.members.entries(),
+        };
+        for peer in self.members.others_in(&[State::Alive, State::Suspect]) {
+            self.send(peer, &announce);
+        }
+        self.next_round = Some(now.mono + Duration::from_secs(3600 * 24 * 365));
+        self.next_push = None;
+    }
+
+    /// One anti-entropy round: heartbeat and fresh lanes to every live peer, a digest to
+    /// `fanout` of them, a probe of one dead member, failure detection, expiry.
+    fn round(&mut self, now: Now) {
+        self.rounds += 1;
+        self.next_round = Some(now.mono + self.config.gossip_interval);
+        self.map.touch(self.config.replica, now.wall);
+        self.push();
+
+        let syn = Message::Syn {
+            digest: self.map.digest(),
+            members_hash: self.members.hash(),
+        };
+        let mut live = self.members.others_in(&[State::Alive, State::Suspect]);
+        live.shuffle(&mut self.rng);
+        let mut targets: Vec<NodeId> = live.into_iter().take(self.config.fanout).collect();
+        let dead = self.members.others_in(&[State::Dead]);
+        if let Some(probe) = dead.choose(&mut self.rng) {
+            targets.push(*probe);
+        }
+        if targets.is_empty() {
+            // Alone: knock on every seed until someone answers.
+            targets = self.config.seeds.iter().map(|s| s.node).collect();
+        }
+        for peer in targets {
+            self.send(peer, &syn);
+        }
+
+        self.members
+            .check(now.mono, self.config.suspect_phi, self.config.dead_after);
+        self.emit_transitions();
+        let members = &self.members;
+        self.map
+            .expire(now.unix_secs(), |replica| members.is_live_replica(replica));
+    }
+
+    /// Pushes own lanes above `pushed_through`, with the current stamp, to every live
+    /// peer, in as many frames as the budget needs.
+    fn push(&mut self) {
+        self.next_push = None;
+        let me = self.config.replica;
+        let peers = self.members.others_in(&[State::Alive, State::Suspect]);
+        let budget = self.config.frame_bytes_max - 256;
+        let mut after = self.pushed_through;
+        loop {
+            let Some(lanes) = self.map.lanes_since(me, after, budget) else {
+                return;
+            };
+            let through = lanes.through.version;
+            let message = Message::Push { after, lanes };
+            for peer in &peers {
+                self.send(*peer, &message);
+            }
+            after = through;
+            if through >= self.map.watermark(me).version {
+                break;
+            }
+        }
+        self.pushed_through = after;
+    }
+
+    fn handle_frame(&mut self, now: Now, from: NodeId, frame: &[u8]) {
+        self.stats.frames_in += 1;
+        self.stats.bytes_in += frame.len() as u64;
+        let envelope = match wire::decode(frame, self.config.frame_bytes_max) {
+            Ok(envelope) => envelope,
+            Err(_) => {
+                self.stats.decode_errors += 1;
+                return;
+            }
+        };
+        if envelope.from.node != from {
+            // The transport authenticated `from`; a frame claiming another node is forged.
+            self.stats.forged += 1;
+            return;
+        }
+        if self.members.state(self.config.node()) == Some(State::Left) {
+            return;
+        }
+        self.members.heard(envelope.from, now.mono);
+        match envelope.message {
+            Message::Syn {
+                digest,
+                members_hash,
+            } => {
+                let members = self.members_if_differ(members_hash);
+                let mut reply = Message::Ack {
+                    delta: Delta::default(),
+                    digest: self.map.digest(),
+                    members,
+                };
+                let budget = self.delta_budget(envelope.from, &reply);
+                if let Message::Ack { delta, .. } = &mut reply {
+                    *delta = self.map.delta_for(&digest, budget, self.rounds as usize);
+                }
+                self.send(from, &reply);
+            }
+            Message::Ack {
+                delta,
+                digest,
+                members,
+            } => {
+                self.merge(now, delta, None);
+                let differed = !members.is_empty();
+                self.members.merge(&members);
+                let mut reply = Message::Delta {
+                    delta: Delta::default(),
+                    members: if differed {
+                        self.members.entries()
+                    } else {
+                        Vec::new()
+                    },
+                };
+                let budget = self.delta_budget(envelope.from, &reply);
+                let delta = self.map.delta_for(&digest, budget, self.rounds as usize);
+                if delta.is_empty() && !differed {
+                    return;
+                }
+                if let Message::Delta { delta: slot, .. } = &mut reply {
+                    *slot = delta;
+                }
+                self.send(from, &reply);
+            }
+            Message::Delta { delta, members } => {
+                self.merge(now, delta, None);
+                self.members.merge(&members);
+            }
+            Message::Push { after, lanes } => self.merge(
+                now,
+                Delta {
+                    origins: vec![lanes],
+                },
+                Some(after),
+            ),
+            Message::Members { members } => self.members.merge(&members),
+        }
+        self.emit_transitions();
+    }
+
+    /// Merges a delta (or a push following version `after` of its one origin), tells the
+    /// failure detector who was heard, records propagation delays, reports changed keys.
+    fn merge(&mut self, now: Now, delta: Delta, after: Option<Version>) {
+        let me = self.config.replica;
+        let before: Vec<Stamp> = delta
+            .origins
+            .iter()
+            .map(|entry| self.map.watermark(entry.origin).stamp)
+            .collect();
+        let own_before = self.map.watermark(me).version;
+        let applied = match (after, delta.origins.first()) {
+            (Some(after), Some(entry)) => self.map.apply_since(after, entry, now.unix_secs()),
+            _ => self.map.apply(&delta, now.unix_secs()),
+        };
+        let own_after = self.map.watermark(me).version;
+        if own_after > own_before {
+            self.outbox
+                .push_back(Output::Event(Event::GenerationReused {
+                    seen: own_after,
+                    written: own_before,
+                }));
+        }
+        self.stats.lanes_in += delta.lanes() as u64;
+        for (entry, before) in delta.origins.iter().zip(before) {
+            let held = self.map.watermark(entry.origin).stamp;
+            if entry.origin != me && held > before {
+                self.members.heard(entry.origin, now.mono);
+                self.stats
+                    .propagation
+                    .record(Duration::from_millis(now.wall.0.saturating_sub(held.0)));
+            }
+        }
+        if !applied.keys.is_empty() {
+            self.outbox
+                .push_back(Output::Event(Event::Changed { keys: applied.keys }));
+        }
+    }
+
+    /// The byte budget for the delta in `message` (sent with an empty delta), so the whole
+    /// frame stays within `frame_bytes_max`.
+    fn delta_budget(&self, from: ReplicaId, message: &Message) -> usize {
+        let without = wire::encode(&Envelope {
+            from,
+            message: message.clone(),
+        })
+        .len();
+        self.config.frame_bytes_max.saturating_sub(without + 16)
+    }
+
+    fn members_if_differ(&self, their_hash: u64) -> Vec<MemberEntry> {
+        if their_hash == self.members.hash() {
+            Vec::new()
+        } else {
+            self.members.entries()
+        }
+    }
+
+    fn emit_transitions(&mut self) {
+        for transition in self.members.take_transitions() {
+            self.outbox
+                .push_back(Output::Event(Event::Member(transition)));
+        }
+    }
+
+    fn send(&mut self, to: NodeId, message: &Message) {
+        let frame = wire::encode(&Envelope {
+            from: self.config.replica,
+            message: message.clone(),
+        });
+        assert!(
+            frame.len() <= self.config.frame_bytes_max,
+            "built a {}-byte frame over frame_bytes_max {}",
+            frame.len(),
+            self.config.frame_bytes_max
+        );
+        let addr = self.addr_of(to);
+        self.stats.frames_out += 1;
+        self.stats.bytes_out += frame.len() as u64;
+        if let Message::Ack { delta, .. } | Message::Delta { delta, .. } = message {
+            self.stats.lanes_out += delta.lanes() as u64;
+        }
+        if let Message::Push { lanes, .. } = message {
+            self.stats.lanes_out += lanes.lanes.len() as u64;
+        }
+        self.outbox.push_back(Output::Send { to, addr, frame });
+    }
+
+    fn addr_of(&self, node: NodeId) -> String {
+        if let Some(addr) = self.members.addr(node) {
+            return addr.to_owned();
+        }
+        self.config
+            .seeds
+            .iter()
+            .find(|seed| seed.node == node)
+            .map(|seed| seed.addr.clone())
+            .unwrap_or_default()
+    }
+}

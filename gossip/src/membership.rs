@@ -1,0 +1,321 @@
+//! The membership table and a phi-accrual failure detector.
+//!
+//! A member is heard whenever fresher state of its current generation arrives, directly or
+//! relayed: its heartbeat is its own clock stamp, which it advances every round. Silence
+//! raises phi; past `suspect_phi` the member is suspected, and after `dead_after` of
+//! suspicion it is dead. Dead members are still probed now and then, so a healed
+//! partition rejoins; a member that is heard again is alive again.
+
+use crate::message::MemberEntry;
+use std::collections::BTreeMap;
+use std::hash::{DefaultHasher, Hash, Hasher};
+use std::time::Duration;
+use tally_crdt::{NodeId, ReplicaId};
+
+/// How a member looks from here.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub enum State {
+    /// Heard recently.
+    Alive,
+    /// Silent for longer than the detector expects.
+    Suspect,
+    /// Suspected for longer than `dead_after`.
+    Dead,
+    /// Said goodbye.
+    Left,
+}
+
+/// A change of a member's state, reported once.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Transition {
+    /// The member.
+    pub node: NodeId,
+    /// Its replica at the time.
+    pub replica: ReplicaId,
+    /// Its address.
+    pub addr: String,
+    /// Its new state.
+    pub state: State,
+}
+
+/// One member, as this node sees it.
+#[derive(Debug, Clone)]
+struct Member {
+    entry: MemberEntry,
+    state: State,
+    // The monotonic time it was last heard, and the smoothed interval between hearings.
+    heard_at: Option<Duration>,
+    interval: Duration,
+    suspect_since: Option<Duration>,
+}
+
+/// The table of members, including this node itself.
+#[derive(Debug, Clone)]
+pub struct Members {
+    me: NodeId,
+    members: BTreeMap<NodeId, Member>,
+    expected_interval: Duration,
+    pending: Vec<Transition>,
+}
+
+impl Members {
+    /// A table holding only `me`. `expected_interval` is how often a healthy member is
+    /// heard (the gossip interval); the detector starts from it.
+    pub fn new(me: MemberEntry, expected_interval: Duration) -> Members {
+        let mut members = Members {
+            me: me.node,
+            members: BTreeMap::new(),
+            expected_interval,
+            pending: Vec::new(),
+        };
+        members.insert(me, State::Alive);
+        members
+    }
+
+    /// A hash of every row, so two nodes can tell cheaply whether their tables differ.
+    pub fn hash(&self) -> u64 {
+        let mut hasher = DefaultHasher::new();
+        for member in self.members.values() {
+            member.entry.hash(&mut hasher);
+        }
+        hasher.finish()
+    }
+
+    /// Every row, for sending.
+    pub fn entries(&self) -> Vec<MemberEntry> {
+        self.members.values().map(|m| m.entry.clone()).collect()
+    }
+
+    /// Merges gossiped rows: a higher generation replaces a lower one (the old replica
+    /// retires), and within a generation left beats alive.
+    pub fn merge(&mut self, entries: &[MemberEntry]) {
+        for entry in entries {
+            if entry.node == self.me {
+                continue;
+            }
+            match self.members.get(&entry.node) {
+                Some(held)
+                    if (held.entry.generation, held.entry.left)
+                        >= (entry.generation, entry.left) => {}
+                _ => {
+                    let state = if entry.left {
+                        State::Left
+                    } else {
+                        State::Alive
+                    };
+                    self.insert(entry.clone(), state);
+                }
+            }
+        }
+    }
+
+    /// Records that fresh state of `replica` arrived at `now`. A newer generation than
+    /// known replaces the row (keeping the address, which a later table merge refreshes).
+    pub fn heard(&mut self, replica: ReplicaId, now: Duration) {
+        if replica.node == self.me {
+            return;
+        }
+        let Some(member) = self.members.get_mut(&replica.node) else {
+            return;
+        };
+        if replica.generation < member.entry.generation {
+            return;
+        }
+        if replica.generation > member.entry.generation {
+            let entry = MemberEntry {
+                generation: replica.generation,
+                left: false,
+                ..member.entry.clone()
+            };
+            self.insert(entry, State::Alive);
+            return;
+        }
+        if let Some(last) = member.heard_at {
+            let gap = now.saturating_sub(last);
+            // An exponentially weighted mean, never below the expected interval, so a
+            // burst of fast messages does not make the detector jumpy.
+            member.interval = (member.interval * 7 + gap) / 8;
+            member.interval = member.interval.max(self.expected_interval);
+        }
+        member.heard_at = Some(now);
+        member.suspect_since = None;
+        if matches!(member.state, State::Suspect | State::Dead) {
+            member.state = State::Alive;
+            self.pending.push(transition(member));
+        }
+    }
+
+    /// Re-evaluates every member at `now` against the detector.
+    pub fn check(&mut self, now: Duration, suspect_phi: f64, dead_after: Duration) {
+        for member in self.members.values_mut() {
+            if member.entry.node == self.me || matches!(member.state, State::Left | State::Dead) {
+                continue;
+            }
+            let heard_at = *member.heard_at.get_or_insert(now);
+            let phi = phi(now.saturating_sub(heard_at), member.interval);
+            match member.state {
+                State::Alive if phi > suspect_phi => {
+                    member.state = State::Suspect;
+                    member.suspect_since = Some(now);
+                    self.pending.push(transition(member));
+                }
+                State::Suspect
+                    if member
+                        .suspect_since
+                        .is_some_and(|s| now.saturating_sub(s) >= dead_after) =>
+                {
+                    member.state = State::Dead;
+                    self.pending.push(transition(member));
+                }
+                _ => {}
+            }
+        }
+    }
+
+    /// Marks this node as leaving.
+    pub fn leave(&mut self) {
+        if let Some(me) = self.members.get_mut(&self.me) {
+            me.entry.left = true;
+            me.state = State::Left;
+        }
+    }
+
+    /// The state changes since the last call.
+    pub fn take_transitions(&mut self) -> Vec<Transition> {
+        std::mem::take(&mut self.pending)
+    }
+
+    /// Members other than this node in `states`.
+    pub fn others_in(&self, states: &[State]) -> Vec<NodeId> {
+        self.members
+            .values()
+            .filter(|m| m.entry.node != self.me && states.contains(&m.state))
+            .map(|m| m.entry.node)
+            .collect()
+    }
+
+    /// `node`'s state, if it is a member.
+    pub fn state(&self, node: NodeId) -> Option<State> {
+        self.members.get(&node).map(|m| m.state)
+    }
+
+    /// `node`'s address, if it is a member.
+    pub fn addr(&self, node: NodeId) -> Option<&str> {
+        self.members.get(&node).map(|m| m.entry.addr.as_str())
+    }
+
+    /// `node`'s current replica, if it is a member.
+    pub fn replica(&self, node: NodeId) -> Option<ReplicaId> {
+        self.members.get(&node).map(|m| m.entry.replica())
+    }
+
+    /// Whether `replica` is the current generation of a member that is not dead or gone:
+    /// its lanes are kept even when they hold nothing.
+    pub fn is_live_replica(&self, replica: ReplicaId) -> bool {
+        self.members.get(&replica.node).is_some_and(|m| {
+            m.entry.generation == replica.generation
+                && matches!(m.state, State::Alive | State::Suspect)
+        })
+    }
+
+    /// How many members are in each state, in state order.
+    pub fn counts(&self) -> BTreeMap<State, usize> {
+        let mut counts = BTreeMap::new();
+        for member in self.members.values() {
+            *counts.entry(member.state).or_default() += 1;
+        }
+        counts
+    }
+
+    fn insert(&mut self, entry: MemberEntry, state: State) {
+        let member = Member {
+            entry,
+            state,
+            heard_at: None,
+            interval: self.expected_interval,
+            suspect_since: None,
+        };
+        if member.entry.node != self.me {
+            self.pending.push(transition(&member));
+        }
+        self.members.insert(member.entry.node, member);
+    }
+}
+
+/// phi for an exponential model of arrival gaps: `-log10(P(gap > silence))`.
+fn phi(silence: Duration, mean: Duration) -> f64 {
+    let mean = mean.as_secs_f64().max(1e-6);
+    silence.as_secs_f64() / mean * std::f64::consts::LOG10_E
+}
+
+fn transition(member: &Member) -> Transition {
+    Transition {
+        node: member.entry.node,
+        replica: member.entry.replica(),
+        addr: member.entry.addr.clone(),
+        state: member.state,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tally_crdt::Generation;
+
+    fn entry(node: u64, generation: u64) -> MemberEntry {
+        MemberEntry {
+            node: NodeId(node),
+            generation: Generation(generation),
+            addr: format!("10.0.0.{node}:7000"),
+            left: false,
+        }
+    }
+
+    const SECOND: Duration = Duration::from_secs(1);
+
+    #[test]
+    fn a_silent_member_is_suspected_then_dead_and_alive_again_when_heard() {
+        let mut members = Members::new(entry(1, 1), SECOND);
+        members.merge(&[entry(2, 1)]);
+        members.take_transitions();
+        for t in 0..5 {
+            members.heard(entry(2, 1).replica(), SECOND * t);
+            members.check(SECOND * t, 8.0, SECOND * 10);
+        }
+        assert_eq!(members.state(NodeId(2)), Some(State::Alive));
+        members.check(SECOND * 30, 8.0, SECOND * 10);
+        assert_eq!(members.state(NodeId(2)), Some(State::Suspect));
+        members.check(SECOND * 41, 8.0, SECOND * 10);
+        assert_eq!(members.state(NodeId(2)), Some(State::Dead));
+        members.heard(entry(2, 1).replica(), SECOND * 42);
+        assert_eq!(members.state(NodeId(2)), Some(State::Alive));
+        let states: Vec<State> = members.take_transitions().iter().map(|t| t.state).collect();
+        assert_eq!(states, [State::Suspect, State::Dead, State::Alive]);
+    }
+
+    #[test]
+    fn a_newer_generation_replaces_the_old_replica() {
+        let mut members = Members::new(entry(1, 1), SECOND);
+        members.merge(&[entry(2, 1)]);
+        members.merge(&[entry(2, 5)]);
+        members.merge(&[entry(2, 3)]);
+        assert_eq!(members.replica(NodeId(2)), Some(entry(2, 5).replica()));
+        assert!(!members.is_live_replica(entry(2, 1).replica()));
+        assert!(members.is_live_replica(entry(2, 5).replica()));
+    }
+
+    #[test]
+    fn left_beats_alive_within_a_generation_and_hashes_differ() {
+        let mut a = Members::new(entry(1, 1), SECOND);
+        a.merge(&[entry(2, 1)]);
+        let before = a.hash();
+        a.merge(&[MemberEntry {
+            left: true,
+            ..entry(2, 1)
+        }]);
+        assert_eq!(a.state(NodeId(2)), Some(State::Left));
+        assert_ne!(a.hash(), before);
+        a.merge(&[entry(2, 1)]);
+        assert_eq!(a.state(NodeId(2)), Some(State::Left));
+    }
+}

@@ -1,0 +1,78 @@
+//! The messages nodes exchange. Their encoding lives in [`crate::wire`] alone.
+
+use serde::{Deserialize, Serialize};
+use tally_crdt::{Delta, Digest, Generation, NodeId, OriginDelta, ReplicaId, Version};
+
+/// The longest address a member may advertise, in bytes.
+pub const ADDR_BYTES_MAX: usize = 256;
+
+/// One frame: who sent it and what it says.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Envelope {
+    /// The sending replica. The driver has checked `from.node` against the peer's
+    /// certificate before the protocol sees the frame.
+    pub from: ReplicaId,
+    /// The content.
+    pub message: Message,
+}
+
+/// What one frame says.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub enum Message {
+    /// Anti-entropy, first leg: what I hold, and a hash of my membership table.
+    Syn {
+        /// Per origin, the watermark I hold.
+        digest: Digest,
+        /// [`crate::membership::Members::hash`] of my table.
+        members_hash: u64,
+    },
+    /// Second leg: what you lack, what I hold, and my table if our hashes differ.
+    Ack {
+        /// Lanes the Syn's sender lacks, cut to the frame budget.
+        delta: Delta,
+        /// Per origin, the watermark I hold, so you can answer with what I lack.
+        digest: Digest,
+        /// My membership table, empty when the hashes matched.
+        members: Vec<MemberEntry>,
+    },
+    /// Third leg: what the Ack's sender lacks, and my table if the hashes differed.
+    Delta {
+        /// Lanes the Ack's sender lacks.
+        delta: Delta,
+        /// My membership table, empty when the hashes matched.
+        members: Vec<MemberEntry>,
+    },
+    /// Eager push of the sender's own fresh lanes (versions above `after`), and its
+    /// heartbeat: `lanes.through.stamp` is its clock when it sent them.
+    Push {
+        /// The version the lanes follow: the receiver has no gap if it holds this much.
+        after: Version,
+        /// The sender's own lanes. `lanes.origin` must be the sender's replica.
+        lanes: OriginDelta,
+    },
+    /// A membership announcement: a join, or a graceful leave.
+    Members {
+        /// Entries to merge.
+        members: Vec<MemberEntry>,
+    },
+}
+
+/// One row of the membership table, as gossiped.
+#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
+pub struct MemberEntry {
+    /// The member.
+    pub node: NodeId,
+    /// Its current generation: a higher one replaces a lower one.
+    pub generation: Generation,
+    /// Where to reach it (opaque to the protocol).
+    pub addr: String,
+    /// Whether it left gracefully. Within a generation, left beats alive.
+    pub left: bool,
+}
+
+impl MemberEntry {
+    /// The member's current replica.
+    pub fn replica(&self) -> ReplicaId {
+        ReplicaId::new(self.node, self.generation)
+    }
+}

@@ -1,0 +1,581 @@
+//! A seeded simulator: N gossip nodes on a virtual network with faults, and checkers that
+//! run after every step.
+//!
+//! Everything is driven from one seed: message delays, losses, duplicates, replays and
+//! each node's peer choices. A failing run reports its seed; [`replay_hint`] prints the
+//! command that reruns exactly that run.
+//!
+//! Checkers:
+//! - MONO, after every step: no node's view of any lane goes back (expired windows aside).
+//! - FINAL, on demand after heal and quiet: every node holds exactly the ground truth:
+//!   for every key and replica, the lane its writer wrote; for a replica that crashed
+//!   without its state, what the other nodes held of it at the crash.
+//! - Staleness, when a bound is set (fault-free runs): every live origin's newest state
+//!   is younger than the bound at every node, after warm-up.
+
+mod network;
+
+pub use network::Faults;
+
+use crate::membership::State;
+use crate::{Config, Gossip, Input, Now, Output, Seed};
+use network::Network;
+use std::collections::BTreeMap;
+use std::time::Duration;
+use tally_crdt::{
+    CounterMap, Generation, Key, Lane, NodeId, ReplicaId, Rule, Stamp, Subject, Window,
+};
+
+/// The wall clock at simulated time zero (2026-01-01T00:00:00Z), in milliseconds.
+pub const WALL_START_MS: u64 = 1_767_225_600_000;
+
+/// How to build a simulated cluster.
+#[derive(Debug, Clone)]
+pub struct SimConfig {
+    /// How many nodes.
+    pub nodes: usize,
+    /// The run's seed: network faults and every node's RNG derive from it.
+    pub seed: u64,
+    /// Network faults.
+    pub faults: Faults,
+    /// Gossip settings shared by every node (replica, addr, seeds and rng seed are set
+    /// per node).
+    pub gossip_interval: Duration,
+    /// See [`Config::push_interval`].
+    pub push_interval: Duration,
+    /// See [`Config::fanout`].
+    pub fanout: usize,
+    /// See [`Config::eager_push`].
+    pub eager_push: bool,
+    /// See [`Config::frame_bytes_max`].
+    pub frame_bytes_max: usize,
+    /// See [`Config::dead_after`].
+    pub dead_after: Duration,
+    /// Window length of the keys the workload writes, in seconds.
+    pub window_secs: u32,
+    /// If set, the staleness checker runs with this bound.
+    pub staleness_bound: Option<Duration>,
+    /// Negative control: a node restarted without its state reuses its old generation
+    /// (the bug a new generation prevents). The FINAL checker must catch it.
+    pub reuse_generation_on_state_loss: bool,
+}
+
+impl SimConfig {
+    /// A fault-free cluster of `nodes` with 100 ms rounds, 5 ms pushes, fanout 3.
+    pub fn new(nodes: usize, seed: u64) -> SimConfig {
+        SimConfig {
+            nodes,
+            seed,
+            faults: Faults::none(),
+            gossip_interval: Duration::from_millis(100),
+            push_interval: Duration::from_millis(5),
+            fanout: 3,
+            eager_push: true,
+            frame_bytes_max: 64 * 1024,
+            dead_after: Duration::from_secs(2),
+            window_secs: 3_600,
+            staleness_bound: None,
+            reuse_generation_on_state_loss: false,
+        }
+    }
+}
+
+/// One simulated node.
+struct SimNode {
+    // `None` while crashed.
+    gossip: Option<Gossip>,
+    // A crashed node's durable snapshot, if it crashed with its state.
+    saved: Option<CounterMap>,
+    paused: bool,
+    skew_ms: i64,
+    generation: u64,
+    // The node's own lane totals, as its lane store would hold them.
+    own: BTreeMap<Key, Lane>,
+    wake_at: Duration,
+    // MONO: the lanes this node held after its last step.
+    seen: BTreeMap<(Key, ReplicaId), Lane>,
+}
+
+/// The simulated cluster.
+pub struct Sim {
+    config: SimConfig,
+    network: Network,
+    nodes: Vec<SimNode>,
+    time: Duration,
+    // Ground truth: every lane as its writer wrote it (or as it survived a state loss).
+    truth: BTreeMap<(Key, ReplicaId), Lane>,
+    violations: Vec<String>,
+    steps: u64,
+}
+
+impl Sim {
+    /// A cluster of `config.nodes` nodes; node 0 and 1 are everyone's seeds.
+    pub fn new(config: SimConfig) -> Sim {
+        let nodes = (0..config.nodes)
+            .map(|_| SimNode {
+                gossip: None,
+                saved: None,
+                paused: false,
+                skew_ms: 0,
+                generation: 1,
+                own: BTreeMap::new(),
+                wake_at: Duration::ZERO,
+                seen: BTreeMap::new(),
+            })
+            .collect();
+        let mut sim = Sim {
+            network: Network::new(config.seed, config.faults.clone(), config.nodes),
+            config,
+            nodes,
+            time: Duration::ZERO,
+            truth: BTreeMap::new(),
+            violations: Vec::new(),
+            steps: 0,
+        };
+        for index in 0..sim.nodes.len() {
+            sim.boot(index, None);
+        }
+        sim
+    }
+
+    /// The simulated monotonic time.
+    pub fn time(&self) -> Duration {
+        self.time
+    }
+
+    /// The node's replica id in its current life.
+    pub fn replica(&self, index: usize) -> ReplicaId {
+        ReplicaId::new(
+            NodeId(index as u64),
+            Generation(self.nodes[index].generation),
+        )
+    }
+
+    /// The node's gossip state, if it is running.
+    pub fn gossip(&self, index: usize) -> Option<&Gossip> {
+        self.nodes[index].gossip.as_ref()
+    }
+
+    /// The network, to cut and restore links or change faults.
+    pub fn network(&mut self) -> &mut Network {
+        &mut self.network
+    }
+
+    /// The wall clock as node `index` reads it.
+    pub fn wall(&self, index: usize) -> Stamp {
+        let base = WALL_START_MS + self.time.as_millis() as u64;
+        Stamp(base.saturating_add_signed(self.nodes[index].skew_ms))
+    }
+
+    /// Sets node `index`'s clock offset.
+    pub fn set_skew(&mut self, index: usize, skew_ms: i64) {
+        self.nodes[index].skew_ms = skew_ms;
+    }
+
+    /// The key the workload uses for `subject`, in the window node `index`'s clock is in.
+    pub fn key(&self, index: usize, subject: &str) -> Key {
+        let window = Window::containing(self.wall(index).0 / 1_000, self.config.window_secs)
+            .expect("invariant: SimConfig::window_secs is a valid window length");
+        Key::new(
+            Rule::new("sim").expect("invariant: a valid rule name"),
+            Subject::new(subject).expect("invariant: workload subjects are short"),
+            window,
+        )
+    }
+
+    /// Node `index` counts `amount` for `subject`. Returns false (and counts nothing) if
+    /// the node is crashed or paused.
+    pub fn incr(&mut self, index: usize, subject: &str, amount: u64) -> bool {
+        if self.nodes[index].gossip.is_none() || self.nodes[index].paused {
+            return false;
+        }
+        let key = self.key(index, subject);
+        let replica = self.replica(index);
+        let node = &mut self.nodes[index];
+        let lane = node.own.entry(key.clone()).or_default();
+        lane.incr(amount)
+            .expect("invariant: workload amounts never overflow a lane");
+        let lane = *lane;
+        let truth = self.truth.entry((key.clone(), replica)).or_default();
+        truth.merge(lane);
+        let now = self.now(index);
+        self.input(
+            index,
+            Input::LocalLanes {
+                now,
+                lanes: vec![(key, lane)],
+            },
+        );
+        true
+    }
+
+    /// Crashes node `index`. With `keep_state` its counters survive as a snapshot taken
+    /// at the crash; without, they are gone and it restarts as a new generation.
+    pub fn crash(&mut self, index: usize, keep_state: bool) {
+        let Some(gossip) = self.nodes[index].gossip.take() else {
+            return;
+        };
+        self.network.drop_from(index);
+        if keep_state {
+            self.nodes[index].saved = Some(gossip.map().clone());
+            return;
+        }
+        // What survives of the lost replica is what the others hold of it.
+        let lost = gossip.replica();
+        for ((key, replica), lane) in self.truth.iter_mut() {
+            if *replica != lost {
+                continue;
+            }
+            let mut survived = Lane::default();
+            for (other, node) in self.nodes.iter().enumerate() {
+                if other == index {
+                    continue;
+                }
+                let held = node
+                    .gossip
+                    .as_ref()
+                    .map(Gossip::map)
+                    .or(node.saved.as_ref());
+                if let Some(map) = held {
+                    survived.merge(map.lane(key, lost));
+                }
+            }
+            *lane = survived;
+        }
+        self.nodes[index].own.clear();
+        self.nodes[index].seen.clear();
+    }
+
+    /// Restarts a crashed node: from its snapshot in the same generation if it kept its
+    /// state, otherwise empty in a new generation.
+    pub fn restart(&mut self, index: usize) {
+        if self.nodes[index].gossip.is_some() {
+            return;
+        }
+        let saved = self.nodes[index].saved.take();
+        if saved.is_none() && !self.config.reuse_generation_on_state_loss {
+            self.nodes[index].generation += 1;
+        }
+        self.boot(index, saved);
+    }
+
+    /// Stops delivering to node `index` and stops its timers, as `kill -STOP` would.
+    pub fn pause(&mut self, index: usize) {
+        self.nodes[index].paused = true;
+    }
+
+    /// Resumes a paused node; frames that arrived meanwhile are delivered now.
+    pub fn resume(&mut self, index: usize) {
+        self.nodes[index].paused = false;
+    }
+
+    /// Removes every fault: links restored, loss and duplication off, paused nodes
+    /// resumed, crashed nodes restarted.
+    pub fn heal(&mut self) {
+        self.network.heal();
+        for index in 0..self.nodes.len() {
+            self.resume(index);
+            self.restart(index);
+        }
+    }
+
+    /// Runs the cluster for `span` of simulated time.
+    pub fn run_for(&mut self, span: Duration) {
+        let end = self.time + span;
+        loop {
+            let next_wake = self
+                .nodes
+                .iter()
+                .enumerate()
+                .filter(|(_, n)| n.gossip.is_some() && !n.paused)
+                .map(|(i, n)| (n.wake_at, i))
+                .min();
+            let next_frame = self.network.next_due(|to| !self.nodes[to].paused);
+            let step_at = match (next_wake, next_frame) {
+                (Some((w, _)), Some(f)) => w.min(f),
+                (Some((w, _)), None) => w,
+                (None, Some(f)) => f,
+                (None, None) => end,
+            };
+            if step_at > end {
+                self.time = end;
+                return;
+            }
+            self.time = self.time.max(step_at);
+            if next_frame.is_some_and(|f| f <= step_at) {
+                if let Some(frame) = self.network.pop_due(self.time, |to| !self.nodes[to].paused) {
+                    if self.nodes[frame.to].gossip.is_some() {
+                        let now = self.now(frame.to);
+                        let from = NodeId(frame.from as u64);
+                        self.input(
+                            frame.to,
+                            Input::Receive {
+                                now,
+                                from,
+                                frame: frame.bytes,
+                            },
+                        );
+                    }
+                }
+            } else if let Some((_, index)) = next_wake {
+                let now = self.now(index);
+                self.input(index, Input::Timeout { now });
+            }
+        }
+    }
+
+    /// Runs until every running node holds the same counters (checked every round), or
+    /// `limit` passes. Returns the simulated time it took, or `None` if it never did.
+    pub fn run_until_converged(&mut self, limit: Duration) -> Option<Duration> {
+        let start = self.time;
+        while self.time - start <= limit {
+            if self.converged() {
+                return Some(self.time - start);
+            }
+            self.run_for(self.config.gossip_interval / 4);
+        }
+        None
+    }
+
+    /// Whether every running node holds the same lanes.
+    pub fn converged(&self) -> bool {
+        let mut maps = self
+            .nodes
+            .iter()
+            .filter_map(|n| n.gossip.as_ref())
+            .map(Gossip::map);
+        let Some(first) = maps.next() else {
+            return true;
+        };
+        let first = lanes_of(first);
+        maps.all(|map| lanes_of(map) == first)
+    }
+
+    /// FINAL: every running node holds exactly the ground truth. Records a violation per
+    /// difference.
+    pub fn check_final(&mut self) {
+        let now_secs = (WALL_START_MS + self.time.as_millis() as u64) / 1_000;
+        let mut found = Vec::new();
+        for (index, node) in self.nodes.iter().enumerate() {
+            let Some(gossip) = &node.gossip else {
+                continue;
+            };
+            let mut expected: BTreeMap<&Key, i128> = BTreeMap::new();
+            for ((key, replica), lane) in &self.truth {
+                if !key.window.is_live(now_secs) {
+                    continue;
+                }
+                *expected.entry(key).or_default() += lane.value();
+                let held = gossip.map().lane(key, *replica);
+                if held != *lane {
+                    found.push(format!(
+                        "FINAL: node {index} holds {held:?} for {key} lane {replica}, truth is {lane:?}"
+                    ));
+                }
+            }
+            for (key, value) in expected {
+                let held = gossip.map().value(key);
+                if held != value {
+                    found.push(format!(
+                        "FINAL: node {index} reads {held} for {key}, truth is {value}"
+                    ));
+                }
+            }
+        }
+        self.violations.extend(found);
+    }
+
+    /// Every violation found so far.
+    pub fn violations(&self) -> &[String] {
+        &self.violations
+    }
+
+    /// Panics with the violations, the seed and the replay command, if any were found.
+    pub fn assert_clean(&self, test: &str) {
+        if self.violations.is_empty() {
+            return;
+        }
+        let shown: Vec<&str> = self
+            .violations
+            .iter()
+            .take(10)
+            .map(String::as_str)
+            .collect();
+        panic!(
+            "{} violations in seed {} after {} steps; first ones:\n{}\nreplay: {}",
+            self.violations.len(),
+            self.config.seed,
+            self.steps,
+            shown.join("\n"),
+            replay_hint(test, self.config.seed)
+        );
+    }
+
+    /// Lanes per key, at most, over every running node.
+    pub fn lanes_per_key_max(&self) -> usize {
+        self.nodes
+            .iter()
+            .filter_map(|n| n.gossip.as_ref())
+            .flat_map(|g| g.map().iter().map(|(_, c)| c.lanes()))
+            .max()
+            .unwrap_or(0)
+    }
+
+    /// Origins held, at most, over every running node.
+    pub fn origins_max(&self) -> usize {
+        self.nodes
+            .iter()
+            .filter_map(|n| n.gossip.as_ref())
+            .map(|g| g.map().digest().origins.len())
+            .max()
+            .unwrap_or(0)
+    }
+
+    /// How many steps (inputs) the run has taken.
+    pub fn steps(&self) -> u64 {
+        self.steps
+    }
+
+    /// Bytes sent over the network so far (before loss).
+    pub fn bytes_sent(&self) -> u64 {
+        self.network.bytes_sent()
+    }
+
+    fn boot(&mut self, index: usize, saved: Option<CounterMap>) {
+        let replica = self.replica(index);
+        let mut config = Config::new(replica, format!("sim:{index}"));
+        config.seeds = (0..self.nodes.len().min(2))
+            .filter(|&seed| seed != index)
+            .map(|seed| Seed {
+                node: NodeId(seed as u64),
+                addr: format!("sim:{seed}"),
+            })
+            .collect();
+        config.gossip_interval = self.config.gossip_interval;
+        config.push_interval = self.config.push_interval;
+        config.fanout = self.config.fanout;
+        config.eager_push = self.config.eager_push;
+        config.frame_bytes_max = self.config.frame_bytes_max;
+        config.dead_after = self.config.dead_after;
+        config.rng_seed = self.config.seed
+            ^ (index as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15)
+            ^ replica.generation.0;
+        let node = &mut self.nodes[index];
+        node.own = match &saved {
+            Some(map) => map
+                .iter()
+                .map(|(key, counter)| (key.clone(), counter.lane(replica)))
+                .filter(|(_, lane)| *lane != Lane::default())
+                .collect(),
+            None => BTreeMap::new(),
+        };
+        node.gossip = Some(match saved {
+            Some(map) => Gossip::with_state(config, map),
+            None => Gossip::new(config),
+        });
+        node.wake_at = self.time;
+    }
+
+    fn now(&self, index: usize) -> Now {
+        Now {
+            mono: self.time,
+            wall: self.wall(index),
+        }
+    }
+
+    /// Feeds one input to node `index`, routes its outputs, and runs the checkers.
+    fn input(&mut self, index: usize, input: Input) {
+        self.steps += 1;
+        let Some(gossip) = self.nodes[index].gossip.as_mut() else {
+            return;
+        };
+        gossip.handle_input(input);
+        loop {
+            match gossip.poll_output() {
+                Output::Send { to, frame, .. } => {
+                    self.network.send(index, to.0 as usize, frame, self.time);
+                }
+                Output::Event(_) => {}
+                Output::Timeout(at) => {
+                    self.nodes[index].wake_at = at.max(self.time + Duration::from_micros(1));
+                    break;
+                }
+            }
+        }
+        self.check_mono(index);
+        self.check_staleness(index);
+    }
+
+    fn check_mono(&mut self, index: usize) {
+        let now_secs = self.wall(index).0 / 1_000;
+        let node = &mut self.nodes[index];
+        let Some(gossip) = &node.gossip else {
+            return;
+        };
+        for (key, replica) in node.seen.keys() {
+            if !key.window.is_live(now_secs) {
+                continue;
+            }
+            let before = node.seen[&(key.clone(), *replica)];
+            let after = gossip.map().lane(key, *replica);
+            if !after.covers(before) {
+                self.violations.push(format!(
+                    "MONO: node {index} lane {key} {replica} went from {before:?} to {after:?} at {:?}",
+                    self.time
+                ));
+            }
+        }
+        node.seen = lanes_of(gossip.map());
+    }
+
+    fn check_staleness(&mut self, index: usize) {
+        let Some(bound) = self.config.staleness_bound else {
+            return;
+        };
+        // Warm-up: joining takes a few rounds.
+        if self.time < self.config.gossip_interval * 5 {
+            return;
+        }
+        let wall = self.wall(index);
+        let Some(gossip) = &self.nodes[index].gossip else {
+            return;
+        };
+        for (origin, staleness) in gossip.staleness(wall) {
+            let alive = gossip.members().state(origin.node) == Some(State::Alive)
+                && gossip.members().replica(origin.node) == Some(origin);
+            if alive && staleness > bound {
+                self.violations.push(format!(
+                    "STALENESS: node {index} holds {origin} {staleness:?} old, bound {bound:?}, at {:?}",
+                    self.time
+                ));
+            }
+        }
+    }
+}
+
+/// The command that replays a failing seed of a simulator test.
+pub fn replay_hint(test: &str, seed: u64) -> String {
+    format!("TALLY_SIM_SEED={seed} cargo test -p tally-gossip --features sim --release --test sim {test}")
+}
+
+/// The seeds a test runs: `TALLY_SIM_SEED` alone if set, else `count` seeds from `first`.
+pub fn seeds(first: u64, count: u64) -> Vec<u64> {
+    match std::env::var("TALLY_SIM_SEED")
+        .ok()
+        .and_then(|s| s.parse().ok())
+    {
+        Some(seed) => vec![seed],
+        None => (first..first + count).collect(),
+    }
+}
+
+fn lanes_of(map: &CounterMap) -> BTreeMap<(Key, ReplicaId), Lane> {
+    map.iter()
+        .flat_map(|(key, counter)| {
+            counter
+                .slots()
+                .iter()
+                .map(move |slot| ((key.clone(), slot.replica), slot.lane))
+        })
+        .collect()
+}

@@ -1,0 +1,205 @@
+//! The simulated network: per-link cuts, loss, duplication, delay (and so reordering), and
+//! replay of old frames, all drawn from one seeded RNG.
+
+use rand::{Rng, SeedableRng};
+use rand_chacha::ChaCha8Rng;
+use std::collections::{BTreeMap, BTreeSet, VecDeque};
+use std::time::Duration;
+
+/// Message-level faults. QUIC hides packet faults from the protocol, but a relay, a
+/// reconnect or a bug can still duplicate, reorder or replay whole frames.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Faults {
+    /// Probability that a frame is lost.
+    pub loss: f64,
+    /// Probability that a frame is delivered twice.
+    pub duplicate: f64,
+    /// Probability that, alongside a send, an old frame is delivered again.
+    pub replay: f64,
+    /// How old a replayed frame may be.
+    pub replay_age_max: Duration,
+    /// Delay of each frame, drawn uniformly in this range; a wide range reorders.
+    pub delay_min: Duration,
+    /// See `delay_min`.
+    pub delay_max: Duration,
+}
+
+impl Faults {
+    /// No faults, 1 ms delay.
+    pub fn none() -> Faults {
+        Faults {
+            loss: 0.0,
+            duplicate: 0.0,
+            replay: 0.0,
+            replay_age_max: Duration::from_secs(60),
+            delay_min: Duration::from_millis(1),
+            delay_max: Duration::from_millis(1),
+        }
+    }
+}
+
+/// A frame in flight.
+#[derive(Debug, Clone)]
+pub(super) struct Frame {
+    pub from: usize,
+    pub to: usize,
+    pub bytes: Vec<u8>,
+}
+
+/// The network between simulated nodes.
+pub struct Network {
+    rng: ChaCha8Rng,
+    faults: Faults,
+    in_flight: BTreeMap<(Duration, u64), Frame>,
+    sequence: u64,
+    blocked: BTreeSet<(usize, usize)>,
+    history: VecDeque<(Duration, Frame)>,
+    nodes: usize,
+    bytes_sent: u64,
+}
+
+impl Network {
+    pub(super) fn new(seed: u64, faults: Faults, nodes: usize) -> Network {
+        Network {
+            rng: ChaCha8Rng::seed_from_u64(seed),
+            faults,
+            in_flight: BTreeMap::new(),
+            sequence: 0,
+            blocked: BTreeSet::new(),
+            history: VecDeque::new(),
+            nodes,
+            bytes_sent: 0,
+        }
+    }
+
+    /// Replaces the fault settings.
+    pub fn set_faults(&mut self, faults: Faults) {
+        self.faults = faults;
+    }
+
+    /// Drops every frame from `from` to `to` from now on (one way).
+    pub fn cut(&mut self, from: usize, to: usize) {
+        self.blocked.insert((from, to));
+    }
+
+    /// Delivers frames from `from` to `to` again.
+    pub fn restore(&mut self, from: usize, to: usize) {
+        self.blocked.remove(&(from, to));
+    }
+
+    /// Cuts every link between `left` and `right`, both ways.
+    pub fn partition(&mut self, left: &[usize], right: &[usize]) {
+        for &a in left {
+            for &b in right {
+                self.cut(a, b);
+                self.cut(b, a);
+            }
+        }
+    }
+
+    /// Every link that is cut, one way each.
+    pub fn cut_links(&self) -> Vec<(usize, usize)> {
+        self.blocked.iter().copied().collect()
+    }
+
+    /// Restores every link and removes every fault but the delay.
+    pub fn heal(&mut self) {
+        self.blocked.clear();
+        self.faults = Faults {
+            delay_min: self.faults.delay_min,
+            delay_max: self.faults.delay_max,
+            ..Faults::none()
+        };
+    }
+
+    /// How many nodes the network joins.
+    pub fn nodes(&self) -> usize {
+        self.nodes
+    }
+
+    /// Bytes handed to the network so far.
+    pub fn bytes_sent(&self) -> u64 {
+        self.bytes_sent
+    }
+
+    pub(super) fn send(&mut self, from: usize, to: usize, bytes: Vec<u8>, now: Duration) {
+        self.bytes_sent += bytes.len() as u64;
+        if to >= self.nodes || self.blocked.contains(&(from, to)) {
+            return;
+        }
+        let frame = Frame { from, to, bytes };
+        if self.faults.replay > 0.0 && self.rng.gen_bool(self.faults.replay) {
+            let oldest = now.saturating_sub(self.faults.replay_age_max);
+            while self.history.front().is_some_and(|(at, _)| *at < oldest) {
+                self.history.pop_front();
+            }
+            if !self.history.is_empty() {
+                let pick = self.rng.gen_range(0..self.history.len());
+                let old = self.history[pick].1.clone();
+                if !self.blocked.contains(&(old.from, old.to)) {
+                    self.schedule(old, now);
+                }
+            }
+        }
+        if self.faults.replay > 0.0 {
+            self.history.push_back((now, frame.clone()));
+            if self.history.len() > 10_000 {
+                self.history.pop_front();
+            }
+        }
+        if self.faults.loss > 0.0 && self.rng.gen_bool(self.faults.loss) {
+            return;
+        }
+        if self.faults.duplicate > 0.0 && self.rng.gen_bool(self.faults.duplicate) {
+            self.schedule(frame.clone(), now);
+        }
+        self.schedule(frame, now);
+    }
+
+    /// When the next deliverable frame is due.
+    pub(super) fn next_due(&self, deliverable: impl Fn(usize) -> bool) -> Option<Duration> {
+        self.in_flight
+            .iter()
+            .find(|(_, frame)| deliverable(frame.to))
+            .map(|((at, _), _)| *at)
+    }
+
+    /// Takes the next deliverable frame due by `now`.
+    pub(super) fn pop_due(
+        &mut self,
+        now: Duration,
+        deliverable: impl Fn(usize) -> bool,
+    ) -> Option<Frame> {
+        let key = self
+            .in_flight
+            .iter()
+            .take_while(|((at, _), _)| *at <= now)
+            .find(|(_, frame)| deliverable(frame.to))
+            .map(|(key, _)| *key)?;
+        self.in_flight.remove(&key)
+    }
+
+    /// Drops every frame in flight from `from`, and its old frames kept for replay: a
+    /// crashed process's unsent data dies with it.
+    pub(super) fn drop_from(&mut self, from: usize) {
+        self.in_flight.retain(|_, frame| frame.from != from);
+        self.history.retain(|(_, frame)| frame.from != from);
+    }
+
+    fn schedule(&mut self, frame: Frame, now: Duration) {
+        let (min, max) = (
+            self.faults.delay_min,
+            self.faults.delay_max.max(self.faults.delay_min),
+        );
+        let delay = if max > min {
+            Duration::from_nanos(
+                self.rng
+                    .gen_range(min.as_nanos() as u64..=max.as_nanos() as u64),
+            )
+        } else {
+            min
+        };
+        self.sequence += 1;
+        self.in_flight.insert((now + delay, self.sequence), frame);
+    }
+}

@@ -1,0 +1,69 @@
+//! Counters a node keeps about its gossip, for metrics and for the simulator.
+
+use std::time::Duration;
+
+/// Frames, bytes, errors and propagation delays since start.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Stats {
+    /// Frames received, valid or not.
+    pub frames_in: u64,
+    /// Frames sent.
+    pub frames_out: u64,
+    /// Bytes received.
+    pub bytes_in: u64,
+    /// Bytes sent.
+    pub bytes_out: u64,
+    /// Frames dropped because they did not decode.
+    pub decode_errors: u64,
+    /// Frames dropped because they claimed a sender other than the authenticated peer.
+    pub forged: u64,
+    /// Lane updates received.
+    pub lanes_in: u64,
+    /// Lane updates sent.
+    pub lanes_out: u64,
+    /// How old an origin's newest state was when it arrived here (origin stamp against
+    /// the local wall clock).
+    pub propagation: Histogram,
+}
+
+/// A fixed-bucket histogram of durations, Prometheus style (cumulative on export).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Histogram {
+    /// Count per bucket: `counts[i]` holds samples at most `BOUNDS_MS[i]`; the last holds
+    /// the rest.
+    pub counts: [u64; Histogram::BOUNDS_MS.len() + 1],
+    /// The sum of every sample, in milliseconds.
+    pub sum_ms: u64,
+}
+
+impl Histogram {
+    /// Bucket upper bounds in milliseconds.
+    pub const BOUNDS_MS: [u64; 14] = [
+        1, 2, 5, 10, 20, 50, 100, 200, 500, 1_000, 2_000, 5_000, 10_000, 60_000,
+    ];
+
+    /// Adds one sample.
+    pub fn record(&mut self, sample: Duration) {
+        let ms = u64::try_from(sample.as_millis()).unwrap_or(u64::MAX);
+        let bucket = Histogram::BOUNDS_MS
+            .iter()
+            .position(|&bound| ms <= bound)
+            .unwrap_or(Histogram::BOUNDS_MS.len());
+        self.counts[bucket] += 1;
+        self.sum_ms = self.sum_ms.saturating_add(ms);
+    }
+
+    /// How many samples.
+    pub fn count(&self) -> u64 {
+        self.counts.iter().sum()
+    }
+}
+
+impl Default for Histogram {
+    fn default() -> Histogram {
+        Histogram {
+            counts: [0; Histogram::BOUNDS_MS.len() + 1],
+            sum_ms: 0,
+        }
+    }
+}
