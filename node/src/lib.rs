@@ -1,1 +1,39 @@
-//! tally-node: `tallyd`, the sidecar daemon.
+//! tally-node: `tallyd`, the sidecar daemon that runs beside each edge service.
+//!
+//! Today it holds the [`store::LaneStore`]: this node's own lanes, written concurrently
+//! by application threads without a lock, and the remote sums that gossip merges in. The
+//! gossip driver (QUIC), the client listener and the region path come in later issues.
+//!
+//! Architecture Invariant: the store never does IO, never reads a clock and never wraps a
+//! lane; the only threads it knows of are its callers. Its lock-free protocol is checked by
+//! loom models (see [`store`]), built with `--cfg tally_loom` through the small shim in
+//! `sync`.
+//!
+//! ```
+//! # if tally_node::LOOM_BUILD { return; }
+//! use tally_crdt::{Generation, Key, Lane, NodeId, ReplicaId, Rule, Subject, Window};
+//! use tally_node::store::LaneStore;
+//!
+//! let store = LaneStore::new(ReplicaId::new(NodeId(1), Generation(1)), 100_000);
+//! let key = Key::new(
+//!     Rule::new("login").unwrap(),
+//!     Subject::new("user-42").unwrap(),
+//!     Window::containing(1_700_000_000, 60).unwrap(),
+//! );
+//! store.incr(&key, 3).unwrap();
+//! store.publish_remote(&key, 4).unwrap(); // the other replicas' lanes, as gossip merged them
+//! assert_eq!(store.estimate(&key), 7);
+//!
+//! let mut changed = Vec::new();
+//! store.collect(&mut changed); // what gossip sends next
+//! assert_eq!(changed, vec![(key, Lane::new(3, 0))]);
+//! ```
+
+pub mod store;
+mod sync;
+
+/// Whether this build runs on loom's atomics (`--cfg tally_loom`), which panic outside a
+/// loom model. Rustdoc does not pass `RUSTFLAGS` on to doctests, so they cannot see the cfg
+/// and check this instead, returning early in a loom build.
+#[doc(hidden)]
+pub const LOOM_BUILD: bool = cfg!(tally_loom);
