@@ -17,6 +17,8 @@ use std::collections::BTreeMap;
 pub struct CounterMap {
     counters: BTreeMap<Key, PnCounter>,
     origins: BTreeMap<ReplicaId, Origin>,
+    // Invariant: rises on every change to a lane or a counter's presence.
+    changes: u64,
 }
 
 /// What the map holds of one origin.
@@ -57,6 +59,12 @@ impl CounterMap {
     /// Every key and its counter, in key order.
     pub fn iter(&self) -> impl Iterator<Item = (&Key, &PnCounter)> {
         self.counters.iter()
+    }
+
+    /// A number that rises whenever a lane rises or a counter is dropped, so a caller can
+    /// tell cheaply whether anything changed since it last looked.
+    pub fn changes(&self) -> u64 {
+        self.changes
     }
 
     /// How many counters are held.
@@ -143,6 +151,7 @@ impl CounterMap {
             origin.by_version.remove(&old.version);
         }
         origin.by_version.insert(version, key.clone());
+        self.changes += 1;
         counter.merge_slot(Slot {
             replica,
             lane,
@@ -303,6 +312,7 @@ impl CounterMap {
                     continue;
                 }
                 applied.lanes_raised += 1;
+                self.changes += 1;
                 applied.keys.push(update.key.clone());
                 let new_version = counter.slot(entry.origin).map(|slot| slot.version);
                 if old_version != new_version {
@@ -333,6 +343,7 @@ impl CounterMap {
             .cloned()
             .collect();
         for key in &expired {
+            self.changes += 1;
             if let Some(counter) = self.counters.remove(key) {
                 for slot in counter.slots() {
                     if let Some(origin) = self.origins.get_mut(&slot.replica) {

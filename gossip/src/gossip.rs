@@ -335,6 +335,7 @@ impl Gossip {
             } => {
                 let members = self.members_if_differ(members_hash);
                 let mut reply = Message::Ack {
+                    to: envelope.from,
                     delta: Delta::default(),
                     digest: self.map.digest(),
                     members,
@@ -345,15 +346,21 @@ impl Gossip {
                 }
                 self.send(from, &reply);
             }
+            Message::Ack { to, .. } | Message::Delta { to, .. } if to != self.config.replica => {
+                // An answer to a digest of another life of this node: stale.
+                self.stats.stale += 1;
+            }
             Message::Ack {
                 delta,
                 digest,
                 members,
+                ..
             } => {
                 self.merge(now, delta, None);
                 let differed = !members.is_empty();
                 self.members.merge(&members);
                 let mut reply = Message::Delta {
+                    to: envelope.from,
                     delta: Delta::default(),
                     members: if differed {
                         self.members.entries()
@@ -371,7 +378,7 @@ impl Gossip {
                 }
                 self.send(from, &reply);
             }
-            Message::Delta { delta, members } => {
+            Message::Delta { delta, members, .. } => {
                 self.merge(now, delta, None);
                 self.members.merge(&members);
             }

@@ -28,6 +28,10 @@ pub enum Message {
     },
     /// Second leg: what you lack, what I hold, and my table if our hashes differ.
     Ack {
+        /// The replica whose digest the delta answers. A delta is only complete relative
+        /// to that digest: a node that has since lost its state (a new generation) must
+        /// not apply it, or it would take the watermark without the lanes below it.
+        to: ReplicaId,
         /// Lanes the Syn's sender lacks, cut to the frame budget.
         delta: Delta,
         /// Per origin, the watermark I hold, so you can answer with what I lack.
@@ -37,6 +41,8 @@ pub enum Message {
     },
     /// Third leg: what the Ack's sender lacks, and my table if the hashes differed.
     Delta {
+        /// The replica whose digest the delta answers (see `Ack::to`).
+        to: ReplicaId,
         /// Lanes the Ack's sender lacks.
         delta: Delta,
         /// My membership table, empty when the hashes matched.

@@ -17,6 +17,8 @@ pub struct Stats {
     pub decode_errors: u64,
     /// Frames dropped because they claimed a sender other than the authenticated peer.
     pub forged: u64,
+    /// Answers dropped because they answered a digest of another generation of this node.
+    pub stale: u64,
     /// Lane updates received.
     pub lanes_in: u64,
     /// Lane updates sent.

@@ -33,8 +33,9 @@ fn heal_and_check(sim: &mut Sim, test: &str, limit: Duration) -> Duration {
     let took = sim.run_until_converged(limit);
     assert!(
         took.is_some(),
-        "no convergence within {limit:?}; replay: {}",
-        tally_gossip::sim::replay_hint(test, 0)
+        "no convergence within {limit:?}: {:?}; replay: {}",
+        sim.divergence(),
+        tally_gossip::sim::replay_hint(test, sim.seed())
     );
     sim.check_final();
     sim.assert_clean(test);
@@ -54,6 +55,267 @@ fn fault_free_cluster_converges_to_the_truth_within_the_staleness_bound() {
             &mut sim,
             "fault_free_cluster_converges_to_the_truth_within_the_staleness_bound",
             5 * SECOND,
+        );
+    }
+}
+
+#[test]
+fn partitioned_nodes_converge_after_heal() {
+    for seed in seeds(100, 20) {
+        let mut sim = Sim::new(SimConfig::new(4, seed));
+        sim.run_for(SECOND);
+        sim.network().partition(&[0, 1], &[2, 3]);
+        write_for(&mut sim, 4, 3 * SECOND);
+        heal_and_check(
+            &mut sim,
+            "partitioned_nodes_converge_after_heal",
+            10 * SECOND,
+        );
+    }
+}
+
+#[test]
+fn one_way_partition_neither_wedges_nor_loses_counts() {
+    for seed in seeds(200, 10) {
+        let mut sim = Sim::new(SimConfig::new(4, seed));
+        sim.run_for(SECOND);
+        sim.network().cut(0, 1);
+        sim.network().cut(0, 2);
+        write_for(&mut sim, 4, 3 * SECOND);
+        heal_and_check(
+            &mut sim,
+            "one_way_partition_neither_wedges_nor_loses_counts",
+            10 * SECOND,
+        );
+    }
+}
+
+#[test]
+fn random_link_cuts_restored_in_random_order_converge() {
+    use rand::seq::SliceRandom;
+    use rand::SeedableRng;
+    for seed in seeds(300, 20) {
+        let nodes = 6;
+        let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(seed);
+        let mut sim = Sim::new(SimConfig::new(nodes, seed));
+        sim.run_for(SECOND);
+        let mut links: Vec<(usize, usize)> = (0..nodes)
+            .flat_map(|a| (0..nodes).filter(move |&b| b != a).map(move |b| (a, b)))
+            .collect();
+        links.shuffle(&mut rng);
+        for (step, &(a, b)) in links.iter().enumerate() {
+            sim.network().cut(a, b);
+            workload(&mut sim, nodes, step as u64);
+            sim.run_for(Duration::from_millis(50));
+        }
+        links.shuffle(&mut rng);
+        for (step, &(a, b)) in links.iter().enumerate() {
+            sim.network().restore(a, b);
+            workload(&mut sim, nodes, step as u64);
+            sim.run_for(Duration::from_millis(50));
+        }
+        heal_and_check(
+            &mut sim,
+            "random_link_cuts_restored_in_random_order_converge",
+            10 * SECOND,
+        );
+    }
+}
+
+#[test]
+fn duplicated_reordered_and_replayed_frames_merge_idempotently() {
+    for seed in seeds(400, 20) {
+        let mut config = SimConfig::new(5, seed);
+        config.faults = Faults {
+            loss: 0.05,
+            duplicate: 0.2,
+            replay: 0.1,
+            replay_age_max: Duration::from_secs(60),
+            delay_min: Duration::from_millis(1),
+            delay_max: Duration::from_millis(80),
+        };
+        let mut sim = Sim::new(config);
+        write_for(&mut sim, 5, 3 * SECOND);
+        sim.run_for(30 * SECOND);
+        write_for(&mut sim, 5, SECOND);
+        heal_and_check(
+            &mut sim,
+            "duplicated_reordered_and_replayed_frames_merge_idempotently",
+            10 * SECOND,
+        );
+    }
+}
+
+#[test]
+fn restart_with_state_loss_takes_a_new_generation_and_loses_nothing_others_held() {
+    for seed in seeds(500, 10) {
+        let mut sim = Sim::new(SimConfig::new(4, seed));
+        sim.run_for(SECOND);
+        write_for(&mut sim, 4, SECOND);
+        let before = sim.replica(2);
+        sim.crash(2, false);
+        write_for(&mut sim, 4, SECOND);
+        sim.restart(2);
+        assert_ne!(sim.replica(2), before);
+        write_for(&mut sim, 4, SECOND);
+        heal_and_check(
+            &mut sim,
+            "restart_with_state_loss_takes_a_new_generation_and_loses_nothing_others_held",
+            10 * SECOND,
+        );
+    }
+}
+
+#[test]
+fn a_restart_that_reuses_its_lost_lane_is_caught_by_final() {
+    let mut config = SimConfig::new(4, 600);
+    config.reuse_generation_on_state_loss = true;
+    let mut sim = Sim::new(config);
+    sim.run_for(SECOND);
+    write_for(&mut sim, 4, SECOND);
+    sim.crash(2, false);
+    sim.run_for(SECOND);
+    sim.restart(2);
+    write_for(&mut sim, 4, SECOND);
+    sim.heal();
+    sim.run_until_converged(10 * SECOND);
+    sim.check_final();
+    assert!(
+        sim.violations().iter().any(|v| v.starts_with("FINAL")),
+        "the checker must see increments swallowed by a reused lane"
+    );
+}
+
+#[test]
+fn restart_with_state_keeps_its_generation() {
+    for seed in seeds(700, 10) {
+        let mut sim = Sim::new(SimConfig::new(4, seed));
+        write_for(&mut sim, 4, SECOND);
+        let before = sim.replica(1);
+        sim.crash(1, true);
+        write_for(&mut sim, 4, SECOND);
+        sim.restart(1);
+        assert_eq!(sim.replica(1), before);
+        write_for(&mut sim, 4, SECOND);
+        heal_and_check(
+            &mut sim,
+            "restart_with_state_keeps_its_generation",
+            10 * SECOND,
+        );
+    }
+}
+
+#[test]
+fn pause_past_the_failure_detector_and_resume_counts_nothing_twice() {
+    use tally_crdt::NodeId;
+    use tally_gossip::membership::State;
+    for seed in seeds(800, 10) {
+        let mut sim = Sim::new(SimConfig::new(4, seed));
+        write_for(&mut sim, 4, SECOND);
+        sim.pause(3);
+        write_for(&mut sim, 3, 2 * SECOND);
+        sim.run_for(5 * SECOND);
+        let seen = sim.gossip(0).and_then(|g| g.members().state(NodeId(3)));
+        assert_eq!(
+            seen,
+            Some(State::Dead),
+            "seed {seed}: the paused node must be declared dead"
+        );
+        sim.resume(3);
+        write_for(&mut sim, 4, SECOND);
+        let seen = sim.gossip(0).and_then(|g| g.members().state(NodeId(3)));
+        assert_eq!(
+            seen,
+            Some(State::Alive),
+            "seed {seed}: the resumed node must be alive again"
+        );
+        heal_and_check(
+            &mut sim,
+            "pause_past_the_failure_detector_and_resume_counts_nothing_twice",
+            10 * SECOND,
+        );
+    }
+}
+
+#[test]
+fn thousands_of_restarts_keep_lanes_per_key_bounded() {
+    let mut config = SimConfig::new(4, 900);
+    config.window_secs = 10;
+    let mut sim = Sim::new(config);
+    for cycle in 0..2_000u64 {
+        sim.incr(3, "hot", 1);
+        sim.incr(0, "hot", 1);
+        sim.run_for(Duration::from_millis(20));
+        sim.crash(3, cycle % 2 == 0);
+        sim.run_for(Duration::from_millis(5));
+        sim.restart(3);
+    }
+    // Past two window lengths every retired generation's lanes have expired.
+    sim.run_for(25 * SECOND);
+    write_for(&mut sim, 4, SECOND);
+    heal_and_check(
+        &mut sim,
+        "thousands_of_restarts_keep_lanes_per_key_bounded",
+        10 * SECOND,
+    );
+    let lanes = sim.lanes_per_key_max();
+    assert!(lanes <= 4 + 16, "{lanes} lanes on one key after expiry");
+    let origins = sim.origins_max();
+    assert!(origins <= 4 + 16, "{origins} origins held after expiry");
+}
+
+#[test]
+fn one_node_clock_skew_keeps_windows_fixed_by_the_key() {
+    for seed in seeds(1_000, 10) {
+        let mut config = SimConfig::new(4, seed);
+        config.window_secs = 60;
+        let mut sim = Sim::new(config);
+        sim.set_skew(2, 90_000);
+        sim.set_skew(3, -90_000);
+        write_for(&mut sim, 4, 3 * SECOND);
+        heal_and_check(
+            &mut sim,
+            "one_node_clock_skew_keeps_windows_fixed_by_the_key",
+            10 * SECOND,
+        );
+    }
+}
+
+#[test]
+fn mixed_faults_over_many_seeds_keep_final_and_mono() {
+    use rand::{Rng, SeedableRng};
+    for seed in seeds(10_000, 200) {
+        let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(seed);
+        let nodes = rng.gen_range(3..=7);
+        let mut config = SimConfig::new(nodes, seed);
+        config.faults = Faults {
+            loss: rng.gen_range(0.0..0.2),
+            duplicate: rng.gen_range(0.0..0.2),
+            replay: rng.gen_range(0.0..0.05),
+            replay_age_max: Duration::from_secs(60),
+            delay_min: Duration::from_millis(1),
+            delay_max: Duration::from_millis(rng.gen_range(1..100)),
+        };
+        let mut sim = Sim::new(config);
+        for step in 0..40u64 {
+            workload(&mut sim, nodes, step);
+            let node = rng.gen_range(0..nodes);
+            match rng.gen_range(0..10) {
+                0 => sim.crash(node, rng.gen_bool(0.5)),
+                1 => sim.restart(node),
+                2 => sim.pause(node),
+                3 => sim.resume(node),
+                4 => sim.network().cut(node, rng.gen_range(0..nodes)),
+                5 => sim.network().restore(node, rng.gen_range(0..nodes)),
+                6 => sim.set_skew(node, rng.gen_range(-5_000..5_000)),
+                _ => {}
+            }
+            sim.run_for(Duration::from_millis(rng.gen_range(10..300)));
+        }
+        heal_and_check(
+            &mut sim,
+            "mixed_faults_over_many_seeds_keep_final_and_mono",
+            20 * SECOND,
         );
     }
 }

@@ -92,8 +92,9 @@ struct SimNode {
     // The node's own lane totals, as its lane store would hold them.
     own: BTreeMap<Key, Lane>,
     wake_at: Duration,
-    // MONO: the lanes this node held after its last step.
+    // MONO: the lanes this node held after its last step, and the map's change count then.
     seen: BTreeMap<(Key, ReplicaId), Lane>,
+    seen_changes: Option<u64>,
 }
 
 /// The simulated cluster.
@@ -121,6 +122,7 @@ impl Sim {
                 own: BTreeMap::new(),
                 wake_at: Duration::ZERO,
                 seen: BTreeMap::new(),
+                seen_changes: None,
             })
             .collect();
         let mut sim = Sim {
@@ -196,8 +198,12 @@ impl Sim {
         lane.incr(amount)
             .expect("invariant: workload amounts never overflow a lane");
         let lane = *lane;
+        // The truth adds what was counted; it never takes a maximum, so a lane that was
+        // reused after a state loss shows up as counts missing from FINAL.
         let truth = self.truth.entry((key.clone(), replica)).or_default();
-        truth.merge(lane);
+        truth
+            .incr(amount)
+            .expect("invariant: workload amounts never overflow a lane");
         let now = self.now(index);
         self.input(
             index,
@@ -220,10 +226,16 @@ impl Sim {
             self.nodes[index].saved = Some(gossip.map().clone());
             return;
         }
-        // What survives of the lost replica is what the others hold of it.
-        let lost = gossip.replica();
+        drop(gossip);
+        // A lane whose writer is gone (this life, or an earlier lost one) now lives only in
+        // what the other nodes hold of it: that is what survives.
+        let writers: Vec<ReplicaId> = (0..self.nodes.len())
+            .filter(|&i| i != index)
+            .filter(|&i| self.nodes[i].gossip.is_some() || self.nodes[i].saved.is_some())
+            .map(|i| self.replica(i))
+            .collect();
         for ((key, replica), lane) in self.truth.iter_mut() {
-            if *replica != lost {
+            if writers.contains(replica) {
                 continue;
             }
             let mut survived = Lane::default();
@@ -231,19 +243,16 @@ impl Sim {
                 if other == index {
                     continue;
                 }
-                let held = node
-                    .gossip
-                    .as_ref()
-                    .map(Gossip::map)
-                    .or(node.saved.as_ref());
+                let held = node.gossip.as_ref().map(Gossip::map).or(node.saved.as_ref());
                 if let Some(map) = held {
-                    survived.merge(map.lane(key, lost));
+                    survived.merge(map.lane(key, *replica));
                 }
             }
             *lane = survived;
         }
         self.nodes[index].own.clear();
         self.nodes[index].seen.clear();
+        self.nodes[index].seen_changes = None;
     }
 
     /// Restarts a crashed node: from its snapshot in the same generation if it kept its
@@ -295,7 +304,11 @@ impl Sim {
                 (Some((w, _)), Some(f)) => w.min(f),
                 (Some((w, _)), None) => w,
                 (None, Some(f)) => f,
-                (None, None) => end,
+                // Every node is down or paused and nothing is in flight: time just passes.
+                (None, None) => {
+                    self.time = end;
+                    return;
+                }
             };
             if step_at > end {
                 self.time = end;
@@ -337,8 +350,15 @@ impl Sim {
         None
     }
 
-    /// Whether every running node holds the same lanes.
+    /// Whether every running node holds the same lanes, for keys whose window is still
+    /// live on every running node's clock (a skewed clock expires windows early).
     pub fn converged(&self) -> bool {
+        let now_secs = self.latest_clock_secs();
+        let live = |map: &CounterMap| {
+            let mut lanes = lanes_of(map);
+            lanes.retain(|(key, _), _| key.window.is_live(now_secs));
+            lanes
+        };
         let mut maps = self
             .nodes
             .iter()
@@ -347,14 +367,62 @@ impl Sim {
         let Some(first) = maps.next() else {
             return true;
         };
-        let first = lanes_of(first);
-        maps.all(|map| lanes_of(map) == first)
+        let first = live(first);
+        maps.all(|map| live(map) == first)
     }
 
-    /// FINAL: every running node holds exactly the ground truth. Records a violation per
-    /// difference.
+    /// The first lane on which two running nodes differ, described, if any.
+    pub fn divergence(&self) -> Option<String> {
+        let now_secs = self.latest_clock_secs();
+        let running: Vec<(usize, &Gossip)> = self
+            .nodes
+            .iter()
+            .enumerate()
+            .filter_map(|(i, n)| n.gossip.as_ref().map(|g| (i, g)))
+            .collect();
+        let (first, reference) = running.first()?;
+        let (reference_map, reference_members) = (reference.map(), reference.members());
+        let reference = lanes_of(reference.map());
+        for (index, gossip) in &running[1..] {
+            let lanes = lanes_of(gossip.map());
+            for key in reference.keys().chain(lanes.keys()) {
+                if !key.0.window.is_live(now_secs) {
+                    continue;
+                }
+                let (a, b) = (reference.get(key), lanes.get(key));
+                if a != b {
+                    let (wa, wb) = (
+                        reference_map.watermark(key.1),
+                        gossip.map().watermark(key.1),
+                    );
+                    return Some(format!(
+                        "{} lane {}: node {first} holds {a:?} at {wa:?}, node {index} holds {b:?} at {wb:?}; members at {first}: {:?}, at {index}: {:?}",
+                        key.0, key.1, reference_members.counts(), gossip.members().counts()
+                    ));
+                }
+            }
+        }
+        None
+    }
+
+    /// The run's seed.
+    pub fn seed(&self) -> u64 {
+        self.config.seed
+    }
+
+    /// The most advanced wall clock of any running node, in unix seconds.
+    fn latest_clock_secs(&self) -> u64 {
+        (0..self.nodes.len())
+            .filter(|&i| self.nodes[i].gossip.is_some())
+            .map(|i| self.wall(i).0 / 1_000)
+            .max()
+            .unwrap_or(WALL_START_MS / 1_000)
+    }
+
+    /// FINAL: every running node holds exactly the ground truth, for every key still live
+    /// on every running node's clock. Records a violation per difference.
     pub fn check_final(&mut self) {
-        let now_secs = (WALL_START_MS + self.time.as_millis() as u64) / 1_000;
+        let now_secs = self.latest_clock_secs();
         let mut found = Vec::new();
         for (index, node) in self.nodes.iter().enumerate() {
             let Some(gossip) = &node.gossip else {
@@ -512,6 +580,9 @@ impl Sim {
         let Some(gossip) = &node.gossip else {
             return;
         };
+        if node.seen_changes == Some(gossip.map().changes()) {
+            return;
+        }
         for (key, replica) in node.seen.keys() {
             if !key.window.is_live(now_secs) {
                 continue;
@@ -526,6 +597,7 @@ impl Sim {
             }
         }
         node.seen = lanes_of(gossip.map());
+        node.seen_changes = Some(gossip.map().changes());
     }
 
     fn check_staleness(&mut self, index: usize) {
