@@ -35,7 +35,8 @@ pub struct Config {
     pub dead_after: Duration,
     /// Seed of the protocol's RNG (peer selection), so runs replay.
     pub rng_seed: u64,
-    /// Whether to push fresh lanes eagerly. Off only to measure anti-entropy alone.
+    /// Whether to push fresh lanes, and the heartbeat, eagerly to every live peer. Off
+    /// only to measure anti-entropy alone.
     pub eager_push: bool,
 }
 

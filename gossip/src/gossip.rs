@@ -249,13 +249,18 @@ impl Gossip {
         self.next_push = None;
     }
 
-    /// One anti-entropy round: heartbeat and fresh lanes to every live peer, a digest to
+    /// One anti-entropy round: heartbeat and fresh lanes to every live peer (with eager
+    /// push), a digest to
     /// `fanout` of them, a probe of one dead member, failure detection, expiry.
     fn round(&mut self, now: Now) {
         self.rounds += 1;
         self.next_round = Some(now.mono + self.config.gossip_interval);
         self.map.touch(self.config.replica, now.wall);
-        self.push();
+        if self.config.eager_push {
+            // Fresh lanes and the heartbeat go straight to every live peer. Without eager
+            // push (a measurement mode) both travel by anti-entropy alone.
+            self.push();
+        }
 
         let syn = Message::Syn {
             digest: self.map.digest(),

@@ -243,7 +243,11 @@ impl Sim {
                 if other == index {
                     continue;
                 }
-                let held = node.gossip.as_ref().map(Gossip::map).or(node.saved.as_ref());
+                let held = node
+                    .gossip
+                    .as_ref()
+                    .map(Gossip::map)
+                    .or(node.saved.as_ref());
                 if let Some(map) = held {
                     survived.merge(map.lane(key, *replica));
                 }
