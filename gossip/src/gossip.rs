@@ -498,3 +498,143 @@ impl Gossip {
             .unwrap_or_default()
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::message::Envelope;
+    use tally_crdt::{Generation, OriginDelta, Rule, Subject, Watermark, Window};
+
+    const WALL: u64 = 1_767_225_600_000;
+
+    fn now(ms: u64) -> Now {
+        Now {
+            mono: Duration::from_millis(ms),
+            wall: Stamp(WALL + ms),
+        }
+    }
+
+    fn node(id: u64) -> Gossip {
+        Gossip::new(Config::new(
+            ReplicaId::new(NodeId(id), Generation(1)),
+            format!("n{id}"),
+        ))
+    }
+
+    fn push_frame(from: ReplicaId, origin: ReplicaId) -> Vec<u8> {
+        let key = Key::new(
+            Rule::new("r").unwrap(),
+            Subject::new("s").unwrap(),
+            Window::containing(WALL / 1_000, 60).unwrap(),
+        );
+        wire::encode(&Envelope {
+            from,
+            message: Message::Push {
+                after: Version::ZERO,
+                lanes: OriginDelta {
+                    origin,
+                    through: Watermark {
+                        version: Version(1),
+                        stamp: Stamp(WALL),
+                    },
+                    lanes: vec![tally_crdt::LaneUpdate {
+                        key,
+                        lane: Lane::new(1_000, 0),
+                        version: Version(1),
+                    }],
+                },
+            },
+        })
+    }
+
+    #[test]
+    fn garbage_truncated_and_oversized_frames_are_dropped_and_counted() {
+        let mut gossip = node(1);
+        let good = push_frame(node(2).replica(), node(2).replica());
+        let frames = [
+            vec![0xFF; 64],
+            good[..good.len() / 2].to_vec(),
+            vec![wire::WIRE_VERSION; 128 * 1024],
+        ];
+        for frame in frames {
+            gossip.handle_input(Input::Receive {
+                now: now(1),
+                from: NodeId(2),
+                frame,
+            });
+        }
+        assert_eq!(gossip.stats().decode_errors, 3);
+        assert!(gossip.map().is_empty());
+    }
+
+    #[test]
+    fn a_frame_claiming_another_sender_is_dropped_and_counted() {
+        let mut gossip = node(1);
+        let frame = push_frame(node(3).replica(), node(3).replica());
+        gossip.handle_input(Input::Receive {
+            now: now(1),
+            from: NodeId(2),
+            frame,
+        });
+        assert_eq!(gossip.stats().forged, 1);
+        assert!(gossip.map().is_empty());
+    }
+
+    #[test]
+    fn a_push_of_another_origins_lanes_is_refused() {
+        let mut gossip = node(1);
+        let frame = push_frame(node(2).replica(), node(3).replica());
+        gossip.handle_input(Input::Receive {
+            now: now(1),
+            from: NodeId(2),
+            frame,
+        });
+        assert_eq!(gossip.stats().decode_errors, 1);
+        assert!(gossip.map().is_empty());
+    }
+
+    #[test]
+    fn a_push_of_own_lanes_is_merged_and_reported() {
+        let mut gossip = node(1);
+        let frame = push_frame(node(2).replica(), node(2).replica());
+        gossip.handle_input(Input::Receive {
+            now: now(1),
+            from: NodeId(2),
+            frame,
+        });
+        assert_eq!(gossip.map().lanes(), 1);
+        assert!(
+            matches!(gossip.poll_output(), Output::Event(Event::Changed { keys }) if keys.len() == 1)
+        );
+    }
+
+    #[test]
+    fn the_same_inputs_give_the_same_outputs() {
+        let run = || {
+            let mut config = Config::new(ReplicaId::new(NodeId(1), Generation(1)), "n1");
+            config.seeds = (2..6)
+                .map(|n| crate::Seed {
+                    node: NodeId(n),
+                    addr: format!("n{n}"),
+                })
+                .collect();
+            let mut gossip = Gossip::new(config);
+            let mut outputs = Vec::new();
+            for ms in [0, 1_000, 2_000] {
+                gossip.handle_input(Input::Timeout { now: now(ms) });
+                loop {
+                    let output = gossip.poll_output();
+                    let done = matches!(output, Output::Timeout(_));
+                    outputs.push(output);
+                    if done {
+                        break;
+                    }
+                }
+            }
+            outputs
+        };
+        let first = run();
+        assert!(first.iter().any(|o| matches!(o, Output::Send { .. })));
+        assert_eq!(first, run());
+    }
+}
