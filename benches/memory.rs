@@ -1,0 +1,315 @@
+//! Memory per key: live heap bytes that the lane store and the counter map hold per key,
+//! and per extra remote lane. Prints a report; it is not a criterion timing.
+//!
+//! Run with `cargo bench --bench memory`.
+//!
+//! Live bytes are counted by `stats_alloc`'s instrumented system allocator (the workspace
+//! forbids `unsafe_code`, so this file cannot implement `GlobalAlloc` itself): the sum of
+//! the sizes requested from the allocator minus the sizes given back. That is what the
+//! structures ask for; the allocator's own per-allocation overhead (8 to 16 bytes per
+//! block with glibc malloc) comes on top, so the live allocation count per key is printed
+//! too. The growth of the process's resident set per key is printed as a rough
+//! cross-check: it includes the allocator's overhead, but it reads low wherever the work
+//! reuses memory that an earlier measurement freed.
+//!
+//! The keys are made first and measured on their own ("key strings"): a `Key` shares its
+//! rule and subject strings (`Arc<str>`), so a structure that holds a key holds a pointer
+//! to strings the caller already has. "structure" is what the store or map adds on top;
+//! a store that outlives the caller's keys also owns the key strings.
+
+use stats_alloc::{Region, StatsAlloc, INSTRUMENTED_SYSTEM};
+use std::alloc::System;
+use std::collections::BTreeMap;
+use std::mem::size_of;
+use tally_crdt::{
+    CounterMap, Delta, Generation, Key, Lane, LaneUpdate, NodeId, OriginDelta, PnCounter,
+    ReplicaId, Rule, Slot, Stamp, Subject, Version, Watermark, Window,
+};
+use tally_node::store::LaneStore;
+
+#[global_allocator]
+static GLOBAL: &StatsAlloc<System> = &INSTRUMENTED_SYSTEM;
+
+const KEYS: usize = 100_000;
+const REMOTE_REPLICAS: [u64; 3] = [1, 4, 16];
+const NOW_UNIX_SECS: u64 = 1_700_000_000;
+const WINDOW_SECS: u32 = 60;
+
+fn main() {
+    println!("memory per key, {KEYS} keys, subjects `user-000001`..");
+    println!();
+    print_sizes();
+
+    let mut keys = Vec::with_capacity(KEYS);
+    let ((), key_bytes) = measure(|| make_keys(&mut keys));
+    println!(
+        "key strings: {:.1} bytes/key in {:.2} allocations/key (the subject's Arc<str>; \
+         the rule's is shared by every key)",
+        key_bytes.per(KEYS),
+        key_bytes.allocs_per(KEYS),
+    );
+    println!();
+
+    lane_store(&keys);
+    counter_map(&keys);
+    counter_map_parts(&keys);
+}
+
+/// Live heap bytes and allocations added by some work, and the resident set's growth.
+#[derive(Debug, Clone, Copy)]
+struct Live {
+    bytes: isize,
+    allocs: isize,
+    rss_bytes: Option<isize>,
+}
+
+impl Live {
+    fn per(&self, n: usize) -> f64 {
+        self.bytes as f64 / n as f64
+    }
+
+    fn allocs_per(&self, n: usize) -> f64 {
+        self.allocs as f64 / n as f64
+    }
+
+    fn rss_per(&self, n: usize) -> String {
+        self.rss_bytes
+            .map_or("n/a".to_owned(), |b| format!("{:.1}", b as f64 / n as f64))
+    }
+}
+
+/// Runs `work` and returns what it made with the live heap it added.
+fn measure<T>(work: impl FnOnce() -> T) -> (T, Live) {
+    let rss_before = rss_bytes();
+    let region = Region::new(GLOBAL);
+    let made = work();
+    let change = region.change();
+    let live = Live {
+        bytes: change.bytes_allocated as isize - change.bytes_deallocated as isize,
+        allocs: change.allocations as isize - change.deallocations as isize,
+        rss_bytes: rss_bytes().zip(rss_before).map(|(a, b)| a - b),
+    };
+    (made, live)
+}
+
+/// The resident set size from /proc/self/statm, if this is Linux.
+fn rss_bytes() -> Option<isize> {
+    let statm = std::fs::read_to_string("/proc/self/statm").ok()?;
+    let pages: isize = statm.split_whitespace().nth(1)?.parse().ok()?;
+    Some(pages * 4096)
+}
+
+/// Fills `keys` (made with room for them all, so the vector itself is not counted).
+fn make_keys(keys: &mut Vec<Key>) {
+    let rule = Rule::new("login").expect("a valid rule name");
+    let window = Window::containing(NOW_UNIX_SECS, WINDOW_SECS).expect("a valid window");
+    keys.extend((1..=KEYS).map(|i| {
+        let subject = Subject::new(format!("user-{i:06}")).expect("a valid subject");
+        Key::new(rule.clone(), subject, window)
+    }));
+}
+
+fn replica(node: u64) -> ReplicaId {
+    ReplicaId::new(NodeId(node), Generation(1))
+}
+
+fn print_sizes() {
+    println!("size_of (inline bytes, heap not included):");
+    for (name, size) in [
+        ("Key (Rule + Subject + Window)", size_of::<Key>()),
+        ("Rule (Arc<str>)", size_of::<Rule>()),
+        ("Subject (Arc<str>)", size_of::<Subject>()),
+        ("Window", size_of::<Window>()),
+        ("ReplicaId", size_of::<ReplicaId>()),
+        ("Lane", size_of::<Lane>()),
+        ("Version", size_of::<Version>()),
+        ("Slot (ReplicaId + Lane + Version)", size_of::<Slot>()),
+        ("PnCounter (Vec<Slot>)", size_of::<PnCounter>()),
+        ("(Key, PnCounter) map entry", size_of::<(Key, PnCounter)>()),
+        ("(Version, Key) index entry", size_of::<(Version, Key)>()),
+    ] {
+        println!("  {name:<40} {size:>4}");
+    }
+    println!();
+}
+
+fn lane_store(keys: &[Key]) {
+    let (store, made) = measure(|| LaneStore::new(replica(0), KEYS));
+    let ((), inserted) = measure(|| {
+        for key in keys {
+            store
+                .incr(key, 1)
+                .expect("the store has room for every key");
+        }
+    });
+    assert_eq!(store.len(), KEYS);
+    let mut collected = Vec::with_capacity(KEYS);
+    let ((), drained) = measure(|| store.collect(&mut collected));
+    assert_eq!(collected.len(), KEYS);
+    drop(collected);
+    let ((), published) = measure(|| {
+        for key in keys {
+            store
+                .publish_remote(key, 5)
+                .expect("every key is already in the store");
+        }
+    });
+    println!("LaneStore (keys_max {KEYS}), one own lane per key:");
+    println!(
+        "  LaneStore::new: {} bytes ({:.1} bytes/key of keys_max)",
+        made.bytes,
+        made.per(KEYS)
+    );
+    println!(
+        "  after {KEYS} increments, own lanes not yet collected: {:.1} bytes/key in {:.2} \
+         allocations/key (resident-set growth: {})",
+        inserted.per(KEYS),
+        inserted.allocs_per(KEYS),
+        inserted.rss_per(KEYS),
+    );
+    let settled = inserted.bytes + drained.bytes;
+    println!(
+        "  after collect (the dirty queue drained, as gossip does every push): \
+         {:.1} bytes/key; with LaneStore::new: {:.1} bytes/key",
+        settled as f64 / KEYS as f64,
+        (made.bytes + settled) as f64 / KEYS as f64,
+    );
+    println!(
+        "  publishing a remote sum for every key adds {:.1} bytes/key (remote lanes are \
+         one i128 sum per key here; their lanes live in the CounterMap)",
+        published.per(KEYS)
+    );
+    println!();
+}
+
+fn counter_map(keys: &[Key]) {
+    let own = replica(0);
+    let (mut map, own_lanes) = measure(|| {
+        let mut map = CounterMap::new();
+        for key in keys {
+            map.incr(own, key, 1, Stamp(1))
+                .expect("one increment cannot overflow");
+        }
+        map
+    });
+    assert_eq!(map.len(), KEYS);
+    println!("CounterMap, one own lane per key:");
+    println!(
+        "  structure: {:.1} bytes/key in {:.2} allocations/key (resident-set growth: {})",
+        own_lanes.per(KEYS),
+        own_lanes.allocs_per(KEYS),
+        own_lanes.rss_per(KEYS),
+    );
+
+    let mut remotes_held = 0;
+    let mut total = Live {
+        bytes: 0,
+        allocs: 0,
+        rss_bytes: Some(0),
+    };
+    for remotes in REMOTE_REPLICAS {
+        for node in remotes_held + 1..=remotes {
+            let delta = remote_delta(replica(node), keys);
+            let ((), added) = measure(|| {
+                let applied = map.apply(&delta, NOW_UNIX_SECS);
+                assert_eq!(applied.lanes_raised, KEYS);
+                drop(applied);
+            });
+            total = Live {
+                bytes: total.bytes + added.bytes,
+                allocs: total.allocs + added.allocs,
+                rss_bytes: total.rss_bytes.zip(added.rss_bytes).map(|(a, b)| a + b),
+            };
+        }
+        remotes_held = remotes;
+        let lanes = KEYS * remotes as usize;
+        assert_eq!(map.lanes(), KEYS + lanes);
+        println!(
+            "  + {remotes:>2} remote lane(s) per key: {:.1} bytes/remote lane in {:.2} \
+             allocations/remote lane (resident-set growth: {}); \
+             {:.1} bytes/key in all",
+            total.per(lanes),
+            total.allocs_per(lanes),
+            total.rss_per(lanes),
+            own_lanes.per(KEYS) + total.per(KEYS),
+        );
+    }
+    println!();
+}
+
+/// A delta from `origin` carrying one lane for every key, in version order.
+fn remote_delta(origin: ReplicaId, keys: &[Key]) -> Delta {
+    let lanes: Vec<LaneUpdate> = keys
+        .iter()
+        .zip(1..)
+        .map(|(key, version)| LaneUpdate {
+            key: key.clone(),
+            lane: Lane::new(2, 1),
+            version: Version(version),
+        })
+        .collect();
+    Delta {
+        origins: vec![OriginDelta {
+            origin,
+            through: Watermark {
+                version: Version(keys.len() as u64),
+                stamp: Stamp(1),
+            },
+            lanes,
+        }],
+    }
+}
+
+/// The counter map's parts, each built alone for the same keys and inserted one at a time
+/// as the map inserts them (a bulk-built B-tree packs its nodes fuller), to show where its
+/// bytes go: the key-to-counter B-tree, one counter's lane vector, and the per-origin
+/// version-to-key B-tree that delta sync walks.
+fn counter_map_parts(keys: &[Key]) {
+    println!("CounterMap's parts, each alone, per key:");
+    let (counters, counters_live) = measure(|| {
+        let mut counters = BTreeMap::new();
+        for key in keys {
+            counters.insert(key.clone(), PnCounter::new());
+        }
+        counters
+    });
+    drop(counters);
+    let (lanes, lanes_live) = measure(|| {
+        keys.iter()
+            .map(|_| {
+                let mut counter = PnCounter::new();
+                counter
+                    .incr(replica(0), 1)
+                    .expect("one increment cannot overflow");
+                counter
+            })
+            .collect::<Vec<PnCounter>>()
+    });
+    drop(lanes);
+    let (index, index_live) = measure(|| {
+        let mut index = BTreeMap::new();
+        for (key, version) in keys.iter().zip(1..) {
+            index.insert(Version(version), key.clone());
+        }
+        index
+    });
+    drop(index);
+    let vector = (KEYS * size_of::<PnCounter>()) as isize;
+    for (part, live) in [
+        (
+            "BTreeMap<Key, PnCounter> (empty counters)",
+            counters_live.bytes,
+        ),
+        (
+            "one-lane PnCounter's Vec<Slot> heap (capacity 4)",
+            lanes_live.bytes - vector,
+        ),
+        (
+            "BTreeMap<Version, Key> (one origin's index)",
+            index_live.bytes,
+        ),
+    ] {
+        println!("  {part:<50} {:>6.1}", live as f64 / KEYS as f64);
+    }
+    println!();
+}
