@@ -52,11 +52,8 @@ pub enum Input {
         /// Key and the own lane's totals.
         lanes: Vec<(Key, Lane)>,
     },
-    /// Leave the cluster gracefully: tell every member.
-    Leave {
-        /// When.
-        now: Now,
-    },
+    /// Leave the cluster gracefully: tell every member, then go quiet.
+    Leave,
 }
 
 /// What the driver must do.
@@ -159,7 +156,7 @@ impl Gossip {
             Input::Receive { now, from, frame } => self.handle_frame(now, from, &frame),
             Input::Timeout { now } => self.handle_timeout(now),
             Input::LocalLanes { now, lanes } => self.handle_local_lanes(now, lanes),
-            Input::Leave { now } => self.handle_leave(now),
+            Input::Leave => self.handle_leave(),
         }
     }
 
@@ -167,6 +164,10 @@ impl Gossip {
     pub fn poll_output(&mut self) -> Output {
         if let Some(output) = self.outbox.pop_front() {
             return output;
+        }
+        if self.has_left() {
+            // A node that left has nothing more to wait for.
+            return Output::Timeout(Duration::MAX);
         }
         let deadline = match (self.next_round, self.next_push) {
             (Some(round), Some(push)) => round.min(push),
@@ -215,6 +216,9 @@ impl Gossip {
     }
 
     fn handle_timeout(&mut self, now: Now) {
+        if self.has_left() {
+            return;
+        }
         let round_due = self.next_round.is_none_or(|at| now.mono >= at);
         if self.next_push.is_some_and(|at| now.mono >= at) {
             self.push();
@@ -237,7 +241,7 @@ impl Gossip {
         }
     }
 
-    fn handle_leave(&mut self, now: Now) {
+    fn handle_leave(&mut self) {
         self.members.leave();
         let announce = Message::Members {
             members: self.members.entries(),
@@ -245,7 +249,6 @@ impl Gossip {
         for peer in self.members.others_in(&[State::Alive, State::Suspect]) {
             self.send(peer, &announce);
         }
-        self.next_round = Some(now.mono + Duration::from_secs(3600 * 24 * 365));
         self.next_push = None;
     }
 
@@ -329,7 +332,7 @@ impl Gossip {
             self.stats.forged += 1;
             return;
         }
-        if self.members.state(self.config.node()) == Some(State::Left) {
+        if self.has_left() {
             return;
         }
         self.members.heard(envelope.from, now.mono);
@@ -456,6 +459,10 @@ impl Gossip {
         }
     }
 
+    fn has_left(&self) -> bool {
+        self.members.state(self.config.node()) == Some(State::Left)
+    }
+
     fn emit_transitions(&mut self) {
         for transition in self.members.take_transitions() {
             self.outbox
@@ -547,6 +554,14 @@ mod tests {
         })
     }
 
+    fn receive_from_node_2(gossip: &mut Gossip, frame: Vec<u8>) {
+        gossip.handle_input(Input::Receive {
+            now: now(1),
+            from: NodeId(2),
+            frame,
+        });
+    }
+
     #[test]
     fn garbage_truncated_and_oversized_frames_are_dropped_and_counted() {
         let mut gossip = node(1);
@@ -557,11 +572,7 @@ mod tests {
             vec![wire::WIRE_VERSION; 128 * 1024],
         ];
         for frame in frames {
-            gossip.handle_input(Input::Receive {
-                now: now(1),
-                from: NodeId(2),
-                frame,
-            });
+            receive_from_node_2(&mut gossip, frame);
         }
         assert_eq!(gossip.stats().decode_errors, 3);
         assert!(gossip.map().is_empty());
@@ -571,11 +582,7 @@ mod tests {
     fn a_frame_claiming_another_sender_is_dropped_and_counted() {
         let mut gossip = node(1);
         let frame = push_frame(node(3).replica(), node(3).replica());
-        gossip.handle_input(Input::Receive {
-            now: now(1),
-            from: NodeId(2),
-            frame,
-        });
+        receive_from_node_2(&mut gossip, frame);
         assert_eq!(gossip.stats().forged, 1);
         assert!(gossip.map().is_empty());
     }
@@ -584,11 +591,7 @@ mod tests {
     fn a_push_of_another_origins_lanes_is_refused() {
         let mut gossip = node(1);
         let frame = push_frame(node(2).replica(), node(3).replica());
-        gossip.handle_input(Input::Receive {
-            now: now(1),
-            from: NodeId(2),
-            frame,
-        });
+        receive_from_node_2(&mut gossip, frame);
         assert_eq!(gossip.stats().decode_errors, 1);
         assert!(gossip.map().is_empty());
     }
@@ -597,15 +600,37 @@ mod tests {
     fn a_push_of_own_lanes_is_merged_and_reported() {
         let mut gossip = node(1);
         let frame = push_frame(node(2).replica(), node(2).replica());
-        gossip.handle_input(Input::Receive {
-            now: now(1),
-            from: NodeId(2),
-            frame,
-        });
+        receive_from_node_2(&mut gossip, frame);
         assert_eq!(gossip.map().lanes(), 1);
         assert!(
             matches!(gossip.poll_output(), Output::Event(Event::Changed { keys }) if keys.len() == 1)
         );
+    }
+
+    #[test]
+    fn a_leaving_node_tells_its_peers_then_goes_quiet() {
+        let mut gossip = node(1);
+        let joined = wire::encode(&Envelope {
+            from: node(2).replica(),
+            message: Message::Members {
+                members: vec![MemberEntry {
+                    node: NodeId(2),
+                    generation: Generation(1),
+                    addr: "n2".into(),
+                    left: false,
+                }],
+            },
+        });
+        receive_from_node_2(&mut gossip, joined);
+        while !matches!(gossip.poll_output(), Output::Timeout(_)) {}
+        gossip.handle_input(Input::Leave);
+        assert!(matches!(
+            gossip.poll_output(),
+            Output::Send { to: NodeId(2), .. }
+        ));
+        assert_eq!(gossip.poll_output(), Output::Timeout(Duration::MAX));
+        gossip.handle_input(Input::Timeout { now: now(5_000) });
+        assert_eq!(gossip.poll_output(), Output::Timeout(Duration::MAX));
     }
 
     #[test]

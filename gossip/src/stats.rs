@@ -54,11 +54,6 @@ impl Histogram {
         self.counts[bucket] += 1;
         self.sum_ms = self.sum_ms.saturating_add(ms);
     }
-
-    /// How many samples.
-    pub fn count(&self) -> u64 {
-        self.counts.iter().sum()
-    }
 }
 
 impl Default for Histogram {

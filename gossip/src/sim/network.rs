@@ -72,11 +72,6 @@ impl Network {
         }
     }
 
-    /// Replaces the fault settings.
-    pub fn set_faults(&mut self, faults: Faults) {
-        self.faults = faults;
-    }
-
     /// Drops every frame from `from` to `to` from now on (one way).
     pub fn cut(&mut self, from: usize, to: usize) {
         self.blocked.insert((from, to));
@@ -97,11 +92,6 @@ impl Network {
         }
     }
 
-    /// Every link that is cut, one way each.
-    pub fn cut_links(&self) -> Vec<(usize, usize)> {
-        self.blocked.iter().copied().collect()
-    }
-
     /// Restores every link and removes every fault but the delay.
     pub fn heal(&mut self) {
         self.blocked.clear();
@@ -110,11 +100,6 @@ impl Network {
             delay_max: self.faults.delay_max,
             ..Faults::none()
         };
-    }
-
-    /// How many nodes the network joins.
-    pub fn nodes(&self) -> usize {
-        self.nodes
     }
 
     /// Bytes handed to the network so far.
