@@ -1,7 +1,7 @@
 //! The gossip state machine: anti-entropy, eager push, membership, staleness.
 
 use crate::membership::{Members, State, Transition};
-use crate::message::{Envelope, MemberEntry, Message};
+use crate::message::{MemberEntry, Message};
 use crate::stats::Stats;
 use crate::wire;
 use crate::Config;
@@ -246,9 +246,8 @@ impl Gossip {
         let announce = Message::Members {
             members: self.members.entries(),
         };
-        for peer in self.members.others_in(&[State::Alive, State::Suspect]) {
-            self.send(peer, &announce);
-        }
+        let peers = self.members.others_in(&[State::Alive, State::Suspect]);
+        self.send_to(&peers, &announce);
         self.next_push = None;
     }
 
@@ -280,9 +279,7 @@ impl Gossip {
             // Alone: knock on every seed until someone answers.
             targets = self.config.seeds.iter().map(|s| s.node).collect();
         }
-        for peer in targets {
-            self.send(peer, &syn);
-        }
+        self.send_to(&targets, &syn);
 
         self.members
             .check(now.mono, self.config.suspect_phi, self.config.dead_after);
@@ -305,10 +302,7 @@ impl Gossip {
                 return;
             };
             let through = lanes.through.version;
-            let message = Message::Push { after, lanes };
-            for peer in &peers {
-                self.send(*peer, &message);
-            }
+            self.send_to(&peers, &Message::Push { after, lanes });
             after = through;
             if through >= self.map.watermark(me).version {
                 break;
@@ -443,11 +437,7 @@ impl Gossip {
     /// The byte budget for the delta in `message` (sent with an empty delta), so the whole
     /// frame stays within `frame_bytes_max`.
     fn delta_budget(&self, from: ReplicaId, message: &Message) -> usize {
-        let without = wire::encode(&Envelope {
-            from,
-            message: message.clone(),
-        })
-        .len();
+        let without = wire::encode(from, message).len();
         self.config.frame_bytes_max.saturating_sub(without + 16)
     }
 
@@ -471,26 +461,37 @@ impl Gossip {
     }
 
     fn send(&mut self, to: NodeId, message: &Message) {
-        let frame = wire::encode(&Envelope {
-            from: self.config.replica,
-            message: message.clone(),
-        });
+        self.send_to(&[to], message);
+    }
+
+    /// Sends one message to several peers, encoding it once.
+    fn send_to(&mut self, peers: &[NodeId], message: &Message) {
+        if peers.is_empty() {
+            return;
+        }
+        let frame = wire::encode(self.config.replica, message);
         assert!(
             frame.len() <= self.config.frame_bytes_max,
             "built a {}-byte frame over frame_bytes_max {}",
             frame.len(),
             self.config.frame_bytes_max
         );
-        let addr = self.addr_of(to);
-        self.stats.frames_out += 1;
-        self.stats.bytes_out += frame.len() as u64;
-        if let Message::Ack { delta, .. } | Message::Delta { delta, .. } = message {
-            self.stats.lanes_out += delta.lanes() as u64;
+        let lanes = match message {
+            Message::Ack { delta, .. } | Message::Delta { delta, .. } => delta.lanes(),
+            Message::Push { lanes, .. } => lanes.lanes.len(),
+            Message::Syn { .. } | Message::Members { .. } => 0,
+        };
+        for &to in peers {
+            self.stats.frames_out += 1;
+            self.stats.bytes_out += frame.len() as u64;
+            self.stats.lanes_out += lanes as u64;
+            let addr = self.addr_of(to);
+            self.outbox.push_back(Output::Send {
+                to,
+                addr,
+                frame: frame.clone(),
+            });
         }
-        if let Message::Push { lanes, .. } = message {
-            self.stats.lanes_out += lanes.lanes.len() as u64;
-        }
-        self.outbox.push_back(Output::Send { to, addr, frame });
     }
 
     fn addr_of(&self, node: NodeId) -> String {
@@ -509,7 +510,6 @@ impl Gossip {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::message::Envelope;
     use tally_crdt::{Generation, OriginDelta, Rule, Subject, Watermark, Window};
 
     const WALL: u64 = 1_767_225_600_000;
@@ -534,9 +534,9 @@ mod tests {
             Subject::new("s").unwrap(),
             Window::containing(WALL / 1_000, 60).unwrap(),
         );
-        wire::encode(&Envelope {
+        wire::encode(
             from,
-            message: Message::Push {
+            &Message::Push {
                 after: Version::ZERO,
                 lanes: OriginDelta {
                     origin,
@@ -551,7 +551,7 @@ mod tests {
                     }],
                 },
             },
-        })
+        )
     }
 
     fn receive_from_node_2(gossip: &mut Gossip, frame: Vec<u8>) {
@@ -610,9 +610,9 @@ mod tests {
     #[test]
     fn a_leaving_node_tells_its_peers_then_goes_quiet() {
         let mut gossip = node(1);
-        let joined = wire::encode(&Envelope {
-            from: node(2).replica(),
-            message: Message::Members {
+        let joined = wire::encode(
+            node(2).replica(),
+            &Message::Members {
                 members: vec![MemberEntry {
                     node: NodeId(2),
                     generation: Generation(1),
@@ -620,7 +620,7 @@ mod tests {
                     left: false,
                 }],
             },
-        });
+        );
         receive_from_node_2(&mut gossip, joined);
         while !matches!(gossip.poll_output(), Output::Timeout(_)) {}
         gossip.handle_input(Input::Leave);

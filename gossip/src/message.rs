@@ -6,14 +6,15 @@ use tally_crdt::{Delta, Digest, Generation, NodeId, OriginDelta, ReplicaId, Vers
 /// The longest address a member may advertise, in bytes.
 pub const ADDR_BYTES_MAX: usize = 256;
 
-/// One frame: who sent it and what it says.
+/// One frame: who sent it and what it says. Generic so a message can be encoded by
+/// reference (`Envelope<&Message>` encodes exactly as `Envelope<Message>`) without a copy.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-pub struct Envelope {
+pub struct Envelope<M = Message> {
     /// The sending replica. The driver has checked `from.node` against the peer's
     /// certificate before the protocol sees the frame.
     pub from: ReplicaId,
     /// The content.
-    pub message: Message,
+    pub message: M,
 }
 
 /// What one frame says.

@@ -3,6 +3,7 @@
 //! encoding means changing this file only.
 
 use crate::message::{Envelope, Message, ADDR_BYTES_MAX};
+use tally_crdt::ReplicaId;
 
 /// The wire format this build speaks.
 pub const WIRE_VERSION: u8 = 1;
@@ -49,12 +50,13 @@ const CONFIG: bincode::config::Configuration<
     bincode::config::Limit<FRAME_BYTES_LIMIT>,
 > = bincode::config::standard().with_limit::<FRAME_BYTES_LIMIT>();
 
-/// Encodes a frame: the version byte, then the envelope.
-pub fn encode(envelope: &Envelope) -> Vec<u8> {
+/// Encodes a frame from `from` carrying `message`: the version byte, then the envelope.
+pub fn encode(from: ReplicaId, message: &Message) -> Vec<u8> {
+    let envelope = Envelope { from, message };
     let mut frame = vec![WIRE_VERSION];
     // Encoding into a Vec only fails past the configured limit, which no frame this
     // node builds can reach: deltas are cut to `frame_bytes_max`, itself far below it.
-    bincode::serde::encode_into_std_write(envelope, &mut frame, CONFIG)
+    bincode::serde::encode_into_std_write(&envelope, &mut frame, CONFIG)
         .expect("invariant: frames are built under FRAME_BYTES_LIMIT");
     frame
 }
@@ -109,7 +111,7 @@ fn check(envelope: &Envelope) -> Result<(), DecodeError> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use tally_crdt::{Digest, Generation, NodeId, ReplicaId};
+    use tally_crdt::{Digest, Generation, NodeId};
 
     fn syn() -> Envelope {
         Envelope {
@@ -121,23 +123,28 @@ mod tests {
         }
     }
 
+    fn encode_syn() -> Vec<u8> {
+        let envelope = syn();
+        encode(envelope.from, &envelope.message)
+    }
+
     #[test]
     fn a_frame_round_trips() {
-        let frame = encode(&syn());
+        let frame = encode_syn();
         assert_eq!(frame[0], WIRE_VERSION);
         assert_eq!(decode(&frame, 1024), Ok(syn()));
     }
 
     #[test]
     fn trailing_bytes_unknown_versions_and_oversize_are_refused() {
-        let mut frame = encode(&syn());
+        let mut frame = encode_syn();
         frame.push(0);
         assert_eq!(decode(&frame, 1024), Err(DecodeError::Trailing(1)));
-        let mut frame = encode(&syn());
+        let mut frame = encode_syn();
         frame[0] = 2;
         assert_eq!(decode(&frame, 1024), Err(DecodeError::Version(2)));
         assert!(matches!(
-            decode(&encode(&syn()), 3),
+            decode(&encode_syn(), 3),
             Err(DecodeError::TooLong { .. })
         ));
         assert_eq!(decode(&[], 1024), Err(DecodeError::Empty));
