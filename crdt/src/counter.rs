@@ -85,9 +85,26 @@ impl PnCounter {
     }
 
     /// Merges every lane of `other` into `self`. Total: never fails.
+    ///
+    /// One pass over both sorted lane lists. Lanes `self` lacks are collected on the way
+    /// and sorted in once at the end, so a merge between counters with the same replicas
+    /// (the usual case once gossip has spread every writer) neither searches nor allocates.
     pub fn merge(&mut self, other: &PnCounter) {
-        for slot in &other.slots {
-            self.merge_slot(*slot);
+        let mut missing = Vec::new();
+        let mut mine = self.slots.iter_mut().peekable();
+        for theirs in &other.slots {
+            while mine.next_if(|slot| slot.replica < theirs.replica).is_some() {}
+            match mine.peek_mut() {
+                Some(slot) if slot.replica == theirs.replica => {
+                    slot.lane.merge(theirs.lane);
+                    slot.version = slot.version.max(theirs.version);
+                }
+                _ => missing.push(*theirs),
+            }
+        }
+        if !missing.is_empty() {
+            self.slots.extend(missing);
+            self.slots.sort_unstable_by_key(|slot| slot.replica);
         }
     }
 

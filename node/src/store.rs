@@ -60,6 +60,16 @@ pub struct LaneStore {
     keys: AtomicUsize,
 }
 
+/// What a write left behind: the key's own lane and its estimate just after the write.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Counted {
+    /// The own lane's totals after the write (and any writes that landed alongside it).
+    pub own: Lane,
+    /// `own`'s value plus the remote sum last published: what [`LaneStore::estimate`]
+    /// would have read at that moment.
+    pub estimate: i128,
+}
+
 /// Why a write or a publish counted nothing. Nothing changed in either case.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
 pub enum StoreError {
@@ -94,15 +104,15 @@ impl LaneStore {
     }
 
     /// Adds `amount` to the key's own increments and returns its own lane after the write
-    /// (with any writes that landed alongside). Creates the key if it is new. On error
-    /// nothing changed.
-    pub fn incr(&self, key: &Key, amount: u64) -> Result<Lane, StoreError> {
+    /// (with any writes that landed alongside) and the estimate that follows from it, from
+    /// the same lookup. Creates the key if it is new. On error nothing changed.
+    pub fn incr(&self, key: &Key, amount: u64) -> Result<Counted, StoreError> {
         self.write(key, amount, Slot::incr)
     }
 
-    /// Adds `amount` to the key's own decrements and returns its own lane after the write.
-    /// Creates the key if it is new. On error nothing changed.
-    pub fn decr(&self, key: &Key, amount: u64) -> Result<Lane, StoreError> {
+    /// Adds `amount` to the key's own decrements and returns its own lane and estimate after
+    /// the write. Creates the key if it is new. On error nothing changed.
+    pub fn decr(&self, key: &Key, amount: u64) -> Result<Counted, StoreError> {
         self.write(key, amount, Slot::decr)
     }
 
@@ -203,7 +213,7 @@ impl LaneStore {
         key: &Key,
         amount: u64,
         add: fn(&Slot, u64) -> Result<Written, Overflow>,
-    ) -> Result<Lane, StoreError> {
+    ) -> Result<Counted, StoreError> {
         let guard = self.slots.guard();
         loop {
             let slot = self.slot_or_insert(key, &guard)?;
@@ -212,7 +222,12 @@ impl LaneStore {
                     if queue {
                         self.dirty.push(key.clone());
                     }
-                    return Ok(lane);
+                    // The remote sum is read after the write, so the estimate includes
+                    // this write and every remote merge published before it.
+                    return Ok(Counted {
+                        own: lane,
+                        estimate: lane.value() + slot.remote(),
+                    });
                 }
                 Written::Retired => {
                     // `remove` retired this slot after our lookup and is taking it out of
@@ -497,7 +512,10 @@ mod tests {
     fn overflowing_increment_is_refused_and_counts_nothing() {
         let store = store(8);
         let a = key("a");
-        assert_eq!(store.incr(&a, u64::MAX - 1), Ok(Lane::new(u64::MAX - 1, 0)));
+        assert_eq!(
+            store.incr(&a, u64::MAX - 1).map(|c| c.own),
+            Ok(Lane::new(u64::MAX - 1, 0))
+        );
         let err = store.incr(&a, 2).unwrap_err();
         assert_eq!(
             err,
@@ -512,7 +530,10 @@ mod tests {
             .contains("incr total 18446744073709551614 cannot take 2"));
         assert_eq!(
             store.decr(&a, u64::MAX),
-            Ok(Lane::new(u64::MAX - 1, u64::MAX))
+            Ok(Counted {
+                own: Lane::new(u64::MAX - 1, u64::MAX),
+                estimate: -1
+            })
         );
         assert!(matches!(
             store.decr(&a, 1),
@@ -544,7 +565,7 @@ mod tests {
             (2, Lane::default(), 0)
         );
         assert_eq!(
-            store.incr(&a, 1),
+            store.incr(&a, 1).map(|c| c.own),
             Ok(Lane::new(2, 0)),
             "a held key still counts at the cap"
         );
@@ -552,7 +573,7 @@ mod tests {
         collected(&store);
         assert!(store.remove(&a));
         assert_eq!(
-            store.incr(&c, 1),
+            store.incr(&c, 1).map(|c| c.own),
             Ok(Lane::new(1, 0)),
             "a removal frees a place"
         );
@@ -588,6 +609,12 @@ mod tests {
         assert_eq!(store.estimate(&a), 3);
         store.publish_remote(&a, -10).unwrap();
         assert_eq!(store.estimate(&a), -7);
+        assert_eq!(
+            store.incr(&a, 1).map(|c| c.estimate),
+            Ok(-6),
+            "a write returns the estimate it leaves"
+        );
+        store.decr(&a, 1).unwrap();
         let beyond_u64 = 3 * i128::from(u64::MAX);
         store.publish_remote(&a, beyond_u64).unwrap();
         assert_eq!(
