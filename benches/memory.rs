@@ -301,7 +301,7 @@ fn counter_map_parts(keys: &[Key]) {
             counters_live.bytes,
         ),
         (
-            "one-lane PnCounter's Vec<Slot> heap (capacity 4)",
+            "one-lane PnCounter's Vec<Slot> heap",
             lanes_live.bytes - vector,
         ),
         (

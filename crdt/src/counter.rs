@@ -120,6 +120,9 @@ impl PnCounter {
                 *slot != before
             }
             Err(at) => {
+                // Most counters hold one or a few lanes: grow by exactly one rather than
+                // to Vec's first capacity of four 40-byte slots.
+                self.slots.reserve_exact(1);
                 self.slots.insert(at, incoming);
                 true
             }
