@@ -160,6 +160,17 @@ impl CounterMap {
         version
     }
 
+    /// Moves `origin`'s version up to at least `floor` without a write, so that every later
+    /// write of that origin's lanes is newer than any copy a peer may hold.
+    ///
+    /// For a node that re-publishes a retired replica of its own from its durable log after
+    /// a restart: the peers may hold that replica's lanes at versions this map never saw,
+    /// and a lane written at a lower version would be ignored by them.
+    pub fn raise_version(&mut self, origin: ReplicaId, floor: Version) {
+        let origin = self.origins.entry(origin).or_default();
+        origin.watermark.version = origin.watermark.version.max(floor);
+    }
+
     /// Moves `origin`'s clock reading forward without a write: the origin says it has
     /// nothing newer than its watermark as of `stamp`.
     pub fn touch(&mut self, origin: ReplicaId, stamp: Stamp) {
@@ -375,6 +386,24 @@ mod tests {
             Subject::new(format!("subject-{subject}")).unwrap(),
             Window::containing(NOW, len_secs).unwrap(),
         )
+    }
+
+    #[test]
+    fn lanes_republished_above_a_raised_version_reach_a_peer_that_held_newer_copies() {
+        // A peer holds replica 1's lane at version 3 with totals 5; the replica's life
+        // restarts, its log says 7, and it re-publishes the lane from a fresh map.
+        let mut peer = CounterMap::new();
+        for _ in 0..5 {
+            peer.incr(replica(1), &key(0, 60), 1, Stamp(1)).unwrap();
+        }
+        let mut restarted = CounterMap::new();
+        restarted.raise_version(replica(1), Version(1_000));
+        let version = restarted.write(replica(1), &key(0, 60), Lane::new(7, 0), Stamp(2));
+        assert_eq!(version, Version(1_001));
+        let delta = restarted.delta_for(&peer.digest(), 1 << 16, 0);
+        peer.apply(&delta, NOW);
+        assert_eq!(peer.value(&key(0, 60)), 7);
+        assert_eq!(peer.watermark(replica(1)).version, Version(1_001));
     }
 
     #[test]

@@ -29,8 +29,21 @@
 //! assert_eq!(changed, vec![(key, Lane::new(3, 0))]);
 //! ```
 
+pub mod certs;
+pub mod clock;
+pub mod config;
+pub mod daemon;
+pub mod decide;
+pub mod driver;
+pub mod http;
+pub mod lanelog;
+pub mod listener;
+pub mod metrics;
 pub mod store;
 mod sync;
+pub mod tls;
+pub mod transport;
+pub mod view;
 
 /// Whether this build runs on loom's atomics (`--cfg tally_loom`), which panic outside a
 /// loom model. Rustdoc does not pass `RUSTFLAGS` on to doctests, so they cannot see the cfg

@@ -198,6 +198,14 @@ impl LaneStore {
         removed
     }
 
+    /// Calls `f` with every key held and its own lane, as read at that moment.
+    pub fn for_each_own(&self, mut f: impl FnMut(&Key, Lane)) {
+        let guard = self.slots.guard();
+        for (key, slot) in self.slots.iter(&guard) {
+            f(key, slot.own());
+        }
+    }
+
     /// How many keys the store holds, counting keys being created at this moment.
     pub fn len(&self) -> usize {
         self.keys.load(Ordering::Relaxed)

@@ -1,0 +1,304 @@
+//! The client handle and its options.
+
+use std::fmt;
+use std::io;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, PoisonError};
+use std::time::Duration;
+
+use crate::connection::Connection;
+use crate::endpoint::Endpoint;
+use crate::error::Error;
+use crate::wire::{
+    Decision, Estimate, Op, Refusal, Reply, Request, Status, CLIENT_FRAME_BYTES_MAX,
+};
+
+/// How long a client waits.
+///
+/// Build it from [`Options::default`] and the `with_` methods:
+///
+/// ```
+/// use std::time::Duration;
+/// use tally_client::Options;
+///
+/// let options = Options::default().with_timeout(Duration::from_millis(50));
+/// assert_eq!(options.connect_timeout, Duration::from_secs(1));
+/// ```
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct Options {
+    /// How long one request waits for its answer once a connection is up. Default 1 s.
+    pub timeout: Duration,
+    /// How long connecting (or reconnecting) may take. Default 1 s.
+    pub connect_timeout: Duration,
+}
+
+impl Default for Options {
+    fn default() -> Self {
+        Options {
+            timeout: Duration::from_secs(1),
+            connect_timeout: Duration::from_secs(1),
+        }
+    }
+}
+
+impl Options {
+    /// These options with a per-request timeout of `timeout`.
+    pub fn with_timeout(mut self, timeout: Duration) -> Self {
+        self.timeout = timeout;
+        self
+    }
+
+    /// These options with a connect timeout of `connect_timeout`.
+    pub fn with_connect_timeout(mut self, connect_timeout: Duration) -> Self {
+        self.connect_timeout = connect_timeout;
+        self
+    }
+}
+
+/// A handle on one connection to a sidecar. Cloning is cheap; clones share the connection.
+///
+/// Requests from every clone are pipelined on the one connection: many may be in flight,
+/// and answers are matched to requests by id in whatever order they come. The connection's
+/// tasks run on the Tokio runtime that called [`Client::connect`] (a current-thread runtime
+/// works). When the connection breaks, the requests in flight fail with
+/// [`Error::Disconnected`] and the next request reconnects.
+#[derive(Clone)]
+pub struct Client {
+    inner: Arc<Inner>,
+}
+
+struct Inner {
+    endpoint: Endpoint,
+    options: Options,
+    /// Where request ids come from: each request takes the next.
+    next_id: AtomicU64,
+    /// The connection requests go to; replaced when it has closed.
+    current: Mutex<Arc<Connection>>,
+    /// Held while reconnecting, so that callers who find the connection closed at the same
+    /// moment make one new connection, not one each.
+    reconnecting: tokio::sync::Mutex<()>,
+}
+
+impl Client {
+    /// Connects to the sidecar at `endpoint`, within `options.connect_timeout`.
+    pub async fn connect(endpoint: Endpoint, options: Options) -> Result<Client, Error> {
+        let connection = open(&endpoint, options.connect_timeout).await?;
+        Ok(Client {
+            inner: Arc::new(Inner {
+                endpoint,
+                options,
+                next_id: AtomicU64::new(1),
+                current: Mutex::new(Arc::new(connection)),
+                reconnecting: tokio::sync::Mutex::new(()),
+            }),
+        })
+    }
+
+    /// The endpoint this client connects to.
+    pub fn endpoint(&self) -> &Endpoint {
+        &self.inner.endpoint
+    }
+
+    /// The options this client was made with.
+    pub fn options(&self) -> Options {
+        self.inner.options
+    }
+
+    /// Adds `amount` to `subject`'s count under `rule` and returns the count after it.
+    ///
+    /// After an error the count is unchanged only for [`Error::Refused`] and
+    /// [`Error::Connect`]. After [`Error::Timeout`] or [`Error::Disconnected`] the outcome
+    /// is unknown: the increment may have been applied, and retrying it may count twice.
+    pub async fn incr(&self, rule: &str, subject: &str, amount: u64) -> Result<Estimate, Error> {
+        let op = Op::Incr {
+            rule: rule.to_string(),
+            subject: subject.to_string(),
+            amount,
+        };
+        match self.call(op).await? {
+            Reply::Counted(estimate) => Ok(estimate),
+            other => Err(wrong_reply("incr", "Counted", &other)),
+        }
+    }
+
+    /// Subtracts `amount` from `subject`'s count under `rule` (a release, as when a request
+    /// under a concurrency limit finishes) and returns the count after it.
+    ///
+    /// As with [`Client::incr`], after [`Error::Timeout`] or [`Error::Disconnected`] the
+    /// decrement may have been applied, and retrying it may subtract twice.
+    pub async fn decr(&self, rule: &str, subject: &str, amount: u64) -> Result<Estimate, Error> {
+        let op = Op::Decr {
+            rule: rule.to_string(),
+            subject: subject.to_string(),
+            amount,
+        };
+        match self.call(op).await? {
+            Reply::Counted(estimate) => Ok(estimate),
+            other => Err(wrong_reply("decr", "Counted", &other)),
+        }
+    }
+
+    /// `subject`'s count under `rule` in the rule's current window, with its staleness.
+    /// Changes nothing.
+    pub async fn get(&self, rule: &str, subject: &str) -> Result<Estimate, Error> {
+        let op = Op::Get {
+            rule: rule.to_string(),
+            subject: subject.to_string(),
+        };
+        match self.call(op).await? {
+            Reply::Estimate(estimate) => Ok(estimate),
+            other => Err(wrong_reply("get", "Estimate", &other)),
+        }
+    }
+
+    /// Decides whether `cost` more is allowed for `subject` under `rule`, and counts it if
+    /// so ([`Decision::allowed`]).
+    ///
+    /// As with [`Client::incr`], after [`Error::Timeout`] or [`Error::Disconnected`] the
+    /// cost may have been counted, and retrying may count it twice.
+    pub async fn check(&self, rule: &str, subject: &str, cost: u64) -> Result<Decision, Error> {
+        let op = Op::Check {
+            rule: rule.to_string(),
+            subject: subject.to_string(),
+            cost,
+        };
+        match self.call(op).await? {
+            Reply::Decision(decision) => Ok(decision),
+            other => Err(wrong_reply("check", "Decision", &other)),
+        }
+    }
+
+    /// The sidecar's view of itself: its node id, generation, members and keys.
+    pub async fn status(&self) -> Result<Status, Error> {
+        match self.call(Op::Status).await? {
+            Reply::Status(status) => Ok(status),
+            other => Err(wrong_reply("status", "Status", &other)),
+        }
+    }
+
+    /// Sends one request on the current connection (reconnecting first if it has closed)
+    /// and waits at most `options.timeout` for the answer.
+    async fn call(&self, op: Op) -> Result<Reply, Error> {
+        check_frame_size(&op)?;
+        let connection = self.connection().await?;
+        let id = self.inner.next_id.fetch_add(1, Ordering::Relaxed);
+        let timeout = self.inner.options.timeout;
+        match tokio::time::timeout(timeout, connection.call(Request { id, op })).await {
+            Ok(answer) => answer?.map_err(Error::Refused),
+            Err(_elapsed) => Err(Error::Timeout { after: timeout }),
+        }
+    }
+
+    /// The open connection, or a new one if it has closed: one attempt, within
+    /// `options.connect_timeout` including the wait for another caller's attempt.
+    async fn connection(&self) -> Result<Arc<Connection>, Error> {
+        let current = self.current();
+        if !current.is_closed() {
+            return Ok(current);
+        }
+        let connect_timeout = self.inner.options.connect_timeout;
+        let reconnect = async {
+            let _turn = self.inner.reconnecting.lock().await;
+            // Another caller may have reconnected while this one waited its turn.
+            let current = self.current();
+            if !current.is_closed() {
+                return Ok(current);
+            }
+            let fresh = Arc::new(Connection::open(&self.inner.endpoint).await?);
+            *self
+                .inner
+                .current
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner) = Arc::clone(&fresh);
+            Ok(fresh)
+        };
+        match tokio::time::timeout(connect_timeout, reconnect).await {
+            Ok(connection) => connection,
+            Err(_elapsed) => Err(connect_timed_out(&self.inner.endpoint, connect_timeout)),
+        }
+    }
+
+    fn current(&self) -> Arc<Connection> {
+        // Nothing under this lock panics, so a poisoned lock still holds a usable handle.
+        let current = self
+            .inner
+            .current
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner);
+        Arc::clone(&current)
+    }
+}
+
+impl fmt::Debug for Client {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Client")
+            .field("endpoint", &self.inner.endpoint)
+            .field("options", &self.inner.options)
+            .finish_non_exhaustive()
+    }
+}
+
+/// The most bytes a request's body takes beside its rule and subject: the version byte and
+/// the varints of the id, the op, the two name lengths and the amount (at most 10 bytes
+/// each), rounded up.
+const REQUEST_OVERHEAD_BYTES_MAX: usize = 64;
+
+/// Refuses a request whose frame would be over the limit the sidecar accepts, before it is
+/// sent: the sidecar could only drop the connection, failing every request in flight on it.
+fn check_frame_size(op: &Op) -> Result<(), Error> {
+    let (rule, subject) = match op {
+        Op::Incr { rule, subject, .. }
+        | Op::Decr { rule, subject, .. }
+        | Op::Get { rule, subject }
+        | Op::Check { rule, subject, .. } => (rule, subject),
+        Op::Status => return Ok(()),
+    };
+    let names_bytes_max = CLIENT_FRAME_BYTES_MAX - REQUEST_OVERHEAD_BYTES_MAX;
+    let names_bytes = rule.len() + subject.len();
+    if names_bytes <= names_bytes_max {
+        return Ok(());
+    }
+    let field = if rule.len() > subject.len() {
+        "rule"
+    } else {
+        "subject"
+    };
+    Err(Error::Refused(Refusal::BadField {
+        field: field.to_string(),
+        why: format!(
+            "rule and subject take {names_bytes} bytes, over the {names_bytes_max} bytes \
+             one request may carry; nothing was sent"
+        ),
+    }))
+}
+
+/// Opens a connection within `connect_timeout`.
+async fn open(endpoint: &Endpoint, connect_timeout: Duration) -> Result<Connection, Error> {
+    match tokio::time::timeout(connect_timeout, Connection::open(endpoint)).await {
+        Ok(connection) => connection,
+        Err(_elapsed) => Err(connect_timed_out(endpoint, connect_timeout)),
+    }
+}
+
+fn connect_timed_out(endpoint: &Endpoint, connect_timeout: Duration) -> Error {
+    Error::Connect {
+        endpoint: endpoint.to_string(),
+        source: io::Error::new(
+            io::ErrorKind::TimedOut,
+            format!("connect_timeout: no connection within {connect_timeout:?}"),
+        ),
+    }
+}
+
+fn wrong_reply(op: &str, expected: &str, reply: &Reply) -> Error {
+    let got = match reply {
+        Reply::Counted(_) => "Counted",
+        Reply::Estimate(_) => "Estimate",
+        Reply::Decision(_) => "Decision",
+        Reply::Status(_) => "Status",
+    };
+    Error::Protocol(format!(
+        "reply: {op} expects a {expected} reply, the sidecar sent {got}"
+    ))
+}

@@ -1,0 +1,141 @@
+//! The one error a client call returns.
+
+use std::time::Duration;
+
+use crate::wire::Refusal;
+
+/// Why a call failed, and whether the sidecar's state may have changed.
+///
+/// Each variant says what is known about the request: [`Error::Refused`] and
+/// [`Error::Connect`] mean nothing was counted; [`Error::Timeout`], [`Error::Disconnected`]
+/// and [`Error::Protocol`] mean the outcome is unknown.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum Error {
+    /// The sidecar answered no. Nothing was counted.
+    ///
+    /// The client gives the same answer, [`Refusal::BadField`], without sending, for a
+    /// request whose rule and subject would not fit in one frame
+    /// ([`CLIENT_FRAME_BYTES_MAX`](crate::wire::CLIENT_FRAME_BYTES_MAX)).
+    #[error("refused: {0}")]
+    Refused(Refusal),
+    /// No answer came within [`Options::timeout`](crate::Options::timeout). The request may
+    /// have been applied; a late answer is dropped.
+    #[error("timeout: no answer within {after:?}; the request may have been applied")]
+    Timeout {
+        /// The timeout that ran out.
+        after: Duration,
+    },
+    /// The connection closed before the answer came. The request may have been applied; the
+    /// next call reconnects.
+    #[error("connection: closed before the answer came; the request may have been applied")]
+    Disconnected,
+    /// No connection could be made within
+    /// [`Options::connect_timeout`](crate::Options::connect_timeout). Nothing was sent.
+    #[error("connect: no connection to {endpoint}")]
+    Connect {
+        /// The endpoint, as given.
+        endpoint: String,
+        /// What failed (`TimedOut` when the connect timeout ran out).
+        source: std::io::Error,
+    },
+    /// The sidecar sent something this client does not understand: a frame that does not
+    /// decode (the connection is closed and every pending request fails with this), or a
+    /// reply of the wrong kind for the request. The outcome is unknown.
+    #[error("protocol: {0}")]
+    Protocol(String),
+}
+
+impl Error {
+    /// Whether the same call may succeed if made again.
+    ///
+    /// True for [`Error::Timeout`], [`Error::Disconnected`] and [`Error::Connect`], and for
+    /// refusals that name a passing condition ([`Refusal::RegionUnavailable`],
+    /// [`Refusal::Storage`]). False for other refusals and for [`Error::Protocol`]: asking
+    /// again gets the same answer.
+    ///
+    /// Retryable does not mean safe to retry. After a `Timeout` or a `Disconnected` the
+    /// first request may have been applied, so retrying an `incr`, `decr` or `check` may
+    /// count twice. Retry those only where an overcount is acceptable.
+    pub fn is_retryable(&self) -> bool {
+        match self {
+            Error::Timeout { .. } | Error::Disconnected | Error::Connect { .. } => true,
+            Error::Refused(refusal) => matches!(
+                refusal,
+                Refusal::RegionUnavailable { .. } | Refusal::Storage { .. }
+            ),
+            Error::Protocol(_) => false,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn only_passing_refusals_are_retryable() {
+        let retryable = [
+            Refusal::RegionUnavailable {
+                rule: "login".into(),
+                why: "no quorum".into(),
+            },
+            Refusal::Storage {
+                why: "disk full".into(),
+            },
+        ];
+        let final_ = [
+            Refusal::UnknownRule {
+                rule: "login".into(),
+            },
+            Refusal::BadField {
+                field: "subject".into(),
+                why: "empty".into(),
+            },
+            Refusal::Overflow,
+            Refusal::KeysFull { keys_max: 10 },
+            Refusal::Malformed { why: "bad".into() },
+        ];
+        for refusal in retryable {
+            assert!(Error::Refused(refusal).is_retryable());
+        }
+        for refusal in final_ {
+            assert!(!Error::Refused(refusal).is_retryable());
+        }
+    }
+
+    #[test]
+    fn transport_failures_are_retryable_and_protocol_errors_are_not() {
+        assert!(Error::Timeout {
+            after: Duration::from_secs(1)
+        }
+        .is_retryable());
+        assert!(Error::Disconnected.is_retryable());
+        assert!(Error::Connect {
+            endpoint: "127.0.0.1:7100".into(),
+            source: std::io::ErrorKind::ConnectionRefused.into(),
+        }
+        .is_retryable());
+        assert!(!Error::Protocol("frame: empty".into()).is_retryable());
+    }
+
+    #[test]
+    fn messages_are_lowercase_and_name_what_failed() {
+        let err = Error::Refused(Refusal::UnknownRule {
+            rule: "login".into(),
+        });
+        assert_eq!(
+            err.to_string(),
+            "refused: rule: no rule named \"login\" is configured"
+        );
+        let err = Error::Connect {
+            endpoint: "unix:/run/t.sock".into(),
+            source: std::io::ErrorKind::NotFound.into(),
+        };
+        assert_eq!(
+            err.to_string(),
+            "connect: no connection to unix:/run/t.sock"
+        );
+        assert!(std::error::Error::source(&err).is_some());
+    }
+}

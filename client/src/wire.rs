@@ -1,0 +1,358 @@
+//! The client protocol: what an application and its sidecar say to each other, and the
+//! one place that knows how it is encoded.
+//!
+//! A frame on the stream is a 4-byte little-endian length, then that many bytes: a version
+//! byte, then a bincode 2.0.1 body (standard config) decoded with a hard limit. A client
+//! sends [`Request`]s and may pipeline them; the sidecar answers each with a [`Response`]
+//! carrying the same request id, in any order.
+
+use serde::{Deserialize, Serialize};
+
+/// The client protocol version this build speaks.
+pub const CLIENT_WIRE_VERSION: u8 = 1;
+
+/// The largest frame body either side accepts (after the length prefix).
+pub const CLIENT_FRAME_BYTES_MAX: usize = 64 * 1024;
+
+/// One request from an application.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Request {
+    /// Chosen by the client; echoed in the response. Unique per connection among requests
+    /// in flight.
+    pub id: u64,
+    /// What to do.
+    pub op: Op,
+}
+
+/// The operations a sidecar serves.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub enum Op {
+    /// Add `amount` to the subject's count under `rule`, in the rule's current window.
+    Incr {
+        /// The rule's name, as configured on the sidecar.
+        rule: String,
+        /// Who is counted: a user, an IP, an API key.
+        subject: String,
+        /// How much to add.
+        amount: u64,
+    },
+    /// Subtract `amount` (a release: a finished request under a concurrency limit).
+    Decr {
+        /// The rule's name.
+        rule: String,
+        /// Who is counted.
+        subject: String,
+        /// How much to subtract.
+        amount: u64,
+    },
+    /// The subject's estimate in the rule's current window, with its staleness.
+    Get {
+        /// The rule's name.
+        rule: String,
+        /// Who is counted.
+        subject: String,
+    },
+    /// Decide whether `cost` more is allowed under the rule, and count it if so.
+    Check {
+        /// The rule's name.
+        rule: String,
+        /// Who is counted.
+        subject: String,
+        /// How much this use costs (1 for one request).
+        cost: u64,
+    },
+    /// The sidecar's state: its replica, its members, its keys.
+    Status,
+}
+
+/// The answer to one request.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Response {
+    /// The request's id.
+    pub id: u64,
+    /// The outcome.
+    pub result: Result<Reply, Refusal>,
+}
+
+/// What a request that succeeded returns.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub enum Reply {
+    /// For `Incr` and `Decr`: the count after the write.
+    Counted(Estimate),
+    /// For `Get`.
+    Estimate(Estimate),
+    /// For `Check`.
+    Decision(Decision),
+    /// For `Status`.
+    Status(Status),
+}
+
+/// A subject's count as this sidecar sees it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Estimate {
+    /// This node's own lanes (exact) plus the other nodes' lanes as last merged.
+    pub estimate: i128,
+    /// The window the count is in: `floor(unix_secs / window_secs)`.
+    pub window: u64,
+    /// How old the stalest live peer's state is here, in milliseconds (0 when alone).
+    pub staleness_ms: u64,
+}
+
+/// Which of the rule's ways answered a check.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+pub enum Mode {
+    /// Decided here: every live peer was fresher than the rule's `stale_after`.
+    ApproximateConnected,
+    /// Decided here on this node's share of the limit: some live peer was stale.
+    ApproximateIsolated,
+    /// Decided by the region node, on the authoritative count.
+    Exact,
+    /// The region could not answer an exact rule in time, and the rule's
+    /// `on_region_unavailable` (allow or deny) answered instead.
+    RegionFallback,
+}
+
+impl Mode {
+    /// The name used in metrics and output: `approximate-connected` and so on.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Mode::ApproximateConnected => "approximate-connected",
+            Mode::ApproximateIsolated => "approximate-isolated",
+            Mode::Exact => "exact",
+            Mode::RegionFallback => "region-fallback",
+        }
+    }
+}
+
+/// A rule's answer to one check (BRIEF.md, "Rules and the three ways to answer").
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+pub struct Decision {
+    /// Whether the use is allowed. If so, its cost was counted.
+    pub allowed: bool,
+    /// The count the decision was made on, after this use if it was allowed.
+    pub estimate: i128,
+    /// The rule's limit per window.
+    pub limit: u64,
+    /// How much more the limit admits, as this node sees it (0 when over).
+    pub remaining: u64,
+    /// Milliseconds until the window ends and the count starts again.
+    pub reset_after_ms: u64,
+    /// Which way answered.
+    pub mode: Mode,
+    /// How old the stalest live peer's state was, in milliseconds.
+    pub staleness_ms: u64,
+    /// The overshoot this answer may be part of, beyond the limit: in connected mode the
+    /// admissions other nodes may have made unseen (their rate x their staleness); in
+    /// isolated mode `locations x slack`; 0 for exact.
+    pub bound: f64,
+}
+
+/// A sidecar's view of itself.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Status {
+    /// The node id (from its certificate).
+    pub node: u64,
+    /// This life's generation.
+    pub generation: u64,
+    /// The members this node knows, by state name, with counts.
+    pub members: Vec<(String, u64)>,
+    /// Keys held in the lane store.
+    pub keys: u64,
+}
+
+/// Why a request counted nothing. Nothing was applied.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, thiserror::Error)]
+pub enum Refusal {
+    /// The rule is not configured on this sidecar.
+    #[error("rule: no rule named {rule:?} is configured")]
+    UnknownRule {
+        /// The name asked for.
+        rule: String,
+    },
+    /// A field of the request is out of bounds.
+    #[error("{field}: {why}")]
+    BadField {
+        /// The field at fault: `subject`, `amount`, `cost`.
+        field: String,
+        /// What was wrong with it.
+        why: String,
+    },
+    /// The write would take a lane past `u64::MAX`; lanes never wrap.
+    #[error("amount: the lane would overflow u64; nothing counted")]
+    Overflow,
+    /// The sidecar holds its configured maximum of live keys.
+    #[error("keys: the sidecar holds its maximum of {keys_max} keys; nothing counted")]
+    KeysFull {
+        /// The configured maximum.
+        keys_max: u64,
+    },
+    /// The rule is exact and the region could not answer; nothing was decided.
+    #[error("region: unavailable for exact rule {rule:?}: {why}")]
+    RegionUnavailable {
+        /// The rule.
+        rule: String,
+        /// What went wrong.
+        why: String,
+    },
+    /// The sidecar could not make the write durable; nothing was acknowledged.
+    #[error("storage: {why}")]
+    Storage {
+        /// What failed.
+        why: String,
+    },
+    /// The request frame did not decode.
+    #[error("frame: {why}")]
+    Malformed {
+        /// What was wrong.
+        why: String,
+    },
+}
+
+/// Why a frame was refused.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum FrameError {
+    /// The frame was empty.
+    #[error("frame: empty")]
+    Empty,
+    /// The length prefix or frame was longer than [`CLIENT_FRAME_BYTES_MAX`].
+    #[error("frame: {len} bytes, over the {limit}-byte limit")]
+    TooLong {
+        /// The claimed or actual length.
+        len: u64,
+        /// The limit.
+        limit: usize,
+    },
+    /// The version byte named a protocol this build does not speak.
+    #[error("frame: client wire version {0}, this build speaks {CLIENT_WIRE_VERSION}")]
+    Version(u8),
+    /// The body did not decode.
+    #[error("frame: body does not decode: {0}")]
+    Body(String),
+    /// The body decoded with bytes left over.
+    #[error("frame: {0} trailing bytes")]
+    Trailing(usize),
+}
+
+const CONFIG: bincode::config::Configuration<
+    bincode::config::LittleEndian,
+    bincode::config::Varint,
+    bincode::config::Limit<CLIENT_FRAME_BYTES_MAX>,
+> = bincode::config::standard().with_limit::<CLIENT_FRAME_BYTES_MAX>();
+
+/// Appends `message` as one frame (length prefix, version byte, body) to `out`.
+pub fn encode_frame<T: Serialize>(message: &T, out: &mut Vec<u8>) {
+    let start = out.len();
+    out.extend_from_slice(&[0; 4]);
+    out.push(CLIENT_WIRE_VERSION);
+    // Every request and response is built from bounded fields (rule and subject names are
+    // checked before use, errors are short), far below the encoding limit.
+    bincode::serde::encode_into_std_write(message, out, CONFIG)
+        .expect("invariant: client messages are built under CLIENT_FRAME_BYTES_MAX");
+    let len = out.len() - start - 4;
+    out[start..start + 4].copy_from_slice(&(len as u32).to_le_bytes());
+}
+
+/// Reads a length prefix: the body length that follows, if within the limit.
+pub fn frame_len(prefix: [u8; 4]) -> Result<usize, FrameError> {
+    let len = u32::from_le_bytes(prefix) as usize;
+    if len == 0 {
+        return Err(FrameError::Empty);
+    }
+    if len > CLIENT_FRAME_BYTES_MAX {
+        return Err(FrameError::TooLong {
+            len: len as u64,
+            limit: CLIENT_FRAME_BYTES_MAX,
+        });
+    }
+    Ok(len)
+}
+
+/// Decodes one frame body (the bytes after the length prefix).
+pub fn decode_body<T: serde::de::DeserializeOwned>(body: &[u8]) -> Result<T, FrameError> {
+    let (&version, rest) = body.split_first().ok_or(FrameError::Empty)?;
+    if body.len() > CLIENT_FRAME_BYTES_MAX {
+        return Err(FrameError::TooLong {
+            len: body.len() as u64,
+            limit: CLIENT_FRAME_BYTES_MAX,
+        });
+    }
+    if version != CLIENT_WIRE_VERSION {
+        return Err(FrameError::Version(version));
+    }
+    let (message, read) = bincode::serde::decode_from_slice(rest, CONFIG)
+        .map_err(|err| FrameError::Body(err.to_string()))?;
+    if read != rest.len() {
+        return Err(FrameError::Trailing(rest.len() - read));
+    }
+    Ok(message)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn roundtrip<T: Serialize + serde::de::DeserializeOwned>(message: &T) -> T {
+        let mut frame = Vec::new();
+        encode_frame(message, &mut frame);
+        let len = frame_len(frame[..4].try_into().unwrap()).unwrap();
+        assert_eq!(len, frame.len() - 4);
+        decode_body(&frame[4..]).unwrap()
+    }
+
+    #[test]
+    fn requests_and_responses_roundtrip() {
+        let request = Request {
+            id: 7,
+            op: Op::Check {
+                rule: "login".into(),
+                subject: "user-42".into(),
+                cost: 1,
+            },
+        };
+        assert_eq!(roundtrip(&request), request);
+        let response = Response {
+            id: 7,
+            result: Ok(Reply::Estimate(Estimate {
+                estimate: -(1i128 << 70),
+                window: 9,
+                staleness_ms: 3,
+            })),
+        };
+        assert_eq!(roundtrip(&response), response);
+    }
+
+    #[test]
+    fn oversized_length_prefix_is_refused_before_reading() {
+        for len in [u32::MAX, CLIENT_FRAME_BYTES_MAX as u32 + 1] {
+            assert!(matches!(
+                frame_len(len.to_le_bytes()),
+                Err(FrameError::TooLong { .. })
+            ));
+        }
+        assert_eq!(frame_len([0; 4]), Err(FrameError::Empty));
+    }
+
+    #[test]
+    fn garbage_trailing_bytes_and_wrong_versions_are_refused() {
+        let mut frame = Vec::new();
+        encode_frame(
+            &Request {
+                id: 1,
+                op: Op::Status,
+            },
+            &mut frame,
+        );
+        let mut body = frame[4..].to_vec();
+        body.push(0);
+        assert_eq!(decode_body::<Request>(&body), Err(FrameError::Trailing(1)));
+        body[0] = 9;
+        assert_eq!(decode_body::<Request>(&body), Err(FrameError::Version(9)));
+        assert!(matches!(
+            decode_body::<Request>(&[CLIENT_WIRE_VERSION, 0xff, 0xff, 0xff]),
+            Err(FrameError::Body(_))
+        ));
+        // A string claiming 2^40 bytes is refused by the limit, not allocated.
+        let huge = [CLIENT_WIRE_VERSION, 1, 0, 0xfd, 0, 0, 0, 0, 0, 1, 0, 0];
+        assert!(decode_body::<Request>(&huge).is_err());
+    }
+}

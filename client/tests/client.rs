@@ -1,0 +1,375 @@
+//! The client against a fake sidecar: a listener in the test that decodes requests with the
+//! wire functions and answers as each test scripts it.
+//!
+//! Every test runs on `#[tokio::test]`'s current-thread runtime, so the client's tasks are
+//! shown to work there.
+#![allow(
+    clippy::unwrap_used,
+    reason = "a panic is a test's failure report; clippy.toml allows unwrap in #[test] fns but not in the fake server's helpers"
+)]
+
+use std::collections::HashSet;
+use std::time::Duration;
+
+use tally_client::wire::{self, Op, Reply, Request, Response};
+use tally_client::{Client, Endpoint, Error, Estimate, Options, Refusal, Status};
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
+use tokio::net::TcpListener;
+
+/// Generous timeouts: tests that need a request to time out set their own.
+fn options() -> Options {
+    Options::default()
+        .with_timeout(Duration::from_secs(10))
+        .with_connect_timeout(Duration::from_secs(10))
+}
+
+async fn listen() -> (TcpListener, Endpoint) {
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let endpoint = Endpoint::Tcp(listener.local_addr().unwrap());
+    (listener, endpoint)
+}
+
+/// Reads one request; `None` when the client closed the stream.
+async fn read_request<R: AsyncRead + Unpin>(stream: &mut R) -> Option<Request> {
+    let mut prefix = [0; 4];
+    stream.read_exact(&mut prefix).await.ok()?;
+    let mut body = vec![0; wire::frame_len(prefix).unwrap()];
+    stream.read_exact(&mut body).await.unwrap();
+    Some(wire::decode_body(&body).unwrap())
+}
+
+async fn write_responses<W: AsyncWrite + Unpin>(stream: &mut W, responses: &[Response]) {
+    let mut frames = Vec::new();
+    for response in responses {
+        wire::encode_frame(response, &mut frames);
+    }
+    stream.write_all(&frames).await.unwrap();
+}
+
+fn estimate(estimate: i128) -> Estimate {
+    Estimate {
+        estimate,
+        window: 7,
+        staleness_ms: 0,
+    }
+}
+
+fn status() -> Status {
+    Status {
+        node: 3,
+        generation: 2,
+        members: vec![("alive".into(), 1)],
+        keys: 5,
+    }
+}
+
+#[tokio::test]
+async fn pipelined_requests_answered_in_reverse_are_matched_by_id() {
+    const REQUESTS: u64 = 16;
+    let (listener, endpoint) = listen().await;
+    let server = tokio::spawn(async move {
+        let (mut stream, _) = listener.accept().await.unwrap();
+        // Every request arrives before any is answered: they are in flight together.
+        let mut batch = Vec::new();
+        for _ in 0..REQUESTS {
+            batch.push(read_request(&mut stream).await.unwrap());
+        }
+        let ids: HashSet<u64> = batch.iter().map(|request| request.id).collect();
+        assert_eq!(ids.len(), batch.len(), "request ids repeat: {batch:?}");
+        let answers: Vec<Response> = batch
+            .iter()
+            .rev()
+            .map(|request| {
+                let Op::Incr { amount, .. } = request.op else {
+                    panic!("expected an incr, got {request:?}");
+                };
+                Response {
+                    id: request.id,
+                    result: Ok(Reply::Counted(estimate(amount.into()))),
+                }
+            })
+            .collect();
+        write_responses(&mut stream, &answers).await;
+    });
+
+    let client = Client::connect(endpoint, options()).await.unwrap();
+    let calls: Vec<_> = (1..=REQUESTS)
+        .map(|amount| {
+            let client = client.clone();
+            tokio::spawn(async move { (amount, client.incr("login", "user-42", amount).await) })
+        })
+        .collect();
+    for call in calls {
+        let (amount, counted) = call.await.unwrap();
+        assert_eq!(counted.unwrap(), estimate(amount.into()));
+    }
+    server.await.unwrap();
+}
+
+#[tokio::test]
+async fn an_unanswered_request_times_out_and_its_late_answer_is_dropped() {
+    let timeout = Duration::from_millis(300);
+    let (listener, endpoint) = listen().await;
+    let server = tokio::spawn(async move {
+        let (mut stream, _) = listener.accept().await.unwrap();
+        let first = read_request(&mut stream).await.unwrap();
+        // The second request comes only after the first has timed out; then the first's
+        // answer arrives late, ahead of the second's.
+        let second = read_request(&mut stream).await.unwrap();
+        let answer = |id, count| Response {
+            id,
+            result: Ok(Reply::Estimate(estimate(count))),
+        };
+        write_responses(&mut stream, &[answer(first.id, 1), answer(second.id, 2)]).await;
+        // Hold the stream open until the client is done with it.
+        assert!(read_request(&mut stream).await.is_none());
+    });
+
+    let client = Client::connect(endpoint, options().with_timeout(timeout))
+        .await
+        .unwrap();
+    let err = client.get("login", "user-42").await.unwrap_err();
+    assert!(
+        matches!(err, Error::Timeout { after } if after == timeout),
+        "{err:?}"
+    );
+    assert!(err.is_retryable());
+    assert_eq!(client.get("login", "user-42").await.unwrap(), estimate(2));
+    drop(client);
+    server.await.unwrap();
+}
+
+#[tokio::test]
+async fn a_dropped_connection_fails_pending_requests_and_the_next_request_reconnects() {
+    const PENDING: usize = 3;
+    let (listener, endpoint) = listen().await;
+    let server = tokio::spawn(async move {
+        let (mut stream, _) = listener.accept().await.unwrap();
+        for _ in 0..PENDING {
+            read_request(&mut stream).await.unwrap();
+        }
+        drop(stream);
+        let (mut stream, _) = listener.accept().await.unwrap();
+        let request = read_request(&mut stream).await.unwrap();
+        assert_eq!(request.op, Op::Status);
+        write_responses(
+            &mut stream,
+            &[Response {
+                id: request.id,
+                result: Ok(Reply::Status(status())),
+            }],
+        )
+        .await;
+    });
+
+    let client = Client::connect(endpoint, options()).await.unwrap();
+    let calls: Vec<_> = (0..PENDING)
+        .map(|_| {
+            let client = client.clone();
+            tokio::spawn(async move { client.incr("login", "user-42", 1).await })
+        })
+        .collect();
+    for call in calls {
+        let err = call.await.unwrap().unwrap_err();
+        assert!(matches!(err, Error::Disconnected), "{err:?}");
+        assert!(err.is_retryable());
+    }
+    assert_eq!(client.status().await.unwrap(), status());
+    server.await.unwrap();
+}
+
+#[tokio::test]
+async fn refusals_come_back_as_refused_with_their_variant() {
+    let unknown = Refusal::UnknownRule {
+        rule: "login".into(),
+    };
+    let unavailable = Refusal::RegionUnavailable {
+        rule: "payments".into(),
+        why: "no region node answered".into(),
+    };
+    let (listener, endpoint) = listen().await;
+    let refusals = [unknown.clone(), unavailable.clone()];
+    let server = tokio::spawn(async move {
+        let (mut stream, _) = listener.accept().await.unwrap();
+        for refusal in refusals {
+            let request = read_request(&mut stream).await.unwrap();
+            write_responses(
+                &mut stream,
+                &[Response {
+                    id: request.id,
+                    result: Err(refusal),
+                }],
+            )
+            .await;
+        }
+    });
+
+    let client = Client::connect(endpoint, options()).await.unwrap();
+    let err = client.incr("login", "user-42", 1).await.unwrap_err();
+    assert!(
+        matches!(&err, Error::Refused(refusal) if *refusal == unknown),
+        "{err:?}"
+    );
+    assert!(!err.is_retryable());
+    let err = client.check("payments", "user-42", 1).await.unwrap_err();
+    assert!(
+        matches!(&err, Error::Refused(refusal) if *refusal == unavailable),
+        "{err:?}"
+    );
+    assert!(err.is_retryable());
+    server.await.unwrap();
+}
+
+#[tokio::test]
+async fn garbage_frames_close_the_connection_with_a_protocol_error() {
+    let garbage: [&[u8]; 3] = [
+        // A frame in a protocol version this client does not speak.
+        &[2, 0, 0, 0, 9, 0],
+        // A length prefix over the frame limit.
+        &[0xff, 0xff, 0xff, 0xff],
+        // A body that does not decode as a response.
+        &[4, 0, 0, 0, wire::CLIENT_WIRE_VERSION, 0xff, 0xff, 0xff],
+    ];
+    let (listener, endpoint) = listen().await;
+    let server = tokio::spawn(async move {
+        for frame in garbage {
+            let (mut stream, _) = listener.accept().await.unwrap();
+            read_request(&mut stream).await.unwrap();
+            stream.write_all(frame).await.unwrap();
+            // The client closes a connection that sent garbage.
+            assert!(read_request(&mut stream).await.is_none());
+        }
+    });
+
+    let client = Client::connect(endpoint, options()).await.unwrap();
+    for expected in ["version 9", "over the", "does not decode"] {
+        let err = client.get("login", "user-42").await.unwrap_err();
+        let Error::Protocol(why) = &err else {
+            panic!("expected a protocol error, got {err:?}");
+        };
+        assert!(why.contains(expected), "{why:?} should say {expected:?}");
+        assert!(!err.is_retryable());
+    }
+    server.await.unwrap();
+}
+
+#[tokio::test]
+async fn a_reply_of_the_wrong_kind_is_a_protocol_error_and_the_connection_stays_up() {
+    let (listener, endpoint) = listen().await;
+    let server = tokio::spawn(async move {
+        let (mut stream, _) = listener.accept().await.unwrap();
+        let incr = read_request(&mut stream).await.unwrap();
+        write_responses(
+            &mut stream,
+            &[Response {
+                id: incr.id,
+                result: Ok(Reply::Status(status())),
+            }],
+        )
+        .await;
+        let get = read_request(&mut stream).await.unwrap();
+        write_responses(
+            &mut stream,
+            &[Response {
+                id: get.id,
+                result: Ok(Reply::Estimate(estimate(4))),
+            }],
+        )
+        .await;
+    });
+
+    let client = Client::connect(endpoint, options()).await.unwrap();
+    let err = client.incr("login", "user-42", 1).await.unwrap_err();
+    assert!(
+        matches!(&err, Error::Protocol(why) if why.contains("incr expects a Counted reply")),
+        "{err:?}"
+    );
+    assert_eq!(client.get("login", "user-42").await.unwrap(), estimate(4));
+    server.await.unwrap();
+}
+
+#[tokio::test]
+async fn a_request_too_large_for_one_frame_is_refused_before_it_is_sent() {
+    let (listener, endpoint) = listen().await;
+    let server = tokio::spawn(async move {
+        let (mut stream, _) = listener.accept().await.unwrap();
+        // The first request to arrive is the small one that followed the refused one.
+        let get = read_request(&mut stream).await.unwrap();
+        assert!(
+            matches!(&get.op, Op::Get { subject, .. } if subject == "user-42"),
+            "{get:?}"
+        );
+        write_responses(
+            &mut stream,
+            &[Response {
+                id: get.id,
+                result: Ok(Reply::Estimate(estimate(1))),
+            }],
+        )
+        .await;
+    });
+
+    let client = Client::connect(endpoint, options()).await.unwrap();
+    let huge = "x".repeat(wire::CLIENT_FRAME_BYTES_MAX);
+    let err = client.incr("login", &huge, 1).await.unwrap_err();
+    assert!(
+        matches!(&err, Error::Refused(Refusal::BadField { field, .. }) if field == "subject"),
+        "{err:?}"
+    );
+    assert!(!err.is_retryable());
+    assert_eq!(client.get("login", "user-42").await.unwrap(), estimate(1));
+    server.await.unwrap();
+}
+
+#[tokio::test]
+async fn connecting_to_a_closed_port_is_a_retryable_connect_error_naming_the_endpoint() {
+    let (listener, endpoint) = listen().await;
+    drop(listener);
+    let err = Client::connect(endpoint.clone(), options())
+        .await
+        .unwrap_err();
+    let Error::Connect {
+        endpoint: named, ..
+    } = &err
+    else {
+        panic!("expected a connect error, got {err:?}");
+    };
+    assert_eq!(*named, endpoint.to_string());
+    assert!(err.is_retryable());
+}
+
+#[cfg(unix)]
+#[tokio::test]
+async fn a_unix_socket_endpoint_works() {
+    let path = std::env::temp_dir().join(format!("tally-client-test-{}.sock", std::process::id()));
+    let _ = std::fs::remove_file(&path);
+    let listener = tokio::net::UnixListener::bind(&path).unwrap();
+    let endpoint: Endpoint = format!("unix:{}", path.display()).parse().unwrap();
+    assert_eq!(endpoint, Endpoint::Unix(path.clone()));
+    let server = tokio::spawn(async move {
+        let (mut stream, _) = listener.accept().await.unwrap();
+        let request = read_request(&mut stream).await.unwrap();
+        assert_eq!(
+            request.op,
+            Op::Decr {
+                rule: "concurrent".into(),
+                subject: "user-42".into(),
+                amount: 2,
+            }
+        );
+        write_responses(
+            &mut stream,
+            &[Response {
+                id: request.id,
+                result: Ok(Reply::Counted(estimate(-2))),
+            }],
+        )
+        .await;
+    });
+
+    let client = Client::connect(endpoint, options()).await.unwrap();
+    let counted = client.decr("concurrent", "user-42", 2).await;
+    server.await.unwrap();
+    std::fs::remove_file(&path).unwrap();
+    assert_eq!(counted.unwrap(), estimate(-2));
+}

@@ -1,0 +1,71 @@
+//! The one place in tally that reads clocks and draws entropy (clippy's
+//! `disallowed-methods` bars them everywhere else). Everything else takes time as an
+//! argument, so the protocol and the decisions can be tested on any time they like.
+
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+use tally_crdt::Stamp;
+use tally_gossip::Now;
+
+/// The node's clocks: a monotonic one for timers, the wall clock for stamps and windows.
+#[derive(Debug, Clone, Copy)]
+pub struct Clock {
+    start: Instant,
+}
+
+impl Clock {
+    /// A clock whose monotonic readings count from now.
+    #[allow(clippy::disallowed_methods)]
+    pub fn start() -> Clock {
+        Clock {
+            start: Instant::now(),
+        }
+    }
+
+    /// Both readings at once, as the gossip protocol takes them.
+    pub fn now(&self) -> Now {
+        Now {
+            mono: self.mono(),
+            wall: wall(),
+        }
+    }
+
+    /// Time since [`Clock::start`], on the monotonic clock.
+    pub fn mono(&self) -> Duration {
+        self.start.elapsed()
+    }
+
+    /// The monotonic instant `at` (as returned by [`Clock::mono`]) for tokio's timers.
+    pub fn instant(&self, at: Duration) -> Instant {
+        self.start
+            .checked_add(at)
+            .unwrap_or(self.start + Duration::from_secs(1 << 32))
+    }
+}
+
+/// The wall clock in milliseconds since the unix epoch (0 if the clock is before it).
+#[allow(clippy::disallowed_methods)]
+pub fn wall() -> Stamp {
+    let since = SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .unwrap_or_default();
+    Stamp(since.as_millis() as u64)
+}
+
+/// Wall-clock microseconds since the unix epoch: a number that grows across restarts.
+#[allow(clippy::disallowed_methods)]
+pub fn wall_micros() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .unwrap_or_default()
+        .as_micros() as u64
+}
+
+/// A seed for the gossip's peer selection: differs between processes and starts.
+#[allow(clippy::disallowed_methods)]
+pub fn entropy_seed() -> u64 {
+    use std::hash::{BuildHasher, Hasher};
+    let mut hasher = std::collections::hash_map::RandomState::new().build_hasher();
+    hasher.write_u128(wall_micros() as u128);
+    hasher.write_u32(std::process::id());
+    hasher.finish()
+}

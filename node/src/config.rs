@@ -1,0 +1,404 @@
+//! `tallyd`'s configuration: one TOML file per node, flags on top.
+//!
+//! An unknown key or a bad value refuses the start, with an error naming the key and the
+//! file. Every limit has a value: nothing is unbounded by default, and no limit can be
+//! switched off.
+
+use serde::Deserialize;
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+use tally_crdt::{NodeId, Rule, WINDOW_SECS_MAX};
+use tally_gossip::Seed;
+
+/// Why a configuration was refused.
+#[derive(Debug, thiserror::Error)]
+pub enum ConfigError {
+    /// The file could not be read.
+    #[error("config {file}: cannot read: {source}")]
+    Read {
+        /// The file.
+        file: PathBuf,
+        /// What failed.
+        source: std::io::Error,
+    },
+    /// The file is not valid TOML, has an unknown key, or a value of the wrong type.
+    #[error("config {file}: {message}")]
+    Parse {
+        /// The file.
+        file: PathBuf,
+        /// The parser's message, which names the key and the line.
+        message: String,
+    },
+    /// A key has a value out of its bounds.
+    #[error("config {file}: {key}: {why}")]
+    Value {
+        /// The file (or `flags`).
+        file: PathBuf,
+        /// The key, as a TOML path: `rules[2].limit`.
+        key: String,
+        /// What was wrong.
+        why: String,
+    },
+}
+
+/// A node's configuration, as read from its TOML file.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Config {
+    /// This node's id: must be the id in its certificate.
+    pub node_id: u64,
+    /// `edge` (default) or `region`.
+    #[serde(default)]
+    pub role: Role,
+    /// The UDP address for QUIC from peers.
+    pub listen_gossip: SocketAddr,
+    /// The loopback TCP address applications connect to.
+    pub listen_client: SocketAddr,
+    /// A Unix socket applications may connect to instead.
+    #[serde(default)]
+    pub client_socket: Option<PathBuf>,
+    /// The loopback HTTP address for `/metrics` and `/status`.
+    pub listen_http: SocketAddr,
+    /// Where the generation file and the lane log live. Without it, every start is a new
+    /// generation and a crash loses what peers had not yet received.
+    #[serde(default)]
+    pub data_dir: Option<PathBuf>,
+    /// The region node, for exact rules.
+    #[serde(default)]
+    pub region: Option<SeedConfig>,
+    /// The nodes to contact first.
+    #[serde(default)]
+    pub seeds: Vec<SeedConfig>,
+    /// Certificates.
+    pub tls: TlsConfig,
+    /// The most live keys the lane store holds; new keys past it are refused.
+    #[serde(default = "defaults::keys_max")]
+    pub keys_max: usize,
+    /// The anti-entropy period.
+    #[serde(default = "defaults::gossip_interval_ms")]
+    pub gossip_interval_ms: u64,
+    /// How long fresh lanes wait, batched, before they are pushed to every peer.
+    #[serde(default = "defaults::push_interval_ms")]
+    pub push_interval_ms: u64,
+    /// Peers per anti-entropy round.
+    #[serde(default = "defaults::fanout")]
+    pub fanout: usize,
+    /// The largest gossip frame, sent or received.
+    #[serde(default = "defaults::frame_bytes_max")]
+    pub frame_bytes_max: usize,
+    /// How long a silent member stays suspected before it is declared dead.
+    #[serde(default = "defaults::dead_after_ms")]
+    pub dead_after_ms: u64,
+    /// The most client connections served at once.
+    #[serde(default = "defaults::client_connections_max")]
+    pub client_connections_max: usize,
+    /// The rules this node answers.
+    #[serde(default)]
+    pub rules: Vec<RuleConfig>,
+}
+
+/// What a node does besides gossip.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Role {
+    /// Serves applications.
+    #[default]
+    Edge,
+    /// Holds the authoritative counts of exact rules (issue 5).
+    Region,
+}
+
+/// A peer: its node id and where to reach it.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct SeedConfig {
+    /// The peer's node id (as in its certificate).
+    pub node: u64,
+    /// Its QUIC address.
+    pub addr: SocketAddr,
+}
+
+/// PEM files: the cluster CA, this node's certificate and its key.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct TlsConfig {
+    /// The cluster CA certificate.
+    pub ca: PathBuf,
+    /// This node's certificate, signed by the CA, naming `node-<id>.tally`.
+    pub cert: PathBuf,
+    /// This node's private key.
+    pub key: PathBuf,
+}
+
+/// One rule, as configured.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RuleConfig {
+    /// Its name, as clients give it.
+    pub name: String,
+    /// The most admitted per window.
+    pub limit: u64,
+    /// The window's length in seconds.
+    pub window_secs: u32,
+    /// How checks are answered.
+    #[serde(default)]
+    pub mode: RuleMode,
+    /// Isolated mode's allowance per location beyond its share of the limit.
+    #[serde(default)]
+    pub slack: u64,
+    /// A live peer staler than this puts the rule in isolated mode.
+    #[serde(default = "defaults::stale_after_ms")]
+    pub stale_after_ms: u64,
+    /// The number of locations the limit is shared over in isolated mode; by default the
+    /// members this node knows, itself included.
+    #[serde(default)]
+    pub locations: Option<u64>,
+    /// Weight the previous window: `prev x (1 - elapsed/len) + current`.
+    #[serde(default)]
+    pub sliding: bool,
+    /// What an exact rule answers when the region cannot.
+    #[serde(default)]
+    pub on_region_unavailable: OnRegionUnavailable,
+    /// How long an exact check waits for the region.
+    #[serde(default = "defaults::region_timeout_ms")]
+    pub region_timeout_ms: u64,
+}
+
+/// How a rule answers.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum RuleMode {
+    /// Decided at the edge on the estimate.
+    #[default]
+    Approximate,
+    /// Decided at the region on the authoritative count.
+    Exact,
+}
+
+/// What an exact rule answers when the region cannot.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum OnRegionUnavailable {
+    /// A `RegionUnavailable` error.
+    #[default]
+    Error,
+    /// Decide approximately, and say so in the decision's mode.
+    Approximate,
+    /// Allow.
+    Allow,
+    /// Deny.
+    Deny,
+}
+
+mod defaults {
+    pub fn keys_max() -> usize {
+        1_000_000
+    }
+    pub fn gossip_interval_ms() -> u64 {
+        1_000
+    }
+    pub fn push_interval_ms() -> u64 {
+        5
+    }
+    pub fn fanout() -> usize {
+        3
+    }
+    pub fn frame_bytes_max() -> usize {
+        64 * 1024
+    }
+    pub fn dead_after_ms() -> u64 {
+        10_000
+    }
+    pub fn client_connections_max() -> usize {
+        1_024
+    }
+    pub fn stale_after_ms() -> u64 {
+        3_000
+    }
+    pub fn region_timeout_ms() -> u64 {
+        200
+    }
+}
+
+impl Config {
+    /// Reads and checks `file`.
+    pub fn load(file: &Path) -> Result<Config, ConfigError> {
+        let text = std::fs::read_to_string(file).map_err(|source| ConfigError::Read {
+            file: file.to_owned(),
+            source,
+        })?;
+        Config::parse(&text, file)
+    }
+
+    /// Parses and checks `text`, naming `file` in errors.
+    pub fn parse(text: &str, file: &Path) -> Result<Config, ConfigError> {
+        let config: Config = toml::from_str(text).map_err(|err| ConfigError::Parse {
+            file: file.to_owned(),
+            message: err.to_string().trim_end().replace('\n', " "),
+        })?;
+        config.check(file)?;
+        Ok(config)
+    }
+
+    /// Checks every value against its bounds; `file` names where they came from.
+    pub fn check(&self, file: &Path) -> Result<(), ConfigError> {
+        let bad = |key: String, why: String| ConfigError::Value {
+            file: file.to_owned(),
+            key,
+            why,
+        };
+        if self.node_id == 0 {
+            return Err(bad("node_id".into(), "must be at least 1".into()));
+        }
+        positive(self.keys_max as u64, "keys_max").map_err(|why| bad("keys_max".into(), why))?;
+        positive(self.gossip_interval_ms, "gossip_interval_ms")
+            .map_err(|why| bad("gossip_interval_ms".into(), why))?;
+        positive(self.push_interval_ms, "push_interval_ms")
+            .map_err(|why| bad("push_interval_ms".into(), why))?;
+        positive(self.fanout as u64, "fanout").map_err(|why| bad("fanout".into(), why))?;
+        positive(self.dead_after_ms, "dead_after_ms")
+            .map_err(|why| bad("dead_after_ms".into(), why))?;
+        positive(self.client_connections_max as u64, "client_connections_max")
+            .map_err(|why| bad("client_connections_max".into(), why))?;
+        let frame_min = tally_gossip::Config::FRAME_BYTES_MIN;
+        let frame_max = tally_gossip::wire::FRAME_BYTES_LIMIT;
+        if !(frame_min..=frame_max).contains(&self.frame_bytes_max) {
+            return Err(bad(
+                "frame_bytes_max".into(),
+                format!(
+                    "{} is outside {frame_min}..={frame_max}",
+                    self.frame_bytes_max
+                ),
+            ));
+        }
+        for (i, seed) in self.seeds.iter().enumerate() {
+            if seed.node == self.node_id {
+                return Err(bad(
+                    format!("seeds[{i}].node"),
+                    format!("{} is this node's own id", seed.node),
+                ));
+            }
+        }
+        let mut names = std::collections::BTreeSet::new();
+        for (i, rule) in self.rules.iter().enumerate() {
+            let key = |field: &str| format!("rules[{i}].{field}");
+            Rule::new(rule.name.as_str()).map_err(|err| bad(key("name"), err.to_string()))?;
+            if !names.insert(rule.name.as_str()) {
+                return Err(bad(
+                    key("name"),
+                    format!("{:?} is defined twice", rule.name),
+                ));
+            }
+            positive(rule.limit, "limit").map_err(|why| bad(key("limit"), why))?;
+            if !(1..=WINDOW_SECS_MAX).contains(&rule.window_secs) {
+                return Err(bad(
+                    key("window_secs"),
+                    format!("{} is outside 1..={WINDOW_SECS_MAX}", rule.window_secs),
+                ));
+            }
+            positive(rule.stale_after_ms, "stale_after_ms")
+                .map_err(|why| bad(key("stale_after_ms"), why))?;
+            positive(rule.region_timeout_ms, "region_timeout_ms")
+                .map_err(|why| bad(key("region_timeout_ms"), why))?;
+            if rule.locations == Some(0) {
+                return Err(bad(key("locations"), "must be at least 1".into()));
+            }
+        }
+        Ok(())
+    }
+
+    /// This node's id.
+    pub fn node(&self) -> NodeId {
+        NodeId(self.node_id)
+    }
+
+    /// The seeds, as the gossip takes them.
+    pub fn gossip_seeds(&self) -> Vec<Seed> {
+        self.seeds
+            .iter()
+            .map(|seed| Seed {
+                node: NodeId(seed.node),
+                addr: seed.addr.to_string(),
+            })
+            .collect()
+    }
+
+    /// The anti-entropy period.
+    pub fn gossip_interval(&self) -> Duration {
+        Duration::from_millis(self.gossip_interval_ms)
+    }
+
+    /// The push batching interval.
+    pub fn push_interval(&self) -> Duration {
+        Duration::from_millis(self.push_interval_ms)
+    }
+}
+
+fn positive(value: u64, name: &str) -> Result<(), String> {
+    if value == 0 {
+        Err(format!("{name} must be at least 1, got 0"))
+    } else {
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const GOOD: &str = r#"
+node_id = 1
+listen_gossip = "127.0.0.1:7001"
+listen_client = "127.0.0.1:7101"
+listen_http = "127.0.0.1:7201"
+seeds = [{ node = 2, addr = "127.0.0.1:7002" }]
+tls = { ca = "ca.pem", cert = "node-1.pem", key = "node-1.key" }
+
+[[rules]]
+name = "login"
+limit = 100
+window_secs = 60
+"#;
+
+    fn parse(text: &str) -> Result<Config, ConfigError> {
+        Config::parse(text, Path::new("node-1.toml"))
+    }
+
+    #[test]
+    fn a_good_config_parses_with_defaults() {
+        let config = parse(GOOD).unwrap();
+        assert_eq!(config.node(), NodeId(1));
+        assert_eq!(config.rules[0].mode, RuleMode::Approximate);
+        assert_eq!(config.keys_max, 1_000_000);
+        assert_eq!(config.gossip_seeds()[0].node, NodeId(2));
+    }
+
+    #[test]
+    fn an_unknown_key_is_refused_naming_the_key_and_the_file() {
+        let err = parse(&format!("{GOOD}\nlimt = 3\n"))
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("node-1.toml"), "{err}");
+        assert!(err.contains("limt"), "{err}");
+    }
+
+    #[test]
+    fn a_bad_value_is_refused_naming_the_key_and_the_file() {
+        let err = parse(&GOOD.replace("limit = 100", "limit = 0"))
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("node-1.toml") && err.contains("rules[0].limit"),
+            "{err}"
+        );
+        let err = parse(&GOOD.replace("window_secs = 60", "window_secs = \"x\""))
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("window_secs"), "{err}");
+        let err = parse(&GOOD.replace("node = 2", "node = 1"))
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("seeds[0].node"), "{err}");
+    }
+}

@@ -1,0 +1,195 @@
+//! Starting a node: the data directory and generation, TLS, QUIC, the gossip task, the
+//! client listener and the HTTP endpoints, in that order; and stopping it.
+
+use crate::clock::{self, Clock};
+use crate::config::Config;
+use crate::decide::Rules;
+use crate::driver::{Driver, DriverError};
+use crate::http::{self, Endpoints};
+use crate::lanelog::{self, LogError};
+use crate::listener::{self, Service};
+use crate::metrics::Metrics;
+use crate::store::LaneStore;
+use crate::tls::{self, TlsError};
+use crate::transport::{Transport, TransportStats};
+use crate::view::View;
+use std::future::Future;
+use std::sync::{Arc, Mutex};
+use tally_crdt::{CounterMap, Generation, KeyError, ReplicaId, Version};
+use tally_gossip::Gossip;
+use tokio::net::{TcpListener, UnixListener};
+use tokio::sync::watch;
+
+/// Why a node could not start, or stopped on its own.
+#[derive(Debug, thiserror::Error)]
+pub enum DaemonError {
+    /// The data directory could not be used.
+    #[error(transparent)]
+    Log(#[from] LogError),
+    /// The certificates could not be used.
+    #[error(transparent)]
+    Tls(#[from] TlsError),
+    /// A rule name does not make a key.
+    #[error("config: rules: {0}")]
+    Rule(#[from] KeyError),
+    /// A listening address could not be bound.
+    #[error("bind {what} {addr}: {source}")]
+    Bind {
+        /// Which listener.
+        what: &'static str,
+        /// The address.
+        addr: String,
+        /// What failed.
+        source: std::io::Error,
+    },
+    /// The gossip task stopped on a fatal event.
+    #[error(transparent)]
+    Driver(#[from] DriverError),
+}
+
+/// Runs a node until `shutdown` completes, then leaves the cluster gracefully.
+///
+/// Must run on a current-thread runtime: the client listener relies on the gossip task
+/// not running between a write and its log flush (see `listener`).
+pub async fn run(config: Config, shutdown: impl Future<Output = ()>) -> Result<(), DaemonError> {
+    assert_eq!(
+        tokio::runtime::Handle::current().runtime_flavor(),
+        tokio::runtime::RuntimeFlavor::CurrentThread,
+        "tallyd runs on a current-thread runtime"
+    );
+    let clock = Clock::start();
+    let now = clock.now();
+    let node = config.node();
+    let (log, recovered) = match &config.data_dir {
+        Some(dir) => {
+            let (log, recovered) = lanelog::open(dir, node, now.wall.0, now.wall.0 / 1_000)?;
+            (Some(log), recovered)
+        }
+        None => (
+            None,
+            lanelog::Recovered {
+                generation: Generation(now.wall.0),
+                retired: Vec::new(),
+                torn: 0,
+            },
+        ),
+    };
+    let replica = ReplicaId::new(node, recovered.generation);
+    eprintln!(
+        "tallyd: node {} generation {} starting; {} earlier lives recovered, {} torn log tails",
+        node.0,
+        replica.generation.0,
+        recovered.retired.len(),
+        recovered.torn
+    );
+
+    // Earlier lives' logged lanes, re-published above any version a peer may hold: a
+    // life writes far fewer versions than microseconds pass between two starts.
+    let mut map = CounterMap::new();
+    for (retired, lanes) in &recovered.retired {
+        map.raise_version(*retired, Version(clock::wall_micros()));
+        for (key, lane) in lanes {
+            map.write(*retired, key, *lane, now.wall);
+        }
+    }
+
+    let identity = tls::identity(&config.tls, node)?;
+    let transport_stats = Arc::new(TransportStats::default());
+    let bind =
+        |what: &'static str, addr: String| move |source| DaemonError::Bind { what, addr, source };
+    let (transport, inbound) = Transport::bind(
+        config.listen_gossip,
+        identity,
+        config.frame_bytes_max,
+        transport_stats.clone(),
+    )
+    .map_err(bind("gossip", config.listen_gossip.to_string()))?;
+    let gossip_addr = transport
+        .local_addr()
+        .map_err(bind("gossip", config.listen_gossip.to_string()))?;
+
+    let mut gossip_config = tally_gossip::Config::new(replica, gossip_addr.to_string());
+    gossip_config.seeds = config.gossip_seeds();
+    gossip_config.gossip_interval = config.gossip_interval();
+    gossip_config.push_interval = config.push_interval();
+    gossip_config.fanout = config.fanout;
+    gossip_config.frame_bytes_max = config.frame_bytes_max;
+    gossip_config.dead_after = std::time::Duration::from_millis(config.dead_after_ms);
+    gossip_config.rng_seed = clock::entropy_seed();
+
+    let store = Arc::new(LaneStore::new(replica, config.keys_max));
+    let view = Arc::new(View::default());
+    let metrics = Arc::new(Metrics::default());
+    let (stop, stopped) = watch::channel(false);
+    let driver = Driver {
+        gossip: Gossip::with_state(gossip_config, map),
+        transport,
+        inbound,
+        store: store.clone(),
+        view: view.clone(),
+        clock,
+        collect_every: config.push_interval(),
+        shutdown: stopped,
+    };
+
+    let tcp = TcpListener::bind(config.listen_client)
+        .await
+        .map_err(bind("client", config.listen_client.to_string()))?;
+    let unix = match &config.client_socket {
+        Some(path) => {
+            // A socket file left by an earlier life would make the bind fail.
+            let _ = std::fs::remove_file(path);
+            Some(
+                UnixListener::bind(path)
+                    .map_err(bind("client socket", path.display().to_string()))?,
+            )
+        }
+        None => None,
+    };
+    let http_listener = TcpListener::bind(config.listen_http)
+        .await
+        .map_err(bind("http", config.listen_http.to_string()))?;
+
+    let service = Arc::new(Service {
+        store: store.clone(),
+        view: view.clone(),
+        rules: Rules::new(&config.rules)?,
+        log: log.map(Mutex::new),
+        metrics: metrics.clone(),
+        replica,
+    });
+    let endpoints = Arc::new(Endpoints {
+        replica,
+        metrics,
+        view,
+        store,
+        transport: transport_stats,
+    });
+    let client_task = tokio::spawn(listener::serve(
+        service,
+        tcp,
+        unix,
+        config.client_connections_max,
+    ));
+    let http_task = tokio::spawn(http::serve(endpoints, http_listener));
+    eprintln!(
+        "tallyd: node {} serving: gossip {gossip_addr}, client {}, http {}",
+        node.0, config.listen_client, config.listen_http
+    );
+
+    let mut driver_task = tokio::spawn(driver.run());
+    tokio::pin!(shutdown);
+    let result = tokio::select! {
+        result = &mut driver_task => result,
+        () = &mut shutdown => {
+            let _ = stop.send(true);
+            driver_task.await
+        }
+    };
+    client_task.abort();
+    http_task.abort();
+    match result {
+        Ok(result) => result.map_err(DaemonError::from),
+        Err(join) => std::panic::resume_unwind(join.into_panic()),
+    }
+}

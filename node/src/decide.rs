@@ -1,0 +1,372 @@
+//! Rules and decisions: how a check is answered, and the bound each answer reports.
+//!
+//! Approximate rules are decided here with no network crossing (BRIEF.md, "Rules and the
+//! three ways to answer"):
+//!
+//! - **connected** (every live member fresher than the rule's `stale_after`): admit iff
+//!   `estimate + cost <= limit`. The bound in force is the admissions the other nodes may
+//!   have made unseen: their increment rate on this key times the stalest live member's
+//!   staleness. (The sum over origins of rate x staleness is at most this.)
+//! - **isolated** (some live member staler): admit iff
+//!   `own + cost <= limit / locations + slack`; the bound is `locations x slack`.
+//!
+//! Exact rules go to the region (issue 5); until it answers, they get
+//! `RegionUnavailable` or the rule's `on_region_unavailable` fallback.
+
+use crate::config::{OnRegionUnavailable, RuleConfig, RuleMode};
+use crate::lanelog::LaneLog;
+use crate::store::{LaneStore, StoreError};
+use crate::view::ViewState;
+use std::collections::HashMap;
+use std::time::Duration;
+use tally_client::wire::{Decision, Estimate, Mode, Refusal};
+use tally_crdt::{Key, KeyError, Rule, Stamp, Subject, Window};
+
+/// The rules a node answers, by name.
+#[derive(Debug, Clone, Default)]
+pub struct Rules {
+    by_name: HashMap<String, (Rule, RuleConfig)>,
+}
+
+impl Rules {
+    /// The configured rules. Their names were checked when the config was loaded.
+    pub fn new(rules: &[RuleConfig]) -> Result<Rules, KeyError> {
+        let mut by_name = HashMap::new();
+        for rule in rules {
+            by_name.insert(
+                rule.name.clone(),
+                (Rule::new(rule.name.as_str())?, rule.clone()),
+            );
+        }
+        Ok(Rules { by_name })
+    }
+
+    /// The rule named `name`.
+    pub fn get(&self, name: &str) -> Result<&(Rule, RuleConfig), Refusal> {
+        self.by_name.get(name).ok_or_else(|| Refusal::UnknownRule {
+            rule: name.to_owned(),
+        })
+    }
+}
+
+/// One request's context: the node's state at one moment.
+pub struct Context<'a> {
+    /// The lane store.
+    pub store: &'a LaneStore,
+    /// The gossip's view.
+    pub view: &'a ViewState,
+    /// The wall clock now.
+    pub now: Stamp,
+    /// The lane log, if the node has a data dir.
+    pub log: Option<&'a mut LaneLog>,
+}
+
+/// The key of `subject` under `rule` in the window containing now.
+pub fn key(rule: &(Rule, RuleConfig), subject: &str, now: Stamp) -> Result<Key, Refusal> {
+    let subject = Subject::new(subject).map_err(|err| bad("subject", err.to_string()))?;
+    let window = Window::containing(now.0 / 1_000, rule.1.window_secs)
+        .map_err(|err| bad("window", err.to_string()))?;
+    Ok(Key::new(rule.0.clone(), subject, window))
+}
+
+impl Context<'_> {
+    /// Adds `amount` (or subtracts it) and returns the count after the write.
+    pub fn count(&mut self, key: &Key, amount: u64, incr: bool) -> Result<Estimate, Refusal> {
+        if amount == 0 {
+            return Err(bad("amount", "must be at least 1".into()));
+        }
+        // Logged first, so a write the log refuses changes nothing; flushed by the caller
+        // before it awaits anything, so the gossip task never sees a lane the log lacks.
+        let mark = self.log_write(key, amount, incr)?;
+        let written = if incr {
+            self.store.incr(key, amount)
+        } else {
+            self.store.decr(key, amount)
+        };
+        let counted = written.map_err(|err| {
+            if let (Some(log), Some(mark)) = (self.log.as_deref_mut(), mark) {
+                log.undo(mark);
+            }
+            refusal(err)
+        })?;
+        Ok(Estimate {
+            estimate: counted.estimate,
+            window: key.window.index(),
+            staleness_ms: self.staleness().as_millis() as u64,
+        })
+    }
+
+    /// The key's estimate now.
+    pub fn estimate(&self, key: &Key) -> Estimate {
+        Estimate {
+            estimate: self.store.estimate(key),
+            window: key.window.index(),
+            staleness_ms: self.staleness().as_millis() as u64,
+        }
+    }
+
+    /// Decides whether `cost` more is allowed under `rule`, and counts it if so.
+    pub fn check(&mut self, rule: &RuleConfig, key: &Key, cost: u64) -> Result<Decision, Refusal> {
+        if cost == 0 {
+            return Err(bad("cost", "must be at least 1".into()));
+        }
+        match (rule.mode, rule.on_region_unavailable) {
+            (RuleMode::Approximate, _) | (RuleMode::Exact, OnRegionUnavailable::Approximate) => {
+                self.check_approximate(rule, key, cost)
+            }
+            (RuleMode::Exact, OnRegionUnavailable::Error) => Err(Refusal::RegionUnavailable {
+                rule: rule.name.clone(),
+                why: "this build has no region path yet (issue 5)".into(),
+            }),
+            (RuleMode::Exact, fallback) => {
+                let allowed = fallback == OnRegionUnavailable::Allow;
+                let estimate = if allowed {
+                    self.count(key, cost, true)?.estimate
+                } else {
+                    self.store.estimate(key)
+                };
+                Ok(self.decision(rule, key, allowed, estimate, Mode::RegionFallback, 0.0))
+            }
+        }
+    }
+
+    fn check_approximate(
+        &mut self,
+        rule: &RuleConfig,
+        key: &Key,
+        cost: u64,
+    ) -> Result<Decision, Refusal> {
+        let freshness = self.view.freshness(self.now);
+        let connected = freshness.staleness <= Duration::from_millis(rule.stale_after_ms);
+        let (mode, allowed, bound) = if connected {
+            let estimate = self.weighted_estimate(rule, key);
+            let allowed = estimate + i128::from(cost) <= i128::from(rule.limit);
+            let bound = self.view.remote_rate(key) * freshness.staleness.as_secs_f64();
+            (Mode::ApproximateConnected, allowed, bound)
+        } else {
+            let locations = rule.locations.unwrap_or(freshness.locations as u64).max(1);
+            let share = rule.limit / locations + rule.slack;
+            let own = self.store.own(key).value();
+            let allowed = own + i128::from(cost) <= i128::from(share);
+            (
+                Mode::ApproximateIsolated,
+                allowed,
+                (locations * rule.slack) as f64,
+            )
+        };
+        let estimate = if allowed {
+            self.count(key, cost, true)?.estimate
+        } else {
+            self.store.estimate(key)
+        };
+        Ok(self.decision(rule, key, allowed, estimate, mode, bound))
+    }
+
+    /// The estimate a rule decides on: with `sliding`, the previous window's count
+    /// weighted by the part of it still inside the sliding window.
+    fn weighted_estimate(&self, rule: &RuleConfig, key: &Key) -> i128 {
+        let current = self.store.estimate(key);
+        if !rule.sliding {
+            return current;
+        }
+        let Some(previous) = key.window.previous() else {
+            return current;
+        };
+        let previous_key = Key::new(key.rule.clone(), key.subject.clone(), previous);
+        let len_ms = u64::from(key.window.len_secs()) * 1_000;
+        let elapsed_ms = self
+            .now
+            .0
+            .saturating_sub(key.window.start_unix_secs() * 1_000);
+        let weight = 1.0 - (elapsed_ms.min(len_ms) as f64 / len_ms as f64);
+        current + (self.store.estimate(&previous_key) as f64 * weight).ceil() as i128
+    }
+
+    fn decision(
+        &self,
+        rule: &RuleConfig,
+        key: &Key,
+        allowed: bool,
+        estimate: i128,
+        mode: Mode,
+        bound: f64,
+    ) -> Decision {
+        let remaining = (i128::from(rule.limit) - estimate).clamp(0, i128::from(u64::MAX)) as u64;
+        Decision {
+            allowed,
+            estimate,
+            limit: rule.limit,
+            remaining,
+            reset_after_ms: (key.window.end_unix_secs() * 1_000).saturating_sub(self.now.0),
+            mode,
+            staleness_ms: self.staleness().as_millis() as u64,
+            bound,
+        }
+    }
+
+    fn staleness(&self) -> Duration {
+        self.view.freshness(self.now).staleness
+    }
+
+    fn log_write(&mut self, key: &Key, amount: u64, incr: bool) -> Result<Option<usize>, Refusal> {
+        let Some(log) = self.log.as_deref_mut() else {
+            return Ok(None);
+        };
+        let (incr, decr) = if incr { (amount, 0) } else { (0, amount) };
+        log.append(key, incr, decr)
+            .map(Some)
+            .map_err(|err| Refusal::Storage {
+                why: err.to_string(),
+            })
+    }
+}
+
+fn bad(field: &str, why: String) -> Refusal {
+    Refusal::BadField {
+        field: field.to_owned(),
+        why,
+    }
+}
+
+fn refusal(err: StoreError) -> Refusal {
+    match err {
+        StoreError::Overflow(_) => Refusal::Overflow,
+        StoreError::KeysFull { keys_max } => Refusal::KeysFull {
+            keys_max: keys_max as u64,
+        },
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tally_crdt::{Generation, NodeId, ReplicaId};
+    use tally_gossip::membership::State;
+
+    const NOW: Stamp = Stamp(1_767_225_630_000);
+
+    fn rule(limit: u64, slack: u64) -> RuleConfig {
+        RuleConfig {
+            name: "api".into(),
+            limit,
+            window_secs: 60,
+            mode: RuleMode::Approximate,
+            slack,
+            stale_after_ms: 1_000,
+            locations: None,
+            sliding: false,
+            on_region_unavailable: OnRegionUnavailable::Error,
+            region_timeout_ms: 200,
+        }
+    }
+
+    fn view(peer_stamp: Stamp) -> ViewState {
+        let peer = ReplicaId::new(NodeId(2), Generation(1));
+        ViewState {
+            members: vec![(NodeId(2), peer, State::Alive)],
+            stamps: [(peer, peer_stamp)].into(),
+            ..ViewState::default()
+        }
+    }
+
+    fn setup(rule: &RuleConfig) -> (LaneStore, Key) {
+        let store = LaneStore::new(ReplicaId::new(NodeId(1), Generation(1)), 100);
+        let rules = Rules::new(std::slice::from_ref(rule)).unwrap();
+        let key = key(rules.get("api").unwrap(), "user-1", NOW).unwrap();
+        (store, key)
+    }
+
+    #[test]
+    fn connected_checks_admit_up_to_the_limit_counting_remote_lanes() {
+        let rule = rule(10, 0);
+        let (store, key) = setup(&rule);
+        store.publish_remote(&key, 7).unwrap();
+        let view = view(Stamp(NOW.0 - 100));
+        let mut context = Context {
+            store: &store,
+            view: &view,
+            now: NOW,
+            log: None,
+        };
+        let decisions: Vec<Decision> = (0..5)
+            .map(|_| context.check(&rule, &key, 1).unwrap())
+            .collect();
+        assert_eq!(
+            decisions.iter().map(|d| d.allowed).collect::<Vec<_>>(),
+            [true, true, true, false, false]
+        );
+        assert_eq!(decisions[2].estimate, 10);
+        assert_eq!(decisions[2].remaining, 0);
+        assert_eq!(decisions[0].mode, Mode::ApproximateConnected);
+        assert_eq!(decisions[0].staleness_ms, 100);
+        assert_eq!(decisions[0].reset_after_ms, 30_000);
+        assert_eq!(store.own(&key).value(), 3, "a refused check counts nothing");
+    }
+
+    #[test]
+    fn a_stale_peer_puts_the_rule_in_isolated_mode_on_its_share() {
+        let rule = rule(10, 1);
+        let (store, key) = setup(&rule);
+        let view = view(Stamp(NOW.0 - 5_000));
+        let mut context = Context {
+            store: &store,
+            view: &view,
+            now: NOW,
+            log: None,
+        };
+        // Two locations: a share of 10 / 2 + 1 = 6.
+        let allowed = (0..10)
+            .filter(|_| context.check(&rule, &key, 1).unwrap().allowed)
+            .count();
+        assert_eq!(allowed, 6);
+        let decision = context.check(&rule, &key, 1).unwrap();
+        assert_eq!(decision.mode, Mode::ApproximateIsolated);
+        assert_eq!(decision.bound, 2.0);
+    }
+
+    #[test]
+    fn bad_costs_and_amounts_are_refused_naming_the_field() {
+        let rule = rule(10, 0);
+        let (store, key) = setup(&rule);
+        let view = view(NOW);
+        let mut context = Context {
+            store: &store,
+            view: &view,
+            now: NOW,
+            log: None,
+        };
+        let err = context.check(&rule, &key, 0).unwrap_err();
+        assert!(matches!(err, Refusal::BadField { ref field, .. } if field == "cost"));
+        let err = context.count(&key, 0, true).unwrap_err();
+        assert!(matches!(err, Refusal::BadField { ref field, .. } if field == "amount"));
+        let long = "x".repeat(1_000);
+        let rules = Rules::new(std::slice::from_ref(&rule)).unwrap();
+        let err = self::key(rules.get("api").unwrap(), &long, NOW).unwrap_err();
+        assert!(matches!(err, Refusal::BadField { ref field, .. } if field == "subject"));
+        assert_eq!(store.own(&key).value(), 0);
+    }
+
+    #[test]
+    fn an_exact_rule_without_a_region_is_refused_not_answered_approximately() {
+        let mut rule = rule(10, 0);
+        rule.mode = RuleMode::Exact;
+        let (store, key) = setup(&rule);
+        let view = view(NOW);
+        let mut context = Context {
+            store: &store,
+            view: &view,
+            now: NOW,
+            log: None,
+        };
+        assert!(matches!(
+            context.check(&rule, &key, 1),
+            Err(Refusal::RegionUnavailable { .. })
+        ));
+        rule.on_region_unavailable = OnRegionUnavailable::Deny;
+        let decision = context.check(&rule, &key, 1).unwrap();
+        assert_eq!(
+            (decision.allowed, decision.mode),
+            (false, Mode::RegionFallback)
+        );
+    }
+}

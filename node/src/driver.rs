@@ -1,0 +1,186 @@
+//! The gossip task: the one owner of the [`Gossip`] state machine. It turns QUIC frames,
+//! timers and the lane store's changed lanes into inputs, and the outputs into QUIC writes,
+//! remote sums published to the store, and a refreshed [`View`].
+
+use crate::clock::Clock;
+use crate::store::LaneStore;
+use crate::transport::{Inbound, Transport};
+use crate::view::{Rate, View};
+use std::sync::Arc;
+use std::time::Duration;
+use tally_crdt::{Key, ReplicaId, Version};
+use tally_gossip::membership::State;
+use tally_gossip::{Event, Gossip, Input, Output};
+use tokio::sync::{mpsc, watch};
+
+/// Why the gossip task stopped on its own.
+#[derive(Debug, thiserror::Error)]
+pub enum DriverError {
+    /// A peer holds this replica at a version it never wrote: this replica id was used by
+    /// an earlier life that lost its state. Restarting takes a new generation.
+    #[error("generation reused: a peer holds version {seen:?} of this replica, which wrote {written:?}; restart to take a new generation")]
+    GenerationReused {
+        /// What the peer holds.
+        seen: Version,
+        /// What this life wrote.
+        written: Version,
+    },
+}
+
+/// The gossip task's parts.
+pub struct Driver {
+    /// The state machine.
+    pub gossip: Gossip,
+    /// The QUIC side.
+    pub transport: Transport,
+    /// Frames from peers.
+    pub inbound: mpsc::Receiver<Inbound>,
+    /// The lane store the client path writes.
+    pub store: Arc<LaneStore>,
+    /// What the rest of the node reads.
+    pub view: Arc<View>,
+    /// The node's clocks.
+    pub clock: Clock,
+    /// How often the store's changed lanes are collected.
+    pub collect_every: Duration,
+    /// Turns true when the node should leave.
+    pub shutdown: watch::Receiver<bool>,
+}
+
+impl Driver {
+    /// Runs until shutdown (then leaves the cluster gracefully) or a fatal event.
+    pub async fn run(mut self) -> Result<(), DriverError> {
+        let me = self.gossip.replica();
+        self.publish_all(me);
+        let mut collect = tokio::time::interval(self.collect_every);
+        collect.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        let mut expire = tokio::time::interval(Duration::from_secs(1));
+        let mut lanes = Vec::new();
+        loop {
+            let deadline = self.drain(me)?;
+            self.refresh_view(me);
+            tokio::select! {
+                inbound = self.inbound.recv() => {
+                    let Some(inbound) = inbound else { return Ok(()) };
+                    let forged = self.gossip.stats().forged;
+                    self.gossip.handle_input(Input::Receive {
+                        now: self.clock.now(),
+                        from: inbound.from,
+                        frame: inbound.frame,
+                    });
+                    if self.gossip.stats().forged > forged {
+                        self.transport.refuse(inbound.from, &inbound.connection);
+                    }
+                }
+                _ = tokio::time::sleep_until(self.clock.instant(deadline).into()) => {
+                    self.gossip.handle_input(Input::Timeout { now: self.clock.now() });
+                }
+                _ = collect.tick() => {
+                    self.store.collect(&mut lanes);
+                    if !lanes.is_empty() {
+                        self.gossip.handle_input(Input::LocalLanes {
+                            now: self.clock.now(),
+                            lanes: std::mem::take(&mut lanes),
+                        });
+                    }
+                }
+                _ = expire.tick() => {
+                    let now_secs = self.clock.now().wall.0 / 1_000;
+                    self.store.expire(now_secs);
+                    self.view.lock().remote_rates.retain(|key, _| key.window.is_live(now_secs));
+                }
+                _ = self.shutdown.changed() => {
+                    self.store.collect(&mut lanes);
+                    let now = self.clock.now();
+                    self.gossip.handle_input(Input::LocalLanes { now, lanes: std::mem::take(&mut lanes) });
+                    // Push what is left, then say goodbye.
+                    self.gossip.handle_input(Input::Timeout { now: self.clock.now() });
+                    self.gossip.handle_input(Input::Leave);
+                    self.drain(me)?;
+                    tokio::time::sleep(Duration::from_millis(100)).await;
+                    self.transport.close().await;
+                    return Ok(());
+                }
+            }
+        }
+    }
+
+    /// Carries out every output until the next deadline, which it returns.
+    fn drain(&mut self, me: ReplicaId) -> Result<Duration, DriverError> {
+        loop {
+            match self.gossip.poll_output() {
+                Output::Send { to, addr, frame } => self.transport.send(to, &addr, frame),
+                Output::Event(Event::Changed { keys }) => self.publish(me, &keys),
+                Output::Event(Event::Member(transition)) => {
+                    eprintln!(
+                        "tallyd: member node {} generation {} at {} is now {:?}",
+                        transition.node.0,
+                        transition.replica.generation.0,
+                        transition.addr,
+                        transition.state
+                    );
+                }
+                Output::Event(Event::GenerationReused { seen, written }) => {
+                    return Err(DriverError::GenerationReused { seen, written });
+                }
+                Output::Timeout(deadline) => return Ok(deadline),
+            }
+        }
+    }
+
+    /// Publishes every key's remote sum: at start, for lanes restored from the log.
+    fn publish_all(&mut self, me: ReplicaId) {
+        let keys: Vec<Key> = self
+            .gossip
+            .map()
+            .iter()
+            .map(|(key, _)| key.clone())
+            .collect();
+        self.publish(me, &keys);
+    }
+
+    /// Publishes the remote sums of `keys` to the store, and takes in their remote rates.
+    fn publish(&mut self, me: ReplicaId, keys: &[Key]) {
+        let now_ms = self.clock.now().wall.0;
+        let mut view = self.view.lock();
+        for key in keys {
+            let Some(counter) = self.gossip.map().counter(key) else {
+                continue;
+            };
+            // At the key cap a remote key is not held here: its estimate reads 0 until
+            // keys expire, and the refusal is counted like a local one.
+            let _ = self.store.publish_remote(key, counter.value_without(me));
+            let remote_incr: i128 = counter
+                .slots()
+                .iter()
+                .filter(|slot| slot.replica != me)
+                .map(|slot| i128::from(slot.lane.incr))
+                .sum();
+            view.remote_rates
+                .entry(key.clone())
+                .and_modify(|rate| rate.observe(remote_incr, now_ms))
+                .or_insert_with(|| Rate::start(remote_incr, now_ms));
+        }
+    }
+
+    fn refresh_view(&mut self, me: ReplicaId) {
+        let map = self.gossip.map();
+        let members = self.gossip.members();
+        let all = [State::Alive, State::Suspect, State::Dead, State::Left];
+        let rows: Vec<_> = members
+            .others_in(&all)
+            .into_iter()
+            .filter_map(|node| Some((node, members.replica(node)?, members.state(node)?)))
+            .collect();
+        let mut view = self.view.lock();
+        view.stamps = rows
+            .iter()
+            .map(|(_, replica, _)| (*replica, map.watermark(*replica).stamp))
+            .filter(|(replica, _)| *replica != me)
+            .collect();
+        view.members = rows;
+        view.gossip = self.gossip.stats().clone();
+        view.lanes = map.lanes();
+        view.keys = map.len();
+    }
+}

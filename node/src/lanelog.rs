@@ -1,0 +1,423 @@
+//! The data directory: the generation file, and per generation a log of this node's own
+//! lane writes, so that a restart loses none of what it acknowledged.
+//!
+//! # Restart semantics
+//!
+//! Every start takes a new generation, `max(last + 1, wall-clock ms)`, written and synced
+//! before the node serves: a replica id is never used by two lives, even when the data
+//! directory was wiped (the wall clock then keeps it new, unless it stepped back past the
+//! previous start).
+//!
+//! A life's writes are appended to `lanes-<generation>.log` before they are acknowledged
+//! and before the gossip task can see them (see `listener`), so a log holds at least every
+//! lane value any peer ever received from that life. After a restart the node replays the
+//! logs of its earlier lives and re-publishes their lanes as those (retired) replicas, at
+//! versions above any a peer can hold (`CounterMap::raise_version`), so the merge of the
+//! logged totals with the peers' copies is the largest of both: nothing acknowledged is
+//! lost, and nothing is counted twice. A log is deleted once every window in it is over.
+//!
+//! A record is `[len u32][crc32 u32][body]`; replay stops at the first record that is
+//! short or fails its checksum (a torn tail), keeping the prefix before it.
+
+use crate::store::LaneStore;
+use serde::{Deserialize, Serialize};
+use std::fs::{File, OpenOptions};
+use std::io::{Read, Write};
+use std::path::{Path, PathBuf};
+use tally_crdt::{Generation, Key, Lane, NodeId, ReplicaId, Rule, Subject, Window};
+
+/// Why the data directory could not be used. The node refuses to start, or (once
+/// serving) refuses every write after a failed append.
+#[derive(Debug, thiserror::Error)]
+pub enum LogError {
+    /// A file operation failed.
+    #[error("data dir: {path}: {source}")]
+    Io {
+        /// The file.
+        path: PathBuf,
+        /// What failed.
+        source: std::io::Error,
+    },
+    /// An earlier append failed; the log accepts nothing more.
+    #[error("data dir: the lane log failed earlier ({0}); writes are refused until restart")]
+    Failed(String),
+}
+
+/// A log grown past this many bytes is rewritten as one record per live key.
+const COMPACT_BYTES: u64 = 64 << 20;
+/// The largest record body accepted on replay.
+const RECORD_BYTES_MAX: usize = 1024;
+
+const CONFIG: bincode::config::Configuration<
+    bincode::config::LittleEndian,
+    bincode::config::Varint,
+    bincode::config::Limit<RECORD_BYTES_MAX>,
+> = bincode::config::standard().with_limit::<RECORD_BYTES_MAX>();
+
+/// One logged write: amounts added to the own lane's two totals.
+#[derive(Debug, Serialize, Deserialize)]
+struct Record {
+    rule: String,
+    subject: String,
+    window_index: u64,
+    window_secs: u32,
+    incr: u64,
+    decr: u64,
+}
+
+/// What a start recovered from the data directory.
+#[derive(Debug)]
+pub struct Recovered {
+    /// This life's generation.
+    pub generation: Generation,
+    /// Earlier lives' own lanes, per retired replica, from their logs (live windows only).
+    pub retired: Vec<(ReplicaId, Vec<(Key, Lane)>)>,
+    /// Records dropped at a torn tail, over all logs.
+    pub torn: usize,
+}
+
+/// Opens `dir` for `node`: picks and syncs the new generation, replays earlier logs,
+/// deletes the ones whose windows are all over, and opens this life's log.
+pub fn open(
+    dir: &Path,
+    node: NodeId,
+    wall_ms: u64,
+    now_unix_secs: u64,
+) -> Result<(LaneLog, Recovered), LogError> {
+    let io = |path: &Path| {
+        let path = path.to_owned();
+        move |source| LogError::Io { path, source }
+    };
+    std::fs::create_dir_all(dir).map_err(io(dir))?;
+    let generation_file = dir.join("generation");
+    let last = match std::fs::read_to_string(&generation_file) {
+        Ok(text) => text.trim().parse::<u64>().unwrap_or(0),
+        Err(err) if err.kind() == std::io::ErrorKind::NotFound => 0,
+        Err(source) => return Err(io(&generation_file)(source)),
+    };
+    let generation = Generation((last + 1).max(wall_ms));
+    write_synced(
+        &dir.join("generation.tmp"),
+        generation.0.to_string().as_bytes(),
+    )?;
+    std::fs::rename(dir.join("generation.tmp"), &generation_file).map_err(io(&generation_file))?;
+    sync_dir(dir)?;
+
+    let mut recovered = Recovered {
+        generation,
+        retired: Vec::new(),
+        torn: 0,
+    };
+    let entries = std::fs::read_dir(dir).map_err(io(dir))?;
+    for entry in entries {
+        let path = entry.map_err(io(dir))?.path();
+        let Some(old) = log_generation(&path) else {
+            continue;
+        };
+        let (lanes, torn) = replay(&path)?;
+        recovered.torn += torn;
+        let live: Vec<(Key, Lane)> = lanes
+            .into_iter()
+            .filter(|(key, _)| key.window.is_live(now_unix_secs))
+            .collect();
+        if live.is_empty() {
+            std::fs::remove_file(&path).map_err(io(&path))?;
+        } else {
+            recovered
+                .retired
+                .push((ReplicaId::new(node, Generation(old)), live));
+        }
+    }
+    let path = dir.join(format!("lanes-{}.log", generation.0));
+    let file = OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(&path)
+        .map_err(io(&path))?;
+    sync_dir(dir)?;
+    let log = LaneLog {
+        path,
+        file,
+        pending: Vec::new(),
+        written: 0,
+        failed: None,
+    };
+    Ok((log, recovered))
+}
+
+/// This life's log of own lane writes. Appends are buffered; [`LaneLog::flush`] writes them
+/// out, and a write is acknowledged only after its flush returned.
+#[derive(Debug)]
+pub struct LaneLog {
+    path: PathBuf,
+    file: File,
+    pending: Vec<u8>,
+    written: u64,
+    failed: Option<String>,
+}
+
+impl LaneLog {
+    /// Buffers a write of `incr` and `decr` to `key`'s own lane; returns a mark that
+    /// [`LaneLog::undo`] takes back to. Refused once a flush has failed.
+    pub fn append(&mut self, key: &Key, incr: u64, decr: u64) -> Result<usize, LogError> {
+        if let Some(why) = &self.failed {
+            return Err(LogError::Failed(why.clone()));
+        }
+        let mark = self.pending.len();
+        encode(key, incr, decr, &mut self.pending);
+        Ok(mark)
+    }
+
+    /// Drops the records buffered since `mark`: their write was refused.
+    pub fn undo(&mut self, mark: usize) {
+        self.pending.truncate(mark);
+    }
+
+    /// Writes the buffered records to the file (the OS's page cache: a process crash keeps
+    /// them; a machine crash may lose the last ones, which peers then hold or not, as for a
+    /// node without a data dir). After an error, every later append is refused.
+    pub fn flush(&mut self) -> Result<(), LogError> {
+        if self.pending.is_empty() {
+            return Ok(());
+        }
+        if let Some(why) = &self.failed {
+            return Err(LogError::Failed(why.clone()));
+        }
+        if let Err(source) = self.file.write_all(&self.pending) {
+            self.failed = Some(source.to_string());
+            return Err(LogError::Io {
+                path: self.path.clone(),
+                source,
+            });
+        }
+        self.written += self.pending.len() as u64;
+        self.pending.clear();
+        Ok(())
+    }
+
+    /// Rewrites the log as one record per key of `store` once it has grown past its
+    /// bound, so a long life's log stays proportional to its live keys. Call between
+    /// batches (nothing pending); the store must not change meanwhile.
+    pub fn compact_if_large(&mut self, store: &LaneStore) -> Result<(), LogError> {
+        if self.written < COMPACT_BYTES || !self.pending.is_empty() || self.failed.is_some() {
+            return Ok(());
+        }
+        let mut body = Vec::new();
+        store.for_each_own(|key, lane| encode(key, lane.incr, lane.decr, &mut body));
+        let tmp = self.path.with_extension("compact");
+        write_synced(&tmp, &body)?;
+        std::fs::rename(&tmp, &self.path).map_err(|source| LogError::Io {
+            path: self.path.clone(),
+            source,
+        })?;
+        self.file = OpenOptions::new()
+            .append(true)
+            .open(&self.path)
+            .map_err(|source| LogError::Io {
+                path: self.path.clone(),
+                source,
+            })?;
+        self.written = body.len() as u64;
+        Ok(())
+    }
+}
+
+fn encode(key: &Key, incr: u64, decr: u64, out: &mut Vec<u8>) {
+    let record = Record {
+        rule: key.rule.as_str().to_owned(),
+        subject: key.subject.as_str().to_owned(),
+        window_index: key.window.index(),
+        window_secs: key.window.len_secs(),
+        incr,
+        decr,
+    };
+    let start = out.len();
+    out.extend_from_slice(&[0; 8]);
+    bincode::serde::encode_into_std_write(&record, out, CONFIG)
+        .expect("invariant: a record of a valid key is far below RECORD_BYTES_MAX");
+    let body = &out[start + 8..];
+    let len = (body.len() as u32).to_le_bytes();
+    let crc = crc32fast::hash(body).to_le_bytes();
+    out[start..start + 4].copy_from_slice(&len);
+    out[start + 4..start + 8].copy_from_slice(&crc);
+}
+
+/// The own lanes a log adds up to, and how many bytes of torn tail it had.
+fn replay(path: &Path) -> Result<(Vec<(Key, Lane)>, usize), LogError> {
+    let mut bytes = Vec::new();
+    File::open(path)
+        .and_then(|mut file| file.read_to_end(&mut bytes))
+        .map_err(|source| LogError::Io {
+            path: path.to_owned(),
+            source,
+        })?;
+    let mut lanes: std::collections::HashMap<Key, Lane> = std::collections::HashMap::new();
+    let mut at = 0;
+    let mut torn = 0;
+    while at < bytes.len() {
+        let Some(record) = record_at(&bytes, at) else {
+            torn = 1;
+            break;
+        };
+        let (record, next) = record;
+        at = next;
+        let Some(key) = key_of(&record) else {
+            continue;
+        };
+        let lane = lanes.entry(key).or_default();
+        // A lane that would pass u64::MAX was refused when written, so sums fit; saturate
+        // rather than trust a file.
+        *lane = Lane::new(
+            lane.incr.saturating_add(record.incr),
+            lane.decr.saturating_add(record.decr),
+        );
+    }
+    Ok((lanes.into_iter().collect(), torn))
+}
+
+/// The record at `at` and where the next starts, if whole and its checksum holds.
+fn record_at(bytes: &[u8], at: usize) -> Option<(Record, usize)> {
+    let header = bytes.get(at..at + 8)?;
+    let len = u32::from_le_bytes(header[..4].try_into().ok()?) as usize;
+    let crc = u32::from_le_bytes(header[4..].try_into().ok()?);
+    if len > RECORD_BYTES_MAX {
+        return None;
+    }
+    let body = bytes.get(at + 8..at + 8 + len)?;
+    if crc32fast::hash(body) != crc {
+        return None;
+    }
+    let (record, read) = bincode::serde::decode_from_slice(body, CONFIG).ok()?;
+    (read == len).then_some((record, at + 8 + len))
+}
+
+fn key_of(record: &Record) -> Option<Key> {
+    Some(Key::new(
+        Rule::new(record.rule.as_str()).ok()?,
+        Subject::new(record.subject.as_str()).ok()?,
+        Window::new(record.window_index, record.window_secs).ok()?,
+    ))
+}
+
+fn log_generation(path: &Path) -> Option<u64> {
+    path.file_name()?
+        .to_str()?
+        .strip_prefix("lanes-")?
+        .strip_suffix(".log")?
+        .parse()
+        .ok()
+}
+
+fn write_synced(path: &Path, bytes: &[u8]) -> Result<(), LogError> {
+    let io = |source| LogError::Io {
+        path: path.to_owned(),
+        source,
+    };
+    let mut file = File::create(path).map_err(io)?;
+    file.write_all(bytes).map_err(io)?;
+    file.sync_all().map_err(io)
+}
+
+fn sync_dir(dir: &Path) -> Result<(), LogError> {
+    File::open(dir)
+        .and_then(|file| file.sync_all())
+        .map_err(|source| LogError::Io {
+            path: dir.to_owned(),
+            source,
+        })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const NOW: u64 = 1_767_225_600;
+
+    fn key(subject: &str) -> Key {
+        Key::new(
+            Rule::new("r").unwrap(),
+            Subject::new(subject).unwrap(),
+            Window::containing(NOW, 60).unwrap(),
+        )
+    }
+
+    fn dir(name: &str) -> PathBuf {
+        let dir = std::env::temp_dir().join(format!("tally-log-{name}-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        dir
+    }
+
+    #[test]
+    fn a_restart_takes_a_new_generation_and_recovers_the_old_lives_lanes() {
+        let dir = dir("restart");
+        let (mut log, first) = open(&dir, NodeId(1), 5, NOW).unwrap();
+        assert_eq!(first.generation, Generation(5));
+        log.append(&key("a"), 3, 0).unwrap();
+        log.append(&key("a"), 2, 1).unwrap();
+        log.append(&key("b"), 1, 0).unwrap();
+        log.flush().unwrap();
+        drop(log);
+        // The wall clock stepped back: the generation still rises.
+        let (_, second) = open(&dir, NodeId(1), 2, NOW).unwrap();
+        assert_eq!(second.generation, Generation(6));
+        assert_eq!(second.retired.len(), 1);
+        let (replica, mut lanes) = second.retired.into_iter().next().unwrap();
+        assert_eq!(replica, ReplicaId::new(NodeId(1), Generation(5)));
+        lanes.sort_by(|a, b| a.0.subject.as_str().cmp(b.0.subject.as_str()));
+        assert_eq!(
+            lanes,
+            vec![(key("a"), Lane::new(5, 1)), (key("b"), Lane::new(1, 0))]
+        );
+        std::fs::remove_dir_all(dir).unwrap();
+    }
+
+    #[test]
+    fn a_torn_tail_is_dropped_at_every_offset_keeping_the_whole_records() {
+        let mut whole = Vec::new();
+        for i in 0..4 {
+            encode(&key("a"), 1 << i, 0, &mut whole);
+        }
+        let ends: Vec<usize> = {
+            let (mut at, mut ends) = (0, vec![0]);
+            while let Some((_, next)) = record_at(&whole, at) {
+                ends.push(next);
+                at = next;
+            }
+            ends
+        };
+        let dir = dir("torn");
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("lanes-1.log");
+        for cut in 0..=whole.len() {
+            std::fs::write(&path, &whole[..cut]).unwrap();
+            let (lanes, torn) = replay(&path).unwrap();
+            let kept = ends.iter().filter(|&&end| end <= cut).count() - 1;
+            let expected: u64 = (0..kept).map(|i| 1u64 << i).sum();
+            assert_eq!(
+                lanes.iter().map(|(_, l)| l.incr).sum::<u64>(),
+                expected,
+                "cut {cut}"
+            );
+            assert_eq!(torn, usize::from(!ends.contains(&cut)), "cut {cut}");
+        }
+        // A flipped bit in a whole record is caught by its checksum.
+        let mut flipped = whole.clone();
+        flipped[ends[1] + 10] ^= 1;
+        std::fs::write(&path, &flipped).unwrap();
+        let (lanes, torn) = replay(&path).unwrap();
+        assert_eq!((lanes[0].1.incr, torn), (1, 1));
+        std::fs::remove_dir_all(dir).unwrap();
+    }
+
+    #[test]
+    fn a_log_whose_windows_are_over_is_deleted() {
+        let dir = dir("expired");
+        let (mut log, _) = open(&dir, NodeId(1), 1, NOW).unwrap();
+        log.append(&key("a"), 1, 0).unwrap();
+        log.flush().unwrap();
+        let (_, later) = open(&dir, NodeId(1), 2, NOW + 3_600).unwrap();
+        assert!(later.retired.is_empty());
+        assert!(!dir.join("lanes-1.log").exists());
+        std::fs::remove_dir_all(dir).unwrap();
+    }
+}

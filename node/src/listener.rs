@@ -1,0 +1,314 @@
+//! The client listener: applications on loopback TCP and on a Unix socket, speaking the
+//! `tally_client::wire` protocol (length-prefixed frames, request ids, pipelining).
+//!
+//! A connection's task reads whatever frames have arrived, answers them in order in one
+//! batch (each request sees the writes of the ones before it), writes the batch's lane-log
+//! records out, and only then sends the answers. Everything from the first write of a batch
+//! to the log flush is synchronous: on the node's one-thread runtime the gossip task cannot
+//! run in between, so it never pushes a lane the log lacks.
+//!
+//! A frame that does not decode closes its connection (a length-prefixed stream cannot be
+//! resynchronised) after a `Malformed` answer, and is counted; the node keeps serving.
+
+use crate::clock;
+use crate::decide::{self, Context, Rules};
+use crate::lanelog::LaneLog;
+use crate::metrics::Metrics;
+use crate::store::LaneStore;
+use crate::view::View;
+use std::sync::atomic::Ordering;
+use std::sync::{Arc, Mutex};
+use tally_client::wire::{self, Op, Refusal, Reply, Request, Response, Status};
+use tally_crdt::ReplicaId;
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
+use tokio::net::{TcpListener, UnixListener};
+use tokio::sync::Semaphore;
+
+/// Everything a request needs; shared by every connection.
+pub struct Service {
+    /// The lane store.
+    pub store: Arc<LaneStore>,
+    /// The gossip's view.
+    pub view: Arc<View>,
+    /// The rules.
+    pub rules: Rules,
+    /// The lane log, if the node has a data dir.
+    pub log: Option<Mutex<LaneLog>>,
+    /// The live counters.
+    pub metrics: Arc<Metrics>,
+    /// This node's replica.
+    pub replica: ReplicaId,
+}
+
+impl Service {
+    /// Answers a batch of requests in order, then makes their writes durable to the log;
+    /// if that fails, every answer that wrote becomes a `Storage` refusal.
+    pub fn handle_batch(&self, requests: Vec<Request>) -> Vec<Response> {
+        let now = clock::wall();
+        let view = self.view.lock().clone();
+        let mut log = self
+            .log
+            .as_ref()
+            .map(|log| log.lock().unwrap_or_else(|poisoned| poisoned.into_inner()));
+        let mut context = Context {
+            store: &self.store,
+            view: &view,
+            now,
+            log: log.as_deref_mut(),
+        };
+        let mut responses: Vec<(Response, bool)> = requests
+            .into_iter()
+            .map(|request| {
+                let wrote = matches!(
+                    request.op,
+                    Op::Incr { .. } | Op::Decr { .. } | Op::Check { .. }
+                );
+                let result = self.handle(&mut context, request.op);
+                (
+                    Response {
+                        id: request.id,
+                        result,
+                    },
+                    wrote,
+                )
+            })
+            .collect();
+        if let Some(log) = log.as_deref_mut() {
+            if let Err(err) = log.flush() {
+                for (response, wrote) in &mut responses {
+                    if *wrote && response.result.is_ok() {
+                        self.metrics.storage_errors.fetch_add(1, Ordering::Relaxed);
+                        response.result = Err(Refusal::Storage {
+                            why: err.to_string(),
+                        });
+                    }
+                }
+            } else if let Err(err) = log.compact_if_large(&self.store) {
+                // The log is still whole; only its rewrite failed. The next batch retries.
+                eprintln!("tallyd: {err}");
+            }
+        }
+        self.metrics
+            .client_requests
+            .fetch_add(responses.len() as u64, Ordering::Relaxed);
+        responses
+            .into_iter()
+            .map(|(response, _)| response)
+            .collect()
+    }
+
+    fn handle(&self, context: &mut Context<'_>, op: Op) -> Result<Reply, Refusal> {
+        let result = match op {
+            Op::Incr {
+                rule,
+                subject,
+                amount,
+            } => {
+                let key = decide::key(self.rules.get(&rule)?, &subject, context.now)?;
+                context.count(&key, amount, true).map(Reply::Counted)
+            }
+            Op::Decr {
+                rule,
+                subject,
+                amount,
+            } => {
+                let key = decide::key(self.rules.get(&rule)?, &subject, context.now)?;
+                context.count(&key, amount, false).map(Reply::Counted)
+            }
+            Op::Get { rule, subject } => {
+                let key = decide::key(self.rules.get(&rule)?, &subject, context.now)?;
+                Ok(Reply::Estimate(context.estimate(&key)))
+            }
+            Op::Check {
+                rule,
+                subject,
+                cost,
+            } => {
+                let found = self.rules.get(&rule)?;
+                let key = decide::key(found, &subject, context.now)?;
+                let decision = context.check(&found.1, &key, cost)?;
+                self.metrics.decided(decision.mode, decision.allowed);
+                Ok(Reply::Decision(decision))
+            }
+            Op::Status => Ok(Reply::Status(self.status(context))),
+        };
+        if let Err(Refusal::KeysFull { .. }) = &result {
+            self.metrics.keys_refused.fetch_add(1, Ordering::Relaxed);
+        }
+        result
+    }
+
+    fn status(&self, context: &Context<'_>) -> Status {
+        let mut members = std::collections::BTreeMap::<String, u64>::new();
+        for (_, _, state) in &context.view.members {
+            *members
+                .entry(format!("{state:?}").to_lowercase())
+                .or_default() += 1;
+        }
+        Status {
+            node: self.replica.node.0,
+            generation: self.replica.generation.0,
+            members: members.into_iter().collect(),
+            keys: self.store.len() as u64,
+        }
+    }
+}
+
+/// Serves applications on `tcp` and, if given, `unix`, at most `connections_max` at once.
+pub async fn serve(
+    service: Arc<Service>,
+    tcp: TcpListener,
+    unix: Option<UnixListener>,
+    connections_max: usize,
+) {
+    let permits = Arc::new(Semaphore::new(connections_max));
+    if let Some(unix) = unix {
+        let (service, permits) = (service.clone(), permits.clone());
+        tokio::spawn(async move {
+            while let Ok((stream, _)) = unix.accept().await {
+                spawn_connection(&service, &permits, stream);
+            }
+        });
+    }
+    while let Ok((stream, _)) = tcp.accept().await {
+        // Requests are small and pipelined; Nagle's delay would only hold answers back.
+        let _ = stream.set_nodelay(true);
+        spawn_connection(&service, &permits, stream);
+    }
+}
+
+fn spawn_connection<S>(service: &Arc<Service>, permits: &Arc<Semaphore>, stream: S)
+where
+    S: AsyncRead + AsyncWrite + Send + Unpin + 'static,
+{
+    let Ok(permit) = permits.clone().try_acquire_owned() else {
+        service
+            .metrics
+            .client_connections_refused
+            .fetch_add(1, Ordering::Relaxed);
+        return;
+    };
+    let service = service.clone();
+    tokio::spawn(async move {
+        serve_connection(&service, stream).await;
+        drop(permit);
+    });
+}
+
+/// Reads, answers and writes batches until the client goes or sends a bad frame.
+async fn serve_connection<S: AsyncRead + AsyncWrite + Unpin>(service: &Service, mut stream: S) {
+    let mut input = Vec::with_capacity(16 * 1024);
+    let mut output = Vec::with_capacity(16 * 1024);
+    let mut chunk = vec![0u8; 64 * 1024];
+    loop {
+        let read = match stream.read(&mut chunk).await {
+            Ok(0) | Err(_) => return,
+            Ok(read) => read,
+        };
+        input.extend_from_slice(&chunk[..read]);
+        let (requests, consumed, bad) = split_frames(&input);
+        input.drain(..consumed);
+        output.clear();
+        if !requests.is_empty() {
+            for response in service.handle_batch(requests) {
+                wire::encode_frame(&response, &mut output);
+            }
+        }
+        if let Some(why) = &bad {
+            service
+                .metrics
+                .client_frames_bad
+                .fetch_add(1, Ordering::Relaxed);
+            let response = Response {
+                id: 0,
+                result: Err(Refusal::Malformed { why: why.clone() }),
+            };
+            wire::encode_frame(&response, &mut output);
+        }
+        if !output.is_empty() && stream.write_all(&output).await.is_err() {
+            return;
+        }
+        if bad.is_some() {
+            let _ = stream.shutdown().await;
+            return;
+        }
+    }
+}
+
+/// The whole requests at the front of `input`, how many bytes they took, and the error of
+/// a bad frame after them, if any.
+fn split_frames(input: &[u8]) -> (Vec<Request>, usize, Option<String>) {
+    let mut requests = Vec::new();
+    let mut at = 0;
+    while let Some(prefix) = input.get(at..at + 4) {
+        let prefix: [u8; 4] = prefix.try_into().expect("invariant: a 4-byte slice");
+        let len = match wire::frame_len(prefix) {
+            Ok(len) => len,
+            Err(err) => return (requests, at, Some(err.to_string())),
+        };
+        let Some(body) = input.get(at + 4..at + 4 + len) else {
+            break;
+        };
+        match wire::decode_body::<Request>(body) {
+            Ok(request) => requests.push(request),
+            Err(err) => return (requests, at, Some(err.to_string())),
+        }
+        at += 4 + len;
+    }
+    (requests, at, None)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn frames_split_whole_requests_and_keep_a_partial_tail() {
+        let mut input = Vec::new();
+        wire::encode_frame(
+            &Request {
+                id: 1,
+                op: Op::Status,
+            },
+            &mut input,
+        );
+        wire::encode_frame(
+            &Request {
+                id: 2,
+                op: Op::Status,
+            },
+            &mut input,
+        );
+        let whole = input.len();
+        wire::encode_frame(
+            &Request {
+                id: 3,
+                op: Op::Status,
+            },
+            &mut input,
+        );
+        let (requests, consumed, bad) = split_frames(&input[..input.len() - 1]);
+        assert_eq!(requests.iter().map(|r| r.id).collect::<Vec<_>>(), [1, 2]);
+        assert_eq!((consumed, bad), (whole, None));
+    }
+
+    #[test]
+    fn an_oversized_or_garbage_frame_stops_the_split_with_an_error() {
+        let mut input = Vec::new();
+        wire::encode_frame(
+            &Request {
+                id: 1,
+                op: Op::Status,
+            },
+            &mut input,
+        );
+        let good = input.len();
+        input.extend_from_slice(&u32::MAX.to_le_bytes());
+        let (requests, consumed, bad) = split_frames(&input);
+        assert_eq!((requests.len(), consumed), (1, good));
+        assert!(bad.unwrap().contains("limit"));
+        let garbage = [3, 0, 0, 0, 1, 0xff, 0xff];
+        let (requests, _, bad) = split_frames(&garbage);
+        assert!(requests.is_empty() && bad.is_some());
+    }
+}

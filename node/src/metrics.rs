@@ -1,0 +1,283 @@
+//! The node's metrics: live counters kept here, the rest read from the gossip view, the
+//! lane store and the transport at scrape time, and encoded in the Prometheus text format
+//! by `prometheus-client`.
+
+use crate::store::LaneStore;
+use crate::transport::TransportStats;
+use crate::view::View;
+use prometheus_client::encoding::{EncodeMetric, MetricEncoder, NoLabelSet};
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::metrics::MetricType;
+use prometheus_client::registry::Registry;
+use std::collections::BTreeMap;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Mutex;
+use tally_client::wire::Mode;
+use tally_crdt::{ReplicaId, Stamp};
+use tally_gossip::Histogram;
+
+/// Counters the request path updates as it goes.
+#[derive(Debug, Default)]
+pub struct Metrics {
+    decisions: Mutex<BTreeMap<(Mode, bool), u64>>,
+    /// Writes refused because the store held `keys_max` keys (local or remote keys).
+    pub keys_refused: AtomicU64,
+    /// Client frames that did not decode; their connections were closed.
+    pub client_frames_bad: AtomicU64,
+    /// Client connections refused at `client_connections_max`.
+    pub client_connections_refused: AtomicU64,
+    /// Requests answered, refusals included.
+    pub client_requests: AtomicU64,
+    /// Writes refused because the lane log failed.
+    pub storage_errors: AtomicU64,
+}
+
+impl Metrics {
+    /// Counts one decision.
+    pub fn decided(&self, mode: Mode, allowed: bool) {
+        let mut decisions = self
+            .decisions
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner());
+        *decisions.entry((mode, allowed)).or_default() += 1;
+    }
+}
+
+/// What a scrape reads.
+pub struct Sources<'a> {
+    /// The live counters.
+    pub metrics: &'a Metrics,
+    /// The gossip view.
+    pub view: &'a View,
+    /// The lane store.
+    pub store: &'a LaneStore,
+    /// The transport's counters.
+    pub transport: &'a TransportStats,
+    /// The wall clock now.
+    pub now: Stamp,
+}
+
+/// Renders every metric in the Prometheus text format.
+pub fn render(sources: &Sources<'_>) -> String {
+    let mut registry = Registry::with_prefix("tally");
+    let view = sources.view.lock().clone();
+
+    let staleness = Family::<Vec<(String, String)>, Gauge<f64, AtomicU64>>::default();
+    for (node, replica, state) in &view.members {
+        let stamp = view.stamps.get(replica).copied().unwrap_or(Stamp(0));
+        let age = sources.now.0.saturating_sub(stamp.0) as f64 / 1_000.0;
+        staleness
+            .get_or_create(&origin_labels(node.0, *replica, &format!("{state:?}")))
+            .set(age);
+    }
+    registry.register(
+        "origin_staleness_seconds",
+        "How old the newest state held from each member's current replica is",
+        staleness,
+    );
+    registry.register(
+        "propagation_delay_seconds",
+        "Delay from an origin's write to its arrival here",
+        Buckets(view.gossip.propagation.clone()),
+    );
+    let members = Family::<Vec<(String, String)>, Gauge>::default();
+    for state in ["Alive", "Suspect", "Dead", "Left"] {
+        let count = view
+            .members
+            .iter()
+            .filter(|(_, _, s)| format!("{s:?}") == state)
+            .count();
+        members
+            .get_or_create(&vec![("state".to_owned(), state.to_lowercase())])
+            .set(count as i64);
+    }
+    registry.register("members", "Other members by state", members);
+
+    let gossip = &view.gossip;
+    let pairs = [
+        (
+            "gossip_frames_in",
+            "Gossip frames received",
+            gossip.frames_in,
+        ),
+        ("gossip_frames_out", "Gossip frames sent", gossip.frames_out),
+        ("gossip_bytes_in", "Gossip bytes received", gossip.bytes_in),
+        ("gossip_bytes_out", "Gossip bytes sent", gossip.bytes_out),
+        (
+            "gossip_decode_errors",
+            "Gossip frames that did not decode, dropped",
+            gossip.decode_errors,
+        ),
+        (
+            "gossip_forged_frames",
+            "Gossip frames claiming another origin than their certificate, dropped",
+            gossip.forged,
+        ),
+        ("gossip_lanes_in", "Lanes received", gossip.lanes_in),
+        ("gossip_lanes_out", "Lanes sent", gossip.lanes_out),
+    ];
+    for (name, help, value) in pairs {
+        counter(&mut registry, name, help, value);
+    }
+    let transport = sources.transport;
+    let load = |value: &AtomicU64| value.load(Ordering::Relaxed);
+    let metrics = sources.metrics;
+    let pairs = [
+        (
+            "quic_frames_dropped",
+            "Frames dropped: a peer's queue was full or it was unreachable",
+            load(&transport.frames_dropped),
+        ),
+        (
+            "quic_frames_oversized",
+            "QUIC frames with a length out of bounds; their connection closed",
+            load(&transport.frames_oversized),
+        ),
+        (
+            "quic_handshakes_refused",
+            "Peers refused at the handshake (no or foreign certificate)",
+            load(&transport.handshakes_refused),
+        ),
+        (
+            "quic_connections_forged",
+            "Connections closed for a frame claiming another origin",
+            load(&transport.connections_forged),
+        ),
+        (
+            "quic_connections",
+            "QUIC connections established",
+            load(&transport.connections),
+        ),
+        (
+            "keys_refused",
+            "Writes refused because the store held its maximum of keys",
+            load(&metrics.keys_refused),
+        ),
+        (
+            "client_frames_bad",
+            "Client frames that did not decode; their connection closed",
+            load(&metrics.client_frames_bad),
+        ),
+        (
+            "client_connections_refused",
+            "Client connections refused at the connection limit",
+            load(&metrics.client_connections_refused),
+        ),
+        (
+            "client_requests",
+            "Client requests answered",
+            load(&metrics.client_requests),
+        ),
+        (
+            "storage_errors",
+            "Writes refused because the lane log failed",
+            load(&metrics.storage_errors),
+        ),
+    ];
+    for (name, help, value) in pairs {
+        counter(&mut registry, name, help, value);
+    }
+
+    let decisions = Family::<Vec<(String, String)>, Counter>::default();
+    let counted = metrics
+        .decisions
+        .lock()
+        .unwrap_or_else(|poisoned| poisoned.into_inner())
+        .clone();
+    for ((mode, allowed), count) in counted {
+        let outcome = if allowed { "allowed" } else { "denied" };
+        decisions
+            .get_or_create(&vec![
+                ("mode".to_owned(), mode.as_str().to_owned()),
+                ("outcome".to_owned(), outcome.to_owned()),
+            ])
+            .inc_by(count);
+    }
+    registry.register("decisions", "Decisions by mode and outcome", decisions);
+
+    gauge(
+        &mut registry,
+        "keys",
+        "Keys in the lane store",
+        sources.store.len(),
+    );
+    gauge(
+        &mut registry,
+        "gossip_keys",
+        "Keys in the gossip map",
+        view.keys,
+    );
+    gauge(
+        &mut registry,
+        "lanes",
+        "Lanes in the gossip map, all origins",
+        view.lanes,
+    );
+    gauge(
+        &mut registry,
+        "resident_memory_bytes",
+        "Resident memory of the process",
+        resident_bytes(),
+    );
+
+    let mut text = String::new();
+    prometheus_client::encoding::text::encode(&mut text, &registry)
+        .expect("invariant: writing to a String cannot fail");
+    text
+}
+
+fn origin_labels(node: u64, replica: ReplicaId, state: &str) -> Vec<(String, String)> {
+    vec![
+        ("node".to_owned(), node.to_string()),
+        ("generation".to_owned(), replica.generation.0.to_string()),
+        ("state".to_owned(), state.to_lowercase()),
+    ]
+}
+
+fn counter(registry: &mut Registry, name: &str, help: &str, value: u64) {
+    let counter = Counter::<u64>::default();
+    counter.inc_by(value);
+    registry.register(name, help, counter);
+}
+
+fn gauge(registry: &mut Registry, name: &str, help: &str, value: usize) {
+    let gauge = Gauge::<i64>::default();
+    gauge.set(value as i64);
+    registry.register(name, help, gauge);
+}
+
+/// Resident memory from `/proc/self/statm` (0 where there is none).
+fn resident_bytes() -> usize {
+    std::fs::read_to_string("/proc/self/statm")
+        .ok()
+        .and_then(|statm| statm.split_whitespace().nth(1)?.parse::<usize>().ok())
+        .map_or(0, |pages| pages * 4_096)
+}
+
+/// The gossip's propagation histogram, encoded as a Prometheus histogram in seconds.
+#[derive(Debug)]
+struct Buckets(Histogram);
+
+impl EncodeMetric for Buckets {
+    fn encode(&self, mut encoder: MetricEncoder) -> Result<(), std::fmt::Error> {
+        let mut buckets: Vec<(f64, u64)> = Histogram::BOUNDS_MS
+            .iter()
+            .zip(self.0.counts.iter())
+            .map(|(bound, count)| (*bound as f64 / 1_000.0, *count))
+            .collect();
+        buckets.push((f64::INFINITY, self.0.counts[Histogram::BOUNDS_MS.len()]));
+        let count = self.0.counts.iter().sum();
+        encoder.encode_histogram::<NoLabelSet>(
+            self.0.sum_ms as f64 / 1_000.0,
+            count,
+            &buckets,
+            None,
+        )
+    }
+
+    fn metric_type(&self) -> MetricType {
+        MetricType::Histogram
+    }
+}

@@ -1,0 +1,229 @@
+//! Mutual TLS for QUIC between nodes: every peer presents a certificate from the cluster
+//! CA, and the node id it may speak for is the one its certificate names.
+//!
+//! A dialing node names the peer it expects (`node-<id>.tally`), so rustls refuses a server
+//! whose certificate names another node. An accepting node requires a client certificate
+//! from the CA and reads the node id from it; frames claiming any other origin are dropped
+//! by the gossip and close the connection (see `transport`). No 0-RTT: rustls' defaults
+//! leave early data off on both sides, and nothing here turns it on.
+
+use crate::certs::server_name;
+use crate::config::TlsConfig;
+use rustls::pki_types::pem::PemObject;
+use rustls::pki_types::{CertificateDer, PrivateKeyDer};
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Duration;
+use tally_crdt::NodeId;
+
+/// The ALPN protocol name of node-to-node QUIC.
+pub const ALPN: &[u8] = b"tally/1";
+
+/// Why the TLS identity could not be set up.
+#[derive(Debug, thiserror::Error)]
+pub enum TlsError {
+    /// A PEM file could not be read or parsed.
+    #[error("tls: {path}: {why}")]
+    File {
+        /// The file.
+        path: PathBuf,
+        /// What was wrong.
+        why: String,
+    },
+    /// The node's own certificate names another node id.
+    #[error("tls: {path}: the certificate is for {found}, but this node is node {node}")]
+    WrongNode {
+        /// The certificate file.
+        path: PathBuf,
+        /// What it names.
+        found: String,
+        /// The configured node id.
+        node: u64,
+    },
+    /// rustls or quinn refused the configuration.
+    #[error("tls: {0}")]
+    Config(String),
+}
+
+/// What one node needs for QUIC: its server and client configurations.
+pub struct Identity {
+    /// For accepting peers.
+    pub server: quinn::ServerConfig,
+    /// For dialing peers.
+    pub client: quinn::ClientConfig,
+}
+
+/// Loads the node's certificate files and builds both QUIC configurations. Refuses a
+/// certificate that does not name `node`.
+pub fn identity(files: &TlsConfig, node: NodeId) -> Result<Identity, TlsError> {
+    let ca = certs(&files.ca)?;
+    let chain = certs(&files.cert)?;
+    let key = PrivateKeyDer::from_pem_file(&files.key).map_err(|err| TlsError::File {
+        path: files.key.clone(),
+        why: err.to_string(),
+    })?;
+    match chain.first().map(node_of) {
+        Some(Ok(found)) if found == node => {}
+        Some(Ok(found)) => {
+            return Err(TlsError::WrongNode {
+                path: files.cert.clone(),
+                found: server_name(found),
+                node: node.0,
+            })
+        }
+        Some(Err(why)) => {
+            return Err(TlsError::File {
+                path: files.cert.clone(),
+                why,
+            })
+        }
+        None => {
+            return Err(TlsError::File {
+                path: files.cert.clone(),
+                why: "no certificate in the file".into(),
+            })
+        }
+    }
+    let mut roots = rustls::RootCertStore::empty();
+    for cert in ca {
+        roots
+            .add(cert)
+            .map_err(|err| TlsError::Config(format!("ca: {err}")))?;
+    }
+    let roots = Arc::new(roots);
+    let provider = Arc::new(rustls::crypto::ring::default_provider());
+    let config_err = |err: rustls::Error| TlsError::Config(err.to_string());
+
+    let verifier = rustls::server::WebPkiClientVerifier::builder_with_provider(
+        roots.clone(),
+        provider.clone(),
+    )
+    .build()
+    .map_err(|err| TlsError::Config(err.to_string()))?;
+    let mut server = rustls::ServerConfig::builder_with_provider(provider.clone())
+        .with_protocol_versions(&[&rustls::version::TLS13])
+        .map_err(config_err)?
+        .with_client_cert_verifier(verifier)
+        .with_single_cert(chain.clone(), key.clone_key())
+        .map_err(config_err)?;
+    server.alpn_protocols = vec![ALPN.to_vec()];
+    let server = quinn::crypto::rustls::QuicServerConfig::try_from(server)
+        .map_err(|err| TlsError::Config(err.to_string()))?;
+    let mut server = quinn::ServerConfig::with_crypto(Arc::new(server));
+    server.transport_config(transport());
+
+    let mut client = rustls::ClientConfig::builder_with_provider(provider)
+        .with_protocol_versions(&[&rustls::version::TLS13])
+        .map_err(config_err)?
+        .with_root_certificates(roots)
+        .with_client_auth_cert(chain, key)
+        .map_err(config_err)?;
+    client.alpn_protocols = vec![ALPN.to_vec()];
+    let client = quinn::crypto::rustls::QuicClientConfig::try_from(client)
+        .map_err(|err| TlsError::Config(err.to_string()))?;
+    let mut client = quinn::ClientConfig::new(Arc::new(client));
+    client.transport_config(transport());
+    Ok(Identity { server, client })
+}
+
+/// The node id a certificate names in its `node-<id>.tally` DNS name.
+pub fn node_of(cert: &CertificateDer<'_>) -> Result<NodeId, String> {
+    let (_, cert) = x509_parser::parse_x509_certificate(cert)
+        .map_err(|err| format!("certificate does not parse: {err}"))?;
+    let names = cert
+        .subject_alternative_name()
+        .map_err(|err| format!("subject alternative names do not parse: {err}"))?
+        .ok_or("the certificate has no subject alternative name")?;
+    names
+        .value
+        .general_names
+        .iter()
+        .find_map(|name| match name {
+            x509_parser::extensions::GeneralName::DNSName(dns) => dns
+                .strip_prefix("node-")
+                .and_then(|rest| rest.strip_suffix(".tally"))
+                .and_then(|id| id.parse().ok())
+                .map(NodeId),
+            _ => None,
+        })
+        .ok_or_else(|| "the certificate names no node-<id>.tally".to_owned())
+}
+
+/// Bounds on what one peer may make this node hold: a few streams, small windows.
+fn transport() -> Arc<quinn::TransportConfig> {
+    let mut transport = quinn::TransportConfig::default();
+    transport
+        .max_concurrent_uni_streams(4u32.into())
+        .max_concurrent_bidi_streams(16u32.into())
+        .stream_receive_window((1u32 << 20).into())
+        .receive_window((4u32 << 20).into())
+        .send_window(4 << 20)
+        .keep_alive_interval(Some(Duration::from_secs(1)))
+        .max_idle_timeout(Some(
+            Duration::from_secs(10)
+                .try_into()
+                .expect("invariant: 10 s is a valid QUIC idle timeout"),
+        ));
+    Arc::new(transport)
+}
+
+fn certs(path: &Path) -> Result<Vec<CertificateDer<'static>>, TlsError> {
+    let file_err = |why: String| TlsError::File {
+        path: path.to_owned(),
+        why,
+    };
+    let certs = CertificateDer::pem_file_iter(path)
+        .map_err(|err| file_err(err.to_string()))?
+        .collect::<Result<Vec<_>, _>>()
+        .map_err(|err| file_err(err.to_string()))?;
+    if certs.is_empty() {
+        return Err(file_err("no certificate in the file".into()));
+    }
+    Ok(certs)
+}
+
+/// The peer's node id, from the certificate it presented on `connection`.
+pub fn peer_node(connection: &quinn::Connection) -> Result<NodeId, String> {
+    let identity = connection
+        .peer_identity()
+        .ok_or("the peer presented no certificate")?;
+    let chain = identity
+        .downcast::<Vec<CertificateDer<'static>>>()
+        .map_err(|_| "the peer identity is not a certificate chain")?;
+    let cert = chain
+        .first()
+        .ok_or("the peer's certificate chain is empty")?;
+    node_of(cert)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::certs::Ca;
+
+    #[test]
+    fn a_node_certificate_names_its_node_id() {
+        let ca = Ca::generate("test").unwrap();
+        let (cert, _) = ca.issue(NodeId(42)).unwrap();
+        let der = CertificateDer::from_pem_slice(cert.as_bytes()).unwrap();
+        assert_eq!(node_of(&der), Ok(NodeId(42)));
+    }
+
+    #[test]
+    fn a_certificate_for_another_node_is_refused_at_start() {
+        let dir = std::env::temp_dir().join(format!("tally-tls-{}", std::process::id()));
+        let files = crate::certs::write_cluster(&dir, &[NodeId(2)]).unwrap();
+        let config = TlsConfig {
+            ca: files[0].ca.clone(),
+            cert: files[0].cert.clone(),
+            key: files[0].key.clone(),
+        };
+        assert!(identity(&config, NodeId(2)).is_ok());
+        let err = identity(&config, NodeId(3)).err().unwrap().to_string();
+        assert!(
+            err.contains("node-2.tally") && err.contains("node 3"),
+            "{err}"
+        );
+        std::fs::remove_dir_all(dir).unwrap();
+    }
+}

@@ -1,0 +1,314 @@
+//! QUIC between nodes: one endpoint, one long-lived connection per peer, frames on
+//! unidirectional streams.
+//!
+//! A frame on a stream is a 4-byte little-endian length and that many bytes, the length
+//! checked against `frame_bytes_max` before anything is read or allocated. Each peer has
+//! one writer task fed by a bounded queue: when the queue is full the frame is dropped and
+//! counted (gossip repairs what is lost), so a slow peer never stalls the gossip task.
+//! A connection either side opened is used by both: a writer looks for a live connection
+//! to its peer before it dials, so two nodes normally share one connection (two only if
+//! they dial each other at the same moment).
+
+use crate::certs::server_name;
+use crate::tls;
+use std::collections::HashMap;
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+use tally_crdt::NodeId;
+use tokio::sync::mpsc;
+
+/// Frames waiting for one peer's writer; past this they are dropped.
+const PEER_QUEUE_FRAMES: usize = 1_024;
+
+/// The QUIC error code of a connection closed for a frame that broke the protocol.
+pub const CLOSE_PROTOCOL: u32 = 1;
+
+/// Counters of what the transport refused or dropped. Read by the metrics.
+#[derive(Debug, Default)]
+pub struct TransportStats {
+    /// Frames dropped because a peer's queue was full or it could not be reached.
+    pub frames_dropped: AtomicU64,
+    /// Frames whose length prefix was zero or over the limit; their connection closed.
+    pub frames_oversized: AtomicU64,
+    /// Incoming handshakes refused (no certificate, another CA, no node id).
+    pub handshakes_refused: AtomicU64,
+    /// Connections closed for a frame claiming another origin than the certificate's.
+    pub connections_forged: AtomicU64,
+    /// Connections established, either way.
+    pub connections: AtomicU64,
+}
+
+/// A frame from an authenticated peer.
+#[derive(Debug)]
+pub struct Inbound {
+    /// The node its certificate names.
+    pub from: NodeId,
+    /// The frame.
+    pub frame: Vec<u8>,
+    /// The connection it came on, to close if the frame is forged.
+    pub connection: quinn::Connection,
+}
+
+/// The node's QUIC endpoint and its peers' writers. Owned by the gossip task.
+pub struct Transport {
+    shared: Arc<Shared>,
+    writers: HashMap<NodeId, mpsc::Sender<Vec<u8>>>,
+}
+
+struct Shared {
+    endpoint: quinn::Endpoint,
+    connections: Mutex<HashMap<NodeId, quinn::Connection>>,
+    inbound: mpsc::Sender<Inbound>,
+    frame_bytes_max: usize,
+    stats: Arc<TransportStats>,
+}
+
+impl Transport {
+    /// Binds the endpoint on `addr` and starts accepting peers; frames they send arrive
+    /// on the returned receiver.
+    pub fn bind(
+        addr: SocketAddr,
+        identity: tls::Identity,
+        frame_bytes_max: usize,
+        stats: Arc<TransportStats>,
+    ) -> std::io::Result<(Transport, mpsc::Receiver<Inbound>)> {
+        let mut endpoint = quinn::Endpoint::server(identity.server, addr)?;
+        endpoint.set_default_client_config(identity.client);
+        let (inbound, receiver) = mpsc::channel(4_096);
+        let shared = Arc::new(Shared {
+            endpoint,
+            connections: Mutex::new(HashMap::new()),
+            inbound,
+            frame_bytes_max,
+            stats,
+        });
+        tokio::spawn(accept(shared.clone()));
+        let transport = Transport {
+            shared,
+            writers: HashMap::new(),
+        };
+        Ok((transport, receiver))
+    }
+
+    /// The address the endpoint is bound to.
+    pub fn local_addr(&self) -> std::io::Result<SocketAddr> {
+        self.shared.endpoint.local_addr()
+    }
+
+    /// Queues `frame` for `to` at `addr`. Never waits: a full queue drops the frame.
+    pub fn send(&mut self, to: NodeId, addr: &str, frame: Vec<u8>) {
+        let writer = self.writers.entry(to).or_insert_with(|| {
+            let (sender, frames) = mpsc::channel(PEER_QUEUE_FRAMES);
+            tokio::spawn(write_to_peer(
+                self.shared.clone(),
+                to,
+                addr.to_owned(),
+                frames,
+            ));
+            sender
+        });
+        if writer.try_send(frame).is_err() {
+            self.shared
+                .stats
+                .frames_dropped
+                .fetch_add(1, Ordering::Relaxed);
+        }
+    }
+
+    /// Closes a connection whose peer sent a frame for another origin.
+    pub fn refuse(&mut self, from: NodeId, connection: &quinn::Connection) {
+        connection.close(CLOSE_PROTOCOL.into(), b"frame claims another origin");
+        self.shared
+            .stats
+            .connections_forged
+            .fetch_add(1, Ordering::Relaxed);
+        let mut connections = lock(&self.shared.connections);
+        if connections
+            .get(&from)
+            .is_some_and(|held| held.stable_id() == connection.stable_id())
+        {
+            connections.remove(&from);
+        }
+    }
+
+    /// Closes every connection, telling peers this node is going.
+    pub async fn close(&self) {
+        self.shared.endpoint.close(0u32.into(), b"leaving");
+        self.shared.endpoint.wait_idle().await;
+    }
+}
+
+/// Accepts peers for as long as the endpoint is open.
+async fn accept(shared: Arc<Shared>) {
+    while let Some(incoming) = shared.endpoint.accept().await {
+        let shared = shared.clone();
+        tokio::spawn(async move {
+            let connection = match incoming.await {
+                Ok(connection) => connection,
+                Err(_) => {
+                    // Bad certificate, another CA, none at all, or a broken handshake.
+                    shared
+                        .stats
+                        .handshakes_refused
+                        .fetch_add(1, Ordering::Relaxed);
+                    return;
+                }
+            };
+            let node = match tls::peer_node(&connection) {
+                Ok(node) => node,
+                Err(why) => {
+                    shared
+                        .stats
+                        .handshakes_refused
+                        .fetch_add(1, Ordering::Relaxed);
+                    connection.close(CLOSE_PROTOCOL.into(), why.as_bytes());
+                    return;
+                }
+            };
+            adopt(&shared, node, &connection);
+            read_streams(shared, node, connection).await;
+        });
+    }
+}
+
+/// Records `connection` as the one to use for `node`, unless a live one is held.
+fn adopt(shared: &Shared, node: NodeId, connection: &quinn::Connection) {
+    shared.stats.connections.fetch_add(1, Ordering::Relaxed);
+    let mut connections = lock(&shared.connections);
+    let held_is_live = connections
+        .get(&node)
+        .is_some_and(|held| held.close_reason().is_none());
+    if !held_is_live {
+        connections.insert(node, connection.clone());
+    }
+}
+
+/// Reads every stream the peer opens on `connection` until it closes.
+async fn read_streams(shared: Arc<Shared>, node: NodeId, connection: quinn::Connection) {
+    while let Ok(stream) = connection.accept_uni().await {
+        tokio::spawn(read_frames(
+            shared.clone(),
+            node,
+            connection.clone(),
+            stream,
+        ));
+    }
+}
+
+/// Reads length-prefixed frames from one stream and hands them to the gossip task.
+async fn read_frames(
+    shared: Arc<Shared>,
+    node: NodeId,
+    connection: quinn::Connection,
+    mut stream: quinn::RecvStream,
+) {
+    let mut prefix = [0u8; 4];
+    while stream.read_exact(&mut prefix).await.is_ok() {
+        let len = u32::from_le_bytes(prefix) as usize;
+        if len == 0 || len > shared.frame_bytes_max {
+            shared
+                .stats
+                .frames_oversized
+                .fetch_add(1, Ordering::Relaxed);
+            connection.close(CLOSE_PROTOCOL.into(), b"frame length out of bounds");
+            return;
+        }
+        let mut frame = vec![0u8; len];
+        if stream.read_exact(&mut frame).await.is_err() {
+            return;
+        }
+        let inbound = Inbound {
+            from: node,
+            frame,
+            connection: connection.clone(),
+        };
+        if shared.inbound.send(inbound).await.is_err() {
+            return;
+        }
+    }
+}
+
+/// One peer's writer: keeps a connection and a stream open and writes queued frames.
+async fn write_to_peer(
+    shared: Arc<Shared>,
+    node: NodeId,
+    addr: String,
+    mut frames: mpsc::Receiver<Vec<u8>>,
+) {
+    let mut stream: Option<quinn::SendStream> = None;
+    let mut backoff = Duration::from_millis(50);
+    while let Some(frame) = frames.recv().await {
+        if stream.is_none() {
+            match open_stream(&shared, node, &addr).await {
+                Ok(opened) => {
+                    stream = Some(opened);
+                    backoff = Duration::from_millis(50);
+                }
+                Err(_) => {
+                    shared.stats.frames_dropped.fetch_add(1, Ordering::Relaxed);
+                    // Frames queued while the peer is unreachable are stale by the time it
+                    // is back; anti-entropy resends what matters.
+                    tokio::time::sleep(backoff).await;
+                    backoff = (backoff * 2).min(Duration::from_secs(1));
+                    while frames.try_recv().is_ok() {
+                        shared.stats.frames_dropped.fetch_add(1, Ordering::Relaxed);
+                    }
+                    continue;
+                }
+            }
+        }
+        let Some(open) = stream.as_mut() else {
+            continue;
+        };
+        let prefix = (frame.len() as u32).to_le_bytes();
+        let written = match open.write_all(&prefix).await {
+            Ok(()) => open.write_all(&frame).await,
+            Err(err) => Err(err),
+        };
+        if written.is_err() {
+            shared.stats.frames_dropped.fetch_add(1, Ordering::Relaxed);
+            stream = None;
+        }
+    }
+}
+
+/// A stream to `node`, on the connection held for it or a new one to `addr`.
+async fn open_stream(
+    shared: &Arc<Shared>,
+    node: NodeId,
+    addr: &str,
+) -> Result<quinn::SendStream, String> {
+    let held = lock(&shared.connections)
+        .get(&node)
+        .filter(|connection| connection.close_reason().is_none())
+        .cloned();
+    let connection = match held {
+        Some(connection) => connection,
+        None => {
+            let addr: SocketAddr = addr
+                .parse()
+                .map_err(|err| format!("peer address {addr:?}: {err}"))?;
+            let connecting = shared
+                .endpoint
+                .connect(addr, &server_name(node))
+                .map_err(|err| err.to_string())?;
+            let connection = tokio::time::timeout(Duration::from_secs(2), connecting)
+                .await
+                .map_err(|_| "handshake timed out".to_owned())?
+                .map_err(|err| err.to_string())?;
+            adopt(shared, node, &connection);
+            tokio::spawn(read_streams(shared.clone(), node, connection.clone()));
+            connection
+        }
+    };
+    connection.open_uni().await.map_err(|err| err.to_string())
+}
+
+fn lock<T>(mutex: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    // A panic while holding this lock leaves a map of connections that is still valid.
+    mutex
+        .lock()
+        .unwrap_or_else(|poisoned| poisoned.into_inner())
+}
