@@ -1,4 +1,141 @@
-//! `tally`: the command-line tool. Subcommands arrive with the daemon (issue 4).
-fn main() {
-    println!("tally {}", env!("CARGO_PKG_VERSION"));
+//! `tally`: the command-line tool. Makes cluster certificates, talks to a sidecar
+//! (`get`, `incr`, `decr`, `check`, `status`), and runs the daemon (`tally daemon`, the
+//! same as `tallyd`).
+
+use anyhow::Context;
+use clap::{Parser, Subcommand};
+use std::path::PathBuf;
+use std::time::Duration;
+use tally_client::{Client, Endpoint, Options};
+use tally_crdt::NodeId;
+use tally_node::cli::DaemonArgs;
+
+#[derive(Debug, Parser)]
+#[command(
+    name = "tally",
+    version,
+    about = "tally: approximate counters at the edge"
+)]
+struct Args {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Debug, Subcommand)]
+enum Command {
+    /// Make a cluster CA (or reuse the one in DIR) and a certificate for each node.
+    Certs {
+        /// Where to write `ca.pem`, `ca.key` and `node-<id>.pem`/`.key`.
+        #[arg(long)]
+        out: PathBuf,
+        /// Node ids, comma-separated: `1,2,3`.
+        #[arg(long, value_delimiter = ',', required = true)]
+        nodes: Vec<u64>,
+    },
+    /// Add to a subject's count.
+    Incr(Count),
+    /// Subtract from a subject's count.
+    Decr(Count),
+    /// A subject's estimate and its staleness.
+    Get(Subject),
+    /// Decide whether COST more is allowed, counting it if so.
+    Check {
+        #[command(flatten)]
+        subject: Subject,
+        /// What this use costs.
+        #[arg(long, default_value_t = 1)]
+        cost: u64,
+    },
+    /// The sidecar's replica, members and keys.
+    Status {
+        #[command(flatten)]
+        sidecar: Sidecar,
+    },
+    /// Run a node (the same as `tallyd`).
+    Daemon(DaemonArgs),
+}
+
+#[derive(Debug, clap::Args)]
+struct Sidecar {
+    /// The sidecar: `127.0.0.1:7100` or `unix:/path/to.sock`.
+    #[arg(long, default_value = "127.0.0.1:7100")]
+    endpoint: Endpoint,
+    /// How long to wait for an answer, in milliseconds.
+    #[arg(long, default_value_t = 2_000)]
+    timeout_ms: u64,
+}
+
+#[derive(Debug, clap::Args)]
+struct Subject {
+    /// The rule's name.
+    rule: String,
+    /// Who is counted.
+    subject: String,
+    #[command(flatten)]
+    sidecar: Sidecar,
+}
+
+#[derive(Debug, clap::Args)]
+struct Count {
+    #[command(flatten)]
+    subject: Subject,
+    /// How much.
+    #[arg(default_value_t = 1)]
+    amount: u64,
+}
+
+fn main() -> anyhow::Result<()> {
+    match Args::parse().command {
+        Command::Certs { out, nodes } => {
+            let nodes: Vec<NodeId> = nodes.into_iter().map(NodeId).collect();
+            let files = tally_node::certs::write_cluster(&out, &nodes)?;
+            for file in files {
+                println!("{} {}", file.cert.display(), file.key.display());
+            }
+            println!("{}", out.join("ca.pem").display());
+            Ok(())
+        }
+        Command::Daemon(args) => Ok(tally_node::cli::run(&args)?),
+        command => client_command(command),
+    }
+}
+
+fn client_command(command: Command) -> anyhow::Result<()> {
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .context("tokio runtime")?;
+    runtime.block_on(async {
+        let sidecar = match &command {
+            Command::Incr(count) | Command::Decr(count) => &count.subject.sidecar,
+            Command::Get(subject) | Command::Check { subject, .. } => &subject.sidecar,
+            Command::Status { sidecar } => sidecar,
+            Command::Certs { .. } | Command::Daemon(_) => unreachable!("handled in main"),
+        };
+        let options = Options::default().with_timeout(Duration::from_millis(sidecar.timeout_ms));
+        let client = Client::connect(sidecar.endpoint.clone(), options).await?;
+        match command {
+            Command::Incr(count) => {
+                let s = &count.subject;
+                println!(
+                    "{:?}",
+                    client.incr(&s.rule, &s.subject, count.amount).await?
+                );
+            }
+            Command::Decr(count) => {
+                let s = &count.subject;
+                println!(
+                    "{:?}",
+                    client.decr(&s.rule, &s.subject, count.amount).await?
+                );
+            }
+            Command::Get(s) => println!("{:?}", client.get(&s.rule, &s.subject).await?),
+            Command::Check { subject: s, cost } => {
+                println!("{:?}", client.check(&s.rule, &s.subject, cost).await?);
+            }
+            Command::Status { .. } => println!("{:?}", client.status().await?),
+            Command::Certs { .. } | Command::Daemon(_) => unreachable!("handled in main"),
+        }
+        anyhow::Ok(())
+    })
 }

@@ -30,6 +30,7 @@
 //! ```
 
 pub mod certs;
+pub mod cli;
 pub mod clock;
 pub mod config;
 pub mod daemon;

@@ -202,7 +202,16 @@ async fn serve_connection<S: AsyncRead + AsyncWrite + Unpin>(service: &Service, 
     let mut chunk = vec![0u8; 64 * 1024];
     loop {
         let read = match stream.read(&mut chunk).await {
-            Ok(0) | Err(_) => return,
+            Ok(0) | Err(_) => {
+                if !input.is_empty() {
+                    // The client went in the middle of a frame: a truncated frame.
+                    service
+                        .metrics
+                        .client_frames_bad
+                        .fetch_add(1, Ordering::Relaxed);
+                }
+                return;
+            }
             Ok(read) => read,
         };
         input.extend_from_slice(&chunk[..read]);

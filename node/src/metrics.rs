@@ -136,6 +136,11 @@ pub fn render(sources: &Sources<'_>) -> String {
             load(&transport.frames_oversized),
         ),
         (
+            "quic_frames_truncated",
+            "QUIC frames cut off by the end of their stream, dropped",
+            load(&transport.frames_truncated),
+        ),
+        (
             "quic_handshakes_refused",
             "Peers refused at the handshake (no or foreign certificate)",
             load(&transport.handshakes_refused),

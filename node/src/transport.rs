@@ -32,6 +32,8 @@ pub struct TransportStats {
     pub frames_dropped: AtomicU64,
     /// Frames whose length prefix was zero or over the limit; their connection closed.
     pub frames_oversized: AtomicU64,
+    /// Frames cut off by the end of their stream, dropped.
+    pub frames_truncated: AtomicU64,
     /// Incoming handshakes refused (no certificate, another CA, no node id).
     pub handshakes_refused: AtomicU64,
     /// Connections closed for a frame claiming another origin than the certificate's.
@@ -173,16 +175,20 @@ async fn accept(shared: Arc<Shared>) {
     }
 }
 
-/// Records `connection` as the one to use for `node`, unless a live one is held.
+/// Records `connection` as the one to use for `node`: the newest wins. A peer that
+/// restarted dials again while this node may still hold its dead life's connection (QUIC
+/// notices only at the idle timeout); writers move to the new one at their next frame.
 fn adopt(shared: &Shared, node: NodeId, connection: &quinn::Connection) {
     shared.stats.connections.fetch_add(1, Ordering::Relaxed);
-    let mut connections = lock(&shared.connections);
-    let held_is_live = connections
+    lock(&shared.connections).insert(node, connection.clone());
+}
+
+/// The live connection held for `node`, if any.
+fn held(shared: &Shared, node: NodeId) -> Option<quinn::Connection> {
+    lock(&shared.connections)
         .get(&node)
-        .is_some_and(|held| held.close_reason().is_none());
-    if !held_is_live {
-        connections.insert(node, connection.clone());
-    }
+        .filter(|connection| connection.close_reason().is_none())
+        .cloned()
 }
 
 /// Reads every stream the peer opens on `connection` until it closes.
@@ -217,6 +223,10 @@ async fn read_frames(
         }
         let mut frame = vec![0u8; len];
         if stream.read_exact(&mut frame).await.is_err() {
+            shared
+                .stats
+                .frames_truncated
+                .fetch_add(1, Ordering::Relaxed);
             return;
         }
         let inbound = Inbound {
@@ -237,9 +247,15 @@ async fn write_to_peer(
     addr: String,
     mut frames: mpsc::Receiver<Vec<u8>>,
 ) {
-    let mut stream: Option<quinn::SendStream> = None;
+    // The stream, and the stable id of the connection it is on.
+    let mut stream: Option<(quinn::SendStream, usize)> = None;
     let mut backoff = Duration::from_millis(50);
     while let Some(frame) = frames.recv().await {
+        let current = held(&shared, node).map(|connection| connection.stable_id());
+        if stream.as_ref().map(|(_, id)| *id) != current {
+            // A newer connection was adopted (or none is held): move to it.
+            stream = None;
+        }
         if stream.is_none() {
             match open_stream(&shared, node, &addr).await {
                 Ok(opened) => {
@@ -259,7 +275,7 @@ async fn write_to_peer(
                 }
             }
         }
-        let Some(open) = stream.as_mut() else {
+        let Some((open, _)) = stream.as_mut() else {
             continue;
         };
         let prefix = (frame.len() as u32).to_le_bytes();
@@ -279,12 +295,8 @@ async fn open_stream(
     shared: &Arc<Shared>,
     node: NodeId,
     addr: &str,
-) -> Result<quinn::SendStream, String> {
-    let held = lock(&shared.connections)
-        .get(&node)
-        .filter(|connection| connection.close_reason().is_none())
-        .cloned();
-    let connection = match held {
+) -> Result<(quinn::SendStream, usize), String> {
+    let connection = match held(shared, node) {
         Some(connection) => connection,
         None => {
             let addr: SocketAddr = addr
@@ -303,7 +315,8 @@ async fn open_stream(
             connection
         }
     };
-    connection.open_uni().await.map_err(|err| err.to_string())
+    let stream = connection.open_uni().await.map_err(|err| err.to_string())?;
+    Ok((stream, connection.stable_id()))
 }
 
 fn lock<T>(mutex: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
