@@ -128,7 +128,9 @@ pub async fn run(config: Config, shutdown: impl Future<Output = ()>) -> Result<(
         store: store.clone(),
         view: view.clone(),
         clock,
-        collect_every: config.push_interval(),
+        // Collected often and pushed every push interval: a write waits for one batch,
+        // not for a collection and then a batch.
+        collect_every: std::time::Duration::from_millis(1),
         shutdown: stopped,
     };
 

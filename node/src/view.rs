@@ -56,10 +56,13 @@ impl Rate {
         }
     }
 
+    /// Samples over shorter spans are merged into the next: gossip delivers in bursts
+    /// (one push every few milliseconds), and a burst over one millisecond is not a rate.
+    const SAMPLE_MS_MIN: u64 = 100;
+
     /// Takes in that the total was `total` at `at_ms`.
     pub fn observe(&mut self, total: i128, at_ms: u64) {
-        if at_ms <= self.at_ms || total < self.total {
-            self.total = self.total.max(total);
+        if at_ms < self.at_ms + Rate::SAMPLE_MS_MIN || total < self.total {
             return;
         }
         let secs = (at_ms - self.at_ms) as f64 / 1_000.0;
@@ -139,6 +142,12 @@ mod tests {
     #[test]
     fn a_rate_rises_at_once_and_decays_over_its_half_life() {
         let mut rate = Rate::start(0, 0);
+        rate.observe(90, 10);
+        assert_eq!(
+            rate.per_sec(),
+            0.0,
+            "a burst within one sample span is no rate yet"
+        );
         rate.observe(100, 1_000);
         assert_eq!(rate.per_sec(), 100.0);
         rate.observe(100, 3_000);

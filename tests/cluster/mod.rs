@@ -1,0 +1,303 @@
+//! A cluster of real `tallyd` processes on loopback, for the end-to-end tests.
+//!
+//! Each node runs `tally daemon` (the same code as the `tallyd` binary, which Cargo builds
+//! for this package's tests) on its own address `127.<net>.<cluster>.<node>`, so tests in
+//! one binary run side by side without sharing ports. Dropping the cluster kills every
+//! process and removes its directory.
+#![allow(dead_code, clippy::unwrap_used, clippy::expect_used)]
+
+use std::net::{SocketAddr, TcpStream};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::atomic::{AtomicU8, Ordering};
+use std::time::Duration;
+use tally_client::{Client, Endpoint, Options};
+
+pub const GOSSIP_PORT: u16 = 7001;
+pub const CLIENT_PORT: u16 = 7100;
+pub const HTTP_PORT: u16 = 7200;
+
+/// The rules every test node gets.
+pub const RULES: &str = r#"
+[[rules]]
+name = "count"
+limit = 1000000000
+window_secs = 3600
+
+[[rules]]
+name = "api"
+limit = 2000
+window_secs = 3600
+stale_after_ms = 600
+slack = 10
+"#;
+
+static CLUSTERS: AtomicU8 = AtomicU8::new(1);
+
+pub struct Cluster {
+    pub dir: PathBuf,
+    pub nodes: Vec<Node>,
+}
+
+pub struct Node {
+    pub id: u64,
+    pub ip: String,
+    pub config: PathBuf,
+    pub data_dir: PathBuf,
+    pub log: PathBuf,
+    child: Option<Child>,
+}
+
+impl Cluster {
+    /// Starts `n` nodes, each seeded with every other, and waits until all see each other.
+    /// `net` keeps test binaries apart (one value per test file).
+    pub fn start(net: u8, n: u64) -> Cluster {
+        Cluster::start_with(net, n, 2_000)
+    }
+
+    /// [`Cluster::start`] with a failure detector that declares a silent member dead after
+    /// `dead_after_ms` of suspicion.
+    pub fn start_with(net: u8, n: u64, dead_after_ms: u64) -> Cluster {
+        let cluster = CLUSTERS.fetch_add(1, Ordering::Relaxed);
+        let dir =
+            std::env::temp_dir().join(format!("tally-e2e-{}-{net}-{cluster}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        let ids: Vec<u64> = (1..=n).collect();
+        let status = Command::new(tally_bin())
+            .args(["certs", "--out"])
+            .arg(dir.join("certs"))
+            .arg("--nodes")
+            .arg(ids.iter().map(u64::to_string).collect::<Vec<_>>().join(","))
+            .stdout(Stdio::null())
+            .status()
+            .unwrap();
+        assert!(status.success(), "tally certs failed");
+        let ip = |id: u64| format!("127.{net}.{cluster}.{id}");
+        let mut nodes = Vec::new();
+        for &id in &ids {
+            let seeds: Vec<String> = ids
+                .iter()
+                .filter(|&&other| other != id)
+                .map(|&other| {
+                    format!(
+                        "{{ node = {other}, addr = \"{}:{GOSSIP_PORT}\" }}",
+                        ip(other)
+                    )
+                })
+                .collect();
+            let certs = dir.join("certs");
+            let data_dir = dir.join(format!("data-{id}"));
+            let config = format!(
+                "node_id = {id}\n\
+                 listen_gossip = \"{ip}:{GOSSIP_PORT}\"\n\
+                 listen_client = \"{ip}:{CLIENT_PORT}\"\n\
+                 listen_http = \"{ip}:{HTTP_PORT}\"\n\
+                 data_dir = \"{data}\"\n\
+                 gossip_interval_ms = 100\n\
+                 dead_after_ms = {dead_after_ms}\n\
+                 seeds = [{seeds}]\n\
+                 tls = {{ ca = \"{ca}\", cert = \"{cert}\", key = \"{key}\" }}\n\
+                 {RULES}",
+                ip = ip(id),
+                data = data_dir.display(),
+                seeds = seeds.join(", "),
+                ca = certs.join("ca.pem").display(),
+                cert = certs.join(format!("node-{id}.pem")).display(),
+                key = certs.join(format!("node-{id}.key")).display(),
+            );
+            let path = dir.join(format!("node-{id}.toml"));
+            std::fs::write(&path, config).unwrap();
+            nodes.push(Node {
+                id,
+                ip: ip(id),
+                config: path,
+                data_dir,
+                log: dir.join(format!("node-{id}.log")),
+                child: None,
+            });
+        }
+        let mut cluster = Cluster { dir, nodes };
+        for node in &mut cluster.nodes {
+            node.spawn();
+        }
+        for node in &cluster.nodes {
+            node.wait_ready();
+        }
+        cluster.wait_members_alive();
+        cluster
+    }
+
+    pub fn node(&mut self, id: u64) -> &mut Node {
+        &mut self.nodes[id as usize - 1]
+    }
+
+    /// Waits until every running node sees every other running node alive.
+    pub fn wait_members_alive(&self) {
+        let running: Vec<&Node> = self.nodes.iter().filter(|n| n.is_running()).collect();
+        let others = running.len() - 1;
+        wait_for(
+            Duration::from_secs(20),
+            "every node to see the others alive",
+            || {
+                running.iter().all(|node| {
+                    node.metric("tally_members", &[("state", "alive")]) == Some(others as f64)
+                })
+            },
+        );
+    }
+
+    pub fn certs(&self) -> PathBuf {
+        self.dir.join("certs")
+    }
+}
+
+impl Drop for Cluster {
+    fn drop(&mut self) {
+        for node in &mut self.nodes {
+            node.kill9();
+        }
+        if !std::thread::panicking() {
+            let _ = std::fs::remove_dir_all(&self.dir);
+        } else {
+            eprintln!("cluster kept for inspection: {}", self.dir.display());
+        }
+    }
+}
+
+impl Node {
+    fn spawn(&mut self) {
+        let log = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(&self.log)
+            .unwrap();
+        let child = Command::new(tally_bin())
+            .arg("daemon")
+            .arg("--config")
+            .arg(&self.config)
+            .stdout(log.try_clone().unwrap())
+            .stderr(log)
+            .spawn()
+            .unwrap();
+        self.child = Some(child);
+    }
+
+    pub fn is_running(&self) -> bool {
+        self.child.is_some()
+    }
+
+    /// SIGKILL, and reap.
+    pub fn kill9(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+
+    /// SIGSTOP or SIGCONT.
+    pub fn signal(&self, name: &str) {
+        let pid = self.child.as_ref().expect("node is running").id();
+        let status = Command::new("kill")
+            .args([format!("-{name}"), pid.to_string()])
+            .status()
+            .unwrap();
+        assert!(status.success());
+    }
+
+    /// Starts the node again, after wiping its data dir if `keep_data` is false.
+    pub fn restart(&mut self, keep_data: bool) {
+        assert!(self.child.is_none(), "restart a node that was killed");
+        if !keep_data {
+            let _ = std::fs::remove_dir_all(&self.data_dir);
+        }
+        self.spawn();
+        self.wait_ready();
+    }
+
+    pub fn client_addr(&self) -> SocketAddr {
+        format!("{}:{CLIENT_PORT}", self.ip).parse().unwrap()
+    }
+
+    pub fn gossip_addr(&self) -> SocketAddr {
+        format!("{}:{GOSSIP_PORT}", self.ip).parse().unwrap()
+    }
+
+    pub async fn client(&self) -> Client {
+        Client::connect(
+            Endpoint::Tcp(self.client_addr()),
+            Options::default().with_timeout(Duration::from_secs(2)),
+        )
+        .await
+        .unwrap()
+    }
+
+    fn wait_ready(&self) {
+        wait_for(Duration::from_secs(20), "the node to listen", || {
+            TcpStream::connect_timeout(&self.client_addr(), Duration::from_millis(200)).is_ok()
+                && self.http("/status").is_some()
+        });
+    }
+
+    /// GET `path` from the node's HTTP port: the body, if it answered 200.
+    pub fn http(&self, path: &str) -> Option<String> {
+        use std::io::{Read, Write};
+        let addr: SocketAddr = format!("{}:{HTTP_PORT}", self.ip).parse().unwrap();
+        let mut stream = TcpStream::connect_timeout(&addr, Duration::from_millis(500)).ok()?;
+        stream.set_read_timeout(Some(Duration::from_secs(2))).ok()?;
+        write!(stream, "GET {path} HTTP/1.1\r\nhost: x\r\n\r\n").ok()?;
+        let mut response = String::new();
+        stream.read_to_string(&mut response).ok()?;
+        let (head, body) = response.split_once("\r\n\r\n")?;
+        head.starts_with("HTTP/1.1 200").then(|| body.to_owned())
+    }
+
+    /// The parsed `/metrics`.
+    pub fn metrics(&self) -> prometheus_parse::Scrape {
+        let text = self.http("/metrics").expect("metrics answer");
+        let lines = text.lines().map(|line| Ok(line.to_owned()));
+        prometheus_parse::Scrape::parse(lines).expect("metrics parse as Prometheus text")
+    }
+
+    /// The value of the sample `name` whose labels include `labels`, if any.
+    pub fn metric(&self, name: &str, labels: &[(&str, &str)]) -> Option<f64> {
+        let text = self.http("/metrics")?;
+        let scrape =
+            prometheus_parse::Scrape::parse(text.lines().map(|l| Ok(l.to_owned()))).ok()?;
+        scrape
+            .samples
+            .iter()
+            .find(|sample| {
+                sample.metric == name
+                    && labels.iter().all(|(k, v)| sample.labels.get(k) == Some(*v))
+            })
+            .map(|sample| match sample.value {
+                prometheus_parse::Value::Counter(v)
+                | prometheus_parse::Value::Gauge(v)
+                | prometheus_parse::Value::Untyped(v) => v,
+                _ => f64::NAN,
+            })
+    }
+
+    pub fn data_dir(&self) -> &Path {
+        &self.data_dir
+    }
+}
+
+/// Polls `ready` every 50 ms until it holds, or panics after `limit` naming `what`.
+// The harness reads the clock only to give up waiting; nothing asserts on time.
+#[allow(clippy::disallowed_methods)]
+pub fn wait_for(limit: Duration, what: &str, mut ready: impl FnMut() -> bool) {
+    let deadline = std::time::Instant::now() + limit;
+    while !ready() {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "timed out waiting for {what}"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+pub fn tally_bin() -> &'static str {
+    env!("CARGO_BIN_EXE_tally")
+}

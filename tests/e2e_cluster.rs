@@ -1,0 +1,426 @@
+//! End to end: real `tallyd` processes on 127.0.x.y, real QUIC and mutual TLS.
+//!
+//! The checkers are TESTING.md's: FINAL (after the load stops, every node reports the
+//! same value per key, between the acknowledged sum and the acknowledged plus the unknown
+//! outcomes; equal to the acknowledged sum when nothing is unknown), MONO (an observer's
+//! estimates never decrease: every operation here is an increment), and RYW (a node's
+//! answers include the writes it acknowledged).
+
+#![allow(
+    clippy::unwrap_used,
+    reason = "a panic in the harness or its load tasks is the test's failure report"
+)]
+
+mod cluster;
+
+use cluster::Cluster;
+use std::collections::BTreeMap;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+use tally_client::{Client, Error};
+
+/// This file's loopback network: 127.1.x.y.
+const NET: u8 = 1;
+
+/// Acknowledged and unknown increments per subject.
+#[derive(Debug, Default, Clone)]
+struct Ledger {
+    ok: BTreeMap<String, i128>,
+    unknown: BTreeMap<String, i128>,
+}
+
+impl Ledger {
+    fn record(
+        &mut self,
+        subject: &str,
+        amount: u64,
+        result: &Result<tally_client::Estimate, Error>,
+    ) {
+        let amount = i128::from(amount);
+        match result {
+            Ok(_) => *self.ok.entry(subject.to_owned()).or_default() += amount,
+            // Refused before sending, or a connection that never opened: not applied.
+            Err(Error::Connect { .. }) | Err(Error::Refused(_)) => {}
+            // Sent, no answer: applied or not.
+            Err(_) => *self.unknown.entry(subject.to_owned()).or_default() += amount,
+        }
+    }
+}
+
+/// Waits until every running node reports, for every subject of `ledger`, one and the
+/// same value, within FINAL's range; returns the values.
+async fn assert_final(cluster: &Cluster, ledger: &Ledger) -> BTreeMap<String, i128> {
+    let mut clients = Vec::new();
+    for node in cluster.nodes.iter().filter(|n| n.is_running()) {
+        clients.push((node.id, node.client().await));
+    }
+    let mut last = BTreeMap::new();
+    for _ in 0..200 {
+        last.clear();
+        let mut agreed = true;
+        for subject in ledger.ok.keys() {
+            let mut values = Vec::new();
+            for (id, client) in &clients {
+                values.push((*id, client.get("count", subject).await.unwrap().estimate));
+            }
+            agreed &= values.iter().all(|(_, v)| *v == values[0].1);
+            last.insert(subject.clone(), values);
+        }
+        if agreed {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let mut finals = BTreeMap::new();
+    for (subject, values) in &last {
+        let first = values[0].1;
+        assert!(
+            values.iter().all(|(_, v)| *v == first),
+            "FINAL: nodes disagree on {subject}: {values:?}"
+        );
+        let ok = ledger.ok[subject];
+        let unknown = ledger.unknown.get(subject).copied().unwrap_or(0);
+        assert!(
+            ok <= first && first <= ok + unknown,
+            "FINAL: {subject} = {first}, acknowledged {ok}, unknown {unknown}"
+        );
+        finals.insert(subject.clone(), first);
+    }
+    finals
+}
+
+#[tokio::test(flavor = "current_thread")]
+async fn five_nodes_converge_to_the_sum_of_acknowledged_increments_and_read_their_writes() {
+    let cluster = Cluster::start(NET, 5);
+    let mut clients: Vec<Client> = Vec::new();
+    for node in &cluster.nodes {
+        clients.push(node.client().await);
+    }
+    let subjects: Vec<String> = (0..4).map(|s| format!("user-{s}")).collect();
+    let mut ledger = Ledger::default();
+    // own[node][subject]: what each node acknowledged; its reads must include it (RYW).
+    let mut own = vec![BTreeMap::<String, i128>::new(); clients.len()];
+    for round in 0..150u64 {
+        let mut tasks = tokio::task::JoinSet::new();
+        for (i, client) in clients.iter().enumerate() {
+            let client = client.clone();
+            let subject = subjects[(round as usize + i) % subjects.len()].clone();
+            let amount = 1 + (round * 7 + i as u64) % 5;
+            tasks.spawn(async move {
+                let result = client.incr("count", &subject, amount).await;
+                let read = client.get("count", &subject).await;
+                (i, subject, amount, result, read)
+            });
+        }
+        while let Some(joined) = tasks.join_next().await {
+            let (i, subject, amount, result, read) = joined.unwrap();
+            ledger.record(&subject, amount, &result);
+            let counted = result.expect("no faults: every increment is acknowledged");
+            let mine = own[i].entry(subject.clone()).or_default();
+            *mine += i128::from(amount);
+            assert!(
+                counted.estimate >= *mine,
+                "RYW: node {} answered {counted:?} after acknowledging {mine}",
+                i + 1
+            );
+            let read = read.unwrap();
+            assert!(
+                read.estimate >= *mine,
+                "RYW: node {} read {read:?} after acknowledging {mine}",
+                i + 1
+            );
+        }
+    }
+    assert!(ledger.unknown.is_empty());
+    let finals = assert_final(&cluster, &ledger).await;
+    assert_eq!(
+        finals, ledger.ok,
+        "FINAL: with nothing unknown, V is the acknowledged sum"
+    );
+}
+
+/// Writes to every node until `stop`, recording each outcome; while it runs, observers on
+/// the nodes in `watch` check that no estimate ever decreases (MONO).
+struct Load {
+    ledger: Arc<Mutex<Ledger>>,
+    stop: tokio::sync::watch::Sender<bool>,
+    tasks: tokio::task::JoinSet<()>,
+}
+
+impl Load {
+    async fn start(cluster: &Cluster, paused: Arc<Mutex<Vec<u64>>>) -> Load {
+        let ledger = Arc::new(Mutex::new(Ledger::default()));
+        let (stop, stopped) = tokio::sync::watch::channel(false);
+        let mut tasks = tokio::task::JoinSet::new();
+        for node in &cluster.nodes {
+            let client = node.client().await;
+            let id = node.id;
+            let (ledger, writer_stopped, paused) =
+                (ledger.clone(), stopped.clone(), paused.clone());
+            tasks.spawn(async move {
+                let stopped = writer_stopped;
+                let mut i = 0u64;
+                while !*stopped.borrow() {
+                    if paused.lock().unwrap().contains(&id) {
+                        tokio::time::sleep(Duration::from_millis(5)).await;
+                        continue;
+                    }
+                    let subject = if i.is_multiple_of(2) {
+                        "hot".to_owned()
+                    } else {
+                        format!("node-{id}")
+                    };
+                    let result = client.incr("count", &subject, 1 + i % 3).await;
+                    ledger.lock().unwrap().record(&subject, 1 + i % 3, &result);
+                    if result.is_err() {
+                        tokio::time::sleep(Duration::from_millis(20)).await;
+                    }
+                    i += 1;
+                }
+            });
+            // MONO: this node's estimates, read as an observer, never go down within a life.
+            let observer = node.client().await;
+            let stopped = stopped.clone();
+            tasks.spawn(async move {
+                let mut seen: BTreeMap<String, i128> = BTreeMap::new();
+                let mut generation = 0;
+                while !*stopped.borrow() {
+                    if let Ok(status) = observer.status().await {
+                        if status.generation != generation {
+                            // A new life of this node is a new observer.
+                            generation = status.generation;
+                            seen.clear();
+                        }
+                        for subject in ["hot".to_owned(), format!("node-{id}")] {
+                            if let Ok(read) = observer.get("count", &subject).await {
+                                let before =
+                                    seen.insert(subject.clone(), read.estimate).unwrap_or(0);
+                                assert!(
+                                    read.estimate >= before,
+                                    "MONO: node {id} read {subject} = {} after {before}",
+                                    read.estimate
+                                );
+                            }
+                        }
+                    }
+                    tokio::time::sleep(Duration::from_millis(10)).await;
+                }
+            });
+        }
+        Load {
+            ledger,
+            stop,
+            tasks,
+        }
+    }
+
+    async fn finish(mut self) -> Ledger {
+        self.stop.send(true).unwrap();
+        while let Some(joined) = self.tasks.join_next().await {
+            joined.expect("a load or observer task failed (MONO?)");
+        }
+        let ledger = self.ledger.lock().unwrap().clone();
+        ledger
+    }
+}
+
+async fn kill9_under_load_and_restart(keep_data: bool) {
+    let mut cluster = Cluster::start(NET, 4);
+    let paused = Arc::new(Mutex::new(Vec::new()));
+    let load = Load::start(&cluster, paused.clone()).await;
+    tokio::time::sleep(Duration::from_millis(800)).await;
+    if !keep_data {
+        // Without a data dir, a crash loses the writes of its last push interval that no
+        // peer received yet: the victim's own load stops first (see ARCHITECTURE.md).
+        paused.lock().unwrap().push(3);
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    cluster.node(3).kill9();
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    cluster.node(3).restart(keep_data);
+    paused.lock().unwrap().clear();
+    tokio::time::sleep(Duration::from_millis(800)).await;
+    let ledger = load.finish().await;
+    assert!(
+        ledger.ok.values().sum::<i128>() > 100,
+        "the load ran: {ledger:?}"
+    );
+    cluster.wait_members_alive();
+    assert_final(&cluster, &ledger).await;
+    let log = std::fs::read_to_string(&cluster.nodes[2].log).unwrap();
+    assert!(
+        log.contains(if keep_data {
+            "1 earlier lives recovered"
+        } else {
+            "0 earlier lives recovered"
+        }),
+        "{log}"
+    );
+}
+
+#[tokio::test(flavor = "current_thread")]
+async fn kill9_under_load_with_the_data_dir_kept_loses_nothing_acknowledged() {
+    kill9_under_load_and_restart(true).await;
+}
+
+#[tokio::test(flavor = "current_thread")]
+async fn kill9_with_the_data_dir_wiped_takes_a_new_generation_and_loses_nothing_peers_held() {
+    kill9_under_load_and_restart(false).await;
+}
+
+#[tokio::test(flavor = "current_thread")]
+async fn metrics_parse_and_show_staleness_rising_for_a_killed_peer() {
+    let mut cluster = Cluster::start(NET, 3);
+    let scrape = cluster.nodes[0].metrics();
+    for name in [
+        "tally_origin_staleness_seconds",
+        "tally_propagation_delay_seconds",
+        "tally_members",
+        "tally_gossip_bytes_in_total",
+        "tally_gossip_decode_errors_total",
+        "tally_keys",
+        "tally_lanes",
+        "tally_resident_memory_bytes",
+    ] {
+        assert!(
+            scrape.samples.iter().any(|s| s.metric == name),
+            "{name} missing from /metrics"
+        );
+    }
+    let staleness = |cluster: &Cluster| {
+        cluster.nodes[0]
+            .metric("tally_origin_staleness_seconds", &[("node", "3")])
+            .unwrap()
+    };
+    assert!(staleness(&cluster) < 1.0);
+    cluster.node(3).kill9();
+    std::thread::sleep(Duration::from_millis(600));
+    let first = staleness(&cluster);
+    std::thread::sleep(Duration::from_millis(700));
+    let second = staleness(&cluster);
+    assert!(
+        first >= 0.5 && second >= first + 0.5,
+        "staleness of the killed peer: {first} then {second}"
+    );
+    let live = cluster.nodes[0]
+        .metric("tally_origin_staleness_seconds", &[("node", "2")])
+        .unwrap();
+    assert!(live < 1.0, "a live peer's staleness stays low: {live}");
+    let status: String = cluster.nodes[0].http("/status").unwrap();
+    assert!(status.contains("\"node\":3"), "{status}");
+}
+
+#[tokio::test(flavor = "current_thread")]
+async fn approximate_overshoot_stays_within_the_reported_bound_connected_and_isolated() {
+    // Dead only after a long suspicion, so a paused peer keeps the others isolated.
+    let cluster = Cluster::start_with(NET, 4, 60_000);
+    let limit = 2_000i128;
+
+    // Connected: one subject's checks spread over all four nodes at a fixed total rate of
+    // 1,600 a second, so the limit is reached after about 1.25 s and passed for 0.75 s.
+    let outcome = paced_checks(&cluster, &[1, 2, 3, 4], "hot", 400, Duration::from_secs(2)).await;
+    assert!(
+        outcome
+            .modes
+            .iter()
+            .all(|m| *m == tally_client::Mode::ApproximateConnected),
+        "{outcome:?}"
+    );
+    let overshoot = (outcome.allowed - limit).max(0);
+    assert!(
+        outcome.allowed >= limit,
+        "the limit was reached: {outcome:?}"
+    );
+    assert!(
+        overshoot as f64 <= outcome.max_bound,
+        "BOUND (connected): overshoot {overshoot} over the bound {} the decisions reported",
+        outcome.max_bound
+    );
+    eprintln!(
+        "connected: allowed {} of limit {limit}, overshoot {overshoot}, bound {}",
+        outcome.allowed, outcome.max_bound
+    );
+
+    // Isolated: pause node 4; the others see it go stale and fall back to their shares.
+    cluster.nodes[3].signal("STOP");
+    let probe = cluster.nodes[0].client().await;
+    let mut isolated = false;
+    for _ in 0..200 {
+        let decision = probe.check("api", "probe", 1).await.unwrap();
+        if decision.mode == tally_client::Mode::ApproximateIsolated {
+            isolated = true;
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert!(isolated, "node 1 never went isolated with node 4 paused");
+    let outcome = paced_checks(&cluster, &[1, 2, 3], "cut-off", 600, Duration::from_secs(2)).await;
+    cluster.nodes[3].signal("CONT");
+    assert!(
+        outcome
+            .modes
+            .iter()
+            .all(|m| *m == tally_client::Mode::ApproximateIsolated),
+        "{outcome:?}"
+    );
+    let overshoot = (outcome.allowed - limit).max(0);
+    assert!(
+        overshoot as f64 <= outcome.max_bound,
+        "BOUND (isolated): overshoot {overshoot}, bound {}",
+        outcome.max_bound
+    );
+    // Three of four locations, each on its share 2000 / 4 + 10.
+    assert_eq!(outcome.allowed, 3 * (2_000 / 4 + 10));
+}
+
+#[derive(Debug)]
+struct Outcome {
+    allowed: i128,
+    max_bound: f64,
+    modes: Vec<tally_client::Mode>,
+}
+
+/// Checks of `subject` under `api` on each of `nodes`, `per_sec` a second each, for
+/// `duration`.
+async fn paced_checks(
+    cluster: &Cluster,
+    nodes: &[u64],
+    subject: &str,
+    per_sec: u64,
+    duration: Duration,
+) -> Outcome {
+    let mut tasks = tokio::task::JoinSet::new();
+    let checks = per_sec * duration.as_millis() as u64 / 1_000;
+    for &id in nodes {
+        let (client, subject) = (
+            cluster.nodes[id as usize - 1].client().await,
+            subject.to_owned(),
+        );
+        tasks.spawn(async move {
+            let mut pace = tokio::time::interval(Duration::from_secs(1) / per_sec as u32);
+            let mut decisions = Vec::new();
+            for _ in 0..checks {
+                pace.tick().await;
+                decisions.push(client.check("api", &subject, 1).await.unwrap());
+            }
+            decisions
+        });
+    }
+    let mut outcome = Outcome {
+        allowed: 0,
+        max_bound: 0.0,
+        modes: Vec::new(),
+    };
+    while let Some(joined) = tasks.join_next().await {
+        for decision in joined.unwrap() {
+            if decision.allowed {
+                outcome.allowed += 1;
+                outcome.max_bound = outcome.max_bound.max(decision.bound);
+            }
+            if !outcome.modes.contains(&decision.mode) {
+                outcome.modes.push(decision.mode);
+            }
+        }
+    }
+    outcome
+}
