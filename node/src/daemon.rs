@@ -127,6 +127,7 @@ pub async fn run(config: Config, shutdown: impl Future<Output = ()>) -> Result<(
         inbound,
         store: store.clone(),
         view: view.clone(),
+        metrics: metrics.clone(),
         clock,
         // Collected often and pushed every push interval: a write waits for one batch,
         // not for a collection and then a batch.

@@ -3,6 +3,7 @@
 //! remote sums published to the store, and a refreshed [`View`].
 
 use crate::clock::Clock;
+use crate::metrics::Metrics;
 use crate::store::LaneStore;
 use crate::transport::{Inbound, Transport};
 use crate::view::{Rate, View};
@@ -39,6 +40,8 @@ pub struct Driver {
     pub store: Arc<LaneStore>,
     /// What the rest of the node reads.
     pub view: Arc<View>,
+    /// The live counters.
+    pub metrics: Arc<Metrics>,
     /// The node's clocks.
     pub clock: Clock,
     /// How often the store's changed lanes are collected.
@@ -147,9 +150,17 @@ impl Driver {
             let Some(counter) = self.gossip.map().counter(key) else {
                 continue;
             };
-            // At the key cap a remote key is not held here: its estimate reads 0 until
-            // keys expire, and the refusal is counted like a local one.
-            let _ = self.store.publish_remote(key, counter.value_without(me));
+            // At the key cap a remote key is not held in the store: its estimate reads
+            // only what is counted here until keys expire. Counted like a local refusal.
+            if self
+                .store
+                .publish_remote(key, counter.value_without(me))
+                .is_err()
+            {
+                self.metrics
+                    .keys_refused
+                    .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            }
             let remote_incr: i128 = counter
                 .slots()
                 .iter()

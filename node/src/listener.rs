@@ -271,6 +271,71 @@ fn split_frames(input: &[u8]) -> (Vec<Request>, usize, Option<String>) {
 mod tests {
     use super::*;
 
+    fn service(keys_max: usize) -> Service {
+        let rule = crate::config::RuleConfig {
+            name: "count".into(),
+            limit: 100,
+            window_secs: 60,
+            mode: crate::config::RuleMode::Approximate,
+            slack: 0,
+            stale_after_ms: 1_000,
+            locations: None,
+            sliding: false,
+            on_region_unavailable: crate::config::OnRegionUnavailable::Error,
+            region_timeout_ms: 200,
+        };
+        let replica = ReplicaId::new(tally_crdt::NodeId(1), tally_crdt::Generation(1));
+        Service {
+            store: Arc::new(LaneStore::new(replica, keys_max)),
+            view: Arc::new(View::default()),
+            rules: Rules::new(&[rule]).unwrap(),
+            log: None,
+            metrics: Arc::new(Metrics::default()),
+            replica,
+        }
+    }
+
+    fn incr(id: u64, subject: &str) -> Request {
+        Request {
+            id,
+            op: Op::Incr {
+                rule: "count".into(),
+                subject: subject.into(),
+                amount: 1,
+            },
+        }
+    }
+
+    #[test]
+    fn at_the_key_cap_new_keys_are_refused_with_a_typed_error_and_counted() {
+        let service = service(2);
+        let responses =
+            service.handle_batch(vec![incr(1, "a"), incr(2, "b"), incr(3, "c"), incr(4, "a")]);
+        let results: Vec<_> = responses.iter().map(|r| (r.id, r.result.is_ok())).collect();
+        assert_eq!(results, [(1, true), (2, true), (3, false), (4, true)]);
+        assert_eq!(
+            responses[2].result,
+            Err(Refusal::KeysFull { keys_max: 2 }),
+            "a new key past the cap names the cap"
+        );
+        assert_eq!(service.metrics.keys_refused.load(Ordering::Relaxed), 1);
+        assert_eq!(service.store.len(), 2);
+    }
+
+    #[test]
+    fn a_batch_is_answered_in_order_each_request_seeing_the_ones_before() {
+        let service = service(10);
+        let responses = service.handle_batch(vec![incr(7, "a"), incr(8, "a"), incr(9, "a")]);
+        let estimates: Vec<_> = responses
+            .iter()
+            .map(|r| match &r.result {
+                Ok(Reply::Counted(estimate)) => (r.id, estimate.estimate),
+                other => panic!("{other:?}"),
+            })
+            .collect();
+        assert_eq!(estimates, [(7, 1), (8, 2), (9, 3)]);
+    }
+
     #[test]
     fn frames_split_whole_requests_and_keep_a_partial_tail() {
         let mut input = Vec::new();

@@ -298,6 +298,20 @@ pub fn wait_for(limit: Duration, what: &str, mut ready: impl FnMut() -> bool) {
     }
 }
 
+/// [`wait_for`] for async tests: sleeps on the runtime, so the test's own connections
+/// keep running while it waits.
+#[allow(clippy::disallowed_methods)]
+pub async fn eventually(limit: Duration, what: &str, mut ready: impl FnMut() -> bool) {
+    let deadline = std::time::Instant::now() + limit;
+    while !ready() {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "timed out waiting for {what}"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
 pub fn tally_bin() -> &'static str {
     env!("CARGO_BIN_EXE_tally")
 }

@@ -1,0 +1,333 @@
+//! End to end: what a node does with peers it must not trust and frames it must not
+//! believe (TESTING.md S1, S8, S9). Each test talks to a real `tallyd` with a hand-built
+//! QUIC or TCP client, then checks the node's metrics and that it still serves.
+
+#![allow(
+    clippy::unwrap_used,
+    reason = "a panic in a helper is the test's failure report"
+)]
+
+mod cluster;
+
+use cluster::{eventually, tally_bin, Cluster};
+use rustls::pki_types::pem::PemObject;
+use rustls::pki_types::{CertificateDer, PrivateKeyDer};
+use std::io::{Read, Write};
+use std::path::Path;
+use std::process::Command;
+use std::sync::Arc;
+use std::time::Duration;
+use tally_crdt::{Generation, NodeId, ReplicaId};
+use tally_gossip::message::Message;
+
+/// This file's loopback network: 127.2.x.y.
+const NET: u8 = 2;
+
+/// A QUIC client trusting `ca`, presenting `cert` (certificate and key PEM paths) if any.
+fn quic_client(ca: &Path, cert: Option<(&Path, &Path)>) -> quinn::Endpoint {
+    let provider = Arc::new(rustls::crypto::ring::default_provider());
+    let mut roots = rustls::RootCertStore::empty();
+    for cert in CertificateDer::pem_file_iter(ca).unwrap() {
+        roots.add(cert.unwrap()).unwrap();
+    }
+    let builder = rustls::ClientConfig::builder_with_provider(provider)
+        .with_protocol_versions(&[&rustls::version::TLS13])
+        .unwrap()
+        .with_root_certificates(roots);
+    let mut config = match cert {
+        Some((cert, key)) => builder
+            .with_client_auth_cert(
+                CertificateDer::pem_file_iter(cert)
+                    .unwrap()
+                    .map(Result::unwrap)
+                    .collect(),
+                PrivateKeyDer::from_pem_file(key).unwrap(),
+            )
+            .unwrap(),
+        None => builder.with_no_client_auth(),
+    };
+    config.alpn_protocols = vec![tally_node::tls::ALPN.to_vec()];
+    let config = quinn::crypto::rustls::QuicClientConfig::try_from(config).unwrap();
+    let mut endpoint = quinn::Endpoint::client("127.0.0.1:0".parse().unwrap()).unwrap();
+    endpoint.set_default_client_config(quinn::ClientConfig::new(Arc::new(config)));
+    endpoint
+}
+
+fn certs_for(dir: &Path, node: u64) {
+    let status = Command::new(tally_bin())
+        .args(["certs", "--out"])
+        .arg(dir)
+        .args(["--nodes", &node.to_string()])
+        .stdout(std::process::Stdio::null())
+        .status()
+        .unwrap();
+    assert!(status.success());
+}
+
+/// Tries to get a frame to node 1 with `endpoint`: a handshake, a stream, a frame. Returns
+/// whether the node kept the connection open for a moment after.
+async fn try_peer(endpoint: &quinn::Endpoint, cluster: &Cluster) -> bool {
+    let node = &cluster.nodes[0];
+    let Ok(connecting) = endpoint.connect(node.gossip_addr(), "node-1.tally") else {
+        return false;
+    };
+    let Ok(Ok(connection)) = tokio::time::timeout(Duration::from_secs(2), connecting).await else {
+        return false;
+    };
+    let frame = tally_gossip::wire::encode(
+        ReplicaId::new(NodeId(9), Generation(1)),
+        &Message::Members { members: vec![] },
+    );
+    if let Ok(mut stream) = connection.open_uni().await {
+        let _ = stream.write_all(&(frame.len() as u32).to_le_bytes()).await;
+        let _ = stream.write_all(&frame).await;
+    }
+    tokio::time::timeout(Duration::from_millis(500), connection.closed())
+        .await
+        .is_err()
+}
+
+#[tokio::test(flavor = "current_thread")]
+async fn peers_without_a_cluster_certificate_are_refused_at_the_handshake() {
+    let cluster = Cluster::start(NET, 2);
+    let frames_before = cluster.nodes[0]
+        .metric("tally_gossip_frames_in_total", &[])
+        .unwrap();
+
+    // A certificate for node 9 from another CA.
+    let other = cluster.dir.join("other-ca");
+    certs_for(&other, 9);
+    let foreign = quic_client(
+        &cluster.certs().join("ca.pem"),
+        Some((&other.join("node-9.pem"), &other.join("node-9.key"))),
+    );
+    assert!(
+        !try_peer(&foreign, &cluster).await,
+        "a peer with another CA's certificate was kept"
+    );
+
+    // No certificate at all.
+    let anonymous = quic_client(&cluster.certs().join("ca.pem"), None);
+    assert!(
+        !try_peer(&anonymous, &cluster).await,
+        "a peer without a certificate was kept"
+    );
+
+    let refused = cluster.nodes[0]
+        .metric("tally_quic_handshakes_refused_total", &[])
+        .unwrap();
+    assert!(refused >= 2.0, "handshakes refused: {refused}");
+    // Only the cluster's own gossip arrived: the node-9 frames never reached the protocol.
+    let decode_errors = cluster.nodes[0]
+        .metric("tally_gossip_decode_errors_total", &[])
+        .unwrap();
+    let forged = cluster.nodes[0]
+        .metric("tally_gossip_forged_frames_total", &[])
+        .unwrap();
+    assert_eq!((decode_errors, forged), (0.0, 0.0));
+    let members = cluster.nodes[0].http("/status").unwrap();
+    assert!(
+        !members.contains("\"node\":9"),
+        "node 9 became a member: {members}"
+    );
+    assert!(
+        cluster.nodes[0]
+            .metric("tally_gossip_frames_in_total", &[])
+            .unwrap()
+            >= frames_before
+    );
+
+    // A node that dials a peer expecting node 2 refuses one whose certificate names
+    // another node: rustls checks the name.
+    let cluster_client = quic_client(
+        &cluster.certs().join("ca.pem"),
+        Some((
+            &cluster.certs().join("node-1.pem"),
+            &cluster.certs().join("node-1.key"),
+        )),
+    );
+    let connecting = cluster_client
+        .connect(cluster.nodes[0].gossip_addr(), "node-2.tally")
+        .unwrap();
+    assert!(
+        connecting.await.is_err(),
+        "node 1's certificate was accepted as node 2's"
+    );
+}
+
+#[tokio::test(flavor = "current_thread")]
+async fn a_member_claiming_another_node_id_than_its_certificate_is_refused() {
+    let cluster = Cluster::start(NET, 2);
+    // A valid cluster certificate for node 9, whose frames claim to come from node 2.
+    certs_for(&cluster.certs(), 9);
+    let endpoint = quic_client(
+        &cluster.certs().join("ca.pem"),
+        Some((
+            &cluster.certs().join("node-9.pem"),
+            &cluster.certs().join("node-9.key"),
+        )),
+    );
+    let connection = endpoint
+        .connect(cluster.nodes[0].gossip_addr(), "node-1.tally")
+        .unwrap()
+        .await
+        .unwrap();
+    let frame = tally_gossip::wire::encode(
+        ReplicaId::new(NodeId(2), Generation(1)),
+        &Message::Members { members: vec![] },
+    );
+    let mut stream = connection.open_uni().await.unwrap();
+    stream
+        .write_all(&(frame.len() as u32).to_le_bytes())
+        .await
+        .unwrap();
+    stream.write_all(&frame).await.unwrap();
+    let closed = tokio::time::timeout(Duration::from_secs(2), connection.closed())
+        .await
+        .expect("the node closes the connection of a forging peer");
+    assert!(
+        matches!(closed, quinn::ConnectionError::ApplicationClosed(ref close) if close.error_code == tally_node::transport::CLOSE_PROTOCOL.into()),
+        "{closed:?}"
+    );
+    let node = &cluster.nodes[0];
+    assert_eq!(
+        node.metric("tally_gossip_forged_frames_total", &[]),
+        Some(1.0)
+    );
+    assert_eq!(
+        node.metric("tally_quic_connections_forged_total", &[]),
+        Some(1.0)
+    );
+    // Node 2 is still alive and trusted.
+    assert_eq!(
+        node.metric("tally_members", &[("state", "alive")]),
+        Some(1.0)
+    );
+}
+
+#[tokio::test(flavor = "current_thread")]
+async fn garbage_truncated_and_oversized_peer_frames_are_counted_and_dropped() {
+    let cluster = Cluster::start(NET, 2);
+    certs_for(&cluster.certs(), 9);
+    let endpoint = quic_client(
+        &cluster.certs().join("ca.pem"),
+        Some((
+            &cluster.certs().join("node-9.pem"),
+            &cluster.certs().join("node-9.key"),
+        )),
+    );
+    let node = &cluster.nodes[0];
+    let connect = || async {
+        endpoint
+            .connect(node.gossip_addr(), "node-1.tally")
+            .unwrap()
+            .await
+            .unwrap()
+    };
+
+    // Garbage with a good length: a decode error; the connection stays.
+    let connection = connect().await;
+    let mut stream = connection.open_uni().await.unwrap();
+    for garbage in [
+        &[0xffu8; 7][..],
+        &[1, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0x0f][..],
+    ] {
+        stream
+            .write_all(&(garbage.len() as u32).to_le_bytes())
+            .await
+            .unwrap();
+        stream.write_all(garbage).await.unwrap();
+    }
+    stream.finish().unwrap();
+    eventually(Duration::from_secs(5), "decode errors counted", || {
+        node.metric("tally_gossip_decode_errors_total", &[]) == Some(2.0)
+    })
+    .await;
+
+    // A frame cut off by the end of its stream.
+    let mut stream = connection.open_uni().await.unwrap();
+    stream.write_all(&100u32.to_le_bytes()).await.unwrap();
+    stream.write_all(&[1; 10]).await.unwrap();
+    stream.finish().unwrap();
+    eventually(Duration::from_secs(5), "a truncated frame counted", || {
+        node.metric("tally_quic_frames_truncated_total", &[]) == Some(1.0)
+    })
+    .await;
+
+    // Length prefixes of 2^32 - 1 and 0: refused before reading, the connection closed.
+    for prefix in [u32::MAX, 0] {
+        let connection = connect().await;
+        let mut stream = connection.open_uni().await.unwrap();
+        stream.write_all(&prefix.to_le_bytes()).await.unwrap();
+        let closed = tokio::time::timeout(Duration::from_secs(2), connection.closed()).await;
+        assert!(closed.is_ok(), "length {prefix}: the connection stays open");
+    }
+    assert_eq!(
+        node.metric("tally_quic_frames_oversized_total", &[]),
+        Some(2.0)
+    );
+
+    // The node still serves its clients and its cluster.
+    let client = node.client().await;
+    client.incr("count", "after", 2).await.unwrap();
+    let peer = cluster.nodes[1].client().await;
+    let mut seen = 0;
+    for _ in 0..100 {
+        seen = peer.get("count", "after").await.unwrap().estimate;
+        if seen == 2 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert_eq!(seen, 2, "gossip kept flowing after the bad frames");
+}
+
+#[tokio::test(flavor = "current_thread")]
+async fn garbage_truncated_and_oversized_client_frames_are_counted_and_dropped() {
+    let cluster = Cluster::start(NET, 1);
+    let node = &cluster.nodes[0];
+    let send = |bytes: &[u8], then_close: bool| -> Vec<u8> {
+        let mut stream = std::net::TcpStream::connect(node.client_addr()).unwrap();
+        stream
+            .set_read_timeout(Some(Duration::from_secs(2)))
+            .unwrap();
+        stream.write_all(bytes).unwrap();
+        if then_close {
+            stream.shutdown(std::net::Shutdown::Write).unwrap();
+        }
+        let mut answer = Vec::new();
+        let _ = stream.read_to_end(&mut answer);
+        answer
+    };
+    // A good length and a body that does not decode: a Malformed answer, then close.
+    let answer = send(&[4, 0, 0, 0, 1, 0xff, 0xff, 0xff], false);
+    let body = &answer[4..];
+    let response: tally_client::wire::Response = tally_client::wire::decode_body(body).unwrap();
+    assert!(
+        matches!(
+            response.result,
+            Err(tally_client::Refusal::Malformed { .. })
+        ),
+        "{response:?}"
+    );
+    // Length prefixes over the limit: refused before reading.
+    for prefix in [u32::MAX, 1 << 20] {
+        let answer = send(&prefix.to_le_bytes(), false);
+        assert!(!answer.is_empty(), "no answer to a {prefix}-byte prefix");
+    }
+    // A frame cut off by the client's close.
+    send(&[100, 0, 0, 0, 1, 2, 3], true);
+    eventually(Duration::from_secs(5), "bad client frames counted", || {
+        node.metric("tally_client_frames_bad_total", &[]) == Some(4.0)
+    })
+    .await;
+    // A well-behaved client is served as before.
+    let client = node.client().await;
+    assert_eq!(client.incr("count", "fine", 3).await.unwrap().estimate, 3);
+    // Bad fields get typed errors naming the field; nothing is counted.
+    let err = client.incr("count", "fine", 0).await.unwrap_err();
+    assert!(err.to_string().contains("amount"), "{err}");
+    let err = client.check("no-such-rule", "fine", 1).await.unwrap_err();
+    assert!(err.to_string().contains("no-such-rule"), "{err}");
+    assert_eq!(client.get("count", "fine").await.unwrap().estimate, 3);
+}
