@@ -105,7 +105,7 @@ pub enum Role {
     /// Serves applications.
     #[default]
     Edge,
-    /// Holds the authoritative counts of exact rules (issue 5).
+    /// Holds the authoritative counts of exact rules; needs a `data_dir`.
     Region,
 }
 
@@ -277,6 +277,20 @@ impl Config {
                 return Err(bad(
                     format!("seeds[{i}].node"),
                     format!("{} is this node's own id", seed.node),
+                ));
+            }
+        }
+        if self.role == Role::Region && self.data_dir.is_none() {
+            return Err(bad(
+                "data_dir".into(),
+                "a region node needs a data_dir for its durable log".into(),
+            ));
+        }
+        if let Some(region) = &self.region {
+            if region.node == self.node_id {
+                return Err(bad(
+                    "region.node".into(),
+                    format!("{} is this node's own id", region.node),
                 ));
             }
         }

@@ -2,20 +2,22 @@
 //! client listener and the HTTP endpoints, in that order; and stopping it.
 
 use crate::clock::{self, Clock};
-use crate::config::Config;
+use crate::config::{Config, Role};
 use crate::decide::Rules;
 use crate::driver::{Driver, DriverError};
 use crate::http::{self, Endpoints};
 use crate::lanelog::{self, LogError};
 use crate::listener::{self, Service};
 use crate::metrics::Metrics;
+use crate::region::forward::{ForwardStats, Forwarder};
+use crate::region::service::{OpenError, RegionService};
 use crate::store::LaneStore;
 use crate::tls::{self, TlsError};
 use crate::transport::{Transport, TransportStats};
 use crate::view::View;
 use std::future::Future;
 use std::sync::{Arc, Mutex};
-use tally_crdt::{CounterMap, Generation, KeyError, ReplicaId, Version};
+use tally_crdt::{CounterMap, Generation, KeyError, NodeId, ReplicaId, Version};
 use tally_gossip::Gossip;
 use tokio::net::{TcpListener, UnixListener};
 use tokio::sync::watch;
@@ -42,6 +44,9 @@ pub enum DaemonError {
         /// What failed.
         source: std::io::Error,
     },
+    /// The region log could not be opened.
+    #[error(transparent)]
+    Region(#[from] OpenError),
     /// The gossip task stopped on a fatal event.
     #[error(transparent)]
     Driver(#[from] DriverError),
@@ -95,6 +100,21 @@ pub async fn run(config: Config, shutdown: impl Future<Output = ()>) -> Result<(
 
     let identity = tls::identity(&config.tls, node)?;
     let transport_stats = Arc::new(TransportStats::default());
+    let store = Arc::new(LaneStore::new(replica, config.keys_max));
+    let rules = Rules::new(&config.rules)?;
+    // The region decides forwarded exact checks on its durable ledger.
+    let (region, requests) = match (config.role, &config.data_dir) {
+        (Role::Region, Some(dir)) => {
+            let (service, opened) = RegionService::open(dir, rules.clone(), store.clone())?;
+            eprintln!(
+                "tallyd: region log: {} records of live windows replayed, {} torn bytes dropped",
+                opened.records, opened.torn
+            );
+            let (sender, receiver) = tokio::sync::mpsc::channel(16_384);
+            (Some((service, receiver)), Some(sender))
+        }
+        _ => (None, None),
+    };
     let bind =
         |what: &'static str, addr: String| move |source| DaemonError::Bind { what, addr, source };
     let (transport, inbound) = Transport::bind(
@@ -102,6 +122,7 @@ pub async fn run(config: Config, shutdown: impl Future<Output = ()>) -> Result<(
         identity,
         config.frame_bytes_max,
         transport_stats.clone(),
+        requests,
     )
     .map_err(bind("gossip", config.listen_gossip.to_string()))?;
     let gossip_addr = transport
@@ -117,7 +138,17 @@ pub async fn run(config: Config, shutdown: impl Future<Output = ()>) -> Result<(
     gossip_config.dead_after = std::time::Duration::from_millis(config.dead_after_ms);
     gossip_config.rng_seed = clock::entropy_seed();
 
-    let store = Arc::new(LaneStore::new(replica, config.keys_max));
+    let forward_stats = Arc::new(ForwardStats::default());
+    let forwarder = config.region.as_ref().map(|region| {
+        Forwarder::new(
+            transport.requester(),
+            NodeId(region.node),
+            region.addr.to_string(),
+            replica,
+            clock,
+            forward_stats.clone(),
+        )
+    });
     let view = Arc::new(View::default());
     let metrics = Arc::new(Metrics::default());
     let (stop, stopped) = watch::channel(false);
@@ -156,10 +187,11 @@ pub async fn run(config: Config, shutdown: impl Future<Output = ()>) -> Result<(
     let service = Arc::new(Service {
         store: store.clone(),
         view: view.clone(),
-        rules: Rules::new(&config.rules)?,
+        rules,
         log: log.map(Mutex::new),
         metrics: metrics.clone(),
         replica,
+        forwarder,
     });
     let endpoints = Arc::new(Endpoints {
         replica,
@@ -175,6 +207,7 @@ pub async fn run(config: Config, shutdown: impl Future<Output = ()>) -> Result<(
         config.client_connections_max,
     ));
     let http_task = tokio::spawn(http::serve(endpoints, http_listener));
+    let region_task = region.map(|(service, requests)| tokio::spawn(service.serve(requests)));
     eprintln!(
         "tallyd: node {} serving: gossip {gossip_addr}, client {}, http {}",
         node.0, config.listen_client, config.listen_http
@@ -191,6 +224,9 @@ pub async fn run(config: Config, shutdown: impl Future<Output = ()>) -> Result<(
     };
     client_task.abort();
     http_task.abort();
+    if let Some(region_task) = region_task {
+        region_task.abort();
+    }
     match result {
         Ok(result) => result.map_err(DaemonError::from),
         Err(join) => std::panic::resume_unwind(join.into_panic()),

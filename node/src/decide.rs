@@ -10,11 +10,12 @@
 //! - **isolated** (some live member staler): admit iff
 //!   `own + cost <= limit / locations + slack`; the bound is `locations x slack`.
 //!
-//! Exact rules go to the region (issue 5); until it answers, they get
-//! `RegionUnavailable` or the rule's `on_region_unavailable` fallback.
+//! Exact rules go to the region (see `region`); when it cannot answer in time they get
+//! `RegionUnavailable` or the rule's `on_region_unavailable` fallback, decided here.
 
-use crate::config::{OnRegionUnavailable, RuleConfig, RuleMode};
+use crate::config::{OnRegionUnavailable, RuleConfig};
 use crate::lanelog::LaneLog;
+use crate::region::Outcome;
 use crate::store::{LaneStore, StoreError};
 use crate::view::ViewState;
 use std::collections::HashMap;
@@ -105,29 +106,51 @@ impl Context<'_> {
         }
     }
 
-    /// Decides whether `cost` more is allowed under `rule`, and counts it if so.
+    /// Decides whether `cost` more is allowed under the approximate `rule`, and counts it
+    /// if so.
     pub fn check(&mut self, rule: &RuleConfig, key: &Key, cost: u64) -> Result<Decision, Refusal> {
         if cost == 0 {
             return Err(bad("cost", "must be at least 1".into()));
         }
-        match (rule.mode, rule.on_region_unavailable) {
-            (RuleMode::Approximate, _) | (RuleMode::Exact, OnRegionUnavailable::Approximate) => {
-                self.check_approximate(rule, key, cost)
+        self.check_approximate(rule, key, cost)
+    }
+
+    /// Answers an exact check the region could not (`unavailable`), as the rule's
+    /// `on_region_unavailable` says: the error itself, an approximate decision, or a
+    /// flat allow (counted here) or deny.
+    pub fn fallback(
+        &mut self,
+        rule: &RuleConfig,
+        key: &Key,
+        cost: u64,
+        unavailable: Refusal,
+    ) -> Result<Decision, Refusal> {
+        match rule.on_region_unavailable {
+            OnRegionUnavailable::Error => Err(unavailable),
+            OnRegionUnavailable::Approximate => self.check(rule, key, cost),
+            OnRegionUnavailable::Allow => {
+                let estimate = self.count(key, cost, true)?.estimate;
+                Ok(self.decision(rule, key, true, estimate, Mode::RegionFallback, 0.0))
             }
-            (RuleMode::Exact, OnRegionUnavailable::Error) => Err(Refusal::RegionUnavailable {
-                rule: rule.name.clone(),
-                why: "this build has no region path yet (issue 5)".into(),
-            }),
-            (RuleMode::Exact, fallback) => {
-                let allowed = fallback == OnRegionUnavailable::Allow;
-                let estimate = if allowed {
-                    self.count(key, cost, true)?.estimate
-                } else {
-                    self.store.estimate(key)
-                };
-                Ok(self.decision(rule, key, allowed, estimate, Mode::RegionFallback, 0.0))
+            OnRegionUnavailable::Deny => {
+                let estimate = self.store.estimate(key);
+                Ok(self.decision(rule, key, false, estimate, Mode::RegionFallback, 0.0))
             }
         }
+    }
+
+    /// The decision the region's durable `outcome` makes: exact, with no overshoot bound.
+    pub fn exact(&self, rule: &RuleConfig, key: &Key, outcome: Outcome) -> Decision {
+        let mut decision = self.decision(
+            rule,
+            key,
+            outcome.allowed,
+            i128::from(outcome.count),
+            Mode::Exact,
+            0.0,
+        );
+        decision.staleness_ms = 0;
+        decision
     }
 
     fn check_approximate(
@@ -250,7 +273,7 @@ mod tests {
             name: "api".into(),
             limit,
             window_secs: 60,
-            mode: RuleMode::Approximate,
+            mode: crate::config::RuleMode::Approximate,
             slack,
             stale_after_ms: 1_000,
             locations: None,
@@ -347,9 +370,9 @@ mod tests {
     }
 
     #[test]
-    fn an_exact_rule_without_a_region_is_refused_not_answered_approximately() {
+    fn an_unavailable_region_gets_the_error_or_the_rules_fallback_never_a_silent_answer() {
         let mut rule = rule(10, 0);
-        rule.mode = RuleMode::Exact;
+        rule.mode = crate::config::RuleMode::Exact;
         let (store, key) = setup(&rule);
         let view = view(NOW);
         let mut context = Context {
@@ -358,15 +381,26 @@ mod tests {
             now: NOW,
             log: None,
         };
-        assert!(matches!(
-            context.check(&rule, &key, 1),
-            Err(Refusal::RegionUnavailable { .. })
-        ));
+        let unavailable = Refusal::RegionUnavailable {
+            rule: "api".into(),
+            why: "cut off".into(),
+        };
+        let answer = context.fallback(&rule, &key, 1, unavailable.clone());
+        assert_eq!(answer, Err(unavailable.clone()));
         rule.on_region_unavailable = OnRegionUnavailable::Deny;
-        let decision = context.check(&rule, &key, 1).unwrap();
+        let decision = context
+            .fallback(&rule, &key, 1, unavailable.clone())
+            .unwrap();
         assert_eq!(
             (decision.allowed, decision.mode),
             (false, Mode::RegionFallback)
         );
+        rule.on_region_unavailable = OnRegionUnavailable::Approximate;
+        let decision = context.fallback(&rule, &key, 1, unavailable).unwrap();
+        assert_eq!(
+            (decision.allowed, decision.mode),
+            (true, Mode::ApproximateConnected)
+        );
+        assert_eq!(store.own(&key).value(), 1);
     }
 }

@@ -19,6 +19,7 @@
 //! A record is `[len u32][crc32 u32][body]`; replay stops at the first record that is
 //! short or fails its checksum (a torn tail), keeping the prefix before it.
 
+use crate::checksummed;
 use crate::store::LaneStore;
 use serde::{Deserialize, Serialize};
 use std::fs::{File, OpenOptions};
@@ -45,15 +46,6 @@ pub enum LogError {
 
 /// A log grown past this many bytes is rewritten as one record per live key.
 const COMPACT_BYTES: u64 = 64 << 20;
-/// The largest record body accepted on replay.
-const RECORD_BYTES_MAX: usize = 1024;
-
-const CONFIG: bincode::config::Configuration<
-    bincode::config::LittleEndian,
-    bincode::config::Varint,
-    bincode::config::Limit<RECORD_BYTES_MAX>,
-> = bincode::config::standard().with_limit::<RECORD_BYTES_MAX>();
-
 /// One logged write: amounts added to the own lane's two totals.
 #[derive(Debug, Serialize, Deserialize)]
 struct Record {
@@ -231,15 +223,7 @@ fn encode(key: &Key, incr: u64, decr: u64, out: &mut Vec<u8>) {
         incr,
         decr,
     };
-    let start = out.len();
-    out.extend_from_slice(&[0; 8]);
-    bincode::serde::encode_into_std_write(&record, out, CONFIG)
-        .expect("invariant: a record of a valid key is far below RECORD_BYTES_MAX");
-    let body = &out[start + 8..];
-    let len = (body.len() as u32).to_le_bytes();
-    let crc = crc32fast::hash(body).to_le_bytes();
-    out[start..start + 4].copy_from_slice(&len);
-    out[start + 4..start + 8].copy_from_slice(&crc);
+    checksummed::append(&record, out);
 }
 
 /// The own lanes a log adds up to, and how many bytes of torn tail it had.
@@ -252,15 +236,9 @@ fn replay(path: &Path) -> Result<(Vec<(Key, Lane)>, usize), LogError> {
             source,
         })?;
     let mut lanes: std::collections::HashMap<Key, Lane> = std::collections::HashMap::new();
-    let mut at = 0;
-    let mut torn = 0;
-    while at < bytes.len() {
-        let Some(record) = record_at(&bytes, at) else {
-            torn = 1;
-            break;
-        };
-        let (record, next) = record;
-        at = next;
+    let (records, valid) = checksummed::read_all::<Record>(&bytes);
+    let torn = usize::from(valid < bytes.len());
+    for record in records {
         let Some(key) = key_of(&record) else {
             continue;
         };
@@ -273,22 +251,6 @@ fn replay(path: &Path) -> Result<(Vec<(Key, Lane)>, usize), LogError> {
         );
     }
     Ok((lanes.into_iter().collect(), torn))
-}
-
-/// The record at `at` and where the next starts, if whole and its checksum holds.
-fn record_at(bytes: &[u8], at: usize) -> Option<(Record, usize)> {
-    let header = bytes.get(at..at + 8)?;
-    let len = u32::from_le_bytes(header[..4].try_into().ok()?) as usize;
-    let crc = u32::from_le_bytes(header[4..].try_into().ok()?);
-    if len > RECORD_BYTES_MAX {
-        return None;
-    }
-    let body = bytes.get(at + 8..at + 8 + len)?;
-    if crc32fast::hash(body) != crc {
-        return None;
-    }
-    let (record, read) = bincode::serde::decode_from_slice(body, CONFIG).ok()?;
-    (read == len).then_some((record, at + 8 + len))
 }
 
 fn key_of(record: &Record) -> Option<Key> {
@@ -379,7 +341,7 @@ mod tests {
         }
         let ends: Vec<usize> = {
             let (mut at, mut ends) = (0, vec![0]);
-            while let Some((_, next)) = record_at(&whole, at) {
+            while let Some((_, next)) = checksummed::read::<Record>(&whole, at) {
                 ends.push(next);
                 at = next;
             }

@@ -30,6 +30,7 @@
 //! ```
 
 pub mod certs;
+mod checksummed;
 pub mod cli;
 pub mod clock;
 pub mod config;
@@ -40,6 +41,7 @@ pub mod http;
 pub mod lanelog;
 pub mod listener;
 pub mod metrics;
+pub mod region;
 pub mod store;
 mod sync;
 pub mod tls;

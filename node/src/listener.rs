@@ -11,18 +11,20 @@
 //! resynchronised) after a `Malformed` answer, and is counted; the node keeps serving.
 
 use crate::clock;
+use crate::config::{RuleConfig, RuleMode};
 use crate::decide::{self, Context, Rules};
 use crate::lanelog::LaneLog;
 use crate::metrics::Metrics;
+use crate::region::forward::Forwarder;
 use crate::store::LaneStore;
 use crate::view::View;
 use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex};
-use tally_client::wire::{self, Op, Refusal, Reply, Request, Response, Status};
-use tally_crdt::ReplicaId;
+use tally_client::wire::{self, Mode, Op, Refusal, Reply, Request, Response, Status};
+use tally_crdt::{Key, ReplicaId};
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 use tokio::net::{TcpListener, UnixListener};
-use tokio::sync::Semaphore;
+use tokio::sync::{mpsc, Semaphore};
 
 /// Everything a request needs; shared by every connection.
 pub struct Service {
@@ -38,12 +40,148 @@ pub struct Service {
     pub metrics: Arc<Metrics>,
     /// This node's replica.
     pub replica: ReplicaId,
+    /// Where exact checks go, if this node has a region.
+    pub forwarder: Option<Forwarder>,
+}
+
+/// A request's answer: ready now, or an exact check to forward first.
+#[derive(Debug)]
+pub enum Answer {
+    /// Answered.
+    Ready(Response),
+    /// An exact check for the region.
+    Exact {
+        /// The request's id.
+        id: u64,
+        /// The rule.
+        rule: RuleConfig,
+        /// The key, with the window fixed now.
+        key: Key,
+        /// The cost.
+        cost: u64,
+    },
 }
 
 impl Service {
-    /// Answers a batch of requests in order, then makes their writes durable to the log;
-    /// if that fails, every answer that wrote becomes a `Storage` refusal.
-    pub fn handle_batch(&self, requests: Vec<Request>) -> Vec<Response> {
+    /// Answers a batch of requests in order, then writes their lane-log records out; if
+    /// that fails, every answer that wrote becomes a `Storage` refusal. Exact checks come
+    /// back as [`Answer::Exact`], for [`Service::exact`].
+    pub fn handle_batch(&self, requests: Vec<Request>) -> Vec<Answer> {
+        let mut exact = Vec::new();
+        let mut answers: Vec<Answer> = self
+            .in_context(|context| {
+                requests
+                    .into_iter()
+                    .filter_map(|request| match self.exact_check(&request, context) {
+                        Some(Ok(check)) => {
+                            exact.push(check);
+                            None
+                        }
+                        Some(Err(refusal)) => Some((
+                            Response {
+                                id: request.id,
+                                result: Err(refusal),
+                            },
+                            false,
+                        )),
+                        None => {
+                            let wrote = matches!(
+                                request.op,
+                                Op::Incr { .. } | Op::Decr { .. } | Op::Check { .. }
+                            );
+                            let result = self.handle(context, request.op);
+                            Some((
+                                Response {
+                                    id: request.id,
+                                    result,
+                                },
+                                wrote,
+                            ))
+                        }
+                    })
+                    .collect()
+            })
+            .into_iter()
+            .map(Answer::Ready)
+            .collect();
+        answers.extend(exact);
+        answers
+    }
+
+    /// `Some` if `request` is a check of an exact rule: the check to forward, or why its
+    /// key is refused.
+    fn exact_check(
+        &self,
+        request: &Request,
+        context: &Context<'_>,
+    ) -> Option<Result<Answer, Refusal>> {
+        let Op::Check {
+            rule,
+            subject,
+            cost,
+        } = &request.op
+        else {
+            return None;
+        };
+        let found = self.rules.get(rule).ok()?;
+        if found.1.mode != RuleMode::Exact {
+            return None;
+        }
+        Some(
+            decide::key(found, subject, context.now).map(|key| Answer::Exact {
+                id: request.id,
+                rule: found.1.clone(),
+                key,
+                cost: *cost,
+            }),
+        )
+    }
+
+    /// Forwards an exact check to the region and answers it: exact if the region
+    /// answered in time, else as the rule's `on_region_unavailable` says.
+    pub async fn exact(&self, id: u64, rule: &RuleConfig, key: &Key, cost: u64) -> Response {
+        let forwarded = match (&self.forwarder, cost) {
+            (_, 0) => Err(Refusal::BadField {
+                field: "cost".into(),
+                why: "must be at least 1".into(),
+            }),
+            (Some(forwarder), _) => forwarder.check(rule, key, cost).await,
+            (None, _) => Err(Refusal::RegionUnavailable {
+                rule: rule.name.clone(),
+                why: "this node has no region configured".into(),
+            }),
+        };
+        let mut responses = self.in_context(|context| {
+            let result = match forwarded {
+                Ok(outcome) => Ok(context.exact(rule, key, outcome)),
+                Err(unavailable @ Refusal::RegionUnavailable { .. }) => {
+                    context.fallback(rule, key, cost, unavailable)
+                }
+                Err(other) => Err(other),
+            };
+            if let Ok(decision) = &result {
+                self.metrics.decided(decision.mode, decision.allowed);
+            }
+            let wrote = result.as_ref().is_ok_and(|d| d.mode != Mode::Exact);
+            vec![(
+                Response {
+                    id,
+                    result: result.map(Reply::Decision),
+                },
+                wrote,
+            )]
+        });
+        responses
+            .pop()
+            .expect("invariant: one answer per exact check")
+    }
+
+    /// Runs `answer` in a request context, then writes the lane log out; if that fails,
+    /// every answer marked as a write becomes a `Storage` refusal.
+    fn in_context(
+        &self,
+        answer: impl FnOnce(&mut Context<'_>) -> Vec<(Response, bool)>,
+    ) -> Vec<Response> {
         let now = clock::wall();
         let view = self.view.lock().clone();
         let mut log = self
@@ -56,23 +194,7 @@ impl Service {
             now,
             log: log.as_deref_mut(),
         };
-        let mut responses: Vec<(Response, bool)> = requests
-            .into_iter()
-            .map(|request| {
-                let wrote = matches!(
-                    request.op,
-                    Op::Incr { .. } | Op::Decr { .. } | Op::Check { .. }
-                );
-                let result = self.handle(&mut context, request.op);
-                (
-                    Response {
-                        id: request.id,
-                        result,
-                    },
-                    wrote,
-                )
-            })
-            .collect();
+        let mut responses = answer(&mut context);
         if let Some(log) = log.as_deref_mut() {
             if let Err(err) = log.flush() {
                 for (response, wrote) in &mut responses {
@@ -195,13 +317,32 @@ where
     });
 }
 
-/// Reads, answers and writes batches until the client goes or sends a bad frame.
-async fn serve_connection<S: AsyncRead + AsyncWrite + Unpin>(service: &Service, mut stream: S) {
+/// Reads, answers and writes batches until the client goes or sends a bad frame. Exact
+/// checks are answered when the region is, in between.
+async fn serve_connection<S: AsyncRead + AsyncWrite + Unpin>(
+    service: &Arc<Service>,
+    mut stream: S,
+) {
     let mut input = Vec::with_capacity(16 * 1024);
     let mut output = Vec::with_capacity(16 * 1024);
     let mut chunk = vec![0u8; 64 * 1024];
+    let (late, mut lates) = mpsc::unbounded_channel::<Response>();
     loop {
-        let read = match stream.read(&mut chunk).await {
+        output.clear();
+        let read = tokio::select! {
+            read = stream.read(&mut chunk) => read,
+            Some(response) = lates.recv() => {
+                wire::encode_frame(&response, &mut output);
+                while let Ok(response) = lates.try_recv() {
+                    wire::encode_frame(&response, &mut output);
+                }
+                if stream.write_all(&output).await.is_err() {
+                    return;
+                }
+                continue;
+            }
+        };
+        let read = match read {
             Ok(0) | Err(_) => {
                 if !input.is_empty() {
                     // The client went in the middle of a frame: a truncated frame.
@@ -217,10 +358,22 @@ async fn serve_connection<S: AsyncRead + AsyncWrite + Unpin>(service: &Service, 
         input.extend_from_slice(&chunk[..read]);
         let (requests, consumed, bad) = split_frames(&input);
         input.drain(..consumed);
-        output.clear();
         if !requests.is_empty() {
-            for response in service.handle_batch(requests) {
-                wire::encode_frame(&response, &mut output);
+            for answer in service.handle_batch(requests) {
+                match answer {
+                    Answer::Ready(response) => wire::encode_frame(&response, &mut output),
+                    Answer::Exact {
+                        id,
+                        rule,
+                        key,
+                        cost,
+                    } => {
+                        let (service, late) = (service.clone(), late.clone());
+                        tokio::spawn(async move {
+                            let _ = late.send(service.exact(id, &rule, &key, cost).await);
+                        });
+                    }
+                }
             }
         }
         if let Some(why) = &bad {
@@ -292,7 +445,18 @@ mod tests {
             log: None,
             metrics: Arc::new(Metrics::default()),
             replica,
+            forwarder: None,
         }
+    }
+
+    fn ready(answers: Vec<Answer>) -> Vec<Response> {
+        answers
+            .into_iter()
+            .map(|answer| match answer {
+                Answer::Ready(response) => response,
+                Answer::Exact { .. } => panic!("no exact rule here"),
+            })
+            .collect()
     }
 
     fn incr(id: u64, subject: &str) -> Request {
@@ -309,8 +473,8 @@ mod tests {
     #[test]
     fn at_the_key_cap_new_keys_are_refused_with_a_typed_error_and_counted() {
         let service = service(2);
-        let responses =
-            service.handle_batch(vec![incr(1, "a"), incr(2, "b"), incr(3, "c"), incr(4, "a")]);
+        let batch = vec![incr(1, "a"), incr(2, "b"), incr(3, "c"), incr(4, "a")];
+        let responses = ready(service.handle_batch(batch));
         let results: Vec<_> = responses.iter().map(|r| (r.id, r.result.is_ok())).collect();
         assert_eq!(results, [(1, true), (2, true), (3, false), (4, true)]);
         assert_eq!(
@@ -325,7 +489,7 @@ mod tests {
     #[test]
     fn a_batch_is_answered_in_order_each_request_seeing_the_ones_before() {
         let service = service(10);
-        let responses = service.handle_batch(vec![incr(7, "a"), incr(8, "a"), incr(9, "a")]);
+        let responses = ready(service.handle_batch(vec![incr(7, "a"), incr(8, "a"), incr(9, "a")]));
         let estimates: Vec<_> = responses
             .iter()
             .map(|r| match &r.result {

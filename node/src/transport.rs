@@ -17,7 +17,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 use tally_crdt::NodeId;
-use tokio::sync::mpsc;
+use tokio::sync::{mpsc, oneshot};
 
 /// Frames waiting for one peer's writer; past this they are dropped.
 const PEER_QUEUE_FRAMES: usize = 1_024;
@@ -53,6 +53,21 @@ pub struct Inbound {
     pub connection: quinn::Connection,
 }
 
+/// A request from a peer on a bidirectional stream (an exact check forwarded to the
+/// region), and where its answer goes.
+#[derive(Debug)]
+pub struct PeerRequest {
+    /// The node its certificate names.
+    pub from: NodeId,
+    /// The request's bytes.
+    pub body: Vec<u8>,
+    /// The answer's bytes; dropping it resets the stream.
+    pub reply: oneshot::Sender<Vec<u8>>,
+}
+
+/// The largest request or answer on a bidirectional stream.
+pub const REQUEST_BYTES_MAX: usize = 4 * 1024;
+
 /// The node's QUIC endpoint and its peers' writers. Owned by the gossip task.
 pub struct Transport {
     shared: Arc<Shared>,
@@ -63,18 +78,22 @@ struct Shared {
     endpoint: quinn::Endpoint,
     connections: Mutex<HashMap<NodeId, quinn::Connection>>,
     inbound: mpsc::Sender<Inbound>,
+    // Where requests on bidirectional streams go: on the region node only.
+    requests: Option<mpsc::Sender<PeerRequest>>,
     frame_bytes_max: usize,
     stats: Arc<TransportStats>,
 }
 
 impl Transport {
     /// Binds the endpoint on `addr` and starts accepting peers; frames they send arrive
-    /// on the returned receiver.
+    /// on the returned receiver, and requests on bidirectional streams on `requests` (a
+    /// node without it resets such streams).
     pub fn bind(
         addr: SocketAddr,
         identity: tls::Identity,
         frame_bytes_max: usize,
         stats: Arc<TransportStats>,
+        requests: Option<mpsc::Sender<PeerRequest>>,
     ) -> std::io::Result<(Transport, mpsc::Receiver<Inbound>)> {
         let mut endpoint = quinn::Endpoint::server(identity.server, addr)?;
         endpoint.set_default_client_config(identity.client);
@@ -83,6 +102,7 @@ impl Transport {
             endpoint,
             connections: Mutex::new(HashMap::new()),
             inbound,
+            requests,
             frame_bytes_max,
             stats,
         });
@@ -116,6 +136,14 @@ impl Transport {
                 .stats
                 .frames_dropped
                 .fetch_add(1, Ordering::Relaxed);
+        }
+    }
+
+    /// A handle for sending requests to peers on bidirectional streams, over the same
+    /// connections.
+    pub fn requester(&self) -> Requester {
+        Requester {
+            shared: self.shared.clone(),
         }
     }
 
@@ -191,15 +219,79 @@ fn held(shared: &Shared, node: NodeId) -> Option<quinn::Connection> {
         .cloned()
 }
 
+/// Sends requests to peers on bidirectional streams. Cheap to clone.
+#[derive(Clone)]
+pub struct Requester {
+    shared: Arc<Shared>,
+}
+
+impl Requester {
+    /// Sends `body` to `node` at `addr` on a new stream of the connection held for it (or
+    /// a new one) and returns the answer. Errors say what failed; the caller retries.
+    pub async fn request(&self, node: NodeId, addr: &str, body: &[u8]) -> Result<Vec<u8>, String> {
+        let connection = connection_to(&self.shared, node, addr).await?;
+        let (mut send, mut receive) = connection.open_bi().await.map_err(|err| err.to_string())?;
+        send.write_all(body).await.map_err(|err| err.to_string())?;
+        send.finish().map_err(|err| err.to_string())?;
+        receive
+            .read_to_end(REQUEST_BYTES_MAX)
+            .await
+            .map_err(|err| err.to_string())
+    }
+}
+
 /// Reads every stream the peer opens on `connection` until it closes.
 async fn read_streams(shared: Arc<Shared>, node: NodeId, connection: quinn::Connection) {
-    while let Ok(stream) = connection.accept_uni().await {
-        tokio::spawn(read_frames(
-            shared.clone(),
-            node,
-            connection.clone(),
-            stream,
-        ));
+    loop {
+        tokio::select! {
+            stream = connection.accept_uni() => {
+                let Ok(stream) = stream else { return };
+                tokio::spawn(read_frames(shared.clone(), node, connection.clone(), stream));
+            }
+            stream = connection.accept_bi() => {
+                let Ok((send, receive)) = stream else { return };
+                tokio::spawn(answer_request(shared.clone(), node, send, receive));
+            }
+        }
+    }
+}
+
+/// Reads one request from a bidirectional stream, hands it on, and writes the answer.
+async fn answer_request(
+    shared: Arc<Shared>,
+    node: NodeId,
+    mut send: quinn::SendStream,
+    mut receive: quinn::RecvStream,
+) {
+    let Some(requests) = &shared.requests else {
+        let _ = send.reset(CLOSE_PROTOCOL.into());
+        return;
+    };
+    let Ok(body) = receive.read_to_end(REQUEST_BYTES_MAX).await else {
+        shared
+            .stats
+            .frames_oversized
+            .fetch_add(1, Ordering::Relaxed);
+        let _ = send.reset(CLOSE_PROTOCOL.into());
+        return;
+    };
+    let (reply, answer) = oneshot::channel();
+    let request = PeerRequest {
+        from: node,
+        body,
+        reply,
+    };
+    if requests.send(request).await.is_err() {
+        return;
+    }
+    match answer.await {
+        Ok(bytes) => {
+            let _ = send.write_all(&bytes).await;
+            let _ = send.finish();
+        }
+        Err(_) => {
+            let _ = send.reset(CLOSE_PROTOCOL.into());
+        }
     }
 }
 
@@ -296,6 +388,17 @@ async fn open_stream(
     node: NodeId,
     addr: &str,
 ) -> Result<(quinn::SendStream, usize), String> {
+    let connection = connection_to(shared, node, addr).await?;
+    let stream = connection.open_uni().await.map_err(|err| err.to_string())?;
+    Ok((stream, connection.stable_id()))
+}
+
+/// The connection held for `node`, or a new one to `addr`.
+async fn connection_to(
+    shared: &Arc<Shared>,
+    node: NodeId,
+    addr: &str,
+) -> Result<quinn::Connection, String> {
     let connection = match held(shared, node) {
         Some(connection) => connection,
         None => {
@@ -315,8 +418,7 @@ async fn open_stream(
             connection
         }
     };
-    let stream = connection.open_uni().await.map_err(|err| err.to_string())?;
-    Ok((stream, connection.stable_id()))
+    Ok(connection)
 }
 
 fn lock<T>(mutex: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {

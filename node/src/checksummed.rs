@@ -1,0 +1,58 @@
+//! The record format of both durable logs (the lane log and the region log):
+//! `[len u32 LE][crc32 u32 LE][bincode body]`, decoded with a limit.
+//!
+//! A reader stops at the first record that is short, longer than [`RECORD_BYTES_MAX`], or
+//! fails its checksum: a crash can tear only the tail, so what comes before is whole.
+
+use serde::de::DeserializeOwned;
+use serde::Serialize;
+
+/// The largest record body written or read.
+pub const RECORD_BYTES_MAX: usize = 1024;
+
+const CONFIG: bincode::config::Configuration<
+    bincode::config::LittleEndian,
+    bincode::config::Varint,
+    bincode::config::Limit<RECORD_BYTES_MAX>,
+> = bincode::config::standard().with_limit::<RECORD_BYTES_MAX>();
+
+/// Appends `record`, framed, to `out`.
+pub fn append<T: Serialize>(record: &T, out: &mut Vec<u8>) {
+    let start = out.len();
+    out.extend_from_slice(&[0; 8]);
+    // Records hold a key (rule and subject bounded by tally_crdt's limits) and numbers.
+    bincode::serde::encode_into_std_write(record, out, CONFIG)
+        .expect("invariant: a record of a valid key is far below RECORD_BYTES_MAX");
+    let body = &out[start + 8..];
+    let len = (body.len() as u32).to_le_bytes();
+    let crc = crc32fast::hash(body).to_le_bytes();
+    out[start..start + 4].copy_from_slice(&len);
+    out[start + 4..start + 8].copy_from_slice(&crc);
+}
+
+/// The record at `at` and where the next one starts, if it is whole and checks.
+pub fn read<T: DeserializeOwned>(bytes: &[u8], at: usize) -> Option<(T, usize)> {
+    let header = bytes.get(at..at.checked_add(8)?)?;
+    let len = u32::from_le_bytes(header[..4].try_into().ok()?) as usize;
+    let crc = u32::from_le_bytes(header[4..].try_into().ok()?);
+    if len > RECORD_BYTES_MAX {
+        return None;
+    }
+    let body = bytes.get(at + 8..at + 8 + len)?;
+    if crc32fast::hash(body) != crc {
+        return None;
+    }
+    let (record, read) = bincode::serde::decode_from_slice(body, CONFIG).ok()?;
+    (read == len).then_some((record, at + 8 + len))
+}
+
+/// Every whole record at the front of `bytes`, and how many bytes they take.
+pub fn read_all<T: DeserializeOwned>(bytes: &[u8]) -> (Vec<T>, usize) {
+    let mut records = Vec::new();
+    let mut at = 0;
+    while let Some((record, next)) = read(bytes, at) {
+        records.push(record);
+        at = next;
+    }
+    (records, at)
+}
