@@ -9,60 +9,14 @@
 
 mod cluster;
 
-use cluster::{eventually, tally_bin, Cluster};
-use rustls::pki_types::pem::PemObject;
-use rustls::pki_types::{CertificateDer, PrivateKeyDer};
+use cluster::{certs_for, eventually, quic_client, Cluster};
 use std::io::{Read, Write};
-use std::path::Path;
-use std::process::Command;
-use std::sync::Arc;
 use std::time::Duration;
 use tally_crdt::{Generation, NodeId, ReplicaId};
 use tally_gossip::message::Message;
 
 /// This file's loopback network: 127.2.x.y.
 const NET: u8 = 2;
-
-/// A QUIC client trusting `ca`, presenting `cert` (certificate and key PEM paths) if any.
-fn quic_client(ca: &Path, cert: Option<(&Path, &Path)>) -> quinn::Endpoint {
-    let provider = Arc::new(rustls::crypto::ring::default_provider());
-    let mut roots = rustls::RootCertStore::empty();
-    for cert in CertificateDer::pem_file_iter(ca).unwrap() {
-        roots.add(cert.unwrap()).unwrap();
-    }
-    let builder = rustls::ClientConfig::builder_with_provider(provider)
-        .with_protocol_versions(&[&rustls::version::TLS13])
-        .unwrap()
-        .with_root_certificates(roots);
-    let mut config = match cert {
-        Some((cert, key)) => builder
-            .with_client_auth_cert(
-                CertificateDer::pem_file_iter(cert)
-                    .unwrap()
-                    .map(Result::unwrap)
-                    .collect(),
-                PrivateKeyDer::from_pem_file(key).unwrap(),
-            )
-            .unwrap(),
-        None => builder.with_no_client_auth(),
-    };
-    config.alpn_protocols = vec![tally_node::tls::ALPN.to_vec()];
-    let config = quinn::crypto::rustls::QuicClientConfig::try_from(config).unwrap();
-    let mut endpoint = quinn::Endpoint::client("127.0.0.1:0".parse().unwrap()).unwrap();
-    endpoint.set_default_client_config(quinn::ClientConfig::new(Arc::new(config)));
-    endpoint
-}
-
-fn certs_for(dir: &Path, node: u64) {
-    let status = Command::new(tally_bin())
-        .args(["certs", "--out"])
-        .arg(dir)
-        .args(["--nodes", &node.to_string()])
-        .stdout(std::process::Stdio::null())
-        .status()
-        .unwrap();
-    assert!(status.success());
-}
 
 /// Tries to get a frame to node 1 with `endpoint`: a handshake, a stream, a frame. Returns
 /// whether the node kept the connection open for a moment after.

@@ -8,7 +8,7 @@ use crate::driver::{Driver, DriverError};
 use crate::http::{self, Endpoints};
 use crate::lanelog::{self, LogError};
 use crate::listener::{self, Service};
-use crate::metrics::Metrics;
+use crate::metrics::{Metrics, RegionStats};
 use crate::region::forward::{ForwardStats, Forwarder};
 use crate::region::service::{OpenError, RegionService};
 use crate::store::LaneStore;
@@ -115,6 +115,10 @@ pub async fn run(config: Config, shutdown: impl Future<Output = ()>) -> Result<(
         }
         _ => (None, None),
     };
+    let region_stats = region.as_ref().map(|(service, _)| RegionStats {
+        commit: service.commit_stats(),
+        bad_requests: service.bad_requests.clone(),
+    });
     let bind =
         |what: &'static str, addr: String| move |source| DaemonError::Bind { what, addr, source };
     let (transport, inbound) = Transport::bind(
@@ -199,6 +203,8 @@ pub async fn run(config: Config, shutdown: impl Future<Output = ()>) -> Result<(
         view,
         store,
         transport: transport_stats,
+        forward: forward_stats,
+        region: region_stats,
     });
     let client_task = tokio::spawn(listener::serve(
         service,

@@ -5,7 +5,8 @@
 //! linking an HTTP stack.
 
 use crate::clock;
-use crate::metrics::{self, Metrics, Sources};
+use crate::metrics::{self, Metrics, RegionStats, Sources};
+use crate::region::forward::ForwardStats;
 use crate::store::LaneStore;
 use crate::transport::TransportStats;
 use crate::view::View;
@@ -31,6 +32,10 @@ pub struct Endpoints {
     pub store: Arc<LaneStore>,
     /// The transport's counters.
     pub transport: Arc<TransportStats>,
+    /// The exact path's counters.
+    pub forward: Arc<ForwardStats>,
+    /// The region's counters, on the region node.
+    pub region: Option<RegionStats>,
 }
 
 /// Serves `/metrics` and `/status` on `listener` until the node stops.
@@ -80,6 +85,8 @@ impl Endpoints {
                     view: &self.view,
                     store: &self.store,
                     transport: &self.transport,
+                    forward: &self.forward,
+                    region: self.region.as_ref(),
                     now: clock::wall(),
                 }),
             ),

@@ -2,6 +2,8 @@
 //! lane store and the transport at scrape time, and encoded in the Prometheus text format
 //! by `prometheus-client`.
 
+use crate::region::committer::CommitStats;
+use crate::region::forward::{ForwardStats, LATENCY_BOUNDS_US};
 use crate::store::LaneStore;
 use crate::transport::TransportStats;
 use crate::view::View;
@@ -13,7 +15,7 @@ use prometheus_client::metrics::MetricType;
 use prometheus_client::registry::Registry;
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 use tally_client::wire::Mode;
 use tally_crdt::{ReplicaId, Stamp};
 use tally_gossip::Histogram;
@@ -55,8 +57,21 @@ pub struct Sources<'a> {
     pub store: &'a LaneStore,
     /// The transport's counters.
     pub transport: &'a TransportStats,
+    /// The exact path's counters at this edge.
+    pub forward: &'a ForwardStats,
+    /// The region log's counters, on the region node.
+    pub region: Option<&'a RegionStats>,
     /// The wall clock now.
     pub now: Stamp,
+}
+
+/// The region node's counters.
+#[derive(Debug, Default)]
+pub struct RegionStats {
+    /// The committer's.
+    pub commit: Arc<CommitStats>,
+    /// Forwarded checks refused as malformed or for no exact rule.
+    pub bad_requests: Arc<AtomicU64>,
 }
 
 /// Renders every metric in the Prometheus text format.
@@ -185,6 +200,64 @@ pub fn render(sources: &Sources<'_>) -> String {
         counter(&mut registry, name, help, value);
     }
 
+    let forward = sources.forward;
+    registry.register(
+        "region_latency_seconds",
+        "Exact checks: time from forwarding to the region's durable answer",
+        LatencyBuckets {
+            counts: forward.latency.iter().map(load).collect(),
+            sum_us: load(&forward.latency_sum_us),
+        },
+    );
+    let pairs = [
+        (
+            "region_unavailable",
+            "Exact checks that got no durable answer within the rule's timeout",
+            load(&forward.unavailable),
+        ),
+        (
+            "region_storage_errors",
+            "Exact checks the region refused because its log failed",
+            load(&forward.storage_errors),
+        ),
+        (
+            "region_retries",
+            "Exact checks sent again after a broken stream or connection",
+            load(&forward.retries),
+        ),
+    ];
+    for (name, help, value) in pairs {
+        counter(&mut registry, name, help, value);
+    }
+    if let Some(region) = sources.region {
+        let commit = &region.commit;
+        let pairs = [
+            (
+                "region_log_records",
+                "Exact decisions made durable in the region log",
+                load(&commit.records),
+            ),
+            (
+                "region_log_syncs",
+                "Syncs of the region log (each makes one group of decisions durable)",
+                load(&commit.syncs),
+            ),
+            (
+                "region_log_refused",
+                "Exact decisions refused because the region log failed",
+                load(&commit.refused),
+            ),
+            (
+                "region_bad_requests",
+                "Forwarded checks that did not decode or named no exact rule",
+                load(&region.bad_requests),
+            ),
+        ];
+        for (name, help, value) in pairs {
+            counter(&mut registry, name, help, value);
+        }
+    }
+
     let decisions = Family::<Vec<(String, String)>, Counter>::default();
     let counted = metrics
         .decisions
@@ -280,6 +353,29 @@ impl EncodeMetric for Buckets {
             &buckets,
             None,
         )
+    }
+
+    fn metric_type(&self) -> MetricType {
+        MetricType::Histogram
+    }
+}
+
+/// The exact path's latency buckets, encoded as a Prometheus histogram in seconds.
+#[derive(Debug)]
+struct LatencyBuckets {
+    counts: Vec<u64>,
+    sum_us: u64,
+}
+
+impl EncodeMetric for LatencyBuckets {
+    fn encode(&self, mut encoder: MetricEncoder) -> Result<(), std::fmt::Error> {
+        let bounds = LATENCY_BOUNDS_US
+            .iter()
+            .map(|bound| *bound as f64 / 1e6)
+            .chain([f64::INFINITY]);
+        let buckets: Vec<(f64, u64)> = bounds.zip(self.counts.iter().copied()).collect();
+        let count = self.counts.iter().sum();
+        encoder.encode_histogram::<NoLabelSet>(self.sum_us as f64 / 1e6, count, &buckets, None)
     }
 
     fn metric_type(&self) -> MetricType {

@@ -30,6 +30,13 @@ limit = 2000
 window_secs = 3600
 stale_after_ms = 600
 slack = 10
+
+[[rules]]
+name = "quota"
+limit = 500
+window_secs = 3600
+mode = "exact"
+region_timeout_ms = 300
 "#;
 
 static CLUSTERS: AtomicU8 = AtomicU8::new(1);
@@ -52,12 +59,12 @@ impl Cluster {
     /// Starts `n` nodes, each seeded with every other, and waits until all see each other.
     /// `net` keeps test binaries apart (one value per test file).
     pub fn start(net: u8, n: u64) -> Cluster {
-        Cluster::start_with(net, n, 2_000)
+        Cluster::start_with(net, n, 2_000, false)
     }
 
     /// [`Cluster::start`] with a failure detector that declares a silent member dead after
-    /// `dead_after_ms` of suspicion.
-    pub fn start_with(net: u8, n: u64, dead_after_ms: u64) -> Cluster {
+    /// `dead_after_ms` of suspicion, and node 1 the region if `region`.
+    pub fn start_with(net: u8, n: u64, dead_after_ms: u64, region: bool) -> Cluster {
         let cluster = CLUSTERS.fetch_add(1, Ordering::Relaxed);
         let dir =
             std::env::temp_dir().join(format!("tally-e2e-{}-{net}-{cluster}", std::process::id()));
@@ -106,8 +113,16 @@ impl Cluster {
                 cert = certs.join(format!("node-{id}.pem")).display(),
                 key = certs.join(format!("node-{id}.key")).display(),
             );
+            let role = match (region, id) {
+                (false, _) => String::new(),
+                (true, 1) => "role = \"region\"\n".to_owned(),
+                (true, _) => format!(
+                    "region = {{ node = 1, addr = \"{}:{GOSSIP_PORT}\" }}\n",
+                    ip(1)
+                ),
+            };
             let path = dir.join(format!("node-{id}.toml"));
-            std::fs::write(&path, config).unwrap();
+            std::fs::write(&path, format!("{role}{config}")).unwrap();
             nodes.push(Node {
                 id,
                 ip: ip(id),
@@ -310,6 +325,51 @@ pub async fn eventually(limit: Duration, what: &str, mut ready: impl FnMut() -> 
         );
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
+}
+
+/// A QUIC client trusting `ca`, presenting `cert` (certificate and key PEM paths) if any:
+/// a hand-built peer for the tests of what a node accepts.
+pub fn quic_client(ca: &Path, cert: Option<(&Path, &Path)>) -> quinn::Endpoint {
+    use rustls::pki_types::pem::PemObject;
+    use rustls::pki_types::{CertificateDer, PrivateKeyDer};
+    let provider = std::sync::Arc::new(rustls::crypto::ring::default_provider());
+    let mut roots = rustls::RootCertStore::empty();
+    for cert in CertificateDer::pem_file_iter(ca).unwrap() {
+        roots.add(cert.unwrap()).unwrap();
+    }
+    let builder = rustls::ClientConfig::builder_with_provider(provider)
+        .with_protocol_versions(&[&rustls::version::TLS13])
+        .unwrap()
+        .with_root_certificates(roots);
+    let mut config = match cert {
+        Some((cert, key)) => builder
+            .with_client_auth_cert(
+                CertificateDer::pem_file_iter(cert)
+                    .unwrap()
+                    .map(Result::unwrap)
+                    .collect(),
+                PrivateKeyDer::from_pem_file(key).unwrap(),
+            )
+            .unwrap(),
+        None => builder.with_no_client_auth(),
+    };
+    config.alpn_protocols = vec![tally_node::tls::ALPN.to_vec()];
+    let config = quinn::crypto::rustls::QuicClientConfig::try_from(config).unwrap();
+    let mut endpoint = quinn::Endpoint::client("127.0.0.1:0".parse().unwrap()).unwrap();
+    endpoint.set_default_client_config(quinn::ClientConfig::new(std::sync::Arc::new(config)));
+    endpoint
+}
+
+/// Writes a certificate for `node` into `dir` (with the CA there, or a new one).
+pub fn certs_for(dir: &Path, node: u64) {
+    let status = Command::new(tally_bin())
+        .args(["certs", "--out"])
+        .arg(dir)
+        .args(["--nodes", &node.to_string()])
+        .stdout(Stdio::null())
+        .status()
+        .unwrap();
+    assert!(status.success());
 }
 
 pub fn tally_bin() -> &'static str {

@@ -263,6 +263,47 @@ mod tests {
         }
     }
 
+    /// A disk with room for `room` bytes: an append past it fails like a full file system.
+    struct FullStorage {
+        written: Vec<u8>,
+        room: usize,
+    }
+
+    impl Storage for FullStorage {
+        fn append(&mut self, bytes: &[u8]) -> std::io::Result<()> {
+            if self.written.len() + bytes.len() > self.room {
+                return Err(std::io::Error::from_raw_os_error(28));
+            }
+            self.written.extend_from_slice(bytes);
+            Ok(())
+        }
+
+        fn sync(&mut self) -> std::io::Result<()> {
+            Ok(())
+        }
+    }
+
+    #[test]
+    fn a_full_disk_refuses_with_a_clear_error_and_acknowledges_nothing_after() {
+        let committer = Committer::start(Box::new(FullStorage {
+            written: Vec::new(),
+            room: 10,
+        }));
+        assert!(committer
+            .submit(vec![0; 6])
+            .blocking_recv()
+            .unwrap()
+            .is_ok());
+        for bytes in [vec![0; 6], vec![0; 1], Vec::new()] {
+            let err = committer
+                .submit(bytes)
+                .blocking_recv()
+                .unwrap()
+                .unwrap_err();
+            assert!(err.why.contains("No space left on device"), "{err}");
+        }
+    }
+
     #[test]
     fn after_a_failed_sync_nothing_is_acknowledged_ever_again() {
         // The first I/O (an append) works; every one from the second (its sync) fails.

@@ -1,0 +1,257 @@
+//! End to end: exact rules through the region (TESTING.md D1, N10, C4). Node 1 is the
+//! region; the others are edges forwarding the exact rule `quota` (limit 500) to it.
+//!
+//! REGION: the region's count is at least everything it acknowledged, at most everything
+//! ever attempted, never decreases across its restarts, and never passes the limit.
+
+#![allow(
+    clippy::unwrap_used,
+    reason = "a panic in a helper or a load task is the test's failure report"
+)]
+
+mod cluster;
+
+use cluster::{quic_client, Cluster};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+use tally_client::{Client, Error, Mode, Refusal};
+use tally_node::region::log::RequestId;
+use tally_node::region::{decode, encode, ExactAnswer, ExactCheck, Outcome};
+
+/// This file's loopback network: 127.3.x.y.
+const NET: u8 = 3;
+const LIMIT: u64 = 500;
+
+/// The region's count of `subject`, read through an edge with a check that cannot be
+/// admitted (so it counts nothing); retried while the region is coming back.
+async fn region_count(edge: &Client, subject: &str) -> u64 {
+    for _ in 0..200 {
+        match edge.check("quota", subject, LIMIT + 1).await {
+            Ok(decision) => {
+                assert_eq!(decision.mode, Mode::Exact);
+                assert!(!decision.allowed);
+                return decision.estimate as u64;
+            }
+            Err(_) => tokio::time::sleep(Duration::from_millis(50)).await,
+        }
+    }
+    panic!("the region never answered for {subject}");
+}
+
+#[derive(Debug, Default, Clone, Copy)]
+struct Tally {
+    /// Costs the region acknowledged as admitted.
+    acked: u64,
+    /// Costs of every check sent, answered or not.
+    attempted: u64,
+    /// Checks answered exact.
+    answers: u64,
+}
+
+#[tokio::test(flavor = "current_thread")]
+async fn region_kill9_at_random_moments_loses_no_acknowledged_check_and_never_passes_the_limit() {
+    let mut cluster = Cluster::start_with(NET, 4, 2_000, true);
+    let mut edges = Vec::new();
+    for node in &cluster.nodes[1..] {
+        edges.push(node.client().await);
+    }
+    let mut seen: Vec<(String, Tally, u64)> = Vec::new();
+    // Cycles whose kill came while checks were still being admitted.
+    let mut killed_while_admitting = 0;
+    // A small seeded generator: the kill moments vary, and a failure replays.
+    let mut rng = 0x2545_f491_4f6c_dd1du64;
+    let mut next = move || {
+        rng ^= rng << 13;
+        rng ^= rng >> 7;
+        rng ^= rng << 17;
+        rng
+    };
+    for cycle in 0..20 {
+        let subject = format!("acct-{cycle}");
+        let tally = Arc::new(Mutex::new(Tally::default()));
+        let (stop, stopped) = tokio::sync::watch::channel(false);
+        let mut load = tokio::task::JoinSet::new();
+        for (e, edge) in edges.iter().enumerate() {
+            for t in 0..2u64 {
+                let (edge, subject, tally, stopped) = (
+                    edge.clone(),
+                    subject.clone(),
+                    tally.clone(),
+                    stopped.clone(),
+                );
+                load.spawn(async move {
+                    let mut i = e as u64 * 2 + t;
+                    while !*stopped.borrow() {
+                        let cost = 1 + i % 3;
+                        i += 1;
+                        let result = edge.check("quota", &subject, cost).await;
+                        let unavailable = {
+                            let mut tally = tally.lock().unwrap();
+                            tally.attempted += cost;
+                            match &result {
+                                Ok(decision) => {
+                                    assert_eq!(
+                                        decision.mode,
+                                        Mode::Exact,
+                                        "an exact rule answered {decision:?}"
+                                    );
+                                    tally.answers += 1;
+                                    if decision.allowed {
+                                        tally.acked += cost;
+                                    }
+                                    false
+                                }
+                                Err(Error::Refused(Refusal::RegionUnavailable { .. }))
+                                | Err(Error::Refused(Refusal::Storage { .. })) => true,
+                                Err(other) => panic!("unexpected error: {other}"),
+                            }
+                        };
+                        if unavailable {
+                            tokio::time::sleep(Duration::from_millis(10)).await;
+                        }
+                    }
+                });
+            }
+        }
+        tokio::time::sleep(Duration::from_millis(20 + next() % 150)).await;
+        let acked_at_kill = tally.lock().unwrap().acked;
+        cluster.node(1).kill9();
+        tokio::time::sleep(Duration::from_millis(50 + next() % 100)).await;
+        cluster.node(1).restart(true);
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        stop.send(true).unwrap();
+        while let Some(joined) = load.join_next().await {
+            joined.unwrap();
+        }
+        let tally = *tally.lock().unwrap();
+        seen.push((subject, tally, 0));
+        if acked_at_kill + 3 <= LIMIT {
+            killed_while_admitting += 1;
+        }
+        // REGION, for this cycle's subject and every earlier one.
+        for (subject, tally, last) in &mut seen {
+            let count = region_count(&edges[0], subject).await;
+            assert!(
+                count >= tally.acked,
+                "{subject}: count {count} lost acknowledged {}",
+                tally.acked
+            );
+            assert!(
+                count <= tally.attempted,
+                "{subject}: count {count} above attempted {}",
+                tally.attempted
+            );
+            assert!(count <= LIMIT, "{subject}: count {count} past the limit");
+            assert!(
+                count >= *last,
+                "{subject}: count fell from {last} to {count} across a restart"
+            );
+            *last = count;
+        }
+    }
+    let answered: u64 = seen.iter().map(|(_, t, _)| t.answers).sum();
+    let at_limit = seen
+        .iter()
+        .filter(|(_, _, count)| *count + 3 > LIMIT)
+        .count();
+    eprintln!(
+        "20 region kills: {answered} exact answers; {killed_while_admitting} kills while \
+         admitting; {at_limit} subjects reached the limit"
+    );
+    assert!(answered > 200, "the load ran: {answered} answers");
+    assert!(
+        killed_while_admitting >= 5,
+        "too few kills came mid-admission: {killed_while_admitting}"
+    );
+    let log = std::fs::read_to_string(&cluster.nodes[0].log).unwrap();
+    assert!(
+        log.matches("region log:").count() >= 21,
+        "the region restarted 20 times"
+    );
+}
+
+#[tokio::test(flavor = "current_thread")]
+async fn a_region_cut_off_fails_exact_checks_within_the_timeout_while_approximate_rules_serve() {
+    let cluster = Cluster::start_with(NET, 3, 2_000, true);
+    let edge = cluster.nodes[1].client().await;
+    assert_eq!(
+        edge.check("quota", "cut", 1).await.unwrap().mode,
+        Mode::Exact
+    );
+    cluster.nodes[0].signal("STOP");
+    let mut unavailable = 0;
+    for _ in 0..20 {
+        // The client waits 2 s; the rule's timeout is 300 ms: the error must be the rule's.
+        match edge.check("quota", "cut", 1).await {
+            Err(Error::Refused(Refusal::RegionUnavailable { rule, why })) => {
+                assert_eq!(rule, "quota");
+                assert!(!why.is_empty());
+                unavailable += 1;
+            }
+            other => panic!("an exact check without its region answered {other:?}"),
+        }
+        let approximate = edge.check("api", "cut", 1).await.unwrap();
+        assert_ne!(approximate.mode, Mode::Exact);
+        assert!(approximate.allowed);
+    }
+    assert_eq!(unavailable, 20);
+    cluster.nodes[0].signal("CONT");
+    let mut back = false;
+    for _ in 0..100 {
+        if let Ok(decision) = edge.check("quota", "cut", 1).await {
+            assert_eq!((decision.mode, decision.allowed), (Mode::Exact, true));
+            back = true;
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert!(back, "exact checks answer again once the region is back");
+    let metric = cluster.nodes[1]
+        .metric("tally_region_unavailable_total", &[])
+        .unwrap();
+    assert!(metric >= 20.0, "region_unavailable: {metric}");
+}
+
+#[tokio::test(flavor = "current_thread")]
+async fn a_retried_request_id_is_answered_once_and_never_double_counted() {
+    let cluster = Cluster::start_with(NET, 2, 2_000, true);
+    // Speak to the region as edge 2 would, with edge 2's certificate.
+    let certs = cluster.certs();
+    let endpoint = quic_client(
+        &certs.join("ca.pem"),
+        Some((&certs.join("node-2.pem"), &certs.join("node-2.key"))),
+    );
+    let connection = endpoint
+        .connect(cluster.nodes[0].gossip_addr(), "node-1.tally")
+        .unwrap()
+        .await
+        .unwrap();
+    let edge = cluster.nodes[1].client().await;
+    let window = edge.get("quota", "dup").await.unwrap().window;
+    let check = ExactCheck {
+        id: RequestId {
+            node: 2,
+            generation: 77,
+            seq: 1,
+        },
+        rule: "quota".into(),
+        subject: "dup".into(),
+        window_index: window,
+        window_secs: 3_600,
+        cost: 5,
+    };
+    let mut answers = Vec::new();
+    for _ in 0..3 {
+        let (mut send, mut receive) = connection.open_bi().await.unwrap();
+        send.write_all(&encode(&check)).await.unwrap();
+        send.finish().unwrap();
+        let bytes = receive.read_to_end(4_096).await.unwrap();
+        answers.push(decode::<ExactAnswer>(&bytes).unwrap());
+    }
+    let first = ExactAnswer::Decided(Outcome {
+        allowed: true,
+        count: 5,
+    });
+    assert_eq!(answers, vec![first.clone(), first.clone(), first]);
+    assert_eq!(region_count(&edge, "dup").await, 5);
+}
