@@ -1,6 +1,8 @@
 //! `tally`: the command-line tool. Makes cluster certificates, talks to a sidecar
-//! (`get`, `incr`, `decr`, `check`, `status`), and runs the daemon (`tally daemon`, the
-//! same as `tallyd`).
+//! (`get`, `incr`, `decr`, `check`, `status`), runs the daemon (`tally daemon`, the same
+//! as `tallyd`), and runs the demo (`tally demo`).
+
+mod demo;
 
 use anyhow::Context;
 use clap::{Parser, Subcommand};
@@ -53,6 +55,8 @@ enum Command {
     },
     /// Run a node (the same as `tallyd`).
     Daemon(DaemonArgs),
+    /// Start a region and edge nodes on loopback, drive a workload, and check the promises.
+    Demo(demo::DemoArgs),
 }
 
 #[derive(Debug, clap::Args)]
@@ -96,6 +100,7 @@ fn main() -> anyhow::Result<()> {
             Ok(())
         }
         Command::Daemon(args) => Ok(tally_node::cli::run(&args)?),
+        Command::Demo(args) => demo::run(&args),
         command => client_command(command),
     }
 }
@@ -110,7 +115,9 @@ fn client_command(command: Command) -> anyhow::Result<()> {
             Command::Incr(count) | Command::Decr(count) => &count.subject.sidecar,
             Command::Get(subject) | Command::Check { subject, .. } => &subject.sidecar,
             Command::Status { sidecar } => sidecar,
-            Command::Certs { .. } | Command::Daemon(_) => unreachable!("handled in main"),
+            Command::Certs { .. } | Command::Daemon(_) | Command::Demo(_) => {
+                unreachable!("handled in main")
+            }
         };
         let options = Options::default().with_timeout(Duration::from_millis(sidecar.timeout_ms));
         let client = Client::connect(sidecar.endpoint.clone(), options).await?;
@@ -134,7 +141,9 @@ fn client_command(command: Command) -> anyhow::Result<()> {
                 println!("{:?}", client.check(&s.rule, &s.subject, cost).await?);
             }
             Command::Status { .. } => println!("{:?}", client.status().await?),
-            Command::Certs { .. } | Command::Daemon(_) => unreachable!("handled in main"),
+            Command::Certs { .. } | Command::Daemon(_) | Command::Demo(_) => {
+                unreachable!("handled in main")
+            }
         }
         anyhow::Ok(())
     })

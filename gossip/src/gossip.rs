@@ -242,6 +242,11 @@ impl Gossip {
     }
 
     fn handle_leave(&mut self) {
+        // Own lanes still waiting for their push batch go first: a node that leaves
+        // gracefully hands every write it acknowledged to its peers.
+        if self.map.watermark(self.config.replica).version > self.pushed_through {
+            self.push();
+        }
         self.members.leave();
         let announce = Message::Members {
             members: self.members.entries(),
@@ -560,6 +565,46 @@ mod tests {
             from: NodeId(2),
             frame,
         });
+    }
+
+    #[test]
+    fn leaving_pushes_the_lanes_still_waiting_for_their_batch() {
+        let mut gossip = node(1);
+        // Node 2 announces itself and becomes a live peer.
+        let announce = Message::Members {
+            members: vec![MemberEntry {
+                node: NodeId(2),
+                generation: Generation(1),
+                addr: "n2".into(),
+                left: false,
+            }],
+        };
+        receive_from_node_2(&mut gossip, wire::encode(node(2).replica(), &announce));
+        let key = Key::new(
+            Rule::new("r").unwrap(),
+            Subject::new("mine").unwrap(),
+            Window::containing(WALL / 1_000, 60).unwrap(),
+        );
+        gossip.handle_input(Input::LocalLanes {
+            now: now(2),
+            lanes: vec![(key, Lane::new(7, 0))],
+        });
+        gossip.handle_input(Input::Leave);
+        let mut pushed = 0;
+        loop {
+            match gossip.poll_output() {
+                Output::Send { frame, .. } => {
+                    if let Message::Push { lanes, .. } =
+                        wire::decode(&frame, 1 << 20).unwrap().message
+                    {
+                        pushed += lanes.lanes.len();
+                    }
+                }
+                Output::Event(_) => {}
+                Output::Timeout(_) => break,
+            }
+        }
+        assert_eq!(pushed, 1, "the unpushed lane went out before the goodbye");
     }
 
     #[test]

@@ -196,6 +196,7 @@ pub async fn run(config: Config, shutdown: impl Future<Output = ()>) -> Result<(
         metrics: metrics.clone(),
         replica,
         forwarder,
+        closing: std::sync::atomic::AtomicBool::new(false),
     });
     let endpoints = Arc::new(Endpoints {
         replica,
@@ -207,7 +208,7 @@ pub async fn run(config: Config, shutdown: impl Future<Output = ()>) -> Result<(
         region: region_stats,
     });
     let client_task = tokio::spawn(listener::serve(
-        service,
+        service.clone(),
         tcp,
         unix,
         config.client_connections_max,
@@ -224,6 +225,10 @@ pub async fn run(config: Config, shutdown: impl Future<Output = ()>) -> Result<(
     let result = tokio::select! {
         result = &mut driver_task => result,
         () = &mut shutdown => {
+            // Stop answering first, so the driver's last push carries every acknowledged
+            // write; then leave.
+            service.closing.store(true, std::sync::atomic::Ordering::Relaxed);
+            client_task.abort();
             let _ = stop.send(true);
             driver_task.await
         }

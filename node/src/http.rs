@@ -40,7 +40,12 @@ pub struct Endpoints {
 
 /// Serves `/metrics` and `/status` on `listener` until the node stops.
 pub async fn serve(endpoints: Arc<Endpoints>, listener: TcpListener) {
-    while let Ok((mut stream, _)) = listener.accept().await {
+    loop {
+        let Ok((mut stream, _)) = listener.accept().await else {
+            // Out of file descriptors, say: wait for the cause to pass, keep serving.
+            tokio::time::sleep(Duration::from_millis(10)).await;
+            continue;
+        };
         let endpoints = endpoints.clone();
         tokio::spawn(async move {
             let mut head = Vec::new();

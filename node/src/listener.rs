@@ -26,6 +26,9 @@ use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 use tokio::net::{TcpListener, UnixListener};
 use tokio::sync::{mpsc, Semaphore};
 
+/// The exit status of a node whose lane log failed.
+pub const EXIT_LOG_FAILED: i32 = 74;
+
 /// Everything a request needs; shared by every connection.
 pub struct Service {
     /// The lane store.
@@ -42,6 +45,9 @@ pub struct Service {
     pub replica: ReplicaId,
     /// Where exact checks go, if this node has a region.
     pub forwarder: Option<Forwarder>,
+    /// Set when the node is stopping: connections close before answering anything more,
+    /// so every write acknowledged is in the lanes the gossip task pushes last.
+    pub closing: std::sync::atomic::AtomicBool,
 }
 
 /// A request's answer: ready now, or an exact check to forward first.
@@ -183,7 +189,9 @@ impl Service {
         answer: impl FnOnce(&mut Context<'_>) -> Vec<(Response, bool)>,
     ) -> Vec<Response> {
         let now = clock::wall();
-        let view = self.view.lock().clone();
+        // Held for the batch: synchronous code on the node's one thread, so the gossip task
+        // cannot be waiting for it meanwhile.
+        let view = self.view.lock();
         let mut log = self
             .log
             .as_ref()
@@ -194,18 +202,17 @@ impl Service {
             now,
             log: log.as_deref_mut(),
         };
-        let mut responses = answer(&mut context);
+        let responses = answer(&mut context);
         if let Some(log) = log.as_deref_mut() {
             if let Err(err) = log.flush() {
-                for (response, wrote) in &mut responses {
-                    if *wrote && response.result.is_ok() {
-                        self.metrics.storage_errors.fetch_add(1, Ordering::Relaxed);
-                        response.result = Err(Refusal::Storage {
-                            why: err.to_string(),
-                        });
-                    }
-                }
-            } else if let Err(err) = log.compact_if_large(&self.store) {
+                // The batch's writes are in the lane store but not in the log, and lanes
+                // cannot be taken back. Stopping here, before this thread can run the
+                // gossip task, means no peer ever sees them and no client is told they
+                // counted; the restart takes a new generation and republishes the log.
+                eprintln!("tallyd: {err}; stopping: writes cannot be made durable");
+                std::process::exit(EXIT_LOG_FAILED);
+            }
+            if let Err(err) = log.compact_if_large(&self.store) {
                 // The log is still whole; only its rewrite failed. The next batch retries.
                 eprintln!("tallyd: {err}");
             }
@@ -287,16 +294,34 @@ pub async fn serve(
     if let Some(unix) = unix {
         let (service, permits) = (service.clone(), permits.clone());
         tokio::spawn(async move {
-            while let Ok((stream, _)) = unix.accept().await {
-                spawn_connection(&service, &permits, stream);
+            loop {
+                match unix.accept().await {
+                    Ok((stream, _)) => spawn_connection(&service, &permits, stream),
+                    Err(_) => accept_failed(&service).await,
+                }
             }
         });
     }
-    while let Ok((stream, _)) = tcp.accept().await {
-        // Requests are small and pipelined; Nagle's delay would only hold answers back.
-        let _ = stream.set_nodelay(true);
-        spawn_connection(&service, &permits, stream);
+    loop {
+        match tcp.accept().await {
+            Ok((stream, _)) => {
+                // Requests are small and pipelined; Nagle's delay would only hold answers.
+                let _ = stream.set_nodelay(true);
+                spawn_connection(&service, &permits, stream);
+            }
+            Err(_) => accept_failed(&service).await,
+        }
     }
+}
+
+/// An accept failed (out of file descriptors, say): count it and wait a moment, so the
+/// listener keeps going once the cause passes instead of spinning or stopping.
+async fn accept_failed(service: &Service) {
+    service
+        .metrics
+        .client_connections_refused
+        .fetch_add(1, Ordering::Relaxed);
+    tokio::time::sleep(std::time::Duration::from_millis(10)).await;
 }
 
 fn spawn_connection<S>(service: &Arc<Service>, permits: &Arc<Semaphore>, stream: S)
@@ -355,6 +380,10 @@ async fn serve_connection<S: AsyncRead + AsyncWrite + Unpin>(
             }
             Ok(read) => read,
         };
+        if service.closing.load(Ordering::Relaxed) {
+            // Nothing read now is answered: the client sees the connection close.
+            return;
+        }
         input.extend_from_slice(&chunk[..read]);
         let (requests, consumed, bad) = split_frames(&input);
         input.drain(..consumed);
@@ -446,6 +475,7 @@ mod tests {
             metrics: Arc::new(Metrics::default()),
             replica,
             forwarder: None,
+            closing: std::sync::atomic::AtomicBool::new(false),
         }
     }
 

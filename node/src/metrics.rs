@@ -32,8 +32,6 @@ pub struct Metrics {
     pub client_connections_refused: AtomicU64,
     /// Requests answered, refusals included.
     pub client_requests: AtomicU64,
-    /// Writes refused because the lane log failed.
-    pub storage_errors: AtomicU64,
 }
 
 impl Metrics {
@@ -189,11 +187,6 @@ pub fn render(sources: &Sources<'_>) -> String {
             "client_requests",
             "Client requests answered",
             load(&metrics.client_requests),
-        ),
-        (
-            "storage_errors",
-            "Writes refused because the lane log failed",
-            load(&metrics.storage_errors),
         ),
     ];
     for (name, help, value) in pairs {

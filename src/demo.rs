@@ -1,0 +1,469 @@
+//! `tally demo`: a region and a few edge nodes on loopback, a workload, a live table, and
+//! the promises checked at the end.
+//!
+//! The demo starts every node as a child process of this binary (`tally daemon`), with
+//! certificates and configs in a temporary directory, and stops them all when it ends,
+//! however it ends. Its workload, per edge:
+//!
+//! - counts on many subjects (`req`, approximate, no practical limit);
+//! - one hot subject checked against `api` (approximate, limit reached halfway), spread
+//!   over every edge at a fixed total rate;
+//! - exact checks against `quota`, forwarded to the region.
+//!
+//! It keeps its own ledger of what was acknowledged, so it can print each node's estimate
+//! against the true total, and at the end the measured staleness against the documented
+//! window and the measured overshoot against the bound the decisions reported.
+
+use anyhow::{bail, Context};
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+use tally_client::{Client, Decision, Endpoint, Mode, Options};
+use tally_crdt::NodeId;
+use tally_node::clock::Clock;
+
+/// `tally demo`'s flags.
+#[derive(Debug, clap::Args)]
+pub struct DemoArgs {
+    /// Edge nodes to start (the region node comes on top).
+    #[arg(long, default_value_t = 4)]
+    edges: u64,
+    /// How long to drive the workload, in seconds.
+    #[arg(long, default_value_t = 20)]
+    duration: u64,
+    /// Total requests a second over all edges (counts, checks and exact checks).
+    #[arg(long, default_value_t = 2_000)]
+    rate: u64,
+}
+
+/// The push interval the demo's nodes run with, and the documented staleness window for a
+/// write on loopback: one push interval, the collection tick, and up to two RTTs of
+/// scheduling on a busy machine (docs/protocol.md, "The staleness window W").
+const PUSH_INTERVAL_MS: u64 = 5;
+const STALENESS_WINDOW_MS: u64 = 20;
+const REGION: u64 = 1;
+
+pub fn run(args: &DemoArgs) -> anyhow::Result<()> {
+    if args.edges == 0 || args.duration == 0 || args.rate < 10 {
+        bail!("demo: --edges and --duration must be at least 1, --rate at least 10");
+    }
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .context("tokio runtime")?;
+    let dir = std::env::temp_dir().join(format!("tally-demo-{}", std::process::id()));
+    let mut cluster = DemoCluster {
+        dir: dir.clone(),
+        children: Vec::new(),
+    };
+    let result = runtime.block_on(demo(args, &mut cluster));
+    drop(cluster);
+    result
+}
+
+/// The nodes the demo started; dropping it stops them and removes the directory.
+struct DemoCluster {
+    dir: PathBuf,
+    children: Vec<(u64, Child)>,
+}
+
+impl Drop for DemoCluster {
+    fn drop(&mut self) {
+        for (_, child) in &mut self.children {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+struct Ports;
+
+impl Ports {
+    fn gossip(id: u64) -> String {
+        format!("127.0.0.1:{}", 27_000 + id)
+    }
+    fn client(id: u64) -> String {
+        format!("127.0.0.1:{}", 27_100 + id)
+    }
+    fn http(id: u64) -> String {
+        format!("127.0.0.1:{}", 27_200 + id)
+    }
+}
+
+fn rules(hot_limit: u64, quota_limit: u64) -> String {
+    format!(
+        "[[rules]]\nname = \"req\"\nlimit = 1000000000000\nwindow_secs = 3600\n\n\
+         [[rules]]\nname = \"api\"\nlimit = {hot_limit}\nwindow_secs = 3600\nstale_after_ms = 1500\nslack = 5\n\n\
+         [[rules]]\nname = \"quota\"\nlimit = {quota_limit}\nwindow_secs = 3600\nmode = \"exact\"\nregion_timeout_ms = 500\n"
+    )
+}
+
+fn write_configs(dir: &Path, nodes: &[u64], rules: &str) -> anyhow::Result<()> {
+    let certs = dir.join("certs");
+    for &id in nodes {
+        let seeds: Vec<String> = nodes
+            .iter()
+            .filter(|&&other| other != id)
+            .map(|&other| format!("{{ node = {other}, addr = \"{}\" }}", Ports::gossip(other)))
+            .collect();
+        let role = if id == REGION {
+            "role = \"region\"\n".to_owned()
+        } else {
+            format!(
+                "region = {{ node = {REGION}, addr = \"{}\" }}\n",
+                Ports::gossip(REGION)
+            )
+        };
+        let config = format!(
+            "node_id = {id}\n{role}listen_gossip = \"{}\"\nlisten_client = \"{}\"\nlisten_http = \"{}\"\n\
+             data_dir = \"{}\"\ngossip_interval_ms = 200\npush_interval_ms = {PUSH_INTERVAL_MS}\n\
+             seeds = [{}]\ntls = {{ ca = \"{}\", cert = \"{}\", key = \"{}\" }}\n\n{rules}",
+            Ports::gossip(id),
+            Ports::client(id),
+            Ports::http(id),
+            dir.join(format!("data-{id}")).display(),
+            seeds.join(", "),
+            certs.join("ca.pem").display(),
+            certs.join(format!("node-{id}.pem")).display(),
+            certs.join(format!("node-{id}.key")).display(),
+        );
+        std::fs::write(dir.join(format!("node-{id}.toml")), config)?;
+    }
+    Ok(())
+}
+
+/// What the workload saw, per edge.
+#[derive(Debug, Default)]
+struct Seen {
+    /// Decisions of `api` on the hot subject, by mode, and how many were admitted.
+    modes: BTreeMap<&'static str, u64>,
+    hot_allowed: u64,
+    hot_max_bound: f64,
+    /// The staleness every decision reported, in milliseconds.
+    staleness_ms: Vec<u64>,
+    /// Exact checks: client-observed latency in microseconds, and errors.
+    exact_us: Vec<u64>,
+    exact_errors: u64,
+    /// Acknowledged counts on `req`.
+    req_acked: u64,
+}
+
+async fn demo(args: &DemoArgs, cluster: &mut DemoCluster) -> anyhow::Result<()> {
+    let edges: Vec<u64> = (2..2 + args.edges).collect();
+    let nodes: Vec<u64> = std::iter::once(REGION)
+        .chain(edges.iter().copied())
+        .collect();
+    // A quarter of the rate goes to the hot subject; its limit is reached halfway.
+    let hot_rate = (args.rate / 4).max(1);
+    let hot_limit = hot_rate * args.duration / 2;
+    let exact_rate = (args.rate / 10).max(1);
+    let quota_limit = exact_rate * args.duration / 2;
+
+    println!(
+        "tally demo: 1 region + {} edges on loopback, {} s at {} requests/s",
+        args.edges, args.duration, args.rate
+    );
+    std::fs::create_dir_all(&cluster.dir)?;
+    print!("  certificates (cluster CA + {} nodes) ...", nodes.len());
+    let ids: Vec<NodeId> = nodes.iter().map(|&id| NodeId(id)).collect();
+    tally_node::certs::write_cluster(&cluster.dir.join("certs"), &ids)?;
+    write_configs(&cluster.dir, &nodes, &rules(hot_limit, quota_limit))?;
+    println!(" done");
+    let exe = std::env::current_exe().context("the demo's own binary")?;
+    for &id in &nodes {
+        let log = std::fs::File::create(cluster.dir.join(format!("node-{id}.log")))?;
+        let child = Command::new(&exe)
+            .arg("daemon")
+            .arg("--config")
+            .arg(cluster.dir.join(format!("node-{id}.toml")))
+            .stdout(log.try_clone()?)
+            .stderr(log)
+            .stdin(Stdio::null())
+            .spawn()
+            .with_context(|| format!("starting node {id}"))?;
+        cluster.children.push((id, child));
+        let role = if id == REGION { "region" } else { "edge" };
+        println!("  started node {id} ({role}): client {}", Ports::client(id));
+    }
+    print!("  waiting for every node to see the others ...");
+    let clients = connect_all(&nodes).await?;
+    wait_for_members(&nodes, nodes.len() - 1).await?;
+    println!(" done\n");
+
+    let truth_hot = Arc::new(Mutex::new(0u64));
+    let seen: Vec<Arc<Mutex<Seen>>> = edges.iter().map(|_| Arc::default()).collect();
+    let (stop, stopped) = tokio::sync::watch::channel(false);
+    let mut load = tokio::task::JoinSet::new();
+    let per_edge = |rate: u64| Duration::from_secs_f64(edges.len() as f64 / rate as f64);
+    for (e, &id) in edges.iter().enumerate() {
+        let (client, edge_seen) = (clients[&id].clone(), seen[e].clone());
+        let (stopped_hot, truth) = (stopped.clone(), truth_hot.clone());
+        let every = per_edge(hot_rate);
+        load.spawn(async move {
+            let (seen, stopped) = (edge_seen, stopped_hot);
+            let mut tick = tokio::time::interval(every);
+            while !*stopped.borrow() {
+                tick.tick().await;
+                if let Ok(decision) = client.check("api", "hot", 1).await {
+                    let mut seen = seen.lock().expect("demo state");
+                    record(&mut seen, &decision);
+                    if decision.allowed {
+                        seen.hot_allowed += 1;
+                        seen.hot_max_bound = seen.hot_max_bound.max(decision.bound);
+                        *truth.lock().expect("demo state") += 1;
+                    }
+                }
+            }
+        });
+        let (client, edge_seen, edge_stopped) =
+            (clients[&id].clone(), seen[e].clone(), stopped.clone());
+        let every = per_edge(args.rate - hot_rate - exact_rate);
+        load.spawn(async move {
+            let (seen, stopped) = (edge_seen, edge_stopped);
+            let mut tick = tokio::time::interval(every);
+            let mut i = id;
+            while !*stopped.borrow() {
+                tick.tick().await;
+                i = i.wrapping_mul(6_364_136_223_846_793_005).wrapping_add(1);
+                let subject = format!("user-{}", (i >> 33) % 1_000);
+                if client.incr("req", &subject, 1).await.is_ok() {
+                    seen.lock().expect("demo state").req_acked += 1;
+                }
+            }
+        });
+        let (client, edge_seen, edge_stopped) =
+            (clients[&id].clone(), seen[e].clone(), stopped.clone());
+        let every = per_edge(exact_rate);
+        let clock = Clock::start();
+        load.spawn(async move {
+            let (seen, stopped) = (edge_seen, edge_stopped);
+            let mut tick = tokio::time::interval(every);
+            let mut n = 0u64;
+            while !*stopped.borrow() {
+                tick.tick().await;
+                n += 1;
+                let started = clock.mono();
+                let result = client.check("quota", &format!("acct-{}", n % 8), 1).await;
+                let micros = (clock.mono() - started).as_micros() as u64;
+                let mut seen = seen.lock().expect("demo state");
+                match result {
+                    Ok(decision) if decision.mode == Mode::Exact => seen.exact_us.push(micros),
+                    _ => seen.exact_errors += 1,
+                }
+            }
+        });
+    }
+
+    println!(
+        "{:>4} {:>6} {:>12} {:>12} {:>9} {:>9} {:>11} {:>10} {:>9}",
+        "t(s)",
+        "node",
+        "hot estimate",
+        "hot truth",
+        "stale p50",
+        "stale p99",
+        "connected",
+        "isolated",
+        "exact"
+    );
+    for second in 1..=args.duration {
+        tokio::time::sleep(Duration::from_secs(1)).await;
+        let truth = *truth_hot.lock().expect("demo state");
+        for (e, &id) in edges.iter().enumerate() {
+            let estimate = clients[&id]
+                .get("api", "hot")
+                .await
+                .map(|g| g.estimate)
+                .unwrap_or(-1);
+            let seen = seen[e].lock().expect("demo state");
+            let (p50, p99) = percentiles(&seen.staleness_ms);
+            println!(
+                "{second:>4} {id:>6} {estimate:>12} {truth:>12} {p50:>7}ms {p99:>7}ms {:>11} {:>10} {:>9}",
+                seen.modes.get("approximate-connected").unwrap_or(&0),
+                seen.modes.get("approximate-isolated").unwrap_or(&0),
+                seen.exact_us.len()
+            );
+        }
+        let region = clients[&REGION]
+            .get("api", "hot")
+            .await
+            .map(|g| g.estimate)
+            .unwrap_or(-1);
+        println!(
+            "{second:>4} {:>6} {region:>12} {truth:>12}   (region)",
+            REGION
+        );
+    }
+    stop.send(true).ok();
+    while load.join_next().await.is_some() {}
+
+    // Let the last pushes land, then compare every node with the truth.
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let truth = *truth_hot.lock().expect("demo state");
+    let req_truth: u64 = seen
+        .iter()
+        .map(|s| s.lock().expect("demo state").req_acked)
+        .sum();
+    let mut converged = true;
+    for &id in &nodes {
+        let hot = clients[&id].get("api", "hot").await?.estimate;
+        converged &= hot == i128::from(truth);
+    }
+
+    let all: Vec<_> = seen.iter().map(|s| s.lock().expect("demo state")).collect();
+    let staleness: Vec<u64> = all
+        .iter()
+        .flat_map(|s| s.staleness_ms.iter().copied())
+        .collect();
+    let (stale_p50, stale_p99) = percentiles(&staleness);
+    let propagation = propagation_p99_ms(&nodes).await;
+    let exact: Vec<u64> = all
+        .iter()
+        .flat_map(|s| s.exact_us.iter().copied())
+        .collect();
+    let (exact_p50, exact_p99) = percentiles(&exact);
+    let exact_errors: u64 = all.iter().map(|s| s.exact_errors).sum();
+    let allowed: u64 = all.iter().map(|s| s.hot_allowed).sum();
+    let bound = all.iter().map(|s| s.hot_max_bound).fold(0.0, f64::max);
+    let overshoot = allowed.saturating_sub(hot_limit);
+
+    println!("\nsummary");
+    println!("  converged: every node's hot estimate = {truth} admitted: {converged}; {req_truth} counts acknowledged on `req`");
+    println!(
+        "  staleness of writes (propagation delay, all nodes): p99 <= {propagation} ms, documented window {STALENESS_WINDOW_MS} ms"
+    );
+    println!("  staleness decisions reported (stalest live member): p50 {stale_p50} ms, p99 {stale_p99} ms");
+    println!(
+        "  overshoot on `api`: admitted {allowed} of limit {hot_limit}: overshoot {overshoot}, largest bound reported {bound:.1}"
+    );
+    println!(
+        "  exact path (edge -> region -> fsync -> edge): p50 {:.2} ms, p99 {:.2} ms over {} checks, {exact_errors} errors",
+        exact_p50 as f64 / 1_000.0,
+        exact_p99 as f64 / 1_000.0,
+        exact.len()
+    );
+    let mut failed = Vec::new();
+    if !converged {
+        failed.push("estimates did not converge to the truth");
+    }
+    if propagation > STALENESS_WINDOW_MS {
+        failed.push("p99 staleness exceeded the documented window");
+    }
+    if overshoot as f64 > bound {
+        failed.push("overshoot exceeded the reported bound");
+    }
+    if failed.is_empty() {
+        println!("  every promise held");
+        Ok(())
+    } else {
+        bail!("demo: {}", failed.join("; "))
+    }
+}
+
+fn record(seen: &mut Seen, decision: &Decision) {
+    *seen.modes.entry(decision.mode.as_str()).or_default() += 1;
+    seen.staleness_ms.push(decision.staleness_ms);
+}
+
+/// The 50th and 99th percentiles of `samples` (0 when empty).
+fn percentiles(samples: &[u64]) -> (u64, u64) {
+    if samples.is_empty() {
+        return (0, 0);
+    }
+    let mut sorted = samples.to_vec();
+    sorted.sort_unstable();
+    let at = |q: f64| sorted[((sorted.len() - 1) as f64 * q).round() as usize];
+    (at(0.50), at(0.99))
+}
+
+async fn connect_all(nodes: &[u64]) -> anyhow::Result<BTreeMap<u64, Client>> {
+    let mut clients = BTreeMap::new();
+    for &id in nodes {
+        let endpoint: Endpoint = Ports::client(id).parse()?;
+        let mut last = None;
+        for _ in 0..100 {
+            match Client::connect(endpoint.clone(), Options::default()).await {
+                Ok(client) => {
+                    last = None;
+                    clients.insert(id, client);
+                    break;
+                }
+                Err(err) => {
+                    last = Some(err);
+                    tokio::time::sleep(Duration::from_millis(100)).await;
+                }
+            }
+        }
+        if let Some(err) = last {
+            bail!("node {id} never listened: {err}");
+        }
+    }
+    Ok(clients)
+}
+
+async fn wait_for_members(nodes: &[u64], others: usize) -> anyhow::Result<()> {
+    for _ in 0..200 {
+        let mut all = true;
+        for &id in nodes {
+            let status = http_get(&Ports::http(id), "/status")
+                .await
+                .unwrap_or_default();
+            all &= status.matches("\"state\":\"alive\"").count() == others;
+        }
+        if all {
+            return Ok(());
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    bail!("the nodes did not all see each other within 20 s")
+}
+
+/// The p99 of the propagation delay over every node's histogram: the upper bound of the
+/// bucket the 99th percentile falls in, in milliseconds.
+async fn propagation_p99_ms(nodes: &[u64]) -> u64 {
+    let mut buckets: BTreeMap<u64, f64> = BTreeMap::new();
+    let mut count = 0.0;
+    for &id in nodes {
+        let text = http_get(&Ports::http(id), "/metrics")
+            .await
+            .unwrap_or_default();
+        for line in text.lines() {
+            if let Some(rest) = line.strip_prefix("tally_propagation_delay_seconds_bucket{le=\"") {
+                let Some((le, value)) = rest.split_once("\"} ") else {
+                    continue;
+                };
+                let value: f64 = value.trim().parse().unwrap_or(0.0);
+                let le_ms = if le == "+Inf" {
+                    u64::MAX
+                } else {
+                    (le.parse::<f64>().unwrap_or(0.0) * 1_000.0).round() as u64
+                };
+                *buckets.entry(le_ms).or_default() += value;
+            } else if let Some(value) = line.strip_prefix("tally_propagation_delay_seconds_count ")
+            {
+                count += value.trim().parse::<f64>().unwrap_or(0.0);
+            }
+        }
+    }
+    buckets
+        .iter()
+        .find(|(_, cumulative)| **cumulative >= count * 0.99)
+        .map_or(0, |(le, _)| *le)
+}
+
+async fn http_get(addr: &str, path: &str) -> Option<String> {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut stream = tokio::net::TcpStream::connect(addr).await.ok()?;
+    stream
+        .write_all(format!("GET {path} HTTP/1.1\r\nhost: demo\r\n\r\n").as_bytes())
+        .await
+        .ok()?;
+    let mut response = String::new();
+    stream.read_to_string(&mut response).await.ok()?;
+    response
+        .split_once("\r\n\r\n")
+        .map(|(_, body)| body.to_owned())
+}
