@@ -13,7 +13,7 @@
 
 mod cluster;
 
-use cluster::Cluster;
+use cluster::{paced_checks, Cluster};
 use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -373,54 +373,3 @@ async fn approximate_overshoot_stays_within_the_reported_bound_connected_and_iso
     assert_eq!(outcome.allowed, 3 * (2_000 / 4 + 10));
 }
 
-#[derive(Debug)]
-struct Outcome {
-    allowed: i128,
-    max_bound: f64,
-    modes: Vec<tally_client::Mode>,
-}
-
-/// Checks of `subject` under `api` on each of `nodes`, `per_sec` a second each, for
-/// `duration`.
-async fn paced_checks(
-    cluster: &Cluster,
-    nodes: &[u64],
-    subject: &str,
-    per_sec: u64,
-    duration: Duration,
-) -> Outcome {
-    let mut tasks = tokio::task::JoinSet::new();
-    let checks = per_sec * duration.as_millis() as u64 / 1_000;
-    for &id in nodes {
-        let (client, subject) = (
-            cluster.nodes[id as usize - 1].client().await,
-            subject.to_owned(),
-        );
-        tasks.spawn(async move {
-            let mut pace = tokio::time::interval(Duration::from_secs(1) / per_sec as u32);
-            let mut decisions = Vec::new();
-            for _ in 0..checks {
-                pace.tick().await;
-                decisions.push(client.check("api", &subject, 1).await.unwrap());
-            }
-            decisions
-        });
-    }
-    let mut outcome = Outcome {
-        allowed: 0,
-        max_bound: 0.0,
-        modes: Vec::new(),
-    };
-    while let Some(joined) = tasks.join_next().await {
-        for decision in joined.unwrap() {
-            if decision.allowed {
-                outcome.allowed += 1;
-                outcome.max_bound = outcome.max_bound.max(decision.bound);
-            }
-            if !outcome.modes.contains(&decision.mode) {
-                outcome.modes.push(decision.mode);
-            }
-        }
-    }
-    outcome
-}

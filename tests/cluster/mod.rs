@@ -327,6 +327,63 @@ pub async fn eventually(limit: Duration, what: &str, mut ready: impl FnMut() -> 
     }
 }
 
+
+/// What a run of checks saw.
+#[derive(Debug)]
+pub struct Outcome {
+    /// Checks admitted.
+    pub allowed: i128,
+    /// The largest bound an admitted check reported.
+    pub max_bound: f64,
+    /// The modes that answered.
+    pub modes: Vec<tally_client::Mode>,
+}
+
+/// Checks of `subject` under `api` on each of `nodes`, `per_sec` a second each, for
+/// `duration`.
+pub async fn paced_checks(
+    cluster: &Cluster,
+    nodes: &[u64],
+    subject: &str,
+    per_sec: u64,
+    duration: Duration,
+) -> Outcome {
+    let mut tasks = tokio::task::JoinSet::new();
+    let checks = per_sec * duration.as_millis() as u64 / 1_000;
+    for &id in nodes {
+        let (client, subject) = (
+            cluster.nodes[id as usize - 1].client().await,
+            subject.to_owned(),
+        );
+        tasks.spawn(async move {
+            let mut pace = tokio::time::interval(Duration::from_secs(1) / per_sec as u32);
+            let mut decisions = Vec::new();
+            for _ in 0..checks {
+                pace.tick().await;
+                decisions.push(client.check("api", &subject, 1).await.unwrap());
+            }
+            decisions
+        });
+    }
+    let mut outcome = Outcome {
+        allowed: 0,
+        max_bound: 0.0,
+        modes: Vec::new(),
+    };
+    while let Some(joined) = tasks.join_next().await {
+        for decision in joined.unwrap() {
+            if decision.allowed {
+                outcome.allowed += 1;
+                outcome.max_bound = outcome.max_bound.max(decision.bound);
+            }
+            if !outcome.modes.contains(&decision.mode) {
+                outcome.modes.push(decision.mode);
+            }
+        }
+    }
+    outcome
+}
+
 /// A QUIC client trusting `ca`, presenting `cert` (certificate and key PEM paths) if any:
 /// a hand-built peer for the tests of what a node accepts.
 pub fn quic_client(ca: &Path, cert: Option<(&Path, &Path)>) -> quinn::Endpoint {

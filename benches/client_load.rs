@@ -1,0 +1,346 @@
+//! A load generator for one `tallyd`'s client port, shaped like `redis-benchmark -t incr`,
+//! for the side-by-side with Redis in `BENCHMARKS.md` (run by `benches/client_vs_redis.sh`).
+//!
+//! ```text
+//! cargo bench --bench client_load -- --endpoint 127.0.0.1:7100 --connections 50 \
+//!     --pipeline 16 --requests 2000000
+//! ```
+//!
+//! It opens `--connections` C connections (one [`Client`] each) and keeps `--pipeline` P
+//! requests in flight on each: P tasks per connection, each looping `incr(rule, subject, 1)`
+//! and waiting for its answer before sending the next, so a connection carries at most P
+//! requests at a time, pipelined by the client's writer. `redis-benchmark -t incr` sends
+//! `INCR counter:__rand_int__`, which without `-r` is one key for every request; the
+//! default here is the same, one subject (`counter`) under the rule `bench`. `--keys K`
+//! spreads the requests over the subjects `key-0`..`key-<K-1>` instead.
+//!
+//! First a warm-up of `--requests / 10` requests, not recorded; then `--requests` N
+//! requests, each timed from just before `incr` is called to just after its answer is
+//! back, so a request's latency includes its wait in the client's queue and for the
+//! runtime to poll its task. (redis-benchmark times a pipelined batch from the start of
+//! its write to the first bytes of its first reply, and records that for all P replies: at
+//! P = 1 the same round trip, at P > 1 shorter than the last reply's wait.) Throughput is
+//! N over the wall time of the measured phase, from spawning its tasks to the last answer.
+//! One line goes to stdout:
+//!
+//! ```text
+//! tally connections=C pipeline=P requests=N ops_per_sec=X p50_us=Y p99_us=Z
+//! ```
+//!
+//! Everything runs on one current-thread tokio runtime (as redis-benchmark is one thread),
+//! in its own process; the server is another process on the same machine.
+//!
+//! `--raw` leaves `tally-client` out, to tell the sidecar's cost from the client's: one
+//! thread, blocking sockets, and requests encoded once up front with `tally_client::wire`.
+//! Each round writes P request frames to every connection, then reads and decodes the P
+//! answers from each (any refusal fails the run); a request's latency runs from the start
+//! of its round's writes to the moment its answer is decoded. The line then ends in
+//! `client=raw`. Like redis-benchmark, it formats its commands once and makes no objects
+//! per request; unlike it, it works in rounds on blocking sockets, not in an event loop.
+
+use std::io::{Read, Write};
+use std::net::TcpStream;
+use std::process::ExitCode;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use tally_client::wire::{self, Op, Request, Response};
+use tally_client::{Client, Endpoint, Options};
+use tokio::task::JoinSet;
+
+/// What the command line asks for.
+#[derive(Debug, Clone)]
+struct Args {
+    endpoint: Endpoint,
+    connections: usize,
+    pipeline: usize,
+    requests: u64,
+    rule: String,
+    /// 1: every request counts the one subject `counter`; more: `key-<i % keys>`.
+    keys: u64,
+    /// Drive the sidecar with pre-encoded frames on blocking sockets, not `tally-client`.
+    raw: bool,
+}
+
+const USAGE: &str = "usage: client_load [--endpoint 127.0.0.1:7100] [--connections 1] \
+                     [--pipeline 1] [--requests 100000] [--rule bench] [--keys 1] [--raw]";
+
+fn main() -> ExitCode {
+    let args = match parse_args(std::env::args().skip(1)) {
+        Ok(args) => args,
+        Err(why) => {
+            eprintln!("client_load: {why}\n{USAGE}");
+            return ExitCode::FAILURE;
+        }
+    };
+    let report = if args.raw {
+        run_raw(&args)
+    } else {
+        match tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+        {
+            Ok(runtime) => runtime.block_on(run(&args)),
+            Err(err) => Err(format!("tokio runtime: {err}")),
+        }
+    };
+    match report {
+        Ok(report) => {
+            println!(
+                "tally connections={} pipeline={} requests={} ops_per_sec={:.0} p50_us={:.1} \
+                 p99_us={:.1}{}",
+                args.connections,
+                args.pipeline,
+                report.requests,
+                report.ops_per_sec,
+                report.p50_us,
+                report.p99_us,
+                if args.raw { " client=raw" } else { "" }
+            );
+            ExitCode::SUCCESS
+        }
+        Err(why) => {
+            eprintln!("client_load: {why}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+/// What one measured run found.
+struct Report {
+    requests: u64,
+    ops_per_sec: f64,
+    p50_us: f64,
+    p99_us: f64,
+}
+
+/// Connects, warms up, then runs and times the measured requests.
+async fn run(args: &Args) -> Result<Report, String> {
+    // A failed request fails the run; 10 s rather than the default 1 s, so that a stall of
+    // the shared 2-core machine is measured as latency, not reported as an error.
+    let options = Options::default().with_timeout(Duration::from_secs(10));
+    let mut clients = Vec::with_capacity(args.connections);
+    for _ in 0..args.connections {
+        let client = Client::connect(args.endpoint.clone(), options)
+            .await
+            .map_err(|err| format!("connect to {}: {err}", args.endpoint))?;
+        clients.push(client);
+    }
+    let subjects: Arc<[String]> = subjects(args.keys).into();
+
+    let warm_up = (args.requests / 10).max(1);
+    phase(&clients, args, &subjects, warm_up, false).await?;
+
+    let started = now();
+    let latencies_ns = phase(&clients, args, &subjects, args.requests, true).await?;
+    let elapsed = now().duration_since(started);
+
+    assert_eq!(
+        latencies_ns.len() as u64,
+        args.requests,
+        "every measured request records one latency"
+    );
+    Ok(report(latencies_ns, elapsed))
+}
+
+/// The subjects requests cycle through: `counter` alone, as redis-benchmark's one key, or
+/// `key-0`..`key-<keys-1>`.
+fn subjects(keys: u64) -> Vec<String> {
+    if keys == 1 {
+        vec!["counter".to_string()]
+    } else {
+        (0..keys).map(|i| format!("key-{i}")).collect()
+    }
+}
+
+fn report(mut latencies_ns: Vec<u64>, elapsed: Duration) -> Report {
+    latencies_ns.sort_unstable();
+    Report {
+        requests: latencies_ns.len() as u64,
+        ops_per_sec: latencies_ns.len() as f64 / elapsed.as_secs_f64(),
+        p50_us: percentile(&latencies_ns, 0.50) as f64 / 1e3,
+        p99_us: percentile(&latencies_ns, 0.99) as f64 / 1e3,
+    }
+}
+
+/// Runs `requests` increments with P tasks on each connection, all drawing from one shared
+/// count, and returns their latencies in nanoseconds if `record`.
+async fn phase(
+    clients: &[Client],
+    args: &Args,
+    subjects: &Arc<[String]>,
+    requests: u64,
+    record: bool,
+) -> Result<Vec<u64>, String> {
+    let tickets = Arc::new(AtomicU64::new(0));
+    let mut tasks = JoinSet::new();
+    for client in clients {
+        for _ in 0..args.pipeline {
+            let client = client.clone();
+            let tickets = Arc::clone(&tickets);
+            let subjects = Arc::clone(subjects);
+            let rule = args.rule.clone();
+            tasks.spawn(async move {
+                let mut latencies_ns = Vec::new();
+                loop {
+                    let ticket = tickets.fetch_add(1, Ordering::Relaxed);
+                    if ticket >= requests {
+                        return Ok(latencies_ns);
+                    }
+                    let subject = &subjects[(ticket % subjects.len() as u64) as usize];
+                    let sent = now();
+                    client
+                        .incr(&rule, subject, 1)
+                        .await
+                        .map_err(|err| format!("incr {rule}/{subject}: {err}"))?;
+                    if record {
+                        latencies_ns.push(now().duration_since(sent).as_nanos() as u64);
+                    }
+                }
+            });
+        }
+    }
+    let mut all = Vec::with_capacity(if record { requests as usize } else { 0 });
+    while let Some(joined) = tasks.join_next().await {
+        let latencies_ns: Result<Vec<u64>, String> =
+            joined.map_err(|err| format!("load task: {err}"))?;
+        all.extend(latencies_ns?);
+    }
+    Ok(all)
+}
+
+/// `--raw`: rounds of P pre-encoded requests on each of C blocking connections; a warm-up
+/// of a tenth of the rounds, then N / (C x P) rounds (at least one) timed.
+fn run_raw(args: &Args) -> Result<Report, String> {
+    let Endpoint::Tcp(addr) = &args.endpoint else {
+        return Err(format!("--raw: {} is not a TCP endpoint", args.endpoint));
+    };
+    let subjects = subjects(args.keys);
+    let mut connections = Vec::with_capacity(args.connections);
+    for c in 0..args.connections {
+        let stream = TcpStream::connect(addr).map_err(|err| format!("connect to {addr}: {err}"))?;
+        stream
+            .set_nodelay(true)
+            .map_err(|err| format!("set_nodelay: {err}"))?;
+        // Each connection sends the same P frames every round (ids 1..=P: unique among the
+        // requests in flight on it), with its own subjects when there are several.
+        let mut frames = Vec::new();
+        for i in 0..args.pipeline {
+            let ticket = (c * args.pipeline + i) as u64;
+            let op = Op::Incr {
+                rule: args.rule.clone(),
+                subject: subjects[(ticket % subjects.len() as u64) as usize].clone(),
+                amount: 1,
+            };
+            let id = i as u64 + 1;
+            wire::encode_frame(&Request { id, op }, &mut frames);
+        }
+        connections.push((stream, frames));
+    }
+    let per_round = (args.connections * args.pipeline) as u64;
+    let rounds = (args.requests / per_round).max(1);
+    let warm_up = (rounds / 10).max(1);
+    let mut input = Vec::with_capacity(64 * 1024);
+    let mut chunk = vec![0u8; 64 * 1024];
+    let mut latencies_ns = Vec::with_capacity((rounds * per_round) as usize);
+    let mut started = now();
+    for round in 0..warm_up + rounds {
+        if round == warm_up {
+            started = now();
+        }
+        let sent = now();
+        for (stream, frames) in &mut connections {
+            stream
+                .write_all(frames)
+                .map_err(|err| format!("write: {err}"))?;
+        }
+        for (stream, _) in &mut connections {
+            let mut answered = 0;
+            input.clear();
+            while answered < args.pipeline {
+                let read = stream
+                    .read(&mut chunk)
+                    .map_err(|err| format!("read: {err}"))?;
+                if read == 0 {
+                    return Err("the sidecar closed the connection".to_string());
+                }
+                input.extend_from_slice(&chunk[..read]);
+                let mut at = 0;
+                while let Some(prefix) = input.get(at..at + 4) {
+                    let prefix: [u8; 4] = prefix.try_into().expect("invariant: a 4-byte slice");
+                    let len = wire::frame_len(prefix).map_err(|err| format!("answer: {err}"))?;
+                    let Some(body) = input.get(at + 4..at + 4 + len) else {
+                        break;
+                    };
+                    let response: Response =
+                        wire::decode_body(body).map_err(|err| format!("answer: {err}"))?;
+                    if let Err(refusal) = response.result {
+                        return Err(format!("incr refused: {refusal:?}"));
+                    }
+                    if round >= warm_up {
+                        latencies_ns.push(now().duration_since(sent).as_nanos() as u64);
+                    }
+                    answered += 1;
+                    at += 4 + len;
+                }
+                input.drain(..at);
+            }
+        }
+    }
+    let elapsed = now().duration_since(started);
+    Ok(report(latencies_ns, elapsed))
+}
+
+/// The wall clock. The workspace reads time only in `node/src/clock.rs`, so that the core
+/// and the gossip stay deterministic; a benchmark that times a live server must read it.
+#[allow(clippy::disallowed_methods)]
+fn now() -> Instant {
+    Instant::now()
+}
+
+/// The value at fraction `q` of the sorted `values` (nearest rank).
+fn percentile(sorted: &[u64], q: f64) -> u64 {
+    assert!(!sorted.is_empty(), "a percentile of no values");
+    let rank = (q * sorted.len() as f64).ceil() as usize;
+    sorted[rank.clamp(1, sorted.len()) - 1]
+}
+
+/// Parses the flags; `--bench`, which `cargo bench` passes, is ignored.
+fn parse_args(mut argv: impl Iterator<Item = String>) -> Result<Args, String> {
+    let mut args = Args {
+        endpoint: Endpoint::Tcp(([127, 0, 0, 1], 7100).into()),
+        connections: 1,
+        pipeline: 1,
+        requests: 100_000,
+        rule: "bench".to_string(),
+        keys: 1,
+        raw: false,
+    };
+    while let Some(flag) = argv.next() {
+        if flag == "--bench" {
+            continue;
+        }
+        let mut value = || argv.next().ok_or(format!("{flag}: a value is missing"));
+        match flag.as_str() {
+            "--endpoint" => {
+                args.endpoint = value()?.parse().map_err(|err| format!("{err}"))?;
+            }
+            "--connections" => args.connections = positive(&flag, &value()?)? as usize,
+            "--pipeline" => args.pipeline = positive(&flag, &value()?)? as usize,
+            "--requests" => args.requests = positive(&flag, &value()?)?,
+            "--rule" => args.rule = value()?,
+            "--keys" => args.keys = positive(&flag, &value()?)?,
+            "--raw" => args.raw = true,
+            other => return Err(format!("unknown argument {other:?}")),
+        }
+    }
+    Ok(args)
+}
+
+fn positive(flag: &str, text: &str) -> Result<u64, String> {
+    match text.parse::<u64>() {
+        Ok(n) if n > 0 => Ok(n),
+        _ => Err(format!("{flag}: {text:?} is not a positive whole number")),
+    }
+}

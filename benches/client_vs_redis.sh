@@ -1,0 +1,235 @@
+#!/usr/bin/env bash
+# Client to sidecar vs Redis INCR, side by side (issue 4; results in BENCHMARKS.md).
+#
+#   bash benches/client_vs_redis.sh
+#
+# One tallyd (`tally daemon`, no data_dir) and one redis-server (no RDB, no AOF) on loopback,
+# plus, for the durable row, a second tallyd with a data_dir (a lane-log write() per batch)
+# and a second redis-server with AOF and `appendfsync no` (a write() per event-loop turn,
+# no fsync: the same durability as the lane log). Each setting runs
+# `redis-benchmark -t incr` and the tally load generator (`benches/client_load.rs`) with
+# the same connections C, pipeline P and request count N, tally and Redis alternating,
+# REPEATS times; then prints Markdown tables of every run and the medians. A third tally
+# run per setting, `client_load --raw`, drives the same tallyd without tally-client (frames
+# encoded once, blocking sockets), to tell the sidecar's cost from the client library's.
+#
+# Settings: (a) C=1, P=1, N=N_A; (b) C=50, P=16, N=N_B. Environment overrides:
+# REPEATS (3), N_A (200000), N_B (2000000), and the ports REDIS_PORT (6399), REDIS_AOF_PORT
+# (6400), TALLY_PORT (17100), TALLY_LOG_PORT (17110). About two minutes once built, on 2
+# cores.
+#
+# The load generator and the server share the machine's cores, as redis-benchmark and
+# redis-server do: the same for both sides, so read ratios within one run.
+#
+# Installs redis-server and redis-tools from apt if they are missing (needs root).
+# Kills everything it started when it exits.
+set -euo pipefail
+
+cd "$(dirname "$0")/.."
+
+REPEATS=${REPEATS:-3}
+N_A=${N_A:-200000}
+N_B=${N_B:-2000000}
+# Not tallyd's default ports: a demo or a test elsewhere on the machine may hold those.
+REDIS_PORT=${REDIS_PORT:-6399}
+REDIS_AOF_PORT=${REDIS_AOF_PORT:-6400}
+TALLY_PORT=${TALLY_PORT:-17100}   # its gossip and http ports are this -99 and +100
+TALLY_LOG_PORT=${TALLY_LOG_PORT:-17110}
+
+pids=()
+work=$(mktemp -d -t tally-vs-redis.XXXXXX)
+cleanup() {
+    for pid in "${pids[@]}"; do
+        kill "$pid" 2>/dev/null || true
+    done
+    for pid in "${pids[@]}"; do
+        wait "$pid" 2>/dev/null || true
+    done
+    rm -rf "$work"
+}
+trap cleanup EXIT
+trap 'exit 130' INT TERM
+
+say() { echo "client_vs_redis: $*" >&2; }
+
+# --- Redis -------------------------------------------------------------------------------
+
+if ! command -v redis-server >/dev/null || ! command -v redis-benchmark >/dev/null; then
+    say "installing redis-server and redis-tools from apt"
+    export DEBIAN_FRONTEND=noninteractive
+    apt-get install -y --no-install-recommends redis-server redis-tools >/dev/null ||
+        { apt-get update >/dev/null && apt-get install -y --no-install-recommends redis-server redis-tools >/dev/null; }
+fi
+
+# --- Build -------------------------------------------------------------------------------
+
+say "building tally and the load generator"
+cargo build --release -p tally >&2
+# The bench's own artifact: the build also lists the `tally` binary, which benches may run.
+bench_exe=$(cargo bench --bench client_load --no-run --message-format=json |
+    grep '"kind":\["bench"\],[^}]*"name":"client_load"' |
+    sed -n 's/.*"executable":"\([^"]*\)".*/\1/p' | tail -n 1)
+if [ -z "$bench_exe" ] || [ ! -x "$bench_exe" ]; then
+    say "could not find the client_load bench binary"
+    exit 1
+fi
+# Copies, so that a rebuild in the workspace while this runs cannot swap a binary under it.
+cp target/release/tally "$work/tally"
+cp "$bench_exe" "$work/client_load"
+
+# --- Servers -----------------------------------------------------------------------------
+
+# Refuse to start if another process answers on a port: the runs would measure it.
+for port in "$REDIS_PORT" "$REDIS_AOF_PORT" "$TALLY_PORT" "$TALLY_LOG_PORT"; do
+    if (exec 3<>"/dev/tcp/127.0.0.1/$port") 2>/dev/null; then
+        say "127.0.0.1:$port is already in use; set REDIS_PORT, REDIS_AOF_PORT, TALLY_PORT or TALLY_LOG_PORT"
+        exit 1
+    fi
+done
+
+redis-server --port "$REDIS_PORT" --bind 127.0.0.1 --save '' --appendonly no \
+    --daemonize no --dir "$work" >"$work/redis.log" 2>&1 &
+pids+=($!)
+mkdir -p "$work/aof"
+redis-server --port "$REDIS_AOF_PORT" --bind 127.0.0.1 --save '' --appendonly yes \
+    --appendfsync no --daemonize no --dir "$work/aof" >"$work/redis-aof.log" 2>&1 &
+pids+=($!)
+
+"$work/tally" certs --out "$work/certs" --nodes 1 >/dev/null
+
+# start_tallyd NAME CLIENT_PORT GOSSIP_PORT HTTP_PORT [DATA_DIR]
+start_tallyd() {
+    local name=$1 client=$2 gossip=$3 http=$4 data_dir=${5:-}
+    local config="$work/$name.toml"
+    {
+        echo "node_id = 1"
+        echo "listen_gossip = \"127.0.0.1:$gossip\""
+        echo "listen_client = \"127.0.0.1:$client\""
+        echo "listen_http = \"127.0.0.1:$http\""
+        if [ -n "$data_dir" ]; then echo "data_dir = \"$data_dir\""; fi
+        echo "tls = { ca = \"$work/certs/ca.pem\", cert = \"$work/certs/node-1.pem\", key = \"$work/certs/node-1.key\" }"
+        echo "[[rules]]"
+        echo "name = \"bench\""
+        echo "limit = 1000000000"
+        echo "window_secs = 3600"
+    } >"$config"
+    "$work/tally" daemon --config "$config" >"$work/$name.log" 2>&1 &
+    pids+=($!)
+}
+start_tallyd tallyd "$TALLY_PORT" $((TALLY_PORT - 99)) $((TALLY_PORT + 100))
+mkdir -p "$work/data"
+start_tallyd tallyd-log "$TALLY_LOG_PORT" $((TALLY_LOG_PORT - 99)) $((TALLY_LOG_PORT + 100)) "$work/data"
+
+# wait_port PORT PID: until something accepts on 127.0.0.1:PORT, at most 10 s, while the
+# server PID is still running.
+wait_port() {
+    for _ in $(seq 100); do
+        if ! kill -0 "$2" 2>/dev/null; then
+            break
+        fi
+        if (exec 3<>"/dev/tcp/127.0.0.1/$1") 2>/dev/null; then
+            return 0
+        fi
+        sleep 0.1
+    done
+    say "the server for 127.0.0.1:$1 did not come up; its log:"
+    tail -n 5 "$work"/*.log >&2
+    exit 1
+}
+ports=("$REDIS_PORT" "$REDIS_AOF_PORT" "$TALLY_PORT" "$TALLY_LOG_PORT")
+for i in "${!ports[@]}"; do
+    wait_port "${ports[$i]}" "${pids[$i]}"
+done
+say "servers up: redis :$REDIS_PORT, redis AOF :$REDIS_AOF_PORT, tallyd :$TALLY_PORT, tallyd data_dir :$TALLY_LOG_PORT"
+
+# --- Runs --------------------------------------------------------------------------------
+
+results="$work/results.tsv" # setting run side ops_per_sec p50_us p99_us
+
+# run_tally SIDE PORT SETTING RUN C P N [--raw]
+run_tally() {
+    local line
+    line=$("$work/client_load" --endpoint "127.0.0.1:$2" --connections "$5" --pipeline "$6" --requests "$7" ${8:-})
+    echo "$line" >&2
+    echo "$line" | awk -v setting="$3" -v run="$4" -v side="$1" '{
+        for (i = 1; i <= NF; i++) { split($i, kv, "="); v[kv[1]] = kv[2] }
+        printf "%s\t%s\t%s\t%s\t%s\t%s\n", setting, run, side, v["ops_per_sec"], v["p50_us"], v["p99_us"]
+    }' >>"$results"
+}
+
+# run_redis SIDE PORT SETTING RUN C P N
+run_redis() {
+    local line
+    # --csv: "test","rps","avg_latency_ms","min_latency_ms","p50_latency_ms","p95_latency_ms","p99_latency_ms","max_latency_ms"
+    line=$(redis-benchmark -h 127.0.0.1 -p "$2" -t incr -n "$7" -c "$5" -P "$6" --csv | grep '^"INCR"')
+    echo "$1 connections=$5 pipeline=$6 requests=$7 $line" >&2
+    echo "$line" | tr -d '"' | awk -F, -v setting="$3" -v run="$4" -v side="$1" '{
+        printf "%s\t%s\t%s\t%.0f\t%.1f\t%.1f\n", setting, run, side, $2, $5 * 1000, $7 * 1000
+    }' >>"$results"
+}
+
+load_before=$(cut -d' ' -f1-3 /proc/loadavg)
+settings=("a 1 1 $N_A" "b 50 16 $N_B")
+for run in $(seq "$REPEATS"); do
+    for setting in "${settings[@]}"; do
+        read -r name c p n <<<"$setting"
+        say "run $run, setting ($name): C=$c P=$p N=$n"
+        run_tally tally "$TALLY_PORT" "$name" "$run" "$c" "$p" "$n"
+        run_redis redis "$REDIS_PORT" "$name" "$run" "$c" "$p" "$n"
+        run_tally tally-log "$TALLY_LOG_PORT" "$name" "$run" "$c" "$p" "$n"
+        run_redis redis-aof "$REDIS_AOF_PORT" "$name" "$run" "$c" "$p" "$n"
+        run_tally tally-raw "$TALLY_PORT" "$name" "$run" "$c" "$p" "$n" --raw
+    done
+done
+
+# --- Tables ------------------------------------------------------------------------------
+
+# table TALLY_SIDE REDIS_SIDE: one row per setting and run, then the medians (of each
+# column; the ratios in that row are the medians of the runs' ratios).
+table() {
+    awk -F'\t' -v ts="$1" -v rs="$2" -v na="$N_A" -v nb="$N_B" '
+        function median(list,   n, a, i, j, t) {
+            n = split(list, a, " ")
+            for (i = 2; i <= n; i++) for (j = i; j > 1 && a[j - 1] + 0 > a[j] + 0; j--) { t = a[j]; a[j] = a[j - 1]; a[j - 1] = t }
+            return n % 2 ? a[(n + 1) / 2] : (a[n / 2] + a[n / 2 + 1]) / 2
+        }
+        function row(label, to, ro, oratio, tp, rp, pratio, t9, r9) {
+            printf "| %s | %.0f | %.0f | %.2fx | %.1f | %.1f | %.2fx | %.1f | %.1f |\n", label, to, ro, oratio, tp, rp, pratio, t9, r9
+        }
+        { key = $1 SUBSEP $2; if ($3 == ts) { t[key] = $4; tp[key] = $5; t9[key] = $6 } if ($3 == rs) { r[key] = $4; rp[key] = $5; r9[key] = $6 }
+          if (!($1 in seen)) { seen[$1] = 1; order[++ns] = $1 } if ($2 > runs) runs = $2 }
+        END {
+            printf "| setting | run | %s ops/s | %s ops/s | ops ratio | %s p50 us | %s p50 us | p50 ratio | %s p99 us | %s p99 us |\n", ts, rs, ts, rs, ts, rs
+            print "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"
+            for (s = 1; s <= ns; s++) {
+                name = order[s]
+                label = name == "a" ? "(a) C=1 P=1 N=" na : "(b) C=50 P=16 N=" nb
+                lt = lr = lo = ltp = lrp = lp = lt9 = lr9 = ""
+                for (i = 1; i <= runs; i++) {
+                    key = name SUBSEP i
+                    row(label " | " i, t[key], r[key], t[key] / r[key], tp[key], rp[key], tp[key] / rp[key], t9[key], r9[key])
+                    lt = lt " " t[key]; lr = lr " " r[key]; lo = lo " " t[key] / r[key]
+                    ltp = ltp " " tp[key]; lrp = lrp " " rp[key]; lp = lp " " tp[key] / rp[key]
+                    lt9 = lt9 " " t9[key]; lr9 = lr9 " " r9[key]
+                }
+                row(label " | **median**", median(lt), median(lr), median(lo), median(ltp), median(lrp), median(lp), median(lt9), median(lr9))
+            }
+        }' "$results"
+}
+
+echo
+echo "nproc $(nproc); load average before $load_before, after $(cut -d' ' -f1-3 /proc/loadavg);" \
+    "$(redis-server --version | cut -d' ' -f1-3)"
+echo
+echo "tally (no data_dir) vs redis (no persistence); ratios are tally / redis, medians per column:"
+echo
+table tally redis
+echo
+echo "tally (data_dir: lane-log write per batch) vs redis (AOF, appendfsync no):"
+echo
+table tally-log redis-aof
+echo
+echo "the sidecar alone: tallyd (no data_dir) driven by client_load --raw (pre-encoded frames," \
+    "blocking sockets, no tally-client) vs redis (no persistence) driven by redis-benchmark:"
+echo
+table tally-raw redis
