@@ -57,3 +57,10 @@ pub use client::{Client, Options};
 pub use endpoint::{Endpoint, ParseEndpointError};
 pub use error::Error;
 pub use wire::{Decision, Estimate, Mode, Refusal, Status};
+
+// Compiles README.md's Rust example as a doctest (run by `cargo test`, never built
+// otherwise), so the README cannot drift from this crate's API. The README's other code
+// blocks are marked `sh`, `toml` or `text`, which rustdoc does not compile.
+#[cfg(doctest)]
+#[doc = include_str!("../../README.md")]
+pub struct ReadmeDoctests;
