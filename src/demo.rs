@@ -38,17 +38,18 @@ pub struct DemoArgs {
     rate: u64,
 }
 
-/// The push interval the demo's nodes run with, and the documented staleness window for a
-/// write on loopback: one push interval, the collection tick, and up to two RTTs of
-/// scheduling on a busy machine (docs/protocol.md, "The staleness window W").
+/// The push interval the demo's nodes run with, and the staleness window documented for a
+/// write between processes on one busy machine (docs/protocol.md, "The staleness window
+/// on real nodes"): a push interval, the 1 ms collection tick, and scheduling delays.
 const PUSH_INTERVAL_MS: u64 = 5;
 const STALENESS_WINDOW_MS: u64 = 20;
 const REGION: u64 = 1;
 
 pub fn run(args: &DemoArgs) -> anyhow::Result<()> {
-    if args.edges == 0 || args.duration == 0 || args.rate < 10 {
-        bail!("demo: --edges and --duration must be at least 1, --rate at least 10");
+    if !(1..=100).contains(&args.edges) || args.duration == 0 || args.rate < 10 {
+        bail!("demo: --edges must be 1 to 100, --duration at least 1, --rate at least 10");
     }
+    Ports::pick(args.edges + 1)?;
     let runtime = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()
@@ -79,17 +80,44 @@ impl Drop for DemoCluster {
     }
 }
 
+/// The demo's loopback ports: node `id` gossips on `base + id` (UDP), serves clients on
+/// `base + 200 + id` and HTTP on `base + 400 + id`. The base is picked once, at start,
+/// as the first block whose ports are all free, so two demos can run side by side.
 struct Ports;
 
+static PORT_BASE: std::sync::OnceLock<u16> = std::sync::OnceLock::new();
+
 impl Ports {
+    /// Picks the base for `nodes` node ids (at most 199).
+    fn pick(nodes: u64) -> anyhow::Result<()> {
+        let free = |base: u16| {
+            (1..=nodes as u16).all(|id| {
+                std::net::UdpSocket::bind(("127.0.0.1", base + id)).is_ok()
+                    && std::net::TcpListener::bind(("127.0.0.1", base + 200 + id)).is_ok()
+                    && std::net::TcpListener::bind(("127.0.0.1", base + 400 + id)).is_ok()
+            })
+        };
+        let start = (std::process::id() % 40) as u16;
+        let base = (0..40u16)
+            .map(|i| 20_000 + ((start + i) % 40) * 1_000)
+            .find(|&base| free(base))
+            .context("no free block of loopback ports for the demo")?;
+        PORT_BASE.get_or_init(|| base);
+        Ok(())
+    }
+
+    fn at(offset: u64, id: u64) -> String {
+        let base = *PORT_BASE.get().expect("invariant: ports are picked before use");
+        format!("127.0.0.1:{}", u64::from(base) + offset + id)
+    }
     fn gossip(id: u64) -> String {
-        format!("127.0.0.1:{}", 27_000 + id)
+        Ports::at(0, id)
     }
     fn client(id: u64) -> String {
-        format!("127.0.0.1:{}", 27_100 + id)
+        Ports::at(200, id)
     }
     fn http(id: u64) -> String {
-        format!("127.0.0.1:{}", 27_200 + id)
+        Ports::at(400, id)
     }
 }
 

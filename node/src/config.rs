@@ -318,6 +318,12 @@ impl Config {
             if rule.locations == Some(0) {
                 return Err(bad(key("locations"), "must be at least 1".into()));
             }
+            if rule.mode == RuleMode::Exact && self.role == Role::Edge && self.region.is_none() {
+                return Err(bad(
+                    key("mode"),
+                    "an exact rule on an edge needs a `region` to forward to".into(),
+                ));
+            }
         }
         Ok(())
     }

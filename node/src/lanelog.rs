@@ -201,14 +201,18 @@ impl LaneLog {
         std::fs::rename(&tmp, &self.path).map_err(|source| LogError::Io {
             path: self.path.clone(),
             source,
-        })?;
-        self.file = OpenOptions::new()
-            .append(true)
-            .open(&self.path)
-            .map_err(|source| LogError::Io {
-                path: self.path.clone(),
-                source,
-            })?;
+        })?; // From here the old file is unlinked: appending to it would acknowledge writes no
+             // restart can read, so a failed reopen fails the log.
+        self.file = match OpenOptions::new().append(true).open(&self.path) {
+            Ok(file) => file,
+            Err(source) => {
+                self.failed = Some(source.to_string());
+                return Err(LogError::Io {
+                    path: self.path.clone(),
+                    source,
+                });
+            }
+        };
         self.written = body.len() as u64;
         Ok(())
     }

@@ -1,8 +1,11 @@
 //! tally-node: `tallyd`, the sidecar daemon that runs beside each edge service.
 //!
-//! Today it holds the [`store::LaneStore`]: this node's own lanes, written concurrently
-//! by application threads without a lock, and the remote sums that gossip merges in. The
-//! gossip driver (QUIC), the client listener and the region path come in later issues.
+//! At its heart is the [`store::LaneStore`]: this node's own lanes, written without a
+//! lock, and the remote sums that gossip merges in. Around it: the gossip task
+//! ([`driver`]) over QUIC ([`transport`], [`tls`]), the client listener ([`listener`],
+//! [`decide`]), the region path for exact rules ([`region`]), the lane log
+//! ([`lanelog`]), and `/metrics` and `/status` ([`http`], [`metrics`]). [`daemon::run`]
+//! starts them all on one current-thread runtime.
 //!
 //! Architecture Invariant: the store never does IO, never reads a clock and never wraps a
 //! lane; the only threads it knows of are its callers. Its lock-free protocol is checked by

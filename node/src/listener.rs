@@ -20,13 +20,16 @@ use crate::store::LaneStore;
 use crate::view::View;
 use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex};
-use tally_client::wire::{self, Mode, Op, Refusal, Reply, Request, Response, Status};
+use tally_client::wire::{self, Op, Refusal, Reply, Request, Response, Status};
 use tally_crdt::{Key, ReplicaId};
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 use tokio::net::{TcpListener, UnixListener};
 use tokio::sync::{mpsc, Semaphore};
 
-/// The exit status of a node whose lane log failed.
+/// The exit status of a node whose lane log failed. The batch's writes are in the lane
+/// store but not in the log, and lanes cannot be taken back; exiting before this thread
+/// runs the gossip task again means no peer sees them and no client is told they
+/// counted. The restart takes a new generation and republishes what the log holds.
 pub const EXIT_LOG_FAILED: i32 = 74;
 
 /// Everything a request needs; shared by every connection.
@@ -69,9 +72,8 @@ pub enum Answer {
 }
 
 impl Service {
-    /// Answers a batch of requests in order, then writes their lane-log records out; if
-    /// that fails, every answer that wrote becomes a `Storage` refusal. Exact checks come
-    /// back as [`Answer::Exact`], for [`Service::exact`].
+    /// Answers a batch of requests in order, then writes their lane-log records out.
+    /// Exact checks come back as [`Answer::Exact`], for [`Service::exact`].
     pub fn handle_batch(&self, requests: Vec<Request>) -> Vec<Answer> {
         let mut exact = Vec::new();
         let mut answers: Vec<Answer> = self
@@ -83,27 +85,14 @@ impl Service {
                             exact.push(check);
                             None
                         }
-                        Some(Err(refusal)) => Some((
-                            Response {
-                                id: request.id,
-                                result: Err(refusal),
-                            },
-                            false,
-                        )),
-                        None => {
-                            let wrote = matches!(
-                                request.op,
-                                Op::Incr { .. } | Op::Decr { .. } | Op::Check { .. }
-                            );
-                            let result = self.handle(context, request.op);
-                            Some((
-                                Response {
-                                    id: request.id,
-                                    result,
-                                },
-                                wrote,
-                            ))
-                        }
+                        Some(Err(refusal)) => Some(Response {
+                            id: request.id,
+                            result: Err(refusal),
+                        }),
+                        None => Some(Response {
+                            id: request.id,
+                            result: self.handle(context, request.op),
+                        }),
                     })
                     .collect()
             })
@@ -168,26 +157,19 @@ impl Service {
             if let Ok(decision) = &result {
                 self.metrics.decided(decision.mode, decision.allowed);
             }
-            let wrote = result.as_ref().is_ok_and(|d| d.mode != Mode::Exact);
-            vec![(
-                Response {
-                    id,
-                    result: result.map(Reply::Decision),
-                },
-                wrote,
-            )]
+            vec![Response {
+                id,
+                result: result.map(Reply::Decision),
+            }]
         });
         responses
             .pop()
             .expect("invariant: one answer per exact check")
     }
 
-    /// Runs `answer` in a request context, then writes the lane log out; if that fails,
-    /// every answer marked as a write becomes a `Storage` refusal.
-    fn in_context(
-        &self,
-        answer: impl FnOnce(&mut Context<'_>) -> Vec<(Response, bool)>,
-    ) -> Vec<Response> {
+    /// Runs `answer` in a request context, then writes the lane log out. A failed write
+    /// stops the node: see [`EXIT_LOG_FAILED`].
+    fn in_context(&self, answer: impl FnOnce(&mut Context<'_>) -> Vec<Response>) -> Vec<Response> {
         let now = clock::wall();
         // Held for the batch: synchronous code on the node's one thread, so the gossip task
         // cannot be waiting for it meanwhile.
@@ -205,10 +187,6 @@ impl Service {
         let responses = answer(&mut context);
         if let Some(log) = log.as_deref_mut() {
             if let Err(err) = log.flush() {
-                // The batch's writes are in the lane store but not in the log, and lanes
-                // cannot be taken back. Stopping here, before this thread can run the
-                // gossip task, means no peer ever sees them and no client is told they
-                // counted; the restart takes a new generation and republishes the log.
                 eprintln!("tallyd: {err}; stopping: writes cannot be made durable");
                 std::process::exit(EXIT_LOG_FAILED);
             }
@@ -221,9 +199,6 @@ impl Service {
             .client_requests
             .fetch_add(responses.len() as u64, Ordering::Relaxed);
         responses
-            .into_iter()
-            .map(|(response, _)| response)
-            .collect()
     }
 
     fn handle(&self, context: &mut Context<'_>, op: Op) -> Result<Reply, Refusal> {

@@ -267,13 +267,17 @@ async fn answer_request(
         let _ = send.reset(CLOSE_PROTOCOL.into());
         return;
     };
-    let Ok(body) = receive.read_to_end(REQUEST_BYTES_MAX).await else {
-        shared
-            .stats
-            .frames_oversized
-            .fetch_add(1, Ordering::Relaxed);
-        let _ = send.reset(CLOSE_PROTOCOL.into());
-        return;
+    let body = match receive.read_to_end(REQUEST_BYTES_MAX).await {
+        Ok(body) => body,
+        Err(err) => {
+            let counter = match err {
+                quinn::ReadToEndError::TooLong => &shared.stats.frames_oversized,
+                quinn::ReadToEndError::Read(_) => &shared.stats.frames_truncated,
+            };
+            counter.fetch_add(1, Ordering::Relaxed);
+            let _ = send.reset(CLOSE_PROTOCOL.into());
+            return;
+        }
     };
     let (reply, answer) = oneshot::channel();
     let request = PeerRequest {

@@ -69,19 +69,27 @@ pub struct Outcome {
     pub count: u64,
 }
 
-/// Encodes a region frame body (no length prefix: a stream carries one each way).
+/// The region protocol version this build speaks: the first byte of every message.
+pub const REGION_WIRE_VERSION: u8 = 1;
+
+/// Encodes a region message: the version byte, then the body (no length prefix: a stream
+/// carries one message each way).
 pub fn encode<T: Serialize>(message: &T) -> Vec<u8> {
-    bincode::serde::encode_to_vec(message, CONFIG)
-        .expect("invariant: region frames of bounded names are far below the limit")
+    let mut bytes = vec![REGION_WIRE_VERSION];
+    bincode::serde::encode_into_std_write(message, &mut bytes, CONFIG)
+        .expect("invariant: region messages of bounded names are far below the limit");
+    bytes
 }
 
-/// Decodes a region frame body, refusing trailing bytes.
+/// Decodes a region message, refusing another version, an oversized one and trailing
+/// bytes.
 pub fn decode<T: serde::de::DeserializeOwned>(bytes: &[u8]) -> Option<T> {
-    if bytes.len() > REGION_FRAME_BYTES_MAX {
+    let (&version, body) = bytes.split_first()?;
+    if version != REGION_WIRE_VERSION || bytes.len() > REGION_FRAME_BYTES_MAX {
         return None;
     }
-    let (message, read) = bincode::serde::decode_from_slice(bytes, CONFIG).ok()?;
-    (read == bytes.len()).then_some(message)
+    let (message, read) = bincode::serde::decode_from_slice(body, CONFIG).ok()?;
+    (read == body.len()).then_some(message)
 }
 
 /// The authoritative counts of exact rules, and the outcome of every request id of a live

@@ -113,14 +113,25 @@ impl RegionService {
     }
 
     fn handle(&mut self, request: PeerRequest) {
-        let PeerRequest { body, reply, .. } = request;
+        let PeerRequest { from, body, reply } = request;
         let Some(check) = decode::<ExactCheck>(&body) else {
             self.bad_requests.fetch_add(1, Ordering::Relaxed);
             // Dropping `reply` resets the stream: the edge retries or times out.
             return;
         };
+        if check.id.node != from.0 {
+            // A member may ask only under its own node id: another's ids would let it read
+            // or block that edge's answers.
+            self.bad_requests.fetch_add(1, Ordering::Relaxed);
+            return;
+        }
         let rule = match self.rules.get(&check.rule) {
-            Ok((_, rule)) if rule.mode == RuleMode::Exact => rule,
+            // The edge fixes the window's index; its length is the rule's, here too.
+            Ok((_, rule))
+                if rule.mode == RuleMode::Exact && rule.window_secs == check.window_secs =>
+            {
+                rule
+            }
             _ => {
                 self.bad_requests.fetch_add(1, Ordering::Relaxed);
                 let _ = reply.send(encode(&ExactAnswer::UnknownRule));
