@@ -372,4 +372,3 @@ async fn approximate_overshoot_stays_within_the_reported_bound_connected_and_iso
     // Three of four locations, each on its share 2000 / 4 + 10.
     assert_eq!(outcome.allowed, 3 * (2_000 / 4 + 10));
 }
-

@@ -261,7 +261,8 @@ fn refusal(err: StoreError) -> Refusal {
 }
 
 // The lane store runs on loom's atomics under `tally_loom`, which work only inside a model.
-#[cfg(all(test, not(tally_loom)))]
+#[cfg(test)]
+#[cfg(not(tally_loom))]
 mod tests {
     use super::*;
     use tally_crdt::{Generation, NodeId, ReplicaId};

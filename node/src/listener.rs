@@ -425,7 +425,8 @@ fn split_frames(input: &[u8]) -> (Vec<Request>, usize, Option<String>) {
 }
 
 // The lane store runs on loom's atomics under `tally_loom`, which work only inside a model.
-#[cfg(all(test, not(tally_loom)))]
+#[cfg(test)]
+#[cfg(not(tally_loom))]
 mod tests {
     use super::*;
 

@@ -327,7 +327,6 @@ pub async fn eventually(limit: Duration, what: &str, mut ready: impl FnMut() -> 
     }
 }
 
-
 /// What a run of checks saw.
 #[derive(Debug)]
 pub struct Outcome {
