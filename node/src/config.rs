@@ -355,6 +355,25 @@ impl Config {
     }
 }
 
+#[cfg(test)]
+impl RuleConfig {
+    /// A rule with the defaults a config file would give, for unit tests.
+    pub(crate) fn for_test(name: &str, limit: u64, mode: RuleMode) -> RuleConfig {
+        RuleConfig {
+            name: name.into(),
+            limit,
+            window_secs: 3_600,
+            mode,
+            slack: 0,
+            stale_after_ms: defaults::stale_after_ms(),
+            locations: None,
+            sliding: false,
+            on_region_unavailable: OnRegionUnavailable::Error,
+            region_timeout_ms: defaults::region_timeout_ms(),
+        }
+    }
+}
+
 fn positive(value: u64, name: &str) -> Result<(), String> {
     if value == 0 {
         Err(format!("{name} must be at least 1, got 0"))

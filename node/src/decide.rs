@@ -272,16 +272,10 @@ mod tests {
 
     fn rule(limit: u64, slack: u64) -> RuleConfig {
         RuleConfig {
-            name: "api".into(),
-            limit,
             window_secs: 60,
-            mode: crate::config::RuleMode::Approximate,
             slack,
             stale_after_ms: 1_000,
-            locations: None,
-            sliding: false,
-            on_region_unavailable: OnRegionUnavailable::Error,
-            region_timeout_ms: 200,
+            ..RuleConfig::for_test("api", limit, crate::config::RuleMode::Approximate)
         }
     }
 

@@ -431,17 +431,9 @@ mod tests {
     use super::*;
 
     fn service(keys_max: usize) -> Service {
-        let rule = crate::config::RuleConfig {
-            name: "count".into(),
-            limit: 100,
+        let rule = RuleConfig {
             window_secs: 60,
-            mode: crate::config::RuleMode::Approximate,
-            slack: 0,
-            stale_after_ms: 1_000,
-            locations: None,
-            sliding: false,
-            on_region_unavailable: crate::config::OnRegionUnavailable::Error,
-            region_timeout_ms: 200,
+            ..RuleConfig::for_test("count", 100, RuleMode::Approximate)
         };
         let replica = ReplicaId::new(tally_crdt::NodeId(1), tally_crdt::Generation(1));
         Service {

@@ -120,7 +120,7 @@ mod tests {
     use super::super::log::{self, Record, RequestId};
     use super::super::{Decided, ExactCheck, Ledger};
     use super::*;
-    use crate::config::{OnRegionUnavailable, RuleConfig, RuleMode};
+    use crate::config::{RuleConfig, RuleMode};
     use std::sync::Mutex;
 
     /// A disk in memory that fails every I/O from the `fail_at`-th on (counting from 0),
@@ -160,18 +160,7 @@ mod tests {
     }
 
     fn rule() -> RuleConfig {
-        RuleConfig {
-            name: "quota".into(),
-            limit: 40,
-            window_secs: 3_600,
-            mode: RuleMode::Exact,
-            slack: 0,
-            stale_after_ms: 1_000,
-            locations: None,
-            sliding: false,
-            on_region_unavailable: OnRegionUnavailable::Error,
-            region_timeout_ms: 200,
-        }
+        RuleConfig::for_test("quota", 40, RuleMode::Exact)
     }
 
     fn check(seq: u64) -> ExactCheck {

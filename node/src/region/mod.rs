@@ -200,21 +200,10 @@ pub fn key_of(rule: &str, subject: &str, window_index: u64, window_secs: u32) ->
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::config::{OnRegionUnavailable, RuleMode};
+    use crate::config::RuleMode;
 
     fn rule(limit: u64) -> RuleConfig {
-        RuleConfig {
-            name: "quota".into(),
-            limit,
-            window_secs: 3_600,
-            mode: RuleMode::Exact,
-            slack: 0,
-            stale_after_ms: 1_000,
-            locations: None,
-            sliding: false,
-            on_region_unavailable: OnRegionUnavailable::Error,
-            region_timeout_ms: 200,
-        }
+        RuleConfig::for_test("quota", limit, RuleMode::Exact)
     }
 
     fn check(seq: u64, cost: u64) -> ExactCheck {
