@@ -99,3 +99,56 @@ pub fn encode(record: &Record, out: &mut Vec<u8>) {
 pub fn replay(bytes: &[u8]) -> (Vec<Record>, usize) {
     checksummed::read_all(bytes)
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn record(seq: u64) -> Record {
+        Record {
+            id: RequestId {
+                node: 2,
+                generation: 1,
+                seq,
+            },
+            rule: "quota".into(),
+            subject: format!("acct-{seq}"),
+            window_index: 500_000,
+            window_secs: 3_600,
+            cost: seq + 1,
+            allowed: seq % 3 != 0,
+        }
+    }
+
+    #[test]
+    fn a_log_cut_at_every_offset_reopens_as_its_whole_records_and_appends_after_them() {
+        let records: Vec<Record> = (0..5).map(record).collect();
+        let mut whole = Vec::new();
+        let mut ends = vec![0];
+        for record in &records {
+            encode(record, &mut whole);
+            ends.push(whole.len());
+        }
+        let dir = std::env::temp_dir().join(format!("tally-region-log-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("region.log");
+        for cut in 0..=whole.len() {
+            std::fs::write(&path, &whole[..cut]).unwrap();
+            let (mut storage, recovered, torn) = open(&path).unwrap();
+            let kept = ends.iter().filter(|&&end| end <= cut).count() - 1;
+            assert_eq!(recovered, records[..kept], "cut at {cut}");
+            assert_eq!(torn as usize, cut - ends[kept], "cut at {cut}");
+            // The torn tail is gone from the file: a new record follows the whole ones.
+            let mut next = Vec::new();
+            encode(&record(9), &mut next);
+            storage.append(&next).unwrap();
+            storage.sync().unwrap();
+            drop(storage);
+            let (_, reopened, torn) = open(&path).unwrap();
+            assert_eq!(torn, 0, "cut at {cut}");
+            assert_eq!(reopened.len(), kept + 1, "cut at {cut}");
+            assert_eq!(reopened[kept], record(9));
+        }
+        std::fs::remove_dir_all(dir).unwrap();
+    }
+}
