@@ -37,9 +37,46 @@
 //! of its round's writes to the moment its answer is decoded. The line then ends in
 //! `client=raw`. Like redis-benchmark, it formats its commands once and makes no objects
 //! per request; unlike it, it works in rounds on blocking sockets, not in an event loop.
+//!
+//! Exact checks (`benches/exact_vs_redis.sh`, issue 5):
+//!
+//! ```text
+//! # through an edge: check(rule, subject, 1) instead of incr, on an exact rule
+//! cargo bench --bench client_load -- --endpoint 127.0.0.1:18102 --op check --rule quota \
+//!     --connections 50 --pipeline 16 --requests 200000
+//! # at the region directly, as an edge speaks to it
+//! cargo bench --bench client_load -- --region 127.0.0.1:18001 --certs DIR --node 3 \
+//!     --rule quota --connections 50 --pipeline 16 --requests 200000
+//! # the disk's sync latency: write(8 bytes) + fdatasync on a file, one after the other
+//! cargo bench --bench client_load -- --fsync-probe target/bench-exact/probe --requests 5000
+//! ```
+//!
+//! `--op check` calls `check(rule, subject, 1)` where the default calls `incr`; a denied
+//! check fails the run (a throughput run wants every check counted, so give the rule a
+//! limit above the requests). The line ends in `op=check`.
+//!
+//! `--region ADDR` leaves the edge out: one QUIC connection to the region node at ADDR,
+//! with the certificate of node `--node` from `--certs DIR` (`node-<N>.pem`, `.key`,
+//! `ca.pem`; use a node id no running edge has, since the region keeps the newest
+//! connection per node id for its own sends), expecting the region's certificate to name
+//! node `--region-node` (1). It keeps C x P exact checks in flight on that one connection,
+//! as one edge forwards every check on its one connection: C x P tasks, each looping one
+//! check per bidirectional stream (`open_bi`, write the encoded [`ExactCheck`], `finish`,
+//! `read_to_end`), as `tally_node::region::forward` does. Request ids carry node `--node`,
+//! a generation from the wall clock, and a sequence number unique in the run; the window
+//! is the one holding the wall-clock time at the start of each phase, `--window-secs` long
+//! (3600). A request's latency runs from just before `open_bi` to the decoded answer; an
+//! answer other than an admitted decision fails the run. The region allows 1,024 streams
+//! in flight per connection; past that, `open_bi` waits, inside the timing. The line ends
+//! in `op=check path=region`.
+//!
+//! `--fsync-probe FILE` measures the disk instead: `--requests` N times (after N / 10 not
+//! recorded) append 8 bytes to FILE and `sync_data` it, timing each pair, and removes FILE.
+//! The line starts with `fsync`.
 
 use std::io::{Read, Write};
-use std::net::TcpStream;
+use std::net::{SocketAddr, TcpStream};
+use std::path::PathBuf;
 use std::process::ExitCode;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
@@ -47,6 +84,9 @@ use std::time::{Duration, Instant};
 
 use tally_client::wire::{self, Op, Request, Response};
 use tally_client::{Client, Endpoint, Options};
+use tally_crdt::{NodeId, Window};
+use tally_node::region::log::RequestId;
+use tally_node::region::{ExactAnswer, ExactCheck, Outcome};
 use tokio::task::JoinSet;
 
 /// What the command line asks for.
@@ -61,10 +101,36 @@ struct Args {
     keys: u64,
     /// Drive the sidecar with pre-encoded frames on blocking sockets, not `tally-client`.
     raw: bool,
+    /// What each request does.
+    op: LoadOp,
+    /// Speak the region protocol to the region node at this QUIC address, not to a sidecar.
+    region: Option<SocketAddr>,
+    /// `--region`: the directory of `ca.pem` and `node-<node>.pem`/`.key`.
+    certs: Option<PathBuf>,
+    /// `--region`: the node id this generator speaks as (its certificate's).
+    node: u64,
+    /// `--region`: the node id the region's certificate names.
+    region_node: u64,
+    /// `--region`: the rule's window length.
+    window_secs: u32,
+    /// Measure write + fdatasync on this file instead of any server.
+    fsync_probe: Option<PathBuf>,
+}
+
+/// What a request to the sidecar does.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum LoadOp {
+    /// `incr(rule, subject, 1)`.
+    Incr,
+    /// `check(rule, subject, 1)`, which must be allowed.
+    Check,
 }
 
 const USAGE: &str = "usage: client_load [--endpoint 127.0.0.1:7100] [--connections 1] \
-                     [--pipeline 1] [--requests 100000] [--rule bench] [--keys 1] [--raw]";
+                     [--pipeline 1] [--requests 100000] [--rule bench] [--keys 1] [--raw] \
+                     [--op incr|check] \
+                     [--region ADDR --certs DIR [--node 2] [--region-node 1] [--window-secs 3600]] \
+                     [--fsync-probe FILE]";
 
 fn main() -> ExitCode {
     let args = match parse_args(std::env::args().skip(1)) {
@@ -74,6 +140,25 @@ fn main() -> ExitCode {
             return ExitCode::FAILURE;
         }
     };
+    if let Some(file) = &args.fsync_probe {
+        return match run_fsync(file, args.requests) {
+            Ok(report) => {
+                println!(
+                    "fsync requests={} ops_per_sec={:.0} p50_us={:.1} p99_us={:.1} file={}",
+                    report.requests,
+                    report.ops_per_sec,
+                    report.p50_us,
+                    report.p99_us,
+                    file.display()
+                );
+                ExitCode::SUCCESS
+            }
+            Err(why) => {
+                eprintln!("client_load: {why}");
+                ExitCode::FAILURE
+            }
+        };
+    }
     let report = if args.raw {
         run_raw(&args)
     } else {
@@ -81,22 +166,35 @@ fn main() -> ExitCode {
             .enable_all()
             .build()
         {
-            Ok(runtime) => runtime.block_on(run(&args)),
+            Ok(runtime) => match args.region {
+                Some(region) => runtime.block_on(run_region(&args, region)),
+                None => runtime.block_on(run(&args)),
+            },
             Err(err) => Err(format!("tokio runtime: {err}")),
         }
     };
     match report {
         Ok(report) => {
+            let op = match args.op {
+                LoadOp::Incr if args.region.is_none() => "",
+                LoadOp::Incr | LoadOp::Check => " op=check",
+            };
             println!(
                 "tally connections={} pipeline={} requests={} ops_per_sec={:.0} p50_us={:.1} \
-                 p99_us={:.1}{}",
+                 p99_us={:.1}{}{}{}",
                 args.connections,
                 args.pipeline,
                 report.requests,
                 report.ops_per_sec,
                 report.p50_us,
                 report.p99_us,
-                if args.raw { " client=raw" } else { "" }
+                if args.raw { " client=raw" } else { "" },
+                op,
+                if args.region.is_some() {
+                    " path=region"
+                } else {
+                    ""
+                }
             );
             ExitCode::SUCCESS
         }
@@ -181,6 +279,7 @@ async fn phase(
             let tickets = Arc::clone(&tickets);
             let subjects = Arc::clone(subjects);
             let rule = args.rule.clone();
+            let op = args.op;
             tasks.spawn(async move {
                 let mut latencies_ns = Vec::new();
                 loop {
@@ -190,10 +289,26 @@ async fn phase(
                     }
                     let subject = &subjects[(ticket % subjects.len() as u64) as usize];
                     let sent = now();
-                    client
-                        .incr(&rule, subject, 1)
-                        .await
-                        .map_err(|err| format!("incr {rule}/{subject}: {err}"))?;
+                    match op {
+                        LoadOp::Incr => {
+                            client
+                                .incr(&rule, subject, 1)
+                                .await
+                                .map_err(|err| format!("incr {rule}/{subject}: {err}"))?;
+                        }
+                        LoadOp::Check => {
+                            let decision = client
+                                .check(&rule, subject, 1)
+                                .await
+                                .map_err(|err| format!("check {rule}/{subject}: {err}"))?;
+                            if !decision.allowed {
+                                return Err(format!(
+                                    "check {rule}/{subject} denied at {} of {}: raise the limit",
+                                    decision.estimate, decision.limit
+                                ));
+                            }
+                        }
+                    }
                     if record {
                         latencies_ns.push(now().duration_since(sent).as_nanos() as u64);
                     }
@@ -208,6 +323,188 @@ async fn phase(
         all.extend(latencies_ns?);
     }
     Ok(all)
+}
+
+/// `--region`: one QUIC connection to the region as node `args.node`; warms up, then runs
+/// and times the measured checks.
+async fn run_region(args: &Args, region: SocketAddr) -> Result<Report, String> {
+    let certs = args
+        .certs
+        .as_ref()
+        .ok_or("--region needs --certs DIR, the cluster's certificates")?;
+    let files = tally_node::config::TlsConfig {
+        ca: certs.join("ca.pem"),
+        cert: certs.join(format!("node-{}.pem", args.node)),
+        key: certs.join(format!("node-{}.key", args.node)),
+    };
+    let identity =
+        tally_node::tls::identity(&files, NodeId(args.node)).map_err(|err| err.to_string())?;
+    let local: SocketAddr = if region.is_ipv4() {
+        ([0, 0, 0, 0], 0).into()
+    } else {
+        (std::net::Ipv6Addr::UNSPECIFIED, 0).into()
+    };
+    let mut endpoint =
+        quinn::Endpoint::client(local).map_err(|err| format!("bind {local}: {err}"))?;
+    endpoint.set_default_client_config(identity.client);
+    let server_name = tally_node::certs::server_name(NodeId(args.region_node));
+    let connection = endpoint
+        .connect(region, &server_name)
+        .map_err(|err| format!("connect to {region}: {err}"))?
+        .await
+        .map_err(|err| format!("connect to {region} ({server_name}): {err}"))?;
+    let target = RegionTarget {
+        connection: connection.clone(),
+        rule: args.rule.clone(),
+        subjects: subjects(args.keys).into(),
+        node: args.node,
+        // A new generation per run, so that no request id repeats one of an earlier run.
+        generation: tally_node::clock::wall_micros(),
+        window_secs: args.window_secs,
+        // Sequence numbers, shared by the warm-up and the measured phase.
+        seq: Arc::new(AtomicU64::new(0)),
+    };
+    let workers = args.connections * args.pipeline;
+
+    let warm_up = (args.requests / 10).max(1);
+    region_phase(&target, workers, warm_up, false).await?;
+
+    let started = now();
+    let latencies_ns = region_phase(&target, workers, args.requests, true).await?;
+    let elapsed = now().duration_since(started);
+
+    connection.close(0u32.into(), b"done");
+    endpoint.wait_idle().await;
+    assert_eq!(
+        latencies_ns.len() as u64,
+        args.requests,
+        "every measured request records one latency"
+    );
+    Ok(report(latencies_ns, elapsed))
+}
+
+/// What `--region` checks go to, and what they carry.
+#[derive(Clone)]
+struct RegionTarget {
+    connection: quinn::Connection,
+    rule: String,
+    subjects: Arc<[String]>,
+    node: u64,
+    generation: u64,
+    window_secs: u32,
+    seq: Arc<AtomicU64>,
+}
+
+/// Runs `requests` exact checks with `workers` tasks on the one connection, each a stream
+/// per check, and returns their latencies in nanoseconds if `record`.
+async fn region_phase(
+    target: &RegionTarget,
+    workers: usize,
+    requests: u64,
+    record: bool,
+) -> Result<Vec<u64>, String> {
+    let unix_secs = tally_node::clock::wall().0 / 1_000;
+    let window_index = Window::containing(unix_secs, target.window_secs)
+        .map_err(|err| format!("--window-secs: {err}"))?
+        .index();
+    let tickets = Arc::new(AtomicU64::new(0));
+    let mut tasks = JoinSet::new();
+    for _ in 0..workers {
+        let target = target.clone();
+        let tickets = Arc::clone(&tickets);
+        tasks.spawn(async move {
+            let mut latencies_ns = Vec::new();
+            loop {
+                let ticket = tickets.fetch_add(1, Ordering::Relaxed);
+                if ticket >= requests {
+                    return Ok(latencies_ns);
+                }
+                let subject = &target.subjects[(ticket % target.subjects.len() as u64) as usize];
+                let check = ExactCheck {
+                    id: RequestId {
+                        node: target.node,
+                        generation: target.generation,
+                        seq: target.seq.fetch_add(1, Ordering::Relaxed),
+                    },
+                    rule: target.rule.clone(),
+                    subject: subject.clone(),
+                    window_index,
+                    window_secs: target.window_secs,
+                    cost: 1,
+                };
+                let sent = now();
+                let body = tally_node::region::encode(&check);
+                let failed = |what: &str, err: &dyn std::fmt::Display| {
+                    format!(
+                        "check {}/{subject} at the region: {what}: {err}",
+                        target.rule
+                    )
+                };
+                let (mut send, mut receive) = target
+                    .connection
+                    .open_bi()
+                    .await
+                    .map_err(|err| failed("open stream", &err))?;
+                send.write_all(&body)
+                    .await
+                    .map_err(|err| failed("write", &err))?;
+                send.finish().map_err(|err| failed("finish", &err))?;
+                let bytes = receive
+                    .read_to_end(4_096)
+                    .await
+                    .map_err(|err| failed("read", &err))?;
+                match tally_node::region::decode::<ExactAnswer>(&bytes) {
+                    Some(ExactAnswer::Decided(Outcome { allowed: true, .. })) => {}
+                    other => {
+                        return Err(failed(
+                            "answer",
+                            &format!("{other:?} (raise the limit if denied)"),
+                        ))
+                    }
+                }
+                if record {
+                    latencies_ns.push(now().duration_since(sent).as_nanos() as u64);
+                }
+            }
+        });
+    }
+    let mut all = Vec::with_capacity(if record { requests as usize } else { 0 });
+    while let Some(joined) = tasks.join_next().await {
+        let latencies_ns: Result<Vec<u64>, String> =
+            joined.map_err(|err| format!("load task: {err}"))?;
+        all.extend(latencies_ns?);
+    }
+    Ok(all)
+}
+
+/// `--fsync-probe`: appends 8 bytes to `file` and syncs it, one pair at a time; a warm-up
+/// of a tenth, then `requests` timed. Removes the file.
+fn run_fsync(file: &std::path::Path, requests: u64) -> Result<Report, String> {
+    let failed = |what: &str, err: std::io::Error| format!("{}: {what}: {err}", file.display());
+    let mut out = std::fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(file)
+        .map_err(|err| failed("open", err))?;
+    let warm_up = (requests / 10).max(1);
+    let mut latencies_ns = Vec::with_capacity(requests as usize);
+    let mut started = now();
+    for i in 0..warm_up + requests {
+        if i == warm_up {
+            started = now();
+        }
+        let sent = now();
+        out.write_all(&i.to_le_bytes())
+            .map_err(|err| failed("write", err))?;
+        out.sync_data().map_err(|err| failed("fdatasync", err))?;
+        if i >= warm_up {
+            latencies_ns.push(now().duration_since(sent).as_nanos() as u64);
+        }
+    }
+    let elapsed = now().duration_since(started);
+    drop(out);
+    std::fs::remove_file(file).map_err(|err| failed("remove", err))?;
+    Ok(report(latencies_ns, elapsed))
 }
 
 /// `--raw`: rounds of P pre-encoded requests on each of C blocking connections; a warm-up
@@ -316,6 +613,13 @@ fn parse_args(mut argv: impl Iterator<Item = String>) -> Result<Args, String> {
         rule: "bench".to_string(),
         keys: 1,
         raw: false,
+        op: LoadOp::Incr,
+        region: None,
+        certs: None,
+        node: 2,
+        region_node: 1,
+        window_secs: 3_600,
+        fsync_probe: None,
     };
     while let Some(flag) = argv.next() {
         if flag == "--bench" {
@@ -332,8 +636,43 @@ fn parse_args(mut argv: impl Iterator<Item = String>) -> Result<Args, String> {
             "--rule" => args.rule = value()?,
             "--keys" => args.keys = positive(&flag, &value()?)?,
             "--raw" => args.raw = true,
+            "--op" => {
+                args.op = match value()?.as_str() {
+                    "incr" => LoadOp::Incr,
+                    "check" => LoadOp::Check,
+                    other => return Err(format!("--op: {other:?} is neither incr nor check")),
+                }
+            }
+            "--region" => {
+                let text = value()?;
+                args.region = Some(
+                    text.parse()
+                        .map_err(|err| format!("--region: {text:?}: {err}"))?,
+                );
+            }
+            "--certs" => args.certs = Some(value()?.into()),
+            "--node" => args.node = positive(&flag, &value()?)?,
+            "--region-node" => args.region_node = positive(&flag, &value()?)?,
+            "--window-secs" => {
+                let text = value()?;
+                args.window_secs = u32::try_from(positive(&flag, &text)?)
+                    .map_err(|_| format!("{flag}: {text:?} is too large"))?;
+            }
+            "--fsync-probe" => args.fsync_probe = Some(value()?.into()),
             other => return Err(format!("unknown argument {other:?}")),
         }
+    }
+    if args.raw && args.op == LoadOp::Check {
+        return Err("--raw sends incr only; --op check needs tally-client".into());
+    }
+    if args.region.is_some() && args.raw {
+        return Err("--region and --raw do not go together".into());
+    }
+    if args.region.is_some() && args.node == args.region_node {
+        return Err(format!(
+            "--node {} is the region's own id (--region-node)",
+            args.node
+        ));
     }
     Ok(args)
 }
