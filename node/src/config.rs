@@ -423,6 +423,18 @@ window_secs = 60
     }
 
     #[test]
+    fn an_exact_rule_on_an_edge_without_a_region_is_refused() {
+        let exact = GOOD.replace("window_secs = 60", "window_secs = 60\nmode = \"exact\"");
+        let err = parse(&exact).unwrap_err().to_string();
+        assert!(
+            err.contains("rules[0].mode") && err.contains("region"),
+            "{err}"
+        );
+        let with_region = format!("region = {{ node = 9, addr = \"127.0.0.9:7001\" }}\n{exact}");
+        assert!(parse(&with_region).is_ok());
+    }
+
+    #[test]
     fn a_bad_value_is_refused_naming_the_key_and_the_file() {
         let err = parse(&GOOD.replace("limit = 100", "limit = 0"))
             .unwrap_err()

@@ -30,7 +30,10 @@ limit = 2000
 window_secs = 3600
 stale_after_ms = 600
 slack = 10
+"#;
 
+/// The exact rule of clusters with a region: an edge refuses an exact rule without one.
+pub const REGION_RULES: &str = r#"
 [[rules]]
 name = "quota"
 limit = 500
@@ -105,10 +108,11 @@ impl Cluster {
                  dead_after_ms = {dead_after_ms}\n\
                  seeds = [{seeds}]\n\
                  tls = {{ ca = \"{ca}\", cert = \"{cert}\", key = \"{key}\" }}\n\
-                 {RULES}",
+                 {RULES}{region_rules}",
                 ip = ip(id),
                 data = data_dir.display(),
                 seeds = seeds.join(", "),
+                region_rules = if region { REGION_RULES } else { "" },
                 ca = certs.join("ca.pem").display(),
                 cert = certs.join(format!("node-{id}.pem")).display(),
                 key = certs.join(format!("node-{id}.key")).display(),
