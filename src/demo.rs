@@ -107,7 +107,9 @@ impl Ports {
     }
 
     fn at(offset: u64, id: u64) -> String {
-        let base = *PORT_BASE.get().expect("invariant: ports are picked before use");
+        let base = *PORT_BASE
+            .get()
+            .expect("invariant: ports are picked before use");
         format!("127.0.0.1:{}", u64::from(base) + offset + id)
     }
     fn gossip(id: u64) -> String {

@@ -106,9 +106,11 @@ async fn region_kill9_at_random_moments_loses_no_acknowledged_check_and_never_pa
                                 Err(other) => panic!("unexpected error: {other}"),
                             }
                         };
-                        if unavailable {
-                            tokio::time::sleep(Duration::from_millis(10)).await;
-                        }
+                        // Paced (about 3,000 checks a second over the six tasks), so the
+                        // limit is reached over some 150 ms and the kills land while checks
+                        // are still being admitted, on a fast machine too.
+                        let pause = if unavailable { 10 } else { 2 };
+                        tokio::time::sleep(Duration::from_millis(pause)).await;
                     }
                 });
             }
@@ -118,7 +120,8 @@ async fn region_kill9_at_random_moments_loses_no_acknowledged_check_and_never_pa
         cluster.node(1).kill9();
         tokio::time::sleep(Duration::from_millis(50 + next() % 100)).await;
         cluster.node(1).restart(true);
-        tokio::time::sleep(Duration::from_millis(100)).await;
+        // Long enough after the restart for the load to reach the limit.
+        tokio::time::sleep(Duration::from_millis(500)).await;
         stop.send(true).unwrap();
         while let Some(joined) = load.join_next().await {
             joined.unwrap();
@@ -162,6 +165,10 @@ async fn region_kill9_at_random_moments_loses_no_acknowledged_check_and_never_pa
     assert!(
         killed_while_admitting >= 5,
         "too few kills came mid-admission: {killed_while_admitting}"
+    );
+    assert!(
+        at_limit >= 5,
+        "too few subjects reached the limit: {at_limit}"
     );
     let log = std::fs::read_to_string(&cluster.nodes[0].log).unwrap();
     assert!(

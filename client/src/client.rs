@@ -2,16 +2,13 @@
 
 use std::fmt;
 use std::io;
-use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, PoisonError};
+use std::sync::Arc;
 use std::time::Duration;
 
 use crate::connection::Connection;
 use crate::endpoint::Endpoint;
 use crate::error::Error;
-use crate::wire::{
-    Decision, Estimate, Op, Refusal, Reply, Request, Status, CLIENT_FRAME_BYTES_MAX,
-};
+use crate::wire::{Decision, Estimate, OpRef, Refusal, Reply, Status, CLIENT_FRAME_BYTES_MAX};
 
 /// How long a client waits.
 ///
@@ -28,6 +25,11 @@ use crate::wire::{
 #[non_exhaustive]
 pub struct Options {
     /// How long one request waits for its answer once a connection is up. Default 1 s.
+    ///
+    /// A request without an answer fails with [`Error::Timeout`] no sooner than this, and
+    /// later by about an eighth of it at most (a millisecond or two for timeouts of a few
+    /// milliseconds): rather than one timer per request, one timer per connection looks at
+    /// the requests in flight every eighth of `timeout`.
     pub timeout: Duration,
     /// How long connecting (or reconnecting) may take. Default 1 s.
     pub connect_timeout: Duration,
@@ -71,10 +73,8 @@ pub struct Client {
 struct Inner {
     endpoint: Endpoint,
     options: Options,
-    /// Where request ids come from: each request takes the next.
-    next_id: AtomicU64,
-    /// The connection requests go to; replaced when it has closed.
-    current: Mutex<Arc<Connection>>,
+    /// The connection requests go to; it opens a new socket when the last has closed.
+    connection: Connection,
     /// Held while reconnecting, so that callers who find the connection closed at the same
     /// moment make one new connection, not one each.
     reconnecting: tokio::sync::Mutex<()>,
@@ -83,13 +83,12 @@ struct Inner {
 impl Client {
     /// Connects to the sidecar at `endpoint`, within `options.connect_timeout`.
     pub async fn connect(endpoint: Endpoint, options: Options) -> Result<Client, Error> {
-        let connection = open(&endpoint, options.connect_timeout).await?;
+        let connection = open(&endpoint, options).await?;
         Ok(Client {
             inner: Arc::new(Inner {
                 endpoint,
                 options,
-                next_id: AtomicU64::new(1),
-                current: Mutex::new(Arc::new(connection)),
+                connection,
                 reconnecting: tokio::sync::Mutex::new(()),
             }),
         })
@@ -111,9 +110,9 @@ impl Client {
     /// [`Error::Connect`]. After [`Error::Timeout`] or [`Error::Disconnected`] the outcome
     /// is unknown: the increment may have been applied, and retrying it may count twice.
     pub async fn incr(&self, rule: &str, subject: &str, amount: u64) -> Result<Estimate, Error> {
-        let op = Op::Incr {
-            rule: rule.to_string(),
-            subject: subject.to_string(),
+        let op = OpRef::Incr {
+            rule,
+            subject,
             amount,
         };
         match self.call(op).await? {
@@ -128,9 +127,9 @@ impl Client {
     /// As with [`Client::incr`], after [`Error::Timeout`] or [`Error::Disconnected`] the
     /// decrement may have been applied, and retrying it may subtract twice.
     pub async fn decr(&self, rule: &str, subject: &str, amount: u64) -> Result<Estimate, Error> {
-        let op = Op::Decr {
-            rule: rule.to_string(),
-            subject: subject.to_string(),
+        let op = OpRef::Decr {
+            rule,
+            subject,
             amount,
         };
         match self.call(op).await? {
@@ -142,10 +141,7 @@ impl Client {
     /// `subject`'s count under `rule` in the rule's current window, with its staleness.
     /// Changes nothing.
     pub async fn get(&self, rule: &str, subject: &str) -> Result<Estimate, Error> {
-        let op = Op::Get {
-            rule: rule.to_string(),
-            subject: subject.to_string(),
-        };
+        let op = OpRef::Get { rule, subject };
         match self.call(op).await? {
             Reply::Estimate(estimate) => Ok(estimate),
             other => Err(wrong_reply("get", "Estimate", &other)),
@@ -158,9 +154,9 @@ impl Client {
     /// As with [`Client::incr`], after [`Error::Timeout`] or [`Error::Disconnected`] the
     /// cost may have been counted, and retrying may count it twice.
     pub async fn check(&self, rule: &str, subject: &str, cost: u64) -> Result<Decision, Error> {
-        let op = Op::Check {
-            rule: rule.to_string(),
-            subject: subject.to_string(),
+        let op = OpRef::Check {
+            rule,
+            subject,
             cost,
         };
         match self.call(op).await? {
@@ -171,62 +167,41 @@ impl Client {
 
     /// The sidecar's view of itself: its node id, generation, members and keys.
     pub async fn status(&self) -> Result<Status, Error> {
-        match self.call(Op::Status).await? {
+        match self.call(OpRef::Status).await? {
             Reply::Status(status) => Ok(status),
             other => Err(wrong_reply("status", "Status", &other)),
         }
     }
 
-    /// Sends one request on the current connection (reconnecting first if it has closed)
-    /// and waits at most `options.timeout` for the answer.
-    async fn call(&self, op: Op) -> Result<Reply, Error> {
+    /// Sends one request (reconnecting first if the connection has closed) and waits at
+    /// most `options.timeout` for the answer.
+    async fn call(&self, op: OpRef<'_>) -> Result<Reply, Error> {
         check_frame_size(&op)?;
-        let connection = self.connection().await?;
-        let id = self.inner.next_id.fetch_add(1, Ordering::Relaxed);
-        let timeout = self.inner.options.timeout;
-        match tokio::time::timeout(timeout, connection.call(Request { id, op })).await {
-            Ok(answer) => answer?.map_err(Error::Refused),
-            Err(_elapsed) => Err(Error::Timeout { after: timeout }),
+        let connection = &self.inner.connection;
+        if connection.is_closed() {
+            self.reconnect().await?;
         }
+        // The connection times the call out (`Options::timeout`, given when it opened).
+        connection.call(op).await?.map_err(Error::Refused)
     }
 
-    /// The open connection, or a new one if it has closed: one attempt, within
-    /// `options.connect_timeout` including the wait for another caller's attempt.
-    async fn connection(&self) -> Result<Arc<Connection>, Error> {
-        let current = self.current();
-        if !current.is_closed() {
-            return Ok(current);
-        }
+    /// Reopens the closed connection: one attempt, within `options.connect_timeout`
+    /// including the wait for another caller's attempt.
+    async fn reconnect(&self) -> Result<(), Error> {
+        let connection = &self.inner.connection;
         let connect_timeout = self.inner.options.connect_timeout;
         let reconnect = async {
             let _turn = self.inner.reconnecting.lock().await;
             // Another caller may have reconnected while this one waited its turn.
-            let current = self.current();
-            if !current.is_closed() {
-                return Ok(current);
+            if !connection.is_closed() {
+                return Ok(());
             }
-            let fresh = Arc::new(Connection::open(&self.inner.endpoint).await?);
-            *self
-                .inner
-                .current
-                .lock()
-                .unwrap_or_else(PoisonError::into_inner) = Arc::clone(&fresh);
-            Ok(fresh)
+            connection.reopen(&self.inner.endpoint).await
         };
         match tokio::time::timeout(connect_timeout, reconnect).await {
-            Ok(connection) => connection,
+            Ok(reconnected) => reconnected,
             Err(_elapsed) => Err(connect_timed_out(&self.inner.endpoint, connect_timeout)),
         }
-    }
-
-    fn current(&self) -> Arc<Connection> {
-        // Nothing under this lock panics, so a poisoned lock still holds a usable handle.
-        let current = self
-            .inner
-            .current
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner);
-        Arc::clone(&current)
     }
 }
 
@@ -246,13 +221,9 @@ const REQUEST_OVERHEAD_BYTES_MAX: usize = 64;
 
 /// Refuses a request whose frame would be over the limit the sidecar accepts, before it is
 /// sent: the sidecar could only drop the connection, failing every request in flight on it.
-fn check_frame_size(op: &Op) -> Result<(), Error> {
-    let (rule, subject) = match op {
-        Op::Incr { rule, subject, .. }
-        | Op::Decr { rule, subject, .. }
-        | Op::Get { rule, subject }
-        | Op::Check { rule, subject, .. } => (rule, subject),
-        Op::Status => return Ok(()),
+fn check_frame_size(op: &OpRef<'_>) -> Result<(), Error> {
+    let Some((rule, subject)) = op.names() else {
+        return Ok(());
     };
     let names_bytes_max = CLIENT_FRAME_BYTES_MAX - REQUEST_OVERHEAD_BYTES_MAX;
     let names_bytes = rule.len() + subject.len();
@@ -273,9 +244,10 @@ fn check_frame_size(op: &Op) -> Result<(), Error> {
     }))
 }
 
-/// Opens a connection within `connect_timeout`.
-async fn open(endpoint: &Endpoint, connect_timeout: Duration) -> Result<Connection, Error> {
-    match tokio::time::timeout(connect_timeout, Connection::open(endpoint)).await {
+/// Opens a connection within `options.connect_timeout`.
+async fn open(endpoint: &Endpoint, options: Options) -> Result<Connection, Error> {
+    let connect_timeout = options.connect_timeout;
+    match tokio::time::timeout(connect_timeout, Connection::open(endpoint, options.timeout)).await {
         Ok(connection) => connection,
         Err(_elapsed) => Err(connect_timed_out(endpoint, connect_timeout)),
     }

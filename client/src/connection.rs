@@ -1,63 +1,136 @@
-//! One multiplexed connection to a sidecar.
+//! The client's one multiplexed connection to its sidecar.
 //!
-//! Two tasks drive it. The writer takes requests from a bounded queue and writes every
-//! request queued at that moment in one write, which is what makes pipelining cheap. The
-//! reader decodes responses and hands each to the request waiting on its id, in whatever
-//! order they come. When either side fails, the connection closes: every waiting request
-//! is told why, both tasks stop, and the socket is dropped.
+//! A call encodes its request straight into the connection's outbox, under the one lock
+//! that also holds the calls in flight ([`InFlight`]), and waits there for its outcome.
+//! Three tasks drive each socket the connection opens (each *link*):
+//!
+//! - the writer writes everything in the outbox in one write. A call wakes it only when the
+//!   outbox goes from empty to non-empty, so the calls made while a write is under way, or
+//!   before the writer runs, share the next write: that is what makes pipelining cheap.
+//!   A call that is alone in flight, with nothing to share a write with, writes its request
+//!   itself if the socket takes it at once, and wakes no task.
+//! - the reader decodes every response that one read brought, hands each to the call
+//!   waiting on its id under one lock, in whatever order they come, and wakes those calls.
+//! - the sweeper ticks the connection's coarse clock and times out the calls that have
+//!   waited their timeout: one timer per connection, not one per call. It parks while the
+//!   connection is idle.
+//!
+//! When a read or a write fails, the link closes: every waiting call is told why, its
+//! tasks stop, and its socket is dropped. The client then opens the next link on the same
+//! [`Connection`], so that a call reaches the connection through a plain reference, not
+//! through a lock and a reference count.
 
-use std::collections::HashMap;
+use std::future::{poll_fn, Future};
 use std::io;
+use std::pin::Pin;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+use std::task::{Context, Poll, Waker};
+use std::time::Duration;
 
-use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, BufReader};
-use tokio::net::TcpStream;
-use tokio::sync::{mpsc, oneshot, watch};
+use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
+use tokio::net::{tcp, TcpStream};
+use tokio::sync::Notify;
 
 use crate::endpoint::Endpoint;
 use crate::error::Error;
-use crate::wire::{self, Refusal, Reply, Request, Response};
+use crate::in_flight::{Broken, Deadlines, InFlight, Outcome};
+use crate::wire::{self, OpRef, Refusal, Reply, RequestRef, Response, CLIENT_FRAME_BYTES_MAX};
 
-/// Requests queued for the writer before callers wait for room.
-const QUEUE_REQUESTS_MAX: usize = 1024;
+/// Calls wait for room past this many bytes of requests not yet written: a sidecar that
+/// stops reading must not make the client buffer without end.
+const QUEUED_BYTES_MAX: usize = 1024 * 1024;
 
-/// The writer stops adding queued requests to one write past this many bytes.
-const BATCH_BYTES_MAX: usize = 64 * 1024;
+/// Calls wait for room past this many slots in flight, from the oldest call still waiting
+/// to the newest.
+const IN_FLIGHT_SLOTS_MAX: usize = 1 << 16;
 
-/// The reader's buffer: many small responses come in one read.
-const READ_BUFFER_BYTES: usize = 64 * 1024;
+/// The reader's buffer: many small responses come in one read, and it holds the largest
+/// frame whole.
+const READ_BUFFER_BYTES: usize = 2 * CLIENT_FRAME_BYTES_MAX;
 
-/// What a waiting request is told: the sidecar's answer, or why there will be none.
-type Answer = Result<Result<Reply, Refusal>, Broken>;
-
-/// Why a connection closed.
-#[derive(Debug, Clone)]
-enum Broken {
-    /// A read or write failed, or the sidecar closed the stream.
-    Disconnected,
-    /// The sidecar sent a frame that does not decode.
-    Protocol(String),
-}
-
-impl From<Broken> for Error {
-    fn from(broken: Broken) -> Self {
-        match broken {
-            Broken::Disconnected => Error::Disconnected,
-            Broken::Protocol(why) => Error::Protocol(why),
-        }
-    }
-}
-
-/// A handle on one connection's tasks. Dropping the last handle closes the connection once
-/// the queued requests are written.
+/// The handle on the connection. Dropping it closes the open link once the queued requests
+/// are written.
 pub(crate) struct Connection {
-    requests: mpsc::Sender<Request>,
     shared: Arc<Shared>,
 }
 
 impl Connection {
-    /// Connects to `endpoint` and spawns the connection's tasks on the current runtime.
-    pub(crate) async fn open(endpoint: &Endpoint) -> Result<Connection, Error> {
+    /// Connects to `endpoint` and spawns the first link's tasks on the current runtime.
+    /// Calls wait at most `timeout` for their answers.
+    pub(crate) async fn open(endpoint: &Endpoint, timeout: Duration) -> Result<Connection, Error> {
+        let socket = Socket::connect(endpoint).await?;
+        let connection = Connection {
+            shared: Arc::new(Shared::new(timeout)),
+        };
+        connection.start(socket);
+        Ok(connection)
+    }
+
+    /// Opens the next link, once the last one has closed.
+    ///
+    /// Callers take turns: a link starts only while none is open.
+    pub(crate) async fn reopen(&self, endpoint: &Endpoint) -> Result<(), Error> {
+        let socket = Socket::connect(endpoint).await?;
+        self.start(socket);
+        Ok(())
+    }
+
+    /// Whether the open link has closed (and no other has opened); calls then fail until
+    /// [`Connection::reopen`].
+    pub(crate) fn is_closed(&self) -> bool {
+        self.shared.open_link.load(Ordering::Acquire) == NO_LINK
+    }
+
+    /// Sends `op` and waits for its outcome, at most the connection's timeout.
+    ///
+    /// Dropping the future (a cancelled caller) forgets the request, so a late answer finds
+    /// no one waiting and is dropped.
+    pub(crate) fn call<'a>(&'a self, op: OpRef<'a>) -> Call<'a> {
+        Call {
+            shared: &self.shared,
+            stage: Stage::Unsent { op, since: None },
+        }
+    }
+
+    fn start(&self, socket: Socket) {
+        match socket {
+            Socket::Tcp(stream) => {
+                let (read, write) = stream.into_split();
+                spawn_link(&self.shared, read, WriteHalf::Tcp(write));
+            }
+            #[cfg(unix)]
+            Socket::Unix(stream) => {
+                let (read, write) = stream.into_split();
+                spawn_link(&self.shared, read, WriteHalf::Unix(write));
+            }
+        }
+    }
+}
+
+impl Drop for Connection {
+    fn drop(&mut self) {
+        // The writer closes the link once it has written what is queued.
+        let writer = {
+            let mut state = self.shared.lock();
+            state.handles_gone = true;
+            state.writer.take()
+        };
+        if let Some(writer) = writer {
+            writer.wake();
+        }
+    }
+}
+
+/// A connected socket, before it is split between a link's reader and writer.
+enum Socket {
+    Tcp(TcpStream),
+    #[cfg(unix)]
+    Unix(tokio::net::UnixStream),
+}
+
+impl Socket {
+    async fn connect(endpoint: &Endpoint) -> Result<Socket, Error> {
         let connect_error = |source: io::Error| Error::Connect {
             endpoint: endpoint.to_string(),
             source,
@@ -68,16 +141,14 @@ impl Connection {
                 // Requests are small and pipelined: Nagle's algorithm would hold each batch
                 // until the previous one is acknowledged.
                 stream.set_nodelay(true).map_err(connect_error)?;
-                let (read, write) = stream.into_split();
-                Ok(Connection::spawn(read, write))
+                Ok(Socket::Tcp(stream))
             }
             #[cfg(unix)]
             Endpoint::Unix(path) => {
                 let stream = tokio::net::UnixStream::connect(path)
                     .await
                     .map_err(connect_error)?;
-                let (read, write) = stream.into_split();
-                Ok(Connection::spawn(read, write))
+                Ok(Socket::Unix(stream))
             }
             #[cfg(not(unix))]
             Endpoint::Unix(_) => Err(connect_error(io::Error::new(
@@ -86,214 +157,678 @@ impl Connection {
             ))),
         }
     }
+}
 
-    fn spawn<R, W>(read: R, write: W) -> Connection
-    where
-        R: AsyncRead + Unpin + Send + 'static,
-        W: AsyncWrite + Unpin + Send + 'static,
-    {
-        let (requests, queue) = mpsc::channel(QUEUE_REQUESTS_MAX);
-        let (shutdown, stopped) = watch::channel(false);
-        let shared = Arc::new(Shared {
-            pending: Mutex::new(Some(HashMap::new())),
-            shutdown,
-        });
-        tokio::spawn(write_requests(
-            write,
-            queue,
-            Arc::clone(&shared),
-            stopped.clone(),
-        ));
-        tokio::spawn(read_responses(read, Arc::clone(&shared), stopped));
-        Connection { requests, shared }
+/// The writing half of a link's socket. Concrete, not an `AsyncWrite`, for `try_write`: a
+/// call writes to it directly, under the connection's lock.
+enum WriteHalf {
+    Tcp(tcp::OwnedWriteHalf),
+    #[cfg(unix)]
+    Unix(tokio::net::unix::OwnedWriteHalf),
+}
+
+impl WriteHalf {
+    /// Writes what the socket takes now, without waiting and without registering a waker.
+    fn try_write(&self, bytes: &[u8]) -> io::Result<usize> {
+        match self {
+            WriteHalf::Tcp(write) => write.try_write(bytes),
+            #[cfg(unix)]
+            WriteHalf::Unix(write) => write.try_write(bytes),
+        }
     }
 
-    /// Whether the connection has closed; a closed connection takes no more requests.
-    pub(crate) fn is_closed(&self) -> bool {
-        self.shared.pending().is_none()
-    }
-
-    /// Sends `request` and waits for its answer.
-    ///
-    /// Dropping the future (a timeout, a cancelled caller) forgets the request, so a late
-    /// answer finds no one waiting and is dropped.
-    pub(crate) async fn call(&self, request: Request) -> Result<Result<Reply, Refusal>, Error> {
-        let (answer, answered) = oneshot::channel();
-        let mut waiting = self.shared.wait_for(request.id, answer)?;
-        self.requests
-            .send(request)
-            .await
-            .map_err(|_| Error::Disconnected)?;
-        let answer = answered.await;
-        // Whoever answered (the reader or `close`) took the entry out of the map first, so
-        // there is nothing left to forget.
-        waiting.answered = true;
-        match answer {
-            Ok(Ok(reply)) => Ok(reply),
-            Ok(Err(broken)) => Err(broken.into()),
-            // The sender is dropped unsent only with `Shared`, which `waiting` keeps alive;
-            // were it to happen, the connection would be as good as closed.
-            Err(_) => Err(Error::Disconnected),
+    fn poll_write(&mut self, cx: &mut Context<'_>, bytes: &[u8]) -> Poll<io::Result<usize>> {
+        match self {
+            WriteHalf::Tcp(write) => Pin::new(write).poll_write(cx, bytes),
+            #[cfg(unix)]
+            WriteHalf::Unix(write) => Pin::new(write).poll_write(cx, bytes),
         }
     }
 }
 
-/// What the client handle and both tasks share.
+/// Starts a link on `read` and `write`: its writer, reader and sweeper tasks.
+fn spawn_link<R>(shared: &Arc<Shared>, read: R, write: WriteHalf)
+where
+    R: AsyncRead + Unpin + Send + 'static,
+{
+    let link = shared.begin_link(write);
+    tokio::spawn(write_requests(Arc::clone(shared), link));
+    tokio::spawn(read_responses(read, Arc::clone(shared), link));
+    tokio::spawn(sweep(Arc::clone(shared), link));
+}
+
+/// One request's round trip: encoded into the outbox on its first poll, then waiting for
+/// its outcome.
+pub(crate) struct Call<'a> {
+    shared: &'a Shared,
+    stage: Stage<'a>,
+}
+
+enum Stage<'a> {
+    /// Not in the outbox yet: not polled, or waiting for room. `since` is the epoch of the
+    /// first try, from which its timeout counts.
+    Unsent { op: OpRef<'a>, since: Option<u64> },
+    /// In flight under `id`.
+    Sent { id: u64 },
+    /// The outcome was returned.
+    Finished,
+}
+
+impl Future for Call<'_> {
+    type Output = Result<Result<Reply, Refusal>, Error>;
+
+    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        let call = self.get_mut();
+        let shared = call.shared;
+        match &mut call.stage {
+            Stage::Unsent { op, since } => match shared.send(*op, since, cx.waker()) {
+                Sent::InFlight(id) => {
+                    // The slot holds this poll's waker already, so there is nothing to look
+                    // at until it is woken.
+                    call.stage = Stage::Sent { id };
+                    Poll::Pending
+                }
+                Sent::NoRoom => Poll::Pending,
+                Sent::Failed(err) => {
+                    call.stage = Stage::Finished;
+                    Poll::Ready(Err(err))
+                }
+            },
+            Stage::Sent { id } => {
+                let Some(outcome) = shared.collect(*id, cx.waker()) else {
+                    return Poll::Pending;
+                };
+                call.stage = Stage::Finished;
+                Poll::Ready(match outcome {
+                    Outcome::Answered(result) => Ok(result),
+                    Outcome::TimedOut => Err(Error::Timeout {
+                        after: shared.timeout,
+                    }),
+                    Outcome::Closed(broken) => Err(broken.into()),
+                })
+            }
+            Stage::Finished => panic!("invariant: a call is not polled after it returned"),
+        }
+    }
+}
+
+impl Drop for Call<'_> {
+    fn drop(&mut self) {
+        if let Stage::Sent { id } = self.stage {
+            self.shared.abandon(id);
+        }
+    }
+}
+
+/// What became of a call's try to send.
+enum Sent {
+    /// Queued under this id.
+    InFlight(u64),
+    /// The outbox is full: the call waits for room.
+    NoRoom,
+    /// The connection closed, or the call timed out waiting for room.
+    Failed(Error),
+}
+
+/// `Shared::open_link` when no link is open. Links count from 1.
+const NO_LINK: u64 = 0;
+
+/// What the handle, the calls and the tasks share.
 struct Shared {
-    /// The requests waiting for an answer, by id.
-    ///
-    /// Invariant: `None` once the connection has closed, and never `Some` again; a request
-    /// is either in the map when it closes (and told why) or refused before it is sent.
-    pending: Mutex<Option<HashMap<u64, oneshot::Sender<Answer>>>>,
-    /// Set to `true` once, on close, to stop both tasks.
-    shutdown: watch::Sender<bool>,
+    state: Mutex<State>,
+    /// The open link's number, or `NO_LINK`: `State::link` while `State::closed` is `None`,
+    /// for checks that take no lock.
+    open_link: AtomicU64,
+    /// Wakes the sweeper when a call arrives while it is parked, or when its link closes.
+    sweeper: Notify,
+    /// How long a call waits for its answer.
+    timeout: Duration,
+    deadlines: Deadlines,
+}
+
+/// Everything under the connection's one lock. Nothing under it waits (the most is one
+/// non-blocking write, by a call alone in flight) or panics (but for invariant checks),
+/// and wakers are woken only once it is released.
+struct State {
+    /// Calls in flight, over every link: ids never repeat on the connection, so an answer
+    /// on a new link cannot reach a call made on an old one.
+    in_flight: InFlight,
+    /// The number of the last link started. A task serves only its own link, and stops
+    /// once that is no longer the open one.
+    link: u64,
+    /// Why the last link closed; `None` while it is open.
+    closed: Option<Broken>,
+    /// Requests encoded and not yet handed to the writer, in id order.
+    queued: Vec<u8>,
+    /// The open link's socket, while no write is under way: the writer task takes it out
+    /// for each batch, and a call alone in flight writes to it in place.
+    write_half: Option<WriteHalf>,
+    /// The writer task, when it is parked for want of requests.
+    writer: Option<Waker>,
+    /// The writer and the reader tasks as they last waited on the socket, for `close` to
+    /// wake. Only `close` takes them.
+    socket_writer: Option<Waker>,
+    socket_reader: Option<Waker>,
+    /// Calls waiting for room in the outbox; woken together when there is room, and at
+    /// each tick to check their timeout.
+    room: Vec<Waker>,
+    /// The clock: sweeper ticks so far.
+    epoch: u64,
+    /// The next id when the last tick came: a tick that finds it unchanged and nothing in
+    /// flight parks the sweeper.
+    next_id_at_tick: u64,
+    /// The sweeper is parked, and the next call must wake it.
+    sweeper_parked: bool,
+    /// The handle was dropped: no call will come.
+    handles_gone: bool,
+}
+
+impl State {
+    /// Whether `link` is the open link.
+    fn is_open(&self, link: u64) -> bool {
+        self.link == link && self.closed.is_none()
+    }
+
+    /// Writes what the socket takes of the outbox now, if no write is under way. What it
+    /// does not take (or an error, which the writer meets again and closes the link on) is
+    /// left to the writer.
+    fn write_directly(&mut self) {
+        let Some(write) = &self.write_half else {
+            return;
+        };
+        if let Ok(wrote) = write.try_write(&self.queued) {
+            self.queued.drain(..wrote);
+        }
+    }
+
+    fn has_room(&self) -> bool {
+        self.queued.len() < QUEUED_BYTES_MAX && self.in_flight.span() < IN_FLIGHT_SLOTS_MAX
+    }
+
+    /// The calls waiting for room, if there is room now.
+    fn take_room_waiters(&mut self) -> Vec<Waker> {
+        if self.room.is_empty() || !self.has_room() {
+            return Vec::new();
+        }
+        std::mem::take(&mut self.room)
+    }
 }
 
 impl Shared {
-    fn pending(&self) -> MutexGuard<'_, Option<HashMap<u64, oneshot::Sender<Answer>>>> {
-        // The map is left consistent at every step (no code under the lock panics), so a
-        // poisoned lock still holds a usable map.
-        self.pending.lock().unwrap_or_else(PoisonError::into_inner)
-    }
-
-    /// Registers a request as waiting for `id`, or refuses it if the connection has closed.
-    fn wait_for(
-        self: &Arc<Self>,
-        id: u64,
-        answer: oneshot::Sender<Answer>,
-    ) -> Result<Waiting, Error> {
-        let mut pending = self.pending();
-        let map = pending.as_mut().ok_or(Error::Disconnected)?;
-        let earlier = map.insert(id, answer);
-        assert!(
-            earlier.is_none(),
-            "request id {id} is already in flight: ids come from a counter that never repeats"
-        );
-        Ok(Waiting {
-            shared: Arc::clone(self),
-            id,
-            answered: false,
-        })
-    }
-
-    /// Hands `response` to the request waiting on its id; drops it if none is (the request
-    /// timed out or its caller went away).
-    fn deliver(&self, response: Response) {
-        let waiting = self
-            .pending()
-            .as_mut()
-            .and_then(|map| map.remove(&response.id));
-        if let Some(answer) = waiting {
-            // The receiver is gone only if its caller stopped waiting after we took the
-            // entry; the answer is then dropped, like any late answer.
-            let _ = answer.send(Ok(response.result));
+    /// No link open yet.
+    fn new(timeout: Duration) -> Shared {
+        Shared {
+            state: Mutex::new(State {
+                in_flight: InFlight::new(1),
+                link: NO_LINK,
+                closed: Some(Broken::Disconnected),
+                queued: Vec::new(),
+                write_half: None,
+                writer: None,
+                socket_writer: None,
+                socket_reader: None,
+                room: Vec::new(),
+                epoch: 0,
+                next_id_at_tick: 1,
+                sweeper_parked: false,
+                handles_gone: false,
+            }),
+            open_link: AtomicU64::new(NO_LINK),
+            sweeper: Notify::new(),
+            timeout,
+            deadlines: Deadlines::new(timeout),
         }
     }
 
-    /// Closes the connection: tells every waiting request why and stops both tasks. Only
-    /// the first close counts.
-    fn close(&self, broken: Broken) {
-        let Some(waiting) = self.pending().take() else {
+    fn lock(&self) -> MutexGuard<'_, State> {
+        // Nothing under the lock panics but an invariant check, and state is consistent
+        // before each of those, so a poisoned lock still holds usable state.
+        self.state.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// Opens the next link, writing to `write`, and returns its number.
+    fn begin_link(&self, write: WriteHalf) -> u64 {
+        let mut state = self.lock();
+        assert!(
+            state.closed.is_some(),
+            "invariant: link {} is open; the next starts only once it has closed",
+            state.link
+        );
+        state.link += 1;
+        state.closed = None;
+        state.write_half = Some(write);
+        state.next_id_at_tick = state.in_flight.next_id();
+        self.open_link.store(state.link, Ordering::Release);
+        state.link
+    }
+
+    /// Encodes `op` into the outbox and registers `waker` to wait for its answer.
+    fn send(&self, op: OpRef<'_>, since: &mut Option<u64>, waker: &Waker) -> Sent {
+        let mut state = self.lock();
+        if state.closed.is_some() {
+            // Nothing was sent, but the link is as good as broken for this call.
+            return Sent::Failed(Error::Disconnected);
+        }
+        let since = *since.get_or_insert(state.epoch);
+        // A call waits for its timeout (or for room) only while the sweeper ticks.
+        let sweeper = std::mem::take(&mut state.sweeper_parked);
+        let (sent, writer) = if state.has_room() {
+            let id = state.in_flight.push(waker.clone(), since);
+            let was_empty = state.queued.is_empty();
+            wire::encode_request(&RequestRef { id, op }, &mut state.queued);
+            if was_empty && state.in_flight.live() == 1 {
+                // Alone in flight: no other request is coming soon to share a write with,
+                // so waking the writer would only add a task switch to the round trip.
+                state.write_directly();
+            }
+            // A writer that is not parked will look at the outbox again before it parks.
+            let writer = if was_empty && !state.queued.is_empty() {
+                state.writer.take()
+            } else {
+                None
+            };
+            (Sent::InFlight(id), writer)
+        } else if self.deadlines.expired(since, state.epoch) {
+            let after = self.timeout;
+            (Sent::Failed(Error::Timeout { after }), None)
+        } else {
+            state.room.push(waker.clone());
+            (Sent::NoRoom, None)
+        };
+        drop(state);
+        if let Some(writer) = writer {
+            writer.wake();
+        }
+        if sweeper {
+            self.sweeper.notify_one();
+        }
+        sent
+    }
+
+    /// The outcome of the call on `id`, once it is in.
+    fn collect(&self, id: u64, waker: &Waker) -> Option<Outcome> {
+        let mut state = self.lock();
+        let outcome = state.in_flight.poll(id, waker)?;
+        let room = state.take_room_waiters();
+        drop(state);
+        room.into_iter().for_each(Waker::wake);
+        Some(outcome)
+    }
+
+    fn abandon(&self, id: u64) {
+        let mut state = self.lock();
+        state.in_flight.abandon(id);
+        let room = state.take_room_waiters();
+        drop(state);
+        room.into_iter().for_each(Waker::wake);
+    }
+
+    /// Hands every response in `responses`, read on `link`, to its call; wakes them once
+    /// the lock is released. False if the link has closed.
+    fn deliver(&self, link: u64, responses: &mut Vec<Response>, wakers: &mut Vec<Waker>) -> bool {
+        let mut state = self.lock();
+        if !state.is_open(link) {
+            return false;
+        }
+        for response in responses.drain(..) {
+            wakers.extend(state.in_flight.answer(response.id, response.result));
+        }
+        drop(state);
+        wakers.drain(..).for_each(Waker::wake);
+        true
+    }
+
+    /// Moves the queued requests into the writer's empty `batch` and hands it the socket
+    /// to write them to, or parks the writer until there are some. `Ready(None)` when the
+    /// writer of `link` should stop.
+    fn poll_batch(
+        &self,
+        link: u64,
+        cx: &mut Context<'_>,
+        batch: &mut Vec<u8>,
+    ) -> Poll<Option<WriteHalf>> {
+        let mut state = self.lock();
+        if !state.is_open(link) {
+            return Poll::Ready(None);
+        }
+        if !state.queued.is_empty() {
+            let write = state.write_half.take().expect(
+                "invariant: the open link's socket is in the state while its writer is idle",
+            );
+            // A swap, so that both buffers keep their capacity: no allocation per batch.
+            std::mem::swap(&mut state.queued, batch);
+            // Busy: calls need not wake it until it parks again.
+            state.writer = None;
+            let room = state.take_room_waiters();
+            drop(state);
+            room.into_iter().for_each(Waker::wake);
+            return Poll::Ready(Some(write));
+        }
+        if state.handles_gone {
+            drop(state);
+            self.close(link, Broken::Disconnected);
+            return Poll::Ready(None);
+        }
+        state.writer = Some(cx.waker().clone());
+        Poll::Pending
+    }
+
+    /// The writer of `link` is done with a batch: the socket goes back to the state, or is
+    /// dropped if the link has closed meanwhile.
+    fn end_batch(&self, link: u64, write: WriteHalf) {
+        let mut state = self.lock();
+        if state.is_open(link) {
+            state.write_half = Some(write);
+            return;
+        }
+        drop(state);
+        drop(write);
+    }
+
+    /// Registers the writer or the reader of `link` to be woken when the link closes, as it
+    /// waits on its socket. False if it has closed already.
+    fn park_on_socket(&self, link: u64, task: Task, waker: &Waker) -> bool {
+        let mut state = self.lock();
+        if !state.is_open(link) {
+            return false;
+        }
+        let parked = match task {
+            Task::Writer => &mut state.socket_writer,
+            Task::Reader => &mut state.socket_reader,
+        };
+        *parked = Some(waker.clone());
+        true
+    }
+
+    /// One tick of `link`'s sweeper: advances the clock, times out the calls that have
+    /// waited their timeout, and wakes the calls waiting for room to check theirs. Returns
+    /// whether the connection is idle, in which case the sweeper is marked parked.
+    fn tick(&self, link: u64, wakers: &mut Vec<Waker>) -> bool {
+        let mut state = self.lock();
+        if !state.is_open(link) {
+            return false;
+        }
+        let next_id = state.in_flight.next_id();
+        let idle = state.in_flight.live() == 0
+            && state.room.is_empty()
+            && next_id == state.next_id_at_tick;
+        state.next_id_at_tick = next_id;
+        state.epoch += 1;
+        let epoch = state.epoch;
+        state.in_flight.expire(&self.deadlines, epoch, wakers);
+        wakers.append(&mut state.room);
+        state.sweeper_parked = idle;
+        drop(state);
+        wakers.drain(..).for_each(Waker::wake);
+        idle
+    }
+
+    /// Closes `link`: tells every waiting call why and stops the link's tasks. Only the
+    /// first close of the open link counts.
+    fn close(&self, link: u64, broken: Broken) {
+        let mut wakers = Vec::new();
+        // Dropped once the lock is released: dropping a socket is a system call.
+        let _write_half = {
+            let mut state = self.lock();
+            if !state.is_open(link) {
+                return;
+            }
+            state.in_flight.close(&broken, &mut wakers);
+            state.closed = Some(broken);
+            self.open_link.store(NO_LINK, Ordering::Release);
+            // The queued requests were for this link's socket, and their calls have just
+            // been failed; the next link starts with an empty outbox and parks nothing.
+            state.queued.clear();
+            state.sweeper_parked = false;
+            wakers.append(&mut state.room);
+            wakers.extend(state.writer.take());
+            wakers.extend(state.socket_writer.take());
+            wakers.extend(state.socket_reader.take());
+            state.write_half.take()
+        };
+        wakers.into_iter().for_each(Waker::wake);
+        self.sweeper.notify_one();
+    }
+
+    /// Whether `link` is the open link, without the lock.
+    fn is_open(&self, link: u64) -> bool {
+        self.open_link.load(Ordering::Acquire) == link
+    }
+}
+
+#[derive(Debug, Clone, Copy)]
+enum Task {
+    Writer,
+    Reader,
+}
+
+/// A task's registration to be woken by `close` while it waits on its socket, kept so that
+/// it takes the lock only when its waker changes, not each time it waits.
+struct SocketWait {
+    link: u64,
+    task: Task,
+    /// The waker last registered. `close` clears `Shared::open_link` before it takes the
+    /// registered waker (and wakes it), so while the link is open the registration stands.
+    registered: Option<Waker>,
+}
+
+impl SocketWait {
+    fn new(link: u64, task: Task) -> SocketWait {
+        SocketWait {
+            link,
+            task,
+            registered: None,
+        }
+    }
+
+    /// Whether the task may wait on its socket with `waker`: false if its link has closed.
+    fn park(&mut self, shared: &Shared, waker: &Waker) -> bool {
+        if !shared.is_open(self.link) {
+            return false;
+        }
+        if self
+            .registered
+            .as_ref()
+            .is_some_and(|registered| registered.will_wake(waker))
+        {
+            return true;
+        }
+        if !shared.park_on_socket(self.link, self.task, waker) {
+            return false;
+        }
+        self.registered = Some(waker.clone());
+        true
+    }
+}
+
+/// The writer task of `link`: writes everything queued, one batch at a time.
+async fn write_requests(shared: Arc<Shared>, link: u64) {
+    let mut batch = Vec::new();
+    let mut wait = SocketWait::new(link, Task::Writer);
+    loop {
+        batch.clear();
+        let Some(mut write) = poll_fn(|cx| shared.poll_batch(link, cx, &mut batch)).await else {
             return;
         };
-        for answer in waiting.into_values() {
-            let _ = answer.send(Err(broken.clone()));
-        }
-        self.shutdown.send_replace(true);
-    }
-}
-
-/// A request's entry in the pending map, removed when the caller stops waiting.
-struct Waiting {
-    shared: Arc<Shared>,
-    id: u64,
-    /// The entry was removed by whoever answered.
-    answered: bool,
-}
-
-impl Drop for Waiting {
-    fn drop(&mut self) {
-        if !self.answered {
-            if let Some(map) = self.shared.pending().as_mut() {
-                map.remove(&self.id);
+        let written = write_all(&mut write, &batch, &shared, &mut wait).await;
+        shared.end_batch(link, write);
+        match written {
+            Ok(()) => {}
+            Err(Stopped::Closed) => return,
+            Err(Stopped::Failed) => {
+                shared.close(link, Broken::Disconnected);
+                return;
             }
         }
     }
 }
 
-/// The writer task: writes queued requests, as many as are queued in one write.
-async fn write_requests<W: AsyncWrite + Unpin>(
-    mut write: W,
-    mut queue: mpsc::Receiver<Request>,
-    shared: Arc<Shared>,
-    mut stopped: watch::Receiver<bool>,
-) {
-    let mut batch = Vec::with_capacity(BATCH_BYTES_MAX);
-    loop {
-        let first = tokio::select! {
-            biased;
-            _ = stopped.wait_for(|stop| *stop) => return,
-            request = queue.recv() => request,
-        };
-        // Every handle is gone: no request can come, so the connection is done.
-        let Some(first) = first else {
-            shared.close(Broken::Disconnected);
-            return;
-        };
-        batch.clear();
-        wire::encode_frame(&first, &mut batch);
-        while batch.len() < BATCH_BYTES_MAX {
-            let Ok(request) = queue.try_recv() else {
-                break;
-            };
-            wire::encode_frame(&request, &mut batch);
+/// Why a task stopped waiting on its socket.
+enum Stopped {
+    /// The link closed meanwhile.
+    Closed,
+    /// The socket failed or reached its end.
+    Failed,
+}
+
+/// Writes all of `batch`, or stops when the link closes while the socket is full.
+async fn write_all(
+    write: &mut WriteHalf,
+    batch: &[u8],
+    shared: &Shared,
+    wait: &mut SocketWait,
+) -> Result<(), Stopped> {
+    let mut written = 0;
+    while written < batch.len() {
+        let wrote = poll_fn(|cx| match write.poll_write(cx, &batch[written..]) {
+            Poll::Ready(wrote) => Poll::Ready(Ok(wrote)),
+            Poll::Pending if wait.park(shared, cx.waker()) => Poll::Pending,
+            Poll::Pending => Poll::Ready(Err(Stopped::Closed)),
+        })
+        .await?;
+        match wrote {
+            Ok(0) | Err(_) => return Err(Stopped::Failed),
+            Ok(wrote) => written += wrote,
         }
-        let written = tokio::select! {
-            biased;
-            _ = stopped.wait_for(|stop| *stop) => return,
-            written = write.write_all(&batch) => written,
+    }
+    Ok(())
+}
+
+/// The reader task of `link`: reads and delivers responses until the stream fails or the
+/// link closes.
+async fn read_responses<R: AsyncRead + Unpin>(mut read: R, shared: Arc<Shared>, link: u64) {
+    if let Some(broken) = deliver_responses(&mut read, &shared, link).await {
+        shared.close(link, broken);
+    }
+}
+
+/// Reads and delivers responses; returns why the stream broke, or `None` if the link
+/// closed for another reason.
+async fn deliver_responses<R: AsyncRead + Unpin>(
+    read: &mut R,
+    shared: &Shared,
+    link: u64,
+) -> Option<Broken> {
+    let mut buffer = vec![0; READ_BUFFER_BYTES];
+    // Invariant: `buffer[..filled]` holds less than one whole frame after each pass, so
+    // there is always room to read into.
+    let mut filled = 0;
+    let mut responses = Vec::new();
+    let mut wakers = Vec::new();
+    let mut wait = SocketWait::new(link, Task::Reader);
+    loop {
+        let read = poll_fn(|cx| {
+            let mut unfilled = ReadBuf::new(&mut buffer[filled..]);
+            match Pin::new(&mut *read).poll_read(cx, &mut unfilled) {
+                Poll::Ready(Ok(())) => Poll::Ready(Ok(unfilled.filled().len())),
+                Poll::Ready(Err(_)) => Poll::Ready(Err(Stopped::Failed)),
+                Poll::Pending if wait.park(shared, cx.waker()) => Poll::Pending,
+                Poll::Pending => Poll::Ready(Err(Stopped::Closed)),
+            }
+        })
+        .await;
+        match read {
+            Ok(0) | Err(Stopped::Failed) => return Some(Broken::Disconnected),
+            Err(Stopped::Closed) => return None,
+            Ok(read) => filled += read,
+        }
+        let (decoded, broken) = decode_responses(&buffer[..filled], &mut responses);
+        // Answers that came before a bad frame are still delivered.
+        if !shared.deliver(link, &mut responses, &mut wakers) {
+            return None;
+        }
+        if broken.is_some() {
+            return broken;
+        }
+        buffer.copy_within(decoded..filled, 0);
+        filled -= decoded;
+    }
+}
+
+/// Decodes the whole frames at the start of `input` into `responses`; returns how many
+/// bytes they took, and why the stream is broken if a frame does not decode.
+fn decode_responses(input: &[u8], responses: &mut Vec<Response>) -> (usize, Option<Broken>) {
+    let mut at = 0;
+    while let Some(prefix) = input.get(at..at + 4) {
+        let prefix: [u8; 4] = prefix.try_into().expect("invariant: a 4-byte slice");
+        let len = match wire::frame_len(prefix) {
+            Ok(len) => len,
+            Err(err) => return (at, Some(Broken::Protocol(err.to_string()))),
         };
-        if written.is_err() {
-            shared.close(Broken::Disconnected);
-            return;
+        let Some(body) = input.get(at + 4..at + 4 + len) else {
+            break;
+        };
+        match wire::decode_response(body) {
+            Ok(response) => responses.push(response),
+            Err(err) => return (at, Some(Broken::Protocol(err.to_string()))),
+        }
+        at += 4 + len;
+    }
+    (at, None)
+}
+
+/// The sweeper task of `link`: ticks the connection's clock while calls are in flight, and
+/// parks while the connection is idle.
+async fn sweep(shared: Arc<Shared>, link: u64) {
+    let mut wakers = Vec::new();
+    while shared.is_open(link) {
+        tokio::select! {
+            () = tokio::time::sleep(shared.deadlines.tick) => {}
+            // Only `close` notifies a sweeper that is not parked. Back to the top, where a
+            // stray wake-up restarts the tick rather than end it early.
+            () = shared.sweeper.notified() => continue,
+        }
+        if shared.tick(link, &mut wakers) {
+            // Woken by the next call, or by `close`.
+            shared.sweeper.notified().await;
         }
     }
 }
 
-/// The reader task: reads responses until the stream fails or the connection closes.
-async fn read_responses<R: AsyncRead + Unpin>(
-    read: R,
-    shared: Arc<Shared>,
-    mut stopped: watch::Receiver<bool>,
-) {
-    let mut read = BufReader::with_capacity(READ_BUFFER_BYTES, read);
-    let broken = tokio::select! {
-        biased;
-        _ = stopped.wait_for(|stop| *stop) => return,
-        broken = deliver_responses(&mut read, &shared) => broken,
-    };
-    shared.close(broken);
-}
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::wire::Estimate;
 
-/// Reads and delivers responses; returns why it stopped.
-async fn deliver_responses<R: AsyncRead + Unpin>(read: &mut R, shared: &Shared) -> Broken {
-    let mut body = Vec::new();
-    loop {
-        let mut prefix = [0; 4];
-        if read.read_exact(&mut prefix).await.is_err() {
-            return Broken::Disconnected;
+    fn frame(response: &Response) -> Vec<u8> {
+        let mut frame = Vec::new();
+        wire::encode_frame(response, &mut frame);
+        frame
+    }
+
+    fn response(id: u64) -> Response {
+        Response {
+            id,
+            result: Ok(Reply::Estimate(Estimate {
+                estimate: 1,
+                window: 2,
+                staleness_ms: 3,
+            })),
         }
-        let len = match wire::frame_len(prefix) {
-            Ok(len) => len,
-            Err(err) => return Broken::Protocol(err.to_string()),
-        };
-        body.resize(len, 0);
-        if read.read_exact(&mut body).await.is_err() {
-            return Broken::Disconnected;
-        }
-        match wire::decode_body::<Response>(&body) {
-            Ok(response) => shared.deliver(response),
-            Err(err) => return Broken::Protocol(err.to_string()),
-        }
+    }
+
+    #[test]
+    fn whole_frames_are_decoded_and_a_partial_one_is_left() {
+        let mut input = frame(&response(1));
+        input.extend(frame(&response(2)));
+        let whole = input.len();
+        input.extend(&frame(&response(3))[..5]);
+        let mut responses = Vec::new();
+        let (decoded, broken) = decode_responses(&input, &mut responses);
+        assert!(broken.is_none());
+        assert_eq!(decoded, whole);
+        assert_eq!(responses, [response(1), response(2)]);
+    }
+
+    #[test]
+    fn frames_before_a_bad_one_are_decoded_and_the_bad_one_breaks_the_stream() {
+        let mut input = frame(&response(1));
+        let good = input.len();
+        input.extend([0xff, 0xff, 0xff, 0xff]);
+        let mut responses = Vec::new();
+        let (decoded, broken) = decode_responses(&input, &mut responses);
+        assert_eq!(decoded, good);
+        assert_eq!(responses, [response(1)]);
+        assert!(matches!(broken, Some(Broken::Protocol(why)) if why.contains("over the")));
     }
 }

@@ -51,6 +51,7 @@ mod client;
 mod connection;
 mod endpoint;
 mod error;
+mod in_flight;
 pub mod wire;
 
 pub use client::{Client, Options};

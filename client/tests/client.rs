@@ -373,3 +373,107 @@ async fn a_unix_socket_endpoint_works() {
     std::fs::remove_file(&path).unwrap();
     assert_eq!(counted.unwrap(), estimate(-2));
 }
+
+#[tokio::test]
+async fn calls_to_a_sidecar_that_stops_reading_wait_for_room_and_time_out() {
+    // Enough big requests to fill the socket's buffers and then the client's outbox, so
+    // that later calls wait for room; every one must still come back within its timeout.
+    const CALLS: usize = 300;
+    let timeout = Duration::from_millis(300);
+    let (listener, endpoint) = listen().await;
+    let (done, finished) = tokio::sync::oneshot::channel::<()>();
+    let server = tokio::spawn(async move {
+        // Accept, then never read, until the test is over.
+        let (stream, _) = listener.accept().await.unwrap();
+        finished.await.unwrap();
+        drop(stream);
+    });
+
+    let client = Client::connect(endpoint, options().with_timeout(timeout))
+        .await
+        .unwrap();
+    let subject = "s".repeat(wire::CLIENT_FRAME_BYTES_MAX - 100);
+    let calls: Vec<_> = (0..CALLS)
+        .map(|_| {
+            let (client, subject) = (client.clone(), subject.clone());
+            tokio::spawn(async move { client.incr("login", &subject, 1).await })
+        })
+        .collect();
+    let all = async {
+        for call in calls {
+            let err = call.await.unwrap().unwrap_err();
+            assert!(
+                matches!(err, Error::Timeout { after } if after == timeout),
+                "{err:?}"
+            );
+        }
+    };
+    // A hang is the failure this guards against: fail instead of waiting for ever.
+    tokio::time::timeout(Duration::from_secs(30), all)
+        .await
+        .expect("every call came back");
+    done.send(()).unwrap();
+    server.await.unwrap();
+}
+
+#[tokio::test]
+async fn callers_on_other_threads_each_get_their_own_answer() {
+    // The connection's tasks run on this test's runtime; the callers run on runtimes of
+    // their own, one per thread, so calls, answers and wake-ups cross threads.
+    const THREADS: u64 = 4;
+    const CALLS: u64 = 500;
+    let (listener, endpoint) = listen().await;
+    // Answers every request as it comes, with its amount as the count.
+    let server = tokio::spawn(async move {
+        let (stream, _) = listener.accept().await.unwrap();
+        let (mut read, mut write) = stream.into_split();
+        while let Some(request) = read_request(&mut read).await {
+            let Op::Incr { amount, .. } = request.op else {
+                panic!("expected an incr, got {request:?}");
+            };
+            let response = Response {
+                id: request.id,
+                result: Ok(Reply::Counted(estimate(amount.into()))),
+            };
+            write_responses(&mut write, &[response]).await;
+        }
+    });
+
+    let client = Client::connect(endpoint, options()).await.unwrap();
+    let callers = client.clone();
+    tokio::task::spawn_blocking(move || {
+        std::thread::scope(|scope| {
+            for thread in 0..THREADS {
+                let client = callers.clone();
+                scope.spawn(move || {
+                    let runtime = tokio::runtime::Builder::new_current_thread()
+                        .enable_all()
+                        .build()
+                        .unwrap();
+                    runtime.block_on(async {
+                        let tasks: Vec<_> = (0..2)
+                            .map(|task| {
+                                let client = client.clone();
+                                tokio::spawn(async move {
+                                    for call in 0..CALLS {
+                                        let amount = (thread * 2 + task) * CALLS + call;
+                                        let counted =
+                                            client.incr("login", "user-42", amount).await.unwrap();
+                                        assert_eq!(counted, estimate(amount.into()));
+                                    }
+                                })
+                            })
+                            .collect();
+                        for task in tasks {
+                            task.await.unwrap();
+                        }
+                    });
+                });
+            }
+        });
+    })
+    .await
+    .unwrap();
+    drop(client);
+    server.await.unwrap();
+}

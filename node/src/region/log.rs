@@ -116,7 +116,7 @@ mod tests {
             window_index: 500_000,
             window_secs: 3_600,
             cost: seq + 1,
-            allowed: seq % 3 != 0,
+            allowed: !seq.is_multiple_of(3),
         }
     }
 
