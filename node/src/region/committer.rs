@@ -199,6 +199,7 @@ mod tests {
                         bytes
                     }
                     Decided::Repeat(_) => Vec::new(),
+                    Decided::Forgotten => panic!("60 checks stay within RECENT_IDS"),
                 };
                 pending.push((this.id, committer.submit(bytes)));
                 seq += 1;

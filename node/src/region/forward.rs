@@ -114,6 +114,9 @@ impl Forwarder {
                 "the region has no exact rule {:?}",
                 rule.name
             ))),
+            Some(ExactAnswer::Forgotten) => Err(unavailable(
+                "the region no longer remembers this request id".into(),
+            )),
             Some(ExactAnswer::Storage(why)) => {
                 self.stats.storage_errors.fetch_add(1, Ordering::Relaxed);
                 Err(Refusal::Storage {

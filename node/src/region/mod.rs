@@ -58,6 +58,9 @@ pub enum ExactAnswer {
     /// The region could not make the decision durable; nothing was acknowledged. The
     /// region's log error.
     Storage(String),
+    /// A retry of a request id older than the region remembers for its edge life
+    /// ([`RECENT_IDS`]); it was decided once and is not decided again.
+    Forgotten,
 }
 
 /// A decision on the authoritative count.
@@ -92,13 +95,28 @@ pub fn decode<T: serde::de::DeserializeOwned>(bytes: &[u8]) -> Option<T> {
     (read == body.len()).then_some(message)
 }
 
-/// The authoritative counts of exact rules, and the outcome of every request id of a live
-/// window. Pure state: the committer makes it durable.
+/// The authoritative counts of exact rules, and the outcomes of each edge life's most
+/// recent request ids. Pure state: the committer makes it durable.
 #[derive(Debug, Default)]
 pub struct Ledger {
     // Invariant: a count never decreases within its window.
     counts: HashMap<Key, u64>,
-    seen: HashMap<RequestId, (Outcome, Window)>,
+    // Per edge life (node, generation): the outcomes of its last `RECENT_IDS` requests.
+    seen: HashMap<(u64, u64), Recent>,
+}
+
+/// How many request ids of one edge life the ledger answers retries of. An edge retries
+/// only within its rule's timeout, and numbers its requests in order, so its retries are
+/// of recent ids; this bounds the memory of a window to this many per edge life instead
+/// of one entry per decision.
+pub const RECENT_IDS: usize = 65_536;
+
+/// One edge life's recent outcomes.
+#[derive(Debug, Default)]
+struct Recent {
+    outcomes: std::collections::BTreeMap<u64, (Outcome, Window)>,
+    // Invariant: every sequence number below this was decided and then forgotten.
+    floor: u64,
 }
 
 /// What [`Ledger::decide`] did.
@@ -108,6 +126,9 @@ pub enum Decided {
     New(Outcome, Record),
     /// A retry of a decided request: its first outcome, nothing new to log.
     Repeat(Outcome),
+    /// A retry of a request older than the last [`RECENT_IDS`] of its edge life: its
+    /// outcome is forgotten, and it is not decided again (that could count it twice).
+    Forgotten,
 }
 
 impl Ledger {
@@ -123,8 +144,13 @@ impl Ledger {
     /// Decides `check` under `rule`: admits iff the count plus the cost stays within the
     /// limit. A request id seen before gets its first outcome.
     pub fn decide(&mut self, check: &ExactCheck, rule: &RuleConfig) -> Option<Decided> {
-        if let Some((outcome, _)) = self.seen.get(&check.id) {
-            return Some(Decided::Repeat(*outcome));
+        if let Some(recent) = self.seen.get(&(check.id.node, check.id.generation)) {
+            if check.id.seq < recent.floor {
+                return Some(Decided::Forgotten);
+            }
+            if let Some((outcome, _)) = recent.outcomes.get(&check.id.seq) {
+                return Some(Decided::Repeat(*outcome));
+            }
         }
         let key = key_of(
             &check.rule,
@@ -158,8 +184,12 @@ impl Ledger {
     pub fn expire(&mut self, now_unix_secs: u64) {
         self.counts
             .retain(|key, _| key.window.is_live(now_unix_secs));
-        self.seen
-            .retain(|_, (_, window)| window.is_live(now_unix_secs));
+        for recent in self.seen.values_mut() {
+            recent
+                .outcomes
+                .retain(|_, (_, window)| window.is_live(now_unix_secs));
+        }
+        self.seen.retain(|_, recent| !recent.outcomes.is_empty());
     }
 
     fn apply(&mut self, record: &Record) -> Outcome {
@@ -183,7 +213,16 @@ impl Ledger {
             allowed: record.allowed,
             count: *count,
         };
-        self.seen.insert(record.id, (outcome, window));
+        let recent = self
+            .seen
+            .entry((record.id.node, record.id.generation))
+            .or_default();
+        recent.outcomes.insert(record.id.seq, (outcome, window));
+        if recent.outcomes.len() > RECENT_IDS {
+            if let Some((oldest, _)) = recent.outcomes.pop_first() {
+                recent.floor = recent.floor.max(oldest + 1);
+            }
+        }
         outcome
     }
 }
@@ -228,7 +267,7 @@ mod tests {
             .map(
                 |seq| match ledger.decide(&check(seq, 2), &rule(7)).unwrap() {
                     Decided::New(outcome, _) => outcome.allowed,
-                    Decided::Repeat(_) => panic!("a new id is decided anew"),
+                    Decided::Repeat(_) | Decided::Forgotten => panic!("a new id is decided anew"),
                 },
             )
             .collect();
@@ -261,6 +300,30 @@ mod tests {
         }
         let key = key_of("quota", "acct-1", 500_000, 3_600).unwrap();
         assert_eq!(ledger.count(&key), 3);
+    }
+
+    #[test]
+    fn an_edge_lifes_oldest_ids_are_forgotten_never_decided_twice() {
+        let mut ledger = Ledger::default();
+        let total = RECENT_IDS as u64 + 10;
+        for seq in 0..total {
+            assert!(matches!(
+                ledger.decide(&check(seq, 1), &rule(u64::MAX)),
+                Some(Decided::New(..))
+            ));
+        }
+        for seq in 0..10 {
+            assert_eq!(
+                ledger.decide(&check(seq, 1), &rule(u64::MAX)),
+                Some(Decided::Forgotten)
+            );
+        }
+        assert!(matches!(
+            ledger.decide(&check(10, 1), &rule(u64::MAX)),
+            Some(Decided::Repeat(_))
+        ));
+        let key = key_of("quota", "acct-1", 500_000, 3_600).unwrap();
+        assert_eq!(ledger.count(&key), total, "nothing counted twice");
     }
 
     #[test]

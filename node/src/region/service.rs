@@ -151,6 +151,10 @@ impl RegionService {
             }
             // A retry: answered after the sync that made its first decision durable.
             Decided::Repeat(outcome) => (outcome, Vec::new(), false),
+            Decided::Forgotten => {
+                let _ = reply.send(encode(&ExactAnswer::Forgotten));
+                return;
+            }
         };
         let durable = self.committer.submit(bytes);
         let store = self.store.clone();
