@@ -170,6 +170,23 @@ async fn region_kill9_at_random_moments_loses_no_acknowledged_check_and_never_pa
         at_limit >= 5,
         "too few subjects reached the limit: {at_limit}"
     );
+    // The region's admissions reach the edges' approximate estimates through its own
+    // gossip lanes, which its lane log carries across the 20 restarts.
+    for (subject, _, count) in &seen {
+        let mut estimate = 0;
+        for _ in 0..100 {
+            estimate = edges[1].get("quota", subject).await.unwrap().estimate;
+            if estimate == i128::from(*count) {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        assert_eq!(
+            estimate,
+            i128::from(*count),
+            "{subject}: the edge's estimate of the region's count"
+        );
+    }
     let log = std::fs::read_to_string(&cluster.nodes[0].log).unwrap();
     assert!(
         log.matches("region log:").count() >= 21,

@@ -68,7 +68,7 @@ pub async fn run(config: Config, shutdown: impl Future<Output = ()>) -> Result<(
     let (log, recovered) = match &config.data_dir {
         Some(dir) => {
             let (log, recovered) = lanelog::open(dir, node, now.wall.0, now.wall.0 / 1_000)?;
-            (Some(log), recovered)
+            (Some(Arc::new(Mutex::new(log))), recovered)
         }
         None => (
             None,
@@ -105,10 +105,17 @@ pub async fn run(config: Config, shutdown: impl Future<Output = ()>) -> Result<(
     // The region decides forwarded exact checks on its durable ledger.
     let (region, requests) = match (config.role, &config.data_dir) {
         (Role::Region, Some(dir)) => {
-            let (service, opened) = RegionService::open(dir, rules.clone(), store.clone())?;
+            let (service, opened) = RegionService::open(
+                dir,
+                rules.clone(),
+                store.clone(),
+                log.clone(),
+                &recovered.retired,
+            )?;
             eprintln!(
-                "tallyd: region log: {} records of live windows replayed, {} torn bytes dropped",
-                opened.records, opened.torn
+                "tallyd: region log: {} records of live windows replayed, {} torn bytes \
+                 dropped, {} admissions repaired into the region's lanes",
+                opened.records, opened.torn, opened.repaired
             );
             let (sender, receiver) = tokio::sync::mpsc::channel(16_384);
             (Some((service, receiver)), Some(sender))
@@ -192,7 +199,7 @@ pub async fn run(config: Config, shutdown: impl Future<Output = ()>) -> Result<(
         store: store.clone(),
         view: view.clone(),
         rules,
-        log: log.map(Mutex::new),
+        log,
         metrics: metrics.clone(),
         replica,
         forwarder,

@@ -41,7 +41,7 @@ pub struct Service {
     /// The rules.
     pub rules: Rules,
     /// The lane log, if the node has a data dir.
-    pub log: Option<Mutex<LaneLog>>,
+    pub log: Option<Arc<Mutex<LaneLog>>>,
     /// The live counters.
     pub metrics: Arc<Metrics>,
     /// This node's replica.

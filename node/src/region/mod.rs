@@ -180,6 +180,11 @@ impl Ledger {
         self.counts.get(key).copied().unwrap_or(0)
     }
 
+    /// Every key counted, with its count.
+    pub fn counts(&self) -> impl Iterator<Item = (&Key, u64)> {
+        self.counts.iter().map(|(key, count)| (key, *count))
+    }
+
     /// Forgets windows that are over at `now_unix_secs`, and their request ids.
     pub fn expire(&mut self, now_unix_secs: u64) {
         self.counts

@@ -5,8 +5,8 @@
 //! each decision sees every earlier one, durable or about to be. A decision whose group
 //! fails to sync is never acknowledged, and neither is anything after it (the committer
 //! refuses everything once a sync failed), so no acknowledged decision rests on a lost one.
-//! Admissions also go into the region's own lanes once durable, so the edges' approximate
-//! estimates include exact traffic.
+//! Admissions also go into the region's own lanes once durable, through the lane log, so
+//! the edges' approximate estimates include exact traffic, across region restarts too.
 
 use super::committer::Committer;
 use super::log::{self, FileStorage, Record};
@@ -14,12 +14,16 @@ use super::{decode, encode, key_of, Decided, ExactAnswer, ExactCheck, Ledger};
 use crate::clock;
 use crate::config::RuleMode;
 use crate::decide::Rules;
+use crate::lanelog::LaneLog;
+use crate::listener::EXIT_LOG_FAILED;
 use crate::store::LaneStore;
 use crate::transport::PeerRequest;
+use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
+use tally_crdt::{Key, Lane, ReplicaId};
 use tokio::sync::mpsc;
 
 /// The region's state and its log.
@@ -28,6 +32,9 @@ pub struct RegionService {
     committer: Committer,
     rules: Rules,
     store: Arc<LaneStore>,
+    // The node's lane log: the region's own lanes of exact admissions go in it, as an
+    // edge's writes do, so a restart republishes them to the edges' estimates.
+    lanes: Option<Arc<Mutex<LaneLog>>>,
     /// Forwarded checks that did not decode, or named no exact rule here.
     pub bad_requests: Arc<AtomicU64>,
 }
@@ -47,15 +54,24 @@ pub struct Opened {
     pub records: usize,
     /// Bytes of torn tail dropped.
     pub torn: u64,
+    /// Admissions the region's own lanes lacked after a crash, counted in again.
+    pub repaired: u64,
 }
 
 impl RegionService {
     /// Opens `dir/region.log`, replays it (dropping a torn tail, and rewriting the log
     /// without the records of windows that are over), and starts the committer.
+    ///
+    /// Then it repairs the region's own lanes: an admission is counted in a lane only after
+    /// it is durable, so a crash in between leaves the ledger above what this node's earlier
+    /// lives (`retired`, from their lane logs) hold for that key; the difference goes into
+    /// this life's lane, so the edges' estimates of exact keys match the ledger again.
     pub fn open(
         dir: &Path,
         rules: Rules,
         store: Arc<LaneStore>,
+        lanes: Option<Arc<Mutex<LaneLog>>>,
+        retired: &[(ReplicaId, Vec<(Key, Lane)>)],
     ) -> Result<(RegionService, Opened), OpenError> {
         let path = dir.join("region.log");
         let io = |source| OpenError {
@@ -84,11 +100,28 @@ impl RegionService {
             committer: Committer::start(Box::new(storage)),
             rules,
             store,
+            lanes,
             bad_requests: Arc::new(AtomicU64::new(0)),
         };
+        let mut held: HashMap<&Key, u64> = HashMap::new();
+        for (_, retired_lanes) in retired {
+            for (key, lane) in retired_lanes {
+                let sum = held.entry(key).or_default();
+                *sum = sum.saturating_add(lane.incr);
+            }
+        }
+        let mut repaired = 0;
+        for (key, count) in service.ledger.counts() {
+            let missing = count.saturating_sub(held.get(key).copied().unwrap_or(0));
+            if missing > 0 {
+                count_in_own_lane(&service.store, service.lanes.as_deref(), key, missing);
+                repaired += missing;
+            }
+        }
         let opened = Opened {
             records: live.len(),
             torn,
+            repaired,
         };
         Ok((service, opened))
     }
@@ -157,7 +190,7 @@ impl RegionService {
             }
         };
         let durable = self.committer.submit(bytes);
-        let store = self.store.clone();
+        let (store, lanes) = (self.store.clone(), self.lanes.clone());
         tokio::spawn(async move {
             let answer = match durable.await {
                 Ok(Ok(())) => {
@@ -168,9 +201,7 @@ impl RegionService {
                             check.window_index,
                             check.window_secs,
                         ) {
-                            // Gossip carries the admission to the edges' estimates. At the
-                            // key cap it is counted here only; the decision stands.
-                            let _ = store.incr(&key, check.cost);
+                            count_in_own_lane(&store, lanes.as_deref(), &key, check.cost);
                         }
                     }
                     ExactAnswer::Decided(outcome)
@@ -180,6 +211,31 @@ impl RegionService {
             };
             let _ = reply.send(encode(&answer));
         });
+    }
+}
+
+/// Counts a durable admission in the region's own lane, through the lane log as an edge's
+/// write goes (logged, counted, and written out before this thread can run the gossip
+/// task), so gossip carries it to the edges' estimates and a restart republishes it. At the
+/// key cap it is not counted in the lane; the decision stands.
+fn count_in_own_lane(store: &LaneStore, lanes: Option<&Mutex<LaneLog>>, key: &Key, cost: u64) {
+    let Some(lanes) = lanes else {
+        let _ = store.incr(key, cost);
+        return;
+    };
+    let mut log = lanes
+        .lock()
+        .unwrap_or_else(|poisoned| poisoned.into_inner());
+    let Ok(mark) = log.append(key, cost, 0) else {
+        return;
+    };
+    if store.incr(key, cost).is_err() {
+        log.undo(mark);
+        return;
+    }
+    if let Err(err) = log.flush() {
+        eprintln!("tallyd: {err}; stopping: writes cannot be made durable");
+        std::process::exit(EXIT_LOG_FAILED);
     }
 }
 
