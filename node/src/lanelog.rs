@@ -44,7 +44,8 @@ pub enum LogError {
     Failed(String),
 }
 
-/// A log grown past this many bytes is rewritten as one record per live key.
+/// A log grown past this many bytes (or twice its size after the last compaction, if that
+/// is more) is rewritten as one record per live key.
 const COMPACT_BYTES: u64 = 64 << 20;
 /// One logged write: amounts added to the own lane's two totals.
 #[derive(Debug, Serialize, Deserialize)]
@@ -132,6 +133,7 @@ pub fn open(
         file,
         pending: Vec::new(),
         written: 0,
+        compact_at: COMPACT_BYTES,
         failed: None,
     };
     Ok((log, recovered))
@@ -145,6 +147,8 @@ pub struct LaneLog {
     file: File,
     pending: Vec<u8>,
     written: u64,
+    // The size past which the log is compacted next.
+    compact_at: u64,
     failed: Option<String>,
 }
 
@@ -191,7 +195,7 @@ impl LaneLog {
     /// bound, so a long life's log stays proportional to its live keys. Call between
     /// batches (nothing pending); the store must not change meanwhile.
     pub fn compact_if_large(&mut self, store: &LaneStore) -> Result<(), LogError> {
-        if self.written < COMPACT_BYTES || !self.pending.is_empty() || self.failed.is_some() {
+        if self.written < self.compact_at || !self.pending.is_empty() || self.failed.is_some() {
             return Ok(());
         }
         let mut body = Vec::new();
@@ -214,6 +218,9 @@ impl LaneLog {
             }
         };
         self.written = body.len() as u64;
+        // Compacted, the log holds one record per live key; the next compaction waits until
+        // it has doubled, so a node with many keys does not rewrite it every batch.
+        self.compact_at = COMPACT_BYTES.max(2 * self.written);
         Ok(())
     }
 }

@@ -32,6 +32,9 @@ use tokio::sync::{mpsc, Semaphore};
 /// counted. The restart takes a new generation and republishes what the log holds.
 pub const EXIT_LOG_FAILED: i32 = 74;
 
+/// The most exact checks one client connection may have waiting for the region.
+pub const EXACT_IN_FLIGHT_MAX: usize = 1_024;
+
 /// Everything a request needs; shared by every connection.
 pub struct Service {
     /// The lane store.
@@ -326,7 +329,9 @@ async fn serve_connection<S: AsyncRead + AsyncWrite + Unpin>(
     let mut input = Vec::with_capacity(16 * 1024);
     let mut output = Vec::with_capacity(16 * 1024);
     let mut chunk = vec![0u8; 64 * 1024];
+    // Answers of exact checks, as the region gives them; bounded by the permits.
     let (late, mut lates) = mpsc::unbounded_channel::<Response>();
+    let exact_permits = Arc::new(Semaphore::new(EXACT_IN_FLIGHT_MAX));
     loop {
         output.clear();
         let read = tokio::select! {
@@ -372,9 +377,15 @@ async fn serve_connection<S: AsyncRead + AsyncWrite + Unpin>(
                         key,
                         cost,
                     } => {
+                        // At most EXACT_IN_FLIGHT_MAX per connection: past it, this
+                        // connection waits (and stops reading) until one is answered.
+                        let Ok(permit) = exact_permits.clone().acquire_owned().await else {
+                            return;
+                        };
                         let (service, late) = (service.clone(), late.clone());
                         tokio::spawn(async move {
                             let _ = late.send(service.exact(id, &rule, &key, cost).await);
+                            drop(permit);
                         });
                     }
                 }

@@ -171,6 +171,23 @@ impl RegionService {
                 return;
             }
         };
+        // The edge fixes the window, but only one that is live by this node's clock (with
+        // a minute of skew ahead): a window far off would never expire here.
+        let now_secs = clock::wall().0 / 1_000;
+        let window_ok = key_of(
+            &check.rule,
+            &check.subject,
+            check.window_index,
+            check.window_secs,
+        )
+        .is_some_and(|key| {
+            key.window.is_live(now_secs) && key.window.start_unix_secs() <= now_secs + 60
+        });
+        if !window_ok {
+            self.bad_requests.fetch_add(1, Ordering::Relaxed);
+            let _ = reply.send(encode(&ExactAnswer::UnknownRule));
+            return;
+        }
         let Some(decided) = self.ledger.decide(&check, rule) else {
             self.bad_requests.fetch_add(1, Ordering::Relaxed);
             let _ = reply.send(encode(&ExactAnswer::UnknownRule));
