@@ -51,37 +51,22 @@ trap cleanup EXIT
 trap 'exit 130' INT TERM
 
 say() { echo "client_vs_redis: $*" >&2; }
+# shellcheck source=benches/redis_side.sh
+source benches/redis_side.sh  # the working directory is the repository root (above)
 
 # --- Redis -------------------------------------------------------------------------------
 
-if ! command -v redis-server >/dev/null || ! command -v redis-benchmark >/dev/null; then
-    say "installing redis-server and redis-tools from apt"
-    export DEBIAN_FRONTEND=noninteractive
-    apt-get install -y --no-install-recommends redis-server redis-tools >/dev/null ||
-        { apt-get update >/dev/null && apt-get install -y --no-install-recommends redis-server redis-tools >/dev/null; }
-fi
+install_redis
 
 # --- Build -------------------------------------------------------------------------------
 
-say "building tally and the load generator"
-cargo build --release -p tally >&2
-# The bench's own artifact: the build also lists the `tally` binary, which benches may run.
-bench_exe=$(cargo bench --bench client_load --no-run --message-format=json |
-    grep '"kind":\["bench"\],[^}]*"name":"client_load"' |
-    sed -n 's/.*"executable":"\([^"]*\)".*/\1/p' | tail -n 1)
-if [ -z "$bench_exe" ] || [ ! -x "$bench_exe" ]; then
-    say "could not find the client_load bench binary"
-    exit 1
-fi
-# Copies, so that a rebuild in the workspace while this runs cannot swap a binary under it.
-cp target/release/tally "$work/tally"
-cp "$bench_exe" "$work/client_load"
+build_tally_and_load_generator
 
 # --- Servers -----------------------------------------------------------------------------
 
 # Refuse to start if another process answers on a port: the runs would measure it.
 for port in "$REDIS_PORT" "$REDIS_AOF_PORT" "$TALLY_PORT" "$TALLY_LOG_PORT"; do
-    if (exec 3<>"/dev/tcp/127.0.0.1/$port") 2>/dev/null; then
+    if port_taken "$port"; then
         say "127.0.0.1:$port is already in use; set REDIS_PORT, REDIS_AOF_PORT, TALLY_PORT or TALLY_LOG_PORT"
         exit 1
     fi
@@ -120,22 +105,6 @@ start_tallyd tallyd "$TALLY_PORT" $((TALLY_PORT - 99)) $((TALLY_PORT + 100))
 mkdir -p "$work/data"
 start_tallyd tallyd-log "$TALLY_LOG_PORT" $((TALLY_LOG_PORT - 99)) $((TALLY_LOG_PORT + 100)) "$work/data"
 
-# wait_port PORT PID: until something accepts on 127.0.0.1:PORT, at most 10 s, while the
-# server PID is still running.
-wait_port() {
-    for _ in $(seq 100); do
-        if ! kill -0 "$2" 2>/dev/null; then
-            break
-        fi
-        if (exec 3<>"/dev/tcp/127.0.0.1/$1") 2>/dev/null; then
-            return 0
-        fi
-        sleep 0.1
-    done
-    say "the server for 127.0.0.1:$1 did not come up; its log:"
-    tail -n 5 "$work"/*.log >&2
-    exit 1
-}
 ports=("$REDIS_PORT" "$REDIS_AOF_PORT" "$TALLY_PORT" "$TALLY_LOG_PORT")
 for i in "${!ports[@]}"; do
     wait_port "${ports[$i]}" "${pids[$i]}"

@@ -54,6 +54,8 @@ TMPFS_ROOT=${TMPFS_ROOT-/dev/shm}
 REDIS_PORT=$((PORT_BASE + 300))
 
 say() { echo "exact_vs_redis: $*" >&2; }
+# shellcheck source=benches/redis_side.sh
+source benches/redis_side.sh  # the working directory is the repository root (above)
 
 mkdir -p "$WORK_ROOT"
 if [ "$(stat -f -c %T "$WORK_ROOT")" = tmpfs ]; then
@@ -85,27 +87,11 @@ trap 'exit 130' INT TERM
 
 # --- Redis -------------------------------------------------------------------------------
 
-if ! command -v redis-server >/dev/null || ! command -v redis-benchmark >/dev/null; then
-    say "installing redis-server and redis-tools from apt"
-    export DEBIAN_FRONTEND=noninteractive
-    apt-get install -y --no-install-recommends redis-server redis-tools >/dev/null ||
-        { apt-get update >/dev/null && apt-get install -y --no-install-recommends redis-server redis-tools >/dev/null; }
-fi
+install_redis
 
 # --- Build -------------------------------------------------------------------------------
 
-say "building tally and the load generator"
-cargo build --release -p tally >&2
-bench_exe=$(cargo bench --bench client_load --no-run --message-format=json |
-    grep '"kind":\["bench"\],[^}]*"name":"client_load"' |
-    sed -n 's/.*"executable":"\([^"]*\)".*/\1/p' | tail -n 1)
-if [ -z "$bench_exe" ] || [ ! -x "$bench_exe" ]; then
-    say "could not find the client_load bench binary"
-    exit 1
-fi
-# Copies, so that a rebuild in the workspace while this runs cannot swap a binary under it.
-cp target/release/tally "$work/tally"
-cp "$bench_exe" "$work/client_load"
+build_tally_and_load_generator
 
 # --- Servers -----------------------------------------------------------------------------
 
@@ -115,13 +101,13 @@ if [ -n "$shm" ]; then pairs="0 1"; fi
 for pair in $pairs; do
     for port in $((PORT_BASE + 10 * pair + 101)) $((PORT_BASE + 10 * pair + 102)) \
         $((PORT_BASE + 10 * pair + 201)) $((PORT_BASE + 10 * pair + 202)); do
-        if (exec 3<>"/dev/tcp/127.0.0.1/$port") 2>/dev/null; then
+        if port_taken "$port"; then
             say "127.0.0.1:$port is already in use; set PORT_BASE"
             exit 1
         fi
     done
 done
-if (exec 3<>"/dev/tcp/127.0.0.1/$REDIS_PORT") 2>/dev/null; then
+if port_taken "$REDIS_PORT"; then
     say "127.0.0.1:$REDIS_PORT is already in use; set PORT_BASE"
     exit 1
 fi
@@ -175,22 +161,6 @@ redis-server --port "$REDIS_PORT" --bind 127.0.0.1 --save '' --appendonly yes \
 redis_pid=$!
 pids+=("$redis_pid")
 
-# wait_port PORT PID: until something accepts on 127.0.0.1:PORT, at most 10 s, while the
-# server PID is still running.
-wait_port() {
-    for _ in $(seq 100); do
-        if ! kill -0 "$2" 2>/dev/null; then
-            break
-        fi
-        if (exec 3<>"/dev/tcp/127.0.0.1/$1") 2>/dev/null; then
-            return 0
-        fi
-        sleep 0.1
-    done
-    say "the server for 127.0.0.1:$1 did not come up; its log:"
-    tail -n 5 "$work"/*.log >&2
-    exit 1
-}
 for pair in $pairs; do
     wait_port "${region_http[$pair]}" "${region_pid[$pair]}"
     wait_port "${edge_client[$pair]}" "${edge_pid[$pair]}"
