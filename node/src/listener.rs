@@ -74,6 +74,18 @@ pub enum Answer {
     },
 }
 
+/// What [`Service::handle`] made of one request.
+enum Handled {
+    /// Answered here.
+    Now(Reply),
+    /// An exact check, for the region.
+    Forward {
+        rule: RuleConfig,
+        key: Key,
+        cost: u64,
+    },
+}
+
 impl Service {
     /// Answers a batch of requests in order, then writes their lane-log records out.
     /// Exact checks come back as [`Answer::Exact`], for [`Service::exact`].
@@ -83,19 +95,24 @@ impl Service {
             .in_context(|context| {
                 requests
                     .into_iter()
-                    .filter_map(|request| match self.exact_check(&request, context) {
-                        Some(Ok(check)) => {
-                            exact.push(check);
-                            None
-                        }
-                        Some(Err(refusal)) => Some(Response {
+                    .filter_map(|request| {
+                        let result = match self.handle(context, request.op) {
+                            Ok(Handled::Forward { rule, key, cost }) => {
+                                exact.push(Answer::Exact {
+                                    id: request.id,
+                                    rule,
+                                    key,
+                                    cost,
+                                });
+                                return None;
+                            }
+                            Ok(Handled::Now(reply)) => Ok(reply),
+                            Err(refusal) => Err(refusal),
+                        };
+                        Some(Response {
                             id: request.id,
-                            result: Err(refusal),
-                        }),
-                        None => Some(Response {
-                            id: request.id,
-                            result: self.handle(context, request.op),
-                        }),
+                            result,
+                        })
                     })
                     .collect()
             })
@@ -104,35 +121,6 @@ impl Service {
             .collect();
         answers.extend(exact);
         answers
-    }
-
-    /// `Some` if `request` is a check of an exact rule: the check to forward, or why its
-    /// key is refused.
-    fn exact_check(
-        &self,
-        request: &Request,
-        context: &Context<'_>,
-    ) -> Option<Result<Answer, Refusal>> {
-        let Op::Check {
-            rule,
-            subject,
-            cost,
-        } = &request.op
-        else {
-            return None;
-        };
-        let found = self.rules.get(rule).ok()?;
-        if found.1.mode != RuleMode::Exact {
-            return None;
-        }
-        Some(
-            decide::key(found, subject, context.now).map(|key| Answer::Exact {
-                id: request.id,
-                rule: found.1.clone(),
-                key,
-                cost: *cost,
-            }),
-        )
     }
 
     /// Forwards an exact check to the region and answers it: exact if the region
@@ -204,7 +192,9 @@ impl Service {
         responses
     }
 
-    fn handle(&self, context: &mut Context<'_>, op: Op) -> Result<Reply, Refusal> {
+    /// Answers one request, or hands back an exact check to forward: its rule is looked
+    /// up once, here, for both kinds of check.
+    fn handle(&self, context: &mut Context<'_>, op: Op) -> Result<Handled, Refusal> {
         let result = match op {
             Op::Incr {
                 rule,
@@ -233,6 +223,13 @@ impl Service {
             } => {
                 let found = self.rules.get(&rule)?;
                 let key = decide::key(found, &subject, context.now)?;
+                if found.1.mode == RuleMode::Exact {
+                    return Ok(Handled::Forward {
+                        rule: found.1.clone(),
+                        key,
+                        cost,
+                    });
+                }
                 let decision = context.check(&found.1, &key, cost)?;
                 self.metrics.decided(decision.mode, decision.allowed);
                 Ok(Reply::Decision(decision))
@@ -242,7 +239,7 @@ impl Service {
         if let Err(Refusal::KeysFull { .. }) = &result {
             self.metrics.keys_refused.fetch_add(1, Ordering::Relaxed);
         }
-        result
+        result.map(Handled::Now)
     }
 
     fn status(&self, context: &Context<'_>) -> Status {
