@@ -93,13 +93,7 @@ async fn peers_without_a_cluster_certificate_are_refused_at_the_handshake() {
 
     // A node that dials a peer expecting node 2 refuses one whose certificate names
     // another node: rustls checks the name.
-    let cluster_client = quic_client(
-        &cluster.certs().join("ca.pem"),
-        Some((
-            &cluster.certs().join("node-1.pem"),
-            &cluster.certs().join("node-1.key"),
-        )),
-    );
+    let cluster_client = cluster.member_client(1);
     let connecting = cluster_client
         .connect(cluster.nodes[0].gossip_addr(), "node-2.tally")
         .unwrap();
@@ -113,14 +107,7 @@ async fn peers_without_a_cluster_certificate_are_refused_at_the_handshake() {
 async fn a_member_claiming_another_node_id_than_its_certificate_is_refused() {
     let cluster = Cluster::start(NET, 2);
     // A valid cluster certificate for node 9, whose frames claim to come from node 2.
-    certs_for(&cluster.certs(), 9);
-    let endpoint = quic_client(
-        &cluster.certs().join("ca.pem"),
-        Some((
-            &cluster.certs().join("node-9.pem"),
-            &cluster.certs().join("node-9.key"),
-        )),
-    );
+    let endpoint = cluster.member_client(9);
     let connection = endpoint
         .connect(cluster.nodes[0].gossip_addr(), "node-1.tally")
         .unwrap()
@@ -162,14 +149,7 @@ async fn a_member_claiming_another_node_id_than_its_certificate_is_refused() {
 #[tokio::test(flavor = "current_thread")]
 async fn garbage_truncated_and_oversized_peer_frames_are_counted_and_dropped() {
     let cluster = Cluster::start(NET, 2);
-    certs_for(&cluster.certs(), 9);
-    let endpoint = quic_client(
-        &cluster.certs().join("ca.pem"),
-        Some((
-            &cluster.certs().join("node-9.pem"),
-            &cluster.certs().join("node-9.key"),
-        )),
-    );
+    let endpoint = cluster.member_client(9);
     let node = &cluster.nodes[0];
     let connect = || async {
         endpoint

@@ -11,7 +11,7 @@
 
 mod cluster;
 
-use cluster::{quic_client, Cluster};
+use cluster::Cluster;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 use tally_client::{Client, Error, Mode, Refusal};
@@ -240,11 +240,7 @@ async fn a_region_cut_off_fails_exact_checks_within_the_timeout_while_approximat
 async fn a_retried_request_id_is_answered_once_and_never_double_counted() {
     let cluster = Cluster::start_with(NET, 2, 2_000, true);
     // Speak to the region as edge 2 would, with edge 2's certificate.
-    let certs = cluster.certs();
-    let endpoint = quic_client(
-        &certs.join("ca.pem"),
-        Some((&certs.join("node-2.pem"), &certs.join("node-2.key"))),
-    );
+    let endpoint = cluster.member_client(2);
     let connection = endpoint
         .connect(cluster.nodes[0].gossip_addr(), "node-1.tally")
         .unwrap()

@@ -288,6 +288,15 @@ mod tests {
         }
     }
 
+    fn context<'a>(store: &'a LaneStore, view: &'a ViewState) -> Context<'a> {
+        Context {
+            store,
+            view,
+            now: NOW,
+            log: None,
+        }
+    }
+
     fn setup(rule: &RuleConfig) -> (LaneStore, Key) {
         let store = LaneStore::new(ReplicaId::new(NodeId(1), Generation(1)), 100);
         let rules = Rules::new(std::slice::from_ref(rule)).unwrap();
@@ -301,12 +310,7 @@ mod tests {
         let (store, key) = setup(&rule);
         store.publish_remote(&key, 7).unwrap();
         let view = view(Stamp(NOW.0 - 100));
-        let mut context = Context {
-            store: &store,
-            view: &view,
-            now: NOW,
-            log: None,
-        };
+        let mut context = context(&store, &view);
         let decisions: Vec<Decision> = (0..5)
             .map(|_| context.check(&rule, &key, 1).unwrap())
             .collect();
@@ -327,12 +331,7 @@ mod tests {
         let rule = rule(10, 1);
         let (store, key) = setup(&rule);
         let view = view(Stamp(NOW.0 - 5_000));
-        let mut context = Context {
-            store: &store,
-            view: &view,
-            now: NOW,
-            log: None,
-        };
+        let mut context = context(&store, &view);
         // Two locations: a share of 10 / 2 + 1 = 6.
         let allowed = (0..10)
             .filter(|_| context.check(&rule, &key, 1).unwrap().allowed)
@@ -348,12 +347,7 @@ mod tests {
         let rule = rule(10, 0);
         let (store, key) = setup(&rule);
         let view = view(NOW);
-        let mut context = Context {
-            store: &store,
-            view: &view,
-            now: NOW,
-            log: None,
-        };
+        let mut context = context(&store, &view);
         let err = context.check(&rule, &key, 0).unwrap_err();
         assert!(matches!(err, Refusal::BadField { ref field, .. } if field == "cost"));
         let err = context.count(&key, 0, true).unwrap_err();
@@ -371,12 +365,7 @@ mod tests {
         rule.mode = crate::config::RuleMode::Exact;
         let (store, key) = setup(&rule);
         let view = view(NOW);
-        let mut context = Context {
-            store: &store,
-            view: &view,
-            now: NOW,
-            log: None,
-        };
+        let mut context = context(&store, &view);
         let unavailable = Refusal::RegionUnavailable {
             rule: "api".into(),
             why: "cut off".into(),

@@ -169,6 +169,22 @@ impl Cluster {
     pub fn certs(&self) -> PathBuf {
         self.dir.join("certs")
     }
+
+    /// A QUIC client with the cluster certificate of node `id` (issued now if the cluster
+    /// has none for it): a hand-built peer that is, or claims to be, a member.
+    pub fn member_client(&self, id: u64) -> quinn::Endpoint {
+        let certs = self.certs();
+        if !certs.join(format!("node-{id}.pem")).exists() {
+            certs_for(&certs, id);
+        }
+        quic_client(
+            &certs.join("ca.pem"),
+            Some((
+                &certs.join(format!("node-{id}.pem")),
+                &certs.join(format!("node-{id}.key")),
+            )),
+        )
+    }
 }
 
 impl Drop for Cluster {
