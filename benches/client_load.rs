@@ -55,20 +55,19 @@
 //! check fails the run (a throughput run wants every check counted, so give the rule a
 //! limit above the requests). The line ends in `op=check`.
 //!
-//! `--region ADDR` leaves the edge out: one QUIC connection to the region node at ADDR,
-//! with the certificate of node `--node` from `--certs DIR` (`node-<N>.pem`, `.key`,
-//! `ca.pem`; use a node id no running edge has, since the region keeps the newest
-//! connection per node id for its own sends), expecting the region's certificate to name
-//! node `--region-node` (1). It keeps C x P exact checks in flight on that one connection,
-//! as one edge forwards every check on its one connection: C x P tasks, each looping one
-//! check per bidirectional stream (`open_bi`, write the encoded [`ExactCheck`], `finish`,
-//! `read_to_end`), as `tally_node::region::forward` does. Request ids carry node `--node`,
-//! a generation from the wall clock, and a sequence number unique in the run; the window
-//! is the one holding the wall-clock time at the start of each phase, `--window-secs` long
-//! (3600). A request's latency runs from just before `open_bi` to the decoded answer; an
-//! answer other than an admitted decision fails the run. The region allows 1,024 streams
-//! in flight per connection; past that, `open_bi` waits, inside the timing. The line ends
-//! in `op=check path=region`.
+//! `--region ADDR` leaves the edge's client side out: it runs the edge's own forwarder
+//! (`tally_node::region::forward::Forwarder`) on a QUIC endpoint of its own, with the
+//! certificate of node `--node` from `--certs DIR` (`node-<N>.pem`, `.key`, `ca.pem`; use a
+//! node id no running edge has, since the region keeps the newest connection per node id
+//! for its own sends), to the region node at ADDR whose certificate names node
+//! `--region-node` (1). C x P tasks each loop `Forwarder::check(rule, subject, 1)`, so C x
+//! P checks are in flight on the forwarder's one session, as an edge forwards every check
+//! of its clients. Request ids carry node `--node`, a generation from the wall clock, and
+//! the forwarder's sequence numbers; the window is the one holding the wall-clock time at
+//! the start of each phase, `--window-secs` long (3600), and the region's timeout 10 s. A
+//! request's latency runs from the call to the outcome; an answer other than an admitted
+//! decision, or a check sent twice, fails the run. The line ends in `op=check
+//! path=region`.
 //!
 //! `--fsync-probe FILE` measures the disk instead: `--requests` N times (after N / 10 not
 //! recorded) append 8 bytes to FILE and `sync_data` it, timing each pair, and removes FILE.
@@ -84,9 +83,11 @@ use std::time::{Duration, Instant};
 
 use tally_client::wire::{self, Op, Request, Response};
 use tally_client::{Client, Endpoint, Options};
-use tally_crdt::{NodeId, Window};
-use tally_node::region::log::RequestId;
-use tally_node::region::{ExactAnswer, ExactCheck, Outcome};
+use tally_crdt::{Generation, Key, NodeId, ReplicaId, Rule, Subject, Window};
+use tally_node::config::{OnRegionUnavailable, RuleConfig, RuleMode};
+use tally_node::region::forward::{ForwardStats, Forwarder};
+use tally_node::region::Outcome;
+use tally_node::transport::{Transport, TransportStats};
 use tokio::task::JoinSet;
 
 /// What the command line asks for.
@@ -325,8 +326,8 @@ async fn phase(
     Ok(all)
 }
 
-/// `--region`: one QUIC connection to the region as node `args.node`; warms up, then runs
-/// and times the measured checks.
+/// `--region`: the edge's own [`Forwarder`] as node `args.node`, on a QUIC endpoint of its
+/// own; warms up, then runs and times the measured checks.
 async fn run_region(args: &Args, region: SocketAddr) -> Result<Report, String> {
     let certs = args
         .certs
@@ -340,29 +341,48 @@ async fn run_region(args: &Args, region: SocketAddr) -> Result<Report, String> {
     let identity =
         tally_node::tls::identity(&files, NodeId(args.node)).map_err(|err| err.to_string())?;
     let local: SocketAddr = if region.is_ipv4() {
-        ([0, 0, 0, 0], 0).into()
+        ([127, 0, 0, 1], 0).into()
     } else {
-        (std::net::Ipv6Addr::UNSPECIFIED, 0).into()
+        (std::net::Ipv6Addr::LOCALHOST, 0).into()
     };
-    let mut endpoint =
-        quinn::Endpoint::client(local).map_err(|err| format!("bind {local}: {err}"))?;
-    endpoint.set_default_client_config(identity.client);
-    let server_name = tally_node::certs::server_name(NodeId(args.region_node));
-    let connection = endpoint
-        .connect(region, &server_name)
-        .map_err(|err| format!("connect to {region}: {err}"))?
-        .await
-        .map_err(|err| format!("connect to {region} ({server_name}): {err}"))?;
-    let target = RegionTarget {
-        connection: connection.clone(),
-        rule: args.rule.clone(),
-        subjects: subjects(args.keys).into(),
-        node: args.node,
+    let (transport, _inbound) = Transport::bind(
+        local,
+        identity,
+        // Gossip frames' limit: none come, as no member gossips with this node.
+        64 * 1024,
+        Arc::new(TransportStats::default()),
+        None,
+    )
+    .map_err(|err| format!("bind {local}: {err}"))?;
+    let stats = Arc::new(ForwardStats::default());
+    let forwarder = Forwarder::new(
+        transport.requester(),
+        NodeId(args.region_node),
+        region.to_string(),
         // A new generation per run, so that no request id repeats one of an earlier run.
-        generation: tally_node::clock::wall_micros(),
-        window_secs: args.window_secs,
-        // Sequence numbers, shared by the warm-up and the measured phase.
-        seq: Arc::new(AtomicU64::new(0)),
+        ReplicaId::new(
+            NodeId(args.node),
+            Generation(tally_node::clock::wall_micros()),
+        ),
+        tally_node::clock::Clock::start(),
+        stats.clone(),
+    );
+    let target = RegionTarget {
+        forwarder: Arc::new(forwarder),
+        rule: Arc::new(RuleConfig {
+            name: args.rule.clone(),
+            limit: u64::MAX,
+            window_secs: args.window_secs,
+            mode: RuleMode::Exact,
+            slack: 0,
+            stale_after_ms: 1_000,
+            locations: None,
+            sliding: false,
+            on_region_unavailable: OnRegionUnavailable::Error,
+            // As `run`'s client timeout: a stall of the machine is latency, not an error.
+            region_timeout_ms: 10_000,
+        }),
+        subjects: subjects(args.keys).into(),
     };
     let workers = args.connections * args.pipeline;
 
@@ -373,30 +393,30 @@ async fn run_region(args: &Args, region: SocketAddr) -> Result<Report, String> {
     let latencies_ns = region_phase(&target, workers, args.requests, true).await?;
     let elapsed = now().duration_since(started);
 
-    connection.close(0u32.into(), b"done");
-    endpoint.wait_idle().await;
+    transport.close().await;
     assert_eq!(
         latencies_ns.len() as u64,
         args.requests,
         "every measured request records one latency"
     );
+    assert_eq!(
+        stats.retries.load(Ordering::Relaxed),
+        0,
+        "no check was sent twice"
+    );
     Ok(report(latencies_ns, elapsed))
 }
 
-/// What `--region` checks go to, and what they carry.
+/// What `--region` checks go through, and what they carry.
 #[derive(Clone)]
 struct RegionTarget {
-    connection: quinn::Connection,
-    rule: String,
+    forwarder: Arc<Forwarder>,
+    rule: Arc<RuleConfig>,
     subjects: Arc<[String]>,
-    node: u64,
-    generation: u64,
-    window_secs: u32,
-    seq: Arc<AtomicU64>,
 }
 
-/// Runs `requests` exact checks with `workers` tasks on the one connection, each a stream
-/// per check, and returns their latencies in nanoseconds if `record`.
+/// Runs `requests` exact checks with `workers` tasks through the one forwarder, and
+/// returns their latencies in nanoseconds if `record`.
 async fn region_phase(
     target: &RegionTarget,
     workers: usize,
@@ -404,13 +424,24 @@ async fn region_phase(
     record: bool,
 ) -> Result<Vec<u64>, String> {
     let unix_secs = tally_node::clock::wall().0 / 1_000;
-    let window_index = Window::containing(unix_secs, target.window_secs)
-        .map_err(|err| format!("--window-secs: {err}"))?
-        .index();
+    let window = Window::containing(unix_secs, target.rule.window_secs)
+        .map_err(|err| format!("--window-secs: {err}"))?;
+    let rule = Rule::new(&target.rule.name).map_err(|err| format!("--rule: {err}"))?;
+    let keys: Arc<[Key]> = target
+        .subjects
+        .iter()
+        .map(|subject| {
+            Subject::new(subject)
+                .map(|subject| Key::new(rule.clone(), subject, window))
+                .map_err(|err| format!("subject {subject}: {err}"))
+        })
+        .collect::<Result<Vec<Key>, String>>()?
+        .into();
     let tickets = Arc::new(AtomicU64::new(0));
     let mut tasks = JoinSet::new();
     for _ in 0..workers {
         let target = target.clone();
+        let keys = Arc::clone(&keys);
         let tickets = Arc::clone(&tickets);
         tasks.spawn(async move {
             let mut latencies_ns = Vec::new();
@@ -419,46 +450,15 @@ async fn region_phase(
                 if ticket >= requests {
                     return Ok(latencies_ns);
                 }
-                let subject = &target.subjects[(ticket % target.subjects.len() as u64) as usize];
-                let check = ExactCheck {
-                    id: RequestId {
-                        node: target.node,
-                        generation: target.generation,
-                        seq: target.seq.fetch_add(1, Ordering::Relaxed),
-                    },
-                    rule: target.rule.clone(),
-                    subject: subject.clone(),
-                    window_index,
-                    window_secs: target.window_secs,
-                    cost: 1,
-                };
+                let key = &keys[(ticket % keys.len() as u64) as usize];
                 let sent = now();
-                let body = tally_node::region::encode(&check);
-                let failed = |what: &str, err: &dyn std::fmt::Display| {
-                    format!(
-                        "check {}/{subject} at the region: {what}: {err}",
-                        target.rule
-                    )
-                };
-                let (mut send, mut receive) = target
-                    .connection
-                    .open_bi()
-                    .await
-                    .map_err(|err| failed("open stream", &err))?;
-                send.write_all(&body)
-                    .await
-                    .map_err(|err| failed("write", &err))?;
-                send.finish().map_err(|err| failed("finish", &err))?;
-                let bytes = receive
-                    .read_to_end(4_096)
-                    .await
-                    .map_err(|err| failed("read", &err))?;
-                match tally_node::region::decode::<ExactAnswer>(&bytes) {
-                    Some(ExactAnswer::Decided(Outcome { allowed: true, .. })) => {}
+                match target.forwarder.check(&target.rule, key, 1).await {
+                    Ok(Outcome { allowed: true, .. }) => {}
                     other => {
-                        return Err(failed(
-                            "answer",
-                            &format!("{other:?} (raise the limit if denied)"),
+                        return Err(format!(
+                            "check {}/{} at the region: {other:?} (raise the limit if denied)",
+                            target.rule.name,
+                            key.subject.as_str()
                         ))
                     }
                 }

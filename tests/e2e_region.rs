@@ -16,7 +16,9 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 use tally_client::{Client, Error, Mode, Refusal};
 use tally_node::region::log::RequestId;
-use tally_node::region::{decode, encode, ExactAnswer, ExactCheck, Outcome};
+use tally_node::region::wire::{self, REGION_FRAME_BYTES_MAX};
+use tally_node::region::{ExactAnswer, ExactCheck, Outcome};
+use tally_node::transport::{read_frame, FrameRead};
 
 /// This file's loopback network: 127.3.x.y.
 const NET: u8 = 3;
@@ -260,18 +262,72 @@ async fn a_retried_request_id_is_answered_once_and_never_double_counted() {
         window_secs: 3_600,
         cost: 5,
     };
+    // Three sessions, as an edge would open after broken ones: the first carries the check
+    // once, the second twice in one frame, the third once more.
     let mut answers = Vec::new();
-    for _ in 0..3 {
+    for copies in [1, 2, 1] {
         let (mut send, mut receive) = connection.open_bi().await.unwrap();
-        send.write_all(&encode(&check)).await.unwrap();
-        send.finish().unwrap();
-        let bytes = receive.read_to_end(4_096).await.unwrap();
-        answers.push(decode::<ExactAnswer>(&bytes).unwrap());
+        send.write_all(&wire::encode_checks(&vec![&check; copies]))
+            .await
+            .unwrap();
+        let FrameRead::Frame(body) = read_frame(&mut receive, REGION_FRAME_BYTES_MAX).await else {
+            panic!("the region answers the frame");
+        };
+        answers.extend(wire::decode_answers(&body).unwrap());
     }
-    let first = ExactAnswer::Decided(Outcome {
-        allowed: true,
-        count: 5,
-    });
-    assert_eq!(answers, vec![first.clone(), first.clone(), first]);
+    let first = (
+        1,
+        ExactAnswer::Decided(Outcome {
+            allowed: true,
+            count: 5,
+        }),
+    );
+    assert_eq!(answers, vec![first.clone(); 4]);
     assert_eq!(region_count(&edge, "dup").await, 5);
+}
+
+#[tokio::test(flavor = "current_thread")]
+async fn a_frame_asking_under_another_nodes_ids_is_refused_whole() {
+    let cluster = Cluster::start_with(NET, 2, 2_000, true);
+    // Edge 2's certificate, but the second check claims node 3's ids.
+    let endpoint = cluster.member_client(2);
+    let connection = endpoint
+        .connect(cluster.nodes[0].gossip_addr(), "node-1.tally")
+        .unwrap()
+        .await
+        .unwrap();
+    let edge = cluster.nodes[1].client().await;
+    let window = edge.get("quota", "forged").await.unwrap().window;
+    let check = |node| ExactCheck {
+        id: RequestId {
+            node,
+            generation: 77,
+            seq: node,
+        },
+        rule: "quota".into(),
+        subject: "forged".into(),
+        window_index: window,
+        window_secs: 3_600,
+        cost: 5,
+    };
+    let (mut send, mut receive) = connection.open_bi().await.unwrap();
+    send.write_all(&wire::encode_checks(&[&check(2), &check(3)]))
+        .await
+        .unwrap();
+    assert!(
+        matches!(
+            read_frame(&mut receive, REGION_FRAME_BYTES_MAX).await,
+            FrameRead::End
+        ),
+        "the session is reset, with no answer"
+    );
+    let refused = cluster.nodes[0]
+        .metric("tally_region_bad_requests_total", &[])
+        .unwrap();
+    assert_eq!(refused, 1.0);
+    assert_eq!(
+        region_count(&edge, "forged").await,
+        0,
+        "neither check counted"
+    );
 }

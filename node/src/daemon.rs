@@ -11,9 +11,10 @@ use crate::listener::{self, Service};
 use crate::metrics::{Metrics, RegionStats};
 use crate::region::forward::{ForwardStats, Forwarder};
 use crate::region::service::{OpenError, RegionService};
+use crate::region::wire::REGION_FRAME_BYTES_MAX;
 use crate::store::LaneStore;
 use crate::tls::{self, TlsError};
-use crate::transport::{Transport, TransportStats};
+use crate::transport::{Sessions, Transport, TransportStats};
 use crate::view::View;
 use std::future::Future;
 use std::sync::{Arc, Mutex};
@@ -103,7 +104,7 @@ pub async fn run(config: Config, shutdown: impl Future<Output = ()>) -> Result<(
     let store = Arc::new(LaneStore::new(replica, config.keys_max));
     let rules = Rules::new(&config.rules)?;
     // The region decides forwarded exact checks on its durable ledger.
-    let (region, requests) = match (config.role, &config.data_dir) {
+    let (region, sessions) = match (config.role, &config.data_dir) {
         (Role::Region, Some(dir)) => {
             let (service, opened) = RegionService::open(
                 dir,
@@ -117,8 +118,12 @@ pub async fn run(config: Config, shutdown: impl Future<Output = ()>) -> Result<(
                  dropped, {} admissions repaired into the region's lanes",
                 opened.records, opened.torn, opened.repaired
             );
-            let (sender, receiver) = tokio::sync::mpsc::channel(16_384);
-            (Some((service, receiver)), Some(sender))
+            let (frames, receiver) = tokio::sync::mpsc::channel(1_024);
+            let sessions = Sessions {
+                frames,
+                frame_bytes_max: REGION_FRAME_BYTES_MAX,
+            };
+            (Some((service, receiver)), Some(sessions))
         }
         _ => (None, None),
     };
@@ -133,7 +138,7 @@ pub async fn run(config: Config, shutdown: impl Future<Output = ()>) -> Result<(
         identity,
         config.frame_bytes_max,
         transport_stats.clone(),
-        requests,
+        sessions,
     )
     .map_err(bind("gossip", config.listen_gossip.to_string()))?;
     let gossip_addr = transport

@@ -242,7 +242,7 @@ pub fn render(sources: &Sources<'_>) -> String {
             ),
             (
                 "region_bad_requests",
-                "Forwarded checks that did not decode or named no exact rule",
+                "Forwarded checks naming no exact rule or live window here, and frames of checks refused whole",
                 load(&region.bad_requests),
             ),
         ];

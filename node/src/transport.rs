@@ -1,5 +1,5 @@
-//! QUIC between nodes: one endpoint, one long-lived connection per peer, frames on
-//! unidirectional streams.
+//! QUIC between nodes: one endpoint, one long-lived connection per peer, gossip frames on
+//! unidirectional streams, and region sessions on bidirectional ones.
 //!
 //! A frame on a stream is a 4-byte little-endian length and that many bytes, the length
 //! checked against `frame_bytes_max` before anything is read or allocated. Each peer has
@@ -17,7 +17,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 use tally_crdt::NodeId;
-use tokio::sync::{mpsc, oneshot};
+use tokio::sync::{mpsc, OwnedSemaphorePermit, Semaphore};
 
 /// Frames waiting for one peer's writer; past this they are dropped.
 const PEER_QUEUE_FRAMES: usize = 1_024;
@@ -53,20 +53,49 @@ pub struct Inbound {
     pub connection: quinn::Connection,
 }
 
-/// A request from a peer on a bidirectional stream (an exact check forwarded to the
-/// region), and where its answer goes.
+/// A frame from a peer on one of its sessions (a long-lived bidirectional stream: the
+/// region protocol), and where its answer goes.
 #[derive(Debug)]
-pub struct PeerRequest {
+pub struct SessionFrame {
     /// The node its certificate names.
     pub from: NodeId,
-    /// The request's bytes.
+    /// The frame's bytes, without the length prefix.
     pub body: Vec<u8>,
-    /// The answer's bytes; dropping it resets the stream.
-    pub reply: oneshot::Sender<Vec<u8>>,
+    /// Where the frame's answer goes.
+    pub reply: Reply,
 }
 
-/// The largest request or answer on a bidirectional stream.
-pub const REQUEST_BYTES_MAX: usize = 4 * 1024;
+/// The answer to one [`SessionFrame`]: sent on its session, after the answers to every
+/// frame the session carried before it that were answered before it.
+#[derive(Debug)]
+pub struct Reply {
+    session: mpsc::UnboundedSender<Outgoing>,
+    // Held until the answer is written: bounds the frames a session has unanswered.
+    permit: OwnedSemaphorePermit,
+}
+
+#[derive(Debug)]
+enum Outgoing {
+    Frame(Vec<u8>, OwnedSemaphorePermit),
+    Refuse,
+}
+
+impl Reply {
+    /// Writes `frame` (length prefix included) on the session.
+    pub fn send(self, frame: Vec<u8>) {
+        // A session that has ended answers nothing more; its peer resends on a new one.
+        let _ = self.session.send(Outgoing::Frame(frame, self.permit));
+    }
+
+    /// Ends the session (resets its stream): its peer broke the protocol.
+    pub fn refuse(self) {
+        let _ = self.session.send(Outgoing::Refuse);
+    }
+}
+
+/// The most frames one session may have unanswered; past it, its stream is not read (so
+/// QUIC's flow control holds its peer back) until answers are written.
+const SESSION_FRAMES_IN_FLIGHT: usize = 256;
 
 /// The node's QUIC endpoint and its peers' writers. Owned by the gossip task.
 pub struct Transport {
@@ -78,22 +107,23 @@ struct Shared {
     endpoint: quinn::Endpoint,
     connections: Mutex<HashMap<NodeId, quinn::Connection>>,
     inbound: mpsc::Sender<Inbound>,
-    // Where requests on bidirectional streams go: on the region node only.
-    requests: Option<mpsc::Sender<PeerRequest>>,
+    // Where frames on sessions go, and the most bytes one may have: on the region node
+    // only.
+    sessions: Option<Sessions>,
     frame_bytes_max: usize,
     stats: Arc<TransportStats>,
 }
 
 impl Transport {
     /// Binds the endpoint on `addr` and starts accepting peers; frames they send arrive
-    /// on the returned receiver, and requests on bidirectional streams on `requests` (a
-    /// node without it resets such streams).
+    /// on the returned receiver, and frames on sessions (bidirectional streams) on
+    /// `sessions` (a node without it resets such streams).
     pub fn bind(
         addr: SocketAddr,
         identity: tls::Identity,
         frame_bytes_max: usize,
         stats: Arc<TransportStats>,
-        requests: Option<mpsc::Sender<PeerRequest>>,
+        sessions: Option<Sessions>,
     ) -> std::io::Result<(Transport, mpsc::Receiver<Inbound>)> {
         let mut endpoint = quinn::Endpoint::server(identity.server, addr)?;
         endpoint.set_default_client_config(identity.client);
@@ -102,7 +132,7 @@ impl Transport {
             endpoint,
             connections: Mutex::new(HashMap::new()),
             inbound,
-            requests,
+            sessions,
             frame_bytes_max,
             stats,
         });
@@ -139,8 +169,7 @@ impl Transport {
         }
     }
 
-    /// A handle for sending requests to peers on bidirectional streams, over the same
-    /// connections.
+    /// A handle for opening sessions to peers, over the same connections.
     pub fn requester(&self) -> Requester {
         Requester {
             shared: self.shared.clone(),
@@ -219,24 +248,78 @@ fn held(shared: &Shared, node: NodeId) -> Option<quinn::Connection> {
         .cloned()
 }
 
-/// Sends requests to peers on bidirectional streams. Cheap to clone.
+/// Where a node's incoming session frames go, and the largest frame a session may carry.
+#[derive(Debug, Clone)]
+pub struct Sessions {
+    /// The frames, in the order each session carried them.
+    pub frames: mpsc::Sender<SessionFrame>,
+    /// The largest frame, length prefix excluded.
+    pub frame_bytes_max: usize,
+}
+
+/// Opens sessions to peers. Cheap to clone.
 #[derive(Clone)]
 pub struct Requester {
     shared: Arc<Shared>,
 }
 
+/// One end of a session: its two streams, and the stable id of their connection.
+pub struct Session {
+    /// Where frames go.
+    pub send: quinn::SendStream,
+    /// Where answers come from.
+    pub receive: quinn::RecvStream,
+    /// The connection's [`quinn::Connection::stable_id`].
+    pub connection: usize,
+}
+
 impl Requester {
-    /// Sends `body` to `node` at `addr` on a new stream of the connection held for it (or
-    /// a new one) and returns the answer. Errors say what failed; the caller retries.
-    pub async fn request(&self, node: NodeId, addr: &str, body: &[u8]) -> Result<Vec<u8>, String> {
+    /// Opens a session to `node` at `addr`, on the connection held for it (or a new one).
+    pub async fn open_session(&self, node: NodeId, addr: &str) -> Result<Session, String> {
         let connection = connection_to(&self.shared, node, addr).await?;
-        let (mut send, mut receive) = connection.open_bi().await.map_err(|err| err.to_string())?;
-        send.write_all(body).await.map_err(|err| err.to_string())?;
-        send.finish().map_err(|err| err.to_string())?;
-        receive
-            .read_to_end(REQUEST_BYTES_MAX)
-            .await
-            .map_err(|err| err.to_string())
+        let (send, receive) = connection.open_bi().await.map_err(|err| err.to_string())?;
+        Ok(Session {
+            send,
+            receive,
+            connection: connection.stable_id(),
+        })
+    }
+
+    /// The stable id of the live connection held for `node`, if any: a session on another
+    /// is on a connection that was replaced.
+    pub fn held(&self, node: NodeId) -> Option<usize> {
+        held(&self.shared, node).map(|connection| connection.stable_id())
+    }
+}
+
+/// What reading one length-prefixed frame found.
+#[derive(Debug)]
+pub enum FrameRead {
+    /// A whole frame, without its prefix.
+    Frame(Vec<u8>),
+    /// The stream ended (or failed) between frames.
+    End,
+    /// A length prefix of zero or over the limit.
+    OutOfBounds,
+    /// The stream ended inside a frame.
+    Truncated,
+}
+
+/// Reads one frame: a 4-byte little-endian length, checked against `bytes_max` before
+/// anything is allocated, and that many bytes.
+pub async fn read_frame(stream: &mut quinn::RecvStream, bytes_max: usize) -> FrameRead {
+    let mut prefix = [0u8; 4];
+    if stream.read_exact(&mut prefix).await.is_err() {
+        return FrameRead::End;
+    }
+    let len = u32::from_le_bytes(prefix) as usize;
+    if len == 0 || len > bytes_max {
+        return FrameRead::OutOfBounds;
+    }
+    let mut frame = vec![0u8; len];
+    match stream.read_exact(&mut frame).await {
+        Ok(()) => FrameRead::Frame(frame),
+        Err(_) => FrameRead::Truncated,
     }
 }
 
@@ -250,51 +333,74 @@ async fn read_streams(shared: Arc<Shared>, node: NodeId, connection: quinn::Conn
             }
             stream = connection.accept_bi() => {
                 let Ok((send, receive)) = stream else { return };
-                tokio::spawn(answer_request(shared.clone(), node, send, receive));
+                tokio::spawn(serve_session(shared.clone(), node, send, receive));
             }
         }
     }
 }
 
-/// Reads one request from a bidirectional stream, hands it on, and writes the answer.
-async fn answer_request(
+/// Serves one session: hands each frame it carries on, with a [`Reply`] for its answer,
+/// and writes the answers as they come. A frame out of bounds ends the session.
+async fn serve_session(
     shared: Arc<Shared>,
     node: NodeId,
     mut send: quinn::SendStream,
     mut receive: quinn::RecvStream,
 ) {
-    let Some(requests) = &shared.requests else {
+    let Some(sessions) = shared.sessions.clone() else {
         let _ = send.reset(CLOSE_PROTOCOL.into());
         return;
     };
-    let body = match receive.read_to_end(REQUEST_BYTES_MAX).await {
-        Ok(body) => body,
-        Err(err) => {
-            let counter = match err {
-                quinn::ReadToEndError::TooLong => &shared.stats.frames_oversized,
-                quinn::ReadToEndError::Read(_) => &shared.stats.frames_truncated,
-            };
-            counter.fetch_add(1, Ordering::Relaxed);
-            let _ = send.reset(CLOSE_PROTOCOL.into());
+    let (outgoing, mut answers) = mpsc::unbounded_channel();
+    tokio::spawn(async move {
+        while let Some(answer) = answers.recv().await {
+            match answer {
+                Outgoing::Frame(frame, _permit) => {
+                    if send.write_all(&frame).await.is_err() {
+                        return;
+                    }
+                }
+                Outgoing::Refuse => {
+                    let _ = send.reset(CLOSE_PROTOCOL.into());
+                    return;
+                }
+            }
+        }
+    });
+    let in_flight = Arc::new(Semaphore::new(SESSION_FRAMES_IN_FLIGHT));
+    loop {
+        let Ok(permit) = in_flight.clone().acquire_owned().await else {
             return;
-        }
-    };
-    let (reply, answer) = oneshot::channel();
-    let request = PeerRequest {
-        from: node,
-        body,
-        reply,
-    };
-    if requests.send(request).await.is_err() {
-        return;
-    }
-    match answer.await {
-        Ok(bytes) => {
-            let _ = send.write_all(&bytes).await;
-            let _ = send.finish();
-        }
-        Err(_) => {
-            let _ = send.reset(CLOSE_PROTOCOL.into());
+        };
+        let body = match read_frame(&mut receive, sessions.frame_bytes_max).await {
+            FrameRead::Frame(body) => body,
+            FrameRead::End => return,
+            FrameRead::OutOfBounds => {
+                shared
+                    .stats
+                    .frames_oversized
+                    .fetch_add(1, Ordering::Relaxed);
+                let _ = outgoing.send(Outgoing::Refuse);
+                return;
+            }
+            FrameRead::Truncated => {
+                shared
+                    .stats
+                    .frames_truncated
+                    .fetch_add(1, Ordering::Relaxed);
+                return;
+            }
+        };
+        let frame = SessionFrame {
+            from: node,
+            body,
+            reply: Reply {
+                session: outgoing.clone(),
+                permit,
+            },
+        };
+        if sessions.frames.send(frame).await.is_err() {
+            return;
         }
     }
 }
@@ -306,25 +412,26 @@ async fn read_frames(
     connection: quinn::Connection,
     mut stream: quinn::RecvStream,
 ) {
-    let mut prefix = [0u8; 4];
-    while stream.read_exact(&mut prefix).await.is_ok() {
-        let len = u32::from_le_bytes(prefix) as usize;
-        if len == 0 || len > shared.frame_bytes_max {
-            shared
-                .stats
-                .frames_oversized
-                .fetch_add(1, Ordering::Relaxed);
-            connection.close(CLOSE_PROTOCOL.into(), b"frame length out of bounds");
-            return;
-        }
-        let mut frame = vec![0u8; len];
-        if stream.read_exact(&mut frame).await.is_err() {
-            shared
-                .stats
-                .frames_truncated
-                .fetch_add(1, Ordering::Relaxed);
-            return;
-        }
+    loop {
+        let frame = match read_frame(&mut stream, shared.frame_bytes_max).await {
+            FrameRead::Frame(frame) => frame,
+            FrameRead::End => return,
+            FrameRead::OutOfBounds => {
+                shared
+                    .stats
+                    .frames_oversized
+                    .fetch_add(1, Ordering::Relaxed);
+                connection.close(CLOSE_PROTOCOL.into(), b"frame length out of bounds");
+                return;
+            }
+            FrameRead::Truncated => {
+                shared
+                    .stats
+                    .frames_truncated
+                    .fetch_add(1, Ordering::Relaxed);
+                return;
+            }
+        };
         let inbound = Inbound {
             from: node,
             frame,

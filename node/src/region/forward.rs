@@ -1,17 +1,22 @@
-//! The edge's side of the region path: forwards an exact check and waits, at most the
-//! rule's `region_timeout_ms`, for a durable answer. A check whose connection breaks is
-//! sent again with the same request id (the region answers a repeat with the first
-//! outcome), until the deadline. A decision says exact only when the region answered.
+//! The edge's side of the region path: forwards exact checks on one long-lived session to
+//! the region, many to a frame when they queue up, and waits, at most each rule's
+//! `region_timeout_ms`, for a durable answer. Checks a broken session left unanswered are
+//! sent again on the next, with the same request ids (the region answers a repeat with
+//! its first outcome). A decision says exact only when the region answered.
 
 use super::log::RequestId;
-use super::{decode, encode, ExactAnswer, ExactCheck, Outcome};
+use super::wire::{self, CHECKS_PER_FRAME_MAX, REGION_FRAME_BYTES_MAX};
+use super::{ExactAnswer, ExactCheck, Outcome};
 use crate::clock::Clock;
 use crate::config::RuleConfig;
-use crate::transport::Requester;
+use crate::transport::{read_frame, FrameRead, Requester, Session};
+use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
 use std::time::Duration;
 use tally_client::wire::Refusal;
 use tally_crdt::{Key, NodeId, ReplicaId};
+use tokio::sync::{mpsc, oneshot};
 
 /// Bucket bounds of the region latency histogram, in microseconds.
 pub const LATENCY_BOUNDS_US: [u64; 12] = [
@@ -29,35 +34,52 @@ pub struct ForwardStats {
     pub unavailable: AtomicU64,
     /// Checks the region refused for its storage.
     pub storage_errors: AtomicU64,
-    /// Sends retried after a broken stream or connection.
+    /// Checks sent again on a new session after one broke.
     pub retries: AtomicU64,
 }
 
 /// Forwards exact checks from one edge life to the region.
 pub struct Forwarder {
-    requester: Requester,
-    region: NodeId,
-    addr: String,
+    checks: mpsc::UnboundedSender<Pending>,
     replica: ReplicaId,
     next_seq: AtomicU64,
     clock: Clock,
-    stats: std::sync::Arc<ForwardStats>,
+    stats: Arc<ForwardStats>,
+}
+
+/// A check handed to the session task, and where its answer goes.
+struct Pending {
+    check: ExactCheck,
+    answer: oneshot::Sender<ExactAnswer>,
+}
+
+/// Where the region is.
+struct Region {
+    requester: Requester,
+    node: NodeId,
+    addr: String,
 }
 
 impl Forwarder {
-    /// A forwarder to the region `region` at `addr`, for `replica`'s requests.
+    /// A forwarder to the region `region` at `addr`, for `replica`'s requests. Starts the
+    /// task that keeps its session to the region.
     pub fn new(
         requester: Requester,
         region: NodeId,
         addr: String,
         replica: ReplicaId,
         clock: Clock,
-        stats: std::sync::Arc<ForwardStats>,
+        stats: Arc<ForwardStats>,
     ) -> Forwarder {
-        Forwarder {
+        let (checks, pending) = mpsc::unbounded_channel();
+        let region = Region {
             requester,
-            region,
+            node: region,
             addr,
+        };
+        tokio::spawn(keep_sessions(region, pending, stats.clone()));
+        Forwarder {
+            checks,
             replica,
             next_seq: AtomicU64::new(0),
             clock,
@@ -80,20 +102,6 @@ impl Forwarder {
             window_secs: key.window.len_secs(),
             cost,
         };
-        let body = encode(&check);
-        let started = self.clock.mono();
-        let timeout = Duration::from_millis(rule.region_timeout_ms);
-        let attempts = async {
-            loop {
-                match self.requester.request(self.region, &self.addr, &body).await {
-                    Ok(answer) => return decode::<ExactAnswer>(&answer),
-                    Err(_) => {
-                        self.stats.retries.fetch_add(1, Ordering::Relaxed);
-                        tokio::time::sleep(Duration::from_millis(5)).await;
-                    }
-                }
-            }
-        };
         let unavailable = |why: String| {
             self.stats.unavailable.fetch_add(1, Ordering::Relaxed);
             Refusal::RegionUnavailable {
@@ -101,29 +109,35 @@ impl Forwarder {
                 why,
             }
         };
-        let answer = tokio::time::timeout(timeout, attempts)
+        let started = self.clock.mono();
+        let (answer, answered) = oneshot::channel();
+        if self.checks.send(Pending { check, answer }).is_err() {
+            return Err(unavailable("the forwarder has stopped".into()));
+        }
+        let timeout = Duration::from_millis(rule.region_timeout_ms);
+        let answer = tokio::time::timeout(timeout, answered)
             .await
-            .map_err(|_| unavailable(format!("no answer within {} ms", rule.region_timeout_ms)))?;
+            .map_err(|_| unavailable(format!("no answer within {} ms", rule.region_timeout_ms)))?
+            .map_err(|_| unavailable("the forwarder has stopped".into()))?;
         let elapsed = self.clock.mono().saturating_sub(started);
         match answer {
-            Some(ExactAnswer::Decided(outcome)) => {
+            ExactAnswer::Decided(outcome) => {
                 self.record_latency(elapsed);
                 Ok(outcome)
             }
-            Some(ExactAnswer::UnknownRule) => Err(unavailable(format!(
-                "the region has no exact rule {:?}",
+            ExactAnswer::UnknownRule => Err(unavailable(format!(
+                "the region has no exact rule {:?} for this window",
                 rule.name
             ))),
-            Some(ExactAnswer::Forgotten) => Err(unavailable(
+            ExactAnswer::Forgotten => Err(unavailable(
                 "the region no longer remembers this request id".into(),
             )),
-            Some(ExactAnswer::Storage(why)) => {
+            ExactAnswer::Storage(why) => {
                 self.stats.storage_errors.fetch_add(1, Ordering::Relaxed);
                 Err(Refusal::Storage {
                     why: format!("region: {why}"),
                 })
             }
-            None => Err(unavailable("the region's answer did not decode".into())),
         }
     }
 
@@ -137,5 +151,153 @@ impl Forwarder {
         self.stats
             .latency_sum_us
             .fetch_add(micros, Ordering::Relaxed);
+    }
+}
+
+/// How long the session task waits after failing to open a session, at first and at most.
+const BACKOFF_MIN: Duration = Duration::from_millis(5);
+const BACKOFF_MAX: Duration = Duration::from_millis(200);
+
+/// How often a session drops the checks whose callers stopped waiting.
+const PURGE_EVERY: Duration = Duration::from_millis(100);
+
+/// Keeps a session open to the region and carries checks over it, until the forwarder is
+/// dropped. Checks sent and not yet answered are kept, by sequence number, and sent again
+/// on the next session if this one breaks; the region answers a repeat with its first
+/// outcome. Checks whose caller stopped waiting are dropped, never sent again.
+async fn keep_sessions(
+    region: Region,
+    mut checks: mpsc::UnboundedReceiver<Pending>,
+    stats: Arc<ForwardStats>,
+) {
+    let mut unanswered: BTreeMap<u64, Pending> = BTreeMap::new();
+    let mut backoff = BACKOFF_MIN;
+    loop {
+        unanswered.retain(|_, pending| !pending.answer.is_closed());
+        let session = match region
+            .requester
+            .open_session(region.node, &region.addr)
+            .await
+        {
+            Ok(session) => session,
+            Err(_) => {
+                // Checks that arrive meanwhile wait for the next session.
+                let wait = tokio::time::sleep(backoff);
+                tokio::pin!(wait);
+                loop {
+                    tokio::select! {
+                        () = &mut wait => break,
+                        pending = checks.recv() => match pending {
+                            Some(pending) => {
+                                unanswered.insert(pending.check.id.seq, pending);
+                            }
+                            None => return,
+                        },
+                    }
+                }
+                backoff = (backoff * 2).min(BACKOFF_MAX);
+                continue;
+            }
+        };
+        backoff = BACKOFF_MIN;
+        stats
+            .retries
+            .fetch_add(unanswered.len() as u64, Ordering::Relaxed);
+        match carry(&region, session, &mut checks, &mut unanswered).await {
+            Carried::Broken => continue,
+            Carried::Dropped => return,
+        }
+    }
+}
+
+/// Why [`carry`] returned.
+enum Carried {
+    /// The session broke, or its connection was replaced: open another.
+    Broken,
+    /// The forwarder was dropped.
+    Dropped,
+}
+
+/// Carries checks over one session: first those `unanswered` (sent on an earlier session),
+/// then new ones, many to a frame when they queue up while a frame is being written.
+async fn carry(
+    region: &Region,
+    session: Session,
+    checks: &mut mpsc::UnboundedReceiver<Pending>,
+    unanswered: &mut BTreeMap<u64, Pending>,
+) -> Carried {
+    let Session {
+        mut send,
+        receive,
+        connection,
+    } = session;
+    let (answers, mut answered) = mpsc::unbounded_channel();
+    let reader = tokio::spawn(read_answers(receive, answers));
+    let carried = async {
+        let resend: Vec<&ExactCheck> = unanswered.values().map(|pending| &pending.check).collect();
+        for frame in resend.chunks(CHECKS_PER_FRAME_MAX) {
+            if send.write_all(&wire::encode_checks(frame)).await.is_err() {
+                return Carried::Broken;
+            }
+        }
+        let mut purge = tokio::time::interval(PURGE_EVERY);
+        let mut batch = Vec::with_capacity(CHECKS_PER_FRAME_MAX);
+        loop {
+            tokio::select! {
+                pending = checks.recv() => {
+                    let Some(first) = pending else { return Carried::Dropped };
+                    batch.push(first);
+                    while batch.len() < CHECKS_PER_FRAME_MAX {
+                        match checks.try_recv() {
+                            Ok(pending) => batch.push(pending),
+                            Err(_) => break,
+                        }
+                    }
+                    batch.retain(|pending| !pending.answer.is_closed());
+                    let frame = (!batch.is_empty()).then(|| {
+                        let refs: Vec<&ExactCheck> = batch.iter().map(|p| &p.check).collect();
+                        wire::encode_checks(&refs)
+                    });
+                    for pending in batch.drain(..) {
+                        unanswered.insert(pending.check.id.seq, pending);
+                    }
+                    let Some(frame) = frame else { continue };
+                    if region.requester.held(region.node) != Some(connection) {
+                        // A newer connection to the region was adopted: move to it.
+                        return Carried::Broken;
+                    }
+                    if send.write_all(&frame).await.is_err() {
+                        return Carried::Broken;
+                    }
+                }
+                frame = answered.recv() => {
+                    let Some(frame) = frame else { return Carried::Broken };
+                    for (seq, answer) in frame {
+                        if let Some(pending) = unanswered.remove(&seq) {
+                            let _ = pending.answer.send(answer);
+                        }
+                    }
+                }
+                _ = purge.tick() => unanswered.retain(|_, pending| !pending.answer.is_closed()),
+            }
+        }
+    };
+    let carried = carried.await;
+    reader.abort();
+    carried
+}
+
+/// Reads frames of answers from a session until it ends or sends one that does not decode.
+async fn read_answers(
+    mut receive: quinn::RecvStream,
+    answers: mpsc::UnboundedSender<Vec<wire::Answered>>,
+) {
+    while let FrameRead::Frame(body) = read_frame(&mut receive, REGION_FRAME_BYTES_MAX).await {
+        let Some(frame) = wire::decode_answers(&body) else {
+            return;
+        };
+        if answers.send(frame).is_err() {
+            return;
+        }
     }
 }

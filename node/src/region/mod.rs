@@ -1,10 +1,10 @@
 //! The region path: exact rules, decided on one authoritative, durable count.
 //!
-//! An edge forwards an exact check to the region node over its QUIC connection (one
-//! bidirectional stream per check, see [`forward`]). The region decides it on its
-//! [`Ledger`] (linearizable: one task decides, in arrival order, on the state every earlier
-//! decision left), appends a record, and answers only after the [`committer`] has synced
-//! that record's group to disk. Request ids make retries idempotent: a repeated id gets
+//! An edge forwards exact checks to the region node over its QUIC connection, in frames on
+//! one long-lived bidirectional stream (a session, see [`forward`] and [`wire`]). The
+//! region decides each on its [`Ledger`] (linearizable: one task decides, in arrival
+//! order, on the state every earlier decision left), appends a record, and answers only
+//! after the [`committer`] has synced that record's group to disk. Request ids make retries idempotent: a repeated id gets
 //! the first answer, after the same sync, and counts nothing more.
 //!
 //! After a failed write or sync the committer refuses everything, forever (until
@@ -15,85 +15,13 @@ pub mod committer;
 pub mod forward;
 pub mod log;
 pub mod service;
+pub mod wire;
 
 use crate::config::RuleConfig;
-use log::{Record, RequestId};
-use serde::{Deserialize, Serialize};
+use log::Record;
 use std::collections::HashMap;
 use tally_crdt::{Key, Rule, Subject, Window};
-
-/// The largest region request or answer frame.
-pub const REGION_FRAME_BYTES_MAX: usize = 2 * 1024;
-
-const CONFIG: bincode::config::Configuration<
-    bincode::config::LittleEndian,
-    bincode::config::Varint,
-    bincode::config::Limit<REGION_FRAME_BYTES_MAX>,
-> = bincode::config::standard().with_limit::<REGION_FRAME_BYTES_MAX>();
-
-/// An exact check, as an edge forwards it.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-pub struct ExactCheck {
-    /// Unique per edge life; retries reuse it.
-    pub id: RequestId,
-    /// The rule's name (the region holds the same rules).
-    pub rule: String,
-    /// The subject.
-    pub subject: String,
-    /// The window's index, fixed by the edge.
-    pub window_index: u64,
-    /// The window's length.
-    pub window_secs: u32,
-    /// The check's cost.
-    pub cost: u64,
-}
-
-/// The region's answer.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-pub enum ExactAnswer {
-    /// Decided and durable.
-    Decided(Outcome),
-    /// The region has no such exact rule.
-    UnknownRule,
-    /// The region could not make the decision durable; nothing was acknowledged. The
-    /// region's log error.
-    Storage(String),
-    /// A retry of a request id older than the region remembers for its edge life
-    /// ([`RECENT_IDS`]); it was decided once and is not decided again.
-    Forgotten,
-}
-
-/// A decision on the authoritative count.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
-pub struct Outcome {
-    /// Whether the check was admitted (and counted).
-    pub allowed: bool,
-    /// The authoritative count after the decision.
-    pub count: u64,
-}
-
-/// The region protocol version this build speaks: the first byte of every message.
-pub const REGION_WIRE_VERSION: u8 = 1;
-
-/// Encodes a region message: the version byte, then the body (no length prefix: a stream
-/// carries one message each way).
-pub fn encode<T: Serialize>(message: &T) -> Vec<u8> {
-    let mut bytes = vec![REGION_WIRE_VERSION];
-    bincode::serde::encode_into_std_write(message, &mut bytes, CONFIG)
-        .expect("invariant: region messages of bounded names are far below the limit");
-    bytes
-}
-
-/// Decodes a region message, refusing another version, an oversized one and trailing
-/// bytes.
-pub fn decode<T: serde::de::DeserializeOwned>(bytes: &[u8]) -> Option<T> {
-    let (&version, body) = bytes.split_first()?;
-    if version != REGION_WIRE_VERSION || bytes.len() > REGION_FRAME_BYTES_MAX {
-        return None;
-    }
-    let (message, read) = bincode::serde::decode_from_slice(body, CONFIG).ok()?;
-    (read == body.len()).then_some(message)
-}
+pub use wire::{ExactAnswer, ExactCheck, Outcome};
 
 /// The authoritative counts of exact rules, and the outcomes of each edge life's most
 /// recent request ids. Pure state: the committer makes it durable.
@@ -245,6 +173,7 @@ pub fn key_of(rule: &str, subject: &str, window_index: u64, window_secs: u32) ->
 mod tests {
     use super::*;
     use crate::config::RuleMode;
+    use log::RequestId;
 
     fn rule(limit: u64) -> RuleConfig {
         RuleConfig::for_test("quota", limit, RuleMode::Exact)

@@ -1,5 +1,6 @@
 //! The region node's task: decides forwarded exact checks one at a time on the
-//! [`Ledger`], hands each record to the [`Committer`], and answers once it is durable.
+//! [`Ledger`], hands each frame's records to the [`Committer`] as one append, and answers
+//! the frame once they are durable.
 //!
 //! Deciding on one task in arrival order is what makes check-and-increment linearizable:
 //! each decision sees every earlier one, durable or about to be. A decision whose group
@@ -8,23 +9,24 @@
 //! Admissions also go into the region's own lanes once durable, through the lane log, so
 //! the edges' approximate estimates include exact traffic, across region restarts too.
 
-use super::committer::Committer;
+use super::committer::{CommitError, Committer};
 use super::log::{self, FileStorage, Record};
-use super::{decode, encode, key_of, Decided, ExactAnswer, ExactCheck, Ledger};
+use super::wire::{self, Answered};
+use super::{key_of, Decided, ExactAnswer, ExactCheck, Ledger};
 use crate::clock;
 use crate::config::RuleMode;
 use crate::decide::Rules;
 use crate::lanelog::LaneLog;
 use crate::listener::EXIT_LOG_FAILED;
 use crate::store::LaneStore;
-use crate::transport::PeerRequest;
+use crate::transport::{Reply, SessionFrame};
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 use tally_crdt::{Key, Lane, ReplicaId};
-use tokio::sync::mpsc;
+use tokio::sync::{mpsc, oneshot};
 
 /// The region's state and its log.
 pub struct RegionService {
@@ -35,7 +37,8 @@ pub struct RegionService {
     // The node's lane log: the region's own lanes of exact admissions go in it, as an
     // edge's writes do, so a restart republishes them to the edges' estimates.
     lanes: Option<Arc<Mutex<LaneLog>>>,
-    /// Forwarded checks that did not decode, or named no exact rule here.
+    /// Forwarded checks that named no exact rule here or no live window, and frames that
+    /// did not decode or asked under another node's ids.
     pub bad_requests: Arc<AtomicU64>,
 }
 
@@ -114,7 +117,11 @@ impl RegionService {
         for (key, count) in service.ledger.counts() {
             let missing = count.saturating_sub(held.get(key).copied().unwrap_or(0));
             if missing > 0 {
-                count_in_own_lane(&service.store, service.lanes.as_deref(), key, missing);
+                count_in_own_lanes(
+                    &service.store,
+                    service.lanes.as_deref(),
+                    &[(key.clone(), missing)],
+                );
                 repaired += missing;
             }
         }
@@ -131,33 +138,64 @@ impl RegionService {
         self.committer.stats().clone()
     }
 
-    /// Serves forwarded checks until the channel closes.
-    pub async fn serve(mut self, mut requests: mpsc::Receiver<PeerRequest>) {
+    /// Serves frames of forwarded checks until the channel closes.
+    pub async fn serve(mut self, mut frames: mpsc::Receiver<SessionFrame>) {
+        let (batches, decided) = mpsc::unbounded_channel();
+        tokio::spawn(acknowledge(decided, self.store.clone(), self.lanes.clone()));
         let mut expire = tokio::time::interval(Duration::from_secs(1));
         loop {
             tokio::select! {
-                request = requests.recv() => {
-                    let Some(request) = request else { return };
-                    self.handle(request);
+                frame = frames.recv() => {
+                    let Some(frame) = frame else { return };
+                    self.handle(frame, &batches);
                 }
                 _ = expire.tick() => self.ledger.expire(clock::wall().0 / 1_000),
             }
         }
     }
 
-    fn handle(&mut self, request: PeerRequest) {
-        let PeerRequest { from, body, reply } = request;
-        let Some(check) = decode::<ExactCheck>(&body) else {
+    /// Decides every check of one frame, in order, and submits their records as one append;
+    /// the frame is answered once they are durable. A frame that does not decode, or that
+    /// asks under another node's ids, is refused whole: nothing of it is decided.
+    fn handle(&mut self, frame: SessionFrame, batches: &mpsc::UnboundedSender<Batch>) {
+        let SessionFrame { from, body, reply } = frame;
+        let Some(checks) = wire::decode_checks(&body) else {
             self.bad_requests.fetch_add(1, Ordering::Relaxed);
-            // Dropping `reply` resets the stream: the edge retries or times out.
+            reply.refuse();
             return;
         };
-        if check.id.node != from.0 {
-            // A member may ask only under its own node id: another's ids would let it read
-            // or block that edge's answers.
+        // A member may ask only under its own node id: another's ids would let it read or
+        // block that edge's answers.
+        if checks.iter().any(|check| check.id.node != from.0) {
             self.bad_requests.fetch_add(1, Ordering::Relaxed);
+            reply.refuse();
             return;
         }
+        let now_secs = clock::wall().0 / 1_000;
+        let mut answers = Vec::with_capacity(checks.len());
+        let mut admitted = Vec::new();
+        let mut records = Vec::new();
+        for check in &checks {
+            let answer = self.decide(check, now_secs, &mut records, &mut admitted);
+            answers.push((check.id.seq, answer));
+        }
+        let _ = batches.send(Batch {
+            durable: self.committer.submit(records),
+            answers,
+            admitted,
+            reply,
+        });
+    }
+
+    /// Decides one check: a new decision's record goes to `records`, and its key and cost
+    /// to `admitted` if it was admitted.
+    fn decide(
+        &mut self,
+        check: &ExactCheck,
+        now_secs: u64,
+        records: &mut Vec<u8>,
+        admitted: &mut Vec<(Key, u64)>,
+    ) -> ExactAnswer {
         let rule = match self.rules.get(&check.rule) {
             // The edge fixes the window's index; its length is the rule's, here too.
             Ok((_, rule))
@@ -167,88 +205,98 @@ impl RegionService {
             }
             _ => {
                 self.bad_requests.fetch_add(1, Ordering::Relaxed);
-                let _ = reply.send(encode(&ExactAnswer::UnknownRule));
-                return;
+                return ExactAnswer::UnknownRule;
             }
         };
         // The edge fixes the window, but only one that is live by this node's clock (with
         // a minute of skew ahead): a window far off would never expire here.
-        let now_secs = clock::wall().0 / 1_000;
-        let window_ok = key_of(
+        let key = key_of(
             &check.rule,
             &check.subject,
             check.window_index,
             check.window_secs,
         )
-        .is_some_and(|key| {
+        .filter(|key| {
             key.window.is_live(now_secs) && key.window.start_unix_secs() <= now_secs + 60
         });
-        if !window_ok {
+        let (Some(key), Some(decided)) = (key, self.ledger.decide(check, rule)) else {
             self.bad_requests.fetch_add(1, Ordering::Relaxed);
-            let _ = reply.send(encode(&ExactAnswer::UnknownRule));
-            return;
-        }
-        let Some(decided) = self.ledger.decide(&check, rule) else {
-            self.bad_requests.fetch_add(1, Ordering::Relaxed);
-            let _ = reply.send(encode(&ExactAnswer::UnknownRule));
-            return;
+            return ExactAnswer::UnknownRule;
         };
-        let (outcome, bytes, admitted) = match decided {
+        match decided {
             Decided::New(outcome, record) => {
-                let mut bytes = Vec::new();
-                log::encode(&record, &mut bytes);
-                (outcome, bytes, outcome.allowed)
-            }
-            // A retry: answered after the sync that made its first decision durable.
-            Decided::Repeat(outcome) => (outcome, Vec::new(), false),
-            Decided::Forgotten => {
-                let _ = reply.send(encode(&ExactAnswer::Forgotten));
-                return;
-            }
-        };
-        let durable = self.committer.submit(bytes);
-        let (store, lanes) = (self.store.clone(), self.lanes.clone());
-        tokio::spawn(async move {
-            let answer = match durable.await {
-                Ok(Ok(())) => {
-                    if admitted {
-                        if let Some(key) = key_of(
-                            &check.rule,
-                            &check.subject,
-                            check.window_index,
-                            check.window_secs,
-                        ) {
-                            count_in_own_lane(&store, lanes.as_deref(), &key, check.cost);
-                        }
-                    }
-                    ExactAnswer::Decided(outcome)
+                log::encode(&record, records);
+                if outcome.allowed {
+                    admitted.push((key, check.cost));
                 }
-                Ok(Err(err)) => ExactAnswer::Storage(err.to_string()),
-                Err(_) => ExactAnswer::Storage("the region's committer stopped".into()),
-            };
-            let _ = reply.send(encode(&answer));
-        });
+                ExactAnswer::Decided(outcome)
+            }
+            // A retry: answered after the sync that made its first decision durable (the
+            // committer completes in order).
+            Decided::Repeat(outcome) => ExactAnswer::Decided(outcome),
+            Decided::Forgotten => ExactAnswer::Forgotten,
+        }
     }
 }
 
-/// Counts a durable admission in the region's own lane, through the lane log as an edge's
-/// write goes (logged, counted, and written out before this thread can run the gossip
-/// task), so gossip carries it to the edges' estimates and a restart republishes it. At the
-/// key cap it is not counted in the lane; the decision stands.
-fn count_in_own_lane(store: &LaneStore, lanes: Option<&Mutex<LaneLog>>, key: &Key, cost: u64) {
+/// One frame's decisions, waiting for their records to be durable.
+struct Batch {
+    durable: oneshot::Receiver<Result<(), CommitError>>,
+    answers: Vec<Answered>,
+    admitted: Vec<(Key, u64)>,
+    reply: Reply,
+}
+
+/// Answers frames as their records become durable, in the order they were decided (the
+/// committer completes in that order too). Once durable, a frame's admissions are counted
+/// in the region's own lanes; if its records were refused, its decisions are answered
+/// with the storage error instead, and nothing of it is counted.
+async fn acknowledge(
+    mut batches: mpsc::UnboundedReceiver<Batch>,
+    store: Arc<LaneStore>,
+    lanes: Option<Arc<Mutex<LaneLog>>>,
+) {
+    while let Some(mut batch) = batches.recv().await {
+        let refused = match (&mut batch.durable).await {
+            Ok(Ok(())) => None,
+            Ok(Err(err)) => Some(err.to_string()),
+            Err(_) => Some("the region's committer stopped".to_owned()),
+        };
+        match refused {
+            None => count_in_own_lanes(&store, lanes.as_deref(), &batch.admitted),
+            Some(why) => {
+                for (_, answer) in &mut batch.answers {
+                    if matches!(answer, ExactAnswer::Decided(_)) {
+                        *answer = ExactAnswer::storage(&why);
+                    }
+                }
+            }
+        }
+        batch.reply.send(wire::encode_answers(&batch.answers));
+    }
+}
+
+/// Counts durable admissions in the region's own lanes, through the lane log as an edge's
+/// writes go (logged, counted, and written out before this thread can run the gossip task),
+/// so gossip carries them to the edges' estimates and a restart republishes them. At the
+/// key cap an admission is not counted in the lane; the decision stands.
+fn count_in_own_lanes(store: &LaneStore, lanes: Option<&Mutex<LaneLog>>, admitted: &[(Key, u64)]) {
     let Some(lanes) = lanes else {
-        let _ = store.incr(key, cost);
+        for (key, cost) in admitted {
+            let _ = store.incr(key, *cost);
+        }
         return;
     };
     let mut log = lanes
         .lock()
         .unwrap_or_else(|poisoned| poisoned.into_inner());
-    let Ok(mark) = log.append(key, cost, 0) else {
-        return;
-    };
-    if store.incr(key, cost).is_err() {
-        log.undo(mark);
-        return;
+    for (key, cost) in admitted {
+        let Ok(mark) = log.append(key, *cost, 0) else {
+            continue;
+        };
+        if store.incr(key, *cost).is_err() {
+            log.undo(mark);
+        }
     }
     if let Err(err) = log.flush() {
         eprintln!("tallyd: {err}; stopping: writes cannot be made durable");

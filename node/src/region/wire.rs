@@ -1,0 +1,227 @@
+//! The region protocol's messages and their encoding, in one place so the format can be
+//! swapped: a version byte, then bincode 2.0.1 (standard config) decoded with a limit.
+//!
+//! An edge keeps one long-lived bidirectional stream, a *session*, to the region. It
+//! writes frames of checks ([`encode_checks`]); the region answers each frame with one
+//! frame of answers ([`encode_answers`]), in the order its frames arrived, once every
+//! check in it is durable. On the stream, each frame is a 4-byte little-endian length and
+//! that many bytes (the transport's framing, as for gossip).
+
+use super::log::RequestId;
+use serde::{Deserialize, Serialize};
+use tally_crdt::{RULE_BYTES_MAX, SUBJECT_BYTES_MAX};
+
+/// The region protocol version this build speaks: the first byte of every frame's body.
+pub const REGION_WIRE_VERSION: u8 = 2;
+
+/// The most checks an edge puts in one frame.
+pub const CHECKS_PER_FRAME_MAX: usize = 512;
+
+/// The longest a `Storage` answer's reason is sent, in bytes.
+pub const STORAGE_WHY_BYTES_MAX: usize = 256;
+
+/// The largest region frame either way: [`CHECKS_PER_FRAME_MAX`] checks (or answers) of
+/// the largest size, with room to spare.
+pub const REGION_FRAME_BYTES_MAX: usize = 256 * 1024;
+
+// A check's largest encoding: three varint ids (9 bytes each), two strings of at most
+// their bound with a varint length (3 bytes), window index, window length and cost.
+const CHECK_BYTES_MAX: usize = 3 * 9 + (RULE_BYTES_MAX + 3) + (SUBJECT_BYTES_MAX + 3) + 9 + 5 + 9;
+// An answer's largest: a sequence number, a tag, and the longest of its variants.
+const ANSWER_BYTES_MAX: usize = 9 + 1 + (STORAGE_WHY_BYTES_MAX + 3);
+const _: () = assert!(1 + 3 + CHECKS_PER_FRAME_MAX * CHECK_BYTES_MAX <= REGION_FRAME_BYTES_MAX);
+const _: () = assert!(1 + 3 + CHECKS_PER_FRAME_MAX * ANSWER_BYTES_MAX <= REGION_FRAME_BYTES_MAX);
+
+const CONFIG: bincode::config::Configuration<
+    bincode::config::LittleEndian,
+    bincode::config::Varint,
+    bincode::config::Limit<REGION_FRAME_BYTES_MAX>,
+> = bincode::config::standard().with_limit::<REGION_FRAME_BYTES_MAX>();
+
+/// An exact check, as an edge forwards it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ExactCheck {
+    /// Unique per edge life; retries reuse it.
+    pub id: RequestId,
+    /// The rule's name (the region holds the same rules).
+    pub rule: String,
+    /// The subject.
+    pub subject: String,
+    /// The window's index, fixed by the edge.
+    pub window_index: u64,
+    /// The window's length.
+    pub window_secs: u32,
+    /// The check's cost.
+    pub cost: u64,
+}
+
+/// The region's answer to one check.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub enum ExactAnswer {
+    /// Decided and durable.
+    Decided(Outcome),
+    /// The region has no such exact rule, or the check's window is not live by its clock.
+    UnknownRule,
+    /// The region could not make the decision durable; nothing was acknowledged. The
+    /// region's log error, cut to [`STORAGE_WHY_BYTES_MAX`].
+    Storage(String),
+    /// A retry of a request id older than the region remembers for its edge life
+    /// ([`super::RECENT_IDS`]); it was decided once and is not decided again.
+    Forgotten,
+}
+
+/// A decision on the authoritative count.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Outcome {
+    /// Whether the check was admitted (and counted).
+    pub allowed: bool,
+    /// The authoritative count after the decision.
+    pub count: u64,
+}
+
+/// One check's answer in a frame of answers: the check's sequence number (its edge life is
+/// the session's), and the answer.
+pub type Answered = (u64, ExactAnswer);
+
+impl ExactAnswer {
+    /// A `Storage` answer, its reason cut to what a frame carries.
+    pub fn storage(why: &str) -> ExactAnswer {
+        let mut end = why.len().min(STORAGE_WHY_BYTES_MAX);
+        while !why.is_char_boundary(end) {
+            end -= 1;
+        }
+        ExactAnswer::Storage(why[..end].to_owned())
+    }
+}
+
+/// A frame of checks, length prefix included.
+pub fn encode_checks(checks: &[&ExactCheck]) -> Vec<u8> {
+    debug_assert!(checks.len() <= CHECKS_PER_FRAME_MAX);
+    encode_frame(&checks)
+}
+
+/// A frame of answers, length prefix included.
+pub fn encode_answers(answers: &[Answered]) -> Vec<u8> {
+    encode_frame(&answers)
+}
+
+/// Decodes a frame's body (after its length prefix) of checks: `None` for another
+/// version, more than [`CHECKS_PER_FRAME_MAX`] checks, a bad body, or trailing bytes.
+pub fn decode_checks(body: &[u8]) -> Option<Vec<ExactCheck>> {
+    decode_body::<Vec<ExactCheck>>(body).filter(|checks| checks.len() <= CHECKS_PER_FRAME_MAX)
+}
+
+/// Decodes a frame's body of answers, as [`decode_checks`] does.
+pub fn decode_answers(body: &[u8]) -> Option<Vec<Answered>> {
+    decode_body::<Vec<Answered>>(body)
+}
+
+fn encode_frame<T: Serialize>(message: &T) -> Vec<u8> {
+    let mut frame = vec![0, 0, 0, 0, REGION_WIRE_VERSION];
+    bincode::serde::encode_into_std_write(message, &mut frame, CONFIG)
+        .expect("invariant: a frame of bounded checks or answers is below the limit");
+    let len = u32::try_from(frame.len() - 4).expect("invariant: frames are below 4 GiB");
+    frame[..4].copy_from_slice(&len.to_le_bytes());
+    frame
+}
+
+fn decode_body<T: serde::de::DeserializeOwned>(body: &[u8]) -> Option<T> {
+    let (&version, rest) = body.split_first()?;
+    if version != REGION_WIRE_VERSION || body.len() > REGION_FRAME_BYTES_MAX {
+        return None;
+    }
+    let (message, read) = bincode::serde::decode_from_slice(rest, CONFIG).ok()?;
+    (read == rest.len()).then_some(message)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn check(seq: u64, subject: &str) -> ExactCheck {
+        ExactCheck {
+            id: RequestId {
+                node: u64::MAX,
+                generation: u64::MAX,
+                seq,
+            },
+            rule: "r".repeat(RULE_BYTES_MAX),
+            subject: subject.to_owned(),
+            window_index: u64::MAX,
+            window_secs: u32::MAX,
+            cost: u64::MAX,
+        }
+    }
+
+    fn body(frame: &[u8]) -> &[u8] {
+        let len = u32::from_le_bytes(frame[..4].try_into().unwrap()) as usize;
+        assert_eq!(len, frame.len() - 4, "the prefix is the body's length");
+        &frame[4..]
+    }
+
+    #[test]
+    fn a_full_frame_of_the_largest_checks_round_trips_under_the_limit() {
+        let checks: Vec<ExactCheck> = (0..CHECKS_PER_FRAME_MAX as u64)
+            .map(|seq| check(u64::MAX - seq, &"s".repeat(SUBJECT_BYTES_MAX)))
+            .collect();
+        let frame = encode_checks(&checks.iter().collect::<Vec<_>>());
+        assert!(frame.len() <= REGION_FRAME_BYTES_MAX);
+        assert_eq!(decode_checks(body(&frame)), Some(checks));
+    }
+
+    #[test]
+    fn a_full_frame_of_the_largest_answers_round_trips_under_the_limit() {
+        let why = "é".repeat(STORAGE_WHY_BYTES_MAX);
+        let answers: Vec<Answered> = (0..CHECKS_PER_FRAME_MAX as u64)
+            .map(|seq| (u64::MAX - seq, ExactAnswer::storage(&why)))
+            .collect();
+        let ExactAnswer::Storage(cut) = &answers[0].1 else {
+            panic!()
+        };
+        assert!(cut.len() <= STORAGE_WHY_BYTES_MAX && why.starts_with(cut.as_str()));
+        let frame = encode_answers(&answers);
+        assert!(frame.len() <= REGION_FRAME_BYTES_MAX);
+        assert_eq!(decode_answers(body(&frame)), Some(answers));
+    }
+
+    #[test]
+    fn bad_frames_are_refused() {
+        let frame = encode_checks(&[&check(1, "a")]);
+        let good = body(&frame);
+        assert!(decode_checks(good).is_some());
+        let mut other_version = good.to_vec();
+        other_version[0] = REGION_WIRE_VERSION + 1;
+        assert_eq!(decode_checks(&other_version), None, "another version");
+        let mut trailing = good.to_vec();
+        trailing.push(0);
+        assert_eq!(decode_checks(&trailing), None, "trailing bytes");
+        for cut in 0..good.len() {
+            assert_eq!(decode_checks(&good[..cut]), None, "cut at {cut}");
+        }
+        let too_many = vec![check(1, "a"); CHECKS_PER_FRAME_MAX + 1];
+        let mut frame = vec![REGION_WIRE_VERSION];
+        bincode::serde::encode_into_std_write(&too_many, &mut frame, CONFIG).unwrap();
+        assert_eq!(
+            decode_checks(&frame),
+            None,
+            "more checks than a frame may hold"
+        );
+        let huge_len = [
+            REGION_WIRE_VERSION,
+            0xfd,
+            0xff,
+            0xff,
+            0xff,
+            0xff,
+            0xff,
+            0xff,
+            0xff,
+            0xff,
+        ];
+        assert_eq!(
+            decode_checks(&huge_len),
+            None,
+            "a length prefix of 2^64 - 1"
+        );
+    }
+}
