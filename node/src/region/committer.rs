@@ -11,8 +11,8 @@ use std::sync::mpsc;
 use std::sync::Arc;
 use tokio::sync::oneshot;
 
-/// The most records in one group: bounds the memory of one write.
-const GROUP_RECORDS_MAX: usize = 8_192;
+/// A group stops taking submissions once it holds this many bytes: bounds one write.
+const GROUP_BYTES_MAX: usize = 4 * 1024 * 1024;
 
 /// Why a record was not acknowledged.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -35,6 +35,7 @@ pub struct CommitStats {
 
 struct Work {
     bytes: Vec<u8>,
+    records: u64,
     done: oneshot::Sender<Result<(), CommitError>>,
 }
 
@@ -57,13 +58,22 @@ impl Committer {
         Committer { sender, stats }
     }
 
-    /// Queues `bytes` (zero or more encoded records); the receiver completes once they are
-    /// durable together with everything submitted before them, or refused. Empty `bytes`
-    /// completes after everything submitted before it: how a retry waits for its first.
-    pub fn submit(&self, bytes: Vec<u8>) -> oneshot::Receiver<Result<(), CommitError>> {
+    /// Queues `bytes`, `records` encoded records (zero or more); the receiver completes once
+    /// they are durable together with everything submitted before them, or refused. Empty
+    /// `bytes` completes after everything submitted before it: how a retry waits for its
+    /// first.
+    pub fn submit(
+        &self,
+        bytes: Vec<u8>,
+        records: u64,
+    ) -> oneshot::Receiver<Result<(), CommitError>> {
         let (done, receiver) = oneshot::channel();
         // If the thread is gone, `done` is dropped and the receiver reports it.
-        let _ = self.sender.send(Work { bytes, done });
+        let _ = self.sender.send(Work {
+            bytes,
+            records,
+            done,
+        });
         receiver
     }
 
@@ -77,23 +87,24 @@ fn run(mut storage: Box<dyn Storage>, receiver: mpsc::Receiver<Work>, stats: &Co
     let mut failed: Option<CommitError> = None;
     let mut bytes = Vec::new();
     while let Ok(first) = receiver.recv() {
+        bytes.clear();
+        bytes.extend_from_slice(&first.bytes);
         let mut group = vec![first];
-        while group.len() < GROUP_RECORDS_MAX {
+        while bytes.len() < GROUP_BYTES_MAX {
             match receiver.try_recv() {
-                Ok(work) => group.push(work),
+                Ok(work) => {
+                    bytes.extend_from_slice(&work.bytes);
+                    group.push(work);
+                }
                 Err(_) => break,
             }
-        }
-        bytes.clear();
-        for work in &group {
-            bytes.extend_from_slice(&work.bytes);
         }
         if failed.is_none() && !bytes.is_empty() {
             match storage.append(&bytes).and_then(|()| storage.sync()) {
                 Ok(()) => {
                     stats.syncs.fetch_add(1, Ordering::Relaxed);
-                    let records = group.iter().filter(|w| !w.bytes.is_empty()).count();
-                    stats.records.fetch_add(records as u64, Ordering::Relaxed);
+                    let records = group.iter().map(|work| work.records).sum();
+                    stats.records.fetch_add(records, Ordering::Relaxed);
                 }
                 Err(err) => {
                     failed = Some(CommitError {
@@ -201,7 +212,7 @@ mod tests {
                     Decided::Repeat(_) => Vec::new(),
                     Decided::Forgotten => panic!("60 checks stay within RECENT_IDS"),
                 };
-                pending.push((this.id, committer.submit(bytes)));
+                pending.push((this.id, committer.submit(bytes, 1)));
                 seq += 1;
             }
             for (id, done) in pending {
@@ -280,13 +291,13 @@ mod tests {
             room: 10,
         }));
         assert!(committer
-            .submit(vec![0; 6])
+            .submit(vec![0; 6], 1)
             .blocking_recv()
             .unwrap()
             .is_ok());
-        for bytes in [vec![0; 6], vec![0; 1], Vec::new()] {
+        for (bytes, records) in [(vec![0; 6], 1), (vec![0; 1], 1), (Vec::new(), 0)] {
             let err = committer
-                .submit(bytes)
+                .submit(bytes, records)
                 .blocking_recv()
                 .unwrap()
                 .unwrap_err();
@@ -302,13 +313,13 @@ mod tests {
             ..Disk::default()
         }));
         let committer = Committer::start(Box::new(SimStorage(disk.clone())));
-        let first = committer.submit(vec![1, 2, 3]).blocking_recv().unwrap();
+        let first = committer.submit(vec![1, 2, 3], 1).blocking_recv().unwrap();
         assert!(first.is_err());
         // The disk would work again; the committer must not believe it.
         disk.lock().unwrap().fail_at = None;
         for _ in 0..3 {
             let err = committer
-                .submit(vec![4])
+                .submit(vec![4], 1)
                 .blocking_recv()
                 .unwrap()
                 .unwrap_err();

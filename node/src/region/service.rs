@@ -174,13 +174,13 @@ impl RegionService {
         let now_secs = clock::wall().0 / 1_000;
         let mut answers = Vec::with_capacity(checks.len());
         let mut admitted = Vec::new();
-        let mut records = Vec::new();
+        let mut records = Records::default();
         for check in &checks {
             let answer = self.decide(check, now_secs, &mut records, &mut admitted);
             answers.push((check.id.seq, answer));
         }
         let _ = batches.send(Batch {
-            durable: self.committer.submit(records),
+            durable: self.committer.submit(records.bytes, records.count),
             answers,
             admitted,
             reply,
@@ -193,7 +193,7 @@ impl RegionService {
         &mut self,
         check: &ExactCheck,
         now_secs: u64,
-        records: &mut Vec<u8>,
+        records: &mut Records,
         admitted: &mut Vec<(Key, u64)>,
     ) -> ExactAnswer {
         let rule = match self.rules.get(&check.rule) {
@@ -225,7 +225,8 @@ impl RegionService {
         };
         match decided {
             Decided::New(outcome, record) => {
-                log::encode(&record, records);
+                log::encode(&record, &mut records.bytes);
+                records.count += 1;
                 if outcome.allowed {
                     admitted.push((key, check.cost));
                 }
@@ -237,6 +238,13 @@ impl RegionService {
             Decided::Forgotten => ExactAnswer::Forgotten,
         }
     }
+}
+
+/// One frame's new records, encoded one after the other.
+#[derive(Default)]
+struct Records {
+    bytes: Vec<u8>,
+    count: u64,
 }
 
 /// One frame's decisions, waiting for their records to be durable.
