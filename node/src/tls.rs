@@ -154,8 +154,8 @@ fn transport() -> Arc<quinn::TransportConfig> {
     let mut transport = quinn::TransportConfig::default();
     transport
         .max_concurrent_uni_streams(4u32.into())
-        // Exact checks forwarded to the region, one stream each, pipelined.
-        .max_concurrent_bidi_streams(1_024u32.into())
+        // Region sessions: an edge keeps one, and opens another when one breaks.
+        .max_concurrent_bidi_streams(8u32.into())
         .stream_receive_window((1u32 << 20).into())
         .receive_window((4u32 << 20).into())
         .send_window(4 << 20)
