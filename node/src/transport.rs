@@ -372,6 +372,10 @@ async fn serve_session(
         let Ok(permit) = in_flight.clone().acquire_owned().await else {
             return;
         };
+        if outgoing.is_closed() {
+            // The session was refused (or its stream failed): nothing more of it is read.
+            return;
+        }
         let body = match read_frame(&mut receive, sessions.frame_bytes_max).await {
             FrameRead::Frame(body) => body,
             FrameRead::End => return,

@@ -117,7 +117,7 @@ fn run(mut storage: Box<dyn Storage>, receiver: mpsc::Receiver<Work>, stats: &Co
             let result = match &failed {
                 None => Ok(()),
                 Some(err) => {
-                    stats.refused.fetch_add(1, Ordering::Relaxed);
+                    stats.refused.fetch_add(work.records, Ordering::Relaxed);
                     Err(err.clone())
                 }
             };
@@ -131,7 +131,6 @@ mod tests {
     use super::super::log::{self, Record, RequestId};
     use super::super::{Decided, ExactCheck, Ledger};
     use super::*;
-    use crate::config::{RuleConfig, RuleMode};
     use std::sync::Mutex;
 
     /// A disk in memory that fails every I/O from the `fail_at`-th on (counting from 0),
@@ -170,9 +169,8 @@ mod tests {
         }
     }
 
-    fn rule() -> RuleConfig {
-        RuleConfig::for_test("quota", 40, RuleMode::Exact)
-    }
+    /// The rule's limit.
+    const LIMIT: u64 = 40;
 
     fn check(seq: u64) -> ExactCheck {
         ExactCheck {
@@ -202,17 +200,19 @@ mod tests {
             for _ in 0..(1 + seq % 7) {
                 let retry = seq % 5 == 4;
                 let this = if retry { check(seq - 3) } else { check(seq) };
-                let bytes = match ledger.decide(&this, &rule()).unwrap() {
-                    Decided::New(_, record) => {
+                let key = super::super::key_of(&this.rule, &this.subject, 500_000, 3_600).unwrap();
+                let (bytes, count) = match ledger.decide(&this, &key, LIMIT) {
+                    Decided::New(outcome) => {
+                        let record = Record::decided(&this, outcome.allowed);
                         let mut bytes = Vec::new();
                         log::encode(&record, &mut bytes);
-                        records.push(record);
-                        bytes
+                        records.push(record.into_owned());
+                        (bytes, 1)
                     }
-                    Decided::Repeat(_) => Vec::new(),
+                    Decided::Repeat(_) => (Vec::new(), 0),
                     Decided::Forgotten => panic!("60 checks stay within RECENT_IDS"),
                 };
-                pending.push((this.id, committer.submit(bytes, 1)));
+                pending.push((this.id, committer.submit(bytes, count)));
                 seq += 1;
             }
             for (id, done) in pending {
@@ -258,7 +258,7 @@ mod tests {
                 let ledger = Ledger::replay(&recovered);
                 for subject in ["acct-0", "acct-1"] {
                     let key = super::super::key_of("quota", subject, 500_000, 3_600).unwrap();
-                    assert!(ledger.count(&key) <= 40);
+                    assert!(ledger.count(&key) <= LIMIT);
                 }
             }
         }

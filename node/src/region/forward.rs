@@ -199,12 +199,18 @@ async fn keep_sessions(
                 continue;
             }
         };
-        backoff = BACKOFF_MIN;
         stats
             .retries
             .fetch_add(unanswered.len() as u64, Ordering::Relaxed);
         match carry(&region, session, &mut checks, &mut unanswered).await {
-            Carried::Broken => continue,
+            // A session that carried answers was working: the next opens at once.
+            Carried::Broken { answered: true } => backoff = BACKOFF_MIN,
+            // One that broke before any answer (a region that resets every session, say)
+            // is not reopened in a tight loop.
+            Carried::Broken { answered: false } => {
+                tokio::time::sleep(backoff).await;
+                backoff = (backoff * 2).min(BACKOFF_MAX);
+            }
             Carried::Dropped => return,
         }
     }
@@ -212,8 +218,9 @@ async fn keep_sessions(
 
 /// Why [`carry`] returned.
 enum Carried {
-    /// The session broke, or its connection was replaced: open another.
-    Broken,
+    /// The session broke, or its connection was replaced: open another. `answered` if it
+    /// carried at least one frame of answers.
+    Broken { answered: bool },
     /// The forwarder was dropped.
     Dropped,
 }
@@ -234,10 +241,11 @@ async fn carry(
     let (answers, mut answered) = mpsc::unbounded_channel();
     let reader = tokio::spawn(read_answers(receive, answers));
     let carried = async {
+        let mut answered_any = false;
         let resend: Vec<&ExactCheck> = unanswered.values().map(|pending| &pending.check).collect();
         for frame in resend.chunks(CHECKS_PER_FRAME_MAX) {
             if send.write_all(&wire::encode_checks(frame)).await.is_err() {
-                return Carried::Broken;
+                return broken(answered_any);
             }
         }
         let mut purge = tokio::time::interval(PURGE_EVERY);
@@ -264,14 +272,15 @@ async fn carry(
                     let Some(frame) = frame else { continue };
                     if region.requester.held(region.node) != Some(connection) {
                         // A newer connection to the region was adopted: move to it.
-                        return Carried::Broken;
+                        return broken(answered_any);
                     }
                     if send.write_all(&frame).await.is_err() {
-                        return Carried::Broken;
+                        return broken(answered_any);
                     }
                 }
                 frame = answered.recv() => {
-                    let Some(frame) = frame else { return Carried::Broken };
+                    let Some(frame) = frame else { return broken(answered_any) };
+                    answered_any = true;
                     for (seq, answer) in frame {
                         if let Some(pending) = unanswered.remove(&seq) {
                             let _ = pending.answer.send(answer);
@@ -285,6 +294,10 @@ async fn carry(
     let carried = carried.await;
     reader.abort();
     carried
+}
+
+fn broken(answered: bool) -> Carried {
+    Carried::Broken { answered }
 }
 
 /// Reads frames of answers from a session until it ends or sends one that does not decode.

@@ -7,6 +7,7 @@
 //! Nothing after an acknowledged record can be missing from it, because the committer
 //! acknowledges a group only after `sync_data` returned for every byte of it.
 
+use super::ExactCheck;
 use crate::checksummed;
 use serde::{Deserialize, Serialize};
 use std::fs::{File, OpenOptions};
@@ -25,15 +26,16 @@ pub struct RequestId {
     pub seq: u64,
 }
 
-/// One decided check, as logged.
+/// One decided check, as logged: owned when read back, borrowed from its check
+/// (`Record<&str>`, encoded the same) when written.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-pub struct Record {
+pub struct Record<S = String> {
     /// The request.
     pub id: RequestId,
     /// The rule's name.
-    pub rule: String,
+    pub rule: S,
     /// The subject.
-    pub subject: String,
+    pub subject: S,
     /// The window's index, as the edge fixed it.
     pub window_index: u64,
     /// The window's length.
@@ -90,8 +92,36 @@ pub fn open(path: &Path) -> std::io::Result<(FileStorage, Vec<Record>, u64)> {
     Ok((FileStorage { file }, records, torn))
 }
 
+impl<'a> Record<&'a str> {
+    /// The record of `check`'s decision, borrowing its strings.
+    pub fn decided(check: &'a ExactCheck, allowed: bool) -> Record<&'a str> {
+        Record {
+            id: check.id,
+            rule: &check.rule,
+            subject: &check.subject,
+            window_index: check.window_index,
+            window_secs: check.window_secs,
+            cost: check.cost,
+            allowed,
+        }
+    }
+
+    /// The same record, owning its strings.
+    pub fn into_owned(self) -> Record {
+        Record {
+            id: self.id,
+            rule: self.rule.to_owned(),
+            subject: self.subject.to_owned(),
+            window_index: self.window_index,
+            window_secs: self.window_secs,
+            cost: self.cost,
+            allowed: self.allowed,
+        }
+    }
+}
+
 /// Appends `record`'s encoding to `out`.
-pub fn encode(record: &Record, out: &mut Vec<u8>) {
+pub fn encode<S: Serialize>(record: &Record<S>, out: &mut Vec<u8>) {
     checksummed::append(record, out);
 }
 

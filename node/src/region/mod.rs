@@ -17,9 +17,8 @@ pub mod log;
 pub mod service;
 pub mod wire;
 
-use crate::config::RuleConfig;
-use log::Record;
-use std::collections::HashMap;
+use log::{Record, RequestId};
+use std::collections::{HashMap, VecDeque};
 use tally_crdt::{Key, Rule, Subject, Window};
 pub use wire::{ExactAnswer, ExactCheck, Outcome};
 
@@ -33,25 +32,89 @@ pub struct Ledger {
     seen: HashMap<(u64, u64), Recent>,
 }
 
-/// How many request ids of one edge life the ledger answers retries of. An edge retries
-/// only within its rule's timeout, and numbers its requests in order, so its retries are
-/// of recent ids; this bounds the memory of a window to this many per edge life instead
-/// of one entry per decision.
+/// How many request ids of one edge life the ledger answers retries of: the last this
+/// many sequence numbers. An edge retries only within its rule's timeout, and numbers its
+/// requests in order, so its retries are of recent ids; this bounds the memory of a window
+/// to this many per edge life instead of one entry per decision.
 pub const RECENT_IDS: usize = 65_536;
 
-/// One edge life's recent outcomes.
+/// One edge life's recent outcomes: the sequence numbers from `base` on, in order.
 #[derive(Debug, Default)]
 struct Recent {
-    outcomes: std::collections::BTreeMap<u64, (Outcome, Window)>,
-    // Invariant: every sequence number below this was decided and then forgotten.
-    floor: u64,
+    // Invariant: every sequence number below `base` was decided and then forgotten, or
+    // skipped by a jump of more than RECENT_IDS and never to be decided.
+    base: u64,
+    // `outcomes[i]` is sequence number `base + i`: its outcome and window once decided.
+    outcomes: VecDeque<Option<(Outcome, Window)>>,
+}
+
+/// What the ledger holds of one sequence number.
+enum Held {
+    Unseen,
+    Decided(Outcome),
+    Forgotten,
+}
+
+impl Recent {
+    fn get(&self, seq: u64) -> Held {
+        let Some(offset) = seq.checked_sub(self.base) else {
+            return Held::Forgotten;
+        };
+        match usize::try_from(offset)
+            .ok()
+            .and_then(|offset| self.outcomes.get(offset))
+        {
+            Some(Some((outcome, _))) => Held::Decided(*outcome),
+            _ => Held::Unseen,
+        }
+    }
+
+    /// Holds `seq`'s outcome, forgetting the oldest so that at most `RECENT_IDS` sequence
+    /// numbers are held. A number below `base` is not held (it was forgotten).
+    fn insert(&mut self, seq: u64, outcome: Outcome, window: Window) {
+        if seq < self.base {
+            return;
+        }
+        let base = seq
+            .saturating_add(1)
+            .saturating_sub(RECENT_IDS as u64)
+            .max(self.base);
+        let forget = base - self.base;
+        if forget >= self.outcomes.len() as u64 {
+            self.outcomes.clear();
+        } else {
+            // Below RECENT_IDS, as the held numbers are.
+            self.outcomes.drain(..forget as usize);
+        }
+        self.base = base;
+        // Below RECENT_IDS, as `base` is at most RECENT_IDS - 1 below `seq`.
+        let offset = (seq - self.base) as usize;
+        if self.outcomes.len() <= offset {
+            self.outcomes.resize(offset + 1, None);
+        }
+        self.outcomes[offset] = Some((outcome, window));
+    }
+
+    /// Forgets outcomes of windows that are over; false once nothing is held.
+    fn expire(&mut self, now_unix_secs: u64) -> bool {
+        for held in &mut self.outcomes {
+            if held.is_some_and(|(_, window)| !window.is_live(now_unix_secs)) {
+                *held = None;
+            }
+        }
+        while self.outcomes.front().is_some_and(Option::is_none) {
+            self.outcomes.pop_front();
+            self.base += 1;
+        }
+        !self.outcomes.is_empty()
+    }
 }
 
 /// What [`Ledger::decide`] did.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Decided {
-    /// A new decision, to be logged before it is acknowledged.
-    New(Outcome, Record),
+    /// A new decision, to be logged ([`log::Record::decided`]) before it is acknowledged.
+    New(Outcome),
     /// A retry of a decided request: its first outcome, nothing new to log.
     Repeat(Outcome),
     /// A retry of a request older than the last [`RECENT_IDS`] of its edge life: its
@@ -60,47 +123,39 @@ pub enum Decided {
 }
 
 impl Ledger {
-    /// The ledger the log's records add up to.
+    /// The ledger the log's records add up to. Records out of bounds are skipped (the
+    /// region never logs one).
     pub fn replay(records: &[Record]) -> Ledger {
         let mut ledger = Ledger::default();
         for record in records {
-            ledger.apply(record);
+            let key = key_of(
+                &record.rule,
+                &record.subject,
+                record.window_index,
+                record.window_secs,
+            );
+            if let Some(key) = key {
+                ledger.apply(record.id, &key, record.cost, record.allowed);
+            }
         }
         ledger
     }
 
-    /// Decides `check` under `rule`: admits iff the count plus the cost stays within the
-    /// limit. A request id seen before gets its first outcome.
-    pub fn decide(&mut self, check: &ExactCheck, rule: &RuleConfig) -> Option<Decided> {
+    /// Decides `check` on `key` (its key) under `limit`: admits iff the count plus the cost
+    /// stays within the limit. A request id seen before gets its first outcome.
+    pub fn decide(&mut self, check: &ExactCheck, key: &Key, limit: u64) -> Decided {
         if let Some(recent) = self.seen.get(&(check.id.node, check.id.generation)) {
-            if check.id.seq < recent.floor {
-                return Some(Decided::Forgotten);
-            }
-            if let Some((outcome, _)) = recent.outcomes.get(&check.id.seq) {
-                return Some(Decided::Repeat(*outcome));
+            match recent.get(check.id.seq) {
+                Held::Unseen => {}
+                Held::Decided(outcome) => return Decided::Repeat(outcome),
+                Held::Forgotten => return Decided::Forgotten,
             }
         }
-        let key = key_of(
-            &check.rule,
-            &check.subject,
-            check.window_index,
-            check.window_secs,
-        )?;
-        let count = self.counts.get(&key).copied().unwrap_or(0);
+        let count = self.count(key);
         let allowed = count
             .checked_add(check.cost)
-            .is_some_and(|after| after <= rule.limit);
-        let record = Record {
-            id: check.id,
-            rule: check.rule.clone(),
-            subject: check.subject.clone(),
-            window_index: check.window_index,
-            window_secs: check.window_secs,
-            cost: check.cost,
-            allowed,
-        };
-        let outcome = self.apply(&record);
-        Some(Decided::New(outcome, record))
+            .is_some_and(|after| after <= limit);
+        Decided::New(self.apply(check.id, key, check.cost, allowed))
     }
 
     /// The count of `key`.
@@ -117,45 +172,25 @@ impl Ledger {
     pub fn expire(&mut self, now_unix_secs: u64) {
         self.counts
             .retain(|key, _| key.window.is_live(now_unix_secs));
-        for recent in self.seen.values_mut() {
-            recent
-                .outcomes
-                .retain(|_, (_, window)| window.is_live(now_unix_secs));
-        }
-        self.seen.retain(|_, recent| !recent.outcomes.is_empty());
+        self.seen.retain(|_, recent| recent.expire(now_unix_secs));
     }
 
-    fn apply(&mut self, record: &Record) -> Outcome {
-        let Some(key) = key_of(
-            &record.rule,
-            &record.subject,
-            record.window_index,
-            record.window_secs,
-        ) else {
-            return Outcome {
-                allowed: false,
-                count: 0,
-            };
+    fn apply(&mut self, id: RequestId, key: &Key, cost: u64, allowed: bool) -> Outcome {
+        let count = match self.counts.get_mut(key) {
+            Some(count) => count,
+            None => self.counts.entry(key.clone()).or_default(),
         };
-        let window = key.window;
-        let count = self.counts.entry(key).or_default();
-        if record.allowed {
-            *count = count.saturating_add(record.cost);
+        if allowed {
+            *count = count.saturating_add(cost);
         }
         let outcome = Outcome {
-            allowed: record.allowed,
+            allowed,
             count: *count,
         };
-        let recent = self
-            .seen
-            .entry((record.id.node, record.id.generation))
-            .or_default();
-        recent.outcomes.insert(record.id.seq, (outcome, window));
-        if recent.outcomes.len() > RECENT_IDS {
-            if let Some((oldest, _)) = recent.outcomes.pop_first() {
-                recent.floor = recent.floor.max(oldest + 1);
-            }
-        }
+        self.seen
+            .entry((id.node, id.generation))
+            .or_default()
+            .insert(id.seq, outcome, key.window);
         outcome
     }
 }
@@ -172,12 +207,6 @@ pub fn key_of(rule: &str, subject: &str, window_index: u64, window_secs: u32) ->
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::config::RuleMode;
-    use log::RequestId;
-
-    fn rule(limit: u64) -> RuleConfig {
-        RuleConfig::for_test("quota", limit, RuleMode::Exact)
-    }
 
     fn check(seq: u64, cost: u64) -> ExactCheck {
         ExactCheck {
@@ -194,46 +223,44 @@ mod tests {
         }
     }
 
+    fn key() -> Key {
+        key_of("quota", "acct-1", 500_000, 3_600).unwrap()
+    }
+
+    fn decide(ledger: &mut Ledger, seq: u64, cost: u64, limit: u64) -> Decided {
+        ledger.decide(&check(seq, cost), &key(), limit)
+    }
+
     #[test]
     fn checks_admit_up_to_the_limit_and_never_past_it() {
         let mut ledger = Ledger::default();
         let allowed: Vec<bool> = (0..6)
-            .map(
-                |seq| match ledger.decide(&check(seq, 2), &rule(7)).unwrap() {
-                    Decided::New(outcome, _) => outcome.allowed,
-                    Decided::Repeat(_) | Decided::Forgotten => panic!("a new id is decided anew"),
-                },
-            )
+            .map(|seq| match decide(&mut ledger, seq, 2, 7) {
+                Decided::New(outcome) => outcome.allowed,
+                Decided::Repeat(_) | Decided::Forgotten => panic!("a new id is decided anew"),
+            })
             .collect();
         assert_eq!(allowed, [true, true, true, false, false, false]);
         // A cost that fits still goes in after larger ones were refused.
-        let Decided::New(outcome, _) = ledger.decide(&check(9, 1), &rule(7)).unwrap() else {
-            panic!()
-        };
         assert_eq!(
-            outcome,
-            Outcome {
+            decide(&mut ledger, 9, 1, 7),
+            Decided::New(Outcome {
                 allowed: true,
                 count: 7
-            }
+            })
         );
     }
 
     #[test]
     fn a_retried_request_id_gets_its_first_outcome_and_counts_nothing_more() {
         let mut ledger = Ledger::default();
-        let first = ledger.decide(&check(1, 3), &rule(10)).unwrap();
-        let Decided::New(outcome, _) = first else {
+        let Decided::New(outcome) = decide(&mut ledger, 1, 3, 10) else {
             panic!()
         };
         for _ in 0..3 {
-            assert_eq!(
-                ledger.decide(&check(1, 3), &rule(10)),
-                Some(Decided::Repeat(outcome))
-            );
+            assert_eq!(decide(&mut ledger, 1, 3, 10), Decided::Repeat(outcome));
         }
-        let key = key_of("quota", "acct-1", 500_000, 3_600).unwrap();
-        assert_eq!(ledger.count(&key), 3);
+        assert_eq!(ledger.count(&key()), 3);
     }
 
     #[test]
@@ -242,22 +269,57 @@ mod tests {
         let total = RECENT_IDS as u64 + 10;
         for seq in 0..total {
             assert!(matches!(
-                ledger.decide(&check(seq, 1), &rule(u64::MAX)),
-                Some(Decided::New(..))
+                decide(&mut ledger, seq, 1, u64::MAX),
+                Decided::New(..)
             ));
         }
         for seq in 0..10 {
-            assert_eq!(
-                ledger.decide(&check(seq, 1), &rule(u64::MAX)),
-                Some(Decided::Forgotten)
-            );
+            assert_eq!(decide(&mut ledger, seq, 1, u64::MAX), Decided::Forgotten);
         }
         assert!(matches!(
-            ledger.decide(&check(10, 1), &rule(u64::MAX)),
-            Some(Decided::Repeat(_))
+            decide(&mut ledger, 10, 1, u64::MAX),
+            Decided::Repeat(_)
         ));
-        let key = key_of("quota", "acct-1", 500_000, 3_600).unwrap();
-        assert_eq!(ledger.count(&key), total, "nothing counted twice");
+        assert_eq!(ledger.count(&key()), total, "nothing counted twice");
+    }
+
+    #[test]
+    fn a_jump_in_sequence_numbers_forgets_what_it_skips_and_holds_no_more() {
+        let mut ledger = Ledger::default();
+        assert!(matches!(decide(&mut ledger, 5, 1, 100), Decided::New(_)));
+        let far = u64::MAX - 1;
+        assert!(matches!(decide(&mut ledger, far, 1, 100), Decided::New(_)));
+        let recent = &ledger.seen[&(2, 1)];
+        assert!(recent.outcomes.len() <= RECENT_IDS);
+        // Skipped numbers far below are forgotten, never decided; those within reach are
+        // new, and the jump's own is a repeat.
+        assert_eq!(decide(&mut ledger, 5, 1, 100), Decided::Forgotten);
+        assert_eq!(decide(&mut ledger, 6, 1, 100), Decided::Forgotten);
+        assert!(matches!(
+            decide(&mut ledger, far - 1, 1, 100),
+            Decided::New(_)
+        ));
+        assert!(matches!(
+            decide(&mut ledger, far, 1, 100),
+            Decided::Repeat(_)
+        ));
+        assert_eq!(ledger.count(&key()), 3);
+    }
+
+    #[test]
+    fn expiry_forgets_windows_that_are_over_and_their_ids() {
+        let mut ledger = Ledger::default();
+        for seq in 0..3 {
+            decide(&mut ledger, seq, 1, 100);
+        }
+        let end = key().window.start_unix_secs() + 3_600;
+        ledger.expire(end - 1);
+        assert_eq!(ledger.count(&key()), 3, "a live window is kept");
+        assert!(matches!(decide(&mut ledger, 1, 1, 100), Decided::Repeat(_)));
+        // One window length after it ends, nothing of it is held.
+        ledger.expire(end + 3_600);
+        assert_eq!(ledger.count(&key()), 0);
+        assert!(ledger.seen.is_empty());
     }
 
     #[test]
@@ -265,16 +327,16 @@ mod tests {
         let mut ledger = Ledger::default();
         let mut records = Vec::new();
         for seq in 0..5 {
-            if let Some(Decided::New(_, record)) = ledger.decide(&check(seq, 3), &rule(10)) {
-                records.push(record);
+            let check = check(seq, 3);
+            if let Decided::New(outcome) = ledger.decide(&check, &key(), 10) {
+                records.push(log::Record::decided(&check, outcome.allowed).into_owned());
             }
         }
         let mut replayed = Ledger::replay(&records);
-        let key = key_of("quota", "acct-1", 500_000, 3_600).unwrap();
-        assert_eq!(replayed.count(&key), 9);
+        assert_eq!(replayed.count(&key()), 9);
         assert!(matches!(
-            replayed.decide(&check(2, 3), &rule(10)),
-            Some(Decided::Repeat(_))
+            decide(&mut replayed, 2, 3, 10),
+            Decided::Repeat(_)
         ));
     }
 }

@@ -219,13 +219,13 @@ impl RegionService {
         .filter(|key| {
             key.window.is_live(now_secs) && key.window.start_unix_secs() <= now_secs + 60
         });
-        let (Some(key), Some(decided)) = (key, self.ledger.decide(check, rule)) else {
+        let Some(key) = key else {
             self.bad_requests.fetch_add(1, Ordering::Relaxed);
             return ExactAnswer::UnknownRule;
         };
-        match decided {
-            Decided::New(outcome, record) => {
-                log::encode(&record, &mut records.bytes);
+        match self.ledger.decide(check, &key, rule.limit) {
+            Decided::New(outcome) => {
+                log::encode(&Record::decided(check, outcome.allowed), &mut records.bytes);
                 records.count += 1;
                 if outcome.allowed {
                     admitted.push((key, check.cost));
