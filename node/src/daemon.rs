@@ -114,9 +114,9 @@ pub async fn run(config: Config, shutdown: impl Future<Output = ()>) -> Result<(
                 &recovered.retired,
             )?;
             eprintln!(
-                "tallyd: region log: {} records of live windows replayed, {} torn bytes \
-                 dropped, {} admissions repaired into the region's lanes",
-                opened.records, opened.torn, opened.repaired
+                "tallyd: region log: {} entries replayed, {} torn bytes dropped, compacted \
+                 to its live windows; {} admissions repaired into the region's lanes",
+                opened.entries, opened.torn, opened.repaired
             );
             let (frames, receiver) = tokio::sync::mpsc::channel(1_024);
             let sessions = Sessions {

@@ -1,9 +1,11 @@
 //! Group commit: one thread owns the region log, takes every record queued while it was
 //! busy, appends them with one write and makes them durable with one `sync_data`, then
 //! acknowledges them all. The more checks arrive during a sync, the more share the next.
+//! A compaction is queued like a record and done in its turn: the log is replaced whole by
+//! the entries of the state every earlier submission left.
 //!
-//! After a failed write or sync, every record then queued and every later one is refused:
-//! the committer never retries and then acknowledges.
+//! After a failed write, sync or compaction, every record then queued and every later one
+//! is refused: the committer never retries and then acknowledges.
 
 use super::log::Storage;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -31,11 +33,17 @@ pub struct CommitStats {
     pub syncs: AtomicU64,
     /// Records refused after a failure.
     pub refused: AtomicU64,
+    /// Bytes appended to the log (compactions not included).
+    pub appended: AtomicU64,
+    /// Compactions done.
+    pub compactions: AtomicU64,
 }
 
 struct Work {
     bytes: Vec<u8>,
     records: u64,
+    // The log is replaced by `bytes`, not appended to.
+    replace: bool,
     done: oneshot::Sender<Result<(), CommitError>>,
 }
 
@@ -72,6 +80,21 @@ impl Committer {
         let _ = self.sender.send(Work {
             bytes,
             records,
+            replace: false,
+            done,
+        });
+        receiver
+    }
+
+    /// Queues a compaction: once everything submitted before it is durable, the log is
+    /// replaced (atomically, see [`Storage::replace`]) by `entries`, which must be the
+    /// entries of the state that everything submitted before it left.
+    pub fn compact(&self, entries: Vec<u8>) -> oneshot::Receiver<Result<(), CommitError>> {
+        let (done, receiver) = oneshot::channel();
+        let _ = self.sender.send(Work {
+            bytes: entries,
+            records: 0,
+            replace: true,
             done,
         });
         receiver
@@ -86,12 +109,37 @@ impl Committer {
 fn run(mut storage: Box<dyn Storage>, receiver: mpsc::Receiver<Work>, stats: &CommitStats) {
     let mut failed: Option<CommitError> = None;
     let mut bytes = Vec::new();
-    while let Ok(first) = receiver.recv() {
+    // A compaction taken off the queue while a group was being gathered: it goes next.
+    let mut next: Option<Work> = None;
+    loop {
+        let first = match next.take() {
+            Some(work) => work,
+            None => match receiver.recv() {
+                Ok(work) => work,
+                Err(_) => return,
+            },
+        };
+        if first.replace {
+            if failed.is_none() {
+                match storage.replace(&first.bytes) {
+                    Ok(()) => {
+                        stats.compactions.fetch_add(1, Ordering::Relaxed);
+                    }
+                    Err(err) => failed = Some(CommitError::from(err)),
+                }
+            }
+            let _ = first.done.send(failed.clone().map_or(Ok(()), Err));
+            continue;
+        }
         bytes.clear();
         bytes.extend_from_slice(&first.bytes);
         let mut group = vec![first];
         while bytes.len() < GROUP_BYTES_MAX {
             match receiver.try_recv() {
+                Ok(work) if work.replace => {
+                    next = Some(work);
+                    break;
+                }
                 Ok(work) => {
                     bytes.extend_from_slice(&work.bytes);
                     group.push(work);
@@ -103,14 +151,13 @@ fn run(mut storage: Box<dyn Storage>, receiver: mpsc::Receiver<Work>, stats: &Co
             match storage.append(&bytes).and_then(|()| storage.sync()) {
                 Ok(()) => {
                     stats.syncs.fetch_add(1, Ordering::Relaxed);
+                    stats
+                        .appended
+                        .fetch_add(bytes.len() as u64, Ordering::Relaxed);
                     let records = group.iter().map(|work| work.records).sum();
                     stats.records.fetch_add(records, Ordering::Relaxed);
                 }
-                Err(err) => {
-                    failed = Some(CommitError {
-                        why: err.to_string(),
-                    });
-                }
+                Err(err) => failed = Some(CommitError::from(err)),
             }
         }
         for work in group {
@@ -126,9 +173,17 @@ fn run(mut storage: Box<dyn Storage>, receiver: mpsc::Receiver<Work>, stats: &Co
     }
 }
 
+impl From<std::io::Error> for CommitError {
+    fn from(err: std::io::Error) -> CommitError {
+        CommitError {
+            why: err.to_string(),
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
-    use super::super::log::{self, Record, RequestId};
+    use super::super::log::{self, Entry, Record, RequestId};
     use super::super::{Decided, ExactCheck, Ledger};
     use super::*;
     use std::sync::Mutex;
@@ -167,6 +222,14 @@ mod tests {
             disk.synced = disk.written.len();
             Ok(())
         }
+
+        // One I/O, atomic: a crash before it leaves the log as it was, after it as `bytes`.
+        fn replace(&mut self, bytes: &[u8]) -> std::io::Result<()> {
+            let mut disk = self.io()?;
+            disk.written = bytes.to_vec();
+            disk.synced = bytes.len();
+            Ok(())
+        }
     }
 
     /// The rule's limit.
@@ -188,12 +251,15 @@ mod tests {
     }
 
     /// Runs 60 checks (with retries of earlier ids mixed in) in groups of up to 7 through
-    /// a committer on `disk`; returns the records in decision order and the ids
+    /// a committer on `disk`, with a compaction after the 30th; returns the ledgers after
+    /// each new decision (the reference model: `models[k]` has the first k) and the ids
     /// acknowledged.
-    fn run_checks(disk: &Arc<Mutex<Disk>>) -> (Vec<Record>, Vec<RequestId>) {
+    fn run_checks(disk: &Arc<Mutex<Disk>>) -> (Vec<Ledger>, Vec<RequestId>) {
         let committer = Committer::start(Box::new(SimStorage(disk.clone())));
         let mut ledger = Ledger::default();
-        let (mut records, mut acked) = (Vec::new(), Vec::new());
+        let mut decided = Vec::new();
+        let mut models = vec![Ledger::default()];
+        let mut acked = Vec::new();
         let mut seq = 0;
         while seq < 60 {
             let mut pending = Vec::new();
@@ -205,8 +271,9 @@ mod tests {
                     Decided::New(outcome) => {
                         let record = Record::decided(&this, outcome.allowed);
                         let mut bytes = Vec::new();
-                        log::encode(&record, &mut bytes);
-                        records.push(record.into_owned());
+                        log::encode(&Entry::Decided(record.clone()), &mut bytes);
+                        decided.push(Entry::Decided(record.into_owned()));
+                        models.push(Ledger::replay(&decided));
                         (bytes, 1)
                     }
                     Decided::Repeat(_) => (Vec::new(), 0),
@@ -214,6 +281,11 @@ mod tests {
                 };
                 pending.push((this.id, committer.submit(bytes, count)));
                 seq += 1;
+                if seq == 30 {
+                    let mut entries = Vec::new();
+                    ledger.snapshot(&mut entries);
+                    drop(committer.compact(entries));
+                }
             }
             for (id, done) in pending {
                 if done.blocking_recv().unwrap().is_ok() {
@@ -221,47 +293,65 @@ mod tests {
                 }
             }
         }
-        (records, acked)
+        (models, acked)
     }
 
     #[test]
     fn a_crash_at_every_io_recovers_every_acknowledged_record_and_nothing_else() {
         let clean = Arc::new(Mutex::new(Disk::default()));
-        let (all_records, _) = run_checks(&clean);
+        let (all_models, acked_clean) = run_checks(&clean);
+        assert!(
+            acked_clean.len() >= 60,
+            "every check acknowledged on a good disk"
+        );
         let total_ios = clean.lock().unwrap().ios;
         assert!(total_ios > 10, "groups formed: {total_ios} I/Os");
+        let mut compacted_and_recovered = false;
         for fail_at in 0..=total_ios {
             let disk = Arc::new(Mutex::new(Disk {
                 fail_at: Some(fail_at),
                 ..Disk::default()
             }));
-            let (records, acked) = run_checks(&disk);
-            assert_eq!(records, all_records, "decisions do not depend on the disk");
+            let (models, acked) = run_checks(&disk);
+            assert_eq!(models, all_models, "decisions do not depend on the disk");
             let disk = disk.lock().unwrap();
             // What survives a crash: the synced bytes, plus any part of the unsynced ones.
             let unsynced = disk.written.len() - disk.synced;
             for kept in [0, unsynced / 2, unsynced] {
                 let survived = &disk.written[..disk.synced + kept];
                 let (recovered, _) = log::replay(survived);
-                assert_eq!(
-                    recovered[..],
-                    all_records[..recovered.len()],
-                    "fail at I/O {fail_at}: recovery is a prefix of the decisions"
+                compacted_and_recovered |= recovered
+                    .iter()
+                    .any(|entry| matches!(entry, Entry::Count { .. }));
+                let mut ledger = Ledger::replay(&recovered);
+                // The recovered ledger is the model of a prefix of the decisions...
+                assert!(
+                    models.contains(&ledger),
+                    "fail at I/O {fail_at}: recovery is the state of a prefix of the decisions"
                 );
+                // ... that holds every acknowledged one.
                 for id in &acked {
+                    let retry = ExactCheck {
+                        id: *id,
+                        ..check(0)
+                    };
+                    let key = super::super::key_of("quota", "acct-0", 500_000, 3_600).unwrap();
                     assert!(
-                        recovered.iter().any(|r| r.id == *id),
+                        matches!(ledger.decide(&retry, &key, LIMIT), Decided::Repeat(_)),
                         "fail at I/O {fail_at}: acknowledged {id:?} lost"
                     );
                 }
                 // REGION: the recovered ledger never admits past the limit.
-                let ledger = Ledger::replay(&recovered);
                 for subject in ["acct-0", "acct-1"] {
                     let key = super::super::key_of("quota", subject, 500_000, 3_600).unwrap();
                     assert!(ledger.count(&key) <= LIMIT);
                 }
             }
         }
+        assert!(
+            compacted_and_recovered,
+            "some runs recovered from a compacted log"
+        );
     }
 
     /// A disk with room for `room` bytes: an append past it fails like a full file system.
@@ -280,6 +370,14 @@ mod tests {
         }
 
         fn sync(&mut self) -> std::io::Result<()> {
+            Ok(())
+        }
+
+        fn replace(&mut self, bytes: &[u8]) -> std::io::Result<()> {
+            if bytes.len() > self.room {
+                return Err(std::io::Error::from_raw_os_error(28));
+            }
+            self.written = bytes.to_vec();
             Ok(())
         }
     }

@@ -1,18 +1,20 @@
-//! The region's durable log: one record per decided exact check, appended and synced in
-//! groups before any of them is acknowledged.
+//! The region's durable log: one entry per decided exact check, appended and synced in
+//! groups before any of them is acknowledged, and now and then replaced whole by a
+//! compaction: the entries of the state those decisions left.
 //!
-//! A record is `[len u32][crc32 u32][body]`. Recovery reads records until the first one
+//! An entry is `[len u32][crc32 u32][body]`. Recovery reads entries until the first one
 //! that is short, over-long or fails its checksum (a torn tail), truncates the file there,
-//! and replays the prefix: counts and request ids are exactly those of the records kept.
-//! Nothing after an acknowledged record can be missing from it, because the committer
-//! acknowledges a group only after `sync_data` returned for every byte of it.
+//! and replays the prefix: counts and request ids are exactly those of the entries kept.
+//! Nothing after an acknowledged entry can be missing from it, because the committer
+//! acknowledges a group only after `sync_data` returned for every byte of it, and a
+//! compaction replaces the file only by renaming a synced one over it.
 
 use super::ExactCheck;
 use crate::checksummed;
 use serde::{Deserialize, Serialize};
 use std::fs::{File, OpenOptions};
 use std::io::{Read, Seek, SeekFrom, Write};
-use std::path::Path;
+use std::path::{Path, PathBuf};
 
 /// Who asked: the edge's replica and its sequence number. Unique across edge restarts,
 /// because each life of an edge has its own generation.
@@ -46,17 +48,64 @@ pub struct Record<S = String> {
     pub allowed: bool,
 }
 
+/// One entry of the region log: a decision, or, from a compaction, the state that many
+/// decisions left (a key's count, an edge life's floor, a request id's outcome).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub enum Entry<S = String> {
+    /// A decided check.
+    Decided(Record<S>),
+    /// A key's count.
+    Count {
+        /// The rule's name.
+        rule: S,
+        /// The subject.
+        subject: S,
+        /// The window's index.
+        window_index: u64,
+        /// The window's length.
+        window_secs: u32,
+        /// The count.
+        count: u64,
+    },
+    /// An edge life's sequence numbers below `base` are forgotten: never decided again.
+    Floor {
+        /// The edge's node id.
+        node: u64,
+        /// The edge's generation.
+        generation: u64,
+        /// The lowest sequence number the ledger still answers.
+        base: u64,
+    },
+    /// A request id's outcome, for answering its retries.
+    Outcome {
+        /// The request.
+        id: RequestId,
+        /// Whether it was admitted.
+        allowed: bool,
+        /// The count after its decision.
+        count: u64,
+        /// Its window's index.
+        window_index: u64,
+        /// Its window's length.
+        window_secs: u32,
+    },
+}
+
 /// Where the log's bytes go: a file, or in tests a wrapper that fails on cue.
 pub trait Storage: Send {
     /// Appends `bytes`.
     fn append(&mut self, bytes: &[u8]) -> std::io::Result<()>;
     /// Makes every appended byte durable.
     fn sync(&mut self) -> std::io::Result<()>;
+    /// Replaces the whole log with `bytes`, durably and atomically: whatever happens, the
+    /// log is either what it was or `bytes`; once this returns `Ok`, it is `bytes`.
+    fn replace(&mut self, bytes: &[u8]) -> std::io::Result<()>;
 }
 
 /// The log file.
 pub struct FileStorage {
     file: File,
+    path: PathBuf,
 }
 
 impl Storage for FileStorage {
@@ -67,11 +116,29 @@ impl Storage for FileStorage {
     fn sync(&mut self) -> std::io::Result<()> {
         self.file.sync_data()
     }
+
+    fn replace(&mut self, bytes: &[u8]) -> std::io::Result<()> {
+        let tmp = self.path.with_extension("compact");
+        {
+            let mut file = File::create(&tmp)?;
+            file.write_all(bytes)?;
+            file.sync_all()?;
+        }
+        std::fs::rename(&tmp, &self.path)?;
+        sync_dir(&self.path)?;
+        self.file = OpenOptions::new().append(true).open(&self.path)?;
+        Ok(())
+    }
 }
 
 /// Opens (or creates) the log at `path`: returns its storage for appending and the
-/// records it holds, after truncating a torn tail, and how many bytes that dropped.
-pub fn open(path: &Path) -> std::io::Result<(FileStorage, Vec<Record>, u64)> {
+/// entries it holds, after truncating a torn tail, and how many bytes that dropped. A
+/// compaction's file that was never renamed over the log is removed.
+pub fn open(path: &Path) -> std::io::Result<(FileStorage, Vec<Entry>, u64)> {
+    match std::fs::remove_file(path.with_extension("compact")) {
+        Err(err) if err.kind() != std::io::ErrorKind::NotFound => return Err(err),
+        _ => {}
+    }
     let mut file = OpenOptions::new()
         .create(true)
         .read(true)
@@ -79,17 +146,26 @@ pub fn open(path: &Path) -> std::io::Result<(FileStorage, Vec<Record>, u64)> {
         .open(path)?;
     let mut bytes = Vec::new();
     file.read_to_end(&mut bytes)?;
-    let (records, valid) = replay(&bytes);
+    let (entries, valid) = replay(&bytes);
     let torn = bytes.len() as u64 - valid as u64;
     if torn > 0 {
         file.set_len(valid as u64)?;
         file.sync_all()?;
     }
     file.seek(SeekFrom::End(0))?;
-    if let Some(dir) = path.parent() {
-        File::open(dir)?.sync_all()?;
+    sync_dir(path)?;
+    let storage = FileStorage {
+        file,
+        path: path.to_owned(),
+    };
+    Ok((storage, entries, torn))
+}
+
+fn sync_dir(path: &Path) -> std::io::Result<()> {
+    match path.parent() {
+        Some(dir) => File::open(dir)?.sync_all(),
+        None => Ok(()),
     }
-    Ok((FileStorage { file }, records, torn))
 }
 
 impl<'a> Record<&'a str> {
@@ -120,13 +196,13 @@ impl<'a> Record<&'a str> {
     }
 }
 
-/// Appends `record`'s encoding to `out`.
-pub fn encode<S: Serialize>(record: &Record<S>, out: &mut Vec<u8>) {
-    checksummed::append(record, out);
+/// Appends `entry`'s encoding to `out`.
+pub fn encode<S: Serialize>(entry: &Entry<S>, out: &mut Vec<u8>) {
+    checksummed::append(entry, out);
 }
 
-/// The whole, checksummed records at the front of `bytes`, and how many bytes they take.
-pub fn replay(bytes: &[u8]) -> (Vec<Record>, usize) {
+/// The whole, checksummed entries at the front of `bytes`, and how many bytes they take.
+pub fn replay(bytes: &[u8]) -> (Vec<Entry>, usize) {
     checksummed::read_all(bytes)
 }
 
@@ -134,51 +210,126 @@ pub fn replay(bytes: &[u8]) -> (Vec<Record>, usize) {
 mod tests {
     use super::*;
 
-    fn record(seq: u64) -> Record {
-        Record {
-            id: RequestId {
+    /// Entries of every kind, in turn.
+    fn entry(seq: u64) -> Entry {
+        let id = RequestId {
+            node: 2,
+            generation: 1,
+            seq,
+        };
+        match seq % 4 {
+            0 => Entry::Decided(Record {
+                id,
+                rule: "quota".into(),
+                subject: format!("acct-{seq}"),
+                window_index: 500_000,
+                window_secs: 3_600,
+                cost: seq + 1,
+                allowed: !seq.is_multiple_of(3),
+            }),
+            1 => Entry::Count {
+                rule: "quota".into(),
+                subject: format!("acct-{seq}"),
+                window_index: 500_000,
+                window_secs: 3_600,
+                count: seq * 7,
+            },
+            2 => Entry::Floor {
                 node: 2,
                 generation: 1,
-                seq,
+                base: seq,
             },
-            rule: "quota".into(),
-            subject: format!("acct-{seq}"),
-            window_index: 500_000,
-            window_secs: 3_600,
-            cost: seq + 1,
-            allowed: !seq.is_multiple_of(3),
+            _ => Entry::Outcome {
+                id,
+                allowed: true,
+                count: seq,
+                window_index: 500_000,
+                window_secs: 3_600,
+            },
         }
     }
 
+    fn temp_dir(name: &str) -> PathBuf {
+        let dir = std::env::temp_dir().join(format!("tally-{name}-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        dir
+    }
+
     #[test]
-    fn a_log_cut_at_every_offset_reopens_as_its_whole_records_and_appends_after_them() {
-        let records: Vec<Record> = (0..5).map(record).collect();
+    fn a_log_cut_at_every_offset_reopens_as_its_whole_entries_and_appends_after_them() {
+        let entries: Vec<Entry> = (0..8).map(entry).collect();
         let mut whole = Vec::new();
         let mut ends = vec![0];
-        for record in &records {
-            encode(record, &mut whole);
+        for entry in &entries {
+            encode(entry, &mut whole);
             ends.push(whole.len());
         }
-        let dir = std::env::temp_dir().join(format!("tally-region-log-{}", std::process::id()));
-        std::fs::create_dir_all(&dir).unwrap();
+        let dir = temp_dir("region-log");
         let path = dir.join("region.log");
         for cut in 0..=whole.len() {
             std::fs::write(&path, &whole[..cut]).unwrap();
             let (mut storage, recovered, torn) = open(&path).unwrap();
             let kept = ends.iter().filter(|&&end| end <= cut).count() - 1;
-            assert_eq!(recovered, records[..kept], "cut at {cut}");
+            assert_eq!(recovered, entries[..kept], "cut at {cut}");
             assert_eq!(torn as usize, cut - ends[kept], "cut at {cut}");
-            // The torn tail is gone from the file: a new record follows the whole ones.
+            // The torn tail is gone from the file: a new entry follows the whole ones.
             let mut next = Vec::new();
-            encode(&record(9), &mut next);
+            encode(&entry(9), &mut next);
             storage.append(&next).unwrap();
             storage.sync().unwrap();
             drop(storage);
             let (_, reopened, torn) = open(&path).unwrap();
             assert_eq!(torn, 0, "cut at {cut}");
             assert_eq!(reopened.len(), kept + 1, "cut at {cut}");
-            assert_eq!(reopened[kept], record(9));
+            assert_eq!(reopened[kept], entry(9));
         }
         std::fs::remove_dir_all(dir).unwrap();
+    }
+
+    #[test]
+    fn a_replaced_log_reopens_as_the_replacement_and_a_stray_compaction_file_is_removed() {
+        let dir = temp_dir("region-replace");
+        let path = dir.join("region.log");
+        let bytes = |range: std::ops::Range<u64>| {
+            let mut out = Vec::new();
+            for seq in range {
+                encode(&entry(seq), &mut out);
+            }
+            out
+        };
+        let (mut storage, _, _) = open(&path).unwrap();
+        storage.append(&bytes(0..6)).unwrap();
+        storage.replace(&bytes(10..12)).unwrap();
+        storage.append(&bytes(12..13)).unwrap();
+        storage.sync().unwrap();
+        drop(storage);
+        // A crash during a later compaction leaves its file beside the log.
+        std::fs::write(path.with_extension("compact"), bytes(20..30)).unwrap();
+        let (_, reopened, torn) = open(&path).unwrap();
+        assert_eq!(torn, 0);
+        assert_eq!(reopened, (10..13).map(entry).collect::<Vec<_>>());
+        assert!(!path.with_extension("compact").exists());
+        std::fs::remove_dir_all(dir).unwrap();
+    }
+
+    #[test]
+    fn a_record_borrowed_from_its_check_encodes_as_the_owned_one() {
+        let check = ExactCheck {
+            id: RequestId {
+                node: 2,
+                generation: 1,
+                seq: 7,
+            },
+            rule: "quota".into(),
+            subject: "acct".into(),
+            window_index: 500_000,
+            window_secs: 3_600,
+            cost: 3,
+        };
+        let borrowed = Record::decided(&check, true);
+        let (mut a, mut b) = (Vec::new(), Vec::new());
+        encode(&Entry::Decided(borrowed.clone()), &mut a);
+        encode(&Entry::Decided(borrowed.into_owned()), &mut b);
+        assert_eq!(a, b);
     }
 }

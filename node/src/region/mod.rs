@@ -17,14 +17,14 @@ pub mod log;
 pub mod service;
 pub mod wire;
 
-use log::{Record, RequestId};
+use log::{Entry, RequestId};
 use std::collections::{HashMap, VecDeque};
 use tally_crdt::{Key, Rule, Subject, Window};
 pub use wire::{ExactAnswer, ExactCheck, Outcome};
 
 /// The authoritative counts of exact rules, and the outcomes of each edge life's most
 /// recent request ids. Pure state: the committer makes it durable.
-#[derive(Debug, Default)]
+#[derive(Debug, Default, PartialEq, Eq)]
 pub struct Ledger {
     // Invariant: a count never decreases within its window.
     counts: HashMap<Key, u64>,
@@ -39,7 +39,7 @@ pub struct Ledger {
 pub const RECENT_IDS: usize = 65_536;
 
 /// One edge life's recent outcomes: the sequence numbers from `base` on, in order.
-#[derive(Debug, Default)]
+#[derive(Debug, Default, PartialEq, Eq)]
 struct Recent {
     // Invariant: every sequence number below `base` was decided and then forgotten, or
     // skipped by a jump of more than RECENT_IDS and never to be decided.
@@ -75,24 +75,27 @@ impl Recent {
         if seq < self.base {
             return;
         }
-        let base = seq
-            .saturating_add(1)
-            .saturating_sub(RECENT_IDS as u64)
-            .max(self.base);
-        let forget = base - self.base;
-        if forget >= self.outcomes.len() as u64 {
-            self.outcomes.clear();
-        } else {
-            // Below RECENT_IDS, as the held numbers are.
-            self.outcomes.drain(..forget as usize);
-        }
-        self.base = base;
+        self.forget_below(seq.saturating_add(1).saturating_sub(RECENT_IDS as u64));
         // Below RECENT_IDS, as `base` is at most RECENT_IDS - 1 below `seq`.
         let offset = (seq - self.base) as usize;
         if self.outcomes.len() <= offset {
             self.outcomes.resize(offset + 1, None);
         }
         self.outcomes[offset] = Some((outcome, window));
+    }
+
+    /// Forgets every sequence number below `base`.
+    fn forget_below(&mut self, base: u64) {
+        let Some(forget) = base.checked_sub(self.base) else {
+            return;
+        };
+        if forget >= self.outcomes.len() as u64 {
+            self.outcomes.clear();
+        } else {
+            // Below the number of outcomes held, so it fits a usize.
+            self.outcomes.drain(..forget as usize);
+        }
+        self.base = base;
     }
 
     /// Forgets outcomes of windows that are over; false once nothing is held.
@@ -123,22 +126,115 @@ pub enum Decided {
 }
 
 impl Ledger {
-    /// The ledger the log's records add up to. Records out of bounds are skipped (the
+    /// The ledger the log's entries add up to. Entries out of bounds are skipped (the
     /// region never logs one).
-    pub fn replay(records: &[Record]) -> Ledger {
+    pub fn replay(entries: &[Entry]) -> Ledger {
         let mut ledger = Ledger::default();
-        for record in records {
-            let key = key_of(
-                &record.rule,
-                &record.subject,
-                record.window_index,
-                record.window_secs,
-            );
-            if let Some(key) = key {
-                ledger.apply(record.id, &key, record.cost, record.allowed);
-            }
+        for entry in entries {
+            ledger.replay_one(entry);
         }
         ledger
+    }
+
+    fn replay_one(&mut self, entry: &Entry) {
+        match entry {
+            Entry::Decided(record) => {
+                let key = key_of(
+                    &record.rule,
+                    &record.subject,
+                    record.window_index,
+                    record.window_secs,
+                );
+                if let Some(key) = key {
+                    self.apply(record.id, &key, record.cost, record.allowed);
+                }
+            }
+            Entry::Count {
+                rule,
+                subject,
+                window_index,
+                window_secs,
+                count,
+            } => {
+                if let Some(key) = key_of(rule, subject, *window_index, *window_secs) {
+                    self.counts.insert(key, *count);
+                }
+            }
+            Entry::Floor {
+                node,
+                generation,
+                base,
+            } => {
+                self.seen
+                    .entry((*node, *generation))
+                    .or_default()
+                    .forget_below(*base);
+            }
+            Entry::Outcome {
+                id,
+                allowed,
+                count,
+                window_index,
+                window_secs,
+            } => {
+                if let Ok(window) = Window::new(*window_index, *window_secs) {
+                    let outcome = Outcome {
+                        allowed: *allowed,
+                        count: *count,
+                    };
+                    self.seen
+                        .entry((id.node, id.generation))
+                        .or_default()
+                        .insert(id.seq, outcome, window);
+                }
+            }
+        }
+    }
+
+    /// Appends to `out` the entries of this ledger's state: every key's count, and per edge
+    /// life its floor and the outcomes it holds. [`Ledger::replay`] of them gives back this
+    /// ledger. Returns how many entries it wrote.
+    pub fn snapshot(&self, out: &mut Vec<u8>) -> u64 {
+        let mut entries = 0;
+        for (key, count) in &self.counts {
+            let entry = Entry::Count {
+                rule: key.rule.as_str(),
+                subject: key.subject.as_str(),
+                window_index: key.window.index(),
+                window_secs: key.window.len_secs(),
+                count: *count,
+            };
+            log::encode(&entry, out);
+            entries += 1;
+        }
+        for (&(node, generation), recent) in &self.seen {
+            let floor = Entry::<&str>::Floor {
+                node,
+                generation,
+                base: recent.base,
+            };
+            log::encode(&floor, out);
+            entries += 1;
+            for (seq, held) in (recent.base..).zip(&recent.outcomes) {
+                let Some((outcome, window)) = held else {
+                    continue;
+                };
+                let entry = Entry::<&str>::Outcome {
+                    id: RequestId {
+                        node,
+                        generation,
+                        seq,
+                    },
+                    allowed: outcome.allowed,
+                    count: outcome.count,
+                    window_index: window.index(),
+                    window_secs: window.len_secs(),
+                };
+                log::encode(&entry, out);
+                entries += 1;
+            }
+        }
+        entries
     }
 
     /// Decides `check` on `key` (its key) under `limit`: admits iff the count plus the cost
@@ -329,7 +425,8 @@ mod tests {
         for seq in 0..5 {
             let check = check(seq, 3);
             if let Decided::New(outcome) = ledger.decide(&check, &key(), 10) {
-                records.push(log::Record::decided(&check, outcome.allowed).into_owned());
+                let record = log::Record::decided(&check, outcome.allowed).into_owned();
+                records.push(Entry::Decided(record));
             }
         }
         let mut replayed = Ledger::replay(&records);
@@ -338,5 +435,45 @@ mod tests {
             decide(&mut replayed, 2, 3, 10),
             Decided::Repeat(_)
         ));
+    }
+
+    #[test]
+    fn a_snapshot_replays_to_the_same_ledger_and_decides_alike_after() {
+        let mut ledger = Ledger::default();
+        // Three edge lives, two subjects, repeats, a gap and a jump past RECENT_IDS.
+        for (node, generation, seqs) in [
+            (2, 1, vec![0, 1, 2, 2, 5, 9]),
+            (3, 7, vec![0, 1, 70_000, 69_999]),
+            (4, 1, vec![3]),
+        ] {
+            for seq in seqs {
+                let mut check = check(seq, 1 + seq % 3);
+                check.id.node = node;
+                check.id.generation = generation;
+                check.subject = format!("acct-{}", seq % 2);
+                let key = key_of("quota", &check.subject, 500_000, 3_600).unwrap();
+                ledger.decide(&check, &key, 10);
+            }
+        }
+        let mut entries = Vec::new();
+        let written = ledger.snapshot(&mut entries);
+        let (replayed, read) = log::replay(&entries);
+        assert_eq!((replayed.len() as u64, read), (written, entries.len()));
+        let mut copy = Ledger::replay(&replayed);
+        assert_eq!(copy, ledger);
+        // And it goes on the same: new ids, repeats, forgotten ones.
+        for (node, generation, seq) in [(2, 1, 3), (2, 1, 9), (3, 7, 1), (3, 7, 70_001), (5, 1, 0)]
+        {
+            let mut check = check(seq, 2);
+            check.id.node = node;
+            check.id.generation = generation;
+            let key = key();
+            assert_eq!(
+                copy.decide(&check, &key, 10),
+                ledger.decide(&check, &key, 10),
+                "{node}/{generation}/{seq}"
+            );
+        }
+        assert_eq!(copy, ledger);
     }
 }

@@ -10,7 +10,7 @@
 //! the edges' approximate estimates include exact traffic, across region restarts too.
 
 use super::committer::{CommitError, Committer};
-use super::log::{self, FileStorage, Record};
+use super::log::{self, Entry, Record, Storage};
 use super::wire::{self, Answered};
 use super::{key_of, Decided, ExactAnswer, ExactCheck, Ledger};
 use crate::clock;
@@ -32,6 +32,11 @@ use tokio::sync::{mpsc, oneshot};
 pub struct RegionService {
     ledger: Ledger,
     committer: Committer,
+    // The committer's `appended` at the last compaction, and the compacted log's size:
+    // the next compaction is due once as much again, and at least COMPACT_AFTER_BYTES, has
+    // been appended since.
+    compacted_at: u64,
+    compacted_bytes: u64,
     rules: Rules,
     store: Arc<LaneStore>,
     // The node's lane log: the region's own lanes of exact admissions go in it, as an
@@ -53,8 +58,8 @@ pub struct OpenError {
 /// What opening the region log found.
 #[derive(Debug, Clone, Copy)]
 pub struct Opened {
-    /// Records replayed (of live windows).
-    pub records: usize,
+    /// Entries replayed.
+    pub entries: usize,
     /// Bytes of torn tail dropped.
     pub torn: u64,
     /// Admissions the region's own lanes lacked after a crash, counted in again.
@@ -62,8 +67,8 @@ pub struct Opened {
 }
 
 impl RegionService {
-    /// Opens `dir/region.log`, replays it (dropping a torn tail, and rewriting the log
-    /// without the records of windows that are over), and starts the committer.
+    /// Opens `dir/region.log`, replays it (dropping a torn tail), compacts it (without the
+    /// windows that are over), and starts the committer.
     ///
     /// Then it repairs the region's own lanes: an admission is counted in a lane only after
     /// it is durable, so a crash in between leaves the ledger above what this node's earlier
@@ -82,25 +87,18 @@ impl RegionService {
             source,
         };
         std::fs::create_dir_all(dir).map_err(io)?;
-        let (storage, records, torn) = log::open(&path).map_err(io)?;
-        let now_secs = clock::wall().0 / 1_000;
-        let live: Vec<Record> = records
-            .iter()
-            .filter(|r| {
-                key_of(&r.rule, &r.subject, r.window_index, r.window_secs)
-                    .is_some_and(|key| key.window.is_live(now_secs))
-            })
-            .cloned()
-            .collect();
-        let storage = if live.len() < records.len() {
-            drop(storage);
-            rewrite(&path, &live).map_err(io)?
-        } else {
-            storage
-        };
+        let (mut storage, entries, torn) = log::open(&path).map_err(io)?;
+        let mut ledger = Ledger::replay(&entries);
+        ledger.expire(clock::wall().0 / 1_000);
+        // Start from a compacted log: the state the entries left, without finished windows.
+        let mut compacted = Vec::new();
+        ledger.snapshot(&mut compacted);
+        storage.replace(&compacted).map_err(io)?;
         let service = RegionService {
-            ledger: Ledger::replay(&live),
+            ledger,
             committer: Committer::start(Box::new(storage)),
+            compacted_at: 0,
+            compacted_bytes: compacted.len() as u64,
             rules,
             store,
             lanes,
@@ -126,7 +124,7 @@ impl RegionService {
             }
         }
         let opened = Opened {
-            records: live.len(),
+            entries: entries.len(),
             torn,
             repaired,
         };
@@ -149,9 +147,28 @@ impl RegionService {
                     let Some(frame) = frame else { return };
                     self.handle(frame, &batches);
                 }
-                _ = expire.tick() => self.ledger.expire(clock::wall().0 / 1_000),
+                _ = expire.tick() => {
+                    self.ledger.expire(clock::wall().0 / 1_000);
+                    self.compact_if_due();
+                }
             }
         }
+    }
+
+    /// Queues a compaction of the log once it has grown by as much as it held after the
+    /// last one, and by at least [`COMPACT_AFTER_BYTES`]: the log stays within about twice
+    /// the larger of the two, however long windows are.
+    fn compact_if_due(&mut self) {
+        let appended = self.committer.stats().appended.load(Ordering::Relaxed);
+        if appended - self.compacted_at < COMPACT_AFTER_BYTES.max(self.compacted_bytes) {
+            return;
+        }
+        let mut entries = Vec::new();
+        self.ledger.snapshot(&mut entries);
+        self.compacted_at = appended;
+        self.compacted_bytes = entries.len() as u64;
+        // A failed compaction fails the committer, which then refuses every later record.
+        drop(self.committer.compact(entries));
     }
 
     /// Decides every check of one frame, in order, and submits their records as one append;
@@ -225,7 +242,8 @@ impl RegionService {
         };
         match self.ledger.decide(check, &key, rule.limit) {
             Decided::New(outcome) => {
-                log::encode(&Record::decided(check, outcome.allowed), &mut records.bytes);
+                let record = Record::decided(check, outcome.allowed);
+                log::encode(&Entry::Decided(record), &mut records.bytes);
                 records.count += 1;
                 if outcome.allowed {
                     admitted.push((key, check.cost));
@@ -239,6 +257,9 @@ impl RegionService {
         }
     }
 }
+
+/// The least a log grows by before it is compacted.
+pub const COMPACT_AFTER_BYTES: u64 = 64 * 1024 * 1024;
 
 /// One frame's new records, encoded one after the other.
 #[derive(Default)]
@@ -310,23 +331,4 @@ fn count_in_own_lanes(store: &LaneStore, lanes: Option<&Mutex<LaneLog>>, admitte
         eprintln!("tallyd: {err}; stopping: writes cannot be made durable");
         std::process::exit(EXIT_LOG_FAILED);
     }
-}
-
-/// Writes `records` as the whole log at `path` (through a synced temporary file and a
-/// rename) and opens it for appending.
-fn rewrite(path: &Path, records: &[Record]) -> std::io::Result<FileStorage> {
-    let mut bytes = Vec::new();
-    for record in records {
-        log::encode(record, &mut bytes);
-    }
-    let tmp = path.with_extension("rewrite");
-    {
-        use std::io::Write;
-        let mut file = std::fs::File::create(&tmp)?;
-        file.write_all(&bytes)?;
-        file.sync_all()?;
-    }
-    std::fs::rename(&tmp, path)?;
-    let (storage, _, _) = log::open(path)?;
-    Ok(storage)
 }
