@@ -97,8 +97,9 @@ pub trait Storage: Send {
     fn append(&mut self, bytes: &[u8]) -> std::io::Result<()>;
     /// Makes every appended byte durable.
     fn sync(&mut self) -> std::io::Result<()>;
-    /// Replaces the whole log with `bytes`, durably and atomically: whatever happens, the
-    /// log is either what it was or `bytes`; once this returns `Ok`, it is `bytes`.
+    /// Replaces the whole log's entries with `bytes`, durably and atomically: whatever
+    /// happens, the log is either what it was or `bytes`; once this returns `Ok`, it is
+    /// `bytes`.
     fn replace(&mut self, bytes: &[u8]) -> std::io::Result<()>;
 }
 
@@ -121,6 +122,7 @@ impl Storage for FileStorage {
         let tmp = self.path.with_extension("compact");
         {
             let mut file = File::create(&tmp)?;
+            file.write_all(MAGIC)?;
             file.write_all(bytes)?;
             file.sync_all()?;
         }
@@ -131,9 +133,14 @@ impl Storage for FileStorage {
     }
 }
 
+/// The first bytes of a region log: they name its format, so that a log of another format
+/// is refused at start rather than read as a torn tail and truncated.
+pub const MAGIC: &[u8; 8] = b"tallyRL\x02";
+
 /// Opens (or creates) the log at `path`: returns its storage for appending and the
 /// entries it holds, after truncating a torn tail, and how many bytes that dropped. A
-/// compaction's file that was never renamed over the log is removed.
+/// compaction's file that was never renamed over the log is removed. A file that does not
+/// start with [`MAGIC`] is refused with `InvalidData`, and left as it is.
 pub fn open(path: &Path) -> std::io::Result<(FileStorage, Vec<Entry>, u64)> {
     match std::fs::remove_file(path.with_extension("compact")) {
         Err(err) if err.kind() != std::io::ErrorKind::NotFound => return Err(err),
@@ -146,12 +153,27 @@ pub fn open(path: &Path) -> std::io::Result<(FileStorage, Vec<Entry>, u64)> {
         .open(path)?;
     let mut bytes = Vec::new();
     file.read_to_end(&mut bytes)?;
-    let (entries, valid) = replay(&bytes);
-    let torn = bytes.len() as u64 - valid as u64;
-    if torn > 0 {
-        file.set_len(valid as u64)?;
+    let (entries, torn) = if bytes.len() < MAGIC.len() && MAGIC.starts_with(&bytes) {
+        // New, or cut off while its first bytes were written.
+        file.set_len(0)?;
+        file.write_all(MAGIC)?;
         file.sync_all()?;
-    }
+        (Vec::new(), bytes.len() as u64)
+    } else if let Some(body) = bytes.strip_prefix(MAGIC.as_slice()) {
+        let (entries, valid) = replay(body);
+        let torn = (body.len() - valid) as u64;
+        if torn > 0 {
+            file.set_len((MAGIC.len() + valid) as u64)?;
+            file.sync_all()?;
+        }
+        (entries, torn)
+    } else {
+        return Err(std::io::Error::new(
+            std::io::ErrorKind::InvalidData,
+            "not a region log of this version of tally (its first bytes are not the \
+             format's); it is left as it is: move it away to start with an empty log",
+        ));
+    };
     file.seek(SeekFrom::End(0))?;
     sync_dir(path)?;
     let storage = FileStorage {
@@ -266,12 +288,19 @@ mod tests {
         }
         let dir = temp_dir("region-log");
         let path = dir.join("region.log");
-        for cut in 0..=whole.len() {
-            std::fs::write(&path, &whole[..cut]).unwrap();
+        let file = [MAGIC.as_slice(), &whole].concat();
+        for cut in 0..=file.len() {
+            std::fs::write(&path, &file[..cut]).unwrap();
             let (mut storage, recovered, torn) = open(&path).unwrap();
-            let kept = ends.iter().filter(|&&end| end <= cut).count() - 1;
+            let body = cut.saturating_sub(MAGIC.len());
+            let kept = ends.iter().filter(|&&end| end <= body).count() - 1;
             assert_eq!(recovered, entries[..kept], "cut at {cut}");
-            assert_eq!(torn as usize, cut - ends[kept], "cut at {cut}");
+            let expected_torn = if cut < MAGIC.len() {
+                cut
+            } else {
+                body - ends[kept]
+            };
+            assert_eq!(torn as usize, expected_torn, "cut at {cut}");
             // The torn tail is gone from the file: a new entry follows the whole ones.
             let mut next = Vec::new();
             encode(&entry(9), &mut next);
@@ -309,6 +338,21 @@ mod tests {
         assert_eq!(torn, 0);
         assert_eq!(reopened, (10..13).map(entry).collect::<Vec<_>>());
         assert!(!path.with_extension("compact").exists());
+        std::fs::remove_dir_all(dir).unwrap();
+    }
+
+    #[test]
+    fn a_log_of_another_format_is_refused_and_left_as_it_is() {
+        let dir = temp_dir("region-format");
+        let path = dir.join("region.log");
+        // A log of the format before MAGIC: bare records.
+        let mut old = Vec::new();
+        checksummed::append(&(1u64, "quota", 5u64), &mut old);
+        std::fs::write(&path, &old).unwrap();
+        let err = open(&path).err().expect("refused");
+        assert_eq!(err.kind(), std::io::ErrorKind::InvalidData);
+        assert!(err.to_string().contains("not a region log"), "{err}");
+        assert_eq!(std::fs::read(&path).unwrap(), old, "left as it was");
         std::fs::remove_dir_all(dir).unwrap();
     }
 
