@@ -241,6 +241,11 @@ pub fn render(sources: &Sources<'_>) -> String {
                 load(&commit.refused),
             ),
             (
+                "region_log_compactions",
+                "Times the region log was replaced by a snapshot of its state",
+                load(&commit.compactions),
+            ),
+            (
                 "region_bad_requests",
                 "Forwarded checks naming no exact rule or live window here, and frames of checks refused whole",
                 load(&region.bad_requests),
