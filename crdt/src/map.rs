@@ -6,6 +6,7 @@ use crate::{
     Version, Watermark, DELTA_BYTES_MIN,
 };
 use std::collections::BTreeMap;
+use std::ops::Bound::{Excluded, Unbounded};
 
 /// Every counter a node holds, with the per-origin bookkeeping that delta sync needs.
 ///
@@ -190,6 +191,11 @@ impl CounterMap {
     /// origin in turn. A `bytes_max` below [`DELTA_BYTES_MIN`] is raised to it, so every
     /// delta to a peer that lacks something carries at least one lane. An origin whose lanes the peer holds but whose stamp is older gets
     /// an entry with no lanes, carrying the newer stamp.
+    ///
+    /// Lanes held past a gap (above this map's watermark for their origin, merged from a
+    /// push that followed versions not held yet) show in no digest, so they go to every
+    /// peer whose watermark is below them. Otherwise they could be stranded: once the
+    /// origin has lost its state, nothing ever raises the watermarks past them.
     pub fn delta_for(&self, peer: &Digest, bytes_max: usize, rotate: usize) -> Delta {
         let mut delta = Delta::default();
         let mut budget = bytes_max.max(DELTA_BYTES_MIN) - size::DELTA_HEADER;
@@ -202,7 +208,12 @@ impl CounterMap {
             .chain(self.origins.iter().take(start));
         for (replica, origin) in ordered {
             let theirs = peer.origins.get(replica).copied().unwrap_or_default();
-            let lacks_lanes = origin.watermark.version > theirs.version;
+            let lacks_lanes = origin.watermark.version > theirs.version
+                || origin
+                    .by_version
+                    .range((Excluded(theirs.version), Unbounded))
+                    .next()
+                    .is_some();
             let lacks_stamp = origin.watermark.stamp > theirs.stamp;
             if !lacks_lanes && !lacks_stamp {
                 continue;
@@ -497,6 +508,27 @@ mod tests {
         assert_eq!(applied.lanes_expired, 2);
         assert!(map.counter(&short).is_none());
         assert_eq!(map.value(&long), 1);
+    }
+
+    #[test]
+    fn lanes_held_past_a_gap_reach_a_peer_at_the_same_watermark() {
+        // Replica 1 writes two lanes and loses its state. Only `gapped` got the second,
+        // by a push past a gap; both peers reach version 1 from a third map.
+        let mut origin = CounterMap::new();
+        origin.incr(replica(1), &key(0, 60), 1, Stamp(1)).unwrap();
+        let first = origin.lanes_since(replica(1), Version(0), 0).unwrap();
+        origin.incr(replica(1), &key(1, 60), 1, Stamp(2)).unwrap();
+        let second = origin.lanes_since(replica(1), Version(1), 0).unwrap();
+        let (mut gapped, mut peer) = (CounterMap::new(), CounterMap::new());
+        gapped.apply_since(Version(1), &second, NOW);
+        gapped.apply_since(Version(0), &first, NOW);
+        peer.apply_since(Version(0), &first, NOW);
+        assert_eq!(gapped.watermark(replica(1)), peer.watermark(replica(1)));
+
+        peer.apply(&gapped.delta_for(&peer.digest(), 0, 0), NOW);
+        assert_eq!(peer.value(&key(1, 60)), 1, "the lane past the gap arrived");
+        // No watermark will pass it, so each keeps offering it to the other.
+        assert_eq!(peer.delta_for(&gapped.digest(), 0, 0).lanes(), 1);
     }
 
     #[test]
