@@ -91,6 +91,15 @@ impl CounterMap {
             .unwrap_or_default()
     }
 
+    /// The highest version of `origin` held: its watermark's, or a lane's held past a gap
+    /// (merged from a push that followed versions not held yet).
+    pub fn top(&self, origin: ReplicaId) -> Version {
+        self.origins.get(&origin).map_or(Version::ZERO, |origin| {
+            let last = origin.by_version.keys().next_back().copied();
+            origin.watermark.version.max(last.unwrap_or_default())
+        })
+    }
+
     /// What this map holds, per origin.
     pub fn digest(&self) -> Digest {
         Digest {
@@ -197,6 +206,18 @@ impl CounterMap {
     /// peer whose watermark is below them. Otherwise they could be stranded: once the
     /// origin has lost its state, nothing ever raises the watermarks past them.
     pub fn delta_for(&self, peer: &Digest, bytes_max: usize, rotate: usize) -> Delta {
+        self.delta_for_origins(peer, bytes_max, rotate, |_, _| true)
+    }
+
+    /// [`CounterMap::delta_for`], for only the origins that `pick` accepts, given each
+    /// with the peer's watermark for it. The others are left out whole.
+    pub fn delta_for_origins(
+        &self,
+        peer: &Digest,
+        bytes_max: usize,
+        rotate: usize,
+        pick: impl Fn(ReplicaId, Watermark) -> bool,
+    ) -> Delta {
         let mut delta = Delta::default();
         let mut budget = bytes_max.max(DELTA_BYTES_MIN) - size::DELTA_HEADER;
         let count = self.origins.len();
@@ -215,7 +236,8 @@ impl CounterMap {
                     .next()
                     .is_some();
             let lacks_stamp = origin.watermark.stamp > theirs.stamp;
-            if !lacks_lanes && !lacks_stamp {
+            let lacks = lacks_lanes || lacks_stamp;
+            if !lacks || !pick(*replica, theirs) {
                 continue;
             }
             if budget < size::ORIGIN_HEADER {

@@ -33,9 +33,13 @@ pub enum Message {
         /// to that digest: a node that has since lost its state (a new generation) must
         /// not apply it, or it would take the watermark without the lanes below it.
         to: ReplicaId,
-        /// Lanes the Syn's sender lacks, cut to the frame budget.
+        /// Lanes the Syn's sender lacks and that are worth sending now, cut to the frame
+        /// budget.
         delta: Delta,
-        /// Per origin, the watermark I hold, so you can answer with what I lack.
+        /// The watermark I hold of each origin where your digest showed lanes I lack, or
+        /// a stamp more than a round newer than mine (with eager push; any newer stamp
+        /// without), so you can answer with those. Of every other origin I hold at least
+        /// what your digest said.
         digest: Digest,
         /// My membership table, empty when the hashes matched.
         members: Vec<MemberEntry>,
