@@ -558,11 +558,16 @@ impl Gossip {
             frame.len(),
             self.config.frame_bytes_max
         );
-        let lanes = match message {
-            Message::Ack { delta, .. } | Message::Delta { delta, .. } => delta.lanes(),
-            Message::Push { lanes, .. } => lanes.lanes.len(),
-            Message::Syn { .. } | Message::Members { .. } => 0,
+        let by_message = &mut self.stats.bytes_out_by_message;
+        let (lanes, kind_bytes) = match message {
+            Message::Syn { .. } => (0, &mut by_message.syn),
+            Message::Ack { delta, .. } => (delta.lanes(), &mut by_message.ack),
+            Message::Delta { delta, .. } => (delta.lanes(), &mut by_message.delta),
+            Message::Push { lanes, .. } if lanes.lanes.is_empty() => (0, &mut by_message.heartbeat),
+            Message::Push { lanes, .. } => (lanes.lanes.len(), &mut by_message.push),
+            Message::Members { .. } => (0, &mut by_message.members),
         };
+        *kind_bytes += (frame.len() * peers.len()) as u64;
         for &to in peers {
             self.stats.frames_out += 1;
             self.stats.bytes_out += frame.len() as u64;
