@@ -67,8 +67,9 @@ pub struct OriginDelta {
     /// version when the budget cut it short.
     pub through: Watermark,
     /// Lanes with versions above the receiver's watermark.
-    // Invariant: versions ascend strictly, from 1, and the last is at most
-    // `through.version`. The wire encoding relies on it to leave versions implicit.
+    // Invariant: versions ascend strictly, from 1. They may lie above `through` (lanes the
+    // sender holds past a gap). The wire encoding relies on the order to leave versions
+    // implicit.
     pub lanes: Vec<LaneUpdate>,
 }
 
