@@ -66,7 +66,10 @@ pub struct OriginDelta {
     /// Equal to the sender's watermark when the send is complete, or to the last lane's
     /// version when the budget cut it short.
     pub through: Watermark,
-    /// Lanes with versions above the receiver's watermark, ascending.
+    /// Lanes with versions above the receiver's watermark.
+    // Invariant: versions ascend strictly, from 1. They may lie above `through` (lanes the
+    // sender holds past a gap). The wire encoding relies on the order to leave versions
+    // implicit.
     pub lanes: Vec<LaneUpdate>,
 }
 
@@ -95,20 +98,24 @@ impl Delta {
 
 /// Upper bounds on encoded sizes, used to cut deltas under a frame budget. Integers are
 /// counted at their widest variable-length encoding (9 bytes for a `u64`, 5 for a `u32`).
+/// The encoding they bound is `tally-gossip`'s wire format: a lane names a (rule, window)
+/// scope listed once per frame, and its version is implied unless a hole is needed.
 pub(crate) mod size {
     use crate::{Key, RULE_BYTES_MAX, SUBJECT_BYTES_MAX};
 
-    /// An origin header: replica id, watermark, and the lane count prefix.
-    pub const ORIGIN_HEADER: usize = 9 + 9 + 9 + 9 + 9;
-    /// The delta's own header: the origin count prefix.
-    pub const DELTA_HEADER: usize = 9;
+    /// An origin header: replica id, `through` version and stamp, and the count prefixes
+    /// of its lanes and holes.
+    pub const ORIGIN_HEADER: usize = 9 + 9 + 9 + 9 + 9 + 9;
+    /// The delta's own header: the count prefixes of its scopes and origins.
+    pub const DELTA_HEADER: usize = 9 + 9;
 
-    /// One lane update: its key, two totals and a version.
+    /// One lane update: its key (counted whole, as if its scope were new to the frame)
+    /// and its scope index, two totals and a hole.
     pub fn lane(key: &Key) -> usize {
         key.encoded_len_max() + LANE_FIELDS
     }
 
-    const LANE_FIELDS: usize = 3 * 9;
+    const LANE_FIELDS: usize = 9 + 9 + 9 + 9 + 9;
 
     /// The largest lane update any key can make.
     pub const LANE_MAX: usize =

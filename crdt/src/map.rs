@@ -6,6 +6,7 @@ use crate::{
     Version, Watermark, DELTA_BYTES_MIN,
 };
 use std::collections::BTreeMap;
+use std::ops::Bound::{Excluded, Unbounded};
 
 /// Every counter a node holds, with the per-origin bookkeeping that delta sync needs.
 ///
@@ -88,6 +89,15 @@ impl CounterMap {
             .get(&origin)
             .map(|o| o.watermark)
             .unwrap_or_default()
+    }
+
+    /// The highest version of `origin` held: its watermark's, or a lane's held past a gap
+    /// (merged from a push that followed versions not held yet).
+    pub fn top(&self, origin: ReplicaId) -> Version {
+        self.origins.get(&origin).map_or(Version::ZERO, |origin| {
+            let last = origin.by_version.keys().next_back().copied();
+            origin.watermark.version.max(last.unwrap_or_default())
+        })
     }
 
     /// What this map holds, per origin.
@@ -190,7 +200,24 @@ impl CounterMap {
     /// origin in turn. A `bytes_max` below [`DELTA_BYTES_MIN`] is raised to it, so every
     /// delta to a peer that lacks something carries at least one lane. An origin whose lanes the peer holds but whose stamp is older gets
     /// an entry with no lanes, carrying the newer stamp.
+    ///
+    /// Lanes held past a gap (above this map's watermark for their origin, merged from a
+    /// push that followed versions not held yet) show in no digest, so they go to every
+    /// peer whose watermark is below them. Otherwise they could be stranded: once the
+    /// origin has lost its state, nothing ever raises the watermarks past them.
     pub fn delta_for(&self, peer: &Digest, bytes_max: usize, rotate: usize) -> Delta {
+        self.delta_for_origins(peer, bytes_max, rotate, |_, _| true)
+    }
+
+    /// [`CounterMap::delta_for`], for only the origins that `pick` accepts, given each
+    /// with the peer's watermark for it. The others are left out whole.
+    pub fn delta_for_origins(
+        &self,
+        peer: &Digest,
+        bytes_max: usize,
+        rotate: usize,
+        pick: impl Fn(ReplicaId, Watermark) -> bool,
+    ) -> Delta {
         let mut delta = Delta::default();
         let mut budget = bytes_max.max(DELTA_BYTES_MIN) - size::DELTA_HEADER;
         let count = self.origins.len();
@@ -202,9 +229,15 @@ impl CounterMap {
             .chain(self.origins.iter().take(start));
         for (replica, origin) in ordered {
             let theirs = peer.origins.get(replica).copied().unwrap_or_default();
-            let lacks_lanes = origin.watermark.version > theirs.version;
+            let lacks_lanes = origin.watermark.version > theirs.version
+                || origin
+                    .by_version
+                    .range((Excluded(theirs.version), Unbounded))
+                    .next()
+                    .is_some();
             let lacks_stamp = origin.watermark.stamp > theirs.stamp;
-            if !lacks_lanes && !lacks_stamp {
+            let lacks = lacks_lanes || lacks_stamp;
+            if !lacks || !pick(*replica, theirs) {
                 continue;
             }
             if budget < size::ORIGIN_HEADER {
@@ -497,6 +530,27 @@ mod tests {
         assert_eq!(applied.lanes_expired, 2);
         assert!(map.counter(&short).is_none());
         assert_eq!(map.value(&long), 1);
+    }
+
+    #[test]
+    fn lanes_held_past_a_gap_reach_a_peer_at_the_same_watermark() {
+        // Replica 1 writes two lanes and loses its state. Only `gapped` got the second,
+        // by a push past a gap; both peers reach version 1 from a third map.
+        let mut origin = CounterMap::new();
+        origin.incr(replica(1), &key(0, 60), 1, Stamp(1)).unwrap();
+        let first = origin.lanes_since(replica(1), Version(0), 0).unwrap();
+        origin.incr(replica(1), &key(1, 60), 1, Stamp(2)).unwrap();
+        let second = origin.lanes_since(replica(1), Version(1), 0).unwrap();
+        let (mut gapped, mut peer) = (CounterMap::new(), CounterMap::new());
+        gapped.apply_since(Version(1), &second, NOW);
+        gapped.apply_since(Version(0), &first, NOW);
+        peer.apply_since(Version(0), &first, NOW);
+        assert_eq!(gapped.watermark(replica(1)), peer.watermark(replica(1)));
+
+        peer.apply(&gapped.delta_for(&peer.digest(), 0, 0), NOW);
+        assert_eq!(peer.value(&key(1, 60)), 1, "the lane past the gap arrived");
+        // No watermark will pass it, so each keeps offering it to the other.
+        assert_eq!(peer.delta_for(&gapped.digest(), 0, 0).lanes(), 1);
     }
 
     #[test]

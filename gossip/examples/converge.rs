@@ -7,7 +7,8 @@
 //!    node, the delay until that node holds it (p50, p99, max);
 //! 2. anti-entropy alone (no push): the rounds until every node holds a write (p50, p99);
 //! 3. a steady workload of fresh lanes at up to 8 writers, light (one lane per writer per
-//!    10 ms) and batched (20): bytes on the wire per changed lane per peer.
+//!    10 ms) and batched (20): bytes on the wire per changed lane per peer, in all and by
+//!    kind of message.
 
 use std::time::Duration;
 use tally_gossip::sim::{Sim, SimConfig};
@@ -59,10 +60,16 @@ fn joined(args: &Args, eager_push: bool) -> Sim {
 }
 
 /// Writes `lanes_per_step` fresh lanes at each of up to 8 nodes every 10 ms for one second;
-/// returns the bytes sent per changed lane per peer, all traffic included.
-fn bytes_per_lane(sim: &mut Sim, args: &Args, lanes_per_step: usize) -> (u64, f64) {
+/// returns the changed lanes, and the bytes sent per changed lane per peer, all traffic
+/// included, then by kind of message.
+fn bytes_per_lane(
+    sim: &mut Sim,
+    args: &Args,
+    lanes_per_step: usize,
+) -> (u64, f64, Vec<(&'static str, f64)>) {
     let writers = args.nodes.min(8);
     let before = sim.bytes_sent();
+    let before_by_message = sim.bytes_sent_by_message().by_kind();
     let mut lanes = 0u64;
     for step in 0..100 {
         for node in 0..writers {
@@ -79,8 +86,15 @@ fn bytes_per_lane(sim: &mut Sim, args: &Args, lanes_per_step: usize) -> (u64, f6
     }
     sim.run_for(Duration::from_millis(20));
     let bytes = sim.bytes_sent() - before;
-    let peers = (args.nodes - 1) as u64;
-    (lanes, bytes as f64 / (lanes * peers) as f64)
+    let per_lane_peer = |bytes: u64| bytes as f64 / (lanes * (args.nodes - 1) as u64) as f64;
+    let by_message = sim
+        .bytes_sent_by_message()
+        .by_kind()
+        .into_iter()
+        .zip(before_by_message)
+        .map(|((kind, after), (_, before))| (kind, per_lane_peer(after - before)))
+        .collect();
+    (lanes, per_lane_peer(bytes), by_message)
 }
 
 /// Per write and per other node, the simulated time until that node holds the write.
@@ -146,10 +160,15 @@ fn main() {
     );
 
     for lanes_per_step in [1, 20] {
-        let (lanes, per_lane) = bytes_per_lane(&mut sim, &args, lanes_per_step);
+        let (lanes, per_lane, by_message) = bytes_per_lane(&mut sim, &args, lanes_per_step);
         println!(
             "steady load, {lanes_per_step} fresh lane(s) per writer per 10 ms: {lanes} changed lanes, {per_lane:.1} bytes per changed lane per peer (all traffic: pushes, heartbeats, digests)"
         );
+        let by_message: Vec<String> = by_message
+            .iter()
+            .map(|(kind, bytes)| format!("{kind} {bytes:.1}"))
+            .collect();
+        println!("  by message: {}", by_message.join(", "));
     }
 
     let mut sim = joined(&args, false);

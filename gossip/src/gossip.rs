@@ -10,7 +10,9 @@ use rand::SeedableRng;
 use rand_chacha::ChaCha8Rng;
 use std::collections::{BTreeMap, VecDeque};
 use std::time::Duration;
-use tally_crdt::{CounterMap, Delta, Key, Lane, NodeId, ReplicaId, Stamp, Version};
+use tally_crdt::{
+    CounterMap, Delta, Digest, Key, Lane, NodeId, ReplicaId, Stamp, Version, Watermark,
+};
 
 /// The time, as given by the driver: its monotonic clock (for timers) and its wall clock
 /// (for stamps and windows). The protocol never reads either itself.
@@ -110,6 +112,10 @@ pub struct Gossip {
     // Invariant: every own lane with a version at most this has been pushed to the peers
     // alive at the time.
     pushed_through: Version,
+    // What this node held when its last round began, its own lanes only as far as earlier
+    // pushes sent them. With eager push, anti-entropy offers no more than this: what came
+    // since is on its way to every live peer by push and heartbeat already.
+    settled: Digest,
     rounds: u64,
 }
 
@@ -144,6 +150,7 @@ impl Gossip {
             next_round: None,
             next_push: None,
             pushed_through,
+            settled: Digest::default(),
             rounds: 0,
             config,
         }
@@ -263,6 +270,17 @@ impl Gossip {
         self.rounds += 1;
         self.next_round = Some(now.mono + self.config.gossip_interval);
         self.map.touch(self.config.replica, now.wall);
+        let digest = self.map.digest();
+        // Own lanes count as settled once an earlier push sent them: the ones this round's
+        // push sends are as fresh as any other origin's lanes arriving now.
+        self.settled = digest.clone();
+        self.settled.origins.insert(
+            self.config.replica,
+            Watermark {
+                version: self.pushed_through,
+                stamp: now.wall,
+            },
+        );
         if self.config.eager_push {
             // Fresh lanes and the heartbeat go straight to every live peer. Without eager
             // push (a measurement mode) both travel by anti-entropy alone.
@@ -270,7 +288,7 @@ impl Gossip {
         }
 
         let syn = Message::Syn {
-            digest: self.map.digest(),
+            digest,
             members_hash: self.members.hash(),
         };
         let mut live = self.members.others_in(&[State::Alive, State::Suspect]);
@@ -344,12 +362,12 @@ impl Gossip {
                 let mut reply = Message::Ack {
                     to: envelope.from,
                     delta: Delta::default(),
-                    digest: self.map.digest(),
+                    digest: self.wanted_from(&digest),
                     members,
                 };
                 let budget = self.delta_budget(envelope.from, &reply);
                 if let Message::Ack { delta, .. } = &mut reply {
-                    *delta = self.map.delta_for(&digest, budget, self.rounds as usize);
+                    *delta = self.delta_answering(&digest, |_| true, budget);
                 }
                 self.send(from, &reply);
             }
@@ -376,7 +394,10 @@ impl Gossip {
                     },
                 };
                 let budget = self.delta_budget(envelope.from, &reply);
-                let delta = self.map.delta_for(&digest, budget, self.rounds as usize);
+                // The Ack's digest lists only the origins its sender lacks something of;
+                // every other origin it holds as far as my Syn said, so none is sent.
+                let listed = |origin| digest.origins.contains_key(&origin);
+                let delta = self.delta_answering(&digest, listed, budget);
                 if delta.is_empty() && !differed {
                     return;
                 }
@@ -439,6 +460,62 @@ impl Gossip {
         }
     }
 
+    /// What a peer holding `theirs` lacks and is worth sending now, of the origins
+    /// `listed` accepts, cut to `budget`.
+    ///
+    /// With eager push that is an origin's lanes only if the peer lacks some this node
+    /// held at its last round, and its stamp only if the peer's is more than a round older
+    /// than the one held then: fresher lanes and stamps are already on their way to every
+    /// live peer by push and heartbeat, and anti-entropy repairs what those miss a round
+    /// later. Without eager push, everything the peer lacks. Either way, lanes held here
+    /// past a gap, which no digest shows, go to a peer whose watermark is below them.
+    fn delta_answering(
+        &self,
+        theirs: &Digest,
+        listed: impl Fn(ReplicaId) -> bool,
+        budget: usize,
+    ) -> Delta {
+        let worth = |origin, held: Watermark| {
+            let mine = self.map.watermark(origin);
+            let offer = if self.config.eager_push {
+                self.settled
+                    .origins
+                    .get(&origin)
+                    .copied()
+                    .unwrap_or_default()
+            } else {
+                mine
+            };
+            let past_gap = self.map.top(origin) > mine.version.max(held.version);
+            listed(origin) && (lacks(held, offer, self.stamp_slack()) || past_gap)
+        };
+        self.map
+            .delta_for_origins(theirs, budget, self.rounds as usize, worth)
+    }
+
+    /// The digest an Ack carries: my watermark for each origin of which a Syn's digest
+    /// `theirs` shows something I lack, which is all its sender needs to answer.
+    fn wanted_from(&self, theirs: &Digest) -> Digest {
+        let origins = theirs
+            .origins
+            .iter()
+            .map(|(&origin, &offer)| (origin, offer, self.map.watermark(origin)))
+            .filter(|&(_, offer, mine)| lacks(mine, offer, self.stamp_slack()))
+            .map(|(origin, _, mine)| (origin, mine))
+            .collect();
+        Digest { origins }
+    }
+
+    /// How much older than another node's an origin's stamp may be here before that node
+    /// relays it: a round with eager push, whose heartbeat reaches every peer each round.
+    fn stamp_slack(&self) -> Duration {
+        if self.config.eager_push {
+            self.config.gossip_interval
+        } else {
+            Duration::ZERO
+        }
+    }
+
     /// The byte budget for the delta in `message` (sent with an empty delta), so the whole
     /// frame stays within `frame_bytes_max`.
     fn delta_budget(&self, from: ReplicaId, message: &Message) -> usize {
@@ -481,11 +558,16 @@ impl Gossip {
             frame.len(),
             self.config.frame_bytes_max
         );
-        let lanes = match message {
-            Message::Ack { delta, .. } | Message::Delta { delta, .. } => delta.lanes(),
-            Message::Push { lanes, .. } => lanes.lanes.len(),
-            Message::Syn { .. } | Message::Members { .. } => 0,
+        let by_message = &mut self.stats.bytes_out_by_message;
+        let (lanes, kind_bytes) = match message {
+            Message::Syn { .. } => (0, &mut by_message.syn),
+            Message::Ack { delta, .. } => (delta.lanes(), &mut by_message.ack),
+            Message::Delta { delta, .. } => (delta.lanes(), &mut by_message.delta),
+            Message::Push { lanes, .. } if lanes.lanes.is_empty() => (0, &mut by_message.heartbeat),
+            Message::Push { lanes, .. } => (lanes.lanes.len(), &mut by_message.push),
+            Message::Members { .. } => (0, &mut by_message.members),
         };
+        *kind_bytes += (frame.len() * peers.len()) as u64;
         for &to in peers {
             self.stats.frames_out += 1;
             self.stats.bytes_out += frame.len() as u64;
@@ -512,10 +594,17 @@ impl Gossip {
     }
 }
 
+/// Whether a holder at `held` lacks something of `offer`: lanes, or a stamp newer by more
+/// than `slack`.
+fn lacks(held: Watermark, offer: Watermark, slack: Duration) -> bool {
+    let slack_ms = u64::try_from(slack.as_millis()).unwrap_or(u64::MAX);
+    offer.version > held.version || offer.stamp.0 > held.stamp.0.saturating_add(slack_ms)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
-    use tally_crdt::{Generation, OriginDelta, Rule, Subject, Watermark, Window};
+    use tally_crdt::{Generation, OriginDelta, Rule, Subject, Window};
 
     const WALL: u64 = 1_767_225_600_000;
 
@@ -533,7 +622,7 @@ mod tests {
         ))
     }
 
-    fn push_frame(from: ReplicaId, origin: ReplicaId) -> Vec<u8> {
+    fn push_frame(from: ReplicaId) -> Vec<u8> {
         let key = Key::new(
             Rule::new("r").unwrap(),
             Subject::new("s").unwrap(),
@@ -544,7 +633,7 @@ mod tests {
             &Message::Push {
                 after: Version::ZERO,
                 lanes: OriginDelta {
-                    origin,
+                    origin: from,
                     through: Watermark {
                         version: Version(1),
                         stamp: Stamp(WALL),
@@ -607,10 +696,129 @@ mod tests {
         assert_eq!(pushed, 1, "the unpushed lane went out before the goodbye");
     }
 
+    /// Feeds `gossip` a Syn from node 1 carrying `digest` and returns its Ack.
+    fn ack_to_syn(gossip: &mut Gossip, digest: Digest, at_ms: u64) -> Message {
+        let syn = Message::Syn {
+            digest,
+            members_hash: 0,
+        };
+        gossip.handle_input(Input::Receive {
+            now: now(at_ms),
+            from: NodeId(1),
+            frame: wire::encode(node(1).replica(), &syn),
+        });
+        loop {
+            match gossip.poll_output() {
+                Output::Send {
+                    to: NodeId(1),
+                    frame,
+                    ..
+                } => {
+                    return wire::decode(&frame, 1 << 20).unwrap().message;
+                }
+                Output::Timeout(_) => panic!("no answer to the syn"),
+                _ => {}
+            }
+        }
+    }
+
+    fn lanes_of(message: &Message, origin: ReplicaId) -> usize {
+        let Message::Ack { delta, .. } = message else {
+            panic!("not an ack: {message:?}");
+        };
+        let entry = delta.origins.iter().find(|entry| entry.origin == origin);
+        entry.map_or(0, |entry| entry.lanes.len())
+    }
+
+    #[test]
+    fn lanes_that_arrived_since_the_last_round_are_left_to_the_pushes() {
+        let mut gossip = node(2);
+        gossip.handle_input(Input::Timeout { now: now(0) });
+        gossip.handle_input(Input::Receive {
+            now: now(1),
+            from: NodeId(3),
+            frame: push_frame(node(3).replica()),
+        });
+        let ack = ack_to_syn(&mut gossip, Digest::default(), 2);
+        assert_eq!(lanes_of(&ack, node(3).replica()), 0, "in flight by push");
+
+        gossip.handle_input(Input::Timeout { now: now(1_000) });
+        let ack = ack_to_syn(&mut gossip, Digest::default(), 1_001);
+        assert_eq!(
+            lanes_of(&ack, node(3).replica()),
+            1,
+            "repaired a round later"
+        );
+    }
+
+    #[test]
+    fn an_ack_lists_only_what_its_sender_lacks_and_relays_only_stamps_a_round_old() {
+        let mut gossip = node(2);
+        gossip.handle_input(Input::Receive {
+            now: now(1),
+            from: NodeId(3),
+            frame: push_frame(node(3).replica()),
+        });
+        gossip.handle_input(Input::Timeout { now: now(2) });
+        let held = gossip.map().watermark(node(3).replica());
+        let syn_digest = |origin_3_stamp: u64| Digest {
+            origins: [
+                (
+                    node(3).replica(),
+                    Watermark {
+                        version: held.version,
+                        stamp: Stamp(origin_3_stamp),
+                    },
+                ),
+                (
+                    node(4).replica(),
+                    Watermark {
+                        version: Version(5),
+                        stamp: Stamp(WALL),
+                    },
+                ),
+            ]
+            .into_iter()
+            .collect(),
+        };
+
+        let ack = ack_to_syn(&mut gossip, syn_digest(held.stamp.0 - 50), 3);
+        let Message::Ack { delta, digest, .. } = &ack else {
+            panic!("not an ack: {ack:?}");
+        };
+        let wanted: Vec<ReplicaId> = digest.origins.keys().copied().collect();
+        assert_eq!(
+            wanted,
+            [node(4).replica()],
+            "node 4's lanes are all it lacks"
+        );
+        assert!(
+            delta
+                .origins
+                .iter()
+                .all(|entry| entry.origin != node(3).replica()),
+            "a stamp 50 ms older is left to the heartbeat"
+        );
+
+        let ack = ack_to_syn(&mut gossip, syn_digest(held.stamp.0 - 2_000), 4);
+        let Message::Ack { delta, .. } = &ack else {
+            panic!("not an ack: {ack:?}");
+        };
+        let relayed = delta
+            .origins
+            .iter()
+            .find(|entry| entry.origin == node(3).replica());
+        assert_eq!(
+            relayed.map(|entry| entry.through),
+            Some(held),
+            "a stamp 2 s older is relayed"
+        );
+    }
+
     #[test]
     fn garbage_truncated_and_oversized_frames_are_dropped_and_counted() {
         let mut gossip = node(1);
-        let good = push_frame(node(2).replica(), node(2).replica());
+        let good = push_frame(node(2).replica());
         let frames = [
             vec![0xFF; 64],
             good[..good.len() / 2].to_vec(),
@@ -626,25 +834,16 @@ mod tests {
     #[test]
     fn a_frame_claiming_another_sender_is_dropped_and_counted() {
         let mut gossip = node(1);
-        let frame = push_frame(node(3).replica(), node(3).replica());
+        let frame = push_frame(node(3).replica());
         receive_from_node_2(&mut gossip, frame);
         assert_eq!(gossip.stats().forged, 1);
         assert!(gossip.map().is_empty());
     }
 
     #[test]
-    fn a_push_of_another_origins_lanes_is_refused() {
-        let mut gossip = node(1);
-        let frame = push_frame(node(2).replica(), node(3).replica());
-        receive_from_node_2(&mut gossip, frame);
-        assert_eq!(gossip.stats().decode_errors, 1);
-        assert!(gossip.map().is_empty());
-    }
-
-    #[test]
     fn a_push_of_own_lanes_is_merged_and_reported() {
         let mut gossip = node(1);
-        let frame = push_frame(node(2).replica(), node(2).replica());
+        let frame = push_frame(node(2).replica());
         receive_from_node_2(&mut gossip, frame);
         assert_eq!(gossip.map().lanes(), 1);
         assert!(

@@ -39,4 +39,4 @@ pub mod wire;
 
 pub use config::{Config, Seed};
 pub use gossip::{Event, Gossip, Input, Now, Output};
-pub use stats::{Histogram, Stats};
+pub use stats::{Histogram, MessageBytes, Stats};

@@ -1,4 +1,5 @@
-//! The messages nodes exchange. Their encoding lives in [`crate::wire`] alone.
+//! The messages nodes exchange. Their encoding lives in [`crate::wire`] alone, which
+//! sends each in a compact form of its own; only [`MemberEntry`] goes on the wire as is.
 
 use serde::{Deserialize, Serialize};
 use tally_crdt::{Delta, Digest, Generation, NodeId, OriginDelta, ReplicaId, Version};
@@ -6,19 +7,18 @@ use tally_crdt::{Delta, Digest, Generation, NodeId, OriginDelta, ReplicaId, Vers
 /// The longest address a member may advertise, in bytes.
 pub const ADDR_BYTES_MAX: usize = 256;
 
-/// One frame: who sent it and what it says. Generic so a message can be encoded by
-/// reference (`Envelope<&Message>` encodes exactly as `Envelope<Message>`) without a copy.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-pub struct Envelope<M = Message> {
+/// One frame: who sent it and what it says.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Envelope {
     /// The sending replica. The driver has checked `from.node` against the peer's
     /// certificate before the protocol sees the frame.
     pub from: ReplicaId,
     /// The content.
-    pub message: M,
+    pub message: Message,
 }
 
 /// What one frame says.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq)]
 pub enum Message {
     /// Anti-entropy, first leg: what I hold, and a hash of my membership table.
     Syn {
@@ -33,9 +33,13 @@ pub enum Message {
         /// to that digest: a node that has since lost its state (a new generation) must
         /// not apply it, or it would take the watermark without the lanes below it.
         to: ReplicaId,
-        /// Lanes the Syn's sender lacks, cut to the frame budget.
+        /// Lanes the Syn's sender lacks and that are worth sending now, cut to the frame
+        /// budget.
         delta: Delta,
-        /// Per origin, the watermark I hold, so you can answer with what I lack.
+        /// The watermark I hold of each origin where your digest showed lanes I lack, or
+        /// a stamp more than a round newer than mine (with eager push; any newer stamp
+        /// without), so you can answer with those. Of every other origin I hold at least
+        /// what your digest said.
         digest: Digest,
         /// My membership table, empty when the hashes matched.
         members: Vec<MemberEntry>,
@@ -54,7 +58,8 @@ pub enum Message {
     Push {
         /// The version the lanes follow: the receiver has no gap if it holds this much.
         after: Version,
-        /// The sender's own lanes. `lanes.origin` must be the sender's replica.
+        /// The sender's own lanes. `lanes.origin` is the sender's replica: the frame does
+        /// not carry it, so a push of another origin's lanes cannot be sent or received.
         lanes: OriginDelta,
     },
     /// A membership announcement: a join, or a graceful leave.

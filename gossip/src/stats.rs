@@ -13,6 +13,8 @@ pub struct Stats {
     pub bytes_in: u64,
     /// Bytes sent.
     pub bytes_out: u64,
+    /// Bytes sent, by kind of message.
+    pub bytes_out_by_message: MessageBytes,
     /// Frames dropped because they did not decode.
     pub decode_errors: u64,
     /// Frames dropped because they claimed a sender other than the authenticated peer.
@@ -26,6 +28,48 @@ pub struct Stats {
     /// How old an origin's newest state was when it arrived here (origin stamp against
     /// the local wall clock).
     pub propagation: Histogram,
+}
+
+/// Bytes, per kind of message.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct MessageBytes {
+    /// Digests that open an anti-entropy exchange.
+    pub syn: u64,
+    /// Answers to a `Syn`.
+    pub ack: u64,
+    /// Answers to an `Ack`.
+    pub delta: u64,
+    /// Pushes of fresh own lanes.
+    pub push: u64,
+    /// Pushes with no lanes: the heartbeat alone.
+    pub heartbeat: u64,
+    /// Membership announcements.
+    pub members: u64,
+}
+
+impl MessageBytes {
+    /// Every kind with its bytes, in a fixed order, for printing.
+    pub fn by_kind(&self) -> [(&'static str, u64); 6] {
+        [
+            ("push", self.push),
+            ("heartbeat", self.heartbeat),
+            ("syn", self.syn),
+            ("ack", self.ack),
+            ("delta", self.delta),
+            ("members", self.members),
+        ]
+    }
+}
+
+impl std::ops::AddAssign for MessageBytes {
+    fn add_assign(&mut self, other: MessageBytes) {
+        self.syn += other.syn;
+        self.ack += other.ack;
+        self.delta += other.delta;
+        self.push += other.push;
+        self.heartbeat += other.heartbeat;
+        self.members += other.members;
+    }
 }
 
 /// A fixed-bucket histogram of durations, Prometheus style (cumulative on export).

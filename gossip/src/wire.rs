@@ -1,12 +1,32 @@
 //! The one place that knows how frames are encoded: a version byte, then bincode 2.0.1
 //! (standard config, varint integers) decoded with a hard size limit. Swapping the
 //! encoding means changing this file only.
+//!
+//! A frame is a compact form of a [`Message`], built and read back here:
+//! - Keys are not sent whole. Each frame lists the (rule, window) pairs its lanes use
+//!   once, as its scopes, and a lane names its scope by index, then its subject.
+//! - Every stamp but the frame's newest is sent as its distance below the newest, and a
+//!   window as its distance back from the window the newest stamp falls in: one byte
+//!   each for an origin heard within the last 250 ms and a live window.
+//! - Lane versions are implicit. Each lane takes the version after the one before it
+//!   (the first, the one after its entry's base), except where a hole says how many
+//!   versions to skip: versions of lanes rewritten since, or expired. A push's base is
+//!   its `after`; a delta entry's is sent as its distance below `through`.
+//! - A digest is in replica order, and each entry names its node by the gap from the one
+//!   before.
+//! - A push is always of the sender's own lanes, so it does not name their origin; a push
+//!   of nothing new, the heartbeat, is just its version.
 
-use crate::message::{Envelope, Message, ADDR_BYTES_MAX};
-use tally_crdt::ReplicaId;
+use crate::message::{Envelope, MemberEntry, Message, ADDR_BYTES_MAX};
+use serde::{Deserialize, Serialize};
+use std::collections::HashMap;
+use tally_crdt::{
+    Delta, Digest, Generation, Key, Lane, LaneUpdate, NodeId, OriginDelta, ReplicaId, Rule, Stamp,
+    Subject, Version, Watermark, Window,
+};
 
 /// The wire format this build speaks.
-pub const WIRE_VERSION: u8 = 1;
+pub const WIRE_VERSION: u8 = 2;
 
 /// The hard ceiling on any frame, encoded or decoded, whatever the configuration says.
 pub const FRAME_BYTES_LIMIT: usize = 4 * 1024 * 1024;
@@ -50,15 +70,21 @@ const CONFIG: bincode::config::Configuration<
     bincode::config::Limit<FRAME_BYTES_LIMIT>,
 > = bincode::config::standard().with_limit::<FRAME_BYTES_LIMIT>();
 
-/// Encodes a frame from `from` carrying `message`: the version byte, then the envelope.
+/// Encodes a frame from `from` carrying `message`: the version byte, then the frame.
+///
+/// # Panics
+///
+/// If `message` breaks an invariant of its types that the frame relies on: a push of
+/// another origin's lanes or of lanes at or below its `after`, or an origin's lanes not
+/// in strictly ascending versions. [`tally_crdt::CounterMap`] builds no such message.
 pub fn encode(from: ReplicaId, message: &Message) -> Vec<u8> {
-    let envelope = Envelope { from, message };
-    let mut frame = vec![WIRE_VERSION];
+    let frame = Frame::new(from, message);
+    let mut bytes = vec![WIRE_VERSION];
     // Encoding into a Vec only fails past the configured limit, which no frame this
     // node builds can reach: deltas are cut to `frame_bytes_max`, itself far below it.
-    bincode::serde::encode_into_std_write(&envelope, &mut frame, CONFIG)
+    bincode::serde::encode_into_std_write(&frame, &mut bytes, CONFIG)
         .expect("invariant: frames are built under FRAME_BYTES_LIMIT");
-    frame
+    bytes
 }
 
 /// Decodes a frame of at most `limit` bytes (itself capped at [`FRAME_BYTES_LIMIT`]).
@@ -74,11 +100,12 @@ pub fn decode(frame: &[u8], limit: usize) -> Result<Envelope, DecodeError> {
     if version != WIRE_VERSION {
         return Err(DecodeError::Version(version));
     }
-    let (envelope, read): (Envelope, usize) = bincode::serde::decode_from_slice(body, CONFIG)
+    let (decoded, read): (Frame, usize) = bincode::serde::decode_from_slice(body, CONFIG)
         .map_err(|err| DecodeError::Body(err.to_string()))?;
     if read != body.len() {
         return Err(DecodeError::Trailing(body.len() - read));
     }
+    let envelope = decoded.into_envelope()?;
     check(&envelope)?;
     Ok(envelope)
 }
@@ -92,68 +119,823 @@ fn check(envelope: &Envelope) -> Result<(), DecodeError> {
         Message::Syn { .. } | Message::Push { .. } => &[],
     };
     if let Some(member) = members.iter().find(|m| m.addr.len() > ADDR_BYTES_MAX) {
-        return Err(DecodeError::Field {
-            field: "members.addr",
-            why: format!("{} bytes, over {ADDR_BYTES_MAX}", member.addr.len()),
-        });
-    }
-    if let Message::Push { lanes, .. } = &envelope.message {
-        if lanes.origin != envelope.from {
-            return Err(DecodeError::Field {
-                field: "push.lanes.origin",
-                why: format!("{} pushed lanes of {}", envelope.from, lanes.origin),
-            });
-        }
+        return Err(field(
+            "members.addr",
+            format!("{} bytes, over {ADDR_BYTES_MAX}", member.addr.len()),
+        ));
     }
     Ok(())
+}
+
+/// What follows the version byte.
+#[derive(Debug, Serialize, Deserialize)]
+struct Frame {
+    from: ReplicaId,
+    /// The newest stamp the message carries; the others are sent below it.
+    newest: Stamp,
+    body: Body,
+}
+
+/// A [`Message`], compacted.
+#[derive(Debug, Serialize, Deserialize)]
+enum Body {
+    Syn {
+        digest: Vec<DigestEntry>,
+        members_hash: u64,
+    },
+    Ack {
+        to: ReplicaId,
+        delta: DeltaBody,
+        digest: Vec<DigestEntry>,
+        members: Vec<MemberEntry>,
+    },
+    Delta {
+        to: ReplicaId,
+        delta: DeltaBody,
+        members: Vec<MemberEntry>,
+    },
+    /// The sender's own lanes; their stamp is the frame's newest.
+    Push {
+        after: u64,
+        /// `through - after`, wrapping: the version the lanes end at, from `after`.
+        fresh: u64,
+        scopes: Vec<Scope>,
+        lanes: Lanes,
+    },
+    /// A push with no lanes whose `through` is its `after`; its stamp is the frame's
+    /// newest.
+    Heartbeat {
+        version: u64,
+    },
+    Members {
+        members: Vec<MemberEntry>,
+    },
+}
+
+/// One origin of a digest.
+#[derive(Debug, Serialize, Deserialize)]
+struct DigestEntry {
+    /// The node, as the gap from the previous entry's (from 0 for the first).
+    node_gap: u64,
+    generation: u64,
+    version: u64,
+    /// The stamp, below the frame's newest.
+    stamp_back: u64,
+}
+
+#[derive(Debug, Serialize, Deserialize)]
+struct DeltaBody {
+    scopes: Vec<Scope>,
+    origins: Vec<OriginBody>,
+}
+
+#[derive(Debug, Serialize, Deserialize)]
+struct OriginBody {
+    origin: ReplicaId,
+    through: u64,
+    /// The `through` stamp, below the frame's newest.
+    stamp_back: u64,
+    /// `through - base`, wrapping: the lanes' versions count up from the base.
+    base_back: u64,
+    lanes: Lanes,
+}
+
+/// A (rule, window) pair that lanes of the frame name by index.
+#[derive(Debug, Serialize, Deserialize)]
+struct Scope {
+    rule: Rule,
+    len_secs: u32,
+    /// The window's index, as its distance back from the index of the window holding the
+    /// frame's newest stamp (wrapping, so any index is exact; negative for a window ahead).
+    back: i64,
+}
+
+/// One origin's lanes, in version order, with their versions implied by a base (see the
+/// module doc).
+#[derive(Debug, Serialize, Deserialize)]
+struct Lanes {
+    lanes: Vec<LaneBody>,
+    /// In ascending lane order, at most one per lane.
+    holes: Vec<Hole>,
+}
+
+#[derive(Debug, Serialize, Deserialize)]
+struct LaneBody {
+    /// An index into the frame's scopes.
+    scope: u64,
+    subject: Subject,
+    incr: u64,
+    decr: u64,
+}
+
+/// Lane `lane` takes the version `skip` above the one it would otherwise take.
+#[derive(Debug, Serialize, Deserialize)]
+struct Hole {
+    lane: u64,
+    skip: u64,
+}
+
+impl Frame {
+    fn new(from: ReplicaId, message: &Message) -> Frame {
+        let newest = newest_stamp(message);
+        let body = match message {
+            Message::Syn {
+                digest,
+                members_hash,
+            } => Body::Syn {
+                digest: digest_entries(digest, newest),
+                members_hash: *members_hash,
+            },
+            Message::Ack {
+                to,
+                delta,
+                digest,
+                members,
+            } => Body::Ack {
+                to: *to,
+                delta: DeltaBody::new(delta, newest),
+                digest: digest_entries(digest, newest),
+                members: members.clone(),
+            },
+            Message::Delta { to, delta, members } => Body::Delta {
+                to: *to,
+                delta: DeltaBody::new(delta, newest),
+                members: members.clone(),
+            },
+            Message::Push { after, lanes } => {
+                assert_eq!(
+                    lanes.origin, from,
+                    "a push carries the sender's own lanes, not another origin's"
+                );
+                if lanes.lanes.is_empty() && lanes.through.version == *after {
+                    Body::Heartbeat { version: after.0 }
+                } else {
+                    let mut scopes = ScopeTable::new(newest);
+                    let body = Lanes::new(&lanes.lanes, after.0, &mut scopes);
+                    Body::Push {
+                        after: after.0,
+                        fresh: lanes.through.version.0.wrapping_sub(after.0),
+                        scopes: scopes.scopes,
+                        lanes: body,
+                    }
+                }
+            }
+            Message::Members { members } => Body::Members {
+                members: members.clone(),
+            },
+        };
+        Frame { from, newest, body }
+    }
+
+    fn into_envelope(self) -> Result<Envelope, DecodeError> {
+        let Frame { from, newest, body } = self;
+        let message = match body {
+            Body::Syn {
+                digest,
+                members_hash,
+            } => Message::Syn {
+                digest: digest_from(digest, newest)?,
+                members_hash,
+            },
+            Body::Ack {
+                to,
+                delta,
+                digest,
+                members,
+            } => Message::Ack {
+                to,
+                delta: delta.into_delta(newest)?,
+                digest: digest_from(digest, newest)?,
+                members,
+            },
+            Body::Delta { to, delta, members } => Message::Delta {
+                to,
+                delta: delta.into_delta(newest)?,
+                members,
+            },
+            Body::Push {
+                after,
+                fresh,
+                scopes,
+                lanes,
+            } => {
+                let scopes = scopes_from(scopes, newest)?;
+                let through = Version(after.wrapping_add(fresh));
+                Message::Push {
+                    after: Version(after),
+                    lanes: OriginDelta {
+                        origin: from,
+                        through: Watermark {
+                            version: through,
+                            stamp: newest,
+                        },
+                        lanes: lanes.into_updates(&scopes, after)?,
+                    },
+                }
+            }
+            Body::Heartbeat { version } => Message::Push {
+                after: Version(version),
+                lanes: OriginDelta {
+                    origin: from,
+                    through: Watermark {
+                        version: Version(version),
+                        stamp: newest,
+                    },
+                    lanes: Vec::new(),
+                },
+            },
+            Body::Members { members } => Message::Members { members },
+        };
+        Ok(Envelope { from, message })
+    }
+}
+
+impl DeltaBody {
+    fn new(delta: &Delta, newest: Stamp) -> DeltaBody {
+        let mut scopes = ScopeTable::new(newest);
+        let origins = delta
+            .origins
+            .iter()
+            .map(|entry| {
+                let through = entry.through.version.0;
+                let base = entry
+                    .lanes
+                    .first()
+                    .map_or(through, |lane| lane.version.0 - 1);
+                OriginBody {
+                    origin: entry.origin,
+                    through,
+                    stamp_back: newest.0 - entry.through.stamp.0,
+                    base_back: through.wrapping_sub(base),
+                    lanes: Lanes::new(&entry.lanes, base, &mut scopes),
+                }
+            })
+            .collect();
+        DeltaBody {
+            scopes: scopes.scopes,
+            origins,
+        }
+    }
+
+    fn into_delta(self, newest: Stamp) -> Result<Delta, DecodeError> {
+        let scopes = scopes_from(self.scopes, newest)?;
+        let origins = self
+            .origins
+            .into_iter()
+            .map(|entry| {
+                let base = entry.through.wrapping_sub(entry.base_back);
+                Ok(OriginDelta {
+                    origin: entry.origin,
+                    through: Watermark {
+                        version: Version(entry.through),
+                        stamp: stamp_from(newest, entry.stamp_back)?,
+                    },
+                    lanes: entry.lanes.into_updates(&scopes, base)?,
+                })
+            })
+            .collect::<Result<_, DecodeError>>()?;
+        Ok(Delta { origins })
+    }
+}
+
+impl Lanes {
+    /// `updates` must ascend strictly, all above `base`.
+    fn new(updates: &[LaneUpdate], base: u64, scopes: &mut ScopeTable) -> Lanes {
+        let mut holes = Vec::new();
+        // The version the lane being looked at takes unless a hole says otherwise.
+        let mut expected = base.checked_add(1);
+        for (index, update) in updates.iter().enumerate() {
+            let version = update.version.0;
+            let skip = expected.and_then(|expected| version.checked_sub(expected));
+            let skip = skip.unwrap_or_else(|| {
+                panic!(
+                    "lane versions ascend strictly above base {base}: lane {index} has {version}, expected at least {expected:?}"
+                )
+            });
+            if skip > 0 {
+                holes.push(Hole {
+                    lane: index as u64,
+                    skip,
+                });
+            }
+            expected = version.checked_add(1);
+        }
+        let lanes = updates
+            .iter()
+            .map(|update| LaneBody {
+                scope: scopes.index(&update.key),
+                subject: update.key.subject.clone(),
+                incr: update.lane.incr,
+                decr: update.lane.decr,
+            })
+            .collect();
+        Lanes { lanes, holes }
+    }
+
+    fn into_updates(
+        self,
+        scopes: &[(Rule, Window)],
+        base: u64,
+    ) -> Result<Vec<LaneUpdate>, DecodeError> {
+        let count = self.lanes.len() as u64;
+        let ordered = self
+            .holes
+            .windows(2)
+            .all(|pair| pair[0].lane < pair[1].lane);
+        if !ordered || self.holes.last().is_some_and(|hole| hole.lane >= count) {
+            return Err(field(
+                "lanes.holes",
+                format!("holes must name lanes 0 to {count} in ascending order, once each"),
+            ));
+        }
+        let mut holes = self.holes.iter().peekable();
+        let mut previous = base;
+        let mut updates = Vec::with_capacity(self.lanes.len());
+        for (index, lane) in self.lanes.into_iter().enumerate() {
+            let index = index as u64;
+            let skip = match holes.next_if(|hole| hole.lane == index) {
+                Some(Hole { skip: 0, .. }) => {
+                    return Err(field("lanes.holes", format!("lane {index} skips 0")));
+                }
+                Some(hole) => hole.skip,
+                None => 0,
+            };
+            let version = previous
+                .checked_add(1)
+                .and_then(|version| version.checked_add(skip))
+                .ok_or_else(|| {
+                    field(
+                        "lanes.holes",
+                        format!("lane {index} passes the largest version, from base {base}"),
+                    )
+                })?;
+            previous = version;
+            let (rule, window) = usize::try_from(lane.scope)
+                .ok()
+                .and_then(|scope| scopes.get(scope))
+                .ok_or_else(|| {
+                    field(
+                        "lanes.scope",
+                        format!(
+                            "lane {index} names scope {}, the frame has {}",
+                            lane.scope,
+                            scopes.len()
+                        ),
+                    )
+                })?;
+            updates.push(LaneUpdate {
+                key: Key::new(rule.clone(), lane.subject, *window),
+                lane: Lane::new(lane.incr, lane.decr),
+                version: Version(version),
+            });
+        }
+        Ok(updates)
+    }
+}
+
+/// The scopes of one frame, in the order its lanes first use them.
+struct ScopeTable {
+    newest: Stamp,
+    scopes: Vec<Scope>,
+    indexes: HashMap<(Rule, Window), u64>,
+}
+
+impl ScopeTable {
+    fn new(newest: Stamp) -> ScopeTable {
+        ScopeTable {
+            newest,
+            scopes: Vec::new(),
+            indexes: HashMap::new(),
+        }
+    }
+
+    /// The index of `key`'s scope, added if new.
+    fn index(&mut self, key: &Key) -> u64 {
+        let next = self.scopes.len() as u64;
+        let index = *self
+            .indexes
+            .entry((key.rule.clone(), key.window))
+            .or_insert(next);
+        if index == next {
+            let base = window_index_at(self.newest, key.window.len_secs());
+            self.scopes.push(Scope {
+                rule: key.rule.clone(),
+                len_secs: key.window.len_secs(),
+                back: base.wrapping_sub(key.window.index()) as i64,
+            });
+        }
+        index
+    }
+}
+
+fn scopes_from(scopes: Vec<Scope>, newest: Stamp) -> Result<Vec<(Rule, Window)>, DecodeError> {
+    scopes
+        .into_iter()
+        .map(|scope| {
+            let base = window_index_at(newest, scope.len_secs);
+            let window = Window::new(base.wrapping_sub(scope.back as u64), scope.len_secs)
+                .map_err(|err| field("scopes.len_secs", err.to_string()))?;
+            Ok((scope.rule, window))
+        })
+        .collect()
+}
+
+/// The index of the window of length `len_secs` holding `stamp` (0 for a length of 0,
+/// which no valid window has).
+fn window_index_at(stamp: Stamp, len_secs: u32) -> u64 {
+    (stamp.0 / 1_000)
+        .checked_div(u64::from(len_secs))
+        .unwrap_or_default()
+}
+
+/// The newest stamp anywhere in `message`: every other stamp is sent below it.
+fn newest_stamp(message: &Message) -> Stamp {
+    let newest = match message {
+        Message::Syn { digest, .. } => digest_stamps(digest).max(),
+        Message::Ack { delta, digest, .. } => {
+            delta_stamps(delta).chain(digest_stamps(digest)).max()
+        }
+        Message::Delta { delta, .. } => delta_stamps(delta).max(),
+        Message::Push { lanes, .. } => Some(lanes.through.stamp),
+        Message::Members { .. } => None,
+    };
+    newest.unwrap_or_default()
+}
+
+fn delta_stamps(delta: &Delta) -> impl Iterator<Item = Stamp> + '_ {
+    delta.origins.iter().map(|entry| entry.through.stamp)
+}
+
+fn digest_stamps(digest: &Digest) -> impl Iterator<Item = Stamp> + '_ {
+    digest.origins.values().map(|watermark| watermark.stamp)
+}
+
+fn digest_entries(digest: &Digest, newest: Stamp) -> Vec<DigestEntry> {
+    let mut previous = 0;
+    digest
+        .origins
+        .iter()
+        .map(|(replica, watermark)| {
+            let node_gap = replica.node.0 - previous;
+            previous = replica.node.0;
+            DigestEntry {
+                node_gap,
+                generation: replica.generation.0,
+                version: watermark.version.0,
+                stamp_back: newest.0 - watermark.stamp.0,
+            }
+        })
+        .collect()
+}
+
+fn digest_from(entries: Vec<DigestEntry>, newest: Stamp) -> Result<Digest, DecodeError> {
+    let mut digest = Digest::default();
+    let mut node = 0u64;
+    let mut previous: Option<ReplicaId> = None;
+    for entry in entries {
+        node = node.checked_add(entry.node_gap).ok_or_else(|| {
+            field(
+                "digest.node_gap",
+                format!("node {node} + {}", entry.node_gap),
+            )
+        })?;
+        let replica = ReplicaId::new(NodeId(node), Generation(entry.generation));
+        if previous.is_some_and(|previous| previous >= replica) {
+            return Err(field(
+                "digest",
+                format!("{replica} follows {previous:?}: replicas must ascend, once each"),
+            ));
+        }
+        previous = Some(replica);
+        let watermark = Watermark {
+            version: Version(entry.version),
+            stamp: stamp_from(newest, entry.stamp_back)?,
+        };
+        digest.origins.insert(replica, watermark);
+    }
+    Ok(digest)
+}
+
+fn stamp_from(newest: Stamp, back: u64) -> Result<Stamp, DecodeError> {
+    newest.0.checked_sub(back).map(Stamp).ok_or_else(|| {
+        field(
+            "stamp_back",
+            format!("{back} below the newest stamp {}", newest.0),
+        )
+    })
+}
+
+fn field(field: &'static str, why: String) -> DecodeError {
+    DecodeError::Field { field, why }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use tally_crdt::{Digest, Generation, NodeId};
 
-    fn syn() -> Envelope {
-        Envelope {
-            from: ReplicaId::new(NodeId(3), Generation(9)),
-            message: Message::Syn {
-                digest: Digest::default(),
-                members_hash: 42,
+    const WALL: u64 = 1_767_225_600_000;
+
+    fn replica(node: u64) -> ReplicaId {
+        ReplicaId::new(NodeId(node), Generation(1))
+    }
+
+    fn key(rule: &str, subject: &str, window: Window) -> Key {
+        Key::new(
+            Rule::new(rule).unwrap(),
+            Subject::new(subject).unwrap(),
+            window,
+        )
+    }
+
+    fn now_window(len_secs: u32) -> Window {
+        Window::containing(WALL / 1_000, len_secs).unwrap()
+    }
+
+    fn update(key: Key, version: u64) -> LaneUpdate {
+        LaneUpdate {
+            key,
+            lane: Lane::new(version * 3, version),
+            version: Version(version),
+        }
+    }
+
+    /// Three origins over three scopes (two rules, two windows of one rule), with holes,
+    /// and lanes above `through` (held past a gap), which the wire must carry too.
+    fn delta() -> Delta {
+        let minute = now_window(60);
+        Delta {
+            origins: vec![
+                OriginDelta {
+                    origin: replica(4),
+                    through: Watermark {
+                        version: Version(30),
+                        stamp: Stamp(WALL - 70),
+                    },
+                    lanes: vec![
+                        update(key("login", "alice", minute), 3),
+                        update(key("login", "bob", minute.previous().unwrap()), 4),
+                        update(key("api", "alice", now_window(3_600)), 9),
+                        update(key("login", "carol", minute), 38),
+                    ],
+                },
+                OriginDelta {
+                    origin: replica(2),
+                    through: Watermark {
+                        version: Version(7),
+                        stamp: Stamp(WALL),
+                    },
+                    lanes: Vec::new(),
+                },
+                OriginDelta {
+                    origin: replica(6),
+                    through: Watermark {
+                        version: Version(7),
+                        stamp: Stamp(0),
+                    },
+                    lanes: vec![update(key("login", "dave", minute), 12)],
+                },
+            ],
+        }
+    }
+
+    fn digest() -> Digest {
+        Digest {
+            origins: [
+                (replica(1), Version(5), WALL - 3),
+                (ReplicaId::new(NodeId(1), Generation(9)), Version(0), 0),
+                (replica(300), Version(70_000), WALL + 5),
+            ]
+            .into_iter()
+            .map(|(replica, version, stamp)| {
+                let stamp = Stamp(stamp);
+                (replica, Watermark { version, stamp })
+            })
+            .collect(),
+        }
+    }
+
+    fn member(node: u64) -> MemberEntry {
+        MemberEntry {
+            node: NodeId(node),
+            generation: Generation(2),
+            addr: format!("10.0.0.{node}:7000"),
+            left: false,
+        }
+    }
+
+    fn push(after: u64, lanes: Vec<LaneUpdate>, through: u64) -> Message {
+        Message::Push {
+            after: Version(after),
+            lanes: OriginDelta {
+                origin: replica(3),
+                through: Watermark {
+                    version: Version(through),
+                    stamp: Stamp(WALL + 1),
+                },
+                lanes,
             },
         }
     }
 
-    fn encode_syn() -> Vec<u8> {
-        let envelope = syn();
-        encode(envelope.from, &envelope.message)
+    fn every_message() -> Vec<Message> {
+        let minute = now_window(60);
+        vec![
+            Message::Syn {
+                digest: digest(),
+                members_hash: u64::MAX,
+            },
+            Message::Syn {
+                digest: Digest::default(),
+                members_hash: 42,
+            },
+            Message::Ack {
+                to: replica(5),
+                delta: delta(),
+                digest: digest(),
+                members: vec![member(1), member(2)],
+            },
+            Message::Delta {
+                to: replica(5),
+                delta: delta(),
+                members: Vec::new(),
+            },
+            Message::Delta {
+                to: replica(5),
+                delta: Delta::default(),
+                members: vec![member(7)],
+            },
+            push(10, vec![update(key("login", "a", minute), 11)], 11),
+            push(
+                10,
+                vec![
+                    update(key("login", "a", minute), 12),
+                    update(key("login", "b", minute), 13),
+                    update(key("login", "c", minute), 15),
+                ],
+                16,
+            ),
+            push(10, Vec::new(), 10),
+            push(10, Vec::new(), 12),
+            Message::Members {
+                members: vec![member(3)],
+            },
+        ]
+    }
+
+    fn round_trip(message: &Message) -> Result<Envelope, DecodeError> {
+        decode(&encode(replica(3), message), FRAME_BYTES_LIMIT)
     }
 
     #[test]
-    fn a_frame_round_trips() {
-        let frame = encode_syn();
-        assert_eq!(frame[0], WIRE_VERSION);
-        assert_eq!(decode(&frame, 1024), Ok(syn()));
+    fn every_message_shape_round_trips() {
+        for message in every_message() {
+            let envelope = round_trip(&message);
+            assert_eq!(
+                envelope,
+                Ok(Envelope {
+                    from: replica(3),
+                    message: message.clone()
+                }),
+                "{message:?}"
+            );
+        }
+    }
+
+    #[test]
+    fn a_heartbeat_is_a_version_and_a_stamp() {
+        let frame = encode(replica(3), &push(10, Vec::new(), 10));
+        // Version byte, replica (2), newest stamp (9), tag, version.
+        assert_eq!(frame.len(), 1 + 2 + 9 + 1 + 1);
+    }
+
+    #[test]
+    fn a_lane_names_its_scope_and_carries_no_version() {
+        let lanes = |count: u64| {
+            (0..count)
+                .map(|i| {
+                    update(
+                        key("login", &format!("user-{i:04}"), now_window(60)),
+                        11 + i,
+                    )
+                })
+                .collect::<Vec<_>>()
+        };
+        let one = encode(replica(3), &push(10, lanes(1), 11)).len();
+        let hundred = encode(replica(3), &push(10, lanes(100), 110)).len();
+        // Per further lane: scope index, subject with its length, and the two totals,
+        // which grow to three bytes each past 250.
+        let per_lane = (hundred - one) as f64 / 99.0;
+        assert!(
+            (13.0..=15.0).contains(&per_lane),
+            "{per_lane} bytes per lane"
+        );
+    }
+
+    #[test]
+    fn a_push_names_no_origin_and_decodes_as_the_senders() {
+        let message = push(10, Vec::new(), 12);
+        let envelope = decode(&encode(replica(3), &message), 1024).unwrap();
+        let Message::Push { lanes, .. } = envelope.message else {
+            panic!("decoded {:?}", envelope.message);
+        };
+        assert_eq!(lanes.origin, replica(3));
+    }
+
+    /// A push of `lanes` whose body bincode encodes with one field changed: the tag, the
+    /// replica and newest stamp are kept, and `edit` rewrites the body.
+    fn edited_push(edit: impl FnOnce(&mut Body)) -> Vec<u8> {
+        let lanes = vec![
+            update(key("login", "a", now_window(60)), 11),
+            update(key("login", "b", now_window(60)), 13),
+        ];
+        let mut frame = Frame::new(replica(3), &push(10, lanes, 13));
+        edit(&mut frame.body);
+        let mut bytes = vec![WIRE_VERSION];
+        bincode::serde::encode_into_std_write(&frame, &mut bytes, CONFIG).unwrap();
+        bytes
+    }
+
+    fn push_lanes(body: &mut Body) -> &mut Lanes {
+        match body {
+            Body::Push { lanes, .. } => lanes,
+            other => panic!("not a push: {other:?}"),
+        }
+    }
+
+    fn refused_field(frame: &[u8]) -> &'static str {
+        match decode(frame, FRAME_BYTES_LIMIT) {
+            Err(DecodeError::Field { field, .. }) => field,
+            other => panic!("expected a field error, got {other:?}"),
+        }
+    }
+
+    #[test]
+    fn a_lane_naming_a_scope_the_frame_lacks_is_a_field_error() {
+        let frame = edited_push(|body| push_lanes(body).lanes[1].scope = 1);
+        assert_eq!(refused_field(&frame), "lanes.scope");
+        let frame = edited_push(|body| push_lanes(body).lanes[0].scope = u64::MAX);
+        assert_eq!(refused_field(&frame), "lanes.scope");
+    }
+
+    #[test]
+    fn holes_out_of_order_out_of_range_or_past_the_largest_version_are_field_errors() {
+        let cases: [fn(&mut Lanes); 4] = [
+            |lanes| lanes.holes.push(Hole { lane: 2, skip: 1 }),
+            |lanes| lanes.holes.insert(0, Hole { lane: 1, skip: 1 }),
+            |lanes| lanes.holes[0].skip = 0,
+            |lanes| lanes.holes[0].skip = u64::MAX - 5,
+        ];
+        for edit in cases {
+            let frame = edited_push(|body| edit(push_lanes(body)));
+            assert_eq!(refused_field(&frame), "lanes.holes");
+        }
+    }
+
+    #[test]
+    fn a_stamp_below_zero_a_bad_window_or_a_digest_out_of_order_is_a_field_error() {
+        let mut frame = Frame::new(replica(3), &every_message()[0]);
+        let Body::Syn { digest, .. } = &mut frame.body else {
+            panic!("not a syn");
+        };
+        digest[0].stamp_back = u64::MAX;
+        let mut bytes = vec![WIRE_VERSION];
+        bincode::serde::encode_into_std_write(&frame, &mut bytes, CONFIG).unwrap();
+        assert_eq!(refused_field(&bytes), "stamp_back");
+
+        let Body::Syn { digest, .. } = &mut frame.body else {
+            panic!("not a syn");
+        };
+        digest[0].stamp_back = 0;
+        digest[1].generation = 1;
+        let mut bytes = vec![WIRE_VERSION];
+        bincode::serde::encode_into_std_write(&frame, &mut bytes, CONFIG).unwrap();
+        assert_eq!(refused_field(&bytes), "digest");
+
+        let frame = edited_push(|body| match body {
+            Body::Push { scopes, .. } => scopes[0].len_secs = 0,
+            other => panic!("not a push: {other:?}"),
+        });
+        assert_eq!(refused_field(&frame), "scopes.len_secs");
     }
 
     #[test]
     fn trailing_bytes_unknown_versions_and_oversize_are_refused() {
-        let mut frame = encode_syn();
+        let syn = encode(replica(3), &every_message()[1]);
+        let mut frame = syn.clone();
         frame.push(0);
         assert_eq!(decode(&frame, 1024), Err(DecodeError::Trailing(1)));
-        let mut frame = encode_syn();
-        frame[0] = 2;
-        assert_eq!(decode(&frame, 1024), Err(DecodeError::Version(2)));
-        assert!(matches!(
-            decode(&encode_syn(), 3),
-            Err(DecodeError::TooLong { .. })
-        ));
+        let mut frame = syn.clone();
+        frame[0] = 1;
+        assert_eq!(decode(&frame, 1024), Err(DecodeError::Version(1)));
+        assert!(matches!(decode(&syn, 3), Err(DecodeError::TooLong { .. })));
         assert_eq!(decode(&[], 1024), Err(DecodeError::Empty));
     }
 
     #[test]
     fn huge_length_prefixes_are_refused_without_allocating() {
-        // An Ack whose delta claims u64::MAX origins: varint 0xFF then eight 0xFF bytes.
-        let mut frame = vec![WIRE_VERSION, 3, 9, 1, 1];
+        // An Ack (tag 1) from replica 3/9, newest stamp 0, to replica 1/1, whose delta
+        // claims u64::MAX scopes: varint 0xFF then eight 0xFF bytes.
+        let mut frame = vec![WIRE_VERSION, 3, 9, 0, 1, 1, 1];
         frame.extend_from_slice(&[0xFF; 9]);
         assert!(matches!(decode(&frame, 1 << 20), Err(DecodeError::Body(_))));
     }

@@ -18,7 +18,7 @@ mod network;
 pub use network::Faults;
 
 use crate::membership::State;
-use crate::{Config, Gossip, Input, Now, Output, Seed};
+use crate::{Config, Gossip, Input, MessageBytes, Now, Output, Seed};
 use network::Network;
 use std::collections::BTreeMap;
 use std::time::Duration;
@@ -524,6 +524,15 @@ impl Sim {
     /// Bytes sent over the network so far (before loss).
     pub fn bytes_sent(&self) -> u64 {
         self.network.bytes_sent()
+    }
+
+    /// Bytes the running nodes have sent, by kind of message (a crashed node's are gone).
+    pub fn bytes_sent_by_message(&self) -> MessageBytes {
+        let mut total = MessageBytes::default();
+        for gossip in self.nodes.iter().filter_map(|n| n.gossip.as_ref()) {
+            total += gossip.stats().bytes_out_by_message;
+        }
+        total
     }
 
     fn boot(&mut self, index: usize, saved: Option<CounterMap>) {
