@@ -86,7 +86,7 @@ pub struct Handled {
 }
 
 /// What [`Service::handle`] made of one request.
-enum Outcome {
+enum Handling {
     /// Answered here.
     Now(Reply),
     /// An exact check, for the region.
@@ -121,7 +121,7 @@ impl Service {
                 Err(err) => return Some(err.to_string()),
             };
             let result = match self.handle(context, request.op) {
-                Ok(Outcome::Forward { rule, key, cost }) => {
+                Ok(Handling::Forward { rule, key, cost }) => {
                     exact.push(Exact {
                         id: request.id,
                         rule,
@@ -131,7 +131,7 @@ impl Service {
                     consumed += len;
                     continue;
                 }
-                Ok(Outcome::Now(reply)) => Ok(reply),
+                Ok(Handling::Now(reply)) => Ok(reply),
                 Err(refusal) => Err(refusal),
             };
             let response = Response {
@@ -220,7 +220,7 @@ impl Service {
 
     /// Answers one request, or hands back an exact check to forward: its rule is looked
     /// up once, here, for both kinds of check.
-    fn handle(&self, context: &mut Context<'_>, op: OpRef<'_>) -> Result<Outcome, Refusal> {
+    fn handle(&self, context: &mut Context<'_>, op: OpRef<'_>) -> Result<Handling, Refusal> {
         let result = match op {
             OpRef::Incr {
                 rule,
@@ -250,7 +250,7 @@ impl Service {
                 let found = self.rules.get(rule)?;
                 let key = decide::key(found, subject, context.now)?;
                 if found.1.mode == RuleMode::Exact {
-                    return Ok(Outcome::Forward {
+                    return Ok(Handling::Forward {
                         rule: found.1.clone(),
                         key: key.to_key(),
                         cost,
@@ -265,7 +265,7 @@ impl Service {
         if let Err(Refusal::KeysFull { .. }) = &result {
             self.metrics.keys_refused.fetch_add(1, Ordering::Relaxed);
         }
-        result.map(Outcome::Now)
+        result.map(Handling::Now)
     }
 
     fn status(&self, context: &Context<'_>) -> Status {
