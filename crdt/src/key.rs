@@ -1,5 +1,6 @@
 //! What a counter counts: a rule, a subject and a window.
 
+use equivalent::Equivalent;
 use serde::{Deserialize, Serialize};
 use std::fmt;
 use std::sync::Arc;
@@ -54,6 +55,9 @@ pub struct Window {
 }
 
 /// The key of one counter. Cloning is cheap: the strings are shared.
+///
+/// Invariant: hashes as the [`KeyRef`] with the same parts. The derived `Hash` feeds the
+/// rule's `str`, the subject's `str`, then the window; keep the fields in this order.
 #[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
 pub struct Key {
     /// The rule that counts.
@@ -90,10 +94,15 @@ impl Subject {
     /// Checks the bounds and makes a subject.
     pub fn new(subject: impl Into<String>) -> Result<Subject, KeyError> {
         let subject = subject.into();
+        Subject::check(&subject)?;
+        Ok(Subject(subject.into()))
+    }
+
+    fn check(subject: &str) -> Result<(), KeyError> {
         if subject.is_empty() || subject.len() > SUBJECT_BYTES_MAX {
             return Err(KeyError::Subject { len: subject.len() });
         }
-        Ok(Subject(subject.into()))
+        Ok(())
     }
 
     /// The subject.
@@ -203,6 +212,70 @@ impl From<Subject> for String {
     }
 }
 
+/// A key by its parts, the subject borrowed: what a node looks a counter up by, so that
+/// only a new key costs the allocation of its subject. It hashes as, and is
+/// [`Equivalent`] to, the [`Key`] with the same parts, for maps keyed by `Key`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct KeyRef<'a> {
+    // Invariant: the same fields, in the same order, as `Key`'s, so the hashes agree.
+    rule: &'a Rule,
+    subject: &'a str,
+    window: Window,
+}
+
+impl<'a> KeyRef<'a> {
+    /// Checks the subject's bounds (as [`Subject::new`] does) and makes a borrowed key.
+    pub fn new(rule: &'a Rule, subject: &'a str, window: Window) -> Result<KeyRef<'a>, KeyError> {
+        Subject::check(subject)?;
+        Ok(KeyRef {
+            rule,
+            subject,
+            window,
+        })
+    }
+
+    /// The rule.
+    pub fn rule(&self) -> &'a Rule {
+        self.rule
+    }
+
+    /// The subject.
+    pub fn subject(&self) -> &'a str {
+        self.subject
+    }
+
+    /// The window.
+    pub fn window(&self) -> Window {
+        self.window
+    }
+
+    /// The same parts in another window.
+    pub fn in_window(&self, window: Window) -> KeyRef<'a> {
+        KeyRef { window, ..*self }
+    }
+
+    /// The owned key: shares the rule's name, copies the subject.
+    pub fn to_key(&self) -> Key {
+        Key::new(self.rule.clone(), Subject(self.subject.into()), self.window)
+    }
+}
+
+impl<'a> From<&'a Key> for KeyRef<'a> {
+    fn from(key: &'a Key) -> KeyRef<'a> {
+        KeyRef {
+            rule: &key.rule,
+            subject: key.subject.as_str(),
+            window: key.window,
+        }
+    }
+}
+
+impl Equivalent<Key> for KeyRef<'_> {
+    fn equivalent(&self, key: &Key) -> bool {
+        self.window == key.window && self.subject == key.subject.as_str() && *self.rule == key.rule
+    }
+}
+
 /// The serialized form of a [`Window`], checked on the way back in.
 #[derive(Serialize, Deserialize)]
 struct WindowParts {
@@ -270,5 +343,46 @@ mod tests {
         assert!(!w.is_live(240));
         assert_eq!(w.previous().unwrap().index(), 1);
         assert_eq!(Window::new(0, 0), Err(KeyError::WindowLen { len_secs: 0 }));
+    }
+
+    #[test]
+    fn a_borrowed_key_hashes_and_compares_as_its_owned_key() {
+        use std::hash::BuildHasher;
+        let hasher = std::collections::hash_map::RandomState::new();
+        let rule = Rule::new("login").unwrap();
+        let window = Window::new(7, 60).unwrap();
+        let borrowed = KeyRef::new(&rule, "user-42", window).unwrap();
+        let owned = borrowed.to_key();
+        assert_eq!(
+            owned,
+            Key::new(rule.clone(), Subject::new("user-42").unwrap(), window)
+        );
+        assert_eq!(hasher.hash_one(borrowed), hasher.hash_one(&owned));
+        assert_eq!(KeyRef::from(&owned), borrowed);
+        assert!(borrowed.equivalent(&owned));
+        let others = [
+            KeyRef::new(&rule, "user-43", window).unwrap(),
+            borrowed.in_window(Window::new(8, 60).unwrap()),
+            borrowed.in_window(Window::new(7, 30).unwrap()),
+        ];
+        for other in others {
+            assert!(!other.equivalent(&owned), "{other:?}");
+        }
+        let other_rule = Rule::new("logout").unwrap();
+        assert!(!KeyRef::new(&other_rule, "user-42", window)
+            .unwrap()
+            .equivalent(&owned));
+    }
+
+    #[test]
+    fn a_borrowed_key_checks_the_subject_as_an_owned_one_does() {
+        let rule = Rule::new("login").unwrap();
+        let window = Window::new(7, 60).unwrap();
+        for subject in [String::new(), "u".repeat(SUBJECT_BYTES_MAX + 1)] {
+            assert_eq!(
+                KeyRef::new(&rule, &subject, window).unwrap_err(),
+                Subject::new(subject.clone()).unwrap_err()
+            );
+        }
     }
 }

@@ -47,7 +47,8 @@ pub use delta::{
 };
 pub use id::{Generation, NodeId, ReplicaId};
 pub use key::{
-    Key, KeyError, Rule, Subject, Window, RULE_BYTES_MAX, SUBJECT_BYTES_MAX, WINDOW_SECS_MAX,
+    Key, KeyError, KeyRef, Rule, Subject, Window, RULE_BYTES_MAX, SUBJECT_BYTES_MAX,
+    WINDOW_SECS_MAX,
 };
 pub use lane::{Lane, Overflow};
 pub use map::{Applied, CounterMap};

@@ -16,23 +16,24 @@
 use crate::config::{OnRegionUnavailable, RuleConfig};
 use crate::lanelog::LaneLog;
 use crate::region::Outcome;
-use crate::store::{LaneStore, StoreError};
+use crate::store::{KeyHasher, LaneStore, StoreError};
 use crate::view::ViewState;
 use std::collections::HashMap;
 use std::time::Duration;
 use tally_client::wire::{Decision, Estimate, Mode, Refusal};
-use tally_crdt::{Key, KeyError, Rule, Stamp, Subject, Window};
+use tally_crdt::{KeyError, KeyRef, Rule, Stamp, Window};
 
 /// The rules a node answers, by name.
 #[derive(Debug, Clone, Default)]
 pub struct Rules {
-    by_name: HashMap<String, (Rule, RuleConfig)>,
+    // The store's hasher: rule names come from clients too.
+    by_name: HashMap<String, (Rule, RuleConfig), KeyHasher>,
 }
 
 impl Rules {
     /// The configured rules. Their names were checked when the config was loaded.
     pub fn new(rules: &[RuleConfig]) -> Result<Rules, KeyError> {
-        let mut by_name = HashMap::new();
+        let mut by_name = HashMap::default();
         for rule in rules {
             by_name.insert(
                 rule.name.clone(),
@@ -62,17 +63,21 @@ pub struct Context<'a> {
     pub log: Option<&'a mut LaneLog>,
 }
 
-/// The key of `subject` under `rule` in the window containing now.
-pub fn key(rule: &(Rule, RuleConfig), subject: &str, now: Stamp) -> Result<Key, Refusal> {
-    let subject = Subject::new(subject).map_err(|err| bad("subject", err.to_string()))?;
+/// The key of `subject` under `rule` in the window containing now, borrowed: building
+/// it allocates nothing.
+pub fn key<'a>(
+    rule: &'a (Rule, RuleConfig),
+    subject: &'a str,
+    now: Stamp,
+) -> Result<KeyRef<'a>, Refusal> {
     let window = Window::containing(now.0 / 1_000, rule.1.window_secs)
         .map_err(|err| bad("window", err.to_string()))?;
-    Ok(Key::new(rule.0.clone(), subject, window))
+    KeyRef::new(&rule.0, subject, window).map_err(|err| bad("subject", err.to_string()))
 }
 
 impl Context<'_> {
     /// Adds `amount` (or subtracts it) and returns the count after the write.
-    pub fn count(&mut self, key: &Key, amount: u64, incr: bool) -> Result<Estimate, Refusal> {
+    pub fn count(&mut self, key: KeyRef<'_>, amount: u64, incr: bool) -> Result<Estimate, Refusal> {
         if amount == 0 {
             return Err(bad("amount", "must be at least 1".into()));
         }
@@ -92,23 +97,28 @@ impl Context<'_> {
         })?;
         Ok(Estimate {
             estimate: counted.estimate,
-            window: key.window.index(),
+            window: key.window().index(),
             staleness_ms: self.staleness().as_millis() as u64,
         })
     }
 
     /// The key's estimate now.
-    pub fn estimate(&self, key: &Key) -> Estimate {
+    pub fn estimate(&self, key: KeyRef<'_>) -> Estimate {
         Estimate {
             estimate: self.store.estimate(key),
-            window: key.window.index(),
+            window: key.window().index(),
             staleness_ms: self.staleness().as_millis() as u64,
         }
     }
 
     /// Decides whether `cost` more is allowed under the approximate `rule`, and counts it
     /// if so.
-    pub fn check(&mut self, rule: &RuleConfig, key: &Key, cost: u64) -> Result<Decision, Refusal> {
+    pub fn check(
+        &mut self,
+        rule: &RuleConfig,
+        key: KeyRef<'_>,
+        cost: u64,
+    ) -> Result<Decision, Refusal> {
         if cost == 0 {
             return Err(bad("cost", "must be at least 1".into()));
         }
@@ -121,7 +131,7 @@ impl Context<'_> {
     pub fn fallback(
         &mut self,
         rule: &RuleConfig,
-        key: &Key,
+        key: KeyRef<'_>,
         cost: u64,
         unavailable: Refusal,
     ) -> Result<Decision, Refusal> {
@@ -140,7 +150,7 @@ impl Context<'_> {
     }
 
     /// The decision the region's durable `outcome` makes: exact, with no overshoot bound.
-    pub fn exact(&self, rule: &RuleConfig, key: &Key, outcome: Outcome) -> Decision {
+    pub fn exact(&self, rule: &RuleConfig, key: KeyRef<'_>, outcome: Outcome) -> Decision {
         let mut decision = self.decision(
             rule,
             key,
@@ -156,7 +166,7 @@ impl Context<'_> {
     fn check_approximate(
         &mut self,
         rule: &RuleConfig,
-        key: &Key,
+        key: KeyRef<'_>,
         cost: u64,
     ) -> Result<Decision, Refusal> {
         let freshness = self.view.freshness(self.now);
@@ -187,28 +197,25 @@ impl Context<'_> {
 
     /// The estimate a rule decides on: with `sliding`, the previous window's count
     /// weighted by the part of it still inside the sliding window.
-    fn weighted_estimate(&self, rule: &RuleConfig, key: &Key) -> i128 {
+    fn weighted_estimate(&self, rule: &RuleConfig, key: KeyRef<'_>) -> i128 {
         let current = self.store.estimate(key);
         if !rule.sliding {
             return current;
         }
-        let Some(previous) = key.window.previous() else {
+        let window = key.window();
+        let Some(previous) = window.previous() else {
             return current;
         };
-        let previous_key = Key::new(key.rule.clone(), key.subject.clone(), previous);
-        let len_ms = u64::from(key.window.len_secs()) * 1_000;
-        let elapsed_ms = self
-            .now
-            .0
-            .saturating_sub(key.window.start_unix_secs() * 1_000);
+        let len_ms = u64::from(window.len_secs()) * 1_000;
+        let elapsed_ms = self.now.0.saturating_sub(window.start_unix_secs() * 1_000);
         let weight = 1.0 - (elapsed_ms.min(len_ms) as f64 / len_ms as f64);
-        current + (self.store.estimate(&previous_key) as f64 * weight).ceil() as i128
+        current + (self.store.estimate(key.in_window(previous)) as f64 * weight).ceil() as i128
     }
 
     fn decision(
         &self,
         rule: &RuleConfig,
-        key: &Key,
+        key: KeyRef<'_>,
         allowed: bool,
         estimate: i128,
         mode: Mode,
@@ -220,7 +227,7 @@ impl Context<'_> {
             estimate,
             limit: rule.limit,
             remaining,
-            reset_after_ms: (key.window.end_unix_secs() * 1_000).saturating_sub(self.now.0),
+            reset_after_ms: (key.window().end_unix_secs() * 1_000).saturating_sub(self.now.0),
             mode,
             staleness_ms: self.staleness().as_millis() as u64,
             bound,
@@ -231,12 +238,17 @@ impl Context<'_> {
         self.view.freshness(self.now).staleness
     }
 
-    fn log_write(&mut self, key: &Key, amount: u64, incr: bool) -> Result<Option<usize>, Refusal> {
+    fn log_write(
+        &mut self,
+        key: KeyRef<'_>,
+        amount: u64,
+        incr: bool,
+    ) -> Result<Option<usize>, Refusal> {
         let Some(log) = self.log.as_deref_mut() else {
             return Ok(None);
         };
         let (incr, decr) = if incr { (amount, 0) } else { (0, amount) };
-        log.append(key, incr, decr)
+        log.append(&key.to_key(), incr, decr)
             .map(Some)
             .map_err(|err| Refusal::Storage {
                 why: err.to_string(),
@@ -265,7 +277,7 @@ fn refusal(err: StoreError) -> Refusal {
 #[cfg(not(tally_loom))]
 mod tests {
     use super::*;
-    use tally_crdt::{Generation, NodeId, ReplicaId};
+    use tally_crdt::{Generation, Key, NodeId, ReplicaId};
     use tally_gossip::membership::State;
 
     const NOW: Stamp = Stamp(1_767_225_630_000);
@@ -301,18 +313,19 @@ mod tests {
         let store = LaneStore::new(ReplicaId::new(NodeId(1), Generation(1)), 100);
         let rules = Rules::new(std::slice::from_ref(rule)).unwrap();
         let key = key(rules.get("api").unwrap(), "user-1", NOW).unwrap();
-        (store, key)
+        (store, key.to_key())
     }
 
     #[test]
     fn connected_checks_admit_up_to_the_limit_counting_remote_lanes() {
         let rule = rule(10, 0);
-        let (store, key) = setup(&rule);
-        store.publish_remote(&key, 7).unwrap();
+        let (store, owned) = setup(&rule);
+        let key = KeyRef::from(&owned);
+        store.publish_remote(&owned, 7).unwrap();
         let view = view(Stamp(NOW.0 - 100));
         let mut context = context(&store, &view);
         let decisions: Vec<Decision> = (0..5)
-            .map(|_| context.check(&rule, &key, 1).unwrap())
+            .map(|_| context.check(&rule, key, 1).unwrap())
             .collect();
         assert_eq!(
             decisions.iter().map(|d| d.allowed).collect::<Vec<_>>(),
@@ -323,21 +336,22 @@ mod tests {
         assert_eq!(decisions[0].mode, Mode::ApproximateConnected);
         assert_eq!(decisions[0].staleness_ms, 100);
         assert_eq!(decisions[0].reset_after_ms, 30_000);
-        assert_eq!(store.own(&key).value(), 3, "a refused check counts nothing");
+        assert_eq!(store.own(key).value(), 3, "a refused check counts nothing");
     }
 
     #[test]
     fn a_stale_peer_puts_the_rule_in_isolated_mode_on_its_share() {
         let rule = rule(10, 1);
-        let (store, key) = setup(&rule);
+        let (store, owned) = setup(&rule);
+        let key = KeyRef::from(&owned);
         let view = view(Stamp(NOW.0 - 5_000));
         let mut context = context(&store, &view);
         // Two locations: a share of 10 / 2 + 1 = 6.
         let allowed = (0..10)
-            .filter(|_| context.check(&rule, &key, 1).unwrap().allowed)
+            .filter(|_| context.check(&rule, key, 1).unwrap().allowed)
             .count();
         assert_eq!(allowed, 6);
-        let decision = context.check(&rule, &key, 1).unwrap();
+        let decision = context.check(&rule, key, 1).unwrap();
         assert_eq!(decision.mode, Mode::ApproximateIsolated);
         assert_eq!(decision.bound, 2.0);
     }
@@ -345,47 +359,49 @@ mod tests {
     #[test]
     fn bad_costs_and_amounts_are_refused_naming_the_field() {
         let rule = rule(10, 0);
-        let (store, key) = setup(&rule);
+        let (store, owned) = setup(&rule);
+        let key = KeyRef::from(&owned);
         let view = view(NOW);
         let mut context = context(&store, &view);
-        let err = context.check(&rule, &key, 0).unwrap_err();
+        let err = context.check(&rule, key, 0).unwrap_err();
         assert!(matches!(err, Refusal::BadField { ref field, .. } if field == "cost"));
-        let err = context.count(&key, 0, true).unwrap_err();
+        let err = context.count(key, 0, true).unwrap_err();
         assert!(matches!(err, Refusal::BadField { ref field, .. } if field == "amount"));
         let long = "x".repeat(1_000);
         let rules = Rules::new(std::slice::from_ref(&rule)).unwrap();
         let err = self::key(rules.get("api").unwrap(), &long, NOW).unwrap_err();
         assert!(matches!(err, Refusal::BadField { ref field, .. } if field == "subject"));
-        assert_eq!(store.own(&key).value(), 0);
+        assert_eq!(store.own(key).value(), 0);
     }
 
     #[test]
     fn an_unavailable_region_gets_the_error_or_the_rules_fallback_never_a_silent_answer() {
         let mut rule = rule(10, 0);
         rule.mode = crate::config::RuleMode::Exact;
-        let (store, key) = setup(&rule);
+        let (store, owned) = setup(&rule);
+        let key = KeyRef::from(&owned);
         let view = view(NOW);
         let mut context = context(&store, &view);
         let unavailable = Refusal::RegionUnavailable {
             rule: "api".into(),
             why: "cut off".into(),
         };
-        let answer = context.fallback(&rule, &key, 1, unavailable.clone());
+        let answer = context.fallback(&rule, key, 1, unavailable.clone());
         assert_eq!(answer, Err(unavailable.clone()));
         rule.on_region_unavailable = OnRegionUnavailable::Deny;
         let decision = context
-            .fallback(&rule, &key, 1, unavailable.clone())
+            .fallback(&rule, key, 1, unavailable.clone())
             .unwrap();
         assert_eq!(
             (decision.allowed, decision.mode),
             (false, Mode::RegionFallback)
         );
         rule.on_region_unavailable = OnRegionUnavailable::Approximate;
-        let decision = context.fallback(&rule, &key, 1, unavailable).unwrap();
+        let decision = context.fallback(&rule, key, 1, unavailable).unwrap();
         assert_eq!(
             (decision.allowed, decision.mode),
             (true, Mode::ApproximateConnected)
         );
-        assert_eq!(store.own(&key).value(), 1);
+        assert_eq!(store.own(key).value(), 1);
     }
 }

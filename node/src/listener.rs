@@ -7,6 +7,10 @@
 //! to the log flush is synchronous: on the node's one-thread runtime the gossip task cannot
 //! run in between, so it never pushes a lane the log lacks.
 //!
+//! A batch costs no allocation per request once its connection's buffers have grown: each
+//! request is decoded in place (its names borrowed from the frame), its key looked up by
+//! those names, and its answer encoded straight into the connection's output buffer.
+//!
 //! A frame that does not decode closes its connection (a length-prefixed stream cannot be
 //! resynchronised) after a `Malformed` answer, and is counted; the node keeps serving.
 
@@ -20,8 +24,8 @@ use crate::store::LaneStore;
 use crate::view::View;
 use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex};
-use tally_client::wire::{self, Op, Refusal, Reply, Request, Response, Status};
-use tally_crdt::{Key, ReplicaId};
+use tally_client::wire::{self, FrameError, OpRef, Refusal, Reply, Response, Status};
+use tally_crdt::{Key, KeyRef, ReplicaId};
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 use tokio::net::{TcpListener, UnixListener};
 use tokio::sync::{mpsc, Semaphore};
@@ -34,6 +38,9 @@ pub const EXIT_LOG_FAILED: i32 = 74;
 
 /// The most exact checks one client connection may have waiting for the region.
 pub const EXACT_IN_FLIGHT_MAX: usize = 1_024;
+
+/// The room a connection's input buffer keeps for one read, past any partial frame.
+const READ_BYTES: usize = 64 * 1024;
 
 /// Everything a request needs; shared by every connection.
 pub struct Service {
@@ -56,26 +63,30 @@ pub struct Service {
     pub closing: std::sync::atomic::AtomicBool,
 }
 
-/// A request's answer: ready now, or an exact check to forward first.
+/// An exact check taken out of its batch, to forward to the region.
 #[derive(Debug)]
-pub enum Answer {
-    /// Answered.
-    Ready(Response),
-    /// An exact check for the region.
-    Exact {
-        /// The request's id.
-        id: u64,
-        /// The rule.
-        rule: RuleConfig,
-        /// The key, with the window fixed now.
-        key: Key,
-        /// The cost.
-        cost: u64,
-    },
+pub struct Exact {
+    /// The request's id.
+    pub id: u64,
+    /// The rule.
+    pub rule: RuleConfig,
+    /// The key, with the window fixed now.
+    pub key: Key,
+    /// The cost.
+    pub cost: u64,
+}
+
+/// What [`Service::handle_frames`] made of a batch's bytes.
+#[derive(Debug, PartialEq, Eq)]
+pub struct Handled {
+    /// How many bytes of the input the whole frames took.
+    pub consumed: usize,
+    /// Why the frame after them is bad, if it is: the connection must close.
+    pub bad: Option<String>,
 }
 
 /// What [`Service::handle`] made of one request.
-enum Handled {
+enum Handling {
     /// Answered here.
     Now(Reply),
     /// An exact check, for the region.
@@ -87,40 +98,52 @@ enum Handled {
 }
 
 impl Service {
-    /// Answers a batch of requests in order, then writes their lane-log records out.
-    /// Exact checks come back as [`Answer::Exact`], for [`Service::exact`].
-    pub fn handle_batch(&self, requests: Vec<Request>) -> Vec<Answer> {
-        let mut exact = Vec::new();
-        let mut answers: Vec<Answer> = self
-            .in_context(|context| {
-                requests
-                    .into_iter()
-                    .filter_map(|request| {
-                        let result = match self.handle(context, request.op) {
-                            Ok(Handled::Forward { rule, key, cost }) => {
-                                exact.push(Answer::Exact {
-                                    id: request.id,
-                                    rule,
-                                    key,
-                                    cost,
-                                });
-                                return None;
-                            }
-                            Ok(Handled::Now(reply)) => Ok(reply),
-                            Err(refusal) => Err(refusal),
-                        };
-                        Some(Response {
-                            id: request.id,
-                            result,
-                        })
-                    })
-                    .collect()
-            })
-            .into_iter()
-            .map(Answer::Ready)
-            .collect();
-        answers.extend(exact);
-        answers
+    /// Answers the whole request frames at the front of `input` in order, appending each
+    /// answer's frame to `output`, then writes their lane-log records out. Exact checks go
+    /// to `exact` instead, for [`Service::exact`]. Stops at a bad frame, after answering
+    /// the ones before it.
+    pub fn handle_frames(
+        &self,
+        input: &[u8],
+        output: &mut Vec<u8>,
+        exact: &mut Vec<Exact>,
+    ) -> Handled {
+        let mut consumed = 0;
+        let mut answered = 0;
+        let bad = self.in_context(|context| loop {
+            let (body, len) = match next_frame(&input[consumed..]) {
+                Ok(Some(frame)) => frame,
+                Ok(None) => return None,
+                Err(err) => return Some(err.to_string()),
+            };
+            let request = match wire::decode_request(body) {
+                Ok(request) => request,
+                Err(err) => return Some(err.to_string()),
+            };
+            let result = match self.handle(context, request.op) {
+                Ok(Handling::Forward { rule, key, cost }) => {
+                    exact.push(Exact {
+                        id: request.id,
+                        rule,
+                        key,
+                        cost,
+                    });
+                    consumed += len;
+                    continue;
+                }
+                Ok(Handling::Now(reply)) => Ok(reply),
+                Err(refusal) => Err(refusal),
+            };
+            let response = Response {
+                id: request.id,
+                result,
+            };
+            wire::encode_response(&response, output);
+            answered += 1;
+            consumed += len;
+        });
+        self.counted_requests(answered);
+        Handled { consumed, bad }
     }
 
     /// Forwards an exact check to the region and answers it: exact if the region
@@ -137,7 +160,8 @@ impl Service {
                 why: "this node has no region configured".into(),
             }),
         };
-        let mut responses = self.in_context(|context| {
+        let key = KeyRef::from(key);
+        let result = self.in_context(|context| {
             let result = match forwarded {
                 Ok(outcome) => Ok(context.exact(rule, key, outcome)),
                 Err(unavailable @ Refusal::RegionUnavailable { .. }) => {
@@ -148,19 +172,18 @@ impl Service {
             if let Ok(decision) = &result {
                 self.metrics.decided(decision.mode, decision.allowed);
             }
-            vec![Response {
-                id,
-                result: result.map(Reply::Decision),
-            }]
+            result
         });
-        responses
-            .pop()
-            .expect("invariant: one answer per exact check")
+        self.counted_requests(1);
+        Response {
+            id,
+            result: result.map(Reply::Decision),
+        }
     }
 
     /// Runs `answer` in a request context, then writes the lane log out. A failed write
     /// stops the node: see [`EXIT_LOG_FAILED`].
-    fn in_context(&self, answer: impl FnOnce(&mut Context<'_>) -> Vec<Response>) -> Vec<Response> {
+    fn in_context<T>(&self, answer: impl FnOnce(&mut Context<'_>) -> T) -> T {
         let now = clock::wall();
         // Held for the batch: synchronous code on the node's one thread, so the gossip task
         // cannot be waiting for it meanwhile.
@@ -175,7 +198,7 @@ impl Service {
             now,
             log: log.as_deref_mut(),
         };
-        let responses = answer(&mut context);
+        let answered = answer(&mut context);
         if let Some(log) = log.as_deref_mut() {
             if let Err(err) = log.flush() {
                 eprintln!("tallyd: {err}; stopping: writes cannot be made durable");
@@ -186,60 +209,63 @@ impl Service {
                 eprintln!("tallyd: {err}");
             }
         }
+        answered
+    }
+
+    fn counted_requests(&self, answered: u64) {
         self.metrics
             .client_requests
-            .fetch_add(responses.len() as u64, Ordering::Relaxed);
-        responses
+            .fetch_add(answered, Ordering::Relaxed);
     }
 
     /// Answers one request, or hands back an exact check to forward: its rule is looked
     /// up once, here, for both kinds of check.
-    fn handle(&self, context: &mut Context<'_>, op: Op) -> Result<Handled, Refusal> {
+    fn handle(&self, context: &mut Context<'_>, op: OpRef<'_>) -> Result<Handling, Refusal> {
         let result = match op {
-            Op::Incr {
+            OpRef::Incr {
                 rule,
                 subject,
                 amount,
             } => {
-                let key = decide::key(self.rules.get(&rule)?, &subject, context.now)?;
-                context.count(&key, amount, true).map(Reply::Counted)
+                let key = decide::key(self.rules.get(rule)?, subject, context.now)?;
+                context.count(key, amount, true).map(Reply::Counted)
             }
-            Op::Decr {
+            OpRef::Decr {
                 rule,
                 subject,
                 amount,
             } => {
-                let key = decide::key(self.rules.get(&rule)?, &subject, context.now)?;
-                context.count(&key, amount, false).map(Reply::Counted)
+                let key = decide::key(self.rules.get(rule)?, subject, context.now)?;
+                context.count(key, amount, false).map(Reply::Counted)
             }
-            Op::Get { rule, subject } => {
-                let key = decide::key(self.rules.get(&rule)?, &subject, context.now)?;
-                Ok(Reply::Estimate(context.estimate(&key)))
+            OpRef::Get { rule, subject } => {
+                let key = decide::key(self.rules.get(rule)?, subject, context.now)?;
+                Ok(Reply::Estimate(context.estimate(key)))
             }
-            Op::Check {
+            OpRef::Check {
                 rule,
                 subject,
                 cost,
             } => {
-                let found = self.rules.get(&rule)?;
-                let key = decide::key(found, &subject, context.now)?;
+                let found = self.rules.get(rule)?;
+                let key = decide::key(found, subject, context.now)?;
                 if found.1.mode == RuleMode::Exact {
-                    return Ok(Handled::Forward {
+                    return Ok(Handling::Forward {
                         rule: found.1.clone(),
-                        key,
+                        key: key.to_key(),
                         cost,
                     });
                 }
-                let decision = context.check(&found.1, &key, cost)?;
+                let decision = context.check(&found.1, key, cost)?;
                 self.metrics.decided(decision.mode, decision.allowed);
                 Ok(Reply::Decision(decision))
             }
-            Op::Status => Ok(Reply::Status(self.status(context))),
+            OpRef::Status => Ok(Reply::Status(self.status(context))),
         };
         if let Err(Refusal::KeysFull { .. }) = &result {
             self.metrics.keys_refused.fetch_add(1, Ordering::Relaxed);
         }
-        result.map(Handled::Now)
+        result.map(Handling::Now)
     }
 
     fn status(&self, context: &Context<'_>) -> Status {
@@ -323,20 +349,22 @@ async fn serve_connection<S: AsyncRead + AsyncWrite + Unpin>(
     service: &Arc<Service>,
     mut stream: S,
 ) {
-    let mut input = Vec::with_capacity(16 * 1024);
+    let mut input = Vec::with_capacity(READ_BYTES);
     let mut output = Vec::with_capacity(16 * 1024);
-    let mut chunk = vec![0u8; 64 * 1024];
+    let mut exact = Vec::new();
     // Answers of exact checks, as the region gives them; bounded by the permits.
     let (late, mut lates) = mpsc::unbounded_channel::<Response>();
     let exact_permits = Arc::new(Semaphore::new(EXACT_IN_FLIGHT_MAX));
     loop {
         output.clear();
+        // Room for a read of READ_BYTES past a partial frame; a no-op while there is.
+        input.reserve(READ_BYTES);
         let read = tokio::select! {
-            read = stream.read(&mut chunk) => read,
+            read = stream.read_buf(&mut input) => read,
             Some(response) = lates.recv() => {
-                wire::encode_frame(&response, &mut output);
+                wire::encode_response(&response, &mut output);
                 while let Ok(response) = lates.try_recv() {
-                    wire::encode_frame(&response, &mut output);
+                    wire::encode_response(&response, &mut output);
                 }
                 if stream.write_all(&output).await.is_err() {
                     return;
@@ -344,51 +372,41 @@ async fn serve_connection<S: AsyncRead + AsyncWrite + Unpin>(
                 continue;
             }
         };
-        let read = match read {
-            Ok(0) | Err(_) => {
-                if !input.is_empty() {
-                    // The client went in the middle of a frame: a truncated frame.
-                    service
-                        .metrics
-                        .client_frames_bad
-                        .fetch_add(1, Ordering::Relaxed);
-                }
-                return;
+        if let Ok(0) | Err(_) = read {
+            if !input.is_empty() {
+                // The client went in the middle of a frame: a truncated frame.
+                service
+                    .metrics
+                    .client_frames_bad
+                    .fetch_add(1, Ordering::Relaxed);
             }
-            Ok(read) => read,
-        };
+            return;
+        }
         if service.closing.load(Ordering::Relaxed) {
             // Nothing read now is answered: the client sees the connection close.
             return;
         }
-        input.extend_from_slice(&chunk[..read]);
-        let (requests, consumed, bad) = split_frames(&input);
-        input.drain(..consumed);
-        if !requests.is_empty() {
-            for answer in service.handle_batch(requests) {
-                match answer {
-                    Answer::Ready(response) => wire::encode_frame(&response, &mut output),
-                    Answer::Exact {
-                        id,
-                        rule,
-                        key,
-                        cost,
-                    } => {
-                        // At most EXACT_IN_FLIGHT_MAX per connection: past it, this
-                        // connection waits (and stops reading) until one is answered.
-                        let Ok(permit) = exact_permits.clone().acquire_owned().await else {
-                            return;
-                        };
-                        let (service, late) = (service.clone(), late.clone());
-                        tokio::spawn(async move {
-                            let _ = late.send(service.exact(id, &rule, &key, cost).await);
-                            drop(permit);
-                        });
-                    }
-                }
-            }
+        let handled = service.handle_frames(&input, &mut output, &mut exact);
+        input.drain(..handled.consumed);
+        for Exact {
+            id,
+            rule,
+            key,
+            cost,
+        } in exact.drain(..)
+        {
+            // At most EXACT_IN_FLIGHT_MAX per connection: past it, this connection waits
+            // (and stops reading) until one is answered.
+            let Ok(permit) = exact_permits.clone().acquire_owned().await else {
+                return;
+            };
+            let (service, late) = (service.clone(), late.clone());
+            tokio::spawn(async move {
+                let _ = late.send(service.exact(id, &rule, &key, cost).await);
+                drop(permit);
+            });
         }
-        if let Some(why) = &bad {
+        if let Some(why) = &handled.bad {
             service
                 .metrics
                 .client_frames_bad
@@ -397,39 +415,25 @@ async fn serve_connection<S: AsyncRead + AsyncWrite + Unpin>(
                 id: 0,
                 result: Err(Refusal::Malformed { why: why.clone() }),
             };
-            wire::encode_frame(&response, &mut output);
+            wire::encode_response(&response, &mut output);
         }
         if !output.is_empty() && stream.write_all(&output).await.is_err() {
             return;
         }
-        if bad.is_some() {
+        if handled.bad.is_some() {
             let _ = stream.shutdown().await;
             return;
         }
     }
 }
 
-/// The whole requests at the front of `input`, how many bytes they took, and the error of
-/// a bad frame after them, if any.
-fn split_frames(input: &[u8]) -> (Vec<Request>, usize, Option<String>) {
-    let mut requests = Vec::new();
-    let mut at = 0;
-    while let Some(prefix) = input.get(at..at + 4) {
-        let prefix: [u8; 4] = prefix.try_into().expect("invariant: a 4-byte slice");
-        let len = match wire::frame_len(prefix) {
-            Ok(len) => len,
-            Err(err) => return (requests, at, Some(err.to_string())),
-        };
-        let Some(body) = input.get(at + 4..at + 4 + len) else {
-            break;
-        };
-        match wire::decode_body::<Request>(body) {
-            Ok(request) => requests.push(request),
-            Err(err) => return (requests, at, Some(err.to_string())),
-        }
-        at += 4 + len;
-    }
-    (requests, at, None)
+/// The first frame in `input`, if it is whole: its body and how many bytes the frame takes.
+fn next_frame(input: &[u8]) -> Result<Option<(&[u8], usize)>, FrameError> {
+    let Some(&prefix) = input.first_chunk::<4>() else {
+        return Ok(None);
+    };
+    let len = wire::frame_len(prefix)?;
+    Ok(input.get(4..4 + len).map(|body| (body, 4 + len)))
 }
 
 // The lane store runs on loom's atomics under `tally_loom`, which work only inside a model.
@@ -437,17 +441,19 @@ fn split_frames(input: &[u8]) -> (Vec<Request>, usize, Option<String>) {
 #[cfg(not(tally_loom))]
 mod tests {
     use super::*;
+    use tally_client::wire::{Op, Request};
 
     fn service(keys_max: usize) -> Service {
         let rule = RuleConfig {
             window_secs: 60,
             ..RuleConfig::for_test("count", 100, RuleMode::Approximate)
         };
+        let quota = RuleConfig::for_test("quota", 100, RuleMode::Exact);
         let replica = ReplicaId::new(tally_crdt::NodeId(1), tally_crdt::Generation(1));
         Service {
             store: Arc::new(LaneStore::new(replica, keys_max)),
             view: Arc::new(View::default()),
-            rules: Rules::new(&[rule]).unwrap(),
+            rules: Rules::new(&[rule, quota]).unwrap(),
             log: None,
             metrics: Arc::new(Metrics::default()),
             replica,
@@ -456,14 +462,33 @@ mod tests {
         }
     }
 
-    fn ready(answers: Vec<Answer>) -> Vec<Response> {
-        answers
-            .into_iter()
-            .map(|answer| match answer {
-                Answer::Ready(response) => response,
-                Answer::Exact { .. } => panic!("no exact rule here"),
-            })
-            .collect()
+    fn frames(requests: &[Request]) -> Vec<u8> {
+        let mut input = Vec::new();
+        for request in requests {
+            wire::encode_frame(request, &mut input);
+        }
+        input
+    }
+
+    /// The answers in `output`'s frames.
+    fn responses(mut output: &[u8]) -> Vec<Response> {
+        let mut responses = Vec::new();
+        while let Some((body, len)) = next_frame(output).unwrap() {
+            responses.push(wire::decode_body(body).unwrap());
+            output = &output[len..];
+        }
+        assert!(output.is_empty(), "a partial answer");
+        responses
+    }
+
+    /// Answers a batch with no exact check in it, whole.
+    fn answer(service: &Service, requests: &[Request]) -> Vec<Response> {
+        let input = frames(requests);
+        let (mut output, mut exact) = (Vec::new(), Vec::new());
+        let handled = service.handle_frames(&input, &mut output, &mut exact);
+        assert_eq!((handled.consumed, handled.bad), (input.len(), None));
+        assert!(exact.is_empty(), "no exact rule here");
+        responses(&output)
     }
 
     fn incr(id: u64, subject: &str) -> Request {
@@ -477,11 +502,15 @@ mod tests {
         }
     }
 
+    fn status(id: u64) -> Request {
+        Request { id, op: Op::Status }
+    }
+
     #[test]
     fn at_the_key_cap_new_keys_are_refused_with_a_typed_error_and_counted() {
         let service = service(2);
-        let batch = vec![incr(1, "a"), incr(2, "b"), incr(3, "c"), incr(4, "a")];
-        let responses = ready(service.handle_batch(batch));
+        let batch = [incr(1, "a"), incr(2, "b"), incr(3, "c"), incr(4, "a")];
+        let responses = answer(&service, &batch);
         let results: Vec<_> = responses.iter().map(|r| (r.id, r.result.is_ok())).collect();
         assert_eq!(results, [(1, true), (2, true), (3, false), (4, true)]);
         assert_eq!(
@@ -496,7 +525,7 @@ mod tests {
     #[test]
     fn a_batch_is_answered_in_order_each_request_seeing_the_ones_before() {
         let service = service(10);
-        let responses = ready(service.handle_batch(vec![incr(7, "a"), incr(8, "a"), incr(9, "a")]));
+        let responses = answer(&service, &[incr(7, "a"), incr(8, "a"), incr(9, "a")]);
         let estimates: Vec<_> = responses
             .iter()
             .map(|r| match &r.result {
@@ -505,55 +534,98 @@ mod tests {
             })
             .collect();
         assert_eq!(estimates, [(7, 1), (8, 2), (9, 3)]);
+        assert_eq!(service.metrics.client_requests.load(Ordering::Relaxed), 3);
     }
 
     #[test]
-    fn frames_split_whole_requests_and_keep_a_partial_tail() {
-        let mut input = Vec::new();
-        wire::encode_frame(
-            &Request {
-                id: 1,
-                op: Op::Status,
+    fn bad_requests_get_refusals_naming_the_field_and_count_nothing() {
+        let service = service(10);
+        let unknown = Request {
+            id: 1,
+            op: Op::Get {
+                rule: "nope".into(),
+                subject: "a".into(),
             },
-            &mut input,
+        };
+        let empty_subject = incr(2, "");
+        let responses = answer(&service, &[unknown, empty_subject]);
+        assert_eq!(
+            responses[0].result,
+            Err(Refusal::UnknownRule {
+                rule: "nope".into()
+            })
         );
-        wire::encode_frame(
-            &Request {
-                id: 2,
-                op: Op::Status,
-            },
-            &mut input,
-        );
-        let whole = input.len();
-        wire::encode_frame(
-            &Request {
-                id: 3,
-                op: Op::Status,
-            },
-            &mut input,
-        );
-        let (requests, consumed, bad) = split_frames(&input[..input.len() - 1]);
-        assert_eq!(requests.iter().map(|r| r.id).collect::<Vec<_>>(), [1, 2]);
-        assert_eq!((consumed, bad), (whole, None));
+        assert!(matches!(
+            &responses[1].result,
+            Err(Refusal::BadField { field, .. }) if field == "subject"
+        ));
+        assert!(service.store.is_empty());
     }
 
     #[test]
-    fn an_oversized_or_garbage_frame_stops_the_split_with_an_error() {
-        let mut input = Vec::new();
-        wire::encode_frame(
-            &Request {
-                id: 1,
-                op: Op::Status,
+    fn an_exact_check_leaves_its_batch_with_its_key_and_is_answered_later() {
+        let service = service(10);
+        let check = Request {
+            id: 5,
+            op: Op::Check {
+                rule: "quota".into(),
+                subject: "a".into(),
+                cost: 2,
             },
-            &mut input,
+        };
+        let input = frames(&[incr(4, "a"), check, incr(6, "a")]);
+        let (mut output, mut exact) = (Vec::new(), Vec::new());
+        service.handle_frames(&input, &mut output, &mut exact);
+        let ids: Vec<_> = responses(&output).iter().map(|r| r.id).collect();
+        assert_eq!(ids, [4, 6]);
+        let [Exact {
+            id,
+            rule,
+            key,
+            cost,
+        }] = exact.as_slice()
+        else {
+            panic!("one exact check: {exact:?}");
+        };
+        assert_eq!((*id, rule.name.as_str(), *cost), (5, "quota", 2));
+        assert_eq!((key.rule.as_str(), key.subject.as_str()), ("quota", "a"));
+        assert_eq!(service.metrics.client_requests.load(Ordering::Relaxed), 2);
+    }
+
+    #[test]
+    fn a_partial_frame_is_left_for_the_next_read() {
+        let service = service(10);
+        let input = frames(&[status(1), status(2), status(3)]);
+        let whole = frames(&[status(1), status(2)]).len();
+        let (mut output, mut exact) = (Vec::new(), Vec::new());
+        let handled = service.handle_frames(&input[..input.len() - 1], &mut output, &mut exact);
+        assert_eq!(
+            handled,
+            Handled {
+                consumed: whole,
+                bad: None
+            }
         );
+        let ids: Vec<_> = responses(&output).iter().map(|r| r.id).collect();
+        assert_eq!(ids, [1, 2]);
+    }
+
+    #[test]
+    fn an_oversized_or_garbage_frame_stops_the_batch_with_an_error_after_the_good_ones() {
+        let service = service(10);
+        let mut input = frames(&[status(1)]);
         let good = input.len();
         input.extend_from_slice(&u32::MAX.to_le_bytes());
-        let (requests, consumed, bad) = split_frames(&input);
-        assert_eq!((requests.len(), consumed), (1, good));
-        assert!(bad.unwrap().contains("limit"));
+        let (mut output, mut exact) = (Vec::new(), Vec::new());
+        let handled = service.handle_frames(&input, &mut output, &mut exact);
+        assert_eq!(handled.consumed, good);
+        assert!(handled.bad.unwrap().contains("limit"));
+        assert_eq!(responses(&output).len(), 1, "the good frame is answered");
+
         let garbage = [3, 0, 0, 0, 1, 0xff, 0xff];
-        let (requests, _, bad) = split_frames(&garbage);
-        assert!(requests.is_empty() && bad.is_some());
+        output.clear();
+        let handled = service.handle_frames(&garbage, &mut output, &mut exact);
+        assert_eq!(handled.consumed, 0);
+        assert!(handled.bad.is_some() && output.is_empty());
     }
 }

@@ -34,12 +34,16 @@
 
 use crate::sync::{wait_a_moment, AtomicU32, AtomicU64, AtomicU8, Ordering};
 use crossbeam_queue::SegQueue;
-use papaya::Guard;
+use foldhash::fast::{FoldHasher, SeedableRandomState};
+use foldhash::SharedSeed;
+use papaya::{Equivalent, Guard};
 use std::fmt;
+use std::hash::{BuildHasher, Hash, RandomState};
 // Not from `crate::sync`: the key count is not part of the slot protocol that the loom
 // models check, and the store's map and queue are not loom-aware anyway.
 use std::sync::atomic::AtomicUsize;
-use tally_crdt::{Key, Lane, Overflow, ReplicaId};
+use std::sync::OnceLock;
+use tally_crdt::{Key, KeyRef, Lane, Overflow, ReplicaId};
 
 /// One replica's own lanes and the remote sums, shared by every thread as `Arc<LaneStore>`.
 pub struct LaneStore {
@@ -49,9 +53,8 @@ pub struct LaneStore {
     // takes a shard lock for every read, so a hot key's readers contend on the shard's
     // lock word), and its entries are one exact-size allocation each with a 9-byte table
     // slot, where dashmap's tables double in place and sit half empty after each growth.
-    // The default hasher is SipHash on purpose: subjects come from clients, so the
-    // hasher must resist chosen collisions.
-    slots: papaya::HashMap<Key, Slot>,
+    // Looked up by `KeyRef`, so that a write to a held key allocates nothing.
+    slots: papaya::HashMap<Key, Slot, KeyHasher>,
     // Keys whose slot went from clean to dirty. A key is here at most once: its slot stays
     // dirty from the push until a collection pops it and takes the slot.
     dirty: SegQueue<Key>,
@@ -92,7 +95,7 @@ impl LaneStore {
         LaneStore {
             replica,
             keys_max,
-            slots: papaya::HashMap::new(),
+            slots: papaya::HashMap::with_hasher(KeyHasher::new()),
             dirty: SegQueue::new(),
             keys: AtomicUsize::new(0),
         }
@@ -106,14 +109,14 @@ impl LaneStore {
     /// Adds `amount` to the key's own increments and returns its own lane after the write
     /// (with any writes that landed alongside) and the estimate that follows from it, from
     /// the same lookup. Creates the key if it is new. On error nothing changed.
-    pub fn incr(&self, key: &Key, amount: u64) -> Result<Counted, StoreError> {
-        self.write(key, amount, Slot::incr)
+    pub fn incr<'k>(&self, key: impl Into<KeyRef<'k>>, amount: u64) -> Result<Counted, StoreError> {
+        self.write(key.into(), amount, Slot::incr)
     }
 
     /// Adds `amount` to the key's own decrements and returns its own lane and estimate after
     /// the write. Creates the key if it is new. On error nothing changed.
-    pub fn decr(&self, key: &Key, amount: u64) -> Result<Counted, StoreError> {
-        self.write(key, amount, Slot::decr)
+    pub fn decr<'k>(&self, key: impl Into<KeyRef<'k>>, amount: u64) -> Result<Counted, StoreError> {
+        self.write(key.into(), amount, Slot::decr)
     }
 
     /// The key's own lane: zero if the store does not hold the key.
@@ -121,19 +124,21 @@ impl LaneStore {
     /// The two totals are read one after the other, so a write landing in between may be
     /// seen in one and not the other; each is a total the lane really had, which is all a
     /// merge (the larger of each total) needs.
-    pub fn own(&self, key: &Key) -> Lane {
+    pub fn own<'k>(&self, key: impl Into<KeyRef<'k>>) -> Lane {
         let guard = self.slots.guard();
         self.slots
-            .get(key, &guard)
+            .get(&key.into(), &guard)
             .map(Slot::own)
             .unwrap_or_default()
     }
 
     /// The key's estimate: its own lane's value plus the remote sum last published, exact in
     /// `i128`. Zero if the store does not hold the key.
-    pub fn estimate(&self, key: &Key) -> i128 {
+    pub fn estimate<'k>(&self, key: impl Into<KeyRef<'k>>) -> i128 {
         let guard = self.slots.guard();
-        self.slots.get(key, &guard).map_or(0, Slot::estimate)
+        self.slots
+            .get(&key.into(), &guard)
+            .map_or(0, Slot::estimate)
     }
 
     /// Sets the key's remote sum: the sum of every other replica's lane as gossip last merged
@@ -144,7 +149,8 @@ impl LaneStore {
     /// other. A publish racing the removal of its key may leave with the removed key.
     pub fn publish_remote(&self, key: &Key, remote: i128) -> Result<(), StoreError> {
         let guard = self.slots.guard();
-        self.slot_or_insert(key, &guard)?.publish_remote(remote);
+        let (_, slot) = self.slot_or_insert(key.into(), &guard)?;
+        slot.publish_remote(remote);
         Ok(())
     }
 
@@ -218,17 +224,17 @@ impl LaneStore {
 
     fn write(
         &self,
-        key: &Key,
+        key: KeyRef<'_>,
         amount: u64,
         add: fn(&Slot, u64) -> Result<Written, Overflow>,
     ) -> Result<Counted, StoreError> {
         let guard = self.slots.guard();
         loop {
-            let slot = self.slot_or_insert(key, &guard)?;
+            let (held, slot) = self.slot_or_insert(key, &guard)?;
             match add(slot, amount)? {
                 Written::Counted { lane, queue } => {
                     if queue {
-                        self.dirty.push(key.clone());
+                        self.dirty.push(held.clone());
                     }
                     // The remote sum is read after the write, so the estimate includes
                     // this write and every remote merge published before it.
@@ -241,40 +247,54 @@ impl LaneStore {
                     // `remove` retired this slot after our lookup and is taking it out of
                     // the map. Finish that for it, so this write never waits on the
                     // remover, then count in the key's next slot.
-                    self.unlink(key, |current| std::ptr::eq(current, slot), &guard);
+                    self.unlink(&key, |current| std::ptr::eq(current, slot), &guard);
                 }
             }
         }
     }
 
-    fn slot_or_insert<'g>(&self, key: &Key, guard: &'g impl Guard) -> Result<&'g Slot, StoreError> {
-        if let Some(slot) = self.slots.get(key, guard) {
-            return Ok(slot);
-        }
-        let keys_max = self.keys_max;
-        let reserved = self
-            .keys
-            .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |keys| {
-                (keys < keys_max).then_some(keys + 1)
-            });
-        if reserved.is_err() {
-            // Another thread may have created the key since our lookup: then it is not new.
-            return self
-                .slots
-                .get(key, guard)
-                .ok_or(StoreError::KeysFull { keys_max });
-        }
-        match self.slots.try_insert(key.clone(), Slot::new(), guard) {
-            Ok(slot) => Ok(slot),
-            Err(occupied) => {
-                self.keys.fetch_sub(1, Ordering::Relaxed);
-                Ok(occupied.current)
+    /// The key as the map holds it, and its slot. A new key is built and inserted first, if
+    /// there is room: the only allocation of a write.
+    fn slot_or_insert<'g>(
+        &self,
+        key: KeyRef<'_>,
+        guard: &'g impl Guard,
+    ) -> Result<(&'g Key, &'g Slot), StoreError> {
+        loop {
+            if let Some(held) = self.slots.get_key_value(&key, guard) {
+                return Ok(held);
             }
+            let keys_max = self.keys_max;
+            let reserved = self
+                .keys
+                .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |keys| {
+                    (keys < keys_max).then_some(keys + 1)
+                });
+            if reserved.is_err() {
+                // Another thread may have created the key since our lookup: then it is not new.
+                return self
+                    .slots
+                    .get_key_value(&key, guard)
+                    .ok_or(StoreError::KeysFull { keys_max });
+            }
+            if self
+                .slots
+                .try_insert(key.to_key(), Slot::new(), guard)
+                .is_err()
+            {
+                // Another thread created it meanwhile.
+                self.keys.fetch_sub(1, Ordering::Relaxed);
+            }
+            // Held now, unless a `remove` took it again meanwhile: then the next turn
+            // creates it anew.
         }
     }
 
     /// Removes the key's slot if `which` says so, and gives its place back to `keys`.
-    fn unlink(&self, key: &Key, mut which: impl FnMut(&Slot) -> bool, guard: &impl Guard) -> bool {
+    fn unlink<Q>(&self, key: &Q, mut which: impl FnMut(&Slot) -> bool, guard: &impl Guard) -> bool
+    where
+        Q: Hash + Equivalent<Key> + ?Sized,
+    {
         let removed = self.slots.remove_if(key, |_, slot| which(slot), guard);
         let removed = matches!(removed, Ok(Some(_)));
         if removed {
@@ -292,6 +312,42 @@ impl fmt::Debug for LaneStore {
             .field("keys_max", &self.keys_max)
             .field("queued", &self.dirty.len())
             .finish()
+    }
+}
+
+/// The hasher of the store's map and of the node's rule table: foldhash, keyed from the
+/// OS's randomness.
+///
+/// Subjects come from clients, so the hasher must resist chosen collisions: its seeds are
+/// secret and differ between processes (the shared seed) and between maps (the per-map
+/// seed), both drawn through std's `RandomState`, whose keys come from the OS. foldhash
+/// costs a few nanoseconds per key where SipHash cost tens; its resistance is weaker
+/// (it does not claim to hold against an attacker who studies a long-running process to
+/// recover its seeds), and the map never holds more than `keys_max` keys either way.
+#[derive(Clone, Debug)]
+pub struct KeyHasher(SeedableRandomState);
+
+impl KeyHasher {
+    /// A hasher with fresh per-map seeds, under this process's shared seeds.
+    pub fn new() -> KeyHasher {
+        static SHARED: OnceLock<SharedSeed> = OnceLock::new();
+        let os = RandomState::new();
+        let shared = SHARED.get_or_init(|| SharedSeed::from_u64(os.hash_one("shared")));
+        KeyHasher(SeedableRandomState::with_seed(os.hash_one("map"), shared))
+    }
+}
+
+impl Default for KeyHasher {
+    fn default() -> KeyHasher {
+        KeyHasher::new()
+    }
+}
+
+impl BuildHasher for KeyHasher {
+    type Hasher = FoldHasher<'static>;
+
+    fn build_hasher(&self) -> FoldHasher<'static> {
+        self.0.build_hasher()
     }
 }
 
@@ -552,6 +608,21 @@ mod tests {
             collected(&store),
             vec![(a, Lane::new(u64::MAX - 1, u64::MAX))]
         );
+    }
+
+    #[test]
+    fn a_key_written_by_its_borrowed_parts_is_the_key_held() {
+        let store = store(8);
+        let a = key("a");
+        let rule = Rule::new("login").unwrap();
+        let borrowed = KeyRef::new(&rule, "a", a.window).unwrap();
+        store.incr(borrowed, 2).unwrap();
+        store.incr(&a, 3).unwrap();
+        store.decr(borrowed, 1).unwrap();
+        assert_eq!(store.len(), 1, "one key, whichever way it is named");
+        assert_eq!(store.own(borrowed), Lane::new(5, 1));
+        assert_eq!(store.estimate(&a), 4);
+        assert_eq!(collected(&store), vec![(a, Lane::new(5, 1))]);
     }
 
     #[test]

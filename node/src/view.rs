@@ -8,7 +8,7 @@
 use std::collections::{BTreeMap, HashMap};
 use std::sync::{Mutex, MutexGuard};
 use std::time::Duration;
-use tally_crdt::{Key, NodeId, ReplicaId, Stamp};
+use tally_crdt::{Key, KeyRef, NodeId, ReplicaId, Stamp};
 use tally_gossip::membership::State;
 use tally_gossip::Stats;
 
@@ -130,8 +130,14 @@ impl ViewState {
     }
 
     /// The other replicas' increment rate on `key`, per second (0 if never seen rising).
-    pub fn remote_rate(&self, key: &Key) -> f64 {
-        self.remote_rates.get(key).map_or(0.0, Rate::per_sec)
+    pub fn remote_rate(&self, key: KeyRef<'_>) -> f64 {
+        if self.remote_rates.is_empty() {
+            // Alone, or no remote increments yet: no look-up, and no owned key built for it.
+            return 0.0;
+        }
+        self.remote_rates
+            .get(&key.to_key())
+            .map_or(0.0, Rate::per_sec)
     }
 }
 
