@@ -17,6 +17,7 @@ pub mod log;
 pub mod service;
 pub mod wire;
 
+use crate::store::KeyHasher;
 use log::{Entry, RequestId};
 use std::collections::{HashMap, VecDeque};
 use tally_crdt::{Key, Rule, Subject, Window};
@@ -27,9 +28,9 @@ pub use wire::{ExactAnswer, ExactCheck, Outcome};
 #[derive(Debug, Default, PartialEq, Eq)]
 pub struct Ledger {
     // Invariant: a count never decreases within its window.
-    counts: HashMap<Key, u64>,
+    counts: HashMap<Key, u64, KeyHasher>,
     // Per edge life (node, generation): the outcomes of its last `RECENT_IDS` requests.
-    seen: HashMap<(u64, u64), Recent>,
+    seen: HashMap<(u64, u64), Recent, KeyHasher>,
 }
 
 /// How many request ids of one edge life the ledger answers retries of: the last this
