@@ -1,0 +1,160 @@
+//! Every decoder of untrusted bytes, fed arbitrary bytes and mutations of valid frames
+//! (TESTING.md S8, S9, S10): each returns a value or a typed error, and never panics.
+//! Allocation is bounded by the decoders' limits (bincode's `with_limit`), which the
+//! length prefixes of 2^64 - 1 below exercise.
+
+#![allow(
+    clippy::unwrap_used,
+    reason = "a panic in a test's set-up is the test's failure report"
+)]
+
+use proptest::collection::vec;
+use proptest::prelude::*;
+use tally_client::wire::{self as client_wire, Op, Request, Response};
+use tally_crdt::{Generation, NodeId, ReplicaId};
+use tally_gossip::message::{MemberEntry, Message};
+use tally_gossip::wire as gossip_wire;
+use tally_node::region::log::{self as region_log, Entry, Record, RequestId};
+use tally_node::region::wire::{self as region_wire, ExactAnswer, ExactCheck, Outcome};
+
+/// Valid frames of every decoder, to mutate.
+fn seeds() -> Vec<(&'static str, Vec<u8>)> {
+    let replica = ReplicaId::new(NodeId(3), Generation(1_796_000_000_000));
+    let gossip = gossip_wire::encode(
+        replica,
+        &Message::Members {
+            members: vec![MemberEntry {
+                node: NodeId(3),
+                generation: Generation(1_796_000_000_000),
+                addr: "127.0.0.1:7000".into(),
+                left: false,
+            }],
+        },
+    );
+    let mut request = Vec::new();
+    client_wire::encode_frame(
+        &Request {
+            id: 7,
+            op: Op::Check {
+                rule: "api".into(),
+                subject: "user-1".into(),
+                cost: 1,
+            },
+        },
+        &mut request,
+    );
+    let check = ExactCheck {
+        id: RequestId {
+            node: 2,
+            generation: 9,
+            seq: 300,
+        },
+        rule: "quota".into(),
+        subject: "acct".into(),
+        window_index: 500_000,
+        window_secs: 3_600,
+        cost: 2,
+    };
+    let checks = region_wire::encode_checks(&[&check, &check]);
+    let answers = region_wire::encode_answers(&[
+        (
+            1,
+            ExactAnswer::Decided(Outcome {
+                allowed: true,
+                count: 4,
+            }),
+        ),
+        (2, ExactAnswer::Forgotten),
+    ]);
+    let mut log = Vec::new();
+    region_log::encode(&Entry::Decided(Record::decided(&check, true)), &mut log);
+    region_log::encode(
+        &Entry::<&str>::Floor {
+            node: 2,
+            generation: 9,
+            base: 4,
+        },
+        &mut log,
+    );
+    vec![
+        ("gossip", gossip),
+        // The client's and the region's frames without their 4-byte length prefix: the
+        // decoders take the body, once the prefix was checked against the limit.
+        ("request", request[4..].to_vec()),
+        ("checks", checks[4..].to_vec()),
+        ("answers", answers[4..].to_vec()),
+        ("log", log),
+    ]
+}
+
+/// Runs every decoder on `bytes`: a panic fails the test.
+fn decode_all(bytes: &[u8]) {
+    let _ = gossip_wire::decode(bytes, gossip_wire::FRAME_BYTES_LIMIT);
+    let _ = client_wire::decode_body::<Request>(bytes);
+    let _ = client_wire::decode_body::<Response>(bytes);
+    let _ = client_wire::decode_request(bytes);
+    let _ = region_wire::decode_checks(bytes);
+    let _ = region_wire::decode_answers(bytes);
+    let _ = region_log::replay(bytes);
+}
+
+#[test]
+fn the_seeds_are_valid_frames() {
+    let seeds = seeds();
+    let frame = |name: &str| &seeds.iter().find(|(n, _)| *n == name).unwrap().1;
+    assert!(gossip_wire::decode(frame("gossip"), gossip_wire::FRAME_BYTES_LIMIT).is_ok());
+    assert!(client_wire::decode_body::<Request>(frame("request")).is_ok());
+    assert!(client_wire::decode_request(frame("request")).is_ok());
+    assert_eq!(
+        region_wire::decode_checks(frame("checks")).unwrap().len(),
+        2
+    );
+    assert_eq!(
+        region_wire::decode_answers(frame("answers")).unwrap().len(),
+        2
+    );
+    assert_eq!(region_log::replay(frame("log")).0.len(), 2);
+}
+
+#[test]
+fn length_prefixes_of_two_to_the_64_are_refused_without_allocating() {
+    // A version byte, then a varint length of u64::MAX (tag 0xff, 8 bytes): any decoder
+    // that allocated what it claims would abort.
+    for version in 0..=3u8 {
+        let mut bytes = vec![version, 0xff];
+        bytes.extend_from_slice(&u64::MAX.to_le_bytes());
+        bytes.extend_from_slice(&[0xff; 16]);
+        decode_all(&bytes);
+        assert!(region_wire::decode_checks(&bytes).is_none());
+        assert!(client_wire::decode_body::<Request>(&bytes).is_err());
+    }
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(2_000))]
+
+    #[test]
+    fn arbitrary_bytes_never_panic_a_decoder(bytes in vec(any::<u8>(), 0..512)) {
+        decode_all(&bytes);
+    }
+
+    #[test]
+    fn mutated_frames_never_panic_a_decoder(
+        which in 0..5usize,
+        flips in vec((any::<prop::sample::Index>(), any::<u8>()), 1..4),
+        cut in any::<prop::sample::Index>(),
+        tail in vec(any::<u8>(), 0..8),
+    ) {
+        let seeds = seeds();
+        let mut bytes = seeds[which].1.clone();
+        for (at, value) in flips {
+            let at = at.index(bytes.len());
+            bytes[at] = value;
+        }
+        decode_all(&bytes);
+        bytes.truncate(cut.index(bytes.len() + 1));
+        decode_all(&bytes);
+        bytes.extend_from_slice(&tail);
+        decode_all(&bytes);
+    }
+}
