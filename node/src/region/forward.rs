@@ -34,7 +34,7 @@ pub struct ForwardStats {
     pub unavailable: AtomicU64,
     /// Checks the region refused for its storage.
     pub storage_errors: AtomicU64,
-    /// Checks sent again on a new session after one broke.
+    /// Checks sent again on a new session, after the one they were sent on broke.
     pub retries: AtomicU64,
 }
 
@@ -51,6 +51,8 @@ pub struct Forwarder {
 struct Pending {
     check: ExactCheck,
     answer: oneshot::Sender<ExactAnswer>,
+    // Written on a session already: sending it again is a retry.
+    sent: bool,
 }
 
 /// Where the region is.
@@ -111,7 +113,12 @@ impl Forwarder {
         };
         let started = self.clock.mono();
         let (answer, answered) = oneshot::channel();
-        if self.checks.send(Pending { check, answer }).is_err() {
+        let pending = Pending {
+            check,
+            answer,
+            sent: false,
+        };
+        if self.checks.send(pending).is_err() {
             return Err(unavailable("the forwarder has stopped".into()));
         }
         let timeout = Duration::from_millis(rule.region_timeout_ms);
@@ -161,8 +168,8 @@ const BACKOFF_MAX: Duration = Duration::from_millis(200);
 /// How often a session drops the checks whose callers stopped waiting.
 const PURGE_EVERY: Duration = Duration::from_millis(100);
 
-/// Keeps a session open to the region and carries checks over it, until the forwarder is
-/// dropped. Checks sent and not yet answered are kept, by sequence number, and sent again
+/// Keeps a session open to the region while there are checks to carry, and carries them
+/// over it, until the forwarder is dropped. Checks sent and not yet answered are kept, by sequence number, and sent again
 /// on the next session if this one breaks; the region answers a repeat with its first
 /// outcome. Checks whose caller stopped waiting are dropped, never sent again.
 async fn keep_sessions(
@@ -174,6 +181,17 @@ async fn keep_sessions(
     let mut backoff = BACKOFF_MIN;
     loop {
         unanswered.retain(|_, pending| !pending.answer.is_closed());
+        if unanswered.is_empty() {
+            // A session is opened only for a check waiting: one opened at start-up would
+            // dial a region that may not listen yet, and checks would queue behind that
+            // handshake instead of using the connection the gossip has made by then.
+            match checks.recv().await {
+                Some(pending) => {
+                    unanswered.insert(pending.check.id.seq, pending);
+                }
+                None => return,
+            }
+        }
         let session = match region
             .requester
             .open_session(region.node, &region.addr)
@@ -199,10 +217,7 @@ async fn keep_sessions(
                 continue;
             }
         };
-        stats
-            .retries
-            .fetch_add(unanswered.len() as u64, Ordering::Relaxed);
-        match carry(&region, session, &mut checks, &mut unanswered).await {
+        match carry(&region, session, &mut checks, &mut unanswered, &stats).await {
             // A session that carried answers was working: the next opens at once.
             Carried::Broken { answered: true } => backoff = BACKOFF_MIN,
             // One that broke before any answer (a region that resets every session, say)
@@ -225,13 +240,15 @@ enum Carried {
     Dropped,
 }
 
-/// Carries checks over one session: first those `unanswered` (sent on an earlier session),
-/// then new ones, many to a frame when they queue up while a frame is being written.
+/// Carries checks over one session: first those `unanswered` (sent on an earlier session,
+/// or waiting for one), then new ones, many to a frame when they queue up while a frame is
+/// being written.
 async fn carry(
     region: &Region,
     session: Session,
     checks: &mut mpsc::UnboundedReceiver<Pending>,
     unanswered: &mut BTreeMap<u64, Pending>,
+    stats: &ForwardStats,
 ) -> Carried {
     let Session {
         mut send,
@@ -242,11 +259,16 @@ async fn carry(
     let reader = tokio::spawn(read_answers(receive, answers));
     let carried = async {
         let mut answered_any = false;
-        let resend: Vec<&ExactCheck> = unanswered.values().map(|pending| &pending.check).collect();
-        for frame in resend.chunks(CHECKS_PER_FRAME_MAX) {
+        let retries = unanswered.values().filter(|pending| pending.sent).count();
+        stats.retries.fetch_add(retries as u64, Ordering::Relaxed);
+        let waiting: Vec<&ExactCheck> = unanswered.values().map(|pending| &pending.check).collect();
+        for frame in waiting.chunks(CHECKS_PER_FRAME_MAX) {
             if send.write_all(&wire::encode_checks(frame)).await.is_err() {
                 return broken(answered_any);
             }
+        }
+        for pending in unanswered.values_mut() {
+            pending.sent = true;
         }
         let mut purge = tokio::time::interval(PURGE_EVERY);
         let mut batch = Vec::with_capacity(CHECKS_PER_FRAME_MAX);
@@ -266,7 +288,8 @@ async fn carry(
                         let refs: Vec<&ExactCheck> = batch.iter().map(|p| &p.check).collect();
                         wire::encode_checks(&refs)
                     });
-                    for pending in batch.drain(..) {
+                    for mut pending in batch.drain(..) {
+                        pending.sent = true;
                         unanswered.insert(pending.check.id.seq, pending);
                     }
                     let Some(frame) = frame else { continue };
