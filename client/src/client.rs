@@ -179,7 +179,10 @@ impl Client {
         check_frame_size(&op)?;
         let connection = &self.inner.connection;
         if connection.is_closed() {
-            self.reconnect().await?;
+            // Boxed: reconnecting (its timer, its turn and the connect) takes several times
+            // the room of the call itself, and every caller's future would carry that room,
+            // touched or not, on every call.
+            Box::pin(self.reconnect()).await?;
         }
         // The connection times the call out (`Options::timeout`, given when it opened).
         connection.call(op).await?.map_err(Error::Refused)
