@@ -339,6 +339,23 @@ async fn read_streams(shared: Arc<Shared>, node: NodeId, connection: quinn::Conn
     }
 }
 
+/// Reads one frame as [`read_frame`] does, counting one out of bounds as oversized and
+/// one cut off as truncated.
+async fn read_counted(
+    stats: &TransportStats,
+    stream: &mut quinn::RecvStream,
+    bytes_max: usize,
+) -> FrameRead {
+    let read = read_frame(stream, bytes_max).await;
+    let counter = match read {
+        FrameRead::OutOfBounds => &stats.frames_oversized,
+        FrameRead::Truncated => &stats.frames_truncated,
+        FrameRead::Frame(_) | FrameRead::End => return read,
+    };
+    counter.fetch_add(1, Ordering::Relaxed);
+    read
+}
+
 /// Serves one session: hands each frame it carries on, with a [`Reply`] for its answer,
 /// and writes the answers as they come. A frame out of bounds ends the session.
 async fn serve_session(
@@ -376,24 +393,13 @@ async fn serve_session(
             // The session was refused (or its stream failed): nothing more of it is read.
             return;
         }
-        let body = match read_frame(&mut receive, sessions.frame_bytes_max).await {
+        let body = match read_counted(&shared.stats, &mut receive, sessions.frame_bytes_max).await {
             FrameRead::Frame(body) => body,
-            FrameRead::End => return,
             FrameRead::OutOfBounds => {
-                shared
-                    .stats
-                    .frames_oversized
-                    .fetch_add(1, Ordering::Relaxed);
                 let _ = outgoing.send(Outgoing::Refuse);
                 return;
             }
-            FrameRead::Truncated => {
-                shared
-                    .stats
-                    .frames_truncated
-                    .fetch_add(1, Ordering::Relaxed);
-                return;
-            }
+            FrameRead::End | FrameRead::Truncated => return,
         };
         let frame = SessionFrame {
             from: node,
@@ -417,24 +423,13 @@ async fn read_frames(
     mut stream: quinn::RecvStream,
 ) {
     loop {
-        let frame = match read_frame(&mut stream, shared.frame_bytes_max).await {
+        let frame = match read_counted(&shared.stats, &mut stream, shared.frame_bytes_max).await {
             FrameRead::Frame(frame) => frame,
-            FrameRead::End => return,
             FrameRead::OutOfBounds => {
-                shared
-                    .stats
-                    .frames_oversized
-                    .fetch_add(1, Ordering::Relaxed);
                 connection.close(CLOSE_PROTOCOL.into(), b"frame length out of bounds");
                 return;
             }
-            FrameRead::Truncated => {
-                shared
-                    .stats
-                    .frames_truncated
-                    .fetch_add(1, Ordering::Relaxed);
-                return;
-            }
+            FrameRead::End | FrameRead::Truncated => return,
         };
         let inbound = Inbound {
             from: node,
