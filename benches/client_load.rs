@@ -320,11 +320,18 @@ async fn phase(
             Ok(latencies_ns)
         });
     }
-    let mut all = Vec::with_capacity(if record { requests as usize } else { 0 });
+    gather(tasks, if record { requests as usize } else { 0 }).await
+}
+
+/// Waits for every load task and returns their latencies together (room for `capacity`),
+/// or the first error.
+async fn gather(
+    mut tasks: JoinSet<Result<Vec<u64>, String>>,
+    capacity: usize,
+) -> Result<Vec<u64>, String> {
+    let mut all = Vec::with_capacity(capacity);
     while let Some(joined) = tasks.join_next().await {
-        let latencies_ns: Result<Vec<u64>, String> =
-            joined.map_err(|err| format!("load task: {err}"))?;
-        all.extend(latencies_ns?);
+        all.extend(joined.map_err(|err| format!("load task: {err}"))??);
     }
     Ok(all)
 }
@@ -471,13 +478,7 @@ async fn region_phase(
             }
         });
     }
-    let mut all = Vec::with_capacity(if record { requests as usize } else { 0 });
-    while let Some(joined) = tasks.join_next().await {
-        let latencies_ns: Result<Vec<u64>, String> =
-            joined.map_err(|err| format!("load task: {err}"))?;
-        all.extend(latencies_ns?);
-    }
-    Ok(all)
+    gather(tasks, if record { requests as usize } else { 0 }).await
 }
 
 /// `--fsync-probe`: appends 8 bytes to `file` and syncs it, one pair at a time; a warm-up
