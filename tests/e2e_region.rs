@@ -238,30 +238,46 @@ async fn a_region_cut_off_fails_exact_checks_within_the_timeout_while_approximat
     assert!(metric >= 20.0, "region_unavailable: {metric}");
 }
 
-#[tokio::test(flavor = "current_thread")]
-async fn a_retried_request_id_is_answered_once_and_never_double_counted() {
+/// A cluster of the region and edge 2; a QUIC connection to the region with edge 2's
+/// certificate, to speak the region protocol by hand; a client of edge 2; and checks of
+/// cost 5 on `subject` in the current window, by request node and sequence number.
+async fn speak_as_edge_2(
+    subject: &'static str,
+) -> (
+    Cluster,
+    quinn::Connection,
+    Client,
+    impl Fn(u64, u64) -> ExactCheck,
+) {
     let cluster = Cluster::start_with(NET, 2, 2_000, true);
-    // Speak to the region as edge 2 would, with edge 2's certificate.
-    let endpoint = cluster.member_client(2);
-    let connection = endpoint
+    let connection = cluster
+        .member_client(2)
         .connect(cluster.nodes[0].gossip_addr(), "node-1.tally")
         .unwrap()
         .await
         .unwrap();
     let edge = cluster.nodes[1].client().await;
-    let window = edge.get("quota", "dup").await.unwrap().window;
-    let check = ExactCheck {
+    let window = edge.get("quota", subject).await.unwrap().window;
+    let check = move |node, seq| ExactCheck {
         id: RequestId {
-            node: 2,
+            node,
             generation: 77,
-            seq: 1,
+            seq,
         },
         rule: "quota".into(),
-        subject: "dup".into(),
+        subject: subject.into(),
         window_index: window,
         window_secs: 3_600,
         cost: 5,
     };
+    (cluster, connection, edge, check)
+}
+
+#[tokio::test(flavor = "current_thread")]
+async fn a_retried_request_id_is_answered_once_and_never_double_counted() {
+    // The cluster runs until `_cluster` is dropped, at the end of the test.
+    let (_cluster, connection, edge, check) = speak_as_edge_2("dup").await;
+    let check = check(2, 1);
     // Three sessions, as an edge would open after broken ones: the first carries the check
     // once, the second twice in one frame, the third once more.
     let mut answers = Vec::new();
@@ -288,30 +304,10 @@ async fn a_retried_request_id_is_answered_once_and_never_double_counted() {
 
 #[tokio::test(flavor = "current_thread")]
 async fn a_frame_asking_under_another_nodes_ids_is_refused_whole() {
-    let cluster = Cluster::start_with(NET, 2, 2_000, true);
+    let (cluster, connection, edge, check) = speak_as_edge_2("forged").await;
     // Edge 2's certificate, but the second check claims node 3's ids.
-    let endpoint = cluster.member_client(2);
-    let connection = endpoint
-        .connect(cluster.nodes[0].gossip_addr(), "node-1.tally")
-        .unwrap()
-        .await
-        .unwrap();
-    let edge = cluster.nodes[1].client().await;
-    let window = edge.get("quota", "forged").await.unwrap().window;
-    let check = |node| ExactCheck {
-        id: RequestId {
-            node,
-            generation: 77,
-            seq: node,
-        },
-        rule: "quota".into(),
-        subject: "forged".into(),
-        window_index: window,
-        window_secs: 3_600,
-        cost: 5,
-    };
     let (mut send, mut receive) = connection.open_bi().await.unwrap();
-    send.write_all(&wire::encode_checks(&[&check(2), &check(3)]))
+    send.write_all(&wire::encode_checks(&[&check(2, 2), &check(3, 3)]))
         .await
         .unwrap();
     assert!(
