@@ -64,9 +64,9 @@
 //! certificate of node `--node` from `--certs DIR` (`node-<N>.pem`, `.key`, `ca.pem`; use a
 //! node id no running edge has, since the region keeps the newest connection per node id
 //! for its own sends), to the region node at ADDR whose certificate names node
-//! `--region-node` (1). C x P tasks each loop `Forwarder::check(rule, subject, 1)`, so C x
-//! P checks are in flight on the forwarder's one session, as an edge forwards every check
-//! of its clients. Request ids carry node `--node`, a generation from the wall clock, and
+//! `--region-node` (1). One task keeps C x P checks in flight on the forwarder's one
+//! session (`Forwarder::submit(rule, subject, 1)`, a new one as each is answered), as an
+//! edge forwards every check of its clients. Request ids carry node `--node`, a generation from the wall clock, and
 //! the forwarder's sequence numbers; the window is the one holding the wall-clock time at
 //! the start of each phase, `--window-secs` long (3600), and the region's timeout 10 s. A
 //! request's latency runs from the call to the outcome; an answer other than an admitted
@@ -81,17 +81,18 @@ use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpStream};
 use std::path::PathBuf;
 use std::process::ExitCode;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use tally_client::wire::{self, Op, Request, Response};
 use tally_client::{Client, Endpoint, Options};
-use tally_crdt::{Generation, Key, NodeId, ReplicaId, Rule, Subject, Window};
+use tally_crdt::{Generation, Key, KeyRef, NodeId, ReplicaId, Rule, Subject, Window};
 use tally_node::config::{OnRegionUnavailable, RuleConfig, RuleMode};
-use tally_node::region::forward::{ForwardStats, Forwarder};
+use tally_node::region::forward::{ForwardStats, Forwarded, Forwarder};
 use tally_node::region::Outcome;
 use tally_node::transport::{Transport, TransportStats};
+use tokio::sync::mpsc;
 use tokio::task::JoinSet;
 
 /// What the command line asks for.
@@ -374,7 +375,6 @@ async fn run_region(args: &Args, region: SocketAddr) -> Result<Report, String> {
             NodeId(args.node),
             Generation(tally_node::clock::wall_micros()),
         ),
-        tally_node::clock::Clock::start(),
         stats.clone(),
     );
     let target = RegionTarget {
@@ -420,16 +420,17 @@ async fn run_region(args: &Args, region: SocketAddr) -> Result<Report, String> {
 /// What `--region` checks go through, and what they carry.
 #[derive(Clone)]
 struct RegionTarget {
-    forwarder: Arc<Forwarder>,
+    forwarder: Arc<Forwarder<(Instant, u64)>>,
     rule: Arc<RuleConfig>,
     subjects: Arc<[String]>,
 }
 
-/// Runs `requests` exact checks with `workers` tasks through the one forwarder, and
-/// returns their latencies in nanoseconds if `record`.
+/// Runs `requests` exact checks through the one forwarder, `in_flight` at a time (a new
+/// one submitted as each is answered, as an edge's connections do), and returns their
+/// latencies in nanoseconds if `record`.
 async fn region_phase(
     target: &RegionTarget,
-    workers: usize,
+    in_flight: usize,
     requests: u64,
     record: bool,
 ) -> Result<Vec<u64>, String> {
@@ -437,7 +438,7 @@ async fn region_phase(
     let window = Window::containing(unix_secs, target.rule.window_secs)
         .map_err(|err| format!("--window-secs: {err}"))?;
     let rule = Rule::new(&target.rule.name).map_err(|err| format!("--rule: {err}"))?;
-    let keys: Arc<[Key]> = target
+    let keys = target
         .subjects
         .iter()
         .map(|subject| {
@@ -445,40 +446,41 @@ async fn region_phase(
                 .map(|subject| Key::new(rule.clone(), subject, window))
                 .map_err(|err| format!("subject {subject}: {err}"))
         })
-        .collect::<Result<Vec<Key>, String>>()?
-        .into();
-    let tickets = Arc::new(AtomicU64::new(0));
-    let mut tasks = JoinSet::new();
-    for _ in 0..workers {
-        let target = target.clone();
-        let keys = Arc::clone(&keys);
-        let tickets = Arc::clone(&tickets);
-        tasks.spawn(async move {
-            let mut latencies_ns = Vec::new();
-            loop {
-                let ticket = tickets.fetch_add(1, Ordering::Relaxed);
-                if ticket >= requests {
-                    return Ok(latencies_ns);
-                }
-                let key = &keys[(ticket % keys.len() as u64) as usize];
-                let sent = now();
-                match target.forwarder.check(&target.rule, key, 1).await {
-                    Ok(Outcome { allowed: true, .. }) => {}
-                    other => {
-                        return Err(format!(
-                            "check {}/{} at the region: {other:?} (raise the limit if denied)",
-                            target.rule.name,
-                            key.subject.as_str()
-                        ))
-                    }
-                }
-                if record {
-                    latencies_ns.push(now().duration_since(sent).as_nanos() as u64);
-                }
+        .collect::<Result<Vec<Key>, String>>()?;
+    let (answers, mut answered) = mpsc::unbounded_channel();
+    let submit = |n: u64| {
+        let key = &keys[(n % keys.len() as u64) as usize];
+        target
+            .forwarder
+            .submit(&target.rule, KeyRef::from(key), 1, (now(), n), &answers);
+    };
+    let mut submitted = requests.min(in_flight as u64);
+    (0..submitted).for_each(submit);
+    let mut latencies_ns = Vec::with_capacity(if record { requests as usize } else { 0 });
+    for _ in 0..requests {
+        let Forwarded {
+            ticket: (sent, n),
+            result,
+        } = answered.recv().await.expect("the sender is held here");
+        match result {
+            Ok(Outcome { allowed: true, .. }) => {}
+            other => {
+                let subject = keys[(n % keys.len() as u64) as usize].subject.as_str();
+                return Err(format!(
+                    "check {}/{subject} at the region: {other:?} (raise the limit if denied)",
+                    target.rule.name
+                ));
             }
-        });
+        }
+        if record {
+            latencies_ns.push(now().duration_since(sent).as_nanos() as u64);
+        }
+        if submitted < requests {
+            submit(submitted);
+            submitted += 1;
+        }
     }
-    gather(tasks, if record { requests as usize } else { 0 }).await
+    Ok(latencies_ns)
 }
 
 /// `--fsync-probe`: appends 8 bytes to `file` and syncs it, one pair at a time; a warm-up

@@ -19,7 +19,7 @@ use crate::config::{RuleConfig, RuleMode};
 use crate::decide::{self, Context, Rules};
 use crate::lanelog::LaneLog;
 use crate::metrics::Metrics;
-use crate::region::forward::Forwarder;
+use crate::region::forward::{Answers, Forwarded, Forwarder};
 use crate::store::LaneStore;
 use crate::view::View;
 use std::sync::atomic::Ordering;
@@ -36,7 +36,8 @@ use tokio::sync::{mpsc, Semaphore};
 /// counted. The restart takes a new generation and republishes what the log holds.
 pub const EXIT_LOG_FAILED: i32 = 74;
 
-/// The most exact checks one client connection may have waiting for the region.
+/// How many exact checks one client connection may have waiting for the region before it
+/// stops reading (a batch read before that may take it past, by at most one read).
 pub const EXACT_IN_FLIGHT_MAX: usize = 1_024;
 
 /// The room a connection's input buffer keeps for one read, past any partial frame.
@@ -57,13 +58,14 @@ pub struct Service {
     /// This node's replica.
     pub replica: ReplicaId,
     /// Where exact checks go, if this node has a region.
-    pub forwarder: Option<Forwarder>,
+    pub forwarder: Option<Forwarder<Exact>>,
     /// Set when the node is stopping: connections close before answering anything more,
     /// so every write acknowledged is in the lanes the gossip task pushes last.
     pub closing: std::sync::atomic::AtomicBool,
 }
 
-/// An exact check taken out of its batch, to forward to the region.
+/// An exact check taken out of its batch, to forward to the region; the forwarder hands it
+/// back with the region's answer.
 #[derive(Debug)]
 pub struct Exact {
     /// The request's id.
@@ -146,39 +148,49 @@ impl Service {
         Handled { consumed, bad }
     }
 
-    /// Forwards an exact check to the region and answers it: exact if the region
-    /// answered in time, else as the rule's `on_region_unavailable` says.
-    pub async fn exact(&self, id: u64, rule: &RuleConfig, key: &Key, cost: u64) -> Response {
-        let forwarded = match (&self.forwarder, cost) {
-            (_, 0) => Err(Refusal::BadField {
-                field: "cost".into(),
-                why: "must be at least 1".into(),
-            }),
-            (Some(forwarder), _) => forwarder.check(rule, key, cost).await,
-            (None, _) => Err(Refusal::RegionUnavailable {
-                rule: rule.name.clone(),
-                why: "this node has no region configured".into(),
-            }),
-        };
-        let key = KeyRef::from(key);
-        let result = self.in_context(|context| {
-            let result = match forwarded {
-                Ok(outcome) => Ok(context.exact(rule, key, outcome)),
-                Err(unavailable @ Refusal::RegionUnavailable { .. }) => {
-                    context.fallback(rule, key, cost, unavailable)
+    /// Hands an exact check to the region: its answer comes back on `answers`, for
+    /// [`Service::answer_exact`].
+    pub fn forward(&self, exact: Exact, answers: &Answers<Exact>) {
+        let forwarder = self
+            .forwarder
+            .as_ref()
+            .expect("only a node with a region forwards");
+        let (rule, key, cost) = (exact.rule.clone(), exact.key.clone(), exact.cost);
+        forwarder.submit(&rule, KeyRef::from(&key), cost, exact, answers);
+    }
+
+    /// Answers forwarded exact checks, appending each answer's frame to `output`: exact
+    /// where the region answered in time, else as the rule's `on_region_unavailable`
+    /// says.
+    pub fn answer_exact(&self, forwarded: &mut Vec<Forwarded<Exact>>, output: &mut Vec<u8>) {
+        let answered = forwarded.len() as u64;
+        self.in_context(|context| {
+            for Forwarded { ticket, result } in forwarded.drain(..) {
+                let Exact {
+                    id,
+                    rule,
+                    key,
+                    cost,
+                } = ticket;
+                let key = KeyRef::from(&key);
+                let result = match result {
+                    Ok(outcome) => Ok(context.exact(&rule, key, outcome)),
+                    Err(unavailable @ Refusal::RegionUnavailable { .. }) => {
+                        context.fallback(&rule, key, cost, unavailable)
+                    }
+                    Err(other) => Err(other),
+                };
+                if let Ok(decision) = &result {
+                    self.metrics.decided(decision.mode, decision.allowed);
                 }
-                Err(other) => Err(other),
-            };
-            if let Ok(decision) = &result {
-                self.metrics.decided(decision.mode, decision.allowed);
+                let response = Response {
+                    id,
+                    result: result.map(Reply::Decision),
+                };
+                wire::encode_response(&response, output);
             }
-            result
         });
-        self.counted_requests(1);
-        Response {
-            id,
-            result: result.map(Reply::Decision),
-        }
+        self.counted_requests(answered);
     }
 
     /// Runs `answer` in a request context, then writes the lane log out. A failed write
@@ -249,14 +261,29 @@ impl Service {
             } => {
                 let found = self.rules.get(rule)?;
                 let key = decide::key(found, subject, context.now)?;
-                if found.1.mode == RuleMode::Exact {
-                    return Ok(Handling::Forward {
-                        rule: found.1.clone(),
-                        key: key.to_key(),
-                        cost,
-                    });
-                }
-                let decision = context.check(&found.1, key, cost)?;
+                let decision = match (found.1.mode, &self.forwarder) {
+                    (RuleMode::Exact, _) if cost == 0 => {
+                        return Err(Refusal::BadField {
+                            field: "cost".into(),
+                            why: "must be at least 1".into(),
+                        })
+                    }
+                    (RuleMode::Exact, Some(_)) => {
+                        return Ok(Handling::Forward {
+                            rule: found.1.clone(),
+                            key: key.to_key(),
+                            cost,
+                        })
+                    }
+                    (RuleMode::Exact, None) => {
+                        let unavailable = Refusal::RegionUnavailable {
+                            rule: found.1.name.clone(),
+                            why: "this node has no region configured".into(),
+                        };
+                        context.fallback(&found.1, key, cost, unavailable)?
+                    }
+                    (RuleMode::Approximate, _) => context.check(&found.1, key, cost)?,
+                };
                 self.metrics.decided(decision.mode, decision.allowed);
                 Ok(Reply::Decision(decision))
             }
@@ -352,20 +379,25 @@ async fn serve_connection<S: AsyncRead + AsyncWrite + Unpin>(
     let mut input = Vec::with_capacity(READ_BYTES);
     let mut output = Vec::with_capacity(16 * 1024);
     let mut exact = Vec::new();
-    // Answers of exact checks, as the region gives them; bounded by the permits.
-    let (late, mut lates) = mpsc::unbounded_channel::<Response>();
-    let exact_permits = Arc::new(Semaphore::new(EXACT_IN_FLIGHT_MAX));
+    // Exact checks' answers, as the region gives them.
+    let (answers, mut answered) = mpsc::unbounded_channel::<Forwarded<Exact>>();
+    let mut forwarded = Vec::new();
+    let mut in_flight = 0;
     loop {
         output.clear();
         // Room for a read of READ_BYTES past a partial frame; a no-op while there is.
         input.reserve(READ_BYTES);
         let read = tokio::select! {
-            read = stream.read_buf(&mut input) => read,
-            Some(response) = lates.recv() => {
-                wire::encode_response(&response, &mut output);
-                while let Ok(response) = lates.try_recv() {
-                    wire::encode_response(&response, &mut output);
+            // Past EXACT_IN_FLIGHT_MAX exact checks waiting, stop reading until one is
+            // answered.
+            read = stream.read_buf(&mut input), if in_flight < EXACT_IN_FLIGHT_MAX => read,
+            Some(first) = answered.recv() => {
+                forwarded.push(first);
+                while let Ok(next) = answered.try_recv() {
+                    forwarded.push(next);
                 }
+                in_flight -= forwarded.len();
+                service.answer_exact(&mut forwarded, &mut output);
                 if stream.write_all(&output).await.is_err() {
                     return;
                 }
@@ -388,23 +420,9 @@ async fn serve_connection<S: AsyncRead + AsyncWrite + Unpin>(
         }
         let handled = service.handle_frames(&input, &mut output, &mut exact);
         input.drain(..handled.consumed);
-        for Exact {
-            id,
-            rule,
-            key,
-            cost,
-        } in exact.drain(..)
-        {
-            // At most EXACT_IN_FLIGHT_MAX per connection: past it, this connection waits
-            // (and stops reading) until one is answered.
-            let Ok(permit) = exact_permits.clone().acquire_owned().await else {
-                return;
-            };
-            let (service, late) = (service.clone(), late.clone());
-            tokio::spawn(async move {
-                let _ = late.send(service.exact(id, &rule, &key, cost).await);
-                drop(permit);
-            });
+        in_flight += exact.len();
+        for check in exact.drain(..) {
+            service.forward(check, &answers);
         }
         if let Some(why) = &handled.bad {
             service
@@ -562,22 +580,75 @@ mod tests {
         assert!(service.store.is_empty());
     }
 
-    #[test]
-    fn an_exact_check_leaves_its_batch_with_its_key_and_is_answered_later() {
-        let service = service(10);
-        let check = Request {
-            id: 5,
+    /// A forwarder to a region at an address where nothing listens.
+    fn forwarder_to_nowhere() -> Forwarder<Exact> {
+        let dir = std::env::temp_dir().join(format!("tally-listener-{}", std::process::id()));
+        let files = crate::certs::write_cluster(&dir, &[tally_crdt::NodeId(1)]).unwrap();
+        let files = crate::config::TlsConfig {
+            ca: files[0].ca.clone(),
+            cert: files[0].cert.clone(),
+            key: files[0].key.clone(),
+        };
+        let identity = crate::tls::identity(&files, tally_crdt::NodeId(1)).unwrap();
+        let stats = Arc::new(crate::transport::TransportStats::default());
+        let local = std::net::SocketAddr::from(([127, 0, 0, 1], 0));
+        let (transport, _inbound) =
+            crate::transport::Transport::bind(local, identity, 64 * 1024, stats, None).unwrap();
+        Forwarder::new(
+            transport.requester(),
+            tally_crdt::NodeId(9),
+            // Port 9, discard: nothing answers QUIC there.
+            "127.0.0.1:9".into(),
+            ReplicaId::new(tally_crdt::NodeId(1), tally_crdt::Generation(1)),
+            Arc::default(),
+        )
+    }
+
+    fn quota_check(id: u64, cost: u64) -> Request {
+        Request {
+            id,
             op: Op::Check {
                 rule: "quota".into(),
                 subject: "a".into(),
-                cost: 2,
+                cost,
             },
-        };
-        let input = frames(&[incr(4, "a"), check, incr(6, "a")]);
+        }
+    }
+
+    #[test]
+    fn without_a_region_an_exact_check_is_answered_in_its_batch_as_its_rule_says() {
+        let service = service(10);
+        let input = frames(&[incr(4, "a"), quota_check(5, 2), quota_check(6, 0)]);
+        let (mut output, mut exact) = (Vec::new(), Vec::new());
+        service.handle_frames(&input, &mut output, &mut exact);
+        assert!(exact.is_empty());
+        let responses = responses(&output);
+        let ids: Vec<_> = responses.iter().map(|r| r.id).collect();
+        assert_eq!(ids, [4, 5, 6]);
+        assert!(matches!(
+            &responses[1].result,
+            Err(Refusal::RegionUnavailable { rule, why }) if rule == "quota" && why.contains("no region")
+        ));
+        assert!(matches!(
+            &responses[2].result,
+            Err(Refusal::BadField { field, .. }) if field == "cost"
+        ));
+    }
+
+    #[tokio::test(flavor = "current_thread")]
+    async fn an_exact_check_leaves_its_batch_and_gets_region_unavailable_at_its_timeout() {
+        let mut service = service(10);
+        service.rules = Rules::new(&[RuleConfig {
+            region_timeout_ms: 50,
+            ..RuleConfig::for_test("quota", 100, RuleMode::Exact)
+        }])
+        .unwrap();
+        service.forwarder = Some(forwarder_to_nowhere());
+        let input = frames(&[quota_check(5, 2), status(6)]);
         let (mut output, mut exact) = (Vec::new(), Vec::new());
         service.handle_frames(&input, &mut output, &mut exact);
         let ids: Vec<_> = responses(&output).iter().map(|r| r.id).collect();
-        assert_eq!(ids, [4, 6]);
+        assert_eq!(ids, [6]);
         let [Exact {
             id,
             rule,
@@ -589,7 +660,26 @@ mod tests {
         };
         assert_eq!((*id, rule.name.as_str(), *cost), (5, "quota", 2));
         assert_eq!((key.rule.as_str(), key.subject.as_str()), ("quota", "a"));
-        assert_eq!(service.metrics.client_requests.load(Ordering::Relaxed), 2);
+
+        let (answers, mut answered) = mpsc::unbounded_channel();
+        let started = tokio::time::Instant::now();
+        service.forward(exact.pop().unwrap(), &answers);
+        let mut forwarded = vec![answered.recv().await.unwrap()];
+        let waited = started.elapsed();
+        assert!(
+            waited >= std::time::Duration::from_millis(50),
+            "answered after {waited:?}, before the rule's timeout"
+        );
+        output.clear();
+        service.answer_exact(&mut forwarded, &mut output);
+        let responses = responses(&output);
+        assert_eq!(responses.len(), 1);
+        assert_eq!(responses[0].id, 5);
+        assert!(matches!(
+            &responses[0].result,
+            Err(Refusal::RegionUnavailable { rule, why }) if rule == "quota" && why == "no answer within 50 ms"
+        ));
+        assert!(forwarded.is_empty());
     }
 
     #[test]
