@@ -19,6 +19,7 @@ use crate::region::Outcome;
 use crate::store::{KeyHasher, LaneStore, StoreError};
 use crate::view::ViewState;
 use std::collections::HashMap;
+use std::sync::Arc;
 use std::time::Duration;
 use tally_client::wire::{Decision, Estimate, Mode, Refusal};
 use tally_crdt::{KeyError, KeyRef, Rule, Stamp, Window};
@@ -27,7 +28,7 @@ use tally_crdt::{KeyError, KeyRef, Rule, Stamp, Window};
 #[derive(Debug, Clone, Default)]
 pub struct Rules {
     // The store's hasher: rule names come from clients too.
-    by_name: HashMap<String, (Rule, RuleConfig), KeyHasher>,
+    by_name: HashMap<String, (Rule, Arc<RuleConfig>), KeyHasher>,
 }
 
 impl Rules {
@@ -37,14 +38,14 @@ impl Rules {
         for rule in rules {
             by_name.insert(
                 rule.name.clone(),
-                (Rule::new(rule.name.as_str())?, rule.clone()),
+                (Rule::new(rule.name.as_str())?, Arc::new(rule.clone())),
             );
         }
         Ok(Rules { by_name })
     }
 
     /// The rule named `name`.
-    pub fn get(&self, name: &str) -> Result<&(Rule, RuleConfig), Refusal> {
+    pub fn get(&self, name: &str) -> Result<&(Rule, Arc<RuleConfig>), Refusal> {
         self.by_name.get(name).ok_or_else(|| Refusal::UnknownRule {
             rule: name.to_owned(),
         })
@@ -66,7 +67,7 @@ pub struct Context<'a> {
 /// The key of `subject` under `rule` in the window containing now, borrowed: building
 /// it allocates nothing.
 pub fn key<'a>(
-    rule: &'a (Rule, RuleConfig),
+    rule: &'a (Rule, Arc<RuleConfig>),
     subject: &'a str,
     now: Stamp,
 ) -> Result<KeyRef<'a>, Refusal> {

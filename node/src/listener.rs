@@ -71,7 +71,7 @@ pub struct Exact {
     /// The request's id.
     pub id: u64,
     /// The rule.
-    pub rule: RuleConfig,
+    pub rule: Arc<RuleConfig>,
     /// The key, with the window fixed now.
     pub key: Key,
     /// The cost.
@@ -93,7 +93,7 @@ enum Handling {
     Now(Reply),
     /// An exact check, for the region.
     Forward {
-        rule: RuleConfig,
+        rule: Arc<RuleConfig>,
         key: Key,
         cost: u64,
     },

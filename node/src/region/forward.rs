@@ -47,7 +47,7 @@ pub struct ForwardStats {
 /// Forwards exact checks from one edge life to the region. `T` is the caller's ticket: it
 /// comes back with the check's answer.
 pub struct Forwarder<T> {
-    checks: mpsc::UnboundedSender<Pending<T>>,
+    checks: mpsc::UnboundedSender<Box<Pending<T>>>,
     replica: ReplicaId,
     next_seq: AtomicU64,
 }
@@ -65,7 +65,8 @@ pub struct Forwarded<T> {
 /// Where a forwarded check's answer goes.
 pub type Answers<T> = mpsc::UnboundedSender<Forwarded<T>>;
 
-/// A check waiting for its answer, and where the answer goes.
+/// A check waiting for its answer, and where the answer goes. Boxed from its submission
+/// on, so the queues and maps that hold it move a pointer.
 struct Pending<T> {
     check: ExactCheck,
     ticket: T,
@@ -134,7 +135,7 @@ impl<T: Send + 'static> Forwarder<T> {
         answers: &Answers<T>,
     ) {
         let submitted = Instant::now();
-        let pending = Pending {
+        let pending = Box::new(Pending {
             check: ExactCheck {
                 id: RequestId {
                     node: self.replica.node.0,
@@ -153,7 +154,7 @@ impl<T: Send + 'static> Forwarder<T> {
             deadline: submitted + Duration::from_millis(rule.region_timeout_ms),
             timeout_ms: rule.region_timeout_ms,
             sent: false,
-        };
+        });
         if let Err(mpsc::error::SendError(pending)) = self.checks.send(pending) {
             let rule = pending.check.rule.clone();
             pending.answer(Err(unavailable(rule, "the forwarder has stopped".into())));
@@ -168,7 +169,7 @@ fn unavailable(rule: String, why: String) -> Refusal {
 /// Every check the session task holds, sent or not, until it is answered, its deadline
 /// passes, or its caller stops waiting.
 struct Waiting<T> {
-    by_seq: BTreeMap<u64, Pending<T>>,
+    by_seq: BTreeMap<u64, Box<Pending<T>>>,
     // Invariant: one entry per check in `by_seq`, at its deadline.
     by_deadline: BTreeSet<(Instant, u64)>,
     stats: Arc<ForwardStats>,
@@ -187,13 +188,13 @@ impl<T> Waiting<T> {
         self.by_seq.is_empty()
     }
 
-    fn insert(&mut self, pending: Pending<T>) {
+    fn insert(&mut self, pending: Box<Pending<T>>) {
         let seq = pending.check.id.seq;
         self.by_deadline.insert((pending.deadline, seq));
         self.by_seq.insert(seq, pending);
     }
 
-    fn remove(&mut self, seq: u64) -> Option<Pending<T>> {
+    fn remove(&mut self, seq: u64) -> Option<Box<Pending<T>>> {
         let pending = self.by_seq.remove(&seq)?;
         self.by_deadline.remove(&(pending.deadline, seq));
         Some(pending)
@@ -292,7 +293,7 @@ const PURGE_EVERY: Duration = Duration::from_millis(100);
 /// first outcome. Checks whose caller stopped waiting are dropped, never sent again.
 async fn keep_sessions<T>(
     region: Region,
-    mut checks: mpsc::UnboundedReceiver<Pending<T>>,
+    mut checks: mpsc::UnboundedReceiver<Box<Pending<T>>>,
     mut waiting: Waiting<T>,
 ) {
     let mut backoff = BACKOFF_MIN;
@@ -337,7 +338,7 @@ async fn keep_sessions<T>(
 /// whose deadline passes. `None` if the forwarder was dropped meanwhile.
 async fn meanwhile<T, F: Future>(
     work: F,
-    checks: &mut mpsc::UnboundedReceiver<Pending<T>>,
+    checks: &mut mpsc::UnboundedReceiver<Box<Pending<T>>>,
     waiting: &mut Waiting<T>,
 ) -> Option<F::Output> {
     tokio::pin!(work);
@@ -369,7 +370,7 @@ enum Carried {
 async fn carry<T>(
     region: &Region,
     session: Session,
-    checks: &mut mpsc::UnboundedReceiver<Pending<T>>,
+    checks: &mut mpsc::UnboundedReceiver<Box<Pending<T>>>,
     waiting: &mut Waiting<T>,
 ) -> Carried {
     let Session {
@@ -497,8 +498,13 @@ async fn read_answers(
 mod tests {
     use super::*;
 
-    fn pending(seq: u64, timeout_ms: u64, answers: &Answers<u64>, at: Instant) -> Pending<u64> {
-        Pending {
+    fn pending(
+        seq: u64,
+        timeout_ms: u64,
+        answers: &Answers<u64>,
+        at: Instant,
+    ) -> Box<Pending<u64>> {
+        Box::new(Pending {
             check: ExactCheck {
                 id: RequestId {
                     node: 2,
@@ -517,7 +523,7 @@ mod tests {
             deadline: at + Duration::from_millis(timeout_ms),
             timeout_ms,
             sent: false,
-        }
+        })
     }
 
     fn drain(answered: &mut mpsc::UnboundedReceiver<Forwarded<u64>>) -> Vec<Forwarded<u64>> {
