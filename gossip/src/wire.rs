@@ -145,6 +145,8 @@ struct Frame {
 enum Body {
     Syn {
         digest: Vec<DigestEntry>,
+        /// The `unlisted` stamp, below the frame's newest.
+        unlisted_back: u64,
         members_hash: u64,
     },
     Ack {
@@ -267,9 +269,11 @@ impl Frame {
         let body = match message {
             Message::Syn {
                 digest,
+                unlisted,
                 members_hash,
             } => Body::Syn {
                 digest: digest_entries(digest, newest),
+                unlisted_back: newest.0 - unlisted.0,
                 members_hash: *members_hash,
             },
             Message::Ack {
@@ -323,9 +327,11 @@ impl Frame {
         let message = match body {
             Body::Syn {
                 digest,
+                unlisted_back,
                 members_hash,
             } => Message::Syn {
                 digest: digest_from(digest, newest)?,
+                unlisted: stamp_from(newest, unlisted_back)?,
                 members_hash,
             },
             Body::Ack {
@@ -582,7 +588,9 @@ fn window_index_at(stamp: Stamp, len_secs: u32) -> u64 {
 /// The newest stamp anywhere in `message`: every other stamp is sent below it.
 fn newest_stamp(message: &Message) -> Stamp {
     let newest = match message {
-        Message::Syn { digest, .. } => digest_stamps(digest).max(),
+        Message::Syn {
+            digest, unlisted, ..
+        } => digest_stamps(digest).chain([*unlisted]).max(),
         Message::Ack { delta, digest, .. } => {
             delta_stamps(delta).chain(digest_stamps(digest)).max()
         }
@@ -784,10 +792,17 @@ mod tests {
         vec![
             Message::Syn {
                 digest: digest(),
+                unlisted: Stamp(WALL - 100),
                 members_hash: u64::MAX,
             },
             Message::Syn {
                 digest: Digest::default(),
+                unlisted: Stamp(0),
+                members_hash: 42,
+            },
+            Message::Syn {
+                digest: Digest::default(),
+                unlisted: Stamp(WALL),
                 members_hash: 42,
             },
             Message::Ack {
