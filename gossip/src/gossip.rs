@@ -361,7 +361,7 @@ impl Gossip {
                 unlisted,
                 members_hash,
             } => {
-                let digest = self.unlisted_read(digest, unlisted);
+                let digest = self.digest_with_unlisted(digest, unlisted);
                 let members = self.members_if_differ(members_hash);
                 let mut reply = Message::Ack {
                     to: envelope.from,
@@ -505,11 +505,11 @@ impl Gossip {
     /// went to every live peer too (a healthy origin's stamp is at most a round and one
     /// delay old anywhere; two rounds leave room for any delay under a round), so a peer
     /// lacks it only if its link from the origin failed, and then its own Syn shows the
-    /// stale stamp and the Ack relays it. At N = 512
-    /// with eight writers that is all but a few dozen of 512 entries. Every live member's
-    /// current replica not held at all is listed (at the default watermark), so a peer
-    /// does not read it as held fresh and relays its stamp. Without eager push, stamps
-    /// travel by anti-entropy alone, and nothing held is left out.
+    /// stale stamp and the Ack relays it. At N = 512 with eight writers that is all but a
+    /// few dozen of 512 entries. Every live member's current replica not held at all is
+    /// listed (at the default watermark), so a peer does not read it as held fresh and
+    /// relays its stamp. Without eager push, stamps travel by anti-entropy alone, and
+    /// nothing held is left out.
     fn syn_digest(&self, mut digest: Digest, now: Now) -> (Digest, Stamp) {
         if !self.config.eager_push {
             return (digest, Stamp(0));
@@ -536,7 +536,7 @@ impl Gossip {
 
     /// A Syn's digest as its sender holds things: every origin held here that it does not
     /// list, the sender holds at version 0 with a stamp of at least `unlisted`.
-    fn unlisted_read(&self, mut digest: Digest, unlisted: Stamp) -> Digest {
+    fn digest_with_unlisted(&self, mut digest: Digest, unlisted: Stamp) -> Digest {
         let floor = Watermark {
             version: Version::ZERO,
             stamp: unlisted,
