@@ -287,8 +287,10 @@ impl Gossip {
             self.push();
         }
 
+        let (digest, unlisted) = self.syn_digest(digest, now);
         let syn = Message::Syn {
             digest,
+            unlisted,
             members_hash: self.members.hash(),
         };
         let mut live = self.members.others_in(&[State::Alive, State::Suspect]);
@@ -356,8 +358,10 @@ impl Gossip {
         match envelope.message {
             Message::Syn {
                 digest,
+                unlisted,
                 members_hash,
             } => {
+                let digest = self.digest_with_unlisted(digest, unlisted);
                 let members = self.members_if_differ(members_hash);
                 let mut reply = Message::Ack {
                     to: envelope.from,
@@ -491,6 +495,56 @@ impl Gossip {
         };
         self.map
             .delta_for_origins(theirs, budget, self.rounds as usize, worth)
+    }
+
+    /// The digest a Syn carries, and its `unlisted` stamp, from everything this node holds
+    /// at the start of a round.
+    ///
+    /// With eager push, every origin of which this node holds no lanes and a stamp at most
+    /// two rounds old is left out: that stamp came by the origin's own heartbeat, which
+    /// went to every live peer too (a healthy origin's stamp is at most a round and one
+    /// delay old anywhere; two rounds leave room for any delay under a round), so a peer
+    /// lacks it only if its link from the origin failed, and then its own Syn shows the
+    /// stale stamp and the Ack relays it. At N = 512 with eight writers that is all but a
+    /// few dozen of 512 entries. Every live member's current replica not held at all is
+    /// listed (at the default watermark), so a peer does not read it as held fresh and
+    /// relays its stamp. Without eager push, stamps travel by anti-entropy alone, and
+    /// nothing held is left out.
+    fn syn_digest(&self, mut digest: Digest, now: Now) -> (Digest, Stamp) {
+        if !self.config.eager_push {
+            return (digest, Stamp(0));
+        }
+        let rounds_ms =
+            u64::try_from(self.config.gossip_interval.as_millis() * 2).unwrap_or(u64::MAX);
+        let unlisted = Stamp(now.wall.0.saturating_sub(rounds_ms));
+        let me = self.config.replica;
+        digest.origins.retain(|&origin, held| {
+            origin == me
+                || held.version > Version::ZERO
+                || self.map.top(origin) > Version::ZERO
+                || held.stamp < unlisted
+        });
+        for node in self.members.others_in(&[State::Alive, State::Suspect]) {
+            if let Some(replica) = self.members.replica(node) {
+                if self.map.watermark(replica) == Watermark::default() {
+                    digest.origins.entry(replica).or_default();
+                }
+            }
+        }
+        (digest, unlisted)
+    }
+
+    /// A Syn's digest as its sender holds things: every origin held here that it does not
+    /// list, the sender holds at version 0 with a stamp of at least `unlisted`.
+    fn digest_with_unlisted(&self, mut digest: Digest, unlisted: Stamp) -> Digest {
+        let floor = Watermark {
+            version: Version::ZERO,
+            stamp: unlisted,
+        };
+        for origin in self.map.digest().origins.into_keys() {
+            digest.origins.entry(origin).or_insert(floor);
+        }
+        digest
     }
 
     /// The digest an Ack carries: my watermark for each origin of which a Syn's digest
@@ -700,6 +754,7 @@ mod tests {
     fn ack_to_syn(gossip: &mut Gossip, digest: Digest, at_ms: u64) -> Message {
         let syn = Message::Syn {
             digest,
+            unlisted: Stamp(0),
             members_hash: 0,
         };
         gossip.handle_input(Input::Receive {
@@ -813,6 +868,69 @@ mod tests {
             Some(held),
             "a stamp 2 s older is relayed"
         );
+    }
+
+    #[test]
+    fn a_syn_leaves_out_origins_held_without_lanes_and_heard_within_two_rounds() {
+        let mut config = Config::new(node(1).replica(), "n1");
+        config.gossip_interval = Duration::from_millis(100);
+        config.seeds = vec![crate::Seed {
+            node: NodeId(2),
+            addr: "n2".into(),
+        }];
+        let mut gossip = Gossip::new(config);
+        gossip.handle_input(Input::Timeout { now: now(0) });
+        let heartbeat = |origin: u64, stamp: u64| {
+            let from = node(origin).replica();
+            wire::encode(
+                from,
+                &Message::Push {
+                    after: Version::ZERO,
+                    lanes: OriginDelta {
+                        origin: from,
+                        through: Watermark {
+                            version: Version::ZERO,
+                            stamp: Stamp(WALL + stamp),
+                        },
+                        lanes: Vec::new(),
+                    },
+                },
+            )
+        };
+        // Node 3 pushed a lane long ago, node 4 was heard 50 ms before the round, node 5
+        // 250 ms before it.
+        gossip.handle_input(Input::Receive {
+            now: now(1),
+            from: NodeId(3),
+            frame: push_frame(node(3).replica()),
+        });
+        for (origin, stamp) in [(4, 950), (5, 750)] {
+            gossip.handle_input(Input::Receive {
+                now: now(stamp),
+                from: NodeId(origin),
+                frame: heartbeat(origin, stamp),
+            });
+        }
+        while !matches!(gossip.poll_output(), Output::Timeout(_)) {}
+        gossip.handle_input(Input::Timeout { now: now(1_000) });
+        let syn = loop {
+            match gossip.poll_output() {
+                Output::Send { frame, .. } => {
+                    let message = wire::decode(&frame, 1 << 20).unwrap().message;
+                    if let Message::Syn {
+                        digest, unlisted, ..
+                    } = message
+                    {
+                        break (digest, unlisted);
+                    }
+                }
+                Output::Timeout(_) => panic!("no syn"),
+                Output::Event(_) => {}
+            }
+        };
+        let listed: Vec<u64> = syn.0.origins.keys().map(|r| r.node.0).collect();
+        assert_eq!(listed, [1, 3, 5], "itself, lanes, a stamp two rounds old");
+        assert_eq!(syn.1, Stamp(WALL + 800));
     }
 
     #[test]

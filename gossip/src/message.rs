@@ -2,7 +2,7 @@
 //! sends each in a compact form of its own; only [`MemberEntry`] goes on the wire as is.
 
 use serde::{Deserialize, Serialize};
-use tally_crdt::{Delta, Digest, Generation, NodeId, OriginDelta, ReplicaId, Version};
+use tally_crdt::{Delta, Digest, Generation, NodeId, OriginDelta, ReplicaId, Stamp, Version};
 
 /// The longest address a member may advertise, in bytes.
 pub const ADDR_BYTES_MAX: usize = 256;
@@ -22,8 +22,17 @@ pub struct Envelope {
 pub enum Message {
     /// Anti-entropy, first leg: what I hold, and a hash of my membership table.
     Syn {
-        /// Per origin, the watermark I hold.
+        /// Per origin, the watermark I hold, except origins of which I hold no lanes and a
+        /// stamp no older than `unlisted` (see there). Every live member's current replica
+        /// that I do not hold is listed, at the default watermark.
         digest: Digest,
+        /// Of every origin the digest leaves out, I hold no lanes (version 0, nothing past
+        /// a gap) and a stamp at least this new. The receiver reads each origin it holds
+        /// that the digest does not list as held by me at `(version 0, unlisted)`. With
+        /// eager push, this is my clock less two `gossip_interval`s: what the heartbeats
+        /// of the last rounds brought is left out, since every node heard it directly. Without,
+        /// `Stamp(0)`: nothing is left out but origins I do not hold.
+        unlisted: Stamp,
         /// [`crate::membership::Members::hash`] of my table.
         members_hash: u64,
     },

@@ -8,6 +8,10 @@
 //! - Every stamp but the frame's newest is sent as its distance below the newest, and a
 //!   window as its distance back from the window the newest stamp falls in: one byte
 //!   each for an origin heard within the last 250 ms and a live window.
+//! - Every generation is sent as its *age*: its distance below the newest stamp,
+//!   wrapping. A generation is the wall clock in milliseconds when its life began, so
+//!   its age is that replica's uptime: 5 bytes for up to 49.7 days, where the
+//!   generation itself takes 9.
 //! - Lane versions are implicit. Each lane takes the version after the one before it
 //!   (the first, the one after its entry's base), except where a hole says how many
 //!   versions to skip: versions of lanes rewritten since, or expired. A push's base is
@@ -26,7 +30,7 @@ use tally_crdt::{
 };
 
 /// The wire format this build speaks.
-pub const WIRE_VERSION: u8 = 2;
+pub const WIRE_VERSION: u8 = 3;
 
 /// The hard ceiling on any frame, encoded or decoded, whatever the configuration says.
 pub const FRAME_BYTES_LIMIT: usize = 4 * 1024 * 1024;
@@ -130,7 +134,7 @@ fn check(envelope: &Envelope) -> Result<(), DecodeError> {
 /// What follows the version byte.
 #[derive(Debug, Serialize, Deserialize)]
 struct Frame {
-    from: ReplicaId,
+    from: Replica,
     /// The newest stamp the message carries; the others are sent below it.
     newest: Stamp,
     body: Body,
@@ -141,16 +145,18 @@ struct Frame {
 enum Body {
     Syn {
         digest: Vec<DigestEntry>,
+        /// The `unlisted` stamp, below the frame's newest.
+        unlisted_back: u64,
         members_hash: u64,
     },
     Ack {
-        to: ReplicaId,
+        to: Replica,
         delta: DeltaBody,
         digest: Vec<DigestEntry>,
         members: Vec<MemberEntry>,
     },
     Delta {
-        to: ReplicaId,
+        to: Replica,
         delta: DeltaBody,
         members: Vec<MemberEntry>,
     },
@@ -177,7 +183,8 @@ enum Body {
 struct DigestEntry {
     /// The node, as the gap from the previous entry's (from 0 for the first).
     node_gap: u64,
-    generation: u64,
+    /// The generation's age (see [`Replica`]).
+    age: u64,
     version: u64,
     /// The stamp, below the frame's newest.
     stamp_back: u64,
@@ -191,13 +198,34 @@ struct DeltaBody {
 
 #[derive(Debug, Serialize, Deserialize)]
 struct OriginBody {
-    origin: ReplicaId,
+    origin: Replica,
     through: u64,
     /// The `through` stamp, below the frame's newest.
     stamp_back: u64,
     /// `through - base`, wrapping: the lanes' versions count up from the base.
     base_back: u64,
     lanes: Lanes,
+}
+
+/// A replica id, its generation sent as its age: its distance below the frame's newest
+/// stamp, wrapping, so any generation is exact.
+#[derive(Debug, Serialize, Deserialize)]
+struct Replica {
+    node: u64,
+    age: u64,
+}
+
+impl Replica {
+    fn new(replica: ReplicaId, newest: Stamp) -> Replica {
+        Replica {
+            node: replica.node.0,
+            age: age(replica.generation, newest),
+        }
+    }
+
+    fn id(&self, newest: Stamp) -> ReplicaId {
+        ReplicaId::new(NodeId(self.node), generation_from(self.age, newest))
+    }
 }
 
 /// A (rule, window) pair that lanes of the frame name by index.
@@ -241,9 +269,11 @@ impl Frame {
         let body = match message {
             Message::Syn {
                 digest,
+                unlisted,
                 members_hash,
             } => Body::Syn {
                 digest: digest_entries(digest, newest),
+                unlisted_back: newest.0 - unlisted.0,
                 members_hash: *members_hash,
             },
             Message::Ack {
@@ -252,13 +282,13 @@ impl Frame {
                 digest,
                 members,
             } => Body::Ack {
-                to: *to,
+                to: Replica::new(*to, newest),
                 delta: DeltaBody::new(delta, newest),
                 digest: digest_entries(digest, newest),
                 members: members.clone(),
             },
             Message::Delta { to, delta, members } => Body::Delta {
-                to: *to,
+                to: Replica::new(*to, newest),
                 delta: DeltaBody::new(delta, newest),
                 members: members.clone(),
             },
@@ -284,17 +314,24 @@ impl Frame {
                 members: members.clone(),
             },
         };
-        Frame { from, newest, body }
+        Frame {
+            from: Replica::new(from, newest),
+            newest,
+            body,
+        }
     }
 
     fn into_envelope(self) -> Result<Envelope, DecodeError> {
         let Frame { from, newest, body } = self;
+        let from = from.id(newest);
         let message = match body {
             Body::Syn {
                 digest,
+                unlisted_back,
                 members_hash,
             } => Message::Syn {
                 digest: digest_from(digest, newest)?,
+                unlisted: stamp_from(newest, unlisted_back)?,
                 members_hash,
             },
             Body::Ack {
@@ -303,13 +340,13 @@ impl Frame {
                 digest,
                 members,
             } => Message::Ack {
-                to,
+                to: to.id(newest),
                 delta: delta.into_delta(newest)?,
                 digest: digest_from(digest, newest)?,
                 members,
             },
             Body::Delta { to, delta, members } => Message::Delta {
-                to,
+                to: to.id(newest),
                 delta: delta.into_delta(newest)?,
                 members,
             },
@@ -363,7 +400,7 @@ impl DeltaBody {
                     .first()
                     .map_or(through, |lane| lane.version.0 - 1);
                 OriginBody {
-                    origin: entry.origin,
+                    origin: Replica::new(entry.origin, newest),
                     through,
                     stamp_back: newest.0 - entry.through.stamp.0,
                     base_back: through.wrapping_sub(base),
@@ -385,7 +422,7 @@ impl DeltaBody {
             .map(|entry| {
                 let base = entry.through.wrapping_sub(entry.base_back);
                 Ok(OriginDelta {
-                    origin: entry.origin,
+                    origin: entry.origin.id(newest),
                     through: Watermark {
                         version: Version(entry.through),
                         stamp: stamp_from(newest, entry.stamp_back)?,
@@ -551,7 +588,9 @@ fn window_index_at(stamp: Stamp, len_secs: u32) -> u64 {
 /// The newest stamp anywhere in `message`: every other stamp is sent below it.
 fn newest_stamp(message: &Message) -> Stamp {
     let newest = match message {
-        Message::Syn { digest, .. } => digest_stamps(digest).max(),
+        Message::Syn {
+            digest, unlisted, ..
+        } => digest_stamps(digest).chain([*unlisted]).max(),
         Message::Ack { delta, digest, .. } => {
             delta_stamps(delta).chain(digest_stamps(digest)).max()
         }
@@ -580,7 +619,7 @@ fn digest_entries(digest: &Digest, newest: Stamp) -> Vec<DigestEntry> {
             previous = replica.node.0;
             DigestEntry {
                 node_gap,
-                generation: replica.generation.0,
+                age: age(replica.generation, newest),
                 version: watermark.version.0,
                 stamp_back: newest.0 - watermark.stamp.0,
             }
@@ -599,7 +638,7 @@ fn digest_from(entries: Vec<DigestEntry>, newest: Stamp) -> Result<Digest, Decod
                 format!("node {node} + {}", entry.node_gap),
             )
         })?;
-        let replica = ReplicaId::new(NodeId(node), Generation(entry.generation));
+        let replica = ReplicaId::new(NodeId(node), generation_from(entry.age, newest));
         if previous.is_some_and(|previous| previous >= replica) {
             return Err(field(
                 "digest",
@@ -614,6 +653,15 @@ fn digest_from(entries: Vec<DigestEntry>, newest: Stamp) -> Result<Digest, Decod
         digest.origins.insert(replica, watermark);
     }
     Ok(digest)
+}
+
+/// A generation's age: its distance below `newest`, wrapping (see [`Replica`]).
+fn age(generation: Generation, newest: Stamp) -> u64 {
+    newest.0.wrapping_sub(generation.0)
+}
+
+fn generation_from(age: u64, newest: Stamp) -> Generation {
+    Generation(newest.0.wrapping_sub(age))
 }
 
 fn stamp_from(newest: Stamp, back: u64) -> Result<Stamp, DecodeError> {
@@ -635,8 +683,10 @@ mod tests {
 
     const WALL: u64 = 1_767_225_600_000;
 
+    /// A replica whose life began three days before `WALL`, as `tallyd`'s generations are
+    /// its wall clock at start.
     fn replica(node: u64) -> ReplicaId {
-        ReplicaId::new(NodeId(node), Generation(1))
+        ReplicaId::new(NodeId(node), Generation(WALL - 3 * 86_400_000))
     }
 
     fn key(rule: &str, subject: &str, window: Window) -> Key {
@@ -742,10 +792,17 @@ mod tests {
         vec![
             Message::Syn {
                 digest: digest(),
+                unlisted: Stamp(WALL - 100),
                 members_hash: u64::MAX,
             },
             Message::Syn {
                 digest: Digest::default(),
+                unlisted: Stamp(0),
+                members_hash: 42,
+            },
+            Message::Syn {
+                digest: Digest::default(),
+                unlisted: Stamp(WALL),
                 members_hash: 42,
             },
             Message::Ack {
@@ -804,8 +861,28 @@ mod tests {
     #[test]
     fn a_heartbeat_is_a_version_and_a_stamp() {
         let frame = encode(replica(3), &push(10, Vec::new(), 10));
-        // Version byte, replica (2), newest stamp (9), tag, version.
-        assert_eq!(frame.len(), 1 + 2 + 9 + 1 + 1);
+        // Version byte, replica (node 1, a three-day age 5), newest stamp (9), tag,
+        // version.
+        assert_eq!(frame.len(), 1 + 1 + 5 + 9 + 1 + 1);
+    }
+
+    #[test]
+    fn generations_ahead_of_or_far_below_the_newest_stamp_round_trip_exactly() {
+        for generation in [0, 1, WALL, WALL + 2, WALL + 60_000, u64::MAX] {
+            let from = ReplicaId::new(NodeId(3), Generation(generation));
+            let Message::Push { after, lanes } = push(10, Vec::new(), 10) else {
+                unreachable!("push builds a push");
+            };
+            let message = Message::Push {
+                after,
+                lanes: OriginDelta {
+                    origin: from,
+                    ..lanes
+                },
+            };
+            let envelope = decode(&encode(from, &message), FRAME_BYTES_LIMIT);
+            assert_eq!(envelope, Ok(Envelope { from, message }), "{generation}");
+        }
     }
 
     #[test]
@@ -906,7 +983,8 @@ mod tests {
             panic!("not a syn");
         };
         digest[0].stamp_back = 0;
-        digest[1].generation = 1;
+        // The second entry names the first's replica again.
+        digest[1].age = digest[0].age;
         let mut bytes = vec![WIRE_VERSION];
         bincode::serde::encode_into_std_write(&frame, &mut bytes, CONFIG).unwrap();
         assert_eq!(refused_field(&bytes), "digest");

@@ -205,6 +205,59 @@ fn restart_with_state_keeps_its_generation() {
     }
 }
 
+/// A Syn leaves out origins its sender holds no lanes of and heard from within two rounds
+/// (their heartbeats reach every peer directly). A node whose link from such an origin is
+/// cut must still hear it, by relay, before and after the origin restarts as a new
+/// generation it never heard directly.
+#[test]
+fn a_node_cut_off_from_an_idle_origin_hears_it_by_relay() {
+    use tally_crdt::NodeId;
+    use tally_gossip::membership::State;
+    const CUT_OFF: usize = 2;
+    const IDLE: usize = 5;
+    for seed in seeds(1_100, 10) {
+        let mut sim = Sim::new(SimConfig::new(8, seed));
+        sim.run_for(SECOND);
+        sim.network().cut(IDLE, CUT_OFF);
+        for life in 0..2 {
+            if life == 1 {
+                sim.crash(IDLE, false);
+                sim.run_for(Duration::from_millis(300));
+                sim.restart(IDLE);
+            }
+            sim.run_for(SECOND);
+            let mut worst = Duration::ZERO;
+            for _ in 0..300 {
+                sim.run_for(Duration::from_millis(10));
+                let wall = sim.wall(CUT_OFF);
+                let gossip = sim.gossip(CUT_OFF).expect("never crashed");
+                let replica = sim.replica(IDLE);
+                let staleness = gossip.staleness(wall).get(&replica).copied();
+                let staleness = staleness.unwrap_or_else(|| {
+                    panic!("seed {seed}, life {life}: node {CUT_OFF} does not hold {replica}")
+                });
+                worst = worst.max(staleness);
+                assert_eq!(
+                    gossip.members().state(NodeId(IDLE as u64)),
+                    Some(State::Alive),
+                    "seed {seed}, life {life}"
+                );
+            }
+            // Two rounds before a Syn lists the stamp, one more before a relay is worth
+            // it, and up to two more before the next exchange with a node that holds it.
+            assert!(
+                worst <= Duration::from_millis(500),
+                "seed {seed}, life {life}: {worst:?} old at worst; replay: {}",
+                tally_gossip::sim::replay_hint(
+                    "a_node_cut_off_from_an_idle_origin_hears_it_by_relay",
+                    seed
+                )
+            );
+        }
+        sim.assert_clean("a_node_cut_off_from_an_idle_origin_hears_it_by_relay");
+    }
+}
+
 #[test]
 fn pause_past_the_failure_detector_and_resume_counts_nothing_twice() {
     use tally_crdt::NodeId;

@@ -29,6 +29,11 @@ use tally_crdt::{
 /// The wall clock at simulated time zero (2026-01-01T00:00:00Z), in milliseconds.
 pub const WALL_START_MS: u64 = 1_767_225_600_000;
 
+/// How long before simulated time zero the nodes started, at most: each node's first
+/// generation is the wall clock at a start drawn from the run's seed within this span, as
+/// `tallyd` takes its generation from the wall clock (in milliseconds) at start.
+pub const STARTS_SPREAD_MS: u64 = 7 * 24 * 3_600 * 1_000;
+
 /// How to build a simulated cluster.
 #[derive(Debug, Clone)]
 pub struct SimConfig {
@@ -92,6 +97,7 @@ struct SimNode {
     saved: Option<CounterMap>,
     paused: bool,
     skew_ms: i64,
+    // The wall clock in milliseconds at the start of this life, as `tallyd` takes it.
     generation: u64,
     // The node's own lane totals, as its lane store would hold them.
     own: BTreeMap<Key, Lane>,
@@ -117,12 +123,12 @@ impl Sim {
     /// A cluster of `config.nodes` nodes; node 0 and 1 are everyone's seeds.
     pub fn new(config: SimConfig) -> Sim {
         let nodes = (0..config.nodes)
-            .map(|_| SimNode {
+            .map(|index| SimNode {
                 gossip: None,
                 saved: None,
                 paused: false,
                 skew_ms: 0,
-                generation: 1,
+                generation: first_generation(config.seed, index),
                 own: BTreeMap::new(),
                 wake_at: Duration::ZERO,
                 seen: BTreeMap::new(),
@@ -271,7 +277,11 @@ impl Sim {
         }
         let saved = self.nodes[index].saved.take();
         if saved.is_none() && !self.config.reuse_generation_on_state_loss {
-            self.nodes[index].generation += 1;
+            // The wall clock now, as `tallyd` takes it; a later one than the last life's
+            // even if two restarts fall in one millisecond or the clock went back.
+            let wall = self.wall(index).0;
+            let node = &mut self.nodes[index];
+            node.generation = wall.max(node.generation + 1);
         }
         self.boot(index, saved);
     }
@@ -651,6 +661,17 @@ impl Sim {
             }
         }
     }
+}
+
+/// Node `index`'s first generation: the wall clock at a start within [`STARTS_SPREAD_MS`]
+/// before simulated time zero, drawn from the run's seed (splitmix64), so every node's
+/// differs and each takes as many bytes on the wire as a node up for days does.
+fn first_generation(seed: u64, index: usize) -> u64 {
+    let mut z = seed ^ (index as u64 + 1).wrapping_mul(0x9E37_79B9_7F4A_7C15);
+    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    z ^= z >> 31;
+    WALL_START_MS - 1 - z % STARTS_SPREAD_MS
 }
 
 /// The command that replays a failing seed of a simulator test.
