@@ -51,7 +51,7 @@
 //! # at the region directly, as an edge speaks to it
 //! cargo bench --bench client_load -- --region 127.0.0.1:18001 --certs DIR --node 3 \
 //!     --rule quota --connections 50 --pipeline 16 --requests 200000
-//! # the disk's sync latency: write(8 bytes) + fdatasync on a file, one after the other
+//! # the disk's sync latency: write(8 bytes) + fdatasync, appending and preallocated
 //! cargo bench --bench client_load -- --fsync-probe target/bench-exact/probe --requests 5000
 //! ```
 //!
@@ -73,9 +73,13 @@
 //! decision, or a check sent twice, fails the run. The line ends in `op=check
 //! path=region`.
 //!
-//! `--fsync-probe FILE` measures the disk instead: `--requests` N times (after N / 10 not
-//! recorded) append 8 bytes to FILE and `sync_data` it, timing each pair, and removes FILE.
-//! The line starts with `fsync`.
+//! `--fsync-probe FILE` measures the disk instead, two ways one after the other, each
+//! `--requests` N times (after N / 10 not recorded), timing each write and its `sync_data`:
+//! `mode=append` appends 8 bytes to FILE (each sync also commits the file's new size, as
+//! Redis's AOF does); `mode=preallocated` writes 8 bytes at a time through the region's own
+//! log (`tally_node::region::log::FileStorage`, on FILE with its extension `probe.log`),
+//! into its allocation ahead of zeros already synced. It removes both files and prints one
+//! line per way, each starting with `fsync mode=`.
 
 use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpStream};
@@ -146,16 +150,21 @@ fn main() -> ExitCode {
         }
     };
     if let Some(file) = &args.fsync_probe {
-        return match run_fsync(file, args.requests) {
-            Ok(report) => {
-                println!(
-                    "fsync requests={} ops_per_sec={:.0} p50_us={:.1} p99_us={:.1} file={}",
-                    report.requests,
-                    report.ops_per_sec,
-                    report.p50_us,
-                    report.p99_us,
-                    file.display()
-                );
+        let reports = run_fsync(file, args.requests)
+            .and_then(|appending| Ok((appending, run_fsync_preallocated(file, args.requests)?)));
+        return match reports {
+            Ok((appending, preallocated)) => {
+                for (mode, report) in [("append", appending), ("preallocated", preallocated)] {
+                    println!(
+                        "fsync mode={mode} requests={} ops_per_sec={:.0} p50_us={:.1} \
+                         p99_us={:.1} file={}",
+                        report.requests,
+                        report.ops_per_sec,
+                        report.p50_us,
+                        report.p99_us,
+                        file.display()
+                    );
+                }
                 ExitCode::SUCCESS
             }
             Err(why) => {
@@ -482,7 +491,8 @@ async fn region_phase(
 }
 
 /// `--fsync-probe`: appends 8 bytes to `file` and syncs it, one pair at a time; a warm-up
-/// of a tenth, then `requests` timed. Removes the file.
+/// of a tenth, then `requests` timed. Removes the file. Every sync also commits the file's
+/// new size.
 fn run_fsync(file: &std::path::Path, requests: u64) -> Result<Report, String> {
     let failed = |what: &str, err: std::io::Error| format!("{}: {what}: {err}", file.display());
     let mut out = std::fs::OpenOptions::new()
@@ -508,6 +518,39 @@ fn run_fsync(file: &std::path::Path, requests: u64) -> Result<Report, String> {
     let elapsed = now().duration_since(started);
     drop(out);
     std::fs::remove_file(file).map_err(|err| failed("remove", err))?;
+    Ok(report(latencies_ns, elapsed))
+}
+
+/// `--fsync-probe`, the region log's way: 8 bytes at a time through the region's own
+/// `log::FileStorage` on a new log, `file` with the extension `probe.log` (room, write,
+/// `sync_data`, as the committer does a group), so each lands in the log's allocation
+/// ahead, zeros already synced, and its sync commits no change of size. The one allocation
+/// (a chunk, far more than the run writes) falls in the warm-up. Removes the log.
+fn run_fsync_preallocated(file: &std::path::Path, requests: u64) -> Result<Report, String> {
+    use tally_node::region::log::{self, Storage};
+    let path = file.with_extension("probe.log");
+    let failed = |what: &str, err: std::io::Error| format!("{}: {what}: {err}", path.display());
+    let (mut storage, _, _) = log::open(&path).map_err(|err| failed("open", err))?;
+    let warm_up = (requests / 10).max(1);
+    let mut latencies_ns = Vec::with_capacity(requests as usize);
+    let mut started = now();
+    for i in 0..warm_up + requests {
+        if i == warm_up {
+            started = now();
+        }
+        let sent = now();
+        storage
+            .reserve(8)
+            .and_then(|()| storage.append(&i.to_le_bytes()))
+            .and_then(|()| storage.sync())
+            .map_err(|err| failed("reserve, write or fdatasync", err))?;
+        if i >= warm_up {
+            latencies_ns.push(now().duration_since(sent).as_nanos() as u64);
+        }
+    }
+    let elapsed = now().duration_since(started);
+    drop(storage);
+    std::fs::remove_file(&path).map_err(|err| failed("remove", err))?;
     Ok(report(latencies_ns, elapsed))
 }
 
