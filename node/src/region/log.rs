@@ -425,7 +425,7 @@ mod tests {
             let bytes = encoded(group);
             storage.reserve(bytes.len()).unwrap();
             let allocated = std::fs::metadata(&path).unwrap().len();
-            assert_eq!(allocated % 64, 0, "whole chunks");
+            assert!(allocated.is_multiple_of(64), "whole chunks");
             storage.append(&bytes).unwrap();
             storage.sync().unwrap();
             let len = std::fs::metadata(&path).unwrap().len();
@@ -498,7 +498,10 @@ mod tests {
         // length: if the bytes after the recovered end were left, E would end where D
         // starts, and the next recovery would read D, never acknowledged, as decided.
         let (c, d, e) = (entry(4), entry(5), entry(8));
-        assert_eq!(encoded(&[c.clone()]).len(), encoded(&[e.clone()]).len());
+        assert_eq!(
+            encoded(std::slice::from_ref(&c)).len(),
+            encoded(std::slice::from_ref(&e)).len()
+        );
         let dir = temp_dir("region-resurrect");
         let path = dir.join("region.log");
         let mut torn_c = encoded(&[c]);
@@ -516,7 +519,7 @@ mod tests {
         let (mut storage, recovered, torn) = open(&path).unwrap();
         assert_eq!(recovered, [entry(0), entry(1)]);
         assert!(torn > 0);
-        commit(&mut storage, &encoded(&[e.clone()]));
+        commit(&mut storage, &encoded(std::slice::from_ref(&e)));
         drop(storage);
         let (_, reopened, _) = open(&path).unwrap();
         assert_eq!(reopened, [entry(0), entry(1), e], "D came back");
@@ -547,7 +550,7 @@ mod tests {
         // The replacement has its allocation ahead: at least a chunk of zeros.
         let end = MAGIC.len() + bytes(10..12).len();
         let len = std::fs::metadata(&path).unwrap().len();
-        assert!(len % 64 == 0 && len >= end as u64 + 64, "{len}");
+        assert!(len.is_multiple_of(64) && len >= end as u64 + 64, "{len}");
         assert_zeros_after_end(&path, end, "replaced");
         commit(&mut storage, &bytes(12..13));
         assert_eq!(std::fs::metadata(&path).unwrap().len(), len);
