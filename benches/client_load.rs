@@ -75,11 +75,13 @@
 //!
 //! `--fsync-probe FILE` measures the disk instead, two ways one after the other, each
 //! `--requests` N times (after N / 10 not recorded), timing each write and its `sync_data`:
-//! `mode=append` appends 8 bytes to FILE (each sync also commits the file's new size, as
-//! Redis's AOF does); `mode=preallocated` writes 8 bytes at a time through the region's own
-//! log (`tally_node::region::log::FileStorage`, on FILE with its extension `probe.log`),
-//! into its allocation ahead of zeros already synced. It removes both files and prints one
-//! line per way, each starting with `fsync mode=`.
+//! `mode=append` appends to FILE (each sync also commits the file's new size, as Redis's
+//! AOF does); `mode=preallocated` writes through the region's own log
+//! (`tally_node::region::log::FileStorage`, on FILE with its extension `probe.log`) into its
+//! allocation ahead of zeros already synced, waiting for a chunk's zeros once per chunk.
+//! Both ways run with 8 bytes per sync (`bytes=8`, the disk's sync) and then with 16 KiB
+//! (`bytes=16384`, a region group under load). It removes the files and prints one line
+//! per way and size, each starting with `fsync mode=`.
 
 use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpStream};
@@ -150,14 +152,12 @@ fn main() -> ExitCode {
         }
     };
     if let Some(file) = &args.fsync_probe {
-        let reports = run_fsync(file, args.requests)
-            .and_then(|appending| Ok((appending, run_fsync_preallocated(file, args.requests)?)));
-        return match reports {
-            Ok((appending, preallocated)) => {
-                for (mode, report) in [("append", appending), ("preallocated", preallocated)] {
+        return match run_fsync_probe(file, args.requests) {
+            Ok(reports) => {
+                for (mode, bytes, report) in reports {
                     println!(
-                        "fsync mode={mode} requests={} ops_per_sec={:.0} p50_us={:.1} \
-                         p99_us={:.1} file={}",
+                        "fsync mode={mode} bytes={bytes} requests={} ops_per_sec={:.0} \
+                         p50_us={:.1} p99_us={:.1} file={}",
                         report.requests,
                         report.ops_per_sec,
                         report.p50_us,
@@ -490,10 +490,29 @@ async fn region_phase(
     gather(tasks, if record { requests as usize } else { 0 }).await
 }
 
-/// `--fsync-probe`: appends 8 bytes to `file` and syncs it, one pair at a time; a warm-up
+/// What `--fsync-probe` writes before each sync: 8 bytes (the disk's sync alone, as Redis's
+/// AOF does one INCR), and 16 KiB (a group of about 420 records, as the region commits
+/// under load: BENCHMARKS.md, issue 5).
+const FSYNC_PROBE_BYTES: [usize; 2] = [8, 16 * 1024];
+
+/// `--fsync-probe`: each way, for each of [`FSYNC_PROBE_BYTES`], one after the other.
+fn run_fsync_probe(
+    file: &std::path::Path,
+    requests: u64,
+) -> Result<Vec<(&'static str, usize, Report)>, String> {
+    let mut reports = Vec::new();
+    for bytes in FSYNC_PROBE_BYTES {
+        reports.push(("append", bytes, run_fsync(file, requests, bytes)?));
+        let preallocated = run_fsync_preallocated(file, requests, bytes)?;
+        reports.push(("preallocated", bytes, preallocated));
+    }
+    Ok(reports)
+}
+
+/// `--fsync-probe`: appends `bytes` to `file` and syncs it, one pair at a time; a warm-up
 /// of a tenth, then `requests` timed. Removes the file. Every sync also commits the file's
 /// new size.
-fn run_fsync(file: &std::path::Path, requests: u64) -> Result<Report, String> {
+fn run_fsync(file: &std::path::Path, requests: u64, bytes: usize) -> Result<Report, String> {
     let failed = |what: &str, err: std::io::Error| format!("{}: {what}: {err}", file.display());
     let mut out = std::fs::OpenOptions::new()
         .create(true)
@@ -501,6 +520,7 @@ fn run_fsync(file: &std::path::Path, requests: u64) -> Result<Report, String> {
         .open(file)
         .map_err(|err| failed("open", err))?;
     let warm_up = (requests / 10).max(1);
+    let data = vec![0xa5; bytes];
     let mut latencies_ns = Vec::with_capacity(requests as usize);
     let mut started = now();
     for i in 0..warm_up + requests {
@@ -508,8 +528,7 @@ fn run_fsync(file: &std::path::Path, requests: u64) -> Result<Report, String> {
             started = now();
         }
         let sent = now();
-        out.write_all(&i.to_le_bytes())
-            .map_err(|err| failed("write", err))?;
+        out.write_all(&data).map_err(|err| failed("write", err))?;
         out.sync_data().map_err(|err| failed("fdatasync", err))?;
         if i >= warm_up {
             latencies_ns.push(now().duration_since(sent).as_nanos() as u64);
@@ -521,17 +540,23 @@ fn run_fsync(file: &std::path::Path, requests: u64) -> Result<Report, String> {
     Ok(report(latencies_ns, elapsed))
 }
 
-/// `--fsync-probe`, the region log's way: 8 bytes at a time through the region's own
+/// `--fsync-probe`, the region log's way: `bytes` at a time through the region's own
 /// `log::FileStorage` on a new log, `file` with the extension `probe.log` (room, write,
 /// `sync_data`, as the committer does a group), so each lands in the log's allocation
-/// ahead, zeros already synced, and its sync commits no change of size. The one allocation
-/// (a chunk, far more than the run writes) falls in the warm-up. Removes the log.
-fn run_fsync_preallocated(file: &std::path::Path, requests: u64) -> Result<Report, String> {
+/// ahead, zeros already synced, and its sync commits no change of size. Once per chunk
+/// of log (`log::CHUNK_BYTES`) a write first waits for the next chunk's zeros, and that
+/// wait is timed with it. Removes the log.
+fn run_fsync_preallocated(
+    file: &std::path::Path,
+    requests: u64,
+    bytes: usize,
+) -> Result<Report, String> {
     use tally_node::region::log::{self, Storage};
     let path = file.with_extension("probe.log");
     let failed = |what: &str, err: std::io::Error| format!("{}: {what}: {err}", path.display());
     let (mut storage, _, _) = log::open(&path).map_err(|err| failed("open", err))?;
     let warm_up = (requests / 10).max(1);
+    let data = vec![0xa5; bytes];
     let mut latencies_ns = Vec::with_capacity(requests as usize);
     let mut started = now();
     for i in 0..warm_up + requests {
@@ -540,8 +565,8 @@ fn run_fsync_preallocated(file: &std::path::Path, requests: u64) -> Result<Repor
         }
         let sent = now();
         storage
-            .reserve(8)
-            .and_then(|()| storage.append(&i.to_le_bytes()))
+            .reserve(bytes)
+            .and_then(|()| storage.append(&data))
             .and_then(|()| storage.sync())
             .map_err(|err| failed("reserve, write or fdatasync", err))?;
         if i >= warm_up {

@@ -24,9 +24,9 @@
 #
 # Every request of every side is one durable increment of one key (subject `counter`;
 # redis-benchmark's `counter:__rand_int__` without -r). Before and after the runs, the
-# disk's sync latency: `client_load --fsync-probe` (8 bytes + fdatasync, one at a time, in
-# the same directory: appended to a file that grows, as Redis's AOF is, and written into the
-# region log's allocation ahead, as the region's groups are). Around every run it reads the
+# disk's sync latency: `client_load --fsync-probe` (8 bytes, then 16 KiB, + fdatasync, one
+# at a time, in the same directory: appended to a file that grows, as Redis's AOF is, and
+# written into the region log's allocation ahead, as the region's groups are). Around every run it reads the
 # CPU time of each process (/proc/<pid>/stat; the load generator's from this shell's
 # waited-for children) and the region's `tally_region_log_records_total` and
 # `tally_region_log_syncs_total` from its /metrics, for records per sync (the group
@@ -306,16 +306,16 @@ echo "nproc $(nproc); load average before $load_before, after $(cut -d' ' -f1-3 
 echo "load average (1 min) at the start of each run: $(cut -f15 "$results" | sort -n | sed -n '1p;$p' | paste -sd' ' | sed 's/ / to /');" \
     "region on disk at the end: $region_records records, region.log $region_log MB, RSS $region_rss MB"
 echo
-echo "disk sync latency (write 8 bytes + fdatasync, one at a time, in the data directory;" \
-    "append: to a file that grows, as Redis's AOF; preallocated: into the region log's" \
-    "zeros allocated and synced ahead, as the region's groups):"
+echo "disk sync latency (a write of 8 bytes or 16 KiB + fdatasync, one at a time, in the" \
+    "data directory; append: to a file that grows, as Redis's AOF; preallocated: through" \
+    "the region log into its zeros allocated and synced ahead, as the region's groups):"
 echo
-echo "| when | sync | syncs/s | p50 us | p99 us |"
-echo "|---|---|---:|---:|---:|"
+echo "| when | sync | bytes | syncs/s | p50 us | p99 us |"
+echo "|---|---|---:|---:|---:|---:|"
 for probe in "before:$fsync_before" "after:$fsync_after"; do
     echo "${probe#*:}" | awk -v when="${probe%%:*}" '{
         for (i = 1; i <= NF; i++) { split($i, kv, "="); v[kv[1]] = kv[2] }
-        printf "| %s | %s | %s | %s | %s |\n", when, v["mode"], v["ops_per_sec"], v["p50_us"], v["p99_us"] }'
+        printf "| %s | %s | %s | %s | %s | %s |\n", when, v["mode"], v["bytes"], v["ops_per_sec"], v["p50_us"], v["p99_us"] }'
 done
 
 echo
