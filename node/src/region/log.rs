@@ -6,7 +6,7 @@
 //!
 //! ```text
 //! [MAGIC 8 bytes][entry]...[entry][0 0 0 ...... 0]
-//!                                 ^ end          ^ the file's length: a whole number of chunks
+//!                                 ^ end          ^ the file's length (whole chunks once allocated)
 //! entry = [len u32 LE][crc32 u32 LE][body: bincode, 1 to RECORD_BYTES_MAX bytes]
 //! ```
 //!
@@ -133,8 +133,8 @@ pub trait Storage: Send {
     fn replace(&mut self, bytes: &[u8]) -> std::io::Result<()>;
 }
 
-/// The file is allocated ahead of the log's end in chunks of this many bytes (its length
-/// is a multiple of it). Every byte of log is written twice, as a zero and then as itself,
+/// The file is allocated ahead of the log's end in chunks of this many bytes (after an
+/// allocation its length is a multiple of it). Every byte of log is written twice, as a zero and then as itself,
 /// whatever the chunk size; the size decides how often, and for how long, a group waits
 /// for a chunk's zeros to be written and synced (about 1 ms per MiB on this project's
 /// virtual disk). The region's groups hold 16 to 25 KiB under load (BENCHMARKS.md, issue
@@ -149,7 +149,8 @@ pub const CHUNK_BYTES: u64 = 4 * 1024 * 1024;
 pub struct FileStorage {
     file: File,
     path: PathBuf,
-    // Where the next entry goes. Invariant: every byte of the file from here on is zero.
+    // Where the next entry goes. Invariant: every byte of the file from here on is zero
+    // (unless a write failed: the committer then writes nothing more).
     end: u64,
     // The file's length once the zeros written ahead of `end` are synced; at least `end`.
     allocated: u64,
