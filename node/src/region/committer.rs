@@ -1,9 +1,10 @@
 //! Group commit: one thread owns the region log, takes every record queued while it was
 //! busy, makes room for them in the log's allocation ahead (once per chunk of log, that
 //! writes and syncs zeros: see [`super::log`]), appends them with one write and makes them
-//! durable with one `sync_data`, then acknowledges them all. The more checks arrive during a sync, the more share the next.
-//! A compaction is queued like a record and done in its turn: the log is replaced whole by
-//! the entries of the state every earlier submission left.
+//! durable with one `sync_data`, then acknowledges them all. The more checks arrive during
+//! a sync, the more share the next. A compaction is queued like a record and done in its
+//! turn: the log is replaced whole by the entries of the state every earlier submission
+//! left.
 //!
 //! After a failed write, sync, allocation or compaction, every record then queued and every
 //! later one is refused: the committer never retries and then acknowledges. A full disk
