@@ -6,7 +6,7 @@
 //!
 //! ```text
 //! [MAGIC 8 bytes][entry]...[entry][0 0 0 ...... 0]
-//!                                 ^ end          ^ the file's length (whole chunks once allocated)
+//!                                 ^ end          ^ the file's length (whole chunks)
 //! entry = [len u32 LE][crc32 u32 LE][body: bincode, 1 to RECORD_BYTES_MAX bytes]
 //! ```
 //!
@@ -134,15 +134,17 @@ pub trait Storage: Send {
 }
 
 /// The file is allocated ahead of the log's end in chunks of this many bytes (after an
-/// allocation its length is a multiple of it). Every byte of log is written twice, as a zero and then as itself,
-/// whatever the chunk size; the size decides how often, and for how long, a group waits
-/// for a chunk's zeros to be written and synced (about 1 ms per MiB on this project's
-/// virtual disk). The region's groups hold 16 to 25 KiB under load (BENCHMARKS.md, issue
-/// 5), so with 4 MiB fewer than 1 in 160 groups wait, and the wait (about 4 ms) stays out
-/// of the p99 of a group's commit. Measured on that disk, a committer over this file
-/// committing 16 KiB groups one at a time: p99 380 to 480 us with 4 MiB, within a growing
-/// file's 270 to 700 us, against 1.0 to 1.2 ms with 1 MiB and 590 to 690 us with 256 KiB;
-/// p99.9 5.0 ms with 4 MiB. A chunk also holds a largest group (`GROUP_BYTES_MAX`, 4 MiB).
+/// allocation its length is a multiple of it). Every byte of log is written twice, as a
+/// zero and then as itself, whatever the chunk size; the size decides how often, and for
+/// how long, a group waits for a chunk's zeros to be written and synced (about 1 ms per
+/// MiB on this project's virtual disk). The region's groups hold 16 to 25 KiB under load
+/// (BENCHMARKS.md, issue 5), so with 4 MiB fewer than 1 in 160 groups wait, and the wait
+/// (about 4 ms) stays out of the p99 of a group's commit. Measured on that disk, a
+/// committer over this file committing 16 KiB groups one at a time: p99 380 to 480 us with
+/// 4 MiB, within a growing file's 270 to 700 us, against 1.0 to 1.2 ms with 1 MiB and 590
+/// to 690 us with 256 KiB; p99.9 5.0 ms with 4 MiB. (`client_load --fsync-probe` times
+/// 16 KiB writes both ways, the waits included.) A chunk also holds a largest group
+/// (`GROUP_BYTES_MAX`, 4 MiB).
 pub const CHUNK_BYTES: u64 = 4 * 1024 * 1024;
 
 /// The log file.
