@@ -51,7 +51,7 @@
 //! # at the region directly, as an edge speaks to it
 //! cargo bench --bench client_load -- --region 127.0.0.1:18001 --certs DIR --node 3 \
 //!     --rule quota --connections 50 --pipeline 16 --requests 200000
-//! # the disk's sync latency: write(8 bytes) + fdatasync on a file, one after the other
+//! # the disk's sync latency: write(8 bytes) + fdatasync, appending and preallocated
 //! cargo bench --bench client_load -- --fsync-probe target/bench-exact/probe --requests 5000
 //! ```
 //!
@@ -73,9 +73,15 @@
 //! decision, or a check sent twice, fails the run. The line ends in `op=check
 //! path=region`.
 //!
-//! `--fsync-probe FILE` measures the disk instead: `--requests` N times (after N / 10 not
-//! recorded) append 8 bytes to FILE and `sync_data` it, timing each pair, and removes FILE.
-//! The line starts with `fsync`.
+//! `--fsync-probe FILE` measures the disk instead, two ways one after the other, each
+//! `--requests` N times (after N / 10 not recorded), timing each write and its `sync_data`:
+//! `mode=append` appends to FILE (each sync also commits the file's new size, as Redis's
+//! AOF does); `mode=preallocated` writes through the region's own log
+//! (`tally_node::region::log::FileStorage`, on FILE with its extension `probe.log`) into its
+//! allocation ahead of zeros already synced, waiting for a chunk's zeros once per chunk.
+//! Both ways run with 8 bytes per sync (`bytes=8`, the disk's sync) and then with 16 KiB
+//! (`bytes=16384`, a region group under load). It removes the files and prints one line
+//! per way and size, each starting with `fsync mode=`.
 
 use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpStream};
@@ -147,16 +153,19 @@ fn main() -> ExitCode {
         }
     };
     if let Some(file) = &args.fsync_probe {
-        return match run_fsync(file, args.requests) {
-            Ok(report) => {
-                println!(
-                    "fsync requests={} ops_per_sec={:.0} p50_us={:.1} p99_us={:.1} file={}",
-                    report.requests,
-                    report.ops_per_sec,
-                    report.p50_us,
-                    report.p99_us,
-                    file.display()
-                );
+        return match run_fsync_probe(file, args.requests) {
+            Ok(reports) => {
+                for (mode, bytes, report) in reports {
+                    println!(
+                        "fsync mode={mode} bytes={bytes} requests={} ops_per_sec={:.0} \
+                         p50_us={:.1} p99_us={:.1} file={}",
+                        report.requests,
+                        report.ops_per_sec,
+                        report.p50_us,
+                        report.p99_us,
+                        file.display()
+                    );
+                }
                 ExitCode::SUCCESS
             }
             Err(why) => {
@@ -483,9 +492,29 @@ async fn region_phase(
     Ok(latencies_ns)
 }
 
-/// `--fsync-probe`: appends 8 bytes to `file` and syncs it, one pair at a time; a warm-up
-/// of a tenth, then `requests` timed. Removes the file.
-fn run_fsync(file: &std::path::Path, requests: u64) -> Result<Report, String> {
+/// What `--fsync-probe` writes before each sync: 8 bytes (the disk's sync alone, as Redis's
+/// AOF does one INCR), and 16 KiB (a group of about 420 records, as the region commits
+/// under load: BENCHMARKS.md, issue 5).
+const FSYNC_PROBE_BYTES: [usize; 2] = [8, 16 * 1024];
+
+/// `--fsync-probe`: each way, for each of [`FSYNC_PROBE_BYTES`], one after the other.
+fn run_fsync_probe(
+    file: &std::path::Path,
+    requests: u64,
+) -> Result<Vec<(&'static str, usize, Report)>, String> {
+    let mut reports = Vec::new();
+    for bytes in FSYNC_PROBE_BYTES {
+        reports.push(("append", bytes, run_fsync(file, requests, bytes)?));
+        let preallocated = run_fsync_preallocated(file, requests, bytes)?;
+        reports.push(("preallocated", bytes, preallocated));
+    }
+    Ok(reports)
+}
+
+/// `--fsync-probe`: appends `bytes` to `file` and syncs it, one pair at a time; a warm-up
+/// of a tenth, then `requests` timed. Removes the file. Every sync also commits the file's
+/// new size.
+fn run_fsync(file: &std::path::Path, requests: u64, bytes: usize) -> Result<Report, String> {
     let failed = |what: &str, err: std::io::Error| format!("{}: {what}: {err}", file.display());
     let mut out = std::fs::OpenOptions::new()
         .create(true)
@@ -493,6 +522,7 @@ fn run_fsync(file: &std::path::Path, requests: u64) -> Result<Report, String> {
         .open(file)
         .map_err(|err| failed("open", err))?;
     let warm_up = (requests / 10).max(1);
+    let data = vec![0xa5; bytes];
     let mut latencies_ns = Vec::with_capacity(requests as usize);
     let mut started = now();
     for i in 0..warm_up + requests {
@@ -500,8 +530,7 @@ fn run_fsync(file: &std::path::Path, requests: u64) -> Result<Report, String> {
             started = now();
         }
         let sent = now();
-        out.write_all(&i.to_le_bytes())
-            .map_err(|err| failed("write", err))?;
+        out.write_all(&data).map_err(|err| failed("write", err))?;
         out.sync_data().map_err(|err| failed("fdatasync", err))?;
         if i >= warm_up {
             latencies_ns.push(now().duration_since(sent).as_nanos() as u64);
@@ -510,6 +539,45 @@ fn run_fsync(file: &std::path::Path, requests: u64) -> Result<Report, String> {
     let elapsed = now().duration_since(started);
     drop(out);
     std::fs::remove_file(file).map_err(|err| failed("remove", err))?;
+    Ok(report(latencies_ns, elapsed))
+}
+
+/// `--fsync-probe`, the region log's way: `bytes` at a time through the region's own
+/// `log::FileStorage` on a new log, `file` with the extension `probe.log` (room, write,
+/// `sync_data`, as the committer does a group), so each lands in the log's allocation
+/// ahead, zeros already synced, and its sync commits no change of size. Once per chunk
+/// of log (`log::CHUNK_BYTES`) a write first waits for the next chunk's zeros, and that
+/// wait is timed with it. Removes the log.
+fn run_fsync_preallocated(
+    file: &std::path::Path,
+    requests: u64,
+    bytes: usize,
+) -> Result<Report, String> {
+    use tally_node::region::log::{self, Storage};
+    let path = file.with_extension("probe.log");
+    let failed = |what: &str, err: std::io::Error| format!("{}: {what}: {err}", path.display());
+    let (mut storage, _, _) = log::open(&path).map_err(|err| failed("open", err))?;
+    let warm_up = (requests / 10).max(1);
+    let data = vec![0xa5; bytes];
+    let mut latencies_ns = Vec::with_capacity(requests as usize);
+    let mut started = now();
+    for i in 0..warm_up + requests {
+        if i == warm_up {
+            started = now();
+        }
+        let sent = now();
+        storage
+            .reserve(bytes)
+            .and_then(|()| storage.append(&data))
+            .and_then(|()| storage.sync())
+            .map_err(|err| failed("reserve, write or fdatasync", err))?;
+        if i >= warm_up {
+            latencies_ns.push(now().duration_since(sent).as_nanos() as u64);
+        }
+    }
+    let elapsed = now().duration_since(started);
+    drop(storage);
+    std::fs::remove_file(&path).map_err(|err| failed("remove", err))?;
     Ok(report(latencies_ns, elapsed))
 }
 

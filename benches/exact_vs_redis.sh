@@ -24,11 +24,13 @@
 #
 # Every request of every side is one durable increment of one key (subject `counter`;
 # redis-benchmark's `counter:__rand_int__` without -r). Before and after the runs, the
-# disk's sync latency: `client_load --fsync-probe` (append 8 bytes + fdatasync, one at a
-# time) on a file in the same directory. Around every run it reads the CPU time of each
-# process (/proc/<pid>/stat; the load generator's from this shell's waited-for children)
-# and the region's `tally_region_log_records_total` and `tally_region_log_syncs_total`
-# from its /metrics, for records per sync (the group commit's size).
+# disk's sync latency: `client_load --fsync-probe` (8 bytes, then 16 KiB, + fdatasync, one
+# at a time, in the same directory: appended to a file that grows, as Redis's AOF is, and
+# written into the region log's allocation ahead, as the region's groups are). Around every run it reads the
+# CPU time of each process (/proc/<pid>/stat; the load generator's from this shell's
+# waited-for children) and the region's `tally_region_log_records_total` and
+# `tally_region_log_syncs_total` from its /metrics, for records per sync (the group
+# commit's size).
 #
 # Settings: (a) C=1, P=1, N=N_A; (b) C=50, P=16, N=N_B; (c) C=50, P=64, N=N_C. Environment
 # overrides: REPEATS (3), N_A (5000), N_B (200000), N_C (200000), SETTINGS ("a b c"),
@@ -200,7 +202,7 @@ fsync_probe() {
     "$work/client_load" --fsync-probe "$work/region/fsync.probe" --requests 5000
 }
 fsync_before=$(fsync_probe)
-say "disk: $fsync_before"
+say "disk: $(echo "$fsync_before" | paste -sd' ')"
 
 results="$work/results.tsv"
 # setting run side ops p50 p99 wall_s requests gen_cpu edge_cpu region_cpu redis_cpu records
@@ -272,7 +274,7 @@ for run in $(seq "$REPEATS"); do
 done
 finished=$(now_s)
 fsync_after=$(fsync_probe)
-say "disk: $fsync_after"
+say "disk: $(echo "$fsync_after" | paste -sd' ')"
 cp "$results" "$WORK_ROOT/last-results.tsv"
 region_rss=$(awk '$1 == "VmRSS:" { printf "%.0f", $2 / 1024 }' "/proc/${region_pid[0]}/status")
 region_log=$(du -m "$work/region/region.log" | cut -f1)
@@ -304,14 +306,16 @@ echo "nproc $(nproc); load average before $load_before, after $(cut -d' ' -f1-3 
 echo "load average (1 min) at the start of each run: $(cut -f15 "$results" | sort -n | sed -n '1p;$p' | paste -sd' ' | sed 's/ / to /');" \
     "region on disk at the end: $region_records records, region.log $region_log MB, RSS $region_rss MB"
 echo
-echo "disk sync latency (write 8 bytes + fdatasync, one at a time, in the data directory):"
+echo "disk sync latency (a write of 8 bytes or 16 KiB + fdatasync, one at a time, in the" \
+    "data directory; append: to a file that grows, as Redis's AOF; preallocated: through" \
+    "the region log into its zeros allocated and synced ahead, as the region's groups):"
 echo
-echo "| when | syncs/s | p50 us | p99 us |"
-echo "|---|---:|---:|---:|"
+echo "| when | sync | bytes | syncs/s | p50 us | p99 us |"
+echo "|---|---|---:|---:|---:|---:|"
 for probe in "before:$fsync_before" "after:$fsync_after"; do
     echo "${probe#*:}" | awk -v when="${probe%%:*}" '{
         for (i = 1; i <= NF; i++) { split($i, kv, "="); v[kv[1]] = kv[2] }
-        printf "| %s | %s | %s | %s |\n", when, v["ops_per_sec"], v["p50_us"], v["p99_us"] }'
+        printf "| %s | %s | %s | %s | %s | %s |\n", when, v["mode"], v["bytes"], v["ops_per_sec"], v["p50_us"], v["p99_us"] }'
 done
 
 echo

@@ -1,11 +1,14 @@
 //! Group commit: one thread owns the region log, takes every record queued while it was
-//! busy, appends them with one write and makes them durable with one `sync_data`, then
-//! acknowledges them all. The more checks arrive during a sync, the more share the next.
-//! A compaction is queued like a record and done in its turn: the log is replaced whole by
-//! the entries of the state every earlier submission left.
+//! busy, makes room for them in the log's allocation ahead (once per chunk of log, that
+//! writes and syncs zeros: see [`super::log`]), appends them with one write and makes them
+//! durable with one `sync_data`, then acknowledges them all. The more checks arrive during
+//! a sync, the more share the next. A compaction is queued like a record and done in its
+//! turn: the log is replaced whole by the entries of the state every earlier submission
+//! left.
 //!
-//! After a failed write, sync or compaction, every record then queued and every later one
-//! is refused: the committer never retries and then acknowledges.
+//! After a failed write, sync, allocation or compaction, every record then queued and every
+//! later one is refused: the committer never retries and then acknowledges. A full disk
+//! fails the allocation, before any of the group that needed it is written.
 
 use super::log::Storage;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -148,7 +151,11 @@ fn run(mut storage: Box<dyn Storage>, receiver: mpsc::Receiver<Work>, stats: &Co
             }
         }
         if failed.is_none() && !bytes.is_empty() {
-            match storage.append(&bytes).and_then(|()| storage.sync()) {
+            let written = storage
+                .reserve(bytes.len())
+                .and_then(|()| storage.append(&bytes))
+                .and_then(|()| storage.sync());
+            match written {
                 Ok(()) => {
                     stats.syncs.fetch_add(1, Ordering::Relaxed);
                     stats
@@ -189,13 +196,54 @@ mod tests {
     use std::sync::Mutex;
 
     /// A disk in memory that fails every I/O from the `fail_at`-th on (counting from 0),
-    /// like a machine that crashed there. `synced` is what a sync made durable.
+    /// like a machine that crashed there. `file` is the file as the process sees it, the
+    /// log's entries up to `end` and zeros after; `durable` what the last sync left; and
+    /// `pending` the writes since, in order.
     #[derive(Debug, Default)]
     struct Disk {
-        written: Vec<u8>,
-        synced: usize,
+        file: Vec<u8>,
+        end: usize,
+        durable: Vec<u8>,
+        pending: Vec<(usize, Vec<u8>)>,
         ios: usize,
         fail_at: Option<usize>,
+        // Allocations ahead: each writes zeros and syncs them (two I/Os).
+        allocations: usize,
+    }
+
+    /// The simulated log's chunk: small, so that 60 checks cross many.
+    const SIM_CHUNK_BYTES: usize = 64;
+
+    impl Disk {
+        fn write(&mut self, at: usize, bytes: &[u8]) {
+            write_at(&mut self.file, at, bytes);
+            self.pending.push((at, bytes.to_vec()));
+        }
+
+        /// What a crash can leave: the durable bytes with the writes since, in order, each
+        /// whole, or only its first half, or only its second half (a page written back
+        /// before an earlier one).
+        fn crash_states(&self) -> Vec<Vec<u8>> {
+            let mut states = vec![self.durable.clone()];
+            let mut file = self.durable.clone();
+            for (at, bytes) in &self.pending {
+                let half = bytes.len() / 2;
+                let mut first = file.clone();
+                write_at(&mut first, *at, &bytes[..half]);
+                let mut second = file.clone();
+                write_at(&mut second, at + half, &bytes[half..]);
+                write_at(&mut file, *at, bytes);
+                states.extend([first, second, file.clone()]);
+            }
+            states
+        }
+    }
+
+    fn write_at(file: &mut Vec<u8>, at: usize, bytes: &[u8]) {
+        if file.len() < at + bytes.len() {
+            file.resize(at + bytes.len(), 0);
+        }
+        file[at..at + bytes.len()].copy_from_slice(bytes);
     }
 
     struct SimStorage(Arc<Mutex<Disk>>);
@@ -211,23 +259,53 @@ mod tests {
         }
     }
 
+    // As `FileStorage`: zeros ahead in whole chunks, each allocation synced on its own.
     impl Storage for SimStorage {
+        fn reserve(&mut self, bytes: usize) -> std::io::Result<()> {
+            let (needed, allocated) = {
+                let disk = self.0.lock().unwrap();
+                (disk.end + bytes, disk.file.len())
+            };
+            if needed <= allocated {
+                return Ok(());
+            }
+            let zeros = vec![0; needed.next_multiple_of(SIM_CHUNK_BYTES) - allocated];
+            {
+                let mut disk = self.io()?;
+                disk.write(allocated, &zeros);
+                disk.allocations += 1;
+            }
+            self.sync()
+        }
+
         fn append(&mut self, bytes: &[u8]) -> std::io::Result<()> {
-            self.io()?.written.extend_from_slice(bytes);
+            let mut disk = self.io()?;
+            let end = disk.end;
+            disk.write(end, bytes);
+            disk.end += bytes.len();
             Ok(())
         }
 
         fn sync(&mut self) -> std::io::Result<()> {
             let mut disk = self.io()?;
-            disk.synced = disk.written.len();
+            disk.durable = disk.file.clone();
+            disk.pending.clear();
             Ok(())
         }
 
-        // One I/O, atomic: a crash before it leaves the log as it was, after it as `bytes`.
+        // One I/O, atomic: a crash before it leaves the log as it was, after it as `bytes`
+        // and a chunk of zeros or more.
         fn replace(&mut self, bytes: &[u8]) -> std::io::Result<()> {
             let mut disk = self.io()?;
-            disk.written = bytes.to_vec();
-            disk.synced = bytes.len();
+            let mut file = bytes.to_vec();
+            file.resize(
+                (bytes.len() + SIM_CHUNK_BYTES).next_multiple_of(SIM_CHUNK_BYTES),
+                0,
+            );
+            disk.durable = file.clone();
+            disk.file = file;
+            disk.pending.clear();
+            disk.end = bytes.len();
             Ok(())
         }
     }
@@ -304,8 +382,15 @@ mod tests {
             acked_clean.len() >= 60,
             "every check acknowledged on a good disk"
         );
-        let total_ios = clean.lock().unwrap().ios;
+        let (total_ios, allocations) = {
+            let clean = clean.lock().unwrap();
+            (clean.ios, clean.allocations)
+        };
         assert!(total_ios > 10, "groups formed: {total_ios} I/Os");
+        assert!(
+            allocations > 5,
+            "groups crossed chunks: {allocations} allocations"
+        );
         let mut compacted_and_recovered = false;
         for fail_at in 0..=total_ios {
             let disk = Arc::new(Mutex::new(Disk {
@@ -315,11 +400,8 @@ mod tests {
             let (models, acked) = run_checks(&disk);
             assert_eq!(models, all_models, "decisions do not depend on the disk");
             let disk = disk.lock().unwrap();
-            // What survives a crash: the synced bytes, plus any part of the unsynced ones.
-            let unsynced = disk.written.len() - disk.synced;
-            for kept in [0, unsynced / 2, unsynced] {
-                let survived = &disk.written[..disk.synced + kept];
-                let (recovered, _) = log::replay(survived);
+            for survived in disk.crash_states() {
+                let (recovered, _) = log::replay(&survived);
                 compacted_and_recovered |= recovered
                     .iter()
                     .any(|entry| matches!(entry, Entry::Count { .. }));
@@ -354,18 +436,34 @@ mod tests {
         );
     }
 
-    /// A disk with room for `room` bytes: an append past it fails like a full file system.
+    /// A disk with room for `room` bytes, allocated in chunks of 4: an allocation past it
+    /// fails like a full file system, and an append inside the allocation cannot.
     struct FullStorage {
-        written: Vec<u8>,
+        written: Arc<Mutex<Vec<u8>>>,
+        allocated: usize,
         room: usize,
     }
 
     impl Storage for FullStorage {
-        fn append(&mut self, bytes: &[u8]) -> std::io::Result<()> {
-            if self.written.len() + bytes.len() > self.room {
-                return Err(std::io::Error::from_raw_os_error(28));
+        fn reserve(&mut self, bytes: usize) -> std::io::Result<()> {
+            let needed = self.written.lock().unwrap().len() + bytes;
+            if needed > self.allocated {
+                let allocated = needed.next_multiple_of(4);
+                if allocated > self.room {
+                    return Err(std::io::Error::from_raw_os_error(28));
+                }
+                self.allocated = allocated;
             }
-            self.written.extend_from_slice(bytes);
+            Ok(())
+        }
+
+        fn append(&mut self, bytes: &[u8]) -> std::io::Result<()> {
+            let mut written = self.written.lock().unwrap();
+            assert!(
+                written.len() + bytes.len() <= self.allocated,
+                "appended inside the allocation"
+            );
+            written.extend_from_slice(bytes);
             Ok(())
         }
 
@@ -377,23 +475,26 @@ mod tests {
             if bytes.len() > self.room {
                 return Err(std::io::Error::from_raw_os_error(28));
             }
-            self.written = bytes.to_vec();
+            *self.written.lock().unwrap() = bytes.to_vec();
             Ok(())
         }
     }
 
     #[test]
     fn a_full_disk_refuses_with_a_clear_error_and_acknowledges_nothing_after() {
+        let written = Arc::new(Mutex::new(Vec::new()));
         let committer = Committer::start(Box::new(FullStorage {
-            written: Vec::new(),
+            written: written.clone(),
+            allocated: 0,
             room: 10,
         }));
         assert!(committer
-            .submit(vec![0; 6], 1)
+            .submit(vec![1; 6], 1)
             .blocking_recv()
             .unwrap()
             .is_ok());
-        for (bytes, records) in [(vec![0; 6], 1), (vec![0; 1], 1), (Vec::new(), 0)] {
+        // 6 more need 12 bytes allocated: the allocation fails, before the group is written.
+        for (bytes, records) in [(vec![2; 6], 1), (vec![3; 1], 1), (Vec::new(), 0)] {
             let err = committer
                 .submit(bytes, records)
                 .blocking_recv()
@@ -401,13 +502,19 @@ mod tests {
                 .unwrap_err();
             assert!(err.why.contains("No space left on device"), "{err}");
         }
+        assert_eq!(
+            *written.lock().unwrap(),
+            vec![1; 6],
+            "nothing after the failure"
+        );
     }
 
     #[test]
     fn after_a_failed_sync_nothing_is_acknowledged_ever_again() {
-        // The first I/O (an append) works; every one from the second (its sync) fails.
+        // The group's allocation (zeros, then their sync) and its append work; every I/O
+        // from the fourth (the group's sync) fails.
         let disk = Arc::new(Mutex::new(Disk {
-            fail_at: Some(1),
+            fail_at: Some(3),
             ..Disk::default()
         }));
         let committer = Committer::start(Box::new(SimStorage(disk.clone())));
@@ -423,9 +530,11 @@ mod tests {
                 .unwrap_err();
             assert!(err.to_string().contains("injected I/O error"), "{err}");
         }
+        let disk = disk.lock().unwrap();
+        assert_eq!(disk.ios, 4, "no I/O after the failure");
         assert_eq!(
-            disk.lock().unwrap().written,
-            vec![1, 2, 3],
+            disk.file[..disk.end],
+            [1, 2, 3],
             "nothing appended after the failure"
         );
         assert_eq!(committer.stats().refused.load(Ordering::Relaxed), 4);
