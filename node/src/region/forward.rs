@@ -50,6 +50,7 @@ pub struct Forwarder<T> {
     checks: mpsc::UnboundedSender<Box<Pending<T>>>,
     replica: ReplicaId,
     next_seq: AtomicU64,
+    stats: Arc<ForwardStats>,
 }
 
 /// A forwarded check's answer, with the ticket it was submitted with.
@@ -115,11 +116,12 @@ impl<T: Send + 'static> Forwarder<T> {
             node: region,
             addr,
         };
-        tokio::spawn(keep_sessions(region, pending, Waiting::new(stats)));
+        tokio::spawn(keep_sessions(region, pending, Waiting::new(stats.clone())));
         Forwarder {
             checks,
             replica,
             next_seq: AtomicU64::new(0),
+            stats,
         }
     }
 
@@ -156,6 +158,7 @@ impl<T: Send + 'static> Forwarder<T> {
             sent: false,
         });
         if let Err(mpsc::error::SendError(pending)) = self.checks.send(pending) {
+            self.stats.unavailable.fetch_add(1, Ordering::Relaxed);
             let rule = pending.check.rule.clone();
             pending.answer(Err(unavailable(rule, "the forwarder has stopped".into())));
         }
