@@ -102,7 +102,7 @@ enum Handling {
 impl Service {
     /// Answers the whole request frames at the front of `input` in order, appending each
     /// answer's frame to `output`, then writes their lane-log records out. Exact checks go
-    /// to `exact` instead, for [`Service::exact`]. Stops at a bad frame, after answering
+    /// to `exact` instead, for [`Service::forward`]. Stops at a bad frame, after answering
     /// the ones before it.
     pub fn handle_frames(
         &self,
