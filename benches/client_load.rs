@@ -384,6 +384,7 @@ async fn run_region(args: &Args, region: SocketAddr) -> Result<Report, String> {
             NodeId(args.node),
             Generation(tally_node::clock::wall_micros()),
         ),
+        tally_node::clock::Clock::start(),
         stats.clone(),
     );
     let target = RegionTarget {

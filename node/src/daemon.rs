@@ -161,6 +161,7 @@ pub async fn run(config: Config, shutdown: impl Future<Output = ()>) -> Result<(
             NodeId(region.node),
             region.addr.to_string(),
             replica,
+            clock,
             forward_stats.clone(),
         )
     });

@@ -600,6 +600,7 @@ mod tests {
             // Port 9, discard: nothing answers QUIC there.
             "127.0.0.1:9".into(),
             ReplicaId::new(tally_crdt::NodeId(1), tally_crdt::Generation(1)),
+            crate::clock::Clock::start(),
             Arc::default(),
         )
     }
@@ -662,10 +663,10 @@ mod tests {
         assert_eq!((key.rule.as_str(), key.subject.as_str()), ("quota", "a"));
 
         let (answers, mut answered) = mpsc::unbounded_channel();
-        let started = tokio::time::Instant::now();
+        let clock = crate::clock::Clock::start();
         service.forward(exact.pop().unwrap(), &answers);
         let mut forwarded = vec![answered.recv().await.unwrap()];
-        let waited = started.elapsed();
+        let waited = clock.mono();
         assert!(
             waited >= std::time::Duration::from_millis(50),
             "answered after {waited:?}, before the rule's timeout"

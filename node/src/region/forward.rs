@@ -6,23 +6,27 @@
 //!
 //! A check costs no task and no timer: it is handed to the one session task with the
 //! channel its answer goes to, and that task keeps every unanswered check by sequence
-//! number and by deadline, answering each when the region does or when its deadline
-//! passes, whichever comes first.
+//! number and by deadline, answering each once: when the region does, when its deadline
+//! passes, or, if the task ends, with "the forwarder has stopped". A check is encoded into
+//! a frame only when the session's writer has room for one, so a check whose deadline
+//! passes while the region does not read is answered here and never sent.
 
 use super::log::RequestId;
 use super::wire::{self, CHECKS_PER_FRAME_MAX, REGION_FRAME_BYTES_MAX};
 use super::{ExactAnswer, ExactCheck, Outcome};
+use crate::clock::Clock;
 use crate::config::RuleConfig;
 use crate::transport::{read_frame, FrameRead, Requester, Session};
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::{BTreeMap, BTreeSet, VecDeque};
 use std::future::Future;
+use std::pin::Pin;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 use tally_client::wire::Refusal;
 use tally_crdt::{KeyRef, NodeId, ReplicaId};
 use tokio::sync::mpsc;
-use tokio::time::Instant;
+use tokio::time::Sleep;
 
 /// Bucket bounds of the region latency histogram, in microseconds.
 pub const LATENCY_BOUNDS_US: [u64; 12] = [
@@ -50,6 +54,7 @@ pub struct Forwarder<T> {
     checks: mpsc::UnboundedSender<Box<Pending<T>>>,
     replica: ReplicaId,
     next_seq: AtomicU64,
+    clock: Clock,
     stats: Arc<ForwardStats>,
 }
 
@@ -58,8 +63,9 @@ pub struct Forwarder<T> {
 pub struct Forwarded<T> {
     /// The caller's ticket.
     pub ticket: T,
-    /// The region's durable outcome; `RegionUnavailable` if none came in time;
-    /// `Storage` if the region could not make the decision durable.
+    /// The region's durable outcome; else `RegionUnavailable` (no answer in time, a region
+    /// without the rule or that forgot the request id, a stopped forwarder), or `Storage`
+    /// (the region could not make the decision durable).
     pub result: Result<Outcome, Refusal>,
 }
 
@@ -72,10 +78,11 @@ struct Pending<T> {
     check: ExactCheck,
     ticket: T,
     answers: Answers<T>,
-    submitted: Instant,
-    deadline: Instant,
+    // On the node's monotonic clock (`Clock::mono`).
+    submitted: Duration,
+    deadline: Duration,
     timeout_ms: u64,
-    // Written on a session already: sending it again is a retry.
+    // Written on a session already: writing it again is a retry.
     sent: bool,
 }
 
@@ -91,6 +98,17 @@ impl<T> Pending<T> {
             result,
         });
     }
+
+    /// Answers that the forwarder stopped before the region answered.
+    fn stopped(self, stats: &ForwardStats) {
+        stats.unavailable.fetch_add(1, Ordering::Relaxed);
+        let rule = self.check.rule.clone();
+        self.answer(Err(unavailable(rule, "the forwarder has stopped".into())));
+    }
+}
+
+fn unavailable(rule: String, why: String) -> Refusal {
+    Refusal::RegionUnavailable { rule, why }
 }
 
 /// Where the region is.
@@ -108,19 +126,24 @@ impl<T: Send + 'static> Forwarder<T> {
         region: NodeId,
         addr: String,
         replica: ReplicaId,
+        clock: Clock,
         stats: Arc<ForwardStats>,
     ) -> Forwarder<T> {
-        let (checks, pending) = mpsc::unbounded_channel();
+        let (checks, incoming) = mpsc::unbounded_channel();
         let region = Region {
             requester,
             node: region,
             addr,
         };
-        tokio::spawn(keep_sessions(region, pending, Waiting::new(stats.clone())));
+        tokio::spawn(keep_sessions(
+            region,
+            Held::new(incoming, clock, stats.clone()),
+        ));
         Forwarder {
             checks,
             replica,
             next_seq: AtomicU64::new(0),
+            clock,
             stats,
         }
     }
@@ -136,7 +159,7 @@ impl<T: Send + 'static> Forwarder<T> {
         ticket: T,
         answers: &Answers<T>,
     ) {
-        let submitted = Instant::now();
+        let submitted = self.clock.mono();
         let pending = Box::new(Pending {
             check: ExactCheck {
                 id: RequestId {
@@ -158,31 +181,38 @@ impl<T: Send + 'static> Forwarder<T> {
             sent: false,
         });
         if let Err(mpsc::error::SendError(pending)) = self.checks.send(pending) {
-            self.stats.unavailable.fetch_add(1, Ordering::Relaxed);
-            let rule = pending.check.rule.clone();
-            pending.answer(Err(unavailable(rule, "the forwarder has stopped".into())));
+            pending.stopped(&self.stats);
         }
     }
 }
 
-fn unavailable(rule: String, why: String) -> Refusal {
-    Refusal::RegionUnavailable { rule, why }
-}
-
-/// Every check the session task holds, sent or not, until it is answered, its deadline
-/// passes, or its caller stops waiting.
-struct Waiting<T> {
+/// The session task's checks: those coming in, and every one held, sent or not, until it
+/// is answered, its deadline passes or its caller stops waiting. Dropped (the task ended,
+/// or panicked), it answers every check it has that the forwarder stopped.
+struct Held<T> {
+    incoming: mpsc::UnboundedReceiver<Box<Pending<T>>>,
     by_seq: BTreeMap<u64, Box<Pending<T>>>,
     // Invariant: one entry per check in `by_seq`, at its deadline.
-    by_deadline: BTreeSet<(Instant, u64)>,
+    by_deadline: BTreeSet<(Duration, u64)>,
+    // The checks to write on the current session, in sequence order. May name checks no
+    // longer held; those are skipped.
+    unsent: VecDeque<u64>,
+    clock: Clock,
     stats: Arc<ForwardStats>,
 }
 
-impl<T> Waiting<T> {
-    fn new(stats: Arc<ForwardStats>) -> Waiting<T> {
-        Waiting {
+impl<T> Held<T> {
+    fn new(
+        incoming: mpsc::UnboundedReceiver<Box<Pending<T>>>,
+        clock: Clock,
+        stats: Arc<ForwardStats>,
+    ) -> Held<T> {
+        Held {
+            incoming,
             by_seq: BTreeMap::new(),
             by_deadline: BTreeSet::new(),
+            unsent: VecDeque::new(),
+            clock,
             stats,
         }
     }
@@ -191,10 +221,19 @@ impl<T> Waiting<T> {
         self.by_seq.is_empty()
     }
 
+    /// Holds a new check, to be written on the session.
     fn insert(&mut self, pending: Box<Pending<T>>) {
         let seq = pending.check.id.seq;
         self.by_deadline.insert((pending.deadline, seq));
+        self.unsent.push_back(seq);
         self.by_seq.insert(seq, pending);
+    }
+
+    /// Holds every check that came in, without waiting.
+    fn take_incoming(&mut self) {
+        while let Ok(pending) = self.incoming.try_recv() {
+            self.insert(pending);
+        }
     }
 
     fn remove(&mut self, seq: u64) -> Option<Box<Pending<T>>> {
@@ -203,8 +242,56 @@ impl<T> Waiting<T> {
         Some(pending)
     }
 
-    fn next_deadline(&self) -> Option<Instant> {
-        self.by_deadline.first().map(|(deadline, _)| *deadline)
+    /// A new session: every check held is written on it, in sequence order.
+    fn resend_all(&mut self) {
+        self.unsent = self.by_seq.keys().copied().collect();
+    }
+
+    fn has_unsent(&self) -> bool {
+        !self.unsent.is_empty()
+    }
+
+    /// The next frame to write: up to [`CHECKS_PER_FRAME_MAX`] of the checks to send, in
+    /// order, leaving out those whose caller is gone. `None` if none is left.
+    fn next_frame(&mut self) -> Option<Vec<u8>> {
+        let mut seqs = Vec::with_capacity(CHECKS_PER_FRAME_MAX.min(self.unsent.len()));
+        let mut abandoned = Vec::new();
+        while seqs.len() < CHECKS_PER_FRAME_MAX {
+            let Some(seq) = self.unsent.pop_front() else {
+                break;
+            };
+            match self.by_seq.get_mut(&seq) {
+                Some(pending) if pending.abandoned() => abandoned.push(seq),
+                Some(pending) => {
+                    if pending.sent {
+                        self.stats.retries.fetch_add(1, Ordering::Relaxed);
+                    }
+                    pending.sent = true;
+                    seqs.push(seq);
+                }
+                None => {}
+            }
+        }
+        for seq in abandoned {
+            self.remove(seq);
+        }
+        if seqs.is_empty() {
+            return None;
+        }
+        let checks: Vec<&ExactCheck> = seqs.iter().map(|seq| &self.by_seq[seq].check).collect();
+        Some(wire::encode_checks(&checks))
+    }
+
+    /// Points `alarm` at the first deadline held; `false` if none is.
+    fn arm(&self, alarm: Pin<&mut Sleep>) -> bool {
+        let Some(&(deadline, _)) = self.by_deadline.first() else {
+            return false;
+        };
+        let at = self.clock.instant(deadline).into();
+        if alarm.deadline() != at {
+            alarm.reset(at);
+        }
+        true
     }
 
     /// Answers the check `seq` with the region's `answer`, if it still waits.
@@ -215,7 +302,8 @@ impl<T> Waiting<T> {
         let rule = || pending.check.rule.clone();
         let result = match answer {
             ExactAnswer::Decided(outcome) => {
-                self.stats.record_latency(pending.submitted.elapsed());
+                let elapsed = self.clock.mono().saturating_sub(pending.submitted);
+                self.stats.record_latency(elapsed);
                 Ok(outcome)
             }
             ExactAnswer::UnknownRule => Err(self.unavailable(
@@ -239,13 +327,17 @@ impl<T> Waiting<T> {
         pending.answer(result);
     }
 
-    /// Answers every check whose deadline is at or before `now` with `RegionUnavailable`.
-    fn expire(&mut self, now: Instant) {
+    /// Answers every check whose deadline is at or before `now` (on the monotonic clock)
+    /// with `RegionUnavailable`; one whose caller is gone is dropped.
+    fn expire(&mut self, now: Duration) {
         while let Some(&(deadline, seq)) = self.by_deadline.first() {
             if deadline > now {
                 return;
             }
             let pending = self.remove(seq).expect("a deadline's check is held");
+            if pending.abandoned() {
+                continue;
+            }
             let why = format!("no answer within {} ms", pending.timeout_ms);
             let refusal = self.unavailable(pending.check.rule.clone(), why);
             pending.answer(Err(refusal));
@@ -271,6 +363,17 @@ impl<T> Waiting<T> {
     }
 }
 
+impl<T> Drop for Held<T> {
+    fn drop(&mut self) {
+        self.incoming.close();
+        let incoming = std::iter::from_fn(|| self.incoming.try_recv().ok());
+        let held = std::mem::take(&mut self.by_seq).into_values();
+        for pending in held.chain(incoming.collect::<Vec<_>>()) {
+            pending.stopped(&self.stats);
+        }
+    }
+}
+
 impl ForwardStats {
     fn record_latency(&self, elapsed: Duration) {
         let micros = elapsed.as_micros() as u64;
@@ -290,33 +393,34 @@ const BACKOFF_MAX: Duration = Duration::from_millis(200);
 /// How often a session drops the checks whose callers stopped waiting.
 const PURGE_EVERY: Duration = Duration::from_millis(100);
 
+/// How many frames of checks wait for a session's writer. Checks are encoded only when
+/// there is room, so that one whose deadline passes while the region does not read is
+/// answered here, never sent behind its answer.
+const FRAMES_QUEUED: usize = 2;
+
 /// Keeps a session open to the region while there are checks to carry, and carries them
 /// over it, until the forwarder is dropped. Checks sent and not yet answered are sent
 /// again on the next session if this one breaks; the region answers a repeat with its
 /// first outcome. Checks whose caller stopped waiting are dropped, never sent again.
-async fn keep_sessions<T>(
-    region: Region,
-    mut checks: mpsc::UnboundedReceiver<Box<Pending<T>>>,
-    mut waiting: Waiting<T>,
-) {
+async fn keep_sessions<T>(region: Region, mut held: Held<T>) {
     let mut backoff = BACKOFF_MIN;
     loop {
-        waiting.drop_abandoned();
-        if waiting.is_empty() {
+        held.drop_abandoned();
+        if held.is_empty() {
             // A session is opened only for a check waiting: one opened at start-up would
             // dial a region that may not listen yet, and checks would queue behind that
             // handshake instead of using the connection the gossip has made by then.
-            match checks.recv().await {
-                Some(pending) => waiting.insert(pending),
+            match held.incoming.recv().await {
+                Some(pending) => held.insert(pending),
                 None => return,
             }
         }
         let open = region.requester.open_session(region.node, &region.addr);
-        let Some(opened) = meanwhile(open, &mut checks, &mut waiting).await else {
+        let Some(opened) = meanwhile(open, &mut held).await else {
             return;
         };
         let carried = match opened {
-            Ok(session) => carry(&region, session, &mut checks, &mut waiting).await,
+            Ok(session) => carry(&region, session, &mut held).await,
             // Checks that arrive meanwhile wait for the next session.
             Err(_) => Carried::Broken { answered: false },
         };
@@ -327,7 +431,7 @@ async fn keep_sessions<T>(
             // every session, say), is not retried in a tight loop.
             Carried::Broken { answered: false } => {
                 let wait = tokio::time::sleep(backoff);
-                if meanwhile(wait, &mut checks, &mut waiting).await.is_none() {
+                if meanwhile(wait, &mut held).await.is_none() {
                     return;
                 }
                 backoff = (backoff * 2).min(BACKOFF_MAX);
@@ -337,22 +441,30 @@ async fn keep_sessions<T>(
     }
 }
 
-/// Runs `work` to its end while taking new checks into `waiting` and answering those
-/// whose deadline passes. `None` if the forwarder was dropped meanwhile.
-async fn meanwhile<T, F: Future>(
-    work: F,
-    checks: &mut mpsc::UnboundedReceiver<Box<Pending<T>>>,
-    waiting: &mut Waiting<T>,
-) -> Option<F::Output> {
+/// What woke [`meanwhile`].
+enum Meanwhile<O, T> {
+    Done(O),
+    Check(Option<Box<Pending<T>>>),
+    Deadline,
+}
+
+/// Runs `work` to its end while holding new checks and answering those whose deadline
+/// passes. `None` if the forwarder was dropped meanwhile.
+async fn meanwhile<T, F: Future>(work: F, held: &mut Held<T>) -> Option<F::Output> {
     tokio::pin!(work);
+    let alarm = tokio::time::sleep(Duration::ZERO);
+    tokio::pin!(alarm);
     loop {
-        let deadline = waiting.next_deadline();
-        tokio::select! {
-            output = &mut work => return Some(output),
-            pending = checks.recv() => waiting.insert(pending?),
-            () = tokio::time::sleep_until(deadline.unwrap_or_else(Instant::now)), if deadline.is_some() => {
-                waiting.expire(Instant::now());
-            }
+        let armed = held.arm(alarm.as_mut());
+        let woke = tokio::select! {
+            output = &mut work => Meanwhile::Done(output),
+            pending = held.incoming.recv() => Meanwhile::Check(pending),
+            () = &mut alarm, if armed => Meanwhile::Deadline,
+        };
+        match woke {
+            Meanwhile::Done(output) => return Some(output),
+            Meanwhile::Check(pending) => held.insert(pending?),
+            Meanwhile::Deadline => held.expire(held.clock.mono()),
         }
     }
 }
@@ -366,16 +478,21 @@ enum Carried {
     Dropped,
 }
 
-/// Carries checks over one session: first those waiting (sent on an earlier session, or
-/// waiting for one), then new ones, many to a frame when they queue up. Frames are
-/// written and answers read by two tasks of the session's, so that this one never waits
-/// on the region and answers every deadline on time.
-async fn carry<T>(
-    region: &Region,
-    session: Session,
-    checks: &mut mpsc::UnboundedReceiver<Box<Pending<T>>>,
-    waiting: &mut Waiting<T>,
-) -> Carried {
+/// What woke [`carry`].
+enum Carrying<'a, T> {
+    Check(Option<Box<Pending<T>>>),
+    Writable(Option<mpsc::Permit<'a, Vec<u8>>>),
+    Answers(Option<Vec<wire::Answered>>),
+    Deadline,
+    Purge,
+}
+
+/// Carries checks over one session: first those held (sent on an earlier session, or
+/// waiting for one), then new ones, as many to a frame as are waiting when the session's
+/// writer has room for one. Frames are written and answers read by two tasks of the
+/// session's, so that this one never waits on the region and answers every deadline on
+/// time.
+async fn carry<T>(region: &Region, session: Session, held: &mut Held<T>) -> Carried {
     let Session {
         send,
         receive,
@@ -383,89 +500,61 @@ async fn carry<T>(
     } = session;
     let (answers, mut answered) = mpsc::unbounded_channel();
     let reader = tokio::spawn(read_answers(receive, answers));
-    let (frames, to_write) = mpsc::unbounded_channel();
-    let writer = tokio::spawn(write_frames(send, to_write));
-    let carried = async {
-        let mut answered_any = false;
-        let retries = waiting
-            .by_seq
-            .values()
-            .filter(|pending| pending.sent)
-            .count();
-        waiting
-            .stats
-            .retries
-            .fetch_add(retries as u64, Ordering::Relaxed);
-        let held: Vec<&ExactCheck> = waiting
-            .by_seq
-            .values()
-            .map(|pending| &pending.check)
-            .collect();
-        for frame in held.chunks(CHECKS_PER_FRAME_MAX) {
-            if frames.send(wire::encode_checks(frame)).is_err() {
-                return broken(answered_any);
+    let (frames, to_write) = mpsc::channel(FRAMES_QUEUED);
+    tokio::spawn(write_frames(send, to_write));
+    held.resend_all();
+    let mut answered_any = false;
+    let mut purge = tokio::time::interval(PURGE_EVERY);
+    let alarm = tokio::time::sleep(Duration::ZERO);
+    tokio::pin!(alarm);
+    let carried = loop {
+        let armed = held.arm(alarm.as_mut());
+        let unsent = held.has_unsent();
+        let woke = tokio::select! {
+            pending = held.incoming.recv() => Carrying::Check(pending),
+            permit = frames.reserve(), if unsent => Carrying::Writable(permit.ok()),
+            frame = answered.recv() => Carrying::Answers(frame),
+            () = &mut alarm, if armed => Carrying::Deadline,
+            _ = purge.tick() => Carrying::Purge,
+        };
+        match woke {
+            Carrying::Check(None) => break Carried::Dropped,
+            Carrying::Check(Some(pending)) => {
+                held.insert(pending);
+                held.take_incoming();
             }
-        }
-        for pending in waiting.by_seq.values_mut() {
-            pending.sent = true;
-        }
-        let mut purge = tokio::time::interval(PURGE_EVERY);
-        let expiry = tokio::time::sleep_until(Instant::now());
-        tokio::pin!(expiry);
-        let mut batch = Vec::with_capacity(CHECKS_PER_FRAME_MAX);
-        loop {
-            let deadline = waiting.next_deadline();
-            if let Some(deadline) = deadline.filter(|at| *at != expiry.deadline()) {
-                expiry.as_mut().reset(deadline);
-            }
-            tokio::select! {
-                pending = checks.recv() => {
-                    let Some(first) = pending else { return Carried::Dropped };
-                    batch.push(first);
-                    while batch.len() < CHECKS_PER_FRAME_MAX {
-                        match checks.try_recv() {
-                            Ok(pending) => batch.push(pending),
-                            Err(_) => break,
-                        }
-                    }
-                    batch.retain(|pending| !pending.abandoned());
-                    if batch.is_empty() {
-                        continue;
-                    }
-                    if region.requester.held(region.node) != Some(connection) {
-                        // A newer connection to the region was adopted: move to it, with
-                        // these checks unsent.
-                        for pending in batch.drain(..) {
-                            waiting.insert(pending);
-                        }
-                        return broken(answered_any);
-                    }
-                    let refs: Vec<&ExactCheck> = batch.iter().map(|pending| &pending.check).collect();
-                    let frame = wire::encode_checks(&refs);
-                    for mut pending in batch.drain(..) {
-                        pending.sent = true;
-                        waiting.insert(pending);
-                    }
-                    if frames.send(frame).is_err() {
-                        return broken(answered_any);
-                    }
+            // The writer failed: the session is broken.
+            Carrying::Writable(None) => break broken(answered_any),
+            Carrying::Writable(Some(permit)) => {
+                if region.requester.held(region.node) != Some(connection) {
+                    // A newer connection to the region was adopted: move to it.
+                    break broken(answered_any);
                 }
-                frame = answered.recv() => {
-                    let Some(frame) = frame else { return broken(answered_any) };
-                    answered_any = true;
-                    for (seq, answer) in frame {
-                        waiting.answer(seq, answer);
-                    }
+                if let Some(frame) = held.next_frame() {
+                    permit.send(frame);
                 }
-                () = &mut expiry, if deadline.is_some() => waiting.expire(Instant::now()),
-                () = frames.closed() => return broken(answered_any),
-                _ = purge.tick() => waiting.drop_abandoned(),
             }
+            Carrying::Answers(None) => break broken(answered_any),
+            Carrying::Answers(Some(frame)) => {
+                answered_any = true;
+                for (seq, answer) in frame {
+                    held.answer(seq, answer);
+                }
+            }
+            Carrying::Deadline => held.expire(held.clock.mono()),
+            Carrying::Purge => held.drop_abandoned(),
         }
     };
-    let carried = carried.await;
+    // Answers that came before the session broke are answers all the same.
+    while let Ok(frame) = answered.try_recv() {
+        for (seq, answer) in frame {
+            held.answer(seq, answer);
+        }
+    }
     reader.abort();
-    writer.abort();
+    // The writer writes what it was given and then finishes the stream, so the region
+    // never reads a frame cut in half.
+    drop(frames);
     carried
 }
 
@@ -474,7 +563,7 @@ fn broken(answered: bool) -> Carried {
 }
 
 /// Writes frames of checks to a session until one fails to write or the session is done.
-async fn write_frames(mut send: quinn::SendStream, mut frames: mpsc::UnboundedReceiver<Vec<u8>>) {
+async fn write_frames(mut send: quinn::SendStream, mut frames: mpsc::Receiver<Vec<u8>>) {
     while let Some(frame) = frames.recv().await {
         if send.write_all(&frame).await.is_err() {
             return;
@@ -501,12 +590,11 @@ async fn read_answers(
 mod tests {
     use super::*;
 
-    fn pending(
-        seq: u64,
-        timeout_ms: u64,
-        answers: &Answers<u64>,
-        at: Instant,
-    ) -> Box<Pending<u64>> {
+    fn ms(ms: u64) -> Duration {
+        Duration::from_millis(ms)
+    }
+
+    fn pending(seq: u64, timeout_ms: u64, answers: &Answers<u64>) -> Box<Pending<u64>> {
         Box::new(Pending {
             check: ExactCheck {
                 id: RequestId {
@@ -522,79 +610,138 @@ mod tests {
             },
             ticket: seq,
             answers: answers.clone(),
-            submitted: at,
-            deadline: at + Duration::from_millis(timeout_ms),
+            submitted: Duration::ZERO,
+            deadline: ms(timeout_ms),
             timeout_ms,
             sent: false,
         })
+    }
+
+    /// Held checks with no forwarder in front: its incoming channel's sender, and the
+    /// stats they count in.
+    #[allow(clippy::type_complexity)]
+    fn held() -> (
+        Held<u64>,
+        mpsc::UnboundedSender<Box<Pending<u64>>>,
+        Arc<ForwardStats>,
+    ) {
+        let (checks, incoming) = mpsc::unbounded_channel();
+        let stats = Arc::new(ForwardStats::default());
+        (
+            Held::new(incoming, Clock::start(), stats.clone()),
+            checks,
+            stats,
+        )
     }
 
     fn drain(answered: &mut mpsc::UnboundedReceiver<Forwarded<u64>>) -> Vec<Forwarded<u64>> {
         std::iter::from_fn(|| answered.try_recv().ok()).collect()
     }
 
+    fn first_deadline(held: &Held<u64>) -> Option<Duration> {
+        held.by_deadline.first().map(|(deadline, _)| *deadline)
+    }
+
     #[test]
     fn checks_expire_by_deadline_not_by_order_and_an_answered_one_never_expires() {
         let (answers, mut answered) = mpsc::unbounded_channel();
-        let stats = Arc::new(ForwardStats::default());
-        let mut waiting = Waiting::new(stats.clone());
-        let t0 = Instant::now();
+        let (mut held, _checks, stats) = held();
         // Sequence numbers in submission order, deadlines not: rules' timeouts differ.
-        waiting.insert(pending(0, 300, &answers, t0));
-        waiting.insert(pending(1, 100, &answers, t0));
-        waiting.insert(pending(2, 200, &answers, t0));
-        waiting.insert(pending(3, 100, &answers, t0));
-        assert_eq!(
-            waiting.next_deadline(),
-            Some(t0 + Duration::from_millis(100))
-        );
+        for (seq, timeout_ms) in [(0, 300), (1, 100), (2, 200), (3, 100)] {
+            held.insert(pending(seq, timeout_ms, &answers));
+        }
+        assert_eq!(first_deadline(&held), Some(ms(100)));
 
         let outcome = Outcome {
             allowed: true,
             count: 1,
         };
-        waiting.answer(3, ExactAnswer::Decided(outcome));
-        waiting.expire(t0 + Duration::from_millis(99));
+        held.answer(3, ExactAnswer::Decided(outcome));
+        held.expire(ms(99));
         let first = drain(&mut answered);
         assert_eq!(first.len(), 1);
         assert_eq!((first[0].ticket, &first[0].result), (3, &Ok(outcome)));
 
-        waiting.expire(t0 + Duration::from_millis(200));
+        held.expire(ms(200));
         let expired: Vec<u64> = drain(&mut answered).iter().map(|f| f.ticket).collect();
         assert_eq!(expired, [1, 2]);
-        assert_eq!(
-            waiting.next_deadline(),
-            Some(t0 + Duration::from_millis(300))
-        );
+        assert_eq!(first_deadline(&held), Some(ms(300)));
         assert_eq!(stats.unavailable.load(Ordering::Relaxed), 2);
 
         // An answer after the deadline finds nothing: the caller was answered once.
-        waiting.answer(1, ExactAnswer::Decided(outcome));
+        held.answer(1, ExactAnswer::Decided(outcome));
         assert!(drain(&mut answered).is_empty());
-        waiting.expire(t0 + Duration::from_millis(300));
+        held.expire(ms(300));
         let last = drain(&mut answered);
         assert!(matches!(
             &last[..],
             [Forwarded { ticket: 0, result: Err(Refusal::RegionUnavailable { why, .. }) }]
                 if why == "no answer within 300 ms"
         ));
-        assert!(waiting.is_empty() && waiting.by_deadline.is_empty());
+        assert!(held.is_empty() && held.by_deadline.is_empty());
+    }
+
+    #[test]
+    fn a_frame_holds_the_unsent_checks_in_order_and_never_an_expired_or_abandoned_one() {
+        let (answers, _answered) = mpsc::unbounded_channel();
+        let (gone, gone_answers) = mpsc::unbounded_channel();
+        let (mut held, _checks, stats) = held();
+        held.insert(pending(0, 100, &answers));
+        held.insert(pending(1, 300, &answers));
+        held.insert(pending(2, 300, &gone));
+        held.insert(pending(3, 300, &answers));
+        drop(gone_answers);
+        held.expire(ms(100));
+        let frame = held.next_frame().expect("two checks to send");
+        let seqs: Vec<u64> = wire::decode_checks(&frame[4..])
+            .expect("a frame of checks")
+            .iter()
+            .map(|check| check.id.seq)
+            .collect();
+        assert_eq!(seqs, [1, 3]);
+        assert!(!held.has_unsent() && held.next_frame().is_none());
+        assert_eq!(held.by_seq.keys().copied().collect::<Vec<_>>(), [1, 3]);
+        assert_eq!(stats.retries.load(Ordering::Relaxed), 0);
+
+        // A new session writes them again, as retries.
+        held.resend_all();
+        assert!(held.next_frame().is_some());
+        assert_eq!(stats.retries.load(Ordering::Relaxed), 2);
     }
 
     #[test]
     fn checks_whose_caller_went_are_dropped_with_their_deadlines() {
         let (gone, gone_answers) = mpsc::unbounded_channel();
         let (staying, _staying_answers) = mpsc::unbounded_channel();
-        let mut waiting = Waiting::new(Arc::default());
-        let t0 = Instant::now();
-        waiting.insert(pending(0, 100, &gone, t0));
-        waiting.insert(pending(1, 200, &staying, t0));
+        let (mut held, _checks, _stats) = held();
+        held.insert(pending(0, 100, &gone));
+        held.insert(pending(1, 200, &staying));
         drop(gone_answers);
-        waiting.drop_abandoned();
-        assert_eq!(waiting.by_seq.keys().copied().collect::<Vec<_>>(), [1]);
-        assert_eq!(
-            waiting.next_deadline(),
-            Some(t0 + Duration::from_millis(200))
-        );
+        held.drop_abandoned();
+        assert_eq!(held.by_seq.keys().copied().collect::<Vec<_>>(), [1]);
+        assert_eq!(first_deadline(&held), Some(ms(200)));
+    }
+
+    #[test]
+    fn a_session_task_that_ends_answers_every_check_it_held_or_had_coming() {
+        let (answers, mut answered) = mpsc::unbounded_channel();
+        let (mut held, checks, stats) = held();
+        held.insert(pending(0, 100, &answers));
+        checks.send(pending(1, 100, &answers)).ok().unwrap();
+        drop(held);
+        let mut tickets: Vec<u64> = drain(&mut answered)
+            .into_iter()
+            .map(|forwarded| {
+                assert!(matches!(
+                    &forwarded.result,
+                    Err(Refusal::RegionUnavailable { why, .. }) if why == "the forwarder has stopped"
+                ));
+                forwarded.ticket
+            })
+            .collect();
+        tickets.sort();
+        assert_eq!(tickets, [0, 1]);
+        assert_eq!(stats.unavailable.load(Ordering::Relaxed), 2);
+        assert!(checks.send(pending(2, 100, &answers)).is_err());
     }
 }
