@@ -66,8 +66,8 @@
 //! for its own sends), to the region node at ADDR whose certificate names node
 //! `--region-node` (1). One task keeps C x P checks in flight on the forwarder's one
 //! session (`Forwarder::submit(rule, subject, 1)`, a new one as each is answered), as an
-//! edge forwards every check of its clients. Request ids carry node `--node`, a generation from the wall clock, and
-//! the forwarder's sequence numbers; the window is the one holding the wall-clock time at
+//! edge forwards every check of its clients. Request ids carry node `--node`, a
+//! generation from the wall clock, and the forwarder's sequence numbers; the window is the one holding the wall-clock time at
 //! the start of each phase, `--window-secs` long (3600), and the region's timeout 10 s. A
 //! request's latency runs from the call to the outcome; an answer other than an admitted
 //! decision, or a check sent twice, fails the run. The line ends in `op=check

@@ -1,8 +1,11 @@
 //! The record format of both durable logs (the lane log and the region log):
 //! `[len u32 LE][crc32 u32 LE][bincode body]`, decoded with a limit.
 //!
-//! A reader stops at the first record that is short, longer than [`RECORD_BYTES_MAX`], or
-//! fails its checksum: a crash can tear only the tail, so what comes before is whole.
+//! A reader stops at the first record that is short, of length 0, longer than
+//! [`RECORD_BYTES_MAX`], or fails its checksum: a crash can tear only the tail, so what
+//! comes before is whole. No record is empty, so a length of 0 is the end: the region
+//! log's allocation ahead is zeros, and `[len 0][crc 0]` would check (the crc32 of no bytes
+//! is 0).
 
 use serde::de::DeserializeOwned;
 use serde::Serialize;
@@ -35,7 +38,7 @@ pub fn read<T: DeserializeOwned>(bytes: &[u8], at: usize) -> Option<(T, usize)> 
     let header = bytes.get(at..at.checked_add(8)?)?;
     let len = u32::from_le_bytes(header[..4].try_into().ok()?) as usize;
     let crc = u32::from_le_bytes(header[4..].try_into().ok()?);
-    if len > RECORD_BYTES_MAX {
+    if len == 0 || len > RECORD_BYTES_MAX {
         return None;
     }
     let body = bytes.get(at + 8..at + 8 + len)?;

@@ -35,7 +35,6 @@
 
 use super::ExactCheck;
 use crate::checksummed;
-use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
 use std::fs::{File, OpenOptions};
 use std::io::{Read, Write};
@@ -188,12 +187,16 @@ impl Storage for FileStorage {
         let tmp = self.path.with_extension("compact");
         let end = (MAGIC.len() + bytes.len()) as u64;
         let allocated = (end + self.chunk_bytes).next_multiple_of(self.chunk_bytes);
-        {
-            let mut file = File::create(&tmp)?;
+        let written = File::create(&tmp).and_then(|mut file| {
             file.write_all(MAGIC)?;
             file.write_all(bytes)?;
             write_zeros(&file, end, allocated)?;
-            file.sync_all()?;
+            file.sync_all()
+        });
+        if let Err(err) = written {
+            // A compaction that failed (a full disk, say) leaves no file taking room.
+            let _ = std::fs::remove_file(&tmp);
+            return Err(err);
         }
         std::fs::rename(&tmp, &self.path)?;
         sync_dir(&self.path)?;
@@ -318,22 +321,7 @@ pub fn encode<S: Serialize>(entry: &Entry<S>, out: &mut Vec<u8>) {
 /// The whole, checksummed entries at the front of `bytes`, and how many bytes they take:
 /// up to the first entry that is not whole, or the first length of 0 (the end of the log).
 pub fn replay(bytes: &[u8]) -> (Vec<Entry>, usize) {
-    read_to_end(bytes)
-}
-
-fn read_to_end<T: DeserializeOwned>(bytes: &[u8]) -> (Vec<T>, usize) {
-    let mut entries = Vec::new();
-    let mut at = 0;
-    // A length of 0 ends the log even if its checksum (0, the crc32 of nothing) holds and
-    // an empty body decodes: no entry is empty, and the allocation ahead is zeros.
-    while bytes.get(at..at + 4).is_some_and(|len| len != [0; 4]) {
-        let Some((entry, next)) = checksummed::read(bytes, at) else {
-            break;
-        };
-        entries.push(entry);
-        at = next;
-    }
-    (entries, at)
+    checksummed::read_all(bytes)
 }
 
 #[cfg(test)]
@@ -536,8 +524,9 @@ mod tests {
     fn a_length_of_zero_ends_the_log_even_where_an_empty_body_would_check() {
         // The allocation's zeros read as `[len 0][crc 0]`: crc32 of no bytes is 0, so the
         // checksum holds, and a type that decodes from no bytes would be read on forever.
-        assert!(checksummed::read::<()>(&[0; 8], 0).is_some());
-        assert_eq!(read_to_end::<()>(&[0; 64]), (Vec::new(), 0));
+        assert_eq!(crc32fast::hash(&[]), 0);
+        assert!(checksummed::read::<()>(&[0; 8], 0).is_none());
+        assert_eq!(checksummed::read_all::<()>(&[0; 64]), (Vec::new(), 0));
         let mut bytes = encoded(&[entry(0)]);
         let end = bytes.len();
         bytes.extend_from_slice(&[0; 8]);

@@ -4,8 +4,9 @@
 //! one long-lived bidirectional stream (a session, see [`forward`] and [`wire`]). The
 //! region decides each on its [`Ledger`] (linearizable: one task decides, in arrival
 //! order, on the state every earlier decision left), appends a record, and answers only
-//! after the [`committer`] has synced that record's group to disk. Request ids make retries idempotent: a repeated id gets
-//! the first answer, after the same sync, and counts nothing more.
+//! after the [`committer`] has synced that record's group to disk. Request ids make
+//! retries idempotent: a repeated id gets the first answer, after the same sync, and
+//! counts nothing more.
 //!
 //! After a failed write or sync the committer refuses everything, forever (until
 //! restart): it never retries and then acknowledges, because a failed `fsync` may have
