@@ -522,25 +522,14 @@ fn run_fsync(file: &std::path::Path, requests: u64, bytes: usize) -> Result<Repo
         .append(true)
         .open(file)
         .map_err(|err| failed("open", err))?;
-    let warm_up = (requests / 10).max(1);
     let data = vec![0xa5; bytes];
-    let mut latencies_ns = Vec::with_capacity(requests as usize);
-    let mut started = now();
-    for i in 0..warm_up + requests {
-        if i == warm_up {
-            started = now();
-        }
-        let sent = now();
+    let report = time_each(requests, || {
         out.write_all(&data).map_err(|err| failed("write", err))?;
-        out.sync_data().map_err(|err| failed("fdatasync", err))?;
-        if i >= warm_up {
-            latencies_ns.push(now().duration_since(sent).as_nanos() as u64);
-        }
-    }
-    let elapsed = now().duration_since(started);
+        out.sync_data().map_err(|err| failed("fdatasync", err))
+    })?;
     drop(out);
     std::fs::remove_file(file).map_err(|err| failed("remove", err))?;
-    Ok(report(latencies_ns, elapsed))
+    Ok(report)
 }
 
 /// `--fsync-probe`, the region log's way: `bytes` at a time through the region's own
@@ -558,8 +547,26 @@ fn run_fsync_preallocated(
     let path = file.with_extension("probe.log");
     let failed = |what: &str, err: std::io::Error| format!("{}: {what}: {err}", path.display());
     let (mut storage, _, _) = log::open(&path).map_err(|err| failed("open", err))?;
-    let warm_up = (requests / 10).max(1);
     let data = vec![0xa5; bytes];
+    let report = time_each(requests, || {
+        storage
+            .reserve(bytes)
+            .and_then(|()| storage.append(&data))
+            .and_then(|()| storage.sync())
+            .map_err(|err| failed("reserve, write or fdatasync", err))
+    })?;
+    drop(storage);
+    std::fs::remove_file(&path).map_err(|err| failed("remove", err))?;
+    Ok(report)
+}
+
+/// Runs `once` a tenth of `requests` times unrecorded, then `requests` times timed, one
+/// call after the other.
+fn time_each(
+    requests: u64,
+    mut once: impl FnMut() -> Result<(), String>,
+) -> Result<Report, String> {
+    let warm_up = (requests / 10).max(1);
     let mut latencies_ns = Vec::with_capacity(requests as usize);
     let mut started = now();
     for i in 0..warm_up + requests {
@@ -567,19 +574,12 @@ fn run_fsync_preallocated(
             started = now();
         }
         let sent = now();
-        storage
-            .reserve(bytes)
-            .and_then(|()| storage.append(&data))
-            .and_then(|()| storage.sync())
-            .map_err(|err| failed("reserve, write or fdatasync", err))?;
+        once()?;
         if i >= warm_up {
             latencies_ns.push(now().duration_since(sent).as_nanos() as u64);
         }
     }
-    let elapsed = now().duration_since(started);
-    drop(storage);
-    std::fs::remove_file(&path).map_err(|err| failed("remove", err))?;
-    Ok(report(latencies_ns, elapsed))
+    Ok(report(latencies_ns, now().duration_since(started)))
 }
 
 /// `--raw`: rounds of P pre-encoded requests on each of C blocking connections; a warm-up

@@ -53,7 +53,6 @@ pub struct ForwardStats {
 pub struct Forwarder<T> {
     checks: mpsc::UnboundedSender<Box<Pending<T>>>,
     replica: ReplicaId,
-    next_seq: AtomicU64,
     clock: Clock,
     stats: Arc<ForwardStats>,
 }
@@ -142,7 +141,6 @@ impl<T: Send + 'static> Forwarder<T> {
         Forwarder {
             checks,
             replica,
-            next_seq: AtomicU64::new(0),
             clock,
             stats,
         }
@@ -165,7 +163,8 @@ impl<T: Send + 'static> Forwarder<T> {
                 id: RequestId {
                     node: self.replica.node.0,
                     generation: self.replica.generation.0,
-                    seq: self.next_seq.fetch_add(1, Ordering::Relaxed),
+                    // The session task gives it its sequence number.
+                    seq: 0,
                 },
                 rule: rule.name.clone(),
                 subject: key.subject().to_owned(),
@@ -191,12 +190,15 @@ impl<T: Send + 'static> Forwarder<T> {
 /// or panicked), it answers every check it has that the forwarder stopped.
 struct Held<T> {
     incoming: mpsc::UnboundedReceiver<Box<Pending<T>>>,
-    by_seq: BTreeMap<u64, Box<Pending<T>>>,
-    // Invariant: one entry per check in `by_seq`, at its deadline.
+    // Checks written on the current session, waiting for their answers.
+    sent: BTreeMap<u64, Box<Pending<T>>>,
+    // Checks to write on the current session, in sequence order.
+    unsent: VecDeque<Box<Pending<T>>>,
+    // Invariant: one entry per check in `sent` and `unsent`, at its deadline.
     by_deadline: BTreeSet<(Duration, u64)>,
-    // The checks to write on the current session, in sequence order. May name checks no
-    // longer held; those are skipped.
-    unsent: VecDeque<u64>,
+    // This edge life's next request sequence number: given out here, so that checks are
+    // held in sequence order whatever threads submitted them.
+    next_seq: u64,
     clock: Clock,
     stats: Arc<ForwardStats>,
 }
@@ -209,24 +211,26 @@ impl<T> Held<T> {
     ) -> Held<T> {
         Held {
             incoming,
-            by_seq: BTreeMap::new(),
-            by_deadline: BTreeSet::new(),
+            sent: BTreeMap::new(),
             unsent: VecDeque::new(),
+            by_deadline: BTreeSet::new(),
+            next_seq: 0,
             clock,
             stats,
         }
     }
 
     fn is_empty(&self) -> bool {
-        self.by_seq.is_empty()
+        self.sent.is_empty() && self.unsent.is_empty()
     }
 
-    /// Holds a new check, to be written on the session.
-    fn insert(&mut self, pending: Box<Pending<T>>) {
-        let seq = pending.check.id.seq;
+    /// Holds a new check, with the next sequence number, to be written on the session.
+    fn insert(&mut self, mut pending: Box<Pending<T>>) {
+        let seq = self.next_seq;
+        self.next_seq += 1;
+        pending.check.id.seq = seq;
         self.by_deadline.insert((pending.deadline, seq));
-        self.unsent.push_back(seq);
-        self.by_seq.insert(seq, pending);
+        self.unsent.push_back(pending);
     }
 
     /// Holds every check that came in, without waiting.
@@ -237,14 +241,27 @@ impl<T> Held<T> {
     }
 
     fn remove(&mut self, seq: u64) -> Option<Box<Pending<T>>> {
-        let pending = self.by_seq.remove(&seq)?;
+        let pending = match self.sent.remove(&seq) {
+            Some(pending) => pending,
+            None => {
+                // Rare: a check expires or is dropped before it was written.
+                let at = self
+                    .unsent
+                    .binary_search_by_key(&seq, |pending| pending.check.id.seq)
+                    .ok()?;
+                self.unsent.remove(at)?
+            }
+        };
         self.by_deadline.remove(&(pending.deadline, seq));
         Some(pending)
     }
 
     /// A new session: every check held is written on it, in sequence order.
     fn resend_all(&mut self) {
-        self.unsent = self.by_seq.keys().copied().collect();
+        let mut all: Vec<_> = std::mem::take(&mut self.sent).into_values().collect();
+        all.extend(self.unsent.drain(..));
+        all.sort_unstable_by_key(|pending| pending.check.id.seq);
+        self.unsent = all.into();
     }
 
     fn has_unsent(&self) -> bool {
@@ -254,32 +271,31 @@ impl<T> Held<T> {
     /// The next frame to write: up to [`CHECKS_PER_FRAME_MAX`] of the checks to send, in
     /// order, leaving out those whose caller is gone. `None` if none is left.
     fn next_frame(&mut self) -> Option<Vec<u8>> {
-        let mut seqs = Vec::with_capacity(CHECKS_PER_FRAME_MAX.min(self.unsent.len()));
-        let mut abandoned = Vec::new();
-        while seqs.len() < CHECKS_PER_FRAME_MAX {
-            let Some(seq) = self.unsent.pop_front() else {
+        let mut batch = Vec::with_capacity(CHECKS_PER_FRAME_MAX.min(self.unsent.len()));
+        while batch.len() < CHECKS_PER_FRAME_MAX {
+            let Some(mut pending) = self.unsent.pop_front() else {
                 break;
             };
-            match self.by_seq.get_mut(&seq) {
-                Some(pending) if pending.abandoned() => abandoned.push(seq),
-                Some(pending) => {
-                    if pending.sent {
-                        self.stats.retries.fetch_add(1, Ordering::Relaxed);
-                    }
-                    pending.sent = true;
-                    seqs.push(seq);
-                }
-                None => {}
+            if pending.abandoned() {
+                self.by_deadline
+                    .remove(&(pending.deadline, pending.check.id.seq));
+                continue;
             }
+            if pending.sent {
+                self.stats.retries.fetch_add(1, Ordering::Relaxed);
+            }
+            pending.sent = true;
+            batch.push(pending);
         }
-        for seq in abandoned {
-            self.remove(seq);
-        }
-        if seqs.is_empty() {
+        if batch.is_empty() {
             return None;
         }
-        let checks: Vec<&ExactCheck> = seqs.iter().map(|seq| &self.by_seq[seq].check).collect();
-        Some(wire::encode_checks(&checks))
+        let checks: Vec<&ExactCheck> = batch.iter().map(|pending| &pending.check).collect();
+        let frame = wire::encode_checks(&checks);
+        for pending in batch {
+            self.sent.insert(pending.check.id.seq, pending);
+        }
+        Some(frame)
     }
 
     /// Points `alarm` at the first deadline held; `false` if none is.
@@ -346,9 +362,7 @@ impl<T> Held<T> {
 
     /// Drops the checks whose callers stopped waiting: they are never sent again.
     fn drop_abandoned(&mut self) {
-        let abandoned: Vec<u64> = self
-            .by_seq
-            .values()
+        let abandoned: Vec<u64> = (self.sent.values().chain(&self.unsent))
             .filter(|pending| pending.abandoned())
             .map(|pending| pending.check.id.seq)
             .collect();
@@ -367,8 +381,9 @@ impl<T> Drop for Held<T> {
     fn drop(&mut self) {
         self.incoming.close();
         let incoming = std::iter::from_fn(|| self.incoming.try_recv().ok());
-        let held = std::mem::take(&mut self.by_seq).into_values();
-        for pending in held.chain(incoming.collect::<Vec<_>>()) {
+        let sent = std::mem::take(&mut self.sent).into_values();
+        let unsent = std::mem::take(&mut self.unsent);
+        for pending in sent.chain(unsent).chain(incoming.collect::<Vec<_>>()) {
             pending.stopped(&self.stats);
         }
     }
@@ -638,6 +653,14 @@ mod tests {
         std::iter::from_fn(|| answered.try_recv().ok()).collect()
     }
 
+    /// The sequence numbers of every check held, sent or not, in order.
+    fn held_seqs(held: &Held<u64>) -> Vec<u64> {
+        let mut seqs: Vec<u64> = held.sent.keys().copied().collect();
+        seqs.extend(held.unsent.iter().map(|pending| pending.check.id.seq));
+        seqs.sort_unstable();
+        seqs
+    }
+
     fn first_deadline(held: &Held<u64>) -> Option<Duration> {
         held.by_deadline.first().map(|(deadline, _)| *deadline)
     }
@@ -700,7 +723,7 @@ mod tests {
             .collect();
         assert_eq!(seqs, [1, 3]);
         assert!(!held.has_unsent() && held.next_frame().is_none());
-        assert_eq!(held.by_seq.keys().copied().collect::<Vec<_>>(), [1, 3]);
+        assert_eq!(held_seqs(&held), [1, 3]);
         assert_eq!(stats.retries.load(Ordering::Relaxed), 0);
 
         // A new session writes them again, as retries.
@@ -718,7 +741,7 @@ mod tests {
         held.insert(pending(1, 200, &staying));
         drop(gone_answers);
         held.drop_abandoned();
-        assert_eq!(held.by_seq.keys().copied().collect::<Vec<_>>(), [1]);
+        assert_eq!(held_seqs(&held), [1]);
         assert_eq!(first_deadline(&held), Some(ms(200)));
     }
 
