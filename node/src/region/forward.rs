@@ -82,7 +82,7 @@ struct Pending<T> {
     deadline: Duration,
     timeout_ms: u64,
     // Written on a session already: writing it again is a retry.
-    sent: bool,
+    written: bool,
 }
 
 impl<T> Pending<T> {
@@ -177,7 +177,7 @@ impl<T: Send + 'static> Forwarder<T> {
             submitted,
             deadline: submitted + Duration::from_millis(rule.region_timeout_ms),
             timeout_ms: rule.region_timeout_ms,
-            sent: false,
+            written: false,
         });
         if let Err(mpsc::error::SendError(pending)) = self.checks.send(pending) {
             pending.stopped(&self.stats);
@@ -281,10 +281,10 @@ impl<T> Held<T> {
                     .remove(&(pending.deadline, pending.check.id.seq));
                 continue;
             }
-            if pending.sent {
+            if pending.written {
                 self.stats.retries.fetch_add(1, Ordering::Relaxed);
             }
-            pending.sent = true;
+            pending.written = true;
             batch.push(pending);
         }
         if batch.is_empty() {
@@ -628,7 +628,7 @@ mod tests {
             submitted: Duration::ZERO,
             deadline: ms(timeout_ms),
             timeout_ms,
-            sent: false,
+            written: false,
         })
     }
 
