@@ -682,22 +682,32 @@ mod tests {
             Subject::new("s").unwrap(),
             Window::containing(WALL / 1_000, 60).unwrap(),
         );
+        let lane = tally_crdt::LaneUpdate {
+            key,
+            lane: Lane::new(1_000, 0),
+            version: Version(1),
+        };
+        push_of(from, Version(1), Stamp(WALL), vec![lane])
+    }
+
+    /// A push of `lanes` from `from`, through `version` at `stamp`.
+    fn push_of(
+        from: ReplicaId,
+        version: Version,
+        stamp: Stamp,
+        lanes: Vec<tally_crdt::LaneUpdate>,
+    ) -> Vec<u8> {
+        let through = Watermark { version, stamp };
+        let lanes = OriginDelta {
+            origin: from,
+            through,
+            lanes,
+        };
         wire::encode(
             from,
             &Message::Push {
                 after: Version::ZERO,
-                lanes: OriginDelta {
-                    origin: from,
-                    through: Watermark {
-                        version: Version(1),
-                        stamp: Stamp(WALL),
-                    },
-                    lanes: vec![tally_crdt::LaneUpdate {
-                        key,
-                        lane: Lane::new(1_000, 0),
-                        version: Version(1),
-                    }],
-                },
+                lanes,
             },
         )
     }
@@ -881,20 +891,11 @@ mod tests {
         let mut gossip = Gossip::new(config);
         gossip.handle_input(Input::Timeout { now: now(0) });
         let heartbeat = |origin: u64, stamp: u64| {
-            let from = node(origin).replica();
-            wire::encode(
-                from,
-                &Message::Push {
-                    after: Version::ZERO,
-                    lanes: OriginDelta {
-                        origin: from,
-                        through: Watermark {
-                            version: Version::ZERO,
-                            stamp: Stamp(WALL + stamp),
-                        },
-                        lanes: Vec::new(),
-                    },
-                },
+            push_of(
+                node(origin).replica(),
+                Version::ZERO,
+                Stamp(WALL + stamp),
+                Vec::new(),
             )
         };
         // Node 3 pushed a lane long ago, node 4 was heard 50 ms before the round, node 5
