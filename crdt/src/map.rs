@@ -100,6 +100,11 @@ impl CounterMap {
         })
     }
 
+    /// Every origin of which this map holds a watermark or lanes, in order.
+    pub fn origins(&self) -> impl Iterator<Item = ReplicaId> + '_ {
+        self.origins.keys().copied()
+    }
+
     /// What this map holds, per origin.
     pub fn digest(&self) -> Digest {
         Digest {

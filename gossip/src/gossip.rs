@@ -541,7 +541,7 @@ impl Gossip {
             version: Version::ZERO,
             stamp: unlisted,
         };
-        for origin in self.map.digest().origins.into_keys() {
+        for origin in self.map.origins() {
             digest.origins.entry(origin).or_insert(floor);
         }
         digest
