@@ -120,9 +120,7 @@ impl Context<'_> {
         key: KeyRef<'_>,
         cost: u64,
     ) -> Result<Decision, Refusal> {
-        if cost == 0 {
-            return Err(bad("cost", "must be at least 1".into()));
-        }
+        check_cost(cost)?;
         self.check_approximate(rule, key, cost)
     }
 
@@ -255,6 +253,14 @@ impl Context<'_> {
                 why: err.to_string(),
             })
     }
+}
+
+/// A check's cost must be at least 1, for approximate and exact rules alike.
+pub fn check_cost(cost: u64) -> Result<(), Refusal> {
+    if cost == 0 {
+        return Err(bad("cost", "must be at least 1".into()));
+    }
+    Ok(())
 }
 
 fn bad(field: &str, why: String) -> Refusal {

@@ -261,13 +261,8 @@ impl Service {
             } => {
                 let found = self.rules.get(rule)?;
                 let key = decide::key(found, subject, context.now)?;
+                decide::check_cost(cost)?;
                 let decision = match (found.1.mode, &self.forwarder) {
-                    (RuleMode::Exact, _) if cost == 0 => {
-                        return Err(Refusal::BadField {
-                            field: "cost".into(),
-                            why: "must be at least 1".into(),
-                        })
-                    }
                     (RuleMode::Exact, Some(_)) => {
                         return Ok(Handling::Forward {
                             rule: found.1.clone(),
