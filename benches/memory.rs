@@ -13,7 +13,7 @@
 //! reuses memory that an earlier measurement freed.
 //!
 //! The keys are made first and measured on their own ("key strings"): a `Key` shares its
-//! rule and subject strings (`Arc<str>`), so a structure that holds a key holds a pointer
+//! rule and subject strings (`ArcStr`, a thin pointer), so a structure that holds a key holds a pointer
 //! to strings the caller already has. "structure" is what the store or map adds on top;
 //! a store that outlives the caller's keys also owns the key strings.
 
@@ -43,7 +43,7 @@ fn main() {
     let mut keys = Vec::with_capacity(KEYS);
     let ((), key_bytes) = measure(|| make_keys(&mut keys));
     println!(
-        "key strings: {:.1} bytes/key in {:.2} allocations/key (the subject's Arc<str>; \
+        "key strings: {:.1} bytes/key in {:.2} allocations/key (the subject's ArcStr; \
          the rule's is shared by every key)",
         key_bytes.per(KEYS),
         key_bytes.allocs_per(KEYS),
@@ -117,8 +117,8 @@ fn print_sizes() {
     println!("size_of (inline bytes, heap not included):");
     for (name, size) in [
         ("Key (Rule + Subject + Window)", size_of::<Key>()),
-        ("Rule (Arc<str>)", size_of::<Rule>()),
-        ("Subject (Arc<str>)", size_of::<Subject>()),
+        ("Rule (ArcStr)", size_of::<Rule>()),
+        ("Subject (ArcStr)", size_of::<Subject>()),
         ("Window", size_of::<Window>()),
         ("ReplicaId", size_of::<ReplicaId>()),
         ("Lane", size_of::<Lane>()),

@@ -1,9 +1,9 @@
 //! What a counter counts: a rule, a subject and a window.
 
+use arcstr::ArcStr;
 use equivalent::Equivalent;
 use serde::{Deserialize, Serialize};
 use std::fmt;
-use std::sync::Arc;
 
 /// The longest rule name, in bytes.
 pub const RULE_BYTES_MAX: usize = 64;
@@ -11,6 +11,9 @@ pub const RULE_BYTES_MAX: usize = 64;
 pub const SUBJECT_BYTES_MAX: usize = 256;
 /// The longest window, in seconds (one week).
 pub const WINDOW_SECS_MAX: u32 = 7 * 24 * 3600;
+/// The highest window index. An index is held in 32 bits, so a window of one second can
+/// start as late as 2106 (unix second 2^32 - 1), a longer one later in proportion.
+pub const WINDOW_INDEX_MAX: u64 = u32::MAX as u64;
 
 /// A key that does not fit its bounds. Nothing was created.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -30,31 +33,41 @@ pub enum KeyError {
         /// The refused window length.
         len_secs: u32,
     },
+    /// The window index is above [`WINDOW_INDEX_MAX`].
+    #[error("window: index {index}, must be at most {WINDOW_INDEX_MAX}")]
+    WindowIndex {
+        /// The refused index.
+        index: u64,
+    },
 }
 
 /// The name of a rule, as configured: 1 to 64 bytes of `[A-Za-z0-9_.:-]`.
 #[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
 #[serde(try_from = "String", into = "String")]
-pub struct Rule(Arc<str>);
+pub struct Rule(ArcStr);
 
 /// What a rule counts for: a user, an IP, an API key. 1 to 256 bytes of UTF-8.
 #[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
 #[serde(try_from = "String", into = "String")]
-pub struct Subject(Arc<str>);
+pub struct Subject(ArcStr);
 
 /// A fixed time window: `index = floor(unix_secs / len_secs)`.
 ///
 /// The node that first counts a key fixes its window and the window travels with the key:
 /// no receiver re-derives it from its own clock, so a skewed clock cannot move counts
 /// between windows.
+///
+/// Held in 8 bytes (an index of at most [`WINDOW_INDEX_MAX`]); sent as a `u64` index and
+/// a `u32` length, checked on the way back in.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
 #[serde(try_from = "WindowParts", into = "WindowParts")]
 pub struct Window {
-    index: u64,
+    index: u32,
     len_secs: u32,
 }
 
-/// The key of one counter. Cloning is cheap: the strings are shared.
+/// The key of one counter: 24 bytes, two thin pointers to shared strings and the window.
+/// Cloning is cheap: the strings are shared.
 ///
 /// Invariant: hashes as the [`KeyRef`] with the same parts. The derived `Hash` feeds the
 /// rule's `str`, the subject's `str`, then the window; keep the fields in this order.
@@ -122,12 +135,13 @@ impl Window {
         if len_secs == 0 || len_secs > WINDOW_SECS_MAX {
             return Err(KeyError::WindowLen { len_secs });
         }
+        let index = u32::try_from(index).map_err(|_| KeyError::WindowIndex { index })?;
         Ok(Window { index, len_secs })
     }
 
     /// `floor(start / len)`.
     pub fn index(&self) -> u64 {
-        self.index
+        u64::from(self.index)
     }
 
     /// The window's length in seconds.
@@ -137,13 +151,12 @@ impl Window {
 
     /// The unix second at which the window opens.
     pub fn start_unix_secs(&self) -> u64 {
-        self.index.saturating_mul(u64::from(self.len_secs))
+        self.index() * u64::from(self.len_secs)
     }
 
     /// The unix second at which the window closes (exclusive).
     pub fn end_unix_secs(&self) -> u64 {
-        self.start_unix_secs()
-            .saturating_add(u64::from(self.len_secs))
+        self.start_unix_secs() + u64::from(self.len_secs)
     }
 
     /// The window just before this one, if there is one.
@@ -159,10 +172,7 @@ impl Window {
     /// A window is kept for one more length after it closes, because a sliding-window
     /// estimate weights the previous window.
     pub fn is_live(&self, now_unix_secs: u64) -> bool {
-        now_unix_secs
-            < self
-                .end_unix_secs()
-                .saturating_add(u64::from(self.len_secs))
+        now_unix_secs < self.end_unix_secs() + u64::from(self.len_secs)
     }
 }
 
@@ -293,7 +303,7 @@ impl TryFrom<WindowParts> for Window {
 impl From<Window> for WindowParts {
     fn from(window: Window) -> WindowParts {
         WindowParts {
-            index: window.index,
+            index: window.index(),
             len_secs: window.len_secs,
         }
     }
@@ -343,6 +353,23 @@ mod tests {
         assert!(!w.is_live(240));
         assert_eq!(w.previous().unwrap().index(), 1);
         assert_eq!(Window::new(0, 0), Err(KeyError::WindowLen { len_secs: 0 }));
+    }
+
+    #[test]
+    fn a_window_index_past_32_bits_is_refused_and_the_last_one_is_exact() {
+        let last = Window::new(WINDOW_INDEX_MAX, WINDOW_SECS_MAX).unwrap();
+        assert_eq!(last.index(), WINDOW_INDEX_MAX);
+        assert_eq!(
+            last.end_unix_secs(),
+            (WINDOW_INDEX_MAX + 1) * u64::from(WINDOW_SECS_MAX)
+        );
+        let index = WINDOW_INDEX_MAX + 1;
+        assert_eq!(Window::new(index, 1), Err(KeyError::WindowIndex { index }));
+        assert_eq!(
+            Window::containing(index, 1),
+            Err(KeyError::WindowIndex { index })
+        );
+        assert!(Window::containing(index, 2).is_ok());
     }
 
     #[test]

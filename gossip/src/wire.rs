@@ -571,7 +571,7 @@ fn scopes_from(scopes: Vec<Scope>, newest: Stamp) -> Result<Vec<(Rule, Window)>,
         .map(|scope| {
             let base = window_index_at(newest, scope.len_secs);
             let window = Window::new(base.wrapping_sub(scope.back as u64), scope.len_secs)
-                .map_err(|err| field("scopes.len_secs", err.to_string()))?;
+                .map_err(|err| field("scopes.window", err.to_string()))?;
             Ok((scope.rule, window))
         })
         .collect()
@@ -993,7 +993,7 @@ mod tests {
             Body::Push { scopes, .. } => scopes[0].len_secs = 0,
             other => panic!("not a push: {other:?}"),
         });
-        assert_eq!(refused_field(&frame), "scopes.len_secs");
+        assert_eq!(refused_field(&frame), "scopes.window");
     }
 
     #[test]
