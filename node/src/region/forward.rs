@@ -11,13 +11,14 @@
 //! a frame only when the session's writer has room for one, so a check whose deadline
 //! passes while the region does not read is answered here and never sent.
 
+use super::deadlines::Deadlines;
 use super::log::RequestId;
 use super::wire::{self, CHECKS_PER_FRAME_MAX, REGION_FRAME_BYTES_MAX};
 use super::{ExactAnswer, ExactCheck, Outcome};
 use crate::clock::Clock;
 use crate::config::RuleConfig;
 use crate::transport::{read_frame, FrameRead, Requester, Session};
-use std::collections::{BTreeMap, BTreeSet, VecDeque};
+use std::collections::VecDeque;
 use std::future::Future;
 use std::pin::Pin;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -190,12 +191,17 @@ impl<T: Send + 'static> Forwarder<T> {
 /// or panicked), it answers every check it has that the forwarder stopped.
 struct Held<T> {
     incoming: mpsc::UnboundedReceiver<Box<Pending<T>>>,
-    // Checks written on the current session, waiting for their answers.
-    sent: BTreeMap<u64, Box<Pending<T>>>,
-    // Checks to write on the current session, in sequence order.
-    unsent: VecDeque<Box<Pending<T>>>,
-    // Invariant: one entry per check in `sent` and `unsent`, at its deadline.
-    by_deadline: BTreeSet<(Duration, u64)>,
+    // Every check from sequence number `base` on: `None` once it is answered, expired or
+    // dropped. Invariant: the front is `Some` (or the ring is empty), and
+    // `base + checks.len() == next_seq`.
+    checks: VecDeque<Option<Box<Pending<T>>>>,
+    base: u64,
+    // Checks from this sequence number on are still to be written on the current session.
+    // Invariant: `base <= unwritten <= next_seq`.
+    unwritten: u64,
+    // How many slots of `checks` are `Some`.
+    live: usize,
+    deadlines: Deadlines,
     // This edge life's next request sequence number: given out here, so that checks are
     // held in sequence order whatever threads submitted them.
     next_seq: u64,
@@ -211,9 +217,11 @@ impl<T> Held<T> {
     ) -> Held<T> {
         Held {
             incoming,
-            sent: BTreeMap::new(),
-            unsent: VecDeque::new(),
-            by_deadline: BTreeSet::new(),
+            checks: VecDeque::new(),
+            base: 0,
+            unwritten: 0,
+            live: 0,
+            deadlines: Deadlines::default(),
             next_seq: 0,
             clock,
             stats,
@@ -221,7 +229,7 @@ impl<T> Held<T> {
     }
 
     fn is_empty(&self) -> bool {
-        self.sent.is_empty() && self.unsent.is_empty()
+        self.live == 0
     }
 
     /// Holds a new check, with the next sequence number, to be written on the session.
@@ -229,8 +237,13 @@ impl<T> Held<T> {
         let seq = self.next_seq;
         self.next_seq += 1;
         pending.check.id.seq = seq;
-        self.by_deadline.insert((pending.deadline, seq));
-        self.unsent.push_back(pending);
+        self.deadlines
+            .push(pending.timeout_ms, pending.deadline, seq);
+        if self.checks.is_empty() {
+            self.base = seq;
+        }
+        self.checks.push_back(Some(pending));
+        self.live += 1;
     }
 
     /// Holds every check that came in, without waiting.
@@ -240,67 +253,77 @@ impl<T> Held<T> {
         }
     }
 
+    fn slot(&mut self, seq: u64) -> Option<&mut Option<Box<Pending<T>>>> {
+        let at = index(self.base, seq)?;
+        self.checks.get_mut(at)
+    }
+
+    fn get(&self, seq: u64) -> Option<&Pending<T>> {
+        self.checks.get(index(self.base, seq)?)?.as_deref()
+    }
+
     fn remove(&mut self, seq: u64) -> Option<Box<Pending<T>>> {
-        let pending = match self.sent.remove(&seq) {
-            Some(pending) => pending,
-            None => {
-                // Rare: a check expires or is dropped before it was written.
-                let at = self
-                    .unsent
-                    .binary_search_by_key(&seq, |pending| pending.check.id.seq)
-                    .ok()?;
-                self.unsent.remove(at)?
-            }
-        };
-        self.by_deadline.remove(&(pending.deadline, seq));
+        let pending = self.slot(seq)?.take()?;
+        self.live -= 1;
+        while let Some(None) = self.checks.front() {
+            self.checks.pop_front();
+            self.base += 1;
+        }
+        if self.checks.is_empty() {
+            self.base = self.next_seq;
+        }
+        self.unwritten = self.unwritten.max(self.base);
         Some(pending)
     }
 
     /// A new session: every check held is written on it, in sequence order.
     fn resend_all(&mut self) {
-        let mut all: Vec<_> = std::mem::take(&mut self.sent).into_values().collect();
-        all.extend(self.unsent.drain(..));
-        all.sort_unstable_by_key(|pending| pending.check.id.seq);
-        self.unsent = all.into();
+        self.unwritten = self.base;
     }
 
     fn has_unsent(&self) -> bool {
-        !self.unsent.is_empty()
+        self.unwritten < self.next_seq
     }
 
     /// The next frame to write: up to [`CHECKS_PER_FRAME_MAX`] of the checks to send, in
     /// order, leaving out those whose caller is gone. `None` if none is left.
     fn next_frame(&mut self) -> Option<Vec<u8>> {
-        let mut batch = Vec::with_capacity(CHECKS_PER_FRAME_MAX.min(self.unsent.len()));
-        while batch.len() < CHECKS_PER_FRAME_MAX {
-            let Some(mut pending) = self.unsent.pop_front() else {
-                break;
+        let mut batch = Vec::new();
+        while batch.len() < CHECKS_PER_FRAME_MAX && self.unwritten < self.next_seq {
+            let seq = self.unwritten;
+            self.unwritten += 1;
+            let at = index(self.base, seq);
+            let slot = at.and_then(|at| self.checks.get_mut(at));
+            let Some(pending) = slot.and_then(Option::as_mut) else {
+                continue;
             };
             if pending.abandoned() {
-                self.by_deadline
-                    .remove(&(pending.deadline, pending.check.id.seq));
+                self.remove(seq);
                 continue;
             }
             if pending.written {
                 self.stats.retries.fetch_add(1, Ordering::Relaxed);
             }
             pending.written = true;
-            batch.push(pending);
+            batch.push(seq);
         }
         if batch.is_empty() {
             return None;
         }
-        let checks: Vec<&ExactCheck> = batch.iter().map(|pending| &pending.check).collect();
-        let frame = wire::encode_checks(&checks);
-        for pending in batch {
-            self.sent.insert(pending.check.id.seq, pending);
-        }
-        Some(frame)
+        let checks: Vec<&ExactCheck> = batch
+            .iter()
+            .filter_map(|&seq| self.get(seq))
+            .map(|pending| &pending.check)
+            .collect();
+        Some(wire::encode_checks(&checks))
     }
 
     /// Points `alarm` at the first deadline held; `false` if none is.
-    fn arm(&self, alarm: Pin<&mut Sleep>) -> bool {
-        let Some(&(deadline, _)) = self.by_deadline.first() else {
+    fn arm(&mut self, alarm: Pin<&mut Sleep>) -> bool {
+        let (checks, base) = (&self.checks, self.base);
+        let is_held =
+            |seq| index(base, seq).is_some_and(|at| checks.get(at).is_some_and(Option::is_some));
+        let Some(deadline) = self.deadlines.first(is_held) else {
             return false;
         };
         let at = self.clock.instant(deadline).into();
@@ -309,7 +332,6 @@ impl<T> Held<T> {
         }
         true
     }
-
     /// Answers the check `seq` with the region's `answer`, if it still waits.
     fn answer(&mut self, seq: u64, answer: ExactAnswer) {
         let Some(pending) = self.remove(seq) else {
@@ -346,11 +368,12 @@ impl<T> Held<T> {
     /// Answers every check whose deadline is at or before `now` (on the monotonic clock)
     /// with `RegionUnavailable`; one whose caller is gone is dropped.
     fn expire(&mut self, now: Duration) {
-        while let Some(&(deadline, seq)) = self.by_deadline.first() {
-            if deadline > now {
-                return;
-            }
-            let pending = self.remove(seq).expect("a deadline's check is held");
+        let mut due = Vec::new();
+        self.deadlines.take_due(now, &mut due);
+        for seq in due {
+            let Some(pending) = self.remove(seq) else {
+                continue;
+            };
             if pending.abandoned() {
                 continue;
             }
@@ -362,7 +385,10 @@ impl<T> Held<T> {
 
     /// Drops the checks whose callers stopped waiting: they are never sent again.
     fn drop_abandoned(&mut self) {
-        let abandoned: Vec<u64> = (self.sent.values().chain(&self.unsent))
+        let abandoned: Vec<u64> = self
+            .checks
+            .iter()
+            .flatten()
             .filter(|pending| pending.abandoned())
             .map(|pending| pending.check.id.seq)
             .collect();
@@ -377,13 +403,17 @@ impl<T> Held<T> {
     }
 }
 
+/// Where check `seq` sits in a ring of checks that starts at `base`, if it is not before it.
+fn index(base: u64, seq: u64) -> Option<usize> {
+    usize::try_from(seq.checked_sub(base)?).ok()
+}
+
 impl<T> Drop for Held<T> {
     fn drop(&mut self) {
         self.incoming.close();
         let incoming = std::iter::from_fn(|| self.incoming.try_recv().ok());
-        let sent = std::mem::take(&mut self.sent).into_values();
-        let unsent = std::mem::take(&mut self.unsent);
-        for pending in sent.chain(unsent).chain(incoming.collect::<Vec<_>>()) {
+        let held = std::mem::take(&mut self.checks).into_iter().flatten();
+        for pending in held.chain(incoming.collect::<Vec<_>>()) {
             pending.stopped(&self.stats);
         }
     }
@@ -655,14 +685,16 @@ mod tests {
 
     /// The sequence numbers of every check held, sent or not, in order.
     fn held_seqs(held: &Held<u64>) -> Vec<u64> {
-        let mut seqs: Vec<u64> = held.sent.keys().copied().collect();
-        seqs.extend(held.unsent.iter().map(|pending| pending.check.id.seq));
-        seqs.sort_unstable();
+        let seqs: Vec<u64> = (held.checks.iter().flatten())
+            .map(|pending| pending.check.id.seq)
+            .collect();
+        assert_eq!(seqs.len(), held.live);
         seqs
     }
 
-    fn first_deadline(held: &Held<u64>) -> Option<Duration> {
-        held.by_deadline.first().map(|(deadline, _)| *deadline)
+    fn first_deadline(held: &mut Held<u64>) -> Option<Duration> {
+        let held_seqs = held_seqs(held);
+        held.deadlines.first(|seq| held_seqs.contains(&seq))
     }
 
     #[test]
@@ -673,7 +705,7 @@ mod tests {
         for (seq, timeout_ms) in [(0, 300), (1, 100), (2, 200), (3, 100)] {
             held.insert(pending(seq, timeout_ms, &answers));
         }
-        assert_eq!(first_deadline(&held), Some(ms(100)));
+        assert_eq!(first_deadline(&mut held), Some(ms(100)));
 
         let outcome = Outcome {
             allowed: true,
@@ -688,7 +720,7 @@ mod tests {
         held.expire(ms(200));
         let expired: Vec<u64> = drain(&mut answered).iter().map(|f| f.ticket).collect();
         assert_eq!(expired, [1, 2]);
-        assert_eq!(first_deadline(&held), Some(ms(300)));
+        assert_eq!(first_deadline(&mut held), Some(ms(300)));
         assert_eq!(stats.unavailable.load(Ordering::Relaxed), 2);
 
         // An answer after the deadline finds nothing: the caller was answered once.
@@ -701,7 +733,7 @@ mod tests {
             [Forwarded { ticket: 0, result: Err(Refusal::RegionUnavailable { why, .. }) }]
                 if why == "no answer within 300 ms"
         ));
-        assert!(held.is_empty() && held.by_deadline.is_empty());
+        assert!(held.is_empty() && first_deadline(&mut held).is_none());
     }
 
     #[test]
@@ -716,12 +748,7 @@ mod tests {
         drop(gone_answers);
         held.expire(ms(100));
         let frame = held.next_frame().expect("two checks to send");
-        let seqs: Vec<u64> = wire::decode_checks(&frame[4..])
-            .expect("a frame of checks")
-            .iter()
-            .map(|check| check.id.seq)
-            .collect();
-        assert_eq!(seqs, [1, 3]);
+        assert_eq!(frame_seqs(&frame), [1, 3]);
         assert!(!held.has_unsent() && held.next_frame().is_none());
         assert_eq!(held_seqs(&held), [1, 3]);
         assert_eq!(stats.retries.load(Ordering::Relaxed), 0);
@@ -730,6 +757,56 @@ mod tests {
         held.resend_all();
         assert!(held.next_frame().is_some());
         assert_eq!(stats.retries.load(Ordering::Relaxed), 2);
+    }
+
+    fn frame_seqs(frame: &[u8]) -> Vec<u64> {
+        wire::decode_checks(&frame[4..])
+            .expect("a frame of checks")
+            .iter()
+            .map(|check| check.id.seq)
+            .collect()
+    }
+
+    #[test]
+    fn after_answers_out_of_order_a_new_session_writes_exactly_the_unanswered_in_order() {
+        let (answers, mut answered) = mpsc::unbounded_channel();
+        let (mut held, _checks, stats) = held();
+        for seq in 0..6 {
+            held.insert(pending(seq, 100, &answers));
+        }
+        let written = held.next_frame().expect("six checks to send");
+        assert_eq!(frame_seqs(&written), [0, 1, 2, 3, 4, 5]);
+        let outcome = ExactAnswer::Decided(Outcome {
+            allowed: true,
+            count: 1,
+        });
+        for seq in [1, 0, 4] {
+            held.answer(seq, outcome.clone());
+        }
+        assert_eq!(drain(&mut answered).len(), 3);
+        assert_eq!(held_seqs(&held), [2, 3, 5]);
+
+        held.resend_all();
+        let again = held.next_frame().expect("three checks to send again");
+        assert_eq!(frame_seqs(&again), [2, 3, 5]);
+        assert!(!held.has_unsent());
+        assert_eq!(stats.retries.load(Ordering::Relaxed), 3);
+
+        for seq in [5, 3, 2] {
+            held.answer(seq, outcome.clone());
+        }
+        assert_eq!(drain(&mut answered).len(), 3);
+        assert!(held.is_empty());
+        held.insert(pending(6, 100, &answers));
+        let next = held.next_frame().expect("the new check");
+        assert_eq!(frame_seqs(&next), [6]);
+        assert_eq!(stats.retries.load(Ordering::Relaxed), 3, "a first write");
+        held.expire(ms(100));
+        assert_eq!(
+            drain(&mut answered).len(),
+            1,
+            "only check 6 was left to expire"
+        );
     }
 
     #[test]
@@ -742,7 +819,7 @@ mod tests {
         drop(gone_answers);
         held.drop_abandoned();
         assert_eq!(held_seqs(&held), [1]);
-        assert_eq!(first_deadline(&held), Some(ms(200)));
+        assert_eq!(first_deadline(&mut held), Some(ms(200)));
     }
 
     #[test]

@@ -13,6 +13,7 @@
 //! dropped dirty pages the kernel will not write again.
 
 pub mod committer;
+mod deadlines;
 pub mod forward;
 pub mod log;
 pub mod service;

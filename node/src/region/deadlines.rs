@@ -1,0 +1,133 @@
+//! When the edge's forwarded checks time out: one queue per rule timeout, so that holding
+//! a check's deadline is a push and finding the first is a look at a few queue fronts.
+//!
+//! Checks arrive in submission order, so within one timeout their deadlines arrive in
+//! order too (kept so: a deadline that arrives below its queue's last is raised to it,
+//! which makes that check expire at most the submission skew later, never earlier). A
+//! check answered before its deadline is not taken out of its queue; it is skipped when it
+//! reaches the front.
+
+use std::collections::VecDeque;
+use std::time::Duration;
+
+/// Deadlines of held checks, by sequence number.
+#[derive(Debug, Default)]
+pub(super) struct Deadlines {
+    // Few: one per distinct `region_timeout_ms` among the rules.
+    queues: Vec<Queue>,
+}
+
+#[derive(Debug)]
+struct Queue {
+    timeout_ms: u64,
+    // Invariant: in deadline order.
+    entries: VecDeque<(Duration, u64)>,
+}
+
+impl Deadlines {
+    /// Holds check `seq`'s `deadline`, which its rule's `timeout_ms` set.
+    pub(super) fn push(&mut self, timeout_ms: u64, deadline: Duration, seq: u64) {
+        let at = match self.queues.iter().position(|q| q.timeout_ms == timeout_ms) {
+            Some(at) => at,
+            None => {
+                self.queues.push(Queue {
+                    timeout_ms,
+                    entries: VecDeque::new(),
+                });
+                self.queues.len() - 1
+            }
+        };
+        let entries = &mut self.queues[at].entries;
+        let last = entries.back().map_or(Duration::ZERO, |&(last, _)| last);
+        entries.push_back((deadline.max(last), seq));
+    }
+
+    /// The first deadline of a check that `is_held` still, dropping the fronts of checks
+    /// that are not.
+    pub(super) fn first(&mut self, is_held: impl Fn(u64) -> bool) -> Option<Duration> {
+        let mut first = None;
+        for queue in &mut self.queues {
+            while let Some(&(deadline, seq)) = queue.entries.front() {
+                if is_held(seq) {
+                    first = Some(first.map_or(deadline, |f: Duration| f.min(deadline)));
+                    break;
+                }
+                queue.entries.pop_front();
+            }
+        }
+        first
+    }
+
+    /// Takes every check whose deadline is at or before `now` into `due`, in no particular
+    /// order across timeouts. Checks no longer held may be among them: the caller skips
+    /// those.
+    pub(super) fn take_due(&mut self, now: Duration, due: &mut Vec<u64>) {
+        for queue in &mut self.queues {
+            while let Some(&(deadline, seq)) = queue.entries.front() {
+                if deadline > now {
+                    break;
+                }
+                due.push(seq);
+                queue.entries.pop_front();
+            }
+        }
+    }
+
+    /// How many deadlines are held, of checks answered or not.
+    #[cfg(test)]
+    pub(super) fn len(&self) -> usize {
+        self.queues.iter().map(|q| q.entries.len()).sum()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn ms(ms: u64) -> Duration {
+        Duration::from_millis(ms)
+    }
+
+    #[test]
+    fn the_first_deadline_is_the_earliest_over_every_timeout() {
+        let mut deadlines = Deadlines::default();
+        deadlines.push(300, ms(300), 0);
+        deadlines.push(100, ms(110), 1);
+        deadlines.push(200, ms(220), 2);
+        deadlines.push(100, ms(130), 3);
+        assert_eq!(deadlines.first(|_| true), Some(ms(110)));
+        // Check 1 was answered: its deadline no longer counts, and is dropped.
+        assert_eq!(deadlines.first(|seq| seq != 1), Some(ms(130)));
+        assert_eq!(deadlines.len(), 3);
+        assert_eq!(deadlines.first(|_| false), None);
+        assert_eq!(deadlines.len(), 0);
+    }
+
+    #[test]
+    fn due_checks_are_taken_up_to_now_and_not_past_it() {
+        let mut deadlines = Deadlines::default();
+        for (timeout_ms, deadline, seq) in [(100, 100, 0), (300, 300, 1), (100, 150, 2)] {
+            deadlines.push(timeout_ms, ms(deadline), seq);
+        }
+        let mut due = Vec::new();
+        deadlines.take_due(ms(149), &mut due);
+        assert_eq!(due, [0]);
+        deadlines.take_due(ms(300), &mut due);
+        due.sort_unstable();
+        assert_eq!(due, [0, 1, 2]);
+        assert_eq!(deadlines.len(), 0);
+    }
+
+    #[test]
+    fn a_deadline_out_of_order_within_its_timeout_is_raised_never_lowered() {
+        // Two threads submitted under one rule; the later clock reading queued first.
+        let mut deadlines = Deadlines::default();
+        deadlines.push(100, ms(105), 0);
+        deadlines.push(100, ms(104), 1);
+        let mut due = Vec::new();
+        deadlines.take_due(ms(104), &mut due);
+        assert!(due.is_empty(), "nothing expires before its own deadline");
+        deadlines.take_due(ms(105), &mut due);
+        assert_eq!(due, [0, 1]);
+    }
+}
