@@ -93,7 +93,7 @@ use std::time::{Duration, Instant};
 
 use tally_client::wire::{self, Op, Request, Response};
 use tally_client::{Client, Endpoint, Options};
-use tally_crdt::{Generation, Key, KeyRef, NodeId, ReplicaId, Rule, Subject, Window};
+use tally_crdt::{Generation, Key, NodeId, ReplicaId, Rule, Subject, Window};
 use tally_node::config::{OnRegionUnavailable, RuleConfig, RuleMode};
 use tally_node::region::forward::{ForwardStats, Forwarded, Forwarder};
 use tally_node::region::Outcome;
@@ -462,7 +462,7 @@ async fn region_phase(
         let key = &keys[(n % keys.len() as u64) as usize];
         target
             .forwarder
-            .submit(&target.rule, KeyRef::from(key), 1, (now(), n), &answers);
+            .submit(&target.rule, key.clone(), 1, (now(), n), &answers);
     };
     let mut submitted = requests.min(in_flight as u64);
     (0..submitted).for_each(submit);

@@ -55,7 +55,7 @@ fn seeds() -> Vec<(&'static str, Vec<u8>)> {
         window_secs: 3_600,
         cost: 2,
     };
-    let checks = region_wire::encode_checks(&[&check, &check]);
+    let checks = region_wire::encode_checks(&[check.as_ref(), check.as_ref()]);
     let answers = region_wire::encode_answers(&[
         (
             1,

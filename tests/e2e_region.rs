@@ -283,7 +283,7 @@ async fn a_retried_request_id_is_answered_once_and_never_double_counted() {
     let mut answers = Vec::new();
     for copies in [1, 2, 1] {
         let (mut send, mut receive) = connection.open_bi().await.unwrap();
-        send.write_all(&wire::encode_checks(&vec![&check; copies]))
+        send.write_all(&wire::encode_checks(&vec![check.as_ref(); copies]))
             .await
             .unwrap();
         let FrameRead::Frame(body) = read_frame(&mut receive, REGION_FRAME_BYTES_MAX).await else {
@@ -307,9 +307,12 @@ async fn a_frame_asking_under_another_nodes_ids_is_refused_whole() {
     let (cluster, connection, edge, check) = speak_as_edge_2("forged").await;
     // Edge 2's certificate, but the second check claims node 3's ids.
     let (mut send, mut receive) = connection.open_bi().await.unwrap();
-    send.write_all(&wire::encode_checks(&[&check(2, 2), &check(3, 3)]))
-        .await
-        .unwrap();
+    send.write_all(&wire::encode_checks(&[
+        check(2, 2).as_ref(),
+        check(3, 3).as_ref(),
+    ]))
+    .await
+    .unwrap();
     assert!(
         matches!(
             read_frame(&mut receive, REGION_FRAME_BYTES_MAX).await,

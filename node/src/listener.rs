@@ -156,7 +156,7 @@ impl Service {
             .as_ref()
             .expect("only a node with a region forwards");
         let (rule, key, cost) = (exact.rule.clone(), exact.key.clone(), exact.cost);
-        forwarder.submit(&rule, KeyRef::from(&key), cost, exact, answers);
+        forwarder.submit(&rule, key, cost, exact, answers);
     }
 
     /// Answers forwarded exact checks, appending each answer's frame to `output`: exact

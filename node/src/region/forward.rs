@@ -13,8 +13,9 @@
 
 use super::deadlines::Deadlines;
 use super::log::RequestId;
+use super::wire::CheckRef;
 use super::wire::{self, CHECKS_PER_FRAME_MAX, REGION_FRAME_BYTES_MAX};
-use super::{ExactAnswer, ExactCheck, Outcome};
+use super::{ExactAnswer, Outcome};
 use crate::clock::Clock;
 use crate::config::RuleConfig;
 use crate::transport::{read_frame, FrameRead, Requester, Session};
@@ -25,7 +26,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 use tally_client::wire::Refusal;
-use tally_crdt::{KeyRef, NodeId, ReplicaId};
+use tally_crdt::{Key, NodeId, ReplicaId};
 use tokio::sync::mpsc;
 use tokio::time::Sleep;
 
@@ -75,7 +76,10 @@ pub type Answers<T> = mpsc::UnboundedSender<Forwarded<T>>;
 /// A check waiting for its answer, and where the answer goes. Boxed from its submission
 /// on, so the queues and maps that hold it move a pointer.
 struct Pending<T> {
-    check: ExactCheck,
+    id: RequestId,
+    // The check's rule is the key's.
+    key: Key,
+    cost: u64,
     ticket: T,
     answers: Answers<T>,
     // On the node's monotonic clock (`Clock::mono`).
@@ -87,6 +91,22 @@ struct Pending<T> {
 }
 
 impl<T> Pending<T> {
+    /// The check as it is written to the region.
+    fn check(&self) -> CheckRef<'_> {
+        CheckRef {
+            id: self.id,
+            rule: self.key.rule.as_str(),
+            subject: self.key.subject.as_str(),
+            window_index: self.key.window.index(),
+            window_secs: self.key.window.len_secs(),
+            cost: self.cost,
+        }
+    }
+
+    fn rule(&self) -> String {
+        self.key.rule.as_str().to_owned()
+    }
+
     /// Whoever waits for the answer is gone: the check need not be sent (again).
     fn abandoned(&self) -> bool {
         self.answers.is_closed()
@@ -102,7 +122,7 @@ impl<T> Pending<T> {
     /// Answers that the forwarder stopped before the region answered.
     fn stopped(self, stats: &ForwardStats) {
         stats.unavailable.fetch_add(1, Ordering::Relaxed);
-        let rule = self.check.rule.clone();
+        let rule = self.rule();
         self.answer(Err(unavailable(rule, "the forwarder has stopped".into())));
     }
 }
@@ -150,29 +170,18 @@ impl<T: Send + 'static> Forwarder<T> {
     /// Forwards a check of `cost` on `key` under `rule`. Its answer goes to `answers`
     /// with `ticket`: the region's durable outcome, or `RegionUnavailable` once the
     /// rule's timeout has passed without one.
-    pub fn submit(
-        &self,
-        rule: &RuleConfig,
-        key: KeyRef<'_>,
-        cost: u64,
-        ticket: T,
-        answers: &Answers<T>,
-    ) {
+    pub fn submit(&self, rule: &RuleConfig, key: Key, cost: u64, ticket: T, answers: &Answers<T>) {
+        debug_assert_eq!(key.rule.as_str(), rule.name, "a key of another rule");
         let submitted = self.clock.mono();
         let pending = Box::new(Pending {
-            check: ExactCheck {
-                id: RequestId {
-                    node: self.replica.node.0,
-                    generation: self.replica.generation.0,
-                    // The session task gives it its sequence number.
-                    seq: 0,
-                },
-                rule: rule.name.clone(),
-                subject: key.subject().to_owned(),
-                window_index: key.window().index(),
-                window_secs: key.window().len_secs(),
-                cost,
+            id: RequestId {
+                node: self.replica.node.0,
+                generation: self.replica.generation.0,
+                // The session task gives it its sequence number.
+                seq: 0,
             },
+            key,
+            cost,
             ticket,
             answers: answers.clone(),
             submitted,
@@ -236,7 +245,7 @@ impl<T> Held<T> {
     fn insert(&mut self, mut pending: Box<Pending<T>>) {
         let seq = self.next_seq;
         self.next_seq += 1;
-        pending.check.id.seq = seq;
+        pending.id.seq = seq;
         self.deadlines
             .push(pending.timeout_ms, pending.deadline, seq);
         if self.checks.is_empty() {
@@ -310,10 +319,10 @@ impl<T> Held<T> {
         if batch.is_empty() {
             return None;
         }
-        let checks: Vec<&ExactCheck> = batch
+        let checks: Vec<CheckRef<'_>> = batch
             .iter()
             .filter_map(|&seq| self.get(seq))
-            .map(|pending| &pending.check)
+            .map(Pending::check)
             .collect();
         Some(wire::encode_checks(&checks))
     }
@@ -337,7 +346,7 @@ impl<T> Held<T> {
         let Some(pending) = self.remove(seq) else {
             return;
         };
-        let rule = || pending.check.rule.clone();
+        let rule = || pending.rule();
         let result = match answer {
             ExactAnswer::Decided(outcome) => {
                 let elapsed = self.clock.mono().saturating_sub(pending.submitted);
@@ -348,7 +357,7 @@ impl<T> Held<T> {
                 rule(),
                 format!(
                     "the region has no exact rule {:?} for this window",
-                    pending.check.rule
+                    pending.key.rule.as_str()
                 ),
             )),
             ExactAnswer::Forgotten => Err(self.unavailable(
@@ -378,7 +387,7 @@ impl<T> Held<T> {
                 continue;
             }
             let why = format!("no answer within {} ms", pending.timeout_ms);
-            let refusal = self.unavailable(pending.check.rule.clone(), why);
+            let refusal = self.unavailable(pending.rule(), why);
             pending.answer(Err(refusal));
         }
     }
@@ -390,7 +399,7 @@ impl<T> Held<T> {
             .iter()
             .flatten()
             .filter(|pending| pending.abandoned())
-            .map(|pending| pending.check.id.seq)
+            .map(|pending| pending.id.seq)
             .collect();
         for seq in abandoned {
             self.remove(seq);
@@ -634,6 +643,7 @@ async fn read_answers(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use tally_crdt::{Rule, Subject, Window};
 
     fn ms(ms: u64) -> Duration {
         Duration::from_millis(ms)
@@ -641,18 +651,17 @@ mod tests {
 
     fn pending(seq: u64, timeout_ms: u64, answers: &Answers<u64>) -> Box<Pending<u64>> {
         Box::new(Pending {
-            check: ExactCheck {
-                id: RequestId {
-                    node: 2,
-                    generation: 1,
-                    seq,
-                },
-                rule: "quota".into(),
-                subject: "a".into(),
-                window_index: 0,
-                window_secs: 60,
-                cost: 1,
+            id: RequestId {
+                node: 2,
+                generation: 1,
+                seq,
             },
+            key: Key::new(
+                Rule::new("quota").unwrap(),
+                Subject::new("a").unwrap(),
+                Window::new(0, 60).unwrap(),
+            ),
+            cost: 1,
             ticket: seq,
             answers: answers.clone(),
             submitted: Duration::ZERO,
@@ -686,7 +695,7 @@ mod tests {
     /// The sequence numbers of every check held, sent or not, in order.
     fn held_seqs(held: &Held<u64>) -> Vec<u64> {
         let seqs: Vec<u64> = (held.checks.iter().flatten())
-            .map(|pending| pending.check.id.seq)
+            .map(|pending| pending.id.seq)
             .collect();
         assert_eq!(seqs.len(), held.live);
         seqs

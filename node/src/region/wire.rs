@@ -55,6 +55,38 @@ pub struct ExactCheck {
     pub cost: u64,
 }
 
+/// An exact check as an edge writes it: encodes exactly as the [`ExactCheck`] with the same
+/// fields, its strings borrowed from the key the edge holds.
+#[derive(Debug, Clone, Copy, Serialize)]
+pub struct CheckRef<'a> {
+    /// See [`ExactCheck::id`].
+    pub id: RequestId,
+    /// See [`ExactCheck::rule`].
+    pub rule: &'a str,
+    /// See [`ExactCheck::subject`].
+    pub subject: &'a str,
+    /// See [`ExactCheck::window_index`].
+    pub window_index: u64,
+    /// See [`ExactCheck::window_secs`].
+    pub window_secs: u32,
+    /// See [`ExactCheck::cost`].
+    pub cost: u64,
+}
+
+impl ExactCheck {
+    /// The check, borrowed for encoding.
+    pub fn as_ref(&self) -> CheckRef<'_> {
+        CheckRef {
+            id: self.id,
+            rule: &self.rule,
+            subject: &self.subject,
+            window_index: self.window_index,
+            window_secs: self.window_secs,
+            cost: self.cost,
+        }
+    }
+}
+
 /// The region's answer to one check.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub enum ExactAnswer {
@@ -95,7 +127,7 @@ impl ExactAnswer {
 }
 
 /// A frame of checks, length prefix included.
-pub fn encode_checks(checks: &[&ExactCheck]) -> Vec<u8> {
+pub fn encode_checks(checks: &[CheckRef<'_>]) -> Vec<u8> {
     debug_assert!(checks.len() <= CHECKS_PER_FRAME_MAX);
     encode_frame(&checks)
 }
@@ -164,7 +196,7 @@ mod tests {
         let checks: Vec<ExactCheck> = (0..CHECKS_PER_FRAME_MAX as u64)
             .map(|seq| check(u64::MAX - seq, &"s".repeat(SUBJECT_BYTES_MAX)))
             .collect();
-        let frame = encode_checks(&checks.iter().collect::<Vec<_>>());
+        let frame = encode_checks(&checks.iter().map(ExactCheck::as_ref).collect::<Vec<_>>());
         assert!(frame.len() <= REGION_FRAME_BYTES_MAX);
         assert_eq!(decode_checks(body(&frame)), Some(checks));
     }
@@ -186,7 +218,7 @@ mod tests {
 
     #[test]
     fn bad_frames_are_refused() {
-        let frame = encode_checks(&[&check(1, "a")]);
+        let frame = encode_checks(&[check(1, "a").as_ref()]);
         let good = body(&frame);
         assert!(decode_checks(good).is_some());
         let mut other_version = good.to_vec();
