@@ -341,15 +341,25 @@ impl<T> Held<T> {
         }
         true
     }
-    /// Answers the check `seq` with the region's `answer`, if it still waits.
-    fn answer(&mut self, seq: u64, answer: ExactAnswer) {
+    /// Answers each check of a frame of the region's answers that still waits.
+    fn answer_frame(&mut self, frame: Vec<wire::Answered>) {
+        // One clock reading times the whole frame: its answers arrived together.
+        let now = self.clock.mono();
+        for (seq, answer) in frame {
+            self.answer(seq, answer, now);
+        }
+    }
+
+    /// Answers the check `seq` with the region's `answer`, arrived at `now`, if it still
+    /// waits.
+    fn answer(&mut self, seq: u64, answer: ExactAnswer, now: Duration) {
         let Some(pending) = self.remove(seq) else {
             return;
         };
         let rule = || pending.rule();
         let result = match answer {
             ExactAnswer::Decided(outcome) => {
-                let elapsed = self.clock.mono().saturating_sub(pending.submitted);
+                let elapsed = now.saturating_sub(pending.submitted);
                 self.stats.record_latency(elapsed);
                 Ok(outcome)
             }
@@ -591,9 +601,7 @@ async fn carry<T>(region: &Region, session: Session, held: &mut Held<T>) -> Carr
             Carrying::Answers(None) => break broken(answered_any),
             Carrying::Answers(Some(frame)) => {
                 answered_any = true;
-                for (seq, answer) in frame {
-                    held.answer(seq, answer);
-                }
+                held.answer_frame(frame);
             }
             Carrying::Deadline => held.expire(held.clock.mono()),
             Carrying::Purge => held.drop_abandoned(),
@@ -601,9 +609,7 @@ async fn carry<T>(region: &Region, session: Session, held: &mut Held<T>) -> Carr
     };
     // Answers that came before the session broke are answers all the same.
     while let Ok(frame) = answered.try_recv() {
-        for (seq, answer) in frame {
-            held.answer(seq, answer);
-        }
+        held.answer_frame(frame);
     }
     reader.abort();
     // The writer writes what it was given and then finishes the stream, so the region
@@ -720,7 +726,7 @@ mod tests {
             allowed: true,
             count: 1,
         };
-        held.answer(3, ExactAnswer::Decided(outcome));
+        held.answer_frame(vec![(3, ExactAnswer::Decided(outcome))]);
         held.expire(ms(99));
         let first = drain(&mut answered);
         assert_eq!(first.len(), 1);
@@ -733,7 +739,7 @@ mod tests {
         assert_eq!(stats.unavailable.load(Ordering::Relaxed), 2);
 
         // An answer after the deadline finds nothing: the caller was answered once.
-        held.answer(1, ExactAnswer::Decided(outcome));
+        held.answer_frame(vec![(1, ExactAnswer::Decided(outcome))]);
         assert!(drain(&mut answered).is_empty());
         held.expire(ms(300));
         let last = drain(&mut answered);
@@ -789,9 +795,7 @@ mod tests {
             allowed: true,
             count: 1,
         });
-        for seq in [1, 0, 4] {
-            held.answer(seq, outcome.clone());
-        }
+        held.answer_frame([1, 0, 4].map(|seq| (seq, outcome.clone())).into());
         assert_eq!(drain(&mut answered).len(), 3);
         assert_eq!(held_seqs(&held), [2, 3, 5]);
 
@@ -801,9 +805,7 @@ mod tests {
         assert!(!held.has_unsent());
         assert_eq!(stats.retries.load(Ordering::Relaxed), 3);
 
-        for seq in [5, 3, 2] {
-            held.answer(seq, outcome.clone());
-        }
+        held.answer_frame([5, 3, 2].map(|seq| (seq, outcome.clone())).into());
         assert_eq!(drain(&mut answered).len(), 3);
         assert!(held.is_empty());
         held.insert(pending(6, 100, &answers));
