@@ -101,6 +101,11 @@ use tally_node::transport::{Transport, TransportStats};
 use tokio::sync::mpsc;
 use tokio::task::JoinSet;
 
+// mimalloc, as `tally` and `tallyd` use: redis-benchmark, the peer this load generator is
+// measured beside, allocates with jemalloc (Debian's build links it).
+#[global_allocator]
+static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 /// What the command line asks for.
 #[derive(Debug, Clone)]
 struct Args {
