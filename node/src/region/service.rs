@@ -12,7 +12,7 @@
 use super::committer::{CommitError, Committer};
 use super::log::{self, Entry, Record, Storage};
 use super::wire::{self, Answered};
-use super::{key_of, Decided, ExactAnswer, ExactCheck, Ledger};
+use super::{Decided, ExactAnswer, ExactCheck, Ledger};
 use crate::clock;
 use crate::config::RuleMode;
 use crate::decide::Rules;
@@ -25,7 +25,7 @@ use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
-use tally_crdt::{Key, Lane, ReplicaId};
+use tally_crdt::{Key, Lane, ReplicaId, Subject, Window};
 use tokio::sync::{mpsc, oneshot};
 
 /// The region's state and its log.
@@ -213,12 +213,12 @@ impl RegionService {
         records: &mut Records,
         admitted: &mut Vec<(Key, u64)>,
     ) -> ExactAnswer {
-        let rule = match self.rules.get(&check.rule) {
+        let (name, rule) = match self.rules.get(&check.rule) {
             // The edge fixes the window's index; its length is the rule's, here too.
-            Ok((_, rule))
+            Ok((name, rule))
                 if rule.mode == RuleMode::Exact && rule.window_secs == check.window_secs =>
             {
-                rule
+                (name, rule)
             }
             _ => {
                 self.bad_requests.fetch_add(1, Ordering::Relaxed);
@@ -227,15 +227,13 @@ impl RegionService {
         };
         // The edge fixes the window, but only one that is live by this node's clock (with
         // a minute of skew ahead): a window far off would never expire here.
-        let key = key_of(
-            &check.rule,
-            &check.subject,
-            check.window_index,
-            check.window_secs,
-        )
-        .filter(|key| {
-            key.window.is_live(now_secs) && key.window.start_unix_secs() <= now_secs + 60
-        });
+        let subject = Subject::new(check.subject.as_str()).ok();
+        let window = Window::new(check.window_index, check.window_secs).ok();
+        let key = (subject.zip(window))
+            .map(|(subject, window)| Key::new(name.clone(), subject, window))
+            .filter(|key| {
+                key.window.is_live(now_secs) && key.window.start_unix_secs() <= now_secs + 60
+            });
         let Some(key) = key else {
             self.bad_requests.fetch_add(1, Ordering::Relaxed);
             return ExactAnswer::UnknownRule;
@@ -246,7 +244,7 @@ impl RegionService {
                 log::encode(&Entry::Decided(record), &mut records.bytes);
                 records.count += 1;
                 if outcome.allowed {
-                    admitted.push((key, check.cost));
+                    admit(admitted, key, check.cost);
                 }
                 ExactAnswer::Decided(outcome)
             }
@@ -255,6 +253,16 @@ impl RegionService {
             Decided::Repeat(outcome) => ExactAnswer::Decided(outcome),
             Decided::Forgotten => ExactAnswer::Forgotten,
         }
+    }
+}
+
+/// Adds an admission to a frame's, summed into the one before if it is of the same key: a
+/// burst on one key is then counted in the region's lanes once.
+fn admit(admitted: &mut Vec<(Key, u64)>, key: Key, cost: u64) {
+    match admitted.last_mut() {
+        // Both costs were admitted under the limit, so their sum fits in a u64.
+        Some((last, sum)) if *last == key => *sum += cost,
+        _ => admitted.push((key, cost)),
     }
 }
 
@@ -330,5 +338,20 @@ fn count_in_own_lanes(store: &LaneStore, lanes: Option<&Mutex<LaneLog>>, admitte
     if let Err(err) = log.flush() {
         eprintln!("tallyd: {err}; stopping: writes cannot be made durable");
         std::process::exit(EXIT_LOG_FAILED);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_run_of_admissions_on_one_key_is_summed_and_other_keys_keep_their_order() {
+        let key = |subject: &str| super::super::key_of("quota", subject, 500_000, 3_600).unwrap();
+        let mut admitted = Vec::new();
+        for (subject, cost) in [("a", 1), ("a", 2), ("b", 4), ("a", 8)] {
+            admit(&mut admitted, key(subject), cost);
+        }
+        assert_eq!(admitted, [(key("a"), 3), (key("b"), 4), (key("a"), 8)]);
     }
 }
