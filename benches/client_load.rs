@@ -65,7 +65,7 @@
 //! node id no running edge has, since the region keeps the newest connection per node id
 //! for its own sends), to the region node at ADDR whose certificate names node
 //! `--region-node` (1). One task keeps C x P checks in flight on the forwarder's one
-//! session (`Forwarder::submit(rule, subject, 1)`, a new one as each is answered), as an
+//! session (`Forwarder::submit`, as many new ones as each run of answers brings), as an
 //! edge forwards every check of its clients. Request ids carry node `--node`, a
 //! generation from the wall clock, and the forwarder's sequence numbers; the window is the one holding the wall-clock time at
 //! the start of each phase, `--window-secs` long (3600), and the region's timeout 10 s. A
@@ -95,7 +95,7 @@ use tally_client::wire::{self, Op, Request, Response};
 use tally_client::{Client, Endpoint, Options};
 use tally_crdt::{Generation, Key, NodeId, ReplicaId, Rule, Subject, Window};
 use tally_node::config::{OnRegionUnavailable, RuleConfig, RuleMode};
-use tally_node::region::forward::{ForwardStats, Forwarded, Forwarder};
+use tally_node::region::forward::{Check, ForwardStats, Forwarded, Forwarder};
 use tally_node::region::Outcome;
 use tally_node::transport::{Transport, TransportStats};
 use tokio::sync::mpsc;
@@ -463,37 +463,47 @@ async fn region_phase(
         })
         .collect::<Result<Vec<Key>, String>>()?;
     let (answers, mut answered) = mpsc::unbounded_channel();
-    let submit = |n: u64| {
-        let key = &keys[(n % keys.len() as u64) as usize];
-        target
-            .forwarder
-            .submit(&target.rule, key.clone(), 1, (now(), n), &answers);
+    // Submits checks `from..to` together, as an edge's connection forwards a batch.
+    let submit = |from: u64, to: u64| {
+        let sent = now();
+        let checks = (from..to).map(|n| Check {
+            key: keys[(n % keys.len() as u64) as usize].clone(),
+            cost: 1,
+            timeout_ms: target.rule.region_timeout_ms,
+            ticket: (sent, n),
+        });
+        target.forwarder.submit(checks, &answers);
     };
     let mut submitted = requests.min(in_flight as u64);
-    (0..submitted).for_each(submit);
+    submit(0, submitted);
     let mut latencies_ns = Vec::with_capacity(if record { requests as usize } else { 0 });
-    for _ in 0..requests {
-        let Forwarded {
+    let mut done = 0;
+    while done < requests {
+        let run: Vec<Forwarded<_>> = answered.recv().await.expect("the sender is held here");
+        let received = now();
+        for Forwarded {
             ticket: (sent, n),
             result,
-        } = answered.recv().await.expect("the sender is held here");
-        match result {
-            Ok(Outcome { allowed: true, .. }) => {}
-            other => {
-                let subject = keys[(n % keys.len() as u64) as usize].subject.as_str();
-                return Err(format!(
-                    "check {}/{subject} at the region: {other:?} (raise the limit if denied)",
-                    target.rule.name
-                ));
+        } in &run
+        {
+            match result {
+                Ok(Outcome { allowed: true, .. }) => {}
+                other => {
+                    let subject = keys[(n % keys.len() as u64) as usize].subject.as_str();
+                    return Err(format!(
+                        "check {}/{subject} at the region: {other:?} (raise the limit if denied)",
+                        target.rule.name
+                    ));
+                }
+            }
+            if record {
+                latencies_ns.push(received.duration_since(*sent).as_nanos() as u64);
             }
         }
-        if record {
-            latencies_ns.push(now().duration_since(sent).as_nanos() as u64);
-        }
-        if submitted < requests {
-            submit(submitted);
-            submitted += 1;
-        }
+        done += run.len() as u64;
+        let more = (requests - submitted).min(run.len() as u64);
+        submit(submitted, submitted + more);
+        submitted += more;
     }
     Ok(latencies_ns)
 }

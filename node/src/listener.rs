@@ -19,7 +19,7 @@ use crate::config::{RuleConfig, RuleMode};
 use crate::decide::{self, Context, Rules};
 use crate::lanelog::LaneLog;
 use crate::metrics::Metrics;
-use crate::region::forward::{Answers, Forwarded, Forwarder};
+use crate::region::forward::{Answers, Check, Forwarded, Forwarder};
 use crate::store::LaneStore;
 use crate::view::View;
 use std::sync::atomic::Ordering;
@@ -148,15 +148,20 @@ impl Service {
         Handled { consumed, bad }
     }
 
-    /// Hands an exact check to the region: its answer comes back on `answers`, for
-    /// [`Service::answer_exact`].
-    pub fn forward(&self, exact: Exact, answers: &Answers<Exact>) {
+    /// Hands a batch's exact checks to the region, emptying `exact`: their answers come
+    /// back on `answers`, for [`Service::answer_exact`].
+    pub fn forward(&self, exact: &mut Vec<Exact>, answers: &Answers<Exact>) {
         let forwarder = self
             .forwarder
             .as_ref()
             .expect("only a node with a region forwards");
-        let (rule, key, cost) = (exact.rule.clone(), exact.key.clone(), exact.cost);
-        forwarder.submit(&rule, key, cost, exact, answers);
+        let checks = exact.drain(..).map(|exact| Check {
+            key: exact.key.clone(),
+            cost: exact.cost,
+            timeout_ms: exact.rule.region_timeout_ms,
+            ticket: exact,
+        });
+        forwarder.submit(checks, answers);
     }
 
     /// Answers forwarded exact checks, appending each answer's frame to `output`: exact
@@ -375,7 +380,7 @@ async fn serve_connection<S: AsyncRead + AsyncWrite + Unpin>(
     let mut output = Vec::with_capacity(16 * 1024);
     let mut exact = Vec::new();
     // Exact checks' answers, as the region gives them.
-    let (answers, mut answered) = mpsc::unbounded_channel::<Forwarded<Exact>>();
+    let (answers, mut answered) = mpsc::unbounded_channel::<Vec<Forwarded<Exact>>>();
     let mut forwarded = Vec::new();
     let mut in_flight = 0;
     loop {
@@ -387,9 +392,9 @@ async fn serve_connection<S: AsyncRead + AsyncWrite + Unpin>(
             // answered.
             read = stream.read_buf(&mut input), if in_flight < EXACT_IN_FLIGHT_MAX => read,
             Some(first) = answered.recv() => {
-                forwarded.push(first);
+                forwarded.extend(first);
                 while let Ok(next) = answered.try_recv() {
-                    forwarded.push(next);
+                    forwarded.extend(next);
                 }
                 in_flight -= forwarded.len();
                 service.answer_exact(&mut forwarded, &mut output);
@@ -416,8 +421,8 @@ async fn serve_connection<S: AsyncRead + AsyncWrite + Unpin>(
         let handled = service.handle_frames(&input, &mut output, &mut exact);
         input.drain(..handled.consumed);
         in_flight += exact.len();
-        for check in exact.drain(..) {
-            service.forward(check, &answers);
+        if !exact.is_empty() {
+            service.forward(&mut exact, &answers);
         }
         if let Some(why) = &handled.bad {
             service
@@ -659,8 +664,8 @@ mod tests {
 
         let (answers, mut answered) = mpsc::unbounded_channel();
         let clock = crate::clock::Clock::start();
-        service.forward(exact.pop().unwrap(), &answers);
-        let mut forwarded = vec![answered.recv().await.unwrap()];
+        service.forward(&mut exact, &answers);
+        let mut forwarded = answered.recv().await.unwrap();
         let waited = clock.mono();
         assert!(
             waited >= std::time::Duration::from_millis(50),

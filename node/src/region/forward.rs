@@ -17,7 +17,6 @@ use super::wire::CheckRef;
 use super::wire::{self, CHECKS_PER_FRAME_MAX, REGION_FRAME_BYTES_MAX};
 use super::{ExactAnswer, Outcome};
 use crate::clock::Clock;
-use crate::config::RuleConfig;
 use crate::transport::{read_frame, FrameRead, Requester, Session};
 use std::collections::VecDeque;
 use std::future::Future;
@@ -53,7 +52,7 @@ pub struct ForwardStats {
 /// Forwards exact checks from one edge life to the region. `T` is the caller's ticket: it
 /// comes back with the check's answer.
 pub struct Forwarder<T> {
-    checks: mpsc::UnboundedSender<Box<Pending<T>>>,
+    checks: mpsc::UnboundedSender<Vec<Box<Pending<T>>>>,
     replica: ReplicaId,
     clock: Clock,
     stats: Arc<ForwardStats>,
@@ -70,8 +69,22 @@ pub struct Forwarded<T> {
     pub result: Result<Outcome, Refusal>,
 }
 
-/// Where a forwarded check's answer goes.
-pub type Answers<T> = mpsc::UnboundedSender<Forwarded<T>>;
+/// Where forwarded checks' answers go: in runs, those of one caller that the region
+/// answered together arrive as one message.
+pub type Answers<T> = mpsc::UnboundedSender<Vec<Forwarded<T>>>;
+
+/// A check to forward.
+#[derive(Debug)]
+pub struct Check<T> {
+    /// What it counts; the key names the rule.
+    pub key: Key,
+    /// The check's cost.
+    pub cost: u64,
+    /// The rule's `region_timeout_ms`: how long the check waits for the region.
+    pub timeout_ms: u64,
+    /// The caller's ticket, handed back with the answer.
+    pub ticket: T,
+}
 
 /// A check waiting for its answer, and where the answer goes. Boxed from its submission
 /// on, so the queues and maps that hold it move a pointer.
@@ -113,10 +126,10 @@ impl<T> Pending<T> {
     }
 
     fn answer(self, result: Result<Outcome, Refusal>) {
-        let _ = self.answers.send(Forwarded {
+        let _ = self.answers.send(vec![Forwarded {
             ticket: self.ticket,
             result,
-        });
+        }]);
     }
 
     /// Answers that the forwarder stopped before the region answered.
@@ -167,30 +180,39 @@ impl<T: Send + 'static> Forwarder<T> {
         }
     }
 
-    /// Forwards a check of `cost` on `key` under `rule`. Its answer goes to `answers`
-    /// with `ticket`: the region's durable outcome, or `RegionUnavailable` once the
-    /// rule's timeout has passed without one.
-    pub fn submit(&self, rule: &RuleConfig, key: Key, cost: u64, ticket: T, answers: &Answers<T>) {
-        debug_assert_eq!(key.rule.as_str(), rule.name, "a key of another rule");
+    /// Forwards `checks`. Each one's answer goes to `answers` with its ticket: the
+    /// region's durable outcome, or `RegionUnavailable` once its rule's timeout has passed
+    /// without one. The checks are handed over together, and held in their order.
+    pub fn submit(&self, checks: impl IntoIterator<Item = Check<T>>, answers: &Answers<T>) {
         let submitted = self.clock.mono();
-        let pending = Box::new(Pending {
-            id: RequestId {
-                node: self.replica.node.0,
-                generation: self.replica.generation.0,
-                // The session task gives it its sequence number.
-                seq: 0,
-            },
-            key,
-            cost,
-            ticket,
-            answers: answers.clone(),
-            submitted,
-            deadline: submitted + Duration::from_millis(rule.region_timeout_ms),
-            timeout_ms: rule.region_timeout_ms,
-            written: false,
-        });
-        if let Err(mpsc::error::SendError(pending)) = self.checks.send(pending) {
-            pending.stopped(&self.stats);
+        let id = RequestId {
+            node: self.replica.node.0,
+            generation: self.replica.generation.0,
+            // The session task gives each its sequence number.
+            seq: 0,
+        };
+        let batch: Vec<Box<Pending<T>>> = (checks.into_iter())
+            .map(|check| {
+                Box::new(Pending {
+                    id,
+                    key: check.key,
+                    cost: check.cost,
+                    ticket: check.ticket,
+                    answers: answers.clone(),
+                    submitted,
+                    deadline: submitted + Duration::from_millis(check.timeout_ms),
+                    timeout_ms: check.timeout_ms,
+                    written: false,
+                })
+            })
+            .collect();
+        if batch.is_empty() {
+            return;
+        }
+        if let Err(mpsc::error::SendError(batch)) = self.checks.send(batch) {
+            for pending in batch {
+                pending.stopped(&self.stats);
+            }
         }
     }
 }
@@ -199,7 +221,7 @@ impl<T: Send + 'static> Forwarder<T> {
 /// is answered, its deadline passes or its caller stops waiting. Dropped (the task ended,
 /// or panicked), it answers every check it has that the forwarder stopped.
 struct Held<T> {
-    incoming: mpsc::UnboundedReceiver<Box<Pending<T>>>,
+    incoming: mpsc::UnboundedReceiver<Vec<Box<Pending<T>>>>,
     // Every check from sequence number `base` on: `None` once it is answered, expired or
     // dropped. Invariant: the front is `Some` (or the ring is empty), and
     // `base + checks.len() == next_seq`.
@@ -220,7 +242,7 @@ struct Held<T> {
 
 impl<T> Held<T> {
     fn new(
-        incoming: mpsc::UnboundedReceiver<Box<Pending<T>>>,
+        incoming: mpsc::UnboundedReceiver<Vec<Box<Pending<T>>>>,
         clock: Clock,
         stats: Arc<ForwardStats>,
     ) -> Held<T> {
@@ -241,6 +263,13 @@ impl<T> Held<T> {
         self.live == 0
     }
 
+    /// Holds a batch of new checks, in order.
+    fn insert_all(&mut self, batch: Vec<Box<Pending<T>>>) {
+        for pending in batch {
+            self.insert(pending);
+        }
+    }
+
     /// Holds a new check, with the next sequence number, to be written on the session.
     fn insert(&mut self, mut pending: Box<Pending<T>>) {
         let seq = self.next_seq;
@@ -257,8 +286,8 @@ impl<T> Held<T> {
 
     /// Holds every check that came in, without waiting.
     fn take_incoming(&mut self) {
-        while let Ok(pending) = self.incoming.try_recv() {
-            self.insert(pending);
+        while let Ok(batch) = self.incoming.try_recv() {
+            self.insert_all(batch);
         }
     }
 
@@ -341,37 +370,57 @@ impl<T> Held<T> {
         }
         true
     }
-    /// Answers each check of a frame of the region's answers that still waits.
+    /// Answers each check of a frame of the region's answers that still waits. The answers
+    /// of a run of checks from one caller go to it as one message.
     fn answer_frame(&mut self, frame: Vec<wire::Answered>) {
         // One clock reading times the whole frame: its answers arrived together.
         let now = self.clock.mono();
+        let mut run: Option<(Answers<T>, Vec<Forwarded<T>>)> = None;
         for (seq, answer) in frame {
-            self.answer(seq, answer, now);
+            let Some(pending) = self.remove(seq) else {
+                continue;
+            };
+            let result = self.result(&pending, answer, now);
+            let Pending {
+                ticket, answers, ..
+            } = *pending;
+            let forwarded = Forwarded { ticket, result };
+            match &mut run {
+                Some((to, answered)) if to.same_channel(&answers) => answered.push(forwarded),
+                _ => {
+                    if let Some((to, answered)) = run.replace((answers, vec![forwarded])) {
+                        let _ = to.send(answered);
+                    }
+                }
+            }
+        }
+        if let Some((to, answered)) = run {
+            let _ = to.send(answered);
         }
     }
 
-    /// Answers the check `seq` with the region's `answer`, arrived at `now`, if it still
-    /// waits.
-    fn answer(&mut self, seq: u64, answer: ExactAnswer, now: Duration) {
-        let Some(pending) = self.remove(seq) else {
-            return;
-        };
-        let rule = || pending.rule();
-        let result = match answer {
+    /// What the caller of `pending` is answered, given the region's `answer` at `now`.
+    fn result(
+        &self,
+        pending: &Pending<T>,
+        answer: ExactAnswer,
+        now: Duration,
+    ) -> Result<Outcome, Refusal> {
+        match answer {
             ExactAnswer::Decided(outcome) => {
                 let elapsed = now.saturating_sub(pending.submitted);
                 self.stats.record_latency(elapsed);
                 Ok(outcome)
             }
             ExactAnswer::UnknownRule => Err(self.unavailable(
-                rule(),
+                pending.rule(),
                 format!(
                     "the region has no exact rule {:?} for this window",
                     pending.key.rule.as_str()
                 ),
             )),
             ExactAnswer::Forgotten => Err(self.unavailable(
-                rule(),
+                pending.rule(),
                 "the region no longer remembers this request id".into(),
             )),
             ExactAnswer::Storage(why) => {
@@ -380,8 +429,7 @@ impl<T> Held<T> {
                     why: format!("region: {why}"),
                 })
             }
-        };
-        pending.answer(result);
+        }
     }
 
     /// Answers every check whose deadline is at or before `now` (on the monotonic clock)
@@ -430,7 +478,7 @@ fn index(base: u64, seq: u64) -> Option<usize> {
 impl<T> Drop for Held<T> {
     fn drop(&mut self) {
         self.incoming.close();
-        let incoming = std::iter::from_fn(|| self.incoming.try_recv().ok());
+        let incoming = std::iter::from_fn(|| self.incoming.try_recv().ok()).flatten();
         let held = std::mem::take(&mut self.checks).into_iter().flatten();
         for pending in held.chain(incoming.collect::<Vec<_>>()) {
             pending.stopped(&self.stats);
@@ -475,7 +523,7 @@ async fn keep_sessions<T>(region: Region, mut held: Held<T>) {
             // dial a region that may not listen yet, and checks would queue behind that
             // handshake instead of using the connection the gossip has made by then.
             match held.incoming.recv().await {
-                Some(pending) => held.insert(pending),
+                Some(batch) => held.insert_all(batch),
                 None => return,
             }
         }
@@ -508,7 +556,7 @@ async fn keep_sessions<T>(region: Region, mut held: Held<T>) {
 /// What woke [`meanwhile`].
 enum Meanwhile<O, T> {
     Done(O),
-    Check(Option<Box<Pending<T>>>),
+    Checks(Option<Vec<Box<Pending<T>>>>),
     Deadline,
 }
 
@@ -522,12 +570,12 @@ async fn meanwhile<T, F: Future>(work: F, held: &mut Held<T>) -> Option<F::Outpu
         let armed = held.arm(alarm.as_mut());
         let woke = tokio::select! {
             output = &mut work => Meanwhile::Done(output),
-            pending = held.incoming.recv() => Meanwhile::Check(pending),
+            batch = held.incoming.recv() => Meanwhile::Checks(batch),
             () = &mut alarm, if armed => Meanwhile::Deadline,
         };
         match woke {
             Meanwhile::Done(output) => return Some(output),
-            Meanwhile::Check(pending) => held.insert(pending?),
+            Meanwhile::Checks(batch) => held.insert_all(batch?),
             Meanwhile::Deadline => held.expire(held.clock.mono()),
         }
     }
@@ -544,7 +592,7 @@ enum Carried {
 
 /// What woke [`carry`].
 enum Carrying<'a, T> {
-    Check(Option<Box<Pending<T>>>),
+    Checks(Option<Vec<Box<Pending<T>>>>),
     Writable(Option<mpsc::Permit<'a, Vec<u8>>>),
     Answers(Option<Vec<wire::Answered>>),
     Deadline,
@@ -575,16 +623,16 @@ async fn carry<T>(region: &Region, session: Session, held: &mut Held<T>) -> Carr
         let armed = held.arm(alarm.as_mut());
         let unsent = held.has_unsent();
         let woke = tokio::select! {
-            pending = held.incoming.recv() => Carrying::Check(pending),
+            batch = held.incoming.recv() => Carrying::Checks(batch),
             permit = frames.reserve(), if unsent => Carrying::Writable(permit.ok()),
             frame = answered.recv() => Carrying::Answers(frame),
             () = &mut alarm, if armed => Carrying::Deadline,
             _ = purge.tick() => Carrying::Purge,
         };
         match woke {
-            Carrying::Check(None) => break Carried::Dropped,
-            Carrying::Check(Some(pending)) => {
-                held.insert(pending);
+            Carrying::Checks(None) => break Carried::Dropped,
+            Carrying::Checks(Some(batch)) => {
+                held.insert_all(batch);
                 held.take_incoming();
             }
             // The writer failed: the session is broken.
@@ -682,7 +730,7 @@ mod tests {
     #[allow(clippy::type_complexity)]
     fn held() -> (
         Held<u64>,
-        mpsc::UnboundedSender<Box<Pending<u64>>>,
+        mpsc::UnboundedSender<Vec<Box<Pending<u64>>>>,
         Arc<ForwardStats>,
     ) {
         let (checks, incoming) = mpsc::unbounded_channel();
@@ -694,8 +742,10 @@ mod tests {
         )
     }
 
-    fn drain(answered: &mut mpsc::UnboundedReceiver<Forwarded<u64>>) -> Vec<Forwarded<u64>> {
-        std::iter::from_fn(|| answered.try_recv().ok()).collect()
+    fn drain(answered: &mut mpsc::UnboundedReceiver<Vec<Forwarded<u64>>>) -> Vec<Forwarded<u64>> {
+        std::iter::from_fn(|| answered.try_recv().ok())
+            .flatten()
+            .collect()
     }
 
     /// The sequence numbers of every check held, sent or not, in order.
@@ -821,6 +871,28 @@ mod tests {
     }
 
     #[test]
+    fn a_callers_run_of_answers_in_one_frame_reaches_it_as_one_message_in_order() {
+        let (to_a, mut a) = mpsc::unbounded_channel();
+        let (to_b, mut b) = mpsc::unbounded_channel();
+        let (mut held, _checks, _stats) = held();
+        for (seq, answers) in [(0, &to_a), (1, &to_a), (2, &to_b), (3, &to_a)] {
+            held.insert(pending(seq, 100, answers));
+        }
+        let outcome = ExactAnswer::Decided(Outcome {
+            allowed: true,
+            count: 1,
+        });
+        held.answer_frame((0..4).map(|seq| (seq, outcome.clone())).collect());
+        let messages = |answered: &mut mpsc::UnboundedReceiver<Vec<Forwarded<u64>>>| {
+            std::iter::from_fn(|| answered.try_recv().ok())
+                .map(|run| run.iter().map(|f| f.ticket).collect::<Vec<_>>())
+                .collect::<Vec<_>>()
+        };
+        assert_eq!(messages(&mut a), [vec![0, 1], vec![3]]);
+        assert_eq!(messages(&mut b), [vec![2]]);
+    }
+
+    #[test]
     fn checks_whose_caller_went_are_dropped_with_their_deadlines() {
         let (gone, gone_answers) = mpsc::unbounded_channel();
         let (staying, _staying_answers) = mpsc::unbounded_channel();
@@ -838,7 +910,7 @@ mod tests {
         let (answers, mut answered) = mpsc::unbounded_channel();
         let (mut held, checks, stats) = held();
         held.insert(pending(0, 100, &answers));
-        checks.send(pending(1, 100, &answers)).ok().unwrap();
+        checks.send(vec![pending(1, 100, &answers)]).ok().unwrap();
         drop(held);
         let mut tickets: Vec<u64> = drain(&mut answered)
             .into_iter()
@@ -853,6 +925,6 @@ mod tests {
         tickets.sort();
         assert_eq!(tickets, [0, 1]);
         assert_eq!(stats.unavailable.load(Ordering::Relaxed), 2);
-        assert!(checks.send(pending(2, 100, &answers)).is_err());
+        assert!(checks.send(vec![pending(2, 100, &answers)]).is_err());
     }
 }
