@@ -13,9 +13,8 @@ use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::MetricType;
 use prometheus_client::registry::Registry;
-use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use tally_client::wire::Mode;
 use tally_crdt::{ReplicaId, Stamp};
 use tally_gossip::Histogram;
@@ -23,7 +22,8 @@ use tally_gossip::Histogram;
 /// Counters the request path updates as it goes.
 #[derive(Debug, Default)]
 pub struct Metrics {
-    decisions: Mutex<BTreeMap<(Mode, bool), u64>>,
+    // By mode (in `MODES` order), then denied and allowed.
+    decisions: [[AtomicU64; 2]; MODES.len()],
     /// Writes refused because the store held `keys_max` keys (local or remote keys).
     pub keys_refused: AtomicU64,
     /// Client frames that did not decode; their connections were closed.
@@ -37,13 +37,27 @@ pub struct Metrics {
 impl Metrics {
     /// Counts one decision.
     pub fn decided(&self, mode: Mode, allowed: bool) {
-        let mut decisions = self
-            .decisions
-            .lock()
-            .unwrap_or_else(|poisoned| poisoned.into_inner());
-        *decisions.entry((mode, allowed)).or_default() += 1;
+        self.decisions[mode_index(mode)][usize::from(allowed)].fetch_add(1, Ordering::Relaxed);
     }
 }
+
+/// Where `Metrics` counts a mode's decisions: its place in `MODES`.
+fn mode_index(mode: Mode) -> usize {
+    match mode {
+        Mode::ApproximateConnected => 0,
+        Mode::ApproximateIsolated => 1,
+        Mode::Exact => 2,
+        Mode::RegionFallback => 3,
+    }
+}
+
+/// Every decision mode, in the order `Metrics` counts them.
+const MODES: [Mode; 4] = [
+    Mode::ApproximateConnected,
+    Mode::ApproximateIsolated,
+    Mode::Exact,
+    Mode::RegionFallback,
+];
 
 /// What a scrape reads.
 pub struct Sources<'a> {
@@ -257,19 +271,19 @@ pub fn render(sources: &Sources<'_>) -> String {
     }
 
     let decisions = Family::<Vec<(String, String)>, Counter>::default();
-    let counted = metrics
-        .decisions
-        .lock()
-        .unwrap_or_else(|poisoned| poisoned.into_inner())
-        .clone();
-    for ((mode, allowed), count) in counted {
-        let outcome = if allowed { "allowed" } else { "denied" };
-        decisions
-            .get_or_create(&vec![
-                ("mode".to_owned(), mode.as_str().to_owned()),
-                ("outcome".to_owned(), outcome.to_owned()),
-            ])
-            .inc_by(count);
+    for (mode, by_outcome) in MODES.iter().zip(&metrics.decisions) {
+        for (outcome, count) in ["denied", "allowed"].iter().zip(by_outcome) {
+            let count = count.load(Ordering::Relaxed);
+            if count == 0 {
+                continue;
+            }
+            decisions
+                .get_or_create(&vec![
+                    ("mode".to_owned(), mode.as_str().to_owned()),
+                    ("outcome".to_owned(), (*outcome).to_owned()),
+                ])
+                .inc_by(count);
+        }
     }
     registry.register("decisions", "Decisions by mode and outcome", decisions);
 
@@ -378,5 +392,47 @@ impl EncodeMetric for LatencyBuckets {
 
     fn metric_type(&self) -> MetricType {
         MetricType::Histogram
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tally_crdt::{Generation, NodeId};
+
+    #[test]
+    fn decisions_are_counted_by_mode_and_outcome_and_only_those_seen_are_shown() {
+        assert!(MODES.iter().enumerate().all(|(at, mode)| mode_index(*mode) == at));
+        let metrics = Metrics::default();
+        for (mode, allowed) in [
+            (Mode::Exact, true),
+            (Mode::Exact, true),
+            (Mode::Exact, false),
+            (Mode::RegionFallback, false),
+        ] {
+            metrics.decided(mode, allowed);
+        }
+        let store = LaneStore::new(ReplicaId::new(NodeId(1), Generation(1)), 8);
+        let text = render(&Sources {
+            metrics: &metrics,
+            view: &View::default(),
+            store: &store,
+            transport: &TransportStats::default(),
+            forward: &ForwardStats::default(),
+            region: None,
+            now: Stamp(0),
+        });
+        let mut decisions: Vec<&str> = (text.lines())
+            .filter(|line| line.starts_with("tally_decisions_total{"))
+            .collect();
+        decisions.sort_unstable();
+        assert_eq!(
+            decisions,
+            [
+                r#"tally_decisions_total{mode="exact",outcome="allowed"} 2"#,
+                r#"tally_decisions_total{mode="exact",outcome="denied"} 1"#,
+                r#"tally_decisions_total{mode="region-fallback",outcome="denied"} 1"#,
+            ]
+        );
     }
 }
