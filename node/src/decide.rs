@@ -52,6 +52,27 @@ impl Rules {
     }
 }
 
+/// What a rule's way of answering decided, before it is made a [`Decision`].
+struct Verdict {
+    allowed: bool,
+    // The count the decision was made on.
+    estimate: i128,
+    mode: Mode,
+    bound: f64,
+}
+
+impl Verdict {
+    /// The rule's `on_region_unavailable` answered, on this node's estimate.
+    fn fallback(allowed: bool, estimate: i128) -> Verdict {
+        Verdict {
+            allowed,
+            estimate,
+            mode: Mode::RegionFallback,
+            bound: 0.0,
+        }
+    }
+}
+
 /// One request's context: the node's state at one moment.
 pub struct Context<'a> {
     /// The lane store.
@@ -139,27 +160,29 @@ impl Context<'_> {
             OnRegionUnavailable::Approximate => self.check(rule, key, cost),
             OnRegionUnavailable::Allow => {
                 let estimate = self.count(key, cost, true)?.estimate;
-                Ok(self.decision(rule, key, true, estimate, Mode::RegionFallback, 0.0))
+                let staleness = self.staleness();
+                let decided = Verdict::fallback(true, estimate);
+                Ok(self.decision(rule, key, decided, staleness))
             }
             OnRegionUnavailable::Deny => {
                 let estimate = self.store.estimate(key);
-                Ok(self.decision(rule, key, false, estimate, Mode::RegionFallback, 0.0))
+                let staleness = self.staleness();
+                let decided = Verdict::fallback(false, estimate);
+                Ok(self.decision(rule, key, decided, staleness))
             }
         }
     }
 
     /// The decision the region's durable `outcome` makes: exact, with no overshoot bound.
     pub fn exact(&self, rule: &RuleConfig, key: KeyRef<'_>, outcome: Outcome) -> Decision {
-        let mut decision = self.decision(
-            rule,
-            key,
-            outcome.allowed,
-            i128::from(outcome.count),
-            Mode::Exact,
-            0.0,
-        );
-        decision.staleness_ms = 0;
-        decision
+        // The region's count is not stale: its decision is the authoritative one.
+        let decided = Verdict {
+            allowed: outcome.allowed,
+            estimate: i128::from(outcome.count),
+            mode: Mode::Exact,
+            bound: 0.0,
+        };
+        self.decision(rule, key, decided, Duration::ZERO)
     }
 
     fn check_approximate(
@@ -191,7 +214,13 @@ impl Context<'_> {
         } else {
             self.store.estimate(key)
         };
-        Ok(self.decision(rule, key, allowed, estimate, mode, bound))
+        let decided = Verdict {
+            allowed,
+            estimate,
+            mode,
+            bound,
+        };
+        Ok(self.decision(rule, key, decided, freshness.staleness))
     }
 
     /// The estimate a rule decides on: with `sliding`, the previous window's count
@@ -211,15 +240,20 @@ impl Context<'_> {
         current + (self.store.estimate(key.in_window(previous)) as f64 * weight).ceil() as i128
     }
 
+    /// The decision on `key` under `rule`, as `decided`, on state `staleness` old.
     fn decision(
         &self,
         rule: &RuleConfig,
         key: KeyRef<'_>,
-        allowed: bool,
-        estimate: i128,
-        mode: Mode,
-        bound: f64,
+        decided: Verdict,
+        staleness: Duration,
     ) -> Decision {
+        let Verdict {
+            allowed,
+            estimate,
+            mode,
+            bound,
+        } = decided;
         let remaining = (i128::from(rule.limit) - estimate).clamp(0, i128::from(u64::MAX)) as u64;
         Decision {
             allowed,
@@ -228,7 +262,7 @@ impl Context<'_> {
             remaining,
             reset_after_ms: (key.window().end_unix_secs() * 1_000).saturating_sub(self.now.0),
             mode,
-            staleness_ms: self.staleness().as_millis() as u64,
+            staleness_ms: staleness.as_millis() as u64,
             bound,
         }
     }

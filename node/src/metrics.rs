@@ -402,7 +402,10 @@ mod tests {
 
     #[test]
     fn decisions_are_counted_by_mode_and_outcome_and_only_those_seen_are_shown() {
-        assert!(MODES.iter().enumerate().all(|(at, mode)| mode_index(*mode) == at));
+        assert!(MODES
+            .iter()
+            .enumerate()
+            .all(|(at, mode)| mode_index(*mode) == at));
         let metrics = Metrics::default();
         for (mode, allowed) in [
             (Mode::Exact, true),
