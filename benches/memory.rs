@@ -13,8 +13,8 @@
 //! reuses memory that an earlier measurement freed.
 //!
 //! The keys are made first and measured on their own ("key strings"): a `Key` shares its
-//! rule and subject strings (`ArcStr`, a thin pointer), so a structure that holds a key holds a pointer
-//! to strings the caller already has. "structure" is what the store or map adds on top;
+//! rule and subject strings (`ArcStr`, a thin pointer), so a structure that holds a key
+//! holds a pointer to strings the caller already has. "structure" is what the store or map adds on top;
 //! a store that outlives the caller's keys also owns the key strings.
 
 use stats_alloc::{Region, StatsAlloc, INSTRUMENTED_SYSTEM};

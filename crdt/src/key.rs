@@ -83,8 +83,8 @@ pub struct Key {
 
 impl Rule {
     /// Checks the bounds and makes a rule name.
-    pub fn new(name: impl Into<String>) -> Result<Rule, KeyError> {
-        let name = name.into();
+    pub fn new(name: impl AsRef<str>) -> Result<Rule, KeyError> {
+        let name = name.as_ref();
         let valid = !name.is_empty()
             && name.len() <= RULE_BYTES_MAX
             && name
@@ -93,7 +93,7 @@ impl Rule {
         if valid {
             Ok(Rule(name.into()))
         } else {
-            Err(KeyError::Rule(name))
+            Err(KeyError::Rule(name.to_owned()))
         }
     }
 
@@ -105,9 +105,9 @@ impl Rule {
 
 impl Subject {
     /// Checks the bounds and makes a subject.
-    pub fn new(subject: impl Into<String>) -> Result<Subject, KeyError> {
-        let subject = subject.into();
-        Subject::check(&subject)?;
+    pub fn new(subject: impl AsRef<str>) -> Result<Subject, KeyError> {
+        let subject = subject.as_ref();
+        Subject::check(subject)?;
         Ok(Subject(subject.into()))
     }
 

@@ -1,16 +1,20 @@
 //! When the edge's forwarded checks time out: one queue per rule timeout, so that holding
 //! a check's deadline is a push and finding the first is a look at a few queue fronts.
 //!
-//! Checks arrive in submission order, so within one timeout their deadlines arrive in
-//! order too (kept so: a deadline that arrives below its queue's last is raised to it,
-//! which makes that check expire at most the submission skew later, never earlier). A
-//! check answered before its deadline is not taken out of its queue; it is skipped when it
-//! reaches the front.
+//! Checks reach the session task in the order their callers handed them over, which is
+//! the order of their clock readings but for callers on different threads racing. So
+//! within one timeout their deadlines arrive in order, or nearly: one that arrives below
+//! its queue's last is raised to it, which makes that check expire later by at most that
+//! race, never earlier (and, until then, it may still be written to the region). A check
+//! answered before its deadline is not taken out of its queue; it is skipped when it
+//! reaches the front. So a queue holds at most the checks of the last timeout's length
+//! (fewer while answers come in order), and gives back room after a burst ([`Deadlines::shrink`]).
 
 use std::collections::VecDeque;
 use std::time::Duration;
 
-/// Deadlines of held checks, by sequence number.
+/// Deadlines of held checks (by sequence number): one queue per timeout, each in deadline
+/// order.
 #[derive(Debug, Default)]
 pub(super) struct Deadlines {
     // Few: one per distinct `region_timeout_ms` among the rules.
@@ -73,10 +77,26 @@ impl Deadlines {
         }
     }
 
+    /// Gives back the room a burst left in the queues.
+    pub(super) fn shrink(&mut self) {
+        for queue in &mut self.queues {
+            shrink(&mut queue.entries);
+        }
+    }
+
     /// How many deadlines are held, of checks answered or not.
     #[cfg(test)]
     pub(super) fn len(&self) -> usize {
         self.queues.iter().map(|q| q.entries.len()).sum()
+    }
+}
+
+/// Gives back a queue's room past twice what it holds, once that is more than a burst's
+/// worth of slack.
+pub(super) fn shrink<T>(queue: &mut VecDeque<T>) {
+    const SLACK: usize = 1024;
+    if queue.capacity() > 4 * queue.len() + SLACK {
+        queue.shrink_to(2 * queue.len() + SLACK);
     }
 }
 
@@ -116,6 +136,21 @@ mod tests {
         due.sort_unstable();
         assert_eq!(due, [0, 1, 2]);
         assert_eq!(deadlines.len(), 0);
+    }
+
+    #[test]
+    fn a_bursts_room_is_given_back_once_it_is_answered() {
+        let mut deadlines = Deadlines::default();
+        for seq in 0..100_000 {
+            deadlines.push(100, ms(100), seq);
+        }
+        assert_eq!(deadlines.first(|seq| seq >= 99_990), Some(ms(100)));
+        deadlines.shrink();
+        let room: usize = deadlines.queues.iter().map(|q| q.entries.capacity()).sum();
+        assert!(
+            room < 2 * 10 + 1024 + 16,
+            "{room} slots kept for 10 deadlines"
+        );
     }
 
     #[test]

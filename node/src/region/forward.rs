@@ -11,7 +11,7 @@
 //! a frame only when the session's writer has room for one, so a check whose deadline
 //! passes while the region does not read is answered here and never sent.
 
-use super::deadlines::Deadlines;
+use super::deadlines::{self, Deadlines};
 use super::log::RequestId;
 use super::wire::CheckRef;
 use super::wire::{self, CHECKS_PER_FRAME_MAX, REGION_FRAME_BYTES_MAX};
@@ -87,7 +87,7 @@ pub struct Check<T> {
 }
 
 /// A check waiting for its answer, and where the answer goes. Boxed from its submission
-/// on, so the queues and maps that hold it move a pointer.
+/// on, so the channel and the ring that hold it move a pointer.
 struct Pending<T> {
     id: RequestId,
     // The check's rule is the key's.
@@ -97,7 +97,6 @@ struct Pending<T> {
     answers: Answers<T>,
     // On the node's monotonic clock (`Clock::mono`).
     submitted: Duration,
-    deadline: Duration,
     timeout_ms: u64,
     // Written on a session already: writing it again is a retry.
     written: bool,
@@ -200,7 +199,6 @@ impl<T: Send + 'static> Forwarder<T> {
                     ticket: check.ticket,
                     answers: answers.clone(),
                     submitted,
-                    deadline: submitted + Duration::from_millis(check.timeout_ms),
                     timeout_ms: check.timeout_ms,
                     written: false,
                 })
@@ -275,11 +273,9 @@ impl<T> Held<T> {
         let seq = self.next_seq;
         self.next_seq += 1;
         pending.id.seq = seq;
-        self.deadlines
-            .push(pending.timeout_ms, pending.deadline, seq);
-        if self.checks.is_empty() {
-            self.base = seq;
-        }
+        let deadline = pending.submitted + Duration::from_millis(pending.timeout_ms);
+        self.deadlines.push(pending.timeout_ms, deadline, seq);
+        debug_assert_eq!(self.base + self.checks.len() as u64, seq);
         self.checks.push_back(Some(pending));
         self.live += 1;
     }
@@ -306,9 +302,6 @@ impl<T> Held<T> {
         while let Some(None) = self.checks.front() {
             self.checks.pop_front();
             self.base += 1;
-        }
-        if self.checks.is_empty() {
-            self.base = self.next_seq;
         }
         self.unwritten = self.unwritten.max(self.base);
         Some(pending)
@@ -450,8 +443,9 @@ impl<T> Held<T> {
         }
     }
 
-    /// Drops the checks whose callers stopped waiting: they are never sent again.
-    fn drop_abandoned(&mut self) {
+    /// Drops the checks whose callers stopped waiting (they are never sent again), and
+    /// gives back the room a burst left.
+    fn purge(&mut self) {
         let abandoned: Vec<u64> = self
             .checks
             .iter()
@@ -462,6 +456,8 @@ impl<T> Held<T> {
         for seq in abandoned {
             self.remove(seq);
         }
+        deadlines::shrink(&mut self.checks);
+        self.deadlines.shrink();
     }
 
     fn unavailable(&self, rule: String, why: String) -> Refusal {
@@ -517,7 +513,7 @@ const FRAMES_QUEUED: usize = 2;
 async fn keep_sessions<T>(region: Region, mut held: Held<T>) {
     let mut backoff = BACKOFF_MIN;
     loop {
-        held.drop_abandoned();
+        held.purge();
         if held.is_empty() {
             // A session is opened only for a check waiting: one opened at start-up would
             // dial a region that may not listen yet, and checks would queue behind that
@@ -652,7 +648,7 @@ async fn carry<T>(region: &Region, session: Session, held: &mut Held<T>) -> Carr
                 held.answer_frame(frame);
             }
             Carrying::Deadline => held.expire(held.clock.mono()),
-            Carrying::Purge => held.drop_abandoned(),
+            Carrying::Purge => held.purge(),
         }
     };
     // Answers that came before the session broke are answers all the same.
@@ -719,7 +715,6 @@ mod tests {
             ticket: seq,
             answers: answers.clone(),
             submitted: Duration::ZERO,
-            deadline: ms(timeout_ms),
             timeout_ms,
             written: false,
         })
@@ -900,7 +895,7 @@ mod tests {
         held.insert(pending(0, 100, &gone));
         held.insert(pending(1, 200, &staying));
         drop(gone_answers);
-        held.drop_abandoned();
+        held.purge();
         assert_eq!(held_seqs(&held), [1]);
         assert_eq!(first_deadline(&mut held), Some(ms(200)));
     }

@@ -294,7 +294,8 @@ impl Ledger {
     }
 }
 
-/// The key of a forwarded check, if its fields are within bounds.
+/// The key a log entry names, if its fields are within bounds. Its rule name is a copy of
+/// its own; a decided check's key shares the configured rule's instead.
 pub fn key_of(rule: &str, subject: &str, window_index: u64, window_secs: u32) -> Option<Key> {
     Some(Key::new(
         Rule::new(rule).ok()?,
