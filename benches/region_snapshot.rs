@@ -1,15 +1,18 @@
-//! How long a compaction's snapshot holds the region's deciding task: the time
-//! `Ledger::snapshot` takes to encode a ledger's state, for ledgers of 10,000 to 1,000,000
-//! live keys. No check is decided while it runs (ARCHITECTURE.md, "A snapshot pauses
-//! decisions"). Prints a report; it is not a criterion timing.
+//! How long a compaction holds the region's deciding task: the time `Ledger::clone` takes
+//! to copy a ledger (what the task does since session 5, the copy then encoded on a
+//! blocking thread), beside the time `Ledger::snapshot` takes to encode it (what the task
+//! did before), for ledgers of 10,000 to 1,000,000 live keys. No check is decided while
+//! the copy is made (ARCHITECTURE.md, "A compaction copies the ledger on the deciding
+//! task"). Prints a report; it is not a criterion timing.
 //!
 //! Run with `cargo bench --bench region_snapshot`.
 //!
 //! Each ledger is built as the region builds it, by deciding checks: one per key, from
 //! `EDGES` edge lives in turn, so each life holds the outcomes of its last
-//! `RECENT_IDS` requests (or fewer) as a real region would. Each size is snapshotted
-//! `REPEATS` times into a buffer that starts empty, as the region's does; the median and
-//! the largest time are printed, with the snapshot's size and entries.
+//! `RECENT_IDS` requests (or fewer) as a real region would. Each size is encoded
+//! `REPEATS` times into a buffer that starts empty, as the region's does, and copied
+//! `REPEATS` times; the median and the largest time of each are printed, with the
+//! snapshot's size and entries.
 
 #![allow(clippy::disallowed_methods)] // measures wall time
 
@@ -27,8 +30,10 @@ fn main() {
          {REPEATS} snapshots per size"
     );
     println!();
-    println!("| live keys | outcomes held | entries | snapshot MiB | median ms | max ms |");
-    println!("|---:|---:|---:|---:|---:|---:|");
+    println!(
+        "| live keys | outcomes held | entries | snapshot MiB | encode median ms | encode max ms | clone median ms | clone max ms |"
+    );
+    println!("|---:|---:|---:|---:|---:|---:|---:|---:|");
     for keys in SIZES {
         let ledger = ledger(keys);
         let mut times = Vec::with_capacity(REPEATS);
@@ -41,13 +46,23 @@ fn main() {
             bytes = out.len();
         }
         times.sort();
+        let mut clones = Vec::with_capacity(REPEATS);
+        for _ in 0..REPEATS {
+            let started = Instant::now();
+            let frozen = ledger.clone();
+            clones.push(started.elapsed());
+            drop(frozen);
+        }
+        clones.sort();
         let ms = |d: Duration| d.as_secs_f64() * 1e3;
         let outcomes = keys.min(EDGES * RECENT_IDS as u64);
         println!(
-            "| {keys} | {outcomes} | {entries} | {:.1} | {:.1} | {:.1} |",
+            "| {keys} | {outcomes} | {entries} | {:.1} | {:.1} | {:.1} | {:.1} | {:.1} |",
             bytes as f64 / (1024.0 * 1024.0),
             ms(times[REPEATS / 2]),
             ms(times[REPEATS - 1]),
+            ms(clones[REPEATS / 2]),
+            ms(clones[REPEATS - 1]),
         );
     }
 }

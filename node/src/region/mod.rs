@@ -27,7 +27,7 @@ pub use wire::{ExactAnswer, ExactCheck, Outcome};
 
 /// The authoritative counts of exact rules, and the outcomes of each edge life's most
 /// recent request ids. Pure state: the committer makes it durable.
-#[derive(Debug, Default, PartialEq, Eq)]
+#[derive(Debug, Default, Clone, PartialEq, Eq)]
 pub struct Ledger {
     // Invariant: a count never decreases within its window.
     counts: HashMap<Key, u64, KeyHasher>,
@@ -42,7 +42,7 @@ pub struct Ledger {
 pub const RECENT_IDS: usize = 65_536;
 
 /// One edge life's recent outcomes: the sequence numbers from `base` on, in order.
-#[derive(Debug, Default, PartialEq, Eq)]
+#[derive(Debug, Default, Clone, PartialEq, Eq)]
 struct Recent {
     // Invariant: every sequence number below `base` was decided and then forgotten, or
     // skipped by a jump of more than RECENT_IDS and never to be decided.
@@ -442,6 +442,40 @@ mod tests {
             decide(&mut replayed, 2, 3, 10),
             Decided::Repeat(_)
         ));
+    }
+
+    #[test]
+    fn a_copys_snapshot_then_the_records_decided_since_the_copy_replay_to_the_live_ledger() {
+        // What a compaction writes while the region goes on deciding (service.rs).
+        let decide_logged = |ledger: &mut Ledger, seq: u64, log: &mut Vec<u8>| {
+            let mut check = check(seq, 1 + seq % 3);
+            check.subject = format!("acct-{}", seq % 5);
+            let key = key_of("quota", &check.subject, 500_000, 3_600).unwrap();
+            if let Decided::New(outcome) = ledger.decide(&check, &key, 40) {
+                log::encode(
+                    &Entry::Decided(log::Record::decided(&check, outcome.allowed)),
+                    log,
+                );
+            }
+        };
+        let mut live = Ledger::default();
+        let mut unused = Vec::new();
+        for seq in 0..20 {
+            decide_logged(&mut live, seq, &mut unused);
+        }
+        let copy = live.clone();
+        let mut since = Vec::new();
+        // New ids, a retry of one the copy holds, and checks past the limit.
+        for seq in (20..60).chain([3, 25]) {
+            decide_logged(&mut live, seq, &mut since);
+        }
+        let mut compacted = Vec::new();
+        copy.snapshot(&mut compacted);
+        compacted.extend_from_slice(&since);
+        let (entries, read) = log::replay(&compacted);
+        assert_eq!(read, compacted.len());
+        assert_eq!(Ledger::replay(&entries), live);
+        assert_ne!(copy, live, "the records since the copy changed the ledger");
     }
 
     #[test]

@@ -37,6 +37,9 @@ pub struct RegionService {
     // been appended since.
     compacted_at: u64,
     compacted_bytes: u64,
+    // While a compaction's snapshot is encoded off this task: the records decided since the
+    // ledger was copied for it, which follow the snapshot in the new log.
+    since_snapshot: Option<Vec<u8>>,
     rules: Rules,
     store: Arc<LaneStore>,
     // The node's lane log: the region's own lanes of exact admissions go in it, as an
@@ -99,6 +102,7 @@ impl RegionService {
             committer: Committer::start(Box::new(storage)),
             compacted_at: 0,
             compacted_bytes: compacted.len() as u64,
+            since_snapshot: None,
             rules,
             store,
             lanes,
@@ -141,6 +145,8 @@ impl RegionService {
         let (batches, decided) = mpsc::unbounded_channel();
         tokio::spawn(acknowledge(decided, self.store.clone(), self.lanes.clone()));
         let mut expire = tokio::time::interval(Duration::from_secs(1));
+        // A compaction's snapshot, being encoded.
+        let mut snapshot: Option<oneshot::Receiver<Vec<u8>>> = None;
         loop {
             tokio::select! {
                 frame = frames.recv() => {
@@ -149,23 +155,51 @@ impl RegionService {
                 }
                 _ = expire.tick() => {
                     self.ledger.expire(clock::wall().0 / 1_000);
-                    self.compact_if_due();
+                    if snapshot.is_none() {
+                        snapshot = self.start_compaction_if_due();
+                    }
+                }
+                encoded = async { snapshot.as_mut().expect("guarded").await }, if snapshot.is_some() => {
+                    snapshot = None;
+                    self.finish_compaction(encoded.ok());
                 }
             }
         }
     }
 
-    /// Queues a compaction of the log once it has grown by as much as it held after the
+    /// Starts a compaction of the log once it has grown by as much as it held after the
     /// last one, and by at least [`COMPACT_AFTER_BYTES`]: the log stays within about twice
-    /// the larger of the two, however long windows are.
-    fn compact_if_due(&mut self) {
+    /// the larger of the two, however long windows are. The ledger is copied here and its
+    /// snapshot encoded on a blocking thread, so deciding stops only for the copy; the
+    /// receiver gets the snapshot.
+    fn start_compaction_if_due(&mut self) -> Option<oneshot::Receiver<Vec<u8>>> {
         let appended = self.committer.stats().appended.load(Ordering::Relaxed);
         if appended - self.compacted_at < COMPACT_AFTER_BYTES.max(self.compacted_bytes) {
-            return;
+            return None;
         }
-        let mut entries = Vec::new();
-        self.ledger.snapshot(&mut entries);
         self.compacted_at = appended;
+        let frozen = self.ledger.clone();
+        self.since_snapshot = Some(Vec::new());
+        let (encoded, snapshot) = oneshot::channel();
+        tokio::task::spawn_blocking(move || {
+            let mut entries = Vec::new();
+            frozen.snapshot(&mut entries);
+            let _ = encoded.send(entries);
+        });
+        Some(snapshot)
+    }
+
+    /// Queues the compaction whose snapshot was encoded: the log is replaced by the
+    /// snapshot and then every record decided since the copy it was made from, which is
+    /// the state everything submitted before the compaction left. `None` if the encoding
+    /// failed: no compaction, and the next is due at once.
+    fn finish_compaction(&mut self, snapshot: Option<Vec<u8>>) {
+        let since = self.since_snapshot.take().unwrap_or_default();
+        let Some(mut entries) = snapshot else {
+            self.compacted_at = 0;
+            return;
+        };
+        entries.extend_from_slice(&since);
         self.compacted_bytes = entries.len() as u64;
         // A failed compaction fails the committer, which then refuses every later record.
         drop(self.committer.compact(entries));
@@ -195,6 +229,9 @@ impl RegionService {
         for check in &checks {
             let answer = self.decide(check, now_secs, &mut records, &mut admitted);
             answers.push((check.id.seq, answer));
+        }
+        if let Some(since) = &mut self.since_snapshot {
+            since.extend_from_slice(&records.bytes);
         }
         let _ = batches.send(Batch {
             durable: self.committer.submit(records.bytes, records.count),
