@@ -37,6 +37,8 @@ pub struct RegionService {
     // been appended since.
     compacted_at: u64,
     compacted_bytes: u64,
+    // The least the log grows by before it is compacted: COMPACT_AFTER_BYTES but in tests.
+    compact_after_bytes: u64,
     // While a compaction's snapshot is encoded off this task: the records decided since the
     // ledger was copied for it, which follow the snapshot in the new log.
     since_snapshot: Option<Vec<u8>>,
@@ -102,6 +104,7 @@ impl RegionService {
             committer: Committer::start(Box::new(storage)),
             compacted_at: 0,
             compacted_bytes: compacted.len() as u64,
+            compact_after_bytes: COMPACT_AFTER_BYTES,
             since_snapshot: None,
             rules,
             store,
@@ -174,7 +177,7 @@ impl RegionService {
     /// receiver gets the snapshot.
     fn start_compaction_if_due(&mut self) -> Option<oneshot::Receiver<Vec<u8>>> {
         let appended = self.committer.stats().appended.load(Ordering::Relaxed);
-        if appended - self.compacted_at < COMPACT_AFTER_BYTES.max(self.compacted_bytes) {
+        if appended - self.compacted_at < self.compact_after_bytes.max(self.compacted_bytes) {
             return None;
         }
         self.compacted_at = appended;
@@ -222,23 +225,36 @@ impl RegionService {
             reply.refuse();
             return;
         }
-        let now_secs = clock::wall().0 / 1_000;
-        let mut answers = Vec::with_capacity(checks.len());
-        let mut admitted = Vec::new();
-        let mut records = Records::default();
-        for check in &checks {
-            let answer = self.decide(check, now_secs, &mut records, &mut admitted);
-            answers.push((check.id.seq, answer));
-        }
-        if let Some(since) = &mut self.since_snapshot {
-            since.extend_from_slice(&records.bytes);
-        }
+        let (answers, admitted, records) = self.decide_frame(&checks);
         let _ = batches.send(Batch {
-            durable: self.committer.submit(records.bytes, records.count),
+            durable: self.submit(records),
             answers,
             admitted,
             reply,
         });
+    }
+
+    /// Decides a frame's checks in order: their answers, the admissions (key and cost) to
+    /// count in the region's lanes once durable, and the new decisions' records.
+    fn decide_frame(&mut self, checks: &[ExactCheck]) -> (Vec<Answered>, Vec<(Key, u64)>, Records) {
+        let now_secs = clock::wall().0 / 1_000;
+        let mut answers = Vec::with_capacity(checks.len());
+        let mut admitted = Vec::new();
+        let mut records = Records::default();
+        for check in checks {
+            let answer = self.decide(check, now_secs, &mut records, &mut admitted);
+            answers.push((check.id.seq, answer));
+        }
+        (answers, admitted, records)
+    }
+
+    /// Submits a frame's records to the committer (and keeps a copy if a compaction's
+    /// snapshot is being encoded): the receiver completes once they are durable.
+    fn submit(&mut self, records: Records) -> oneshot::Receiver<Result<(), CommitError>> {
+        if let Some(since) = &mut self.since_snapshot {
+            since.extend_from_slice(&records.bytes);
+        }
+        self.committer.submit(records.bytes, records.count)
     }
 
     /// Decides one check: a new decision's record goes to `records`, and its key and cost
@@ -381,6 +397,65 @@ fn count_in_own_lanes(store: &LaneStore, lanes: Option<&Mutex<LaneLog>>, admitte
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::config::{RuleConfig, RuleMode};
+    use crate::region::log::RequestId;
+    use tally_crdt::{Generation, NodeId};
+
+    fn open(dir: &Path) -> RegionService {
+        let rules = Rules::new(&[RuleConfig::for_test("quota", 1_000, RuleMode::Exact)]).unwrap();
+        let replica = ReplicaId::new(NodeId(1), Generation(1));
+        let store = Arc::new(LaneStore::new(replica, 1_024));
+        RegionService::open(dir, rules, store, None, &[]).unwrap().0
+    }
+
+    #[tokio::test]
+    async fn a_compaction_under_way_keeps_every_decision_made_meanwhile_across_a_restart() {
+        let dir = std::env::temp_dir().join(format!("tally-compact-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        let mut service = open(&dir);
+        service.compact_after_bytes = 0;
+        let window = Window::containing(clock::wall().0 / 1_000, 3_600).unwrap();
+        let mut durable = Vec::new();
+        let mut frame = |service: &mut RegionService, seqs: std::ops::Range<u64>| {
+            let checks: Vec<ExactCheck> = seqs
+                .map(|seq| ExactCheck {
+                    id: RequestId {
+                        node: 2,
+                        generation: 1,
+                        seq,
+                    },
+                    rule: "quota".into(),
+                    subject: format!("acct-{}", seq % 7),
+                    window_index: window.index(),
+                    window_secs: window.len_secs(),
+                    cost: 1 + seq % 3,
+                })
+                .collect();
+            let (_, _, records) = service.decide_frame(&checks);
+            assert!(records.count > 0);
+            durable.push(service.submit(records));
+        };
+        frame(&mut service, 0..50);
+        let snapshot = service.start_compaction_if_due().expect("due at once");
+        // Decided while the snapshot is encoded, and retries of ids the copy holds.
+        frame(&mut service, 50..120);
+        frame(&mut service, 100..130);
+        service.finish_compaction(snapshot.await.ok());
+        frame(&mut service, 130..150);
+        for done in durable {
+            done.await.unwrap().unwrap();
+        }
+        assert_eq!(
+            service.commit_stats().compactions.load(Ordering::Relaxed),
+            1
+        );
+        let live = service.ledger.clone();
+        drop(service);
+
+        let reopened = open(&dir);
+        assert_eq!(reopened.ledger, live);
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
 
     #[test]
     fn a_run_of_admissions_on_one_key_is_summed_and_other_keys_keep_their_order() {
