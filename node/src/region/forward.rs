@@ -363,6 +363,7 @@ impl<T> Held<T> {
         }
         true
     }
+
     /// Answers each check of a frame of the region's answers that still waits. The answers
     /// of a run of checks from one caller go to it as one message.
     fn answer_frame(&mut self, frame: Vec<wire::Answered>) {
