@@ -48,7 +48,7 @@ pub use delta::{
 pub use id::{Generation, NodeId, ReplicaId};
 pub use key::{
     Key, KeyError, KeyRef, Rule, Subject, Window, RULE_BYTES_MAX, SUBJECT_BYTES_MAX,
-    WINDOW_SECS_MAX,
+    WINDOW_INDEX_MAX, WINDOW_SECS_MAX,
 };
 pub use lane::{Lane, Overflow};
 pub use map::{Applied, CounterMap};
