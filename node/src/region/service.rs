@@ -434,13 +434,14 @@ mod tests {
                 })
                 .collect();
             let (_, _, records) = service.decide_frame(&checks);
-            assert!(records.count > 0);
             durable.push(service.submit(records));
         };
         frame(&mut service, 0..50);
         let snapshot = service.start_compaction_if_due().expect("due at once");
-        // Decided while the snapshot is encoded, and retries of ids the copy holds.
+        // While the snapshot is encoded: new ids, retries of ids the copy holds (no
+        // records), and retries of ids decided after the copy, with new ones.
         frame(&mut service, 50..120);
+        frame(&mut service, 0..10);
         frame(&mut service, 100..130);
         service.finish_compaction(snapshot.await.ok());
         frame(&mut service, 130..150);
