@@ -293,7 +293,7 @@ impl<T> Held<T> {
     }
 
     fn get(&self, seq: u64) -> Option<&Pending<T>> {
-        self.checks.get(index(self.base, seq)?)?.as_deref()
+        held_at(&self.checks, self.base, seq)
     }
 
     fn remove(&mut self, seq: u64) -> Option<Box<Pending<T>>> {
@@ -319,25 +319,22 @@ impl<T> Held<T> {
     /// The next frame to write: up to [`CHECKS_PER_FRAME_MAX`] of the checks to send, in
     /// order, leaving out those whose caller is gone. `None` if none is left.
     fn next_frame(&mut self) -> Option<Vec<u8>> {
-        let mut batch = Vec::new();
+        let (mut batch, mut retries) = (Vec::new(), 0);
         while batch.len() < CHECKS_PER_FRAME_MAX && self.unwritten < self.next_seq {
             let seq = self.unwritten;
             self.unwritten += 1;
-            let at = index(self.base, seq);
-            let slot = at.and_then(|at| self.checks.get_mut(at));
-            let Some(pending) = slot.and_then(Option::as_mut) else {
+            let Some(pending) = self.slot(seq).and_then(Option::as_mut) else {
                 continue;
             };
             if pending.abandoned() {
                 self.remove(seq);
                 continue;
             }
-            if pending.written {
-                self.stats.retries.fetch_add(1, Ordering::Relaxed);
-            }
+            retries += u64::from(pending.written);
             pending.written = true;
             batch.push(seq);
         }
+        self.stats.retries.fetch_add(retries, Ordering::Relaxed);
         if batch.is_empty() {
             return None;
         }
@@ -352,8 +349,7 @@ impl<T> Held<T> {
     /// Points `alarm` at the first deadline held; `false` if none is.
     fn arm(&mut self, alarm: Pin<&mut Sleep>) -> bool {
         let (checks, base) = (&self.checks, self.base);
-        let is_held =
-            |seq| index(base, seq).is_some_and(|at| checks.get(at).is_some_and(Option::is_some));
+        let is_held = |seq| held_at(checks, base, seq).is_some();
         let Some(deadline) = self.deadlines.first(is_held) else {
             return false;
         };
@@ -470,6 +466,15 @@ impl<T> Held<T> {
 /// Where check `seq` sits in a ring of checks that starts at `base`, if it is not before it.
 fn index(base: u64, seq: u64) -> Option<usize> {
     usize::try_from(seq.checked_sub(base)?).ok()
+}
+
+/// Check `seq` in a ring of checks that starts at `base`, if it is still held.
+fn held_at<T>(
+    checks: &VecDeque<Option<Box<Pending<T>>>>,
+    base: u64,
+    seq: u64,
+) -> Option<&Pending<T>> {
+    checks.get(index(base, seq)?)?.as_deref()
 }
 
 impl<T> Drop for Held<T> {
