@@ -440,9 +440,9 @@ struct RegionTarget {
     subjects: Arc<[String]>,
 }
 
-/// Runs `requests` exact checks through the one forwarder, `in_flight` at a time (a new
-/// one submitted as each is answered, as an edge's connections do), and returns their
-/// latencies in nanoseconds if `record`.
+/// Runs `requests` exact checks through the one forwarder, `in_flight` at a time (as many
+/// new ones submitted together as each run of answers brings, as an edge's connections
+/// submit a batch), and returns their latencies in nanoseconds if `record`.
 async fn region_phase(
     target: &RegionTarget,
     in_flight: usize,
@@ -462,12 +462,14 @@ async fn region_phase(
                 .map_err(|err| format!("subject {subject}: {err}"))
         })
         .collect::<Result<Vec<Key>, String>>()?;
+    // Check `n` counts on the keys in turn.
+    let key = |n: u64| &keys[(n % keys.len() as u64) as usize];
     let (answers, mut answered) = mpsc::unbounded_channel();
     // Submits checks `from..to` together, as an edge's connection forwards a batch.
     let submit = |from: u64, to: u64| {
         let sent = now();
         let checks = (from..to).map(|n| Check {
-            key: keys[(n % keys.len() as u64) as usize].clone(),
+            key: key(n).clone(),
             cost: 1,
             timeout_ms: target.rule.region_timeout_ms,
             ticket: (sent, n),
@@ -489,7 +491,7 @@ async fn region_phase(
             match result {
                 Ok(Outcome { allowed: true, .. }) => {}
                 other => {
-                    let subject = keys[(n % keys.len() as u64) as usize].subject.as_str();
+                    let subject = key(*n).subject.as_str();
                     return Err(format!(
                         "check {}/{subject} at the region: {other:?} (raise the limit if denied)",
                         target.rule.name
