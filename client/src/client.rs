@@ -8,6 +8,7 @@ use std::time::Duration;
 use crate::connection::Connection;
 use crate::endpoint::Endpoint;
 use crate::error::Error;
+use crate::pipeline::Pipeline;
 use crate::wire::{Decision, Estimate, OpRef, Refusal, Reply, Status, CLIENT_FRAME_BYTES_MAX};
 
 /// How long a client waits.
@@ -173,19 +174,46 @@ impl Client {
         }
     }
 
+    /// Sends every request of `pipeline` together and returns each one's result, in order.
+    ///
+    /// Each result is what the request's own call would return: `Reply::Counted` for an
+    /// `incr` or a `decr`, `Reply::Estimate` for a `get`, `Reply::Decision` for a `check`,
+    /// or its error (each request is timed out on its own). The outer `Err` means nothing
+    /// was sent: no connection ([`Error::Connect`]), or a request, or the whole pipeline,
+    /// too large to send ([`Refusal::BadField`] naming `rule`, `subject` or `pipeline`).
+    /// An empty pipeline sends nothing and returns no results.
+    pub async fn send(&self, pipeline: &Pipeline<'_>) -> Result<Vec<Result<Reply, Error>>, Error> {
+        let ops = pipeline.ops();
+        if ops.is_empty() {
+            return Ok(Vec::new());
+        }
+        check_pipeline_size(ops)?;
+        self.reconnect_if_closed().await?;
+        let results = self.inner.connection.pipeline(ops).await?;
+        Ok(ops
+            .iter()
+            .zip(results)
+            .map(|(op, result)| result.and_then(|reply| expect_reply(op, reply)))
+            .collect())
+    }
+
     /// Sends one request (reconnecting first if the connection has closed) and waits at
     /// most `options.timeout` for the answer.
     async fn call(&self, op: OpRef<'_>) -> Result<Reply, Error> {
         check_frame_size(&op)?;
-        let connection = &self.inner.connection;
-        if connection.is_closed() {
+        self.reconnect_if_closed().await?;
+        // The connection times the call out (`Options::timeout`, given when it opened).
+        self.inner.connection.call(op).await
+    }
+
+    async fn reconnect_if_closed(&self) -> Result<(), Error> {
+        if self.inner.connection.is_closed() {
             // Boxed: reconnecting (its timer, its turn and the connect) takes several times
             // the room of the call itself, and every caller's future would carry that room,
             // touched or not, on every call.
             Box::pin(self.reconnect()).await?;
         }
-        // The connection times the call out (`Options::timeout`, given when it opened).
-        connection.call(op).await?.map_err(Error::Refused)
+        Ok(())
     }
 
     /// Reopens the closed connection: one attempt, within `options.connect_timeout`
@@ -247,6 +275,53 @@ fn check_frame_size(op: &OpRef<'_>) -> Result<(), Error> {
     }))
 }
 
+/// The most bytes of requests one pipeline may carry, counting each request as its rule,
+/// its subject and [`REQUEST_OVERHEAD_BYTES_MAX`]: about what the connection queues before
+/// calls wait for room, so that one pipeline cannot make it buffer much past that.
+const PIPELINE_BYTES_MAX: usize = 1024 * 1024;
+
+/// Refuses a pipeline with a request too large for a frame, or too large as a whole, before
+/// anything is sent.
+fn check_pipeline_size(ops: &[OpRef<'_>]) -> Result<(), Error> {
+    ops.iter().try_for_each(check_frame_size)?;
+    let bytes: usize = ops
+        .iter()
+        .map(|op| {
+            let names = op
+                .names()
+                .map_or(0, |(rule, subject)| rule.len() + subject.len());
+            names + REQUEST_OVERHEAD_BYTES_MAX
+        })
+        .sum();
+    if bytes <= PIPELINE_BYTES_MAX {
+        return Ok(());
+    }
+    Err(Error::Refused(Refusal::BadField {
+        field: "pipeline".to_string(),
+        why: format!(
+            "{} requests take up to {bytes} bytes, over the {PIPELINE_BYTES_MAX} bytes one \
+             pipeline may carry; nothing was sent",
+            ops.len()
+        ),
+    }))
+}
+
+/// `reply` if it is the kind `op` is answered with, else a protocol error.
+fn expect_reply(op: &OpRef<'_>, reply: Reply) -> Result<Reply, Error> {
+    let (name, expected) = match op {
+        OpRef::Incr { .. } => ("incr", "Counted"),
+        OpRef::Decr { .. } => ("decr", "Counted"),
+        OpRef::Get { .. } => ("get", "Estimate"),
+        OpRef::Check { .. } => ("check", "Decision"),
+        OpRef::Status => ("status", "Status"),
+    };
+    if reply_kind(&reply) == expected {
+        Ok(reply)
+    } else {
+        Err(wrong_reply(name, expected, &reply))
+    }
+}
+
 /// Opens a connection within `options.connect_timeout`.
 async fn open(endpoint: &Endpoint, options: Options) -> Result<Connection, Error> {
     let connect_timeout = options.connect_timeout;
@@ -266,13 +341,17 @@ fn connect_timed_out(endpoint: &Endpoint, connect_timeout: Duration) -> Error {
     }
 }
 
-fn wrong_reply(op: &str, expected: &str, reply: &Reply) -> Error {
-    let got = match reply {
+fn reply_kind(reply: &Reply) -> &'static str {
+    match reply {
         Reply::Counted(_) => "Counted",
         Reply::Estimate(_) => "Estimate",
         Reply::Decision(_) => "Decision",
         Reply::Status(_) => "Status",
-    };
+    }
+}
+
+fn wrong_reply(op: &str, expected: &str, reply: &Reply) -> Error {
+    let got = reply_kind(reply);
     Error::Protocol(format!(
         "reply: {op} expects a {expected} reply, the sidecar sent {got}"
     ))

@@ -23,6 +23,7 @@
 use std::future::{poll_fn, Future};
 use std::io;
 use std::pin::Pin;
+use std::slice;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::task::{Context, Poll, Waker};
@@ -35,7 +36,7 @@ use tokio::sync::Notify;
 use crate::endpoint::Endpoint;
 use crate::error::Error;
 use crate::in_flight::{Broken, Deadlines, InFlight, Outcome};
-use crate::wire::{self, OpRef, Refusal, Reply, RequestRef, Response, CLIENT_FRAME_BYTES_MAX};
+use crate::wire::{self, OpRef, Reply, RequestRef, Response, CLIENT_FRAME_BYTES_MAX};
 
 /// Calls wait for room past this many bytes of requests not yet written: a sidecar that
 /// stops reading must not make the client buffer without end.
@@ -90,6 +91,21 @@ impl Connection {
         Call {
             shared: &self.shared,
             stage: Stage::Unsent { op, since: None },
+        }
+    }
+
+    /// Sends every op of `ops` (at least one) together and waits for each outcome, at most
+    /// the connection's timeout.
+    ///
+    /// Dropping the future forgets the requests still waiting, as [`Connection::call`] does.
+    pub(crate) fn pipeline<'a>(&'a self, ops: &'a [OpRef<'a>]) -> PipelineCall<'a> {
+        PipelineCall {
+            shared: &self.shared,
+            ops,
+            since: None,
+            first_id: None,
+            outcomes: Vec::new(),
+            collected: 0,
         }
     }
 
@@ -215,37 +231,33 @@ enum Stage<'a> {
 }
 
 impl Future for Call<'_> {
-    type Output = Result<Result<Reply, Refusal>, Error>;
+    type Output = Result<Reply, Error>;
 
     fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
         let call = self.get_mut();
         let shared = call.shared;
         match &mut call.stage {
-            Stage::Unsent { op, since } => match shared.send(*op, since, cx.waker()) {
-                Sent::InFlight(id) => {
-                    // The slot holds this poll's waker already, so there is nothing to look
-                    // at until it is woken.
-                    call.stage = Stage::Sent { id };
-                    Poll::Pending
+            Stage::Unsent { op, since } => {
+                match shared.send(slice::from_ref(op), since, cx.waker()) {
+                    Sent::InFlight(id) => {
+                        // The slot holds this poll's waker already, so there is nothing to look
+                        // at until it is woken.
+                        call.stage = Stage::Sent { id };
+                        Poll::Pending
+                    }
+                    Sent::NoRoom => Poll::Pending,
+                    Sent::Failed(err) => {
+                        call.stage = Stage::Finished;
+                        Poll::Ready(Err(err))
+                    }
                 }
-                Sent::NoRoom => Poll::Pending,
-                Sent::Failed(err) => {
-                    call.stage = Stage::Finished;
-                    Poll::Ready(Err(err))
-                }
-            },
+            }
             Stage::Sent { id } => {
                 let Some(outcome) = shared.collect(*id, cx.waker()) else {
                     return Poll::Pending;
                 };
                 call.stage = Stage::Finished;
-                Poll::Ready(match outcome {
-                    Outcome::Answered(result) => Ok(result),
-                    Outcome::TimedOut => Err(Error::Timeout {
-                        after: shared.timeout,
-                    }),
-                    Outcome::Closed(broken) => Err(broken.into()),
-                })
+                Poll::Ready(outcome.into_result(shared.timeout))
             }
             Stage::Finished => panic!("invariant: a call is not polled after it returned"),
         }
@@ -260,9 +272,68 @@ impl Drop for Call<'_> {
     }
 }
 
+/// A pipeline's round trip: all its requests encoded into the outbox together on its first
+/// poll, then waiting until each has its outcome. Its requests share one waker, so the
+/// reader wakes its task once per read however many of its answers the read brought, and
+/// each wake collects every answer in under one lock.
+pub(crate) struct PipelineCall<'a> {
+    shared: &'a Shared,
+    ops: &'a [OpRef<'a>],
+    /// The epoch of the first try to send, from which the timeouts count.
+    since: Option<u64>,
+    /// The id of the first request, once they are in flight; the others follow in order.
+    first_id: Option<u64>,
+    /// Each request's outcome, by its place in `ops`, as it comes in.
+    outcomes: Vec<Option<Outcome>>,
+    /// How many of `outcomes` are in.
+    collected: usize,
+}
+
+impl Future for PipelineCall<'_> {
+    /// `Err` when nothing was sent; otherwise every request's result, in order.
+    type Output = Result<Vec<Result<Reply, Error>>, Error>;
+
+    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        let call = self.get_mut();
+        let shared = call.shared;
+        let first_id = match call.first_id {
+            Some(first_id) => first_id,
+            None => match shared.send(call.ops, &mut call.since, cx.waker()) {
+                Sent::InFlight(first_id) => {
+                    call.first_id = Some(first_id);
+                    call.outcomes = call.ops.iter().map(|_| None).collect();
+                    return Poll::Pending;
+                }
+                Sent::NoRoom => return Poll::Pending,
+                Sent::Failed(err) => return Poll::Ready(Err(err)),
+            },
+        };
+        call.collected += shared.collect_all(first_id, &mut call.outcomes, cx.waker());
+        if call.collected < call.outcomes.len() {
+            return Poll::Pending;
+        }
+        let outcomes = std::mem::take(&mut call.outcomes);
+        Poll::Ready(Ok(outcomes
+            .into_iter()
+            .map(|outcome| {
+                let outcome = outcome.expect("invariant: every outcome is in");
+                outcome.into_result(shared.timeout)
+            })
+            .collect()))
+    }
+}
+
+impl Drop for PipelineCall<'_> {
+    fn drop(&mut self) {
+        if let Some(first_id) = self.first_id {
+            self.shared.abandon_all(first_id, &self.outcomes);
+        }
+    }
+}
+
 /// What became of a call's try to send.
 enum Sent {
-    /// Queued under this id.
+    /// Queued, the first request under this id and the others under the ids after it.
     InFlight(u64),
     /// The outbox is full: the call waits for room.
     NoRoom,
@@ -402,8 +473,13 @@ impl Shared {
         state.link
     }
 
-    /// Encodes `op` into the outbox and registers `waker` to wait for its answer.
-    fn send(&self, op: OpRef<'_>, since: &mut Option<u64>, waker: &Waker) -> Sent {
+    /// Encodes `ops` (at least one) into the outbox under consecutive ids and registers
+    /// `waker` to wait for their answers.
+    fn send(&self, ops: &[OpRef<'_>], since: &mut Option<u64>, waker: &Waker) -> Sent {
+        assert!(
+            !ops.is_empty(),
+            "invariant: a call sends at least one request"
+        );
         let mut state = self.lock();
         if state.closed.is_some() {
             // Nothing was sent, but the link is as good as broken for this call.
@@ -413,10 +489,13 @@ impl Shared {
         // A call waits for its timeout (or for room) only while the sweeper ticks.
         let sweeper = std::mem::take(&mut state.sweeper_parked);
         let (sent, writer) = if state.has_room() {
-            let id = state.in_flight.push(waker.clone(), since);
+            let first_id = state.in_flight.next_id();
             let was_empty = state.queued.is_empty();
-            wire::encode_request(&RequestRef { id, op }, &mut state.queued);
-            if was_empty && state.in_flight.live() == 1 {
+            for &op in ops {
+                let id = state.in_flight.push(waker.clone(), since);
+                wire::encode_request(&RequestRef { id, op }, &mut state.queued);
+            }
+            if was_empty && state.in_flight.live() == ops.len() {
                 // Alone in flight: no other request is coming soon to share a write with,
                 // so waking the writer would only add a task switch to the round trip.
                 state.write_directly();
@@ -427,7 +506,7 @@ impl Shared {
             } else {
                 None
             };
-            (Sent::InFlight(id), writer)
+            (Sent::InFlight(first_id), writer)
         } else if self.deadlines.expired(since, state.epoch) {
             let after = self.timeout;
             (Sent::Failed(Error::Timeout { after }), None)
@@ -453,6 +532,38 @@ impl Shared {
         drop(state);
         room.into_iter().for_each(Waker::wake);
         Some(outcome)
+    }
+
+    /// Takes the outcomes that are in of the requests sent from `first_id` on into the
+    /// empty places of `outcomes` (by place: `first_id` first), and registers `waker` for
+    /// the rest. Returns how many came in.
+    fn collect_all(&self, first_id: u64, outcomes: &mut [Option<Outcome>], waker: &Waker) -> usize {
+        let mut state = self.lock();
+        let mut came = 0;
+        for (id, outcome) in (first_id..).zip(outcomes.iter_mut()) {
+            if outcome.is_none() {
+                *outcome = state.in_flight.poll(id, waker);
+                came += usize::from(outcome.is_some());
+            }
+        }
+        let room = state.take_room_waiters();
+        drop(state);
+        room.into_iter().for_each(Waker::wake);
+        came
+    }
+
+    /// A pipeline sent from `first_id` on gives up on the requests whose places in
+    /// `outcomes` are still empty.
+    fn abandon_all(&self, first_id: u64, outcomes: &[Option<Outcome>]) {
+        let mut state = self.lock();
+        for (id, outcome) in (first_id..).zip(outcomes) {
+            if outcome.is_none() {
+                state.in_flight.abandon(id);
+            }
+        }
+        let room = state.take_room_waiters();
+        drop(state);
+        room.into_iter().for_each(Waker::wake);
     }
 
     fn abandon(&self, id: u64) {
@@ -484,7 +595,12 @@ impl Shared {
             return None;
         }
         let decoded = decode_responses(input, |response| {
-            wakers.extend(state.in_flight.answer(response.id, response.result));
+            if let Some(waker) = state.in_flight.answer(response.id, response.result) {
+                // A pipeline's requests share one waker: one wake per read is enough.
+                if !wakers.last().is_some_and(|last| last.will_wake(&waker)) {
+                    wakers.push(waker);
+                }
+            }
         });
         drop(state);
         wakers.drain(..).for_each(Waker::wake);

@@ -45,6 +45,18 @@ pub(crate) enum Outcome {
     Closed(Broken),
 }
 
+impl Outcome {
+    /// What the call returns: the reply, or why there is none. `timeout` is the one that
+    /// ran out, for [`Outcome::TimedOut`].
+    pub(crate) fn into_result(self, timeout: Duration) -> Result<Reply, Error> {
+        match self {
+            Outcome::Answered(result) => result.map_err(Error::Refused),
+            Outcome::TimedOut => Err(Error::Timeout { after: timeout }),
+            Outcome::Closed(broken) => Err(broken.into()),
+        }
+    }
+}
+
 /// The connection's clock: the sweeper task ticks it every `tick`, and each request
 /// remembers the epoch (the number of ticks so far) in which it was sent. One timer per
 /// connection instead of one per request, and no clock read per request.

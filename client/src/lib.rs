@@ -19,12 +19,13 @@
 //!
 //! - [`Client`]: the handle; [`Client::connect`], then `incr`, `decr`, `get`, `check`,
 //!   `status`.
+//! - [`Pipeline`]: requests sent together and answered together ([`Client::send`]).
 //! - [`Endpoint`]: where the sidecar listens, parsed from `127.0.0.1:7100` or
 //!   `unix:/path/to.sock`.
 //! - [`Options`]: the request and connect timeouts.
 //! - [`Error`]: why a call failed, whether anything may have been counted, and
 //!   [`Error::is_retryable`].
-//! - [`Estimate`], [`Decision`], [`Mode`], [`Status`], [`Refusal`]: what the sidecar
+//! - [`Estimate`], [`Decision`], [`Mode`], [`Status`], [`Refusal`], [`Reply`]: what the sidecar
 //!   answers, from [`wire`].
 //!
 //! # Example
@@ -52,12 +53,14 @@ mod connection;
 mod endpoint;
 mod error;
 mod in_flight;
+mod pipeline;
 pub mod wire;
 
 pub use client::{Client, Options};
 pub use endpoint::{Endpoint, ParseEndpointError};
 pub use error::Error;
-pub use wire::{Decision, Estimate, Mode, Refusal, Status};
+pub use pipeline::Pipeline;
+pub use wire::{Decision, Estimate, Mode, Refusal, Reply, Status};
 
 // Compiles README.md's Rust example as a doctest (run by `cargo test`, never built
 // otherwise), so the README cannot drift from this crate's API. The README's other code

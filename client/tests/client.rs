@@ -12,7 +12,9 @@ use std::collections::HashSet;
 use std::time::Duration;
 
 use tally_client::wire::{self, Op, Reply, Request, Response};
-use tally_client::{Client, Endpoint, Error, Estimate, Options, Refusal, Status};
+use tally_client::{
+    Client, Decision, Endpoint, Error, Estimate, Mode, Options, Pipeline, Refusal, Status,
+};
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 use tokio::net::TcpListener;
 
@@ -475,5 +477,253 @@ async fn callers_on_other_threads_each_get_their_own_answer() {
     .await
     .unwrap();
     drop(client);
+    server.await.unwrap();
+}
+
+fn allowed() -> Decision {
+    Decision {
+        allowed: true,
+        estimate: 1,
+        limit: 10,
+        remaining: 9,
+        reset_after_ms: 1000,
+        mode: Mode::ApproximateConnected,
+        staleness_ms: 0,
+        bound: 0.0,
+    }
+}
+
+#[tokio::test]
+async fn a_pipeline_gets_each_answer_in_its_own_order_whatever_order_they_come_in() {
+    let unknown = Refusal::UnknownRule {
+        rule: "nope".into(),
+    };
+    let refusal = unknown.clone();
+    let (listener, endpoint) = listen().await;
+    let server = tokio::spawn(async move {
+        let (mut stream, _) = listener.accept().await.unwrap();
+        // All four arrive before any is answered: they are sent together.
+        let mut requests = Vec::new();
+        for _ in 0..4 {
+            requests.push(read_request(&mut stream).await.unwrap());
+        }
+        let ops: Vec<&Op> = requests.iter().map(|request| &request.op).collect();
+        assert!(
+            matches!(
+                ops[..],
+                [
+                    Op::Incr { amount: 3, .. },
+                    Op::Get { .. },
+                    Op::Check { cost: 1, .. },
+                    Op::Decr { amount: 2, .. }
+                ]
+            ),
+            "{ops:?}"
+        );
+        let results = [
+            Ok(Reply::Counted(estimate(3))),
+            Ok(Reply::Estimate(estimate(3))),
+            Ok(Reply::Decision(allowed())),
+            Err(refusal),
+        ];
+        let answers: Vec<Response> = requests
+            .iter()
+            .zip(results)
+            .map(|(request, result)| Response {
+                id: request.id,
+                result,
+            })
+            .rev()
+            .collect();
+        write_responses(&mut stream, &answers).await;
+    });
+
+    let client = Client::connect(endpoint, options()).await.unwrap();
+    let mut pipeline = Pipeline::new();
+    pipeline
+        .incr("login", "user-42", 3)
+        .get("login", "user-42")
+        .check("login", "user-42", 1)
+        .decr("nope", "user-42", 2);
+    let results = client.send(&pipeline).await.unwrap();
+    assert_eq!(results.len(), 4);
+    assert_eq!(*results[0].as_ref().unwrap(), Reply::Counted(estimate(3)));
+    assert_eq!(*results[1].as_ref().unwrap(), Reply::Estimate(estimate(3)));
+    assert_eq!(*results[2].as_ref().unwrap(), Reply::Decision(allowed()));
+    assert!(
+        matches!(&results[3], Err(Error::Refused(refusal)) if *refusal == unknown),
+        "{:?}",
+        results[3]
+    );
+    server.await.unwrap();
+}
+
+#[tokio::test]
+async fn in_a_pipeline_each_request_times_out_or_is_checked_on_its_own() {
+    let timeout = Duration::from_millis(300);
+    let (listener, endpoint) = listen().await;
+    let server = tokio::spawn(async move {
+        let (mut stream, _) = listener.accept().await.unwrap();
+        let first = read_request(&mut stream).await.unwrap();
+        let second = read_request(&mut stream).await.unwrap();
+        let _third = read_request(&mut stream).await.unwrap();
+        // The first is answered, the second with the wrong kind, the third never.
+        let answers = [
+            Response {
+                id: first.id,
+                result: Ok(Reply::Counted(estimate(1))),
+            },
+            Response {
+                id: second.id,
+                result: Ok(Reply::Status(status())),
+            },
+        ];
+        write_responses(&mut stream, &answers).await;
+        assert!(read_request(&mut stream).await.is_none());
+    });
+
+    let client = Client::connect(endpoint, options().with_timeout(timeout))
+        .await
+        .unwrap();
+    let mut pipeline = Pipeline::new();
+    pipeline
+        .incr("login", "user-42", 1)
+        .check("login", "user-42", 1)
+        .get("login", "user-42");
+    let results = client.send(&pipeline).await.unwrap();
+    assert_eq!(*results[0].as_ref().unwrap(), Reply::Counted(estimate(1)));
+    assert!(
+        matches!(&results[1], Err(Error::Protocol(why)) if why.contains("check expects a Decision reply")),
+        "{:?}",
+        results[1]
+    );
+    assert!(
+        matches!(results[2], Err(Error::Timeout { after }) if after == timeout),
+        "{:?}",
+        results[2]
+    );
+    drop(client);
+    server.await.unwrap();
+}
+
+#[tokio::test]
+async fn a_pipeline_too_large_to_send_is_refused_whole_and_an_empty_one_sends_nothing() {
+    let (listener, endpoint) = listen().await;
+    let server = tokio::spawn(async move {
+        let (mut stream, _) = listener.accept().await.unwrap();
+        // Nothing of the refused pipelines arrives: the first request is the status.
+        let request = read_request(&mut stream).await.unwrap();
+        assert_eq!(request.op, Op::Status);
+        write_responses(
+            &mut stream,
+            &[Response {
+                id: request.id,
+                result: Ok(Reply::Status(status())),
+            }],
+        )
+        .await;
+    });
+
+    let client = Client::connect(endpoint, options()).await.unwrap();
+    assert!(client.send(&Pipeline::new()).await.unwrap().is_empty());
+
+    // Each request fits in a frame, but together they are over a mebibyte.
+    let big = "s".repeat(wire::CLIENT_FRAME_BYTES_MAX - 100);
+    let mut pipeline = Pipeline::new();
+    for _ in 0..17 {
+        pipeline.incr("login", &big, 1);
+    }
+    let err = client.send(&pipeline).await.unwrap_err();
+    assert!(
+        matches!(&err, Error::Refused(Refusal::BadField { field, why })
+            if field == "pipeline" && why.contains("17 requests")),
+        "{err:?}"
+    );
+
+    // One request too large for a frame refuses the whole pipeline.
+    let huge = "x".repeat(wire::CLIENT_FRAME_BYTES_MAX);
+    pipeline.clear();
+    pipeline.get("login", "user-42").incr("login", &huge, 1);
+    let err = client.send(&pipeline).await.unwrap_err();
+    assert!(
+        matches!(&err, Error::Refused(Refusal::BadField { field, .. }) if field == "subject"),
+        "{err:?}"
+    );
+
+    assert_eq!(client.status().await.unwrap(), status());
+    server.await.unwrap();
+}
+
+#[tokio::test]
+async fn a_pipeline_cut_off_by_a_dropped_connection_fails_whole_and_the_next_reconnects() {
+    let (listener, endpoint) = listen().await;
+    let server = tokio::spawn(async move {
+        let (mut stream, _) = listener.accept().await.unwrap();
+        for _ in 0..3 {
+            read_request(&mut stream).await.unwrap();
+        }
+        drop(stream);
+        let (mut stream, _) = listener.accept().await.unwrap();
+        let first = read_request(&mut stream).await.unwrap();
+        let second = read_request(&mut stream).await.unwrap();
+        let answers = [first, second].map(|request| Response {
+            id: request.id,
+            result: Ok(Reply::Counted(estimate(5))),
+        });
+        write_responses(&mut stream, &answers).await;
+    });
+
+    let client = Client::connect(endpoint, options()).await.unwrap();
+    let mut pipeline = Pipeline::new();
+    pipeline
+        .incr("login", "a", 1)
+        .incr("login", "b", 1)
+        .incr("login", "c", 1);
+    for result in client.send(&pipeline).await.unwrap() {
+        assert!(matches!(result, Err(Error::Disconnected)), "{result:?}");
+    }
+    pipeline.clear();
+    pipeline.incr("login", "a", 1).incr("login", "b", 1);
+    for result in client.send(&pipeline).await.unwrap() {
+        assert_eq!(result.unwrap(), Reply::Counted(estimate(5)));
+    }
+    server.await.unwrap();
+}
+
+#[tokio::test]
+async fn a_dropped_pipeline_leaves_the_connection_serving_and_its_late_answers_reach_no_one() {
+    let (listener, endpoint) = listen().await;
+    let (cancelled, was_cancelled) = tokio::sync::oneshot::channel::<()>();
+    let server = tokio::spawn(async move {
+        let (mut stream, _) = listener.accept().await.unwrap();
+        let first = read_request(&mut stream).await.unwrap();
+        let second = read_request(&mut stream).await.unwrap();
+        was_cancelled.await.unwrap();
+        let get = read_request(&mut stream).await.unwrap();
+        // The dropped pipeline's answers come late, ahead of the get's.
+        let answers = [
+            Response {
+                id: first.id,
+                result: Ok(Reply::Counted(estimate(1))),
+            },
+            Response {
+                id: second.id,
+                result: Ok(Reply::Counted(estimate(2))),
+            },
+            Response {
+                id: get.id,
+                result: Ok(Reply::Estimate(estimate(9))),
+            },
+        ];
+        write_responses(&mut stream, &answers).await;
+    });
+
+    let client = Client::connect(endpoint, options()).await.unwrap();
+    let mut pipeline = Pipeline::new();
+    pipeline.incr("login", "a", 1).incr("login", "b", 1);
+    let gave_up = tokio::time::timeout(Duration::from_millis(100), client.send(&pipeline)).await;
+    assert!(gave_up.is_err(), "no answer came, so the pipeline waited");
+    cancelled.send(()).unwrap();
+    assert_eq!(client.get("login", "user-42").await.unwrap(), estimate(9));
     server.await.unwrap();
 }
