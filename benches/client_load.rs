@@ -42,6 +42,12 @@
 //! `client=raw`. Like redis-benchmark, it formats its commands once and makes no objects
 //! per request; unlike it, it works in rounds on blocking sockets, not in an event loop.
 //!
+//! `--batch` drives `tally-client` in redis-benchmark's shape: one task per connection,
+//! which sends its P requests as one [`Pipeline`] (`Client::send`) and waits for all P
+//! answers before the next round. Every request of a round records the round's time, from
+//! the call to the last answer (redis-benchmark records the time to the first reply for
+//! each). The line then ends in `client=batch`; `--op check` works with it too.
+//!
 //! Exact checks (`benches/exact_vs_redis.sh`, issue 5):
 //!
 //! ```text
@@ -92,7 +98,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use tally_client::wire::{self, Op, Request, Response};
-use tally_client::{Client, Endpoint, Options};
+use tally_client::{Client, Decision, Endpoint, Error, Options, Pipeline, Reply};
 use tally_crdt::{Generation, Key, NodeId, ReplicaId, Rule, Subject, Window};
 use tally_node::config::{OnRegionUnavailable, RuleConfig, RuleMode};
 use tally_node::region::forward::{Check, ForwardStats, Forwarded, Forwarder};
@@ -118,6 +124,8 @@ struct Args {
     keys: u64,
     /// Drive the sidecar with pre-encoded frames on blocking sockets, not `tally-client`.
     raw: bool,
+    /// Send each connection's P requests as one [`Pipeline`], not from P tasks.
+    batch: bool,
     /// What each request does.
     op: LoadOp,
     /// Speak the region protocol to the region node at this QUIC address, not to a sidecar.
@@ -145,7 +153,7 @@ enum LoadOp {
 
 const USAGE: &str = "usage: client_load [--endpoint 127.0.0.1:7100] [--connections 1] \
                      [--pipeline 1] [--requests 100000] [--rule bench] [--keys 1] [--raw] \
-                     [--op incr|check] \
+                     [--batch] [--op incr|check] \
                      [--region ADDR --certs DIR [--node 2] [--region-node 1] [--window-secs 3600]] \
                      [--fsync-probe FILE]";
 
@@ -208,7 +216,13 @@ fn main() -> ExitCode {
                 report.ops_per_sec,
                 report.p50_us,
                 report.p99_us,
-                if args.raw { " client=raw" } else { "" },
+                if args.raw {
+                    " client=raw"
+                } else if args.batch {
+                    " client=batch"
+                } else {
+                    ""
+                },
                 op,
                 if args.region.is_some() {
                     " path=region"
@@ -247,11 +261,19 @@ async fn run(args: &Args) -> Result<Report, String> {
     }
     let subjects: Arc<[String]> = subjects(args.keys).into();
 
+    let (clients, subjects) = (&clients, &subjects);
+    let run_phase = |requests, record| async move {
+        if args.batch {
+            batched_phase(clients, args, subjects, requests, record).await
+        } else {
+            phase(clients, args, subjects, requests, record).await
+        }
+    };
     let warm_up = (args.requests / 10).max(1);
-    phase(&clients, args, &subjects, warm_up, false).await?;
+    run_phase(warm_up, false).await?;
 
     let started = now();
-    let latencies_ns = phase(&clients, args, &subjects, args.requests, true).await?;
+    let latencies_ns = run_phase(args.requests, true).await?;
     let elapsed = now().duration_since(started);
 
     assert_eq!(
@@ -314,16 +336,8 @@ async fn phase(
                             .map_err(|err| format!("incr {rule}/{subject}: {err}"))?;
                     }
                     LoadOp::Check => {
-                        let decision = client
-                            .check(&rule, subject, 1)
-                            .await
-                            .map_err(|err| format!("check {rule}/{subject}: {err}"))?;
-                        if !decision.allowed {
-                            return Err(format!(
-                                "check {rule}/{subject} denied at {} of {}: raise the limit",
-                                decision.estimate, decision.limit
-                            ));
-                        }
+                        let decision = client.check(&rule, subject, 1).await;
+                        expect_allowed(&rule, subject, decision)?;
                     }
                 }
                 let answered = now();
@@ -336,6 +350,91 @@ async fn phase(
         });
     }
     gather(tasks, if record { requests as usize } else { 0 }).await
+}
+
+/// `--batch`: runs `requests` requests with one task per connection, each sending rounds of
+/// P requests as one [`Pipeline`] and waiting for all P answers; every request of a round
+/// records the round's time, from the send to the last answer. Returns the latencies in
+/// nanoseconds if `record`.
+async fn batched_phase(
+    clients: &[Client],
+    args: &Args,
+    subjects: &Arc<[String]>,
+    requests: u64,
+    record: bool,
+) -> Result<Vec<u64>, String> {
+    let connections = clients.len() as u64;
+    let mut tasks = JoinSet::new();
+    for (connection, client) in (0..connections).zip(clients) {
+        let client = client.clone();
+        let subjects = Arc::clone(subjects);
+        let rule = args.rule.clone();
+        let (op, pipeline_len) = (args.op, args.pipeline as u64);
+        // Connection c makes the requests c, c + C, c + 2 x C, ... below `requests`.
+        let share = requests / connections + u64::from(connection < requests % connections);
+        tasks.spawn(async move {
+            let mut latencies_ns = Vec::with_capacity(if record { share as usize } else { 0 });
+            let mut pipeline = Pipeline::new();
+            let mut made = 0;
+            while made < share {
+                let round = pipeline_len.min(share - made);
+                let tickets = (made..made + round).map(|turn| connection + turn * connections);
+                let round_subjects: Vec<&str> = tickets
+                    .map(|ticket| subjects[(ticket % subjects.len() as u64) as usize].as_str())
+                    .collect();
+                pipeline.clear();
+                for subject in &round_subjects {
+                    match op {
+                        LoadOp::Incr => pipeline.incr(&rule, subject, 1),
+                        LoadOp::Check => pipeline.check(&rule, subject, 1),
+                    };
+                }
+                let sent = now();
+                let results = client
+                    .send(&pipeline)
+                    .await
+                    .map_err(|err| format!("pipeline of {round}: {err}"))?;
+                let answered = now();
+                for (subject, result) in round_subjects.iter().zip(results) {
+                    match op {
+                        LoadOp::Incr => {
+                            result.map_err(|err| format!("incr {rule}/{subject}: {err}"))?;
+                        }
+                        LoadOp::Check => {
+                            let decision = result.and_then(|reply| match reply {
+                                Reply::Decision(decision) => Ok(decision),
+                                other => Err(Error::Protocol(format!("check answered {other:?}"))),
+                            });
+                            expect_allowed(&rule, subject, decision)?;
+                        }
+                    }
+                }
+                if record {
+                    let latency = answered.duration_since(sent).as_nanos() as u64;
+                    latencies_ns.extend((0..round).map(|_| latency));
+                }
+                made += round;
+            }
+            Ok(latencies_ns)
+        });
+    }
+    gather(tasks, if record { requests as usize } else { 0 }).await
+}
+
+/// A check's decision, which must be allowed: a throughput run wants every check counted.
+fn expect_allowed(
+    rule: &str,
+    subject: &str,
+    decision: Result<Decision, Error>,
+) -> Result<(), String> {
+    let decision = decision.map_err(|err| format!("check {rule}/{subject}: {err}"))?;
+    if decision.allowed {
+        return Ok(());
+    }
+    Err(format!(
+        "check {rule}/{subject} denied at {} of {}: raise the limit",
+        decision.estimate, decision.limit
+    ))
 }
 
 /// Waits for every load task and returns their latencies together (room for `capacity`),
@@ -705,6 +804,7 @@ fn parse_args(mut argv: impl Iterator<Item = String>) -> Result<Args, String> {
         rule: "bench".to_string(),
         keys: 1,
         raw: false,
+        batch: false,
         op: LoadOp::Incr,
         region: None,
         certs: None,
@@ -728,6 +828,7 @@ fn parse_args(mut argv: impl Iterator<Item = String>) -> Result<Args, String> {
             "--rule" => args.rule = value()?,
             "--keys" => args.keys = positive(&flag, &value()?)?,
             "--raw" => args.raw = true,
+            "--batch" => args.batch = true,
             "--op" => {
                 args.op = match value()?.as_str() {
                     "incr" => LoadOp::Incr,
@@ -756,6 +857,9 @@ fn parse_args(mut argv: impl Iterator<Item = String>) -> Result<Args, String> {
     }
     if args.raw && args.op == LoadOp::Check {
         return Err("--raw sends incr only; --op check needs tally-client".into());
+    }
+    if args.batch && (args.raw || args.region.is_some()) {
+        return Err("--batch drives tally-client; --raw and --region do not use it".into());
     }
     if args.region.is_some() && args.raw {
         return Err("--region and --raw do not go together".into());

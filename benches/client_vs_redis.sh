@@ -12,10 +12,12 @@
 # REPEATS times; then prints Markdown tables of every run and the medians. A third tally
 # run per setting, `client_load --raw`, drives the same tallyd without tally-client (frames
 # encoded once, blocking sockets), to tell the sidecar's cost from the client library's.
+# A fourth, `client_load --batch`, drives it with tally-client in redis-benchmark's shape:
+# each connection sends its P requests as one `Pipeline` and waits for all P answers.
 #
 # Settings: (a) C=1, P=1, N=N_A; (b) C=50, P=16, N=N_B. Environment overrides:
 # REPEATS (3), N_A (200000), N_B (2000000), and the ports REDIS_PORT (6399), REDIS_AOF_PORT
-# (6400), TALLY_PORT (17100), TALLY_LOG_PORT (17110). About two minutes once built, on 2
+# (6400), TALLY_PORT (17100), TALLY_LOG_PORT (17110). About three minutes once built, on 2
 # cores.
 #
 # The load generator and the server share the machine's cores, as redis-benchmark and
@@ -115,7 +117,7 @@ say "servers up: redis :$REDIS_PORT, redis AOF :$REDIS_AOF_PORT, tallyd :$TALLY_
 
 results="$work/results.tsv" # setting run side ops_per_sec p50_us p99_us
 
-# run_tally SIDE PORT SETTING RUN C P N [--raw]
+# run_tally SIDE PORT SETTING RUN C P N [--raw | --batch]
 run_tally() {
     local line
     line=$("$work/client_load" --endpoint "127.0.0.1:$2" --connections "$5" --pipeline "$6" --requests "$7" ${8:-})
@@ -148,6 +150,7 @@ for run in $(seq "$REPEATS"); do
         run_tally tally-log "$TALLY_LOG_PORT" "$name" "$run" "$c" "$p" "$n"
         run_redis redis-aof "$REDIS_AOF_PORT" "$name" "$run" "$c" "$p" "$n"
         run_tally tally-raw "$TALLY_PORT" "$name" "$run" "$c" "$p" "$n" --raw
+        run_tally tally-batch "$TALLY_PORT" "$name" "$run" "$c" "$p" "$n" --batch
     done
 done
 
@@ -202,3 +205,9 @@ echo "the sidecar alone: tallyd (no data_dir) driven by client_load --raw (pre-e
     "blocking sockets, no tally-client) vs redis (no persistence) driven by redis-benchmark:"
 echo
 table tally-raw redis
+echo
+echo "tally-client in pipelines: tallyd (no data_dir) driven by client_load --batch (each" \
+    "connection sends its P requests as one Pipeline and waits for all P answers; each" \
+    "request timed to the pipeline's last answer) vs redis (no persistence):"
+echo
+table tally-batch redis
