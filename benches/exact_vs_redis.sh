@@ -12,6 +12,8 @@
 #
 #   tally-edge    client_load --op check --rule quota against the edge's client port:
 #                 application -> edge -> region over QUIC -> group commit + fdatasync -> back
+#                 (P tasks per connection; with EDGE_CLIENT=batch, `--batch`: each
+#                 connection sends its P checks as one tally-client Pipeline)
 #   tally-region  client_load --region: the region protocol straight to the region over one
 #                 QUIC connection, as an edge speaks it (with node 3's certificate, so the
 #                 running edge keeps its own connection to the region)
@@ -36,7 +38,7 @@
 # overrides: REPEATS (3), N_A (5000), N_B (200000), N_C (200000), SETTINGS ("a b c"),
 # PORT_BASE (18000: QUIC +1, +2, +11, +12; client +101, +102, +111, +112; http +201,
 # +202, +211, +212; redis +300), WORK_ROOT (target/bench-exact; must not be a tmpfs),
-# TMPFS_ROOT (/dev/shm). About two and a half minutes once built, on 2 cores. Every run's figures
+# TMPFS_ROOT (/dev/shm), EDGE_CLIENT (tasks, or batch). About two and a half minutes once built, on 2 cores. Every run's figures
 # are also left in WORK_ROOT/last-results.tsv.
 #
 # Installs redis-server and redis-tools from apt if they are missing (needs root).
@@ -53,6 +55,12 @@ SETTINGS=${SETTINGS:-a b c}
 PORT_BASE=${PORT_BASE:-18000}
 WORK_ROOT=${WORK_ROOT:-target/bench-exact}
 TMPFS_ROOT=${TMPFS_ROOT-/dev/shm}
+EDGE_CLIENT=${EDGE_CLIENT:-tasks}
+case $EDGE_CLIENT in
+tasks) edge_flags=() ;;
+batch) edge_flags=(--batch) ;;
+*) echo "exact_vs_redis: EDGE_CLIENT is tasks or batch, not $EDGE_CLIENT" >&2; exit 1 ;;
+esac
 REDIS_PORT=$((PORT_BASE + 300))
 
 say() { echo "exact_vs_redis: $*" >&2; }
@@ -262,7 +270,7 @@ for run in $(seq "$REPEATS"); do
             if [ "$pair" = 0 ]; then suffix=; else suffix=-tmpfs; fi
             measure "$name" "$run" "tally-edge$suffix" "$pair" "$tally_n" "$work/client_load" \
                 --endpoint "127.0.0.1:${edge_client[$pair]}" --op check --rule quota \
-                --connections "$c" --pipeline "$p" --requests "$n"
+                --connections "$c" --pipeline "$p" --requests "$n" "${edge_flags[@]}"
             measure "$name" "$run" "tally-region$suffix" "$pair" "$tally_n" "$work/client_load" \
                 --region "127.0.0.1:${region_quic[$pair]}" --certs "$work/certs" --node 3 \
                 --rule quota --connections "$c" --pipeline "$p" --requests "$n"
@@ -319,7 +327,8 @@ for probe in "before:$fsync_before" "after:$fsync_after"; do
 done
 
 echo
-echo "exact checks (tally-edge: through the edge; tally-region: at the region directly) vs redis" \
+echo "exact checks (tally-edge: through the edge, load generator EDGE_CLIENT=$EDGE_CLIENT;" \
+    "tally-region: at the region directly) vs redis" \
     "INCR with appendfsync always; ratios are tally / redis; median rows are the medians of" \
     "each column:"
 echo
