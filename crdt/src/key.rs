@@ -4,6 +4,7 @@ use arcstr::ArcStr;
 use equivalent::Equivalent;
 use serde::{Deserialize, Serialize};
 use std::fmt;
+use std::hash::{Hash, Hasher};
 
 /// The longest rule name, in bytes.
 pub const RULE_BYTES_MAX: usize = 64;
@@ -70,7 +71,8 @@ pub struct Window {
 /// Cloning is cheap: the strings are shared.
 ///
 /// Invariant: hashes as the [`KeyRef`] with the same parts. The derived `Hash` feeds the
-/// rule's `str`, the subject's `str`, then the window; keep the fields in this order.
+/// rule's `str`, the subject's `str`, then the window, as `KeyRef`'s hand-written one
+/// does; keep the fields in this order.
 #[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
 pub struct Key {
     /// The rule that counts.
@@ -225,12 +227,31 @@ impl From<Subject> for String {
 /// A key by its parts, the subject borrowed: what a node looks a counter up by, so that
 /// only a new key costs the allocation of its subject. It hashes as, and is
 /// [`Equivalent`] to, the [`Key`] with the same parts, for maps keyed by `Key`.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[derive(Debug, Clone, Copy)]
 pub struct KeyRef<'a> {
-    // Invariant: the same fields, in the same order, as `Key`'s, so the hashes agree.
     rule: &'a Rule,
     subject: &'a str,
     window: Window,
+    /// The subject as the [`Key`] this was borrowed from holds it: [`KeyRef::to_key`] then
+    /// shares it rather than copying it.
+    held_subject: Option<&'a Subject>,
+}
+
+impl PartialEq for KeyRef<'_> {
+    fn eq(&self, other: &Self) -> bool {
+        self.rule == other.rule && self.subject == other.subject && self.window == other.window
+    }
+}
+
+impl Eq for KeyRef<'_> {}
+
+impl Hash for KeyRef<'_> {
+    /// As `Key`'s derived `Hash`: the rule's `str`, the subject's `str`, then the window.
+    fn hash<H: Hasher>(&self, state: &mut H) {
+        self.rule.hash(state);
+        self.subject.hash(state);
+        self.window.hash(state);
+    }
 }
 
 impl<'a> KeyRef<'a> {
@@ -241,6 +262,7 @@ impl<'a> KeyRef<'a> {
             rule,
             subject,
             window,
+            held_subject: None,
         })
     }
 
@@ -264,9 +286,14 @@ impl<'a> KeyRef<'a> {
         KeyRef { window, ..*self }
     }
 
-    /// The owned key: shares the rule's name, copies the subject.
+    /// The owned key: shares the rule's name, and the subject too if this was borrowed from
+    /// a `Key`; copies the subject otherwise.
     pub fn to_key(&self) -> Key {
-        Key::new(self.rule.clone(), Subject(self.subject.into()), self.window)
+        let subject = match self.held_subject {
+            Some(held) => held.clone(),
+            None => Subject(self.subject.into()),
+        };
+        Key::new(self.rule.clone(), subject, self.window)
     }
 }
 
@@ -276,6 +303,7 @@ impl<'a> From<&'a Key> for KeyRef<'a> {
             rule: &key.rule,
             subject: key.subject.as_str(),
             window: key.window,
+            held_subject: Some(&key.subject),
         }
     }
 }
@@ -386,6 +414,11 @@ mod tests {
         );
         assert_eq!(hasher.hash_one(borrowed), hasher.hash_one(&owned));
         assert_eq!(KeyRef::from(&owned), borrowed);
+        assert_eq!(hasher.hash_one(KeyRef::from(&owned)), hasher.hash_one(&owned));
+        // Borrowed from a key, it shares that key's subject; borrowed from a `str`, it copies.
+        let shared = KeyRef::from(&owned).to_key();
+        assert!(ArcStr::ptr_eq(&shared.subject.0, &owned.subject.0));
+        assert!(!ArcStr::ptr_eq(&borrowed.to_key().subject.0, &owned.subject.0));
         assert!(borrowed.equivalent(&owned));
         let others = [
             KeyRef::new(&rule, "user-43", window).unwrap(),

@@ -175,6 +175,11 @@ impl LaneStore {
             };
             out.push((key, slot.take()));
         }
+        // The map's old tables, replaced as it grew, wait in this thread's batch of retired
+        // memory, which is freed only once the batch fills; removals are rare between
+        // resizes, so without this they would stay, as much again as the live table. Every
+        // gossip push collects, so they go within one push.
+        guard.flush();
     }
 
     /// Removes the key if it has nothing left to collect; returns whether it was removed.
@@ -201,6 +206,8 @@ impl LaneStore {
                 removed += 1;
             }
         }
+        // The removed keys' memory, as `collect` does for the map's old tables.
+        guard.flush();
         removed
     }
 
