@@ -45,8 +45,8 @@ pub struct CommitStats {
 struct Work {
     bytes: Vec<u8>,
     records: u64,
-    // The log is replaced by `bytes`, not appended to.
-    replace: bool,
+    // `Some(tail)`: the log is replaced by `bytes` and then `tail`, not appended to.
+    replace: Option<Vec<u8>>,
     done: oneshot::Sender<Result<(), CommitError>>,
 }
 
@@ -83,21 +83,27 @@ impl Committer {
         let _ = self.sender.send(Work {
             bytes,
             records,
-            replace: false,
+            replace: None,
             done,
         });
         receiver
     }
 
     /// Queues a compaction: once everything submitted before it is durable, the log is
-    /// replaced (atomically, see [`Storage::replace`]) by `entries`, which must be the
-    /// entries of the state that everything submitted before it left.
-    pub fn compact(&self, entries: Vec<u8>) -> oneshot::Receiver<Result<(), CommitError>> {
+    /// replaced (atomically, see [`Storage::replace`]) by `snapshot` followed by `since`,
+    /// which together must be the entries of the state that everything submitted before it
+    /// left. The two are joined on the committer's thread: a snapshot can be large, and
+    /// copying it would hold up the caller.
+    pub fn compact(
+        &self,
+        snapshot: Vec<u8>,
+        since: Vec<u8>,
+    ) -> oneshot::Receiver<Result<(), CommitError>> {
         let (done, receiver) = oneshot::channel();
         let _ = self.sender.send(Work {
-            bytes: entries,
+            bytes: snapshot,
             records: 0,
-            replace: true,
+            replace: Some(since),
             done,
         });
         receiver
@@ -122,9 +128,11 @@ fn run(mut storage: Box<dyn Storage>, receiver: mpsc::Receiver<Work>, stats: &Co
                 Err(_) => return,
             },
         };
-        if first.replace {
+        if let Some(since) = &first.replace {
             if failed.is_none() {
-                match storage.replace(&first.bytes) {
+                let mut entries = first.bytes;
+                entries.extend_from_slice(since);
+                match storage.replace(&entries) {
                     Ok(()) => {
                         stats.compactions.fetch_add(1, Ordering::Relaxed);
                     }
@@ -139,7 +147,7 @@ fn run(mut storage: Box<dyn Storage>, receiver: mpsc::Receiver<Work>, stats: &Co
         let mut group = vec![first];
         while bytes.len() < GROUP_BYTES_MAX {
             match receiver.try_recv() {
-                Ok(work) if work.replace => {
+                Ok(work) if work.replace.is_some() => {
                     next = Some(work);
                     break;
                 }
@@ -362,7 +370,7 @@ mod tests {
                 if seq == 30 {
                     let mut entries = Vec::new();
                     ledger.snapshot(&mut entries);
-                    drop(committer.compact(entries));
+                    drop(committer.compact(entries, Vec::new()));
                 }
             }
             for (id, done) in pending {

@@ -195,17 +195,22 @@ impl RegionService {
     /// Queues the compaction whose snapshot was encoded: the log is replaced by the
     /// snapshot and then every record decided since the copy it was made from, which is
     /// the state everything submitted before the compaction left. `None` if the encoding
-    /// failed: no compaction, and the next is due at once.
+    /// failed (it panicked): no compaction, and the next is due only once the log has grown
+    /// by as much again, since every try stops deciding for the ledger's copy.
     fn finish_compaction(&mut self, snapshot: Option<Vec<u8>>) {
         let since = self.since_snapshot.take().unwrap_or_default();
-        let Some(mut entries) = snapshot else {
-            self.compacted_at = 0;
+        let Some(snapshot) = snapshot else {
+            eprintln!(
+                "tallyd: region: the compaction's snapshot could not be encoded; the log is \
+                 left as it is, and the next compaction is due once it has grown as much again"
+            );
             return;
         };
-        entries.extend_from_slice(&since);
-        self.compacted_bytes = entries.len() as u64;
+        // The records since the copy are counted in `appended` past `compacted_at` already;
+        // counted here too, they would bring the next compaction forward.
+        self.compacted_bytes = snapshot.len() as u64;
         // A failed compaction fails the committer, which then refuses every later record.
-        drop(self.committer.compact(entries));
+        drop(self.committer.compact(snapshot, since));
     }
 
     /// Decides every check of one frame, in order, and submits their records as one append;
@@ -410,41 +415,47 @@ mod tests {
         RegionService::open(dir, rules, store, None, &[]).unwrap().0
     }
 
+    /// Decides a frame of checks from node 2 with sequence numbers `seqs`, on seven
+    /// accounts, and submits its records; the receiver says when they are durable.
+    fn frame(
+        service: &mut RegionService,
+        seqs: std::ops::Range<u64>,
+    ) -> oneshot::Receiver<Result<(), CommitError>> {
+        let window = Window::containing(clock::wall().0 / 1_000, 3_600).unwrap();
+        let checks: Vec<ExactCheck> = seqs
+            .map(|seq| ExactCheck {
+                id: RequestId {
+                    node: 2,
+                    generation: 1,
+                    seq,
+                },
+                rule: "quota".into(),
+                subject: format!("acct-{}", seq % 7),
+                window_index: window.index(),
+                window_secs: window.len_secs(),
+                cost: 1 + seq % 3,
+            })
+            .collect();
+        let (_, _, records) = service.decide_frame(&checks);
+        service.submit(records)
+    }
+
     #[tokio::test]
     async fn a_compaction_under_way_keeps_every_decision_made_meanwhile_across_a_restart() {
         let dir = std::env::temp_dir().join(format!("tally-compact-{}", std::process::id()));
         let _ = std::fs::remove_dir_all(&dir);
         let mut service = open(&dir);
         service.compact_after_bytes = 0;
-        let window = Window::containing(clock::wall().0 / 1_000, 3_600).unwrap();
         let mut durable = Vec::new();
-        let mut frame = |service: &mut RegionService, seqs: std::ops::Range<u64>| {
-            let checks: Vec<ExactCheck> = seqs
-                .map(|seq| ExactCheck {
-                    id: RequestId {
-                        node: 2,
-                        generation: 1,
-                        seq,
-                    },
-                    rule: "quota".into(),
-                    subject: format!("acct-{}", seq % 7),
-                    window_index: window.index(),
-                    window_secs: window.len_secs(),
-                    cost: 1 + seq % 3,
-                })
-                .collect();
-            let (_, _, records) = service.decide_frame(&checks);
-            durable.push(service.submit(records));
-        };
-        frame(&mut service, 0..50);
+        durable.push(frame(&mut service, 0..50));
         let snapshot = service.start_compaction_if_due().expect("due at once");
         // While the snapshot is encoded: new ids, retries of ids the copy holds (no
         // records), and retries of ids decided after the copy, with new ones.
-        frame(&mut service, 50..120);
-        frame(&mut service, 0..10);
-        frame(&mut service, 100..130);
+        durable.push(frame(&mut service, 50..120));
+        durable.push(frame(&mut service, 0..10));
+        durable.push(frame(&mut service, 100..130));
         service.finish_compaction(snapshot.await.ok());
-        frame(&mut service, 130..150);
+        durable.push(frame(&mut service, 130..150));
         for done in durable {
             done.await.unwrap().unwrap();
         }
@@ -457,6 +468,38 @@ mod tests {
 
         let reopened = open(&dir);
         assert_eq!(reopened.ledger, live);
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[tokio::test]
+    async fn a_failed_snapshot_is_retried_after_as_much_growth_and_a_compaction_counts_only_its_snapshot(
+    ) {
+        let dir = std::env::temp_dir().join(format!("tally-recompact-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        let mut service = open(&dir);
+        frame(&mut service, 0..50).await.unwrap().unwrap();
+        let appended =
+            |service: &RegionService| service.commit_stats().appended.load(Ordering::Relaxed);
+        // Due exactly now: the log has grown by the threshold.
+        service.compact_after_bytes = appended(&service);
+        let failed = service.start_compaction_if_due().expect("due");
+        drop(failed);
+        service.finish_compaction(None);
+        assert!(
+            service.start_compaction_if_due().is_none(),
+            "a failed snapshot is not tried again until the log has grown as much again"
+        );
+
+        frame(&mut service, 50..110).await.unwrap().unwrap();
+        let snapshot = service.start_compaction_if_due().expect("due again");
+        let since = frame(&mut service, 110..150);
+        let snapshot = snapshot.await.unwrap();
+        let snapshot_bytes = snapshot.len() as u64;
+        service.finish_compaction(Some(snapshot));
+        since.await.unwrap().unwrap();
+        // The records since the copy count toward the next compaction once, as appended.
+        assert_eq!(service.compacted_bytes, snapshot_bytes);
+        drop(service);
         std::fs::remove_dir_all(&dir).unwrap();
     }
 
