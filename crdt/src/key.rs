@@ -414,11 +414,17 @@ mod tests {
         );
         assert_eq!(hasher.hash_one(borrowed), hasher.hash_one(&owned));
         assert_eq!(KeyRef::from(&owned), borrowed);
-        assert_eq!(hasher.hash_one(KeyRef::from(&owned)), hasher.hash_one(&owned));
+        assert_eq!(
+            hasher.hash_one(KeyRef::from(&owned)),
+            hasher.hash_one(&owned)
+        );
         // Borrowed from a key, it shares that key's subject; borrowed from a `str`, it copies.
         let shared = KeyRef::from(&owned).to_key();
         assert!(ArcStr::ptr_eq(&shared.subject.0, &owned.subject.0));
-        assert!(!ArcStr::ptr_eq(&borrowed.to_key().subject.0, &owned.subject.0));
+        assert!(!ArcStr::ptr_eq(
+            &borrowed.to_key().subject.0,
+            &owned.subject.0
+        ));
         assert!(borrowed.equivalent(&owned));
         let others = [
             KeyRef::new(&rule, "user-43", window).unwrap(),
