@@ -447,6 +447,80 @@ mod tests {
         );
     }
 
+    /// A disk whose every sync waits for the test to let it finish, telling the test when
+    /// one begins; it records the size of every append.
+    struct GatedStorage {
+        appends: Arc<Mutex<Vec<usize>>>,
+        syncing: std::sync::mpsc::Sender<()>,
+        release: std::sync::mpsc::Receiver<()>,
+    }
+
+    impl Storage for GatedStorage {
+        fn reserve(&mut self, _bytes: usize) -> std::io::Result<()> {
+            Ok(())
+        }
+
+        fn append(&mut self, bytes: &[u8]) -> std::io::Result<()> {
+            self.appends.lock().unwrap().push(bytes.len());
+            Ok(())
+        }
+
+        fn sync(&mut self) -> std::io::Result<()> {
+            self.syncing.send(()).unwrap();
+            self.release.recv().unwrap();
+            Ok(())
+        }
+
+        fn replace(&mut self, _bytes: &[u8]) -> std::io::Result<()> {
+            unreachable!("this test does not compact")
+        }
+    }
+
+    #[test]
+    fn nothing_is_acknowledged_before_its_sync_and_one_sync_holds_a_whole_group() {
+        use tokio::sync::oneshot::error::TryRecvError;
+        let appends = Arc::new(Mutex::new(Vec::new()));
+        let (syncing, sync_began) = std::sync::mpsc::channel();
+        let (let_go, release) = std::sync::mpsc::channel();
+        let committer = Committer::start(Box::new(GatedStorage {
+            appends: appends.clone(),
+            syncing,
+            release,
+        }));
+
+        let mut first = committer.submit(vec![1; 8], 1);
+        sync_began.recv().unwrap();
+        // Three more arrive while the first is being synced.
+        let mut group: Vec<_> = (2..5)
+            .map(|byte| committer.submit(vec![byte; 8], 1))
+            .collect();
+        assert_eq!(
+            first.try_recv(),
+            Err(TryRecvError::Empty),
+            "acknowledged before its sync"
+        );
+        let_go.send(()).unwrap();
+        assert_eq!(first.blocking_recv().unwrap(), Ok(()));
+
+        // The three are written together and wait for one sync.
+        sync_began.recv().unwrap();
+        for done in &mut group {
+            assert_eq!(
+                done.try_recv(),
+                Err(TryRecvError::Empty),
+                "acknowledged before its sync"
+            );
+        }
+        assert_eq!(*appends.lock().unwrap(), [8, 24]);
+        let_go.send(()).unwrap();
+        for done in group {
+            assert_eq!(done.blocking_recv().unwrap(), Ok(()));
+        }
+        let stats = committer.stats();
+        assert_eq!(stats.syncs.load(Ordering::Relaxed), 2);
+        assert_eq!(stats.records.load(Ordering::Relaxed), 4);
+    }
+
     /// A disk with room for `room` bytes, allocated in chunks of 4: an allocation past it
     /// fails like a full file system, and an append inside the allocation cannot.
     struct FullStorage {
