@@ -189,12 +189,15 @@ impl Client {
         }
         check_pipeline_size(ops)?;
         self.reconnect_if_closed().await?;
-        let results = self.inner.connection.pipeline(ops).await?;
-        Ok(ops
-            .iter()
-            .zip(results)
-            .map(|(op, result)| result.and_then(|reply| expect_reply(op, reply)))
-            .collect())
+        let mut results = self.inner.connection.pipeline(ops).await?;
+        for (op, result) in ops.iter().zip(&mut results) {
+            if let Ok(reply) = result {
+                if let Some(wrong) = wrong_kind(op, reply) {
+                    *result = Err(wrong);
+                }
+            }
+        }
+        Ok(results)
     }
 
     /// Sends one request (reconnecting first if the connection has closed) and waits at
@@ -306,20 +309,20 @@ fn check_pipeline_size(ops: &[OpRef<'_>]) -> Result<(), Error> {
     }))
 }
 
-/// `reply` if it is the kind `op` is answered with, else a protocol error.
-fn expect_reply(op: &OpRef<'_>, reply: Reply) -> Result<Reply, Error> {
-    let (name, expected) = match op {
-        OpRef::Incr { .. } => ("incr", "Counted"),
-        OpRef::Decr { .. } => ("decr", "Counted"),
-        OpRef::Get { .. } => ("get", "Estimate"),
-        OpRef::Check { .. } => ("check", "Decision"),
-        OpRef::Status => ("status", "Status"),
+/// A protocol error if `reply` is not the kind `op` is answered with.
+fn wrong_kind(op: &OpRef<'_>, reply: &Reply) -> Option<Error> {
+    let (name, expected) = match (op, reply) {
+        (OpRef::Incr { .. } | OpRef::Decr { .. }, Reply::Counted(_))
+        | (OpRef::Get { .. }, Reply::Estimate(_))
+        | (OpRef::Check { .. }, Reply::Decision(_))
+        | (OpRef::Status, Reply::Status(_)) => return None,
+        (OpRef::Incr { .. }, _) => ("incr", "Counted"),
+        (OpRef::Decr { .. }, _) => ("decr", "Counted"),
+        (OpRef::Get { .. }, _) => ("get", "Estimate"),
+        (OpRef::Check { .. }, _) => ("check", "Decision"),
+        (OpRef::Status, _) => ("status", "Status"),
     };
-    if reply_kind(&reply) == expected {
-        Ok(reply)
-    } else {
-        Err(wrong_reply(name, expected, &reply))
-    }
+    Some(wrong_reply(name, expected, reply))
 }
 
 /// Opens a connection within `options.connect_timeout`.

@@ -104,7 +104,7 @@ impl Connection {
             ops,
             since: None,
             first_id: None,
-            outcomes: Vec::new(),
+            results: Vec::new(),
             collected: 0,
         }
     }
@@ -283,9 +283,9 @@ pub(crate) struct PipelineCall<'a> {
     since: Option<u64>,
     /// The id of the first request, once they are in flight; the others follow in order.
     first_id: Option<u64>,
-    /// Each request's outcome, by its place in `ops`, as it comes in.
-    outcomes: Vec<Option<Outcome>>,
-    /// How many of `outcomes` are in.
+    /// Each request's result, by its place in `ops`, as it comes in.
+    results: Vec<Option<Result<Reply, Error>>>,
+    /// How many of `results` are in.
     collected: usize,
 }
 
@@ -301,24 +301,21 @@ impl Future for PipelineCall<'_> {
             None => match shared.send(call.ops, &mut call.since, cx.waker()) {
                 Sent::InFlight(first_id) => {
                     call.first_id = Some(first_id);
-                    call.outcomes = call.ops.iter().map(|_| None).collect();
+                    call.results = call.ops.iter().map(|_| None).collect();
                     return Poll::Pending;
                 }
                 Sent::NoRoom => return Poll::Pending,
                 Sent::Failed(err) => return Poll::Ready(Err(err)),
             },
         };
-        call.collected += shared.collect_all(first_id, &mut call.outcomes, cx.waker());
-        if call.collected < call.outcomes.len() {
+        call.collected += shared.collect_all(first_id, &mut call.results, cx.waker());
+        if call.collected < call.results.len() {
             return Poll::Pending;
         }
-        let outcomes = std::mem::take(&mut call.outcomes);
-        Poll::Ready(Ok(outcomes
+        let results = std::mem::take(&mut call.results);
+        Poll::Ready(Ok(results
             .into_iter()
-            .map(|outcome| {
-                let outcome = outcome.expect("invariant: every outcome is in");
-                outcome.into_result(shared.timeout)
-            })
+            .map(|result| result.expect("invariant: every result is in"))
             .collect()))
     }
 }
@@ -326,7 +323,7 @@ impl Future for PipelineCall<'_> {
 impl Drop for PipelineCall<'_> {
     fn drop(&mut self) {
         if let Some(first_id) = self.first_id {
-            self.shared.abandon_all(first_id, &self.outcomes);
+            self.shared.abandon_all(first_id, &self.results);
         }
     }
 }
@@ -534,16 +531,22 @@ impl Shared {
         Some(outcome)
     }
 
-    /// Takes the outcomes that are in of the requests sent from `first_id` on into the
-    /// empty places of `outcomes` (by place: `first_id` first), and registers `waker` for
+    /// Takes the results that are in of the requests sent from `first_id` on into the
+    /// empty places of `results` (by place: `first_id` first), and registers `waker` for
     /// the rest. Returns how many came in.
-    fn collect_all(&self, first_id: u64, outcomes: &mut [Option<Outcome>], waker: &Waker) -> usize {
+    fn collect_all(
+        &self,
+        first_id: u64,
+        results: &mut [Option<Result<Reply, Error>>],
+        waker: &Waker,
+    ) -> usize {
         let mut state = self.lock();
         let mut came = 0;
-        for (id, outcome) in (first_id..).zip(outcomes.iter_mut()) {
-            if outcome.is_none() {
-                *outcome = state.in_flight.poll(id, waker);
-                came += usize::from(outcome.is_some());
+        for (id, result) in (first_id..).zip(results.iter_mut()) {
+            if result.is_none() {
+                let outcome = state.in_flight.poll(id, waker);
+                *result = outcome.map(|outcome| outcome.into_result(self.timeout));
+                came += usize::from(result.is_some());
             }
         }
         let room = state.take_room_waiters();
@@ -553,11 +556,11 @@ impl Shared {
     }
 
     /// A pipeline sent from `first_id` on gives up on the requests whose places in
-    /// `outcomes` are still empty.
-    fn abandon_all(&self, first_id: u64, outcomes: &[Option<Outcome>]) {
+    /// `results` are still empty.
+    fn abandon_all(&self, first_id: u64, results: &[Option<Result<Reply, Error>>]) {
         let mut state = self.lock();
-        for (id, outcome) in (first_id..).zip(outcomes) {
-            if outcome.is_none() {
+        for (id, result) in (first_id..).zip(results) {
+            if result.is_none() {
                 state.in_flight.abandon(id);
             }
         }
