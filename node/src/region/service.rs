@@ -478,10 +478,8 @@ mod tests {
         let _ = std::fs::remove_dir_all(&dir);
         let mut service = open(&dir);
         frame(&mut service, 0..50).await.unwrap().unwrap();
-        let appended =
-            |service: &RegionService| service.commit_stats().appended.load(Ordering::Relaxed);
         // Due exactly now: the log has grown by the threshold.
-        service.compact_after_bytes = appended(&service);
+        service.compact_after_bytes = service.commit_stats().appended.load(Ordering::Relaxed);
         let failed = service.start_compaction_if_due().expect("due");
         drop(failed);
         service.finish_compaction(None);
