@@ -14,7 +14,7 @@ mod cluster;
 use cluster::Cluster;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
-use tally_client::{Client, Error, Mode, Refusal};
+use tally_client::{Client, Error, Mode, Pipeline, Refusal, Reply};
 use tally_node::region::log::RequestId;
 use tally_node::region::wire::{self, REGION_FRAME_BYTES_MAX};
 use tally_node::region::{ExactAnswer, ExactCheck, Outcome};
@@ -328,5 +328,48 @@ async fn a_frame_asking_under_another_nodes_ids_is_refused_whole() {
         region_count(&edge, "forged").await,
         0,
         "neither check counted"
+    );
+}
+
+#[tokio::test(flavor = "current_thread")]
+async fn a_pipeline_mixing_exact_and_approximate_rules_gets_its_answers_in_its_own_order() {
+    let cluster = Cluster::start_with(NET, 2, 2_000, true);
+    let edge = cluster.nodes[1].client().await;
+    let mut pipeline = Pipeline::new();
+    pipeline
+        .check("quota", "mixed", 1)
+        .check("api", "mixed", 1)
+        .incr("api", "mixed", 2)
+        .check("quota", "mixed", 2)
+        .get("api", "mixed");
+    // The approximate answers are written as soon as the edge reads the pipeline; the
+    // exact ones only once the region has answered, after them on the wire.
+    let results = edge.send(&pipeline).await.unwrap();
+    let decision = |result: &Result<Reply, Error>| match result {
+        Ok(Reply::Decision(decision)) => *decision,
+        other => panic!("expected a decision, got {other:?}"),
+    };
+    let first = decision(&results[0]);
+    assert_eq!(
+        (first.mode, first.allowed, first.estimate),
+        (Mode::Exact, true, 1)
+    );
+    let approximate = decision(&results[1]);
+    assert_ne!(approximate.mode, Mode::Exact);
+    assert!(approximate.allowed);
+    assert!(
+        matches!(&results[2], Ok(Reply::Counted(counted)) if counted.estimate == 3),
+        "{:?}",
+        results[2]
+    );
+    let second = decision(&results[3]);
+    assert_eq!(
+        (second.mode, second.allowed, second.estimate),
+        (Mode::Exact, true, 3)
+    );
+    assert!(
+        matches!(&results[4], Ok(Reply::Estimate(read)) if read.estimate == 3),
+        "{:?}",
+        results[4]
     );
 }
