@@ -61,7 +61,14 @@ pub struct LaneStore {
     // Keys held plus keys being inserted. Invariant: never above `keys_max`, because an
     // insert reserves its place here first and gives it back if it does not insert.
     keys: AtomicUsize,
+    // Collections so far, to flush retired memory on every FLUSH_EVERY-th.
+    collections: AtomicUsize,
 }
+
+/// `collect` frees the retired memory of its thread once per this many calls (see there):
+/// about once a second at tallyd's collection every millisecond. A flush is a system call
+/// (`membarrier`) even when there is nothing to free.
+const FLUSH_EVERY: usize = 1024;
 
 /// What a write left behind: the key's own lane and its estimate just after the write.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -98,6 +105,7 @@ impl LaneStore {
             slots: papaya::HashMap::with_hasher(KeyHasher::new()),
             dirty: SegQueue::new(),
             keys: AtomicUsize::new(0),
+            collections: AtomicUsize::new(0),
         }
     }
 
@@ -175,11 +183,15 @@ impl LaneStore {
             };
             out.push((key, slot.take()));
         }
-        // The map's old tables, replaced as it grew, wait in this thread's batch of retired
-        // memory, which is freed only once the batch fills; removals are rare between
-        // resizes, so without this they would stay, as much again as the live table. Every
-        // gossip push collects, so they go within one push.
-        guard.flush();
+        // The map's old tables, replaced as it grew, wait in the batch of retired memory of
+        // the thread that finished the resize, which is freed only once the batch fills;
+        // removals are rare between resizes, so without a flush they would stay, as much
+        // again as the live table. In tallyd, writes and collections run on the runtime's
+        // one thread, so this flush reaches them, on the first collection and about once a
+        // second after. Writer threads of their own keep theirs until their batch fills.
+        if self.collections.fetch_add(1, Ordering::Relaxed) % FLUSH_EVERY == 0 {
+            guard.flush();
+        }
     }
 
     /// Removes the key if it has nothing left to collect; returns whether it was removed.
@@ -206,8 +218,10 @@ impl LaneStore {
                 removed += 1;
             }
         }
-        // The removed keys' memory, as `collect` does for the map's old tables.
-        guard.flush();
+        if removed > 0 {
+            // The removed keys' memory, as `collect` does for the map's old tables.
+            guard.flush();
+        }
         removed
     }
 
