@@ -38,8 +38,9 @@
 # overrides: REPEATS (3), N_A (5000), N_B (200000), N_C (200000), SETTINGS ("a b c"),
 # PORT_BASE (18000: QUIC +1, +2, +11, +12; client +101, +102, +111, +112; http +201,
 # +202, +211, +212; redis +300), WORK_ROOT (target/bench-exact; must not be a tmpfs),
-# TMPFS_ROOT (/dev/shm), EDGE_CLIENT (tasks, or batch). About two and a half minutes once built, on 2 cores. Every run's figures
-# are also left in WORK_ROOT/last-results.tsv.
+# TMPFS_ROOT (/dev/shm), EDGE_CLIENT (tasks, or batch). About two and a half minutes once
+# built, on 2 cores. Every run's figures are also left in WORK_ROOT/last-results.tsv (which
+# does not record EDGE_CLIENT; the printed tables do).
 #
 # Installs redis-server and redis-tools from apt if they are missing (needs root).
 # Kills everything it started, and removes its directories, when it exits.

@@ -179,9 +179,11 @@ impl Client {
     /// Each result is what the request's own call would return: `Reply::Counted` for an
     /// `incr` or a `decr`, `Reply::Estimate` for a `get`, `Reply::Decision` for a `check`,
     /// or its error (each request is timed out on its own). The outer `Err` means nothing
-    /// was sent: no connection ([`Error::Connect`]), or a request, or the whole pipeline,
-    /// too large to send ([`Refusal::BadField`] naming `rule`, `subject` or `pipeline`).
-    /// An empty pipeline sends nothing and returns no results.
+    /// was sent, whatever the variant says elsewhere: no connection ([`Error::Connect`]),
+    /// a connection that closed before the pipeline was queued ([`Error::Disconnected`]),
+    /// no room in the outbox within the timeout ([`Error::Timeout`]), or a request, or the
+    /// whole pipeline, too large to send ([`Refusal::BadField`] naming `rule`, `subject`
+    /// or `pipeline`). An empty pipeline sends nothing and returns no results.
     pub async fn send(&self, pipeline: &Pipeline<'_>) -> Result<Vec<Result<Reply, Error>>, Error> {
         let ops = pipeline.ops();
         if ops.is_empty() {
@@ -279,8 +281,9 @@ fn check_frame_size(op: &OpRef<'_>) -> Result<(), Error> {
 }
 
 /// The most bytes of requests one pipeline may carry, counting each request as its rule,
-/// its subject and [`REQUEST_OVERHEAD_BYTES_MAX`]: about what the connection queues before
-/// calls wait for room, so that one pipeline cannot make it buffer much past that.
+/// its subject and [`REQUEST_OVERHEAD_BYTES_MAX`]: what the connection queues before calls
+/// wait for room. A pipeline is queued whole once there is room, so the outbox holds at
+/// most about twice that.
 const PIPELINE_BYTES_MAX: usize = 1024 * 1024;
 
 /// Refuses a pipeline with a request too large for a frame, or too large as a whole, before

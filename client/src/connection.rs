@@ -106,6 +106,7 @@ impl Connection {
             first_id: None,
             results: Vec::new(),
             collected: 0,
+            finished: false,
         }
     }
 
@@ -285,8 +286,11 @@ pub(crate) struct PipelineCall<'a> {
     first_id: Option<u64>,
     /// Each request's result, by its place in `ops`, as it comes in.
     results: Vec<Option<Result<Reply, Error>>>,
-    /// How many of `results` are in.
+    /// How many of `results`, from the first, are all in: the next collection looks only
+    /// past them.
     collected: usize,
+    /// The outcome was returned.
+    finished: bool,
 }
 
 impl Future for PipelineCall<'_> {
@@ -295,6 +299,10 @@ impl Future for PipelineCall<'_> {
 
     fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
         let call = self.get_mut();
+        assert!(
+            !call.finished,
+            "invariant: a pipeline is not polled after it returned"
+        );
         let shared = call.shared;
         let first_id = match call.first_id {
             Some(first_id) => first_id,
@@ -305,13 +313,26 @@ impl Future for PipelineCall<'_> {
                     return Poll::Pending;
                 }
                 Sent::NoRoom => return Poll::Pending,
-                Sent::Failed(err) => return Poll::Ready(Err(err)),
+                Sent::Failed(err) => {
+                    call.finished = true;
+                    return Poll::Ready(Err(err));
+                }
             },
         };
-        call.collected += shared.collect_all(first_id, &mut call.results, cx.waker());
+        let from = call.collected;
+        shared.collect_all(
+            first_id + from as u64,
+            &mut call.results[from..],
+            cx.waker(),
+        );
+        call.collected += call.results[from..]
+            .iter()
+            .take_while(|result| result.is_some())
+            .count();
         if call.collected < call.results.len() {
             return Poll::Pending;
         }
+        call.finished = true;
         let results = std::mem::take(&mut call.results);
         Poll::Ready(Ok(results
             .into_iter()
@@ -533,26 +554,23 @@ impl Shared {
 
     /// Takes the results that are in of the requests sent from `first_id` on into the
     /// empty places of `results` (by place: `first_id` first), and registers `waker` for
-    /// the rest. Returns how many came in.
+    /// the rest.
     fn collect_all(
         &self,
         first_id: u64,
         results: &mut [Option<Result<Reply, Error>>],
         waker: &Waker,
-    ) -> usize {
+    ) {
         let mut state = self.lock();
-        let mut came = 0;
         for (id, result) in (first_id..).zip(results.iter_mut()) {
             if result.is_none() {
                 let outcome = state.in_flight.poll(id, waker);
                 *result = outcome.map(|outcome| outcome.into_result(self.timeout));
-                came += usize::from(result.is_some());
             }
         }
         let room = state.take_room_waiters();
         drop(state);
         room.into_iter().for_each(Waker::wake);
-        came
     }
 
     /// A pipeline sent from `first_id` on gives up on the requests whose places in

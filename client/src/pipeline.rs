@@ -2,7 +2,7 @@
 
 use crate::wire::OpRef;
 
-/// Requests to send together on a client's connection: encoded into the same write, and
+/// Requests to send together on a client's connection: queued together (usually one write), and
 /// answered together by [`Client::send`](crate::Client::send).
 ///
 /// Concurrent calls on one [`Client`](crate::Client) are pipelined anyway. A `Pipeline`
