@@ -189,7 +189,11 @@ impl LaneStore {
         // again as the live table. In tallyd, writes and collections run on the runtime's
         // one thread, so this flush reaches them, on the first collection and about once a
         // second after. Writer threads of their own keep theirs until their batch fills.
-        if self.collections.fetch_add(1, Ordering::Relaxed) % FLUSH_EVERY == 0 {
+        if self
+            .collections
+            .fetch_add(1, Ordering::Relaxed)
+            .is_multiple_of(FLUSH_EVERY)
+        {
             guard.flush();
         }
     }
