@@ -401,9 +401,9 @@ async fn batched_phase(
                             result.map_err(|err| format!("incr {rule}/{subject}: {err}"))?;
                         }
                         LoadOp::Check => {
-                            let decision = result.and_then(|reply| match reply {
-                                Reply::Decision(decision) => Ok(decision),
-                                other => Err(Error::Protocol(format!("check answered {other:?}"))),
+                            let decision = result.map(|reply| match reply {
+                                Reply::Decision(decision) => decision,
+                                other => unreachable!("`send` checked the kind: {other:?}"),
                             });
                             expect_allowed(&rule, subject, decision)?;
                         }
