@@ -48,6 +48,17 @@ async fn write_responses<W: AsyncWrite + Unpin>(stream: &mut W, responses: &[Res
     stream.write_all(&frames).await.unwrap();
 }
 
+/// Reads one request, which must be `Status`, and answers it with [`status`].
+async fn answer_status<S: AsyncRead + AsyncWrite + Unpin>(stream: &mut S) {
+    let request = read_request(stream).await.unwrap();
+    assert_eq!(request.op, Op::Status);
+    let response = Response {
+        id: request.id,
+        result: Ok(Reply::Status(status())),
+    };
+    write_responses(stream, &[response]).await;
+}
+
 fn estimate(estimate: i128) -> Estimate {
     Estimate {
         estimate,
@@ -152,16 +163,7 @@ async fn a_dropped_connection_fails_pending_requests_and_the_next_request_reconn
         }
         drop(stream);
         let (mut stream, _) = listener.accept().await.unwrap();
-        let request = read_request(&mut stream).await.unwrap();
-        assert_eq!(request.op, Op::Status);
-        write_responses(
-            &mut stream,
-            &[Response {
-                id: request.id,
-                result: Ok(Reply::Status(status())),
-            }],
-        )
-        .await;
+        answer_status(&mut stream).await;
     });
 
     let client = Client::connect(endpoint, options()).await.unwrap();
@@ -612,16 +614,7 @@ async fn a_pipeline_too_large_to_send_is_refused_whole_and_an_empty_one_sends_no
     let server = tokio::spawn(async move {
         let (mut stream, _) = listener.accept().await.unwrap();
         // Nothing of the refused pipelines arrives: the first request is the status.
-        let request = read_request(&mut stream).await.unwrap();
-        assert_eq!(request.op, Op::Status);
-        write_responses(
-            &mut stream,
-            &[Response {
-                id: request.id,
-                result: Ok(Reply::Status(status())),
-            }],
-        )
-        .await;
+        answer_status(&mut stream).await;
     });
 
     let client = Client::connect(endpoint, options()).await.unwrap();
