@@ -123,9 +123,21 @@ fn run(mut storage: Box<dyn Storage>, receiver: mpsc::Receiver<Work>, stats: &Co
     loop {
         let first = match next.take() {
             Some(work) => work,
-            None => match receiver.recv() {
+            None => match receiver.try_recv() {
                 Ok(work) => work,
-                Err(_) => return,
+                Err(mpsc::TryRecvError::Disconnected) => return,
+                Err(mpsc::TryRecvError::Empty) => {
+                    if failed.is_none() {
+                        // Nothing waits: allocate ahead now rather than in a group's path. A
+                        // failure here holds up no record (everything appended is synced),
+                        // and the next group's own reserve meets it again, failing closed.
+                        let _ = storage.reserve_ahead();
+                    }
+                    match receiver.recv() {
+                        Ok(work) => work,
+                        Err(_) => return,
+                    }
+                }
             },
         };
         if let Some(since) = &first.replace {
@@ -278,6 +290,23 @@ mod tests {
                 return Ok(());
             }
             let zeros = vec![0; needed.next_multiple_of(SIM_CHUNK_BYTES) - allocated];
+            {
+                let mut disk = self.io()?;
+                disk.write(allocated, &zeros);
+                disk.allocations += 1;
+            }
+            self.sync()
+        }
+
+        fn reserve_ahead(&mut self) -> std::io::Result<()> {
+            let (end, allocated) = {
+                let disk = self.0.lock().unwrap();
+                (disk.end, disk.file.len())
+            };
+            if allocated - end >= SIM_CHUNK_BYTES / 2 {
+                return Ok(());
+            }
+            let zeros = vec![0; (allocated + 1).next_multiple_of(SIM_CHUNK_BYTES) - allocated];
             {
                 let mut disk = self.io()?;
                 disk.write(allocated, &zeros);
@@ -448,9 +477,9 @@ mod tests {
     }
 
     /// A disk whose every sync waits for the test to let it finish, telling the test when
-    /// one begins; it records the size of every append.
+    /// one begins; it records its appends (by size), syncs and allocations ahead, in order.
     struct GatedStorage {
-        appends: Arc<Mutex<Vec<usize>>>,
+        events: Arc<Mutex<Vec<String>>>,
         syncing: std::sync::mpsc::Sender<()>,
         release: std::sync::mpsc::Receiver<()>,
     }
@@ -461,11 +490,20 @@ mod tests {
         }
 
         fn append(&mut self, bytes: &[u8]) -> std::io::Result<()> {
-            self.appends.lock().unwrap().push(bytes.len());
+            self.events
+                .lock()
+                .unwrap()
+                .push(format!("append {}", bytes.len()));
+            Ok(())
+        }
+
+        fn reserve_ahead(&mut self) -> std::io::Result<()> {
+            self.events.lock().unwrap().push("ahead".into());
             Ok(())
         }
 
         fn sync(&mut self) -> std::io::Result<()> {
+            self.events.lock().unwrap().push("sync".into());
             self.syncing.send(()).unwrap();
             self.release.recv().unwrap();
             Ok(())
@@ -479,11 +517,11 @@ mod tests {
     #[test]
     fn nothing_is_acknowledged_before_its_sync_and_one_sync_holds_a_whole_group() {
         use tokio::sync::oneshot::error::TryRecvError;
-        let appends = Arc::new(Mutex::new(Vec::new()));
+        let events = Arc::new(Mutex::new(Vec::new()));
         let (syncing, sync_began) = std::sync::mpsc::channel();
         let (let_go, release) = std::sync::mpsc::channel();
         let committer = Committer::start(Box::new(GatedStorage {
-            appends: appends.clone(),
+            events: events.clone(),
             syncing,
             release,
         }));
@@ -511,7 +549,17 @@ mod tests {
                 "acknowledged before its sync"
             );
         }
-        assert_eq!(*appends.lock().unwrap(), [8, 24]);
+        // Allocating ahead waits for an idle moment: perhaps before the first submission
+        // arrived or after the last acknowledgement, never between a group's arrival and
+        // its sync.
+        let events = events.lock().unwrap();
+        let busy = |event: &String| event != "ahead";
+        let first = events.iter().position(busy).unwrap();
+        let last = events.iter().rposition(busy).unwrap();
+        assert_eq!(
+            events[first..=last],
+            ["append 8", "sync", "append 24", "sync"]
+        );
         let_go.send(()).unwrap();
         for done in group {
             assert_eq!(done.blocking_recv().unwrap(), Ok(()));

@@ -122,6 +122,12 @@ pub trait Storage: Send {
     /// file's allocation, extends it by whole chunks of zeros and syncs them, so that the
     /// sync after the append commits no change of the file's size.
     fn reserve(&mut self, bytes: usize) -> std::io::Result<()>;
+    /// Allocates the next chunk now if the log's end is within half a chunk of the
+    /// allocation's end. The committer calls it while no group waits, so that a group
+    /// rarely waits for a chunk's zeros. Storage that allocates nothing ahead does nothing.
+    fn reserve_ahead(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
     /// Writes `bytes` at the log's end.
     fn append(&mut self, bytes: &[u8]) -> std::io::Result<()>;
     /// Makes every appended byte durable.
@@ -165,11 +171,14 @@ impl Storage for FileStorage {
         if needed <= self.allocated {
             return Ok(());
         }
-        let allocated = needed.next_multiple_of(self.chunk_bytes);
-        write_zeros(&self.file, self.allocated, allocated)?;
-        self.file.sync_data()?;
-        self.allocated = allocated;
-        Ok(())
+        self.allocate_to(needed.next_multiple_of(self.chunk_bytes))
+    }
+
+    fn reserve_ahead(&mut self) -> std::io::Result<()> {
+        if self.allocated - self.end >= self.chunk_bytes / 2 {
+            return Ok(());
+        }
+        self.allocate_to((self.allocated + 1).next_multiple_of(self.chunk_bytes))
     }
 
     fn append(&mut self, bytes: &[u8]) -> std::io::Result<()> {
@@ -202,6 +211,16 @@ impl Storage for FileStorage {
         sync_dir(&self.path)?;
         self.file = OpenOptions::new().read(true).write(true).open(&self.path)?;
         self.end = end;
+        self.allocated = allocated;
+        Ok(())
+    }
+}
+
+impl FileStorage {
+    /// Writes zeros from the allocation's end up to `allocated` and syncs them.
+    fn allocate_to(&mut self, allocated: u64) -> std::io::Result<()> {
+        write_zeros(&self.file, self.allocated, allocated)?;
+        self.file.sync_data()?;
         self.allocated = allocated;
         Ok(())
     }
@@ -556,6 +575,28 @@ mod tests {
         assert_eq!(torn, 0);
         assert_eq!(reopened, (10..13).map(entry).collect::<Vec<_>>());
         assert!(!path.with_extension("compact").exists());
+        std::fs::remove_dir_all(dir).unwrap();
+    }
+
+    #[test]
+    fn allocating_ahead_adds_a_chunk_only_within_half_a_chunk_of_the_allocations_end() {
+        let dir = temp_dir("region-ahead");
+        let path = dir.join("region.log");
+        let (mut storage, _, _) = open_small(&path, 64);
+        let file_len = || std::fs::metadata(&path).unwrap().len();
+        // The magic's 8 bytes and 20 more: 36 of the first chunk's 64 left, over half.
+        commit(&mut storage, &[1; 20]);
+        assert_eq!((storage.end, storage.allocated, file_len()), (28, 64, 64));
+        storage.reserve_ahead().unwrap();
+        assert_eq!((storage.allocated, file_len()), (64, 64));
+        // 10 more: 26 left, under half a chunk: the next chunk is allocated ahead.
+        commit(&mut storage, &[2; 10]);
+        storage.reserve_ahead().unwrap();
+        assert_eq!((storage.allocated, file_len()), (128, 128));
+        assert_zeros_after_end(&path, 38, "after allocating ahead");
+        // The next group fits without an allocation of its own.
+        commit(&mut storage, &[3; 60]);
+        assert_eq!((storage.end, storage.allocated, file_len()), (98, 128, 128));
         std::fs::remove_dir_all(dir).unwrap();
     }
 
