@@ -295,10 +295,15 @@ impl Ledger {
 }
 
 /// The key a log entry names, if its fields are within bounds. Its rule name is a copy of
-/// its own; a decided check's key shares the configured rule's instead.
+/// its own; a decided check's key shares the configured rule's instead ([`key_in`]).
 pub fn key_of(rule: &str, subject: &str, window_index: u64, window_secs: u32) -> Option<Key> {
+    key_in(Rule::new(rule).ok()?, subject, window_index, window_secs)
+}
+
+/// The key of `subject` in `rule`'s window `window_index`, if they are within bounds.
+pub fn key_in(rule: Rule, subject: &str, window_index: u64, window_secs: u32) -> Option<Key> {
     Some(Key::new(
-        Rule::new(rule).ok()?,
+        rule,
         Subject::new(subject).ok()?,
         Window::new(window_index, window_secs).ok()?,
     ))

@@ -12,7 +12,7 @@
 use super::committer::{CommitError, Committer};
 use super::log::{self, Entry, Record, Storage};
 use super::wire::{self, Answered};
-use super::{Decided, ExactAnswer, ExactCheck, Ledger};
+use super::{key_in, Decided, ExactAnswer, ExactCheck, Ledger};
 use crate::clock;
 use crate::config::RuleMode;
 use crate::decide::Rules;
@@ -25,7 +25,7 @@ use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
-use tally_crdt::{Key, Lane, ReplicaId, Subject, Window};
+use tally_crdt::{Key, Lane, ReplicaId};
 use tokio::sync::{mpsc, oneshot};
 
 /// The region's state and its log.
@@ -285,13 +285,15 @@ impl RegionService {
         };
         // The edge fixes the window, but only one that is live by this node's clock (with
         // a minute of skew ahead): a window far off would never expire here.
-        let subject = Subject::new(check.subject.as_str()).ok();
-        let window = Window::new(check.window_index, check.window_secs).ok();
-        let key = (subject.zip(window))
-            .map(|(subject, window)| Key::new(name.clone(), subject, window))
-            .filter(|key| {
-                key.window.is_live(now_secs) && key.window.start_unix_secs() <= now_secs + 60
-            });
+        let key = key_in(
+            name.clone(),
+            &check.subject,
+            check.window_index,
+            check.window_secs,
+        )
+        .filter(|key| {
+            key.window.is_live(now_secs) && key.window.start_unix_secs() <= now_secs + 60
+        });
         let Some(key) = key else {
             self.bad_requests.fetch_add(1, Ordering::Relaxed);
             return ExactAnswer::UnknownRule;
@@ -406,7 +408,7 @@ mod tests {
     use super::*;
     use crate::config::{RuleConfig, RuleMode};
     use crate::region::log::RequestId;
-    use tally_crdt::{Generation, NodeId};
+    use tally_crdt::{Generation, NodeId, Window};
 
     fn open(dir: &Path) -> RegionService {
         let rules = Rules::new(&[RuleConfig::for_test("quota", 1_000, RuleMode::Exact)]).unwrap();
