@@ -155,22 +155,14 @@ impl Context<'_> {
         cost: u64,
         unavailable: Refusal,
     ) -> Result<Decision, Refusal> {
-        match rule.on_region_unavailable {
-            OnRegionUnavailable::Error => Err(unavailable),
-            OnRegionUnavailable::Approximate => self.check(rule, key, cost),
-            OnRegionUnavailable::Allow => {
-                let estimate = self.count(key, cost, true)?.estimate;
-                let staleness = self.staleness();
-                let decided = Verdict::fallback(true, estimate);
-                Ok(self.decision(rule, key, decided, staleness))
-            }
-            OnRegionUnavailable::Deny => {
-                let estimate = self.store.estimate(key);
-                let staleness = self.staleness();
-                let decided = Verdict::fallback(false, estimate);
-                Ok(self.decision(rule, key, decided, staleness))
-            }
-        }
+        let (allowed, estimate) = match rule.on_region_unavailable {
+            OnRegionUnavailable::Error => return Err(unavailable),
+            OnRegionUnavailable::Approximate => return self.check(rule, key, cost),
+            OnRegionUnavailable::Allow => (true, self.count(key, cost, true)?.estimate),
+            OnRegionUnavailable::Deny => (false, self.store.estimate(key)),
+        };
+        let staleness = self.staleness();
+        Ok(self.decision(rule, key, Verdict::fallback(allowed, estimate), staleness))
     }
 
     /// The decision the region's durable `outcome` makes: exact, with no overshoot bound.
