@@ -571,6 +571,7 @@ async fn region_phase(
             key: key(n).clone(),
             cost: 1,
             timeout_ms: target.rule.region_timeout_ms,
+            check_id: None,
             ticket: (sent, n),
         });
         target.forwarder.submit(checks, &answers);

@@ -78,6 +78,7 @@ fn ledger(keys: u64) -> Ledger {
                 generation: 1,
                 seq: i / EDGES,
             },
+            check_id: None,
             rule: "quota".into(),
             subject: format!("acct-{i:07}"),
             window_index: 500_000,

@@ -10,7 +10,7 @@
 
 use proptest::collection::vec;
 use proptest::prelude::*;
-use tally_client::wire::{self as client_wire, Op, Request, Response};
+use tally_client::wire::{self as client_wire, CheckId, Op, Request, Response};
 use tally_crdt::{Generation, NodeId, ReplicaId};
 use tally_gossip::message::{MemberEntry, Message};
 use tally_gossip::wire as gossip_wire;
@@ -39,6 +39,10 @@ fn seeds() -> Vec<(&'static str, Vec<u8>)> {
                 rule: "api".into(),
                 subject: "user-1".into(),
                 cost: 1,
+                id: Some(CheckId {
+                    session: 1 << 40,
+                    seq: 70_000,
+                }),
             },
         },
         &mut request,
@@ -49,13 +53,21 @@ fn seeds() -> Vec<(&'static str, Vec<u8>)> {
             generation: 9,
             seq: 300,
         },
+        check_id: None,
         rule: "quota".into(),
         subject: "acct".into(),
         window_index: 500_000,
         window_secs: 3_600,
         cost: 2,
     };
-    let checks = region_wire::encode_checks(&[check.as_ref(), check.as_ref()]);
+    let named = ExactCheck {
+        check_id: Some(CheckId {
+            session: u64::MAX,
+            seq: 3,
+        }),
+        ..check.clone()
+    };
+    let checks = region_wire::encode_checks(&[check.as_ref(), named.as_ref()]);
     let answers = region_wire::encode_answers(&[
         (
             1,

@@ -14,7 +14,7 @@ mod cluster;
 use cluster::Cluster;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
-use tally_client::{Client, Error, Mode, Pipeline, Refusal, Reply};
+use tally_client::{CheckId, Client, Decision, Error, Mode, Pipeline, Refusal, Reply};
 use tally_node::region::log::RequestId;
 use tally_node::region::wire::{self, REGION_FRAME_BYTES_MAX};
 use tally_node::region::{ExactAnswer, ExactCheck, Outcome};
@@ -264,6 +264,7 @@ async fn speak_as_edge_2(
             generation: 77,
             seq,
         },
+        check_id: None,
         rule: "quota".into(),
         subject: subject.into(),
         window_index: window,
@@ -372,4 +373,92 @@ async fn a_pipeline_mixing_exact_and_approximate_rules_gets_its_answers_in_its_o
         "{:?}",
         results[4]
     );
+}
+
+/// The check under `id` that the retry test repeats.
+async fn check_on(edge: &Client, id: CheckId) -> Result<Decision, Error> {
+    edge.check_with_id(id, "quota", "named", 5).await
+}
+
+/// What a retry must repeat of a check's first decision (its timings differ).
+fn decided(decision: &Decision) -> (Mode, bool, i128, u64) {
+    (
+        decision.mode,
+        decision.allowed,
+        decision.estimate,
+        decision.remaining,
+    )
+}
+
+#[tokio::test(flavor = "current_thread")]
+async fn a_check_retried_under_its_id_counts_once_whatever_lost_its_answer() {
+    let mut cluster = Cluster::start_with(NET, 3, 2_000, true);
+    let edge_2 = cluster.nodes[1].client().await;
+    let edge_3 = cluster.nodes[2].client().await;
+    let id = CheckId::new();
+
+    // The answer is lost: the edge gives up on the stopped region at the rule's timeout,
+    // and the region decides the check when it resumes, with no one to tell.
+    cluster.nodes[0].signal("STOP");
+    let lost = check_on(&edge_2, id).await;
+    assert!(
+        matches!(lost, Err(Error::Refused(Refusal::RegionUnavailable { .. }))),
+        "{lost:?}"
+    );
+    cluster.nodes[0].signal("CONT");
+    let mut count = 0;
+    for _ in 0..100 {
+        count = region_count(&edge_3, "named").await;
+        if count > 0 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert_eq!(
+        count, 5,
+        "the region decided the check whose answer was lost"
+    );
+
+    // The retry gets that decision, and so does every later one: through another edge,
+    // another life of the first edge, and the region's next life.
+    let first = check_on(&edge_2, id).await.unwrap();
+    assert_eq!(decided(&first), (Mode::Exact, true, 5, LIMIT - 5));
+    assert_eq!(
+        decided(&check_on(&edge_3, id).await.unwrap()),
+        decided(&first)
+    );
+    cluster.node(2).kill9();
+    cluster.node(2).restart(false);
+    let edge_2 = cluster.nodes[1].client().await;
+    assert_eq!(
+        decided(&check_on(&edge_2, id).await.unwrap()),
+        decided(&first)
+    );
+    cluster.node(1).kill9();
+    cluster.node(1).restart(true);
+    let mut after_restart = None;
+    for _ in 0..200 {
+        if let Ok(decision) = check_on(&edge_3, id).await {
+            after_restart = Some(decision);
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let after_restart = after_restart.expect("the region answers again after its restart");
+    assert_eq!(decided(&after_restart), decided(&first));
+    assert_eq!(region_count(&edge_3, "named").await, 5, "counted once");
+
+    // One id twice in one pipeline is one check; a new id is a new check.
+    let twice = CheckId::new();
+    let mut pipeline = Pipeline::new();
+    pipeline
+        .check_with_id(twice, "quota", "named", 3)
+        .check_with_id(twice, "quota", "named", 3);
+    for result in edge_3.send(&pipeline).await.unwrap() {
+        let Ok(Reply::Decision(decision)) = result else {
+            panic!("expected a decision, got {result:?}");
+        };
+        assert_eq!(decided(&decision), (Mode::Exact, true, 8, LIMIT - 8));
+    }
+    assert_eq!(region_count(&edge_3, "named").await, 8);
 }

@@ -9,7 +9,9 @@ use crate::connection::Connection;
 use crate::endpoint::Endpoint;
 use crate::error::Error;
 use crate::pipeline::Pipeline;
-use crate::wire::{Decision, Estimate, OpRef, Refusal, Reply, Status, CLIENT_FRAME_BYTES_MAX};
+use crate::wire::{
+    CheckId, Decision, Estimate, OpRef, Refusal, Reply, Status, CLIENT_FRAME_BYTES_MAX,
+};
 
 /// How long a client waits.
 ///
@@ -153,12 +155,42 @@ impl Client {
     /// so ([`Decision::allowed`]).
     ///
     /// As with [`Client::incr`], after [`Error::Timeout`] or [`Error::Disconnected`] the
-    /// cost may have been counted, and retrying may count it twice.
+    /// cost may have been counted, and retrying may count it twice; for a check that must
+    /// be retried, see [`Client::check_with_id`].
     pub async fn check(&self, rule: &str, subject: &str, cost: u64) -> Result<Decision, Error> {
+        self.decide(rule, subject, cost, None).await
+    }
+
+    /// [`Client::check`] under `id`, so that it may be retried: a rule that is exact
+    /// counts every send of one id once, and answers each with the first outcome, across
+    /// edge and region restarts (the region remembers each session's most recent ids; an
+    /// id older than that is refused with `RegionUnavailable`, never decided again).
+    ///
+    /// Make the id once per check ([`CheckId::new`]) and pass the same one to every retry,
+    /// after an error that [`Error::is_retryable`]. An approximate rule is decided at the
+    /// sidecar, which does not remember ids: there every send is counted.
+    pub async fn check_with_id(
+        &self,
+        id: CheckId,
+        rule: &str,
+        subject: &str,
+        cost: u64,
+    ) -> Result<Decision, Error> {
+        self.decide(rule, subject, cost, Some(id)).await
+    }
+
+    async fn decide(
+        &self,
+        rule: &str,
+        subject: &str,
+        cost: u64,
+        id: Option<CheckId>,
+    ) -> Result<Decision, Error> {
         let op = OpRef::Check {
             rule,
             subject,
             cost,
+            id,
         };
         match self.call(op).await? {
             Reply::Decision(decision) => Ok(decision),
@@ -250,9 +282,9 @@ impl fmt::Debug for Client {
     }
 }
 
-/// The most bytes a request's body takes beside its rule and subject: the version byte and
-/// the varints of the id, the op, the two name lengths and the amount (at most 10 bytes
-/// each), rounded up.
+/// The most bytes a request's body takes beside its rule and subject: the version byte, the
+/// varints of the id, the op, the two name lengths and the amount (at most 10 bytes each),
+/// and a check id's tag and two varints: 63, rounded up.
 const REQUEST_OVERHEAD_BYTES_MAX: usize = 64;
 
 /// Refuses a request whose frame would be over the limit the sidecar accepts, before it is

@@ -20,6 +20,8 @@
 //! - [`Client`]: the handle; [`Client::connect`], then `incr`, `decr`, `get`, `check`,
 //!   `status`.
 //! - [`Pipeline`]: requests sent together and answered together ([`Client::send`]).
+//! - [`CheckId`]: names a check across its retries, so that an exact rule counts it once
+//!   ([`Client::check_with_id`]).
 //! - [`Endpoint`]: where the sidecar listens, parsed from `127.0.0.1:7100` or
 //!   `unix:/path/to.sock`.
 //! - [`Options`]: the request and connect timeouts.
@@ -48,6 +50,7 @@
 //! ```
 #![warn(missing_docs)]
 
+mod check_id;
 mod client;
 mod connection;
 mod endpoint;
@@ -60,7 +63,7 @@ pub use client::{Client, Options};
 pub use endpoint::{Endpoint, ParseEndpointError};
 pub use error::Error;
 pub use pipeline::Pipeline;
-pub use wire::{Decision, Estimate, Mode, Refusal, Reply, Status};
+pub use wire::{CheckId, Decision, Estimate, Mode, Refusal, Reply, Status};
 
 // Compiles README.md's Rust example as a doctest (run by `cargo test`, never built
 // otherwise), so the README cannot drift from this crate's API. The README's other code

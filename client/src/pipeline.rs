@@ -1,6 +1,6 @@
 //! Requests sent together.
 
-use crate::wire::OpRef;
+use crate::wire::{CheckId, OpRef};
 
 /// Requests to send together on a client's connection: queued together (usually one write), and
 /// answered together by [`Client::send`](crate::Client::send).
@@ -57,6 +57,23 @@ impl<'a> Pipeline<'a> {
             rule,
             subject,
             cost,
+            id: None,
+        })
+    }
+
+    /// Adds a check under `id`, as [`Client::check_with_id`](crate::Client::check_with_id).
+    pub fn check_with_id(
+        &mut self,
+        id: CheckId,
+        rule: &'a str,
+        subject: &'a str,
+        cost: u64,
+    ) -> &mut Self {
+        self.push(OpRef::Check {
+            rule,
+            subject,
+            cost,
+            id: Some(id),
         })
     }
 

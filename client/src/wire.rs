@@ -21,7 +21,7 @@ pub use hot_path::{decode_request, encode_response};
 pub(crate) use hot_path::{decode_response, encode_request};
 
 /// The client protocol version this build speaks.
-pub const CLIENT_WIRE_VERSION: u8 = 1;
+pub const CLIENT_WIRE_VERSION: u8 = 2;
 
 /// The largest frame body either side accepts (after the length prefix).
 pub const CLIENT_FRAME_BYTES_MAX: usize = 64 * 1024;
@@ -72,6 +72,7 @@ pub enum OpRef<'a> {
         rule: &'a str,
         subject: &'a str,
         cost: u64,
+        id: Option<CheckId>,
     },
     /// As [`Op::Status`].
     Status,
@@ -114,12 +115,14 @@ impl RequestRef<'_> {
                 rule,
                 subject,
                 cost,
+                id,
             } => {
                 let (rule, subject) = names(rule, subject);
                 Op::Check {
                     rule,
                     subject,
                     cost,
+                    id,
                 }
             }
             OpRef::Status => Op::Status,
@@ -177,9 +180,28 @@ pub enum Op {
         subject: String,
         /// How much this use costs (1 for one request).
         cost: u64,
+        /// Names the check across its retries: a rule that is exact counts a check sent
+        /// again under the same id once, and answers it with the first outcome. `None`:
+        /// every send is a new check.
+        id: Option<CheckId>,
     },
     /// The sidecar's state: its replica, its members, its keys.
     Status,
+}
+
+/// One check's name across its retries ([`Op::Check::id`]): `seq` is the check's number
+/// in the `session` of the process that made it (see `CheckId::new`).
+///
+/// The region remembers the ids of each session's most recent checks, so a retry is
+/// counted once however many edges or restarts (edge or region) lie between its sends.
+/// An approximate rule is decided at the sidecar, which does not remember ids: there a
+/// check sent again is counted again.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct CheckId {
+    /// Drawn at random once per process.
+    pub session: u64,
+    /// Rises by one for every id the process makes.
+    pub seq: u64,
 }
 
 /// The answer to one request.
@@ -277,7 +299,8 @@ pub struct Status {
     pub keys: u64,
 }
 
-/// Why a request counted nothing. Nothing was applied.
+/// Why a request was refused. Nothing was applied here; only the region may still count a
+/// check refused with `RegionUnavailable` or `Storage` (see each).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, thiserror::Error)]
 pub enum Refusal {
     /// The rule is not configured on this sidecar.
@@ -303,7 +326,9 @@ pub enum Refusal {
         /// The configured maximum.
         keys_max: u64,
     },
-    /// The rule is exact and the region could not answer; nothing was decided.
+    /// The rule is exact and the region did not answer in time. It may still decide and
+    /// count the check: one sent again under its [`CheckId`] gets that decision and counts
+    /// nothing more.
     #[error("region: unavailable for exact rule {rule:?}: {why}")]
     RegionUnavailable {
         /// The rule.
@@ -311,7 +336,9 @@ pub enum Refusal {
         /// What went wrong.
         why: String,
     },
-    /// The sidecar could not make the write durable; nothing was acknowledged.
+    /// The sidecar, or the region for an exact check, could not make the write durable;
+    /// nothing was acknowledged. A region's record may still reach its disk and count
+    /// after its restart.
     #[error("storage: {why}")]
     Storage {
         /// What failed.
@@ -444,6 +471,10 @@ mod tests {
                 rule: "login".into(),
                 subject: "user-42".into(),
                 cost: 1,
+                id: Some(CheckId {
+                    session: u64::MAX,
+                    seq: 7,
+                }),
             },
         };
         assert_eq!(roundtrip(&request), request);

@@ -24,7 +24,7 @@ use crate::store::LaneStore;
 use crate::view::View;
 use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex};
-use tally_client::wire::{self, FrameError, OpRef, Refusal, Reply, Response, Status};
+use tally_client::wire::{self, CheckId, FrameError, OpRef, Refusal, Reply, Response, Status};
 use tally_crdt::{Key, KeyRef, ReplicaId};
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 use tokio::net::{TcpListener, UnixListener};
@@ -76,6 +76,8 @@ pub struct Exact {
     pub key: Key,
     /// The cost.
     pub cost: u64,
+    /// The application's name for the check across its retries, if it gave one.
+    pub check_id: Option<CheckId>,
 }
 
 /// What [`Service::handle_frames`] made of a batch's bytes.
@@ -96,6 +98,7 @@ enum Handling {
         rule: Arc<RuleConfig>,
         key: Key,
         cost: u64,
+        check_id: Option<CheckId>,
     },
 }
 
@@ -123,12 +126,18 @@ impl Service {
                 Err(err) => return Some(err.to_string()),
             };
             let result = match self.handle(context, request.op) {
-                Ok(Handling::Forward { rule, key, cost }) => {
+                Ok(Handling::Forward {
+                    rule,
+                    key,
+                    cost,
+                    check_id,
+                }) => {
                     exact.push(Exact {
                         id: request.id,
                         rule,
                         key,
                         cost,
+                        check_id,
                     });
                     consumed += len;
                     continue;
@@ -159,6 +168,7 @@ impl Service {
             key: exact.key.clone(),
             cost: exact.cost,
             timeout_ms: exact.rule.region_timeout_ms,
+            check_id: exact.check_id,
             ticket: exact,
         });
         forwarder.submit(checks, answers);
@@ -176,6 +186,7 @@ impl Service {
                     rule,
                     key,
                     cost,
+                    check_id: _,
                 } = ticket;
                 let key = KeyRef::from(&key);
                 let result = match result {
@@ -263,6 +274,7 @@ impl Service {
                 rule,
                 subject,
                 cost,
+                id: check_id,
             } => {
                 let found = self.rules.get(rule)?;
                 let key = decide::key(found, subject, context.now)?;
@@ -273,6 +285,7 @@ impl Service {
                             rule: found.1.clone(),
                             key: key.to_key(),
                             cost,
+                            check_id,
                         })
                     }
                     (RuleMode::Exact, None) => {
@@ -612,6 +625,10 @@ mod tests {
                 rule: "quota".into(),
                 subject: "a".into(),
                 cost,
+                id: Some(CheckId {
+                    session: 9,
+                    seq: id,
+                }),
             },
         }
     }
@@ -655,11 +672,13 @@ mod tests {
             rule,
             key,
             cost,
+            check_id,
         }] = exact.as_slice()
         else {
             panic!("one exact check: {exact:?}");
         };
         assert_eq!((*id, rule.name.as_str(), *cost), (5, "quota", 2));
+        assert_eq!(*check_id, Some(CheckId { session: 9, seq: 5 }));
         assert_eq!((key.rule.as_str(), key.subject.as_str()), ("quota", "a"));
 
         let (answers, mut answered) = mpsc::unbounded_channel();

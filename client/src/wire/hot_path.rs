@@ -18,8 +18,8 @@
 //! [`Request`]: super::Request
 
 use super::{
-    decode_body, decode_body_borrowed, encode_frame, Decision, Estimate, FrameError, Mode, OpRef,
-    Reply, RequestRef, Response, CLIENT_FRAME_BYTES_MAX, CLIENT_WIRE_VERSION,
+    decode_body, decode_body_borrowed, encode_frame, CheckId, Decision, Estimate, FrameError, Mode,
+    OpRef, Reply, RequestRef, Response, CLIENT_FRAME_BYTES_MAX, CLIENT_WIRE_VERSION,
 };
 
 /// Appends `request` as one frame: the bytes `encode_frame` writes for the [`Request`]
@@ -77,6 +77,8 @@ const OP_GET: u8 = 2;
 const OP_CHECK: u8 = 3;
 const OP_STATUS: u8 = 4;
 const RESULT_OK: u8 = 0;
+const OPTION_NONE: u8 = 0;
+const OPTION_SOME: u8 = 1;
 const REPLY_COUNTED: u8 = 0;
 const REPLY_ESTIMATE: u8 = 1;
 const REPLY_DECISION: u8 = 2;
@@ -137,11 +139,20 @@ fn put_request(out: &mut Vec<u8>, request: &RequestRef<'_>) {
             rule,
             subject,
             cost,
+            id,
         } => {
             out.push(OP_CHECK);
             put_str(out, rule);
             put_str(out, subject);
             put_varint(out, cost);
+            match id {
+                None => out.push(OPTION_NONE),
+                Some(CheckId { session, seq }) => {
+                    out.push(OPTION_SOME);
+                    put_varint(out, session);
+                    put_varint(out, seq);
+                }
+            }
         }
         OpRef::Status => out.push(OP_STATUS),
     }
@@ -251,6 +262,7 @@ impl<'a> Reader<'a> {
                 rule: self.str()?,
                 subject: self.str()?,
                 cost: self.u64()?,
+                id: self.check_id()?,
             },
             OP_STATUS => OpRef::Status,
             _ => return None,
@@ -322,6 +334,18 @@ impl<'a> Reader<'a> {
         match self.byte()? {
             0 => Some(false),
             1 => Some(true),
+            _ => None,
+        }
+    }
+
+    /// An `Option<CheckId>`: `None` (the outer `Option`) for a tag other than 0 or 1.
+    fn check_id(&mut self) -> Option<Option<CheckId>> {
+        match self.byte()? {
+            OPTION_NONE => Some(None),
+            OPTION_SOME => Some(Some(CheckId {
+                session: self.u64()?,
+                seq: self.u64()?,
+            })),
             _ => None,
         }
     }
@@ -404,8 +428,12 @@ mod tests {
         Reader::new(body).and_then(Reader::counting_response)
     }
 
-    /// Each op with these fields, borrowed and owned.
-    fn ops<'a>(rule: &'a str, subject: &'a str, amount: u64) -> [(OpRef<'a>, Op); 5] {
+    /// Each op with these fields, borrowed and owned; checks with and without an id.
+    fn ops<'a>(rule: &'a str, subject: &'a str, amount: u64) -> [(OpRef<'a>, Op); 6] {
+        let id = CheckId {
+            session: amount,
+            seq: amount.rotate_left(32),
+        };
         let (owned_rule, owned_subject) = (rule.to_owned(), subject.to_owned());
         [
             (
@@ -444,11 +472,27 @@ mod tests {
                     rule,
                     subject,
                     cost: amount,
+                    id: None,
+                },
+                Op::Check {
+                    rule: owned_rule.clone(),
+                    subject: owned_subject.clone(),
+                    cost: amount,
+                    id: None,
+                },
+            ),
+            (
+                OpRef::Check {
+                    rule,
+                    subject,
+                    cost: amount,
+                    id: Some(id),
                 },
                 Op::Check {
                     rule: owned_rule,
                     subject: owned_subject,
                     cost: amount,
+                    id: Some(id),
                 },
             ),
             (OpRef::Status, Op::Status),

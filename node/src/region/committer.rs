@@ -357,6 +357,7 @@ mod tests {
                 generation: 1,
                 seq: seq / 3,
             },
+            check_id: None,
             rule: "quota".into(),
             subject: format!("acct-{}", seq % 2),
             window_index: 500_000,

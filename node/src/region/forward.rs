@@ -24,7 +24,7 @@ use std::pin::Pin;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
-use tally_client::wire::Refusal;
+use tally_client::wire::{CheckId, Refusal};
 use tally_crdt::{Key, NodeId, ReplicaId};
 use tokio::sync::mpsc;
 use tokio::time::Sleep;
@@ -82,6 +82,9 @@ pub struct Check<T> {
     pub cost: u64,
     /// The rule's `region_timeout_ms`: how long the check waits for the region.
     pub timeout_ms: u64,
+    /// The application's name for the check across its retries, if it gave one: the region
+    /// then deduplicates under it instead of this edge life's request id.
+    pub check_id: Option<CheckId>,
     /// The caller's ticket, handed back with the answer.
     pub ticket: T,
 }
@@ -93,6 +96,7 @@ struct Pending<T> {
     // The check's rule is the key's.
     key: Key,
     cost: u64,
+    check_id: Option<CheckId>,
     ticket: T,
     answers: Answers<T>,
     // On the node's monotonic clock (`Clock::mono`).
@@ -107,6 +111,7 @@ impl<T> Pending<T> {
     fn check(&self) -> CheckRef<'_> {
         CheckRef {
             id: self.id,
+            check_id: self.check_id,
             rule: self.key.rule.as_str(),
             subject: self.key.subject.as_str(),
             window_index: self.key.window.index(),
@@ -196,6 +201,7 @@ impl<T: Send + 'static> Forwarder<T> {
                     id,
                     key: check.key,
                     cost: check.cost,
+                    check_id: check.check_id,
                     ticket: check.ticket,
                     answers: answers.clone(),
                     submitted,
@@ -718,6 +724,7 @@ mod tests {
                 Window::new(0, 60).unwrap(),
             ),
             cost: 1,
+            check_id: None,
             ticket: seq,
             answers: answers.clone(),
             submitted: Duration::ZERO,

@@ -40,17 +40,34 @@ use std::fs::{File, OpenOptions};
 use std::io::{Read, Write};
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
+use tally_client::wire::CheckId;
 
-/// Who asked: the edge's replica and its sequence number. Unique across edge restarts,
-/// because each life of an edge has its own generation.
+/// Who asked: the edge's replica and its sequence number, unique across edge restarts
+/// because each life of an edge has its own generation; or, for a check the application
+/// named ([`CheckId`]), node [`CLIENT_NODE`], the application's session and its number.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
 pub struct RequestId {
-    /// The edge's node id.
+    /// The edge's node id, or [`CLIENT_NODE`].
     pub node: u64,
-    /// The edge's generation.
+    /// The edge's generation, or the application's session.
     pub generation: u64,
-    /// The edge's sequence number for this request; its retries reuse it.
+    /// The sequence number for this request; its retries reuse it.
     pub seq: u64,
+}
+
+/// The node of a request id the application chose: no node has id 0 (`node_id` must be at
+/// least 1), so these never meet an edge's own.
+pub const CLIENT_NODE: u64 = 0;
+
+impl RequestId {
+    /// The request id of a check the application named `id`.
+    pub fn client(id: CheckId) -> RequestId {
+        RequestId {
+            node: CLIENT_NODE,
+            generation: id.session,
+            seq: id.seq,
+        }
+    }
 }
 
 /// One decided check, as logged: owned when read back, borrowed from its check
@@ -305,10 +322,11 @@ fn write_zeros(file: &File, from: u64, to: u64) -> std::io::Result<()> {
 }
 
 impl<'a> Record<&'a str> {
-    /// The record of `check`'s decision, borrowing its strings.
+    /// The record of `check`'s decision, under the id it is remembered by, borrowing its
+    /// strings.
     pub fn decided(check: &'a ExactCheck, allowed: bool) -> Record<&'a str> {
         Record {
-            id: check.id,
+            id: check.dedupe_id(),
             rule: &check.rule,
             subject: &check.subject,
             window_index: check.window_index,
@@ -623,6 +641,7 @@ mod tests {
                 generation: 1,
                 seq: 7,
             },
+            check_id: None,
             rule: "quota".into(),
             subject: "acct".into(),
             window_index: 500_000,

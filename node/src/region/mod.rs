@@ -41,6 +41,20 @@ pub struct Ledger {
 /// to this many per edge life instead of one entry per decision.
 pub const RECENT_IDS: usize = 65_536;
 
+/// The same for one application session's checks ([`log::CLIENT_NODE`]): fewer, since an
+/// edge serves many applications, and an application retries a check soon after it
+/// failed. Its sequence numbers count every check id the process made, exact or not.
+pub const RECENT_CLIENT_IDS: usize = 16_384;
+
+/// How many of `id`'s most recent sequence numbers the ledger remembers for its session.
+fn recent_ids(id: RequestId) -> usize {
+    if id.node == log::CLIENT_NODE {
+        RECENT_CLIENT_IDS
+    } else {
+        RECENT_IDS
+    }
+}
+
 /// One edge life's recent outcomes: the sequence numbers from `base` on, in order.
 #[derive(Debug, Default, Clone, PartialEq, Eq)]
 struct Recent {
@@ -72,14 +86,15 @@ impl Recent {
         }
     }
 
-    /// Holds `seq`'s outcome, forgetting the oldest so that at most `RECENT_IDS` sequence
-    /// numbers are held. A number below `base` is not held (it was forgotten).
-    fn insert(&mut self, seq: u64, outcome: Outcome, window: Window) {
+    /// Holds `id`'s outcome, forgetting the oldest so that at most [`recent_ids`] of its
+    /// sequence numbers are held. A number below `base` is not held (it was forgotten).
+    fn insert(&mut self, id: RequestId, outcome: Outcome, window: Window) {
+        let seq = id.seq;
         if seq < self.base {
             return;
         }
-        self.forget_below(seq.saturating_add(1).saturating_sub(RECENT_IDS as u64));
-        // Below RECENT_IDS, as `base` is at most RECENT_IDS - 1 below `seq`.
+        self.forget_below(seq.saturating_add(1).saturating_sub(recent_ids(id) as u64));
+        // Below `recent_ids`, as `base` is at most that less one below `seq`.
         let offset = (seq - self.base) as usize;
         if self.outcomes.len() <= offset {
             self.outcomes.resize(offset + 1, None);
@@ -188,7 +203,7 @@ impl Ledger {
                     self.seen
                         .entry((id.node, id.generation))
                         .or_default()
-                        .insert(id.seq, outcome, window);
+                        .insert(*id, outcome, window);
                 }
             }
         }
@@ -243,8 +258,9 @@ impl Ledger {
     /// Decides `check` on `key` (its key) under `limit`: admits iff the count plus the cost
     /// stays within the limit. A request id seen before gets its first outcome.
     pub fn decide(&mut self, check: &ExactCheck, key: &Key, limit: u64) -> Decided {
-        if let Some(recent) = self.seen.get(&(check.id.node, check.id.generation)) {
-            match recent.get(check.id.seq) {
+        let id = check.dedupe_id();
+        if let Some(recent) = self.seen.get(&(id.node, id.generation)) {
+            match recent.get(id.seq) {
                 Held::Unseen => {}
                 Held::Decided(outcome) => return Decided::Repeat(outcome),
                 Held::Forgotten => return Decided::Forgotten,
@@ -254,7 +270,7 @@ impl Ledger {
         let allowed = count
             .checked_add(check.cost)
             .is_some_and(|after| after <= limit);
-        Decided::New(self.apply(check.id, key, check.cost, allowed))
+        Decided::New(self.apply(id, key, check.cost, allowed))
     }
 
     /// The count of `key`.
@@ -289,7 +305,7 @@ impl Ledger {
         self.seen
             .entry((id.node, id.generation))
             .or_default()
-            .insert(id.seq, outcome, key.window);
+            .insert(id, outcome, key.window);
         outcome
     }
 }
@@ -312,6 +328,7 @@ pub fn key_in(rule: Rule, subject: &str, window_index: u64, window_secs: u32) ->
 #[cfg(test)]
 mod tests {
     use super::*;
+    use tally_client::wire::CheckId;
 
     fn check(seq: u64, cost: u64) -> ExactCheck {
         ExactCheck {
@@ -320,6 +337,7 @@ mod tests {
                 generation: 1,
                 seq,
             },
+            check_id: None,
             rule: "quota".into(),
             subject: "acct-1".into(),
             window_index: 500_000,
@@ -366,6 +384,81 @@ mod tests {
             assert_eq!(decide(&mut ledger, 1, 3, 10), Decided::Repeat(outcome));
         }
         assert_eq!(ledger.count(&key()), 3);
+    }
+
+    #[test]
+    fn an_application_named_check_counts_once_through_any_edge_life_and_after_replay() {
+        let named = |node, generation, seq, app_seq| ExactCheck {
+            id: RequestId {
+                node,
+                generation,
+                seq,
+            },
+            check_id: Some(CheckId {
+                session: 0xfeed,
+                seq: app_seq,
+            }),
+            ..check(0, 4)
+        };
+        let mut ledger = Ledger::default();
+        let mut records = Vec::new();
+        let first = named(2, 1, 10, 7);
+        let Decided::New(outcome) = ledger.decide(&first, &key(), 10) else {
+            panic!("a new name is decided anew");
+        };
+        records.push(Entry::Decided(
+            log::Record::decided(&first, outcome.allowed).into_owned(),
+        ));
+        // Its retries: the same edge life, the next life of that edge, another edge.
+        for retry in [named(2, 1, 11, 7), named(2, 2, 0, 7), named(3, 5, 40, 7)] {
+            assert_eq!(ledger.decide(&retry, &key(), 10), Decided::Repeat(outcome));
+        }
+        assert_eq!(ledger.count(&key()), 4, "counted once");
+        // Another name from the same session is another check.
+        assert!(matches!(
+            ledger.decide(&named(2, 1, 12, 8), &key(), 10),
+            Decided::New(_)
+        ));
+        // After a region restart, from the log and from a snapshot.
+        let mut snapshot = Vec::new();
+        Ledger::replay(&records).snapshot(&mut snapshot);
+        let from_snapshot = Ledger::replay(&log::replay(&snapshot).0);
+        for mut recovered in [Ledger::replay(&records), from_snapshot] {
+            let retry = named(4, 1, 0, 7);
+            assert_eq!(
+                recovered.decide(&retry, &key(), 10),
+                Decided::Repeat(outcome)
+            );
+            assert_eq!(recovered.count(&key()), 4);
+        }
+    }
+
+    #[test]
+    fn an_application_session_s_oldest_names_are_forgotten_never_decided_twice() {
+        let mut ledger = Ledger::default();
+        let named = |app_seq| ExactCheck {
+            check_id: Some(CheckId {
+                session: 1,
+                seq: app_seq,
+            }),
+            ..check(app_seq, 1)
+        };
+        let total = RECENT_CLIENT_IDS as u64 + 1;
+        for app_seq in 0..total {
+            assert!(matches!(
+                ledger.decide(&named(app_seq), &key(), u64::MAX),
+                Decided::New(_)
+            ));
+        }
+        assert_eq!(
+            ledger.decide(&named(0), &key(), u64::MAX),
+            Decided::Forgotten
+        );
+        assert!(matches!(
+            ledger.decide(&named(1), &key(), u64::MAX),
+            Decided::Repeat(_)
+        ));
+        assert_eq!(ledger.count(&key()), total, "nothing counted twice");
     }
 
     #[test]

@@ -431,6 +431,7 @@ mod tests {
                     generation: 1,
                     seq,
                 },
+                check_id: None,
                 rule: "quota".into(),
                 subject: format!("acct-{}", seq % 7),
                 window_index: window.index(),

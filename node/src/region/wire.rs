@@ -9,10 +9,11 @@
 
 use super::log::RequestId;
 use serde::{Deserialize, Serialize};
+use tally_client::wire::CheckId;
 use tally_crdt::{RULE_BYTES_MAX, SUBJECT_BYTES_MAX};
 
 /// The region protocol version this build speaks: the first byte of every frame's body.
-pub const REGION_WIRE_VERSION: u8 = 2;
+pub const REGION_WIRE_VERSION: u8 = 3;
 
 /// The most checks an edge puts in one frame.
 pub const CHECKS_PER_FRAME_MAX: usize = 512;
@@ -24,9 +25,11 @@ pub const STORAGE_WHY_BYTES_MAX: usize = 256;
 /// the largest size, with room to spare.
 pub const REGION_FRAME_BYTES_MAX: usize = 256 * 1024;
 
-// A check's largest encoding: three varint ids (9 bytes each), two strings of at most
-// their bound with a varint length (3 bytes), window index, window length and cost.
-const CHECK_BYTES_MAX: usize = 3 * 9 + (RULE_BYTES_MAX + 3) + (SUBJECT_BYTES_MAX + 3) + 9 + 5 + 9;
+// A check's largest encoding: three varint ids (9 bytes each), a check id (a tag and two
+// varints), two strings of at most their bound with a varint length (3 bytes), window
+// index, window length and cost.
+const CHECK_BYTES_MAX: usize =
+    3 * 9 + (1 + 2 * 9) + (RULE_BYTES_MAX + 3) + (SUBJECT_BYTES_MAX + 3) + 9 + 5 + 9;
 // An answer's largest: a sequence number, a tag, and the longest of its variants.
 const ANSWER_BYTES_MAX: usize = 9 + 1 + (STORAGE_WHY_BYTES_MAX + 3);
 const _: () = assert!(1 + 3 + CHECKS_PER_FRAME_MAX * CHECK_BYTES_MAX <= REGION_FRAME_BYTES_MAX);
@@ -41,8 +44,13 @@ const CONFIG: bincode::config::Configuration<
 /// An exact check, as an edge forwards it.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct ExactCheck {
-    /// Unique per edge life; retries reuse it.
+    /// Unique per edge life; the edge's retries reuse it. Its sequence number names the
+    /// check's answer.
     pub id: RequestId,
+    /// The application's name for the check across its own retries, if it gave one: the
+    /// region decides and remembers the check under it ([`ExactCheck::dedupe_id`]), so a
+    /// retry through another edge, or another life of this one, gets the first outcome.
+    pub check_id: Option<CheckId>,
     /// The rule's name (the region holds the same rules).
     pub rule: String,
     /// The subject.
@@ -61,6 +69,8 @@ pub struct ExactCheck {
 pub struct CheckRef<'a> {
     /// See [`ExactCheck::id`].
     pub id: RequestId,
+    /// See [`ExactCheck::check_id`].
+    pub check_id: Option<CheckId>,
     /// See [`ExactCheck::rule`].
     pub rule: &'a str,
     /// See [`ExactCheck::subject`].
@@ -74,10 +84,17 @@ pub struct CheckRef<'a> {
 }
 
 impl ExactCheck {
+    /// The id the region decides and remembers the check under: the application's
+    /// ([`RequestId::client`]) if it gave one, else the edge's.
+    pub fn dedupe_id(&self) -> RequestId {
+        self.check_id.map_or(self.id, RequestId::client)
+    }
+
     /// The check, borrowed for encoding.
     pub fn as_ref(&self) -> CheckRef<'_> {
         CheckRef {
             id: self.id,
+            check_id: self.check_id,
             rule: &self.rule,
             subject: &self.subject,
             window_index: self.window_index,
@@ -98,7 +115,8 @@ pub enum ExactAnswer {
     /// region's log error, cut to [`STORAGE_WHY_BYTES_MAX`].
     Storage(String),
     /// A retry of a request id older than the region remembers for its edge life
-    /// ([`super::RECENT_IDS`]); it was decided once and is not decided again.
+    /// ([`super::RECENT_IDS`]) or application session ([`super::RECENT_CLIENT_IDS`]); it
+    /// was decided once and is not decided again.
     Forgotten,
 }
 
@@ -177,6 +195,10 @@ mod tests {
                 generation: u64::MAX,
                 seq,
             },
+            check_id: Some(CheckId {
+                session: u64::MAX,
+                seq: u64::MAX,
+            }),
             rule: "r".repeat(RULE_BYTES_MAX),
             subject: subject.to_owned(),
             window_index: u64::MAX,
