@@ -265,3 +265,58 @@ async fn garbage_truncated_and_oversized_client_frames_are_counted_and_dropped()
     assert!(err.to_string().contains("no-such-rule"), "{err}");
     assert_eq!(client.get("count", "fine").await.unwrap().estimate, 3);
 }
+
+#[tokio::test(flavor = "current_thread")]
+async fn a_node_at_its_key_cap_takes_no_more_keys_from_peers_and_shows_itself_behind() {
+    let mut cluster = Cluster::start(NET, 2);
+    // Node 2 again, with room for four keys.
+    cluster.node(2).kill9();
+    let config = std::fs::read_to_string(&cluster.nodes[1].config).unwrap();
+    std::fs::write(&cluster.nodes[1].config, format!("keys_max = 4\n{config}")).unwrap();
+    cluster.node(2).restart(false);
+    cluster.wait_members_alive();
+
+    let writer = cluster.nodes[0].client().await;
+    for user in 0..20 {
+        writer
+            .incr("api", &format!("user-{user}"), 1)
+            .await
+            .unwrap();
+    }
+    let capped = &cluster.nodes[1];
+    eventually(
+        Duration::from_secs(10),
+        "node 2 to refuse lanes past its cap",
+        || {
+            capped
+                .metric("tally_gossip_lanes_refused_total", &[])
+                .is_some_and(|refused| refused > 0.0)
+        },
+    )
+    .await;
+    let keys = |name| capped.metric(name, &[]).unwrap();
+    assert!(
+        keys("tally_gossip_keys") <= 4.0,
+        "{}",
+        keys("tally_gossip_keys")
+    );
+    assert!(keys("tally_keys") <= 4.0, "{}", keys("tally_keys"));
+    // Its watermark for node 1 stops below what it left out, so node 1's state here
+    // stops getting newer: node 2 decides `api` on its own share, as when cut off.
+    let staleness = || {
+        capped
+            .metric("tally_origin_staleness_seconds", &[("node", "1")])
+            .unwrap()
+    };
+    eventually(
+        Duration::from_secs(10),
+        "node 1 to go stale at node 2",
+        || staleness() > 1.0,
+    )
+    .await;
+    let local = capped.client().await;
+    let decision = local.check("api", "user-0", 1).await.unwrap();
+    assert_eq!(decision.mode, tally_client::Mode::ApproximateIsolated);
+    // Node 1 has room: it holds all twenty.
+    assert!(cluster.nodes[0].metric("tally_gossip_keys", &[]).unwrap() >= 20.0);
+}

@@ -13,13 +13,27 @@ use std::ops::Bound::{Excluded, Unbounded};
 /// Architecture Invariant: for every origin, the watermark covers exactly the lanes held:
 /// a node whose watermark for an origin is `v` holds every lane of that origin whose
 /// current version at the origin is at most `v`. Deltas are cut in version order so a
-/// partial send keeps this true.
-#[derive(Debug, Clone, Default)]
+/// partial send keeps this true, and so is what [`CounterMap::apply`] leaves out at its
+/// key cap ([`CounterMap::with_keys_max`]).
+#[derive(Debug, Clone)]
 pub struct CounterMap {
     counters: BTreeMap<Key, PnCounter>,
     origins: BTreeMap<ReplicaId, Origin>,
+    // Lanes from peers may add keys only while fewer than this are held.
+    keys_max: usize,
     // Invariant: rises on every change to a lane or a counter's presence.
     changes: u64,
+}
+
+impl Default for CounterMap {
+    fn default() -> CounterMap {
+        CounterMap {
+            counters: BTreeMap::new(),
+            origins: BTreeMap::new(),
+            keys_max: usize::MAX,
+            changes: 0,
+        }
+    }
 }
 
 /// What the map holds of one origin.
@@ -39,12 +53,23 @@ pub struct Applied {
     pub lanes_raised: usize,
     /// Lane updates skipped because their window had already expired here.
     pub lanes_expired: usize,
+    /// Lane updates left out because they would have added a key to a map holding its
+    /// `keys_max`: the first such of an origin's entry and every later one of that entry.
+    pub lanes_refused: usize,
 }
 
 impl CounterMap {
     /// An empty map.
     pub fn new() -> CounterMap {
         CounterMap::default()
+    }
+
+    /// The map, taking lanes from peers ([`CounterMap::apply`]) that add a key only while
+    /// it holds fewer than `keys_max` keys. Its own writes ([`CounterMap::write`]) are never
+    /// refused, so it holds at most `keys_max` keys plus those its own writes add past it.
+    pub fn with_keys_max(mut self, keys_max: usize) -> CounterMap {
+        self.keys_max = keys_max;
+        self
     }
 
     /// The counter at `key`, if any lane of it is held.
@@ -341,14 +366,27 @@ impl CounterMap {
     /// Merges a delta. Lanes of windows no longer live at `now_unix_secs` are skipped
     /// (they were collected here and must not come back). Idempotent, and total: a delta
     /// never makes a lane or a watermark go back.
+    ///
+    /// At the key cap, an origin's entry is taken only up to its first lane of a key not
+    /// held: that lane and the rest are left out ([`Applied::lanes_refused`]), and the
+    /// origin's watermark rises only to the version below it, its stamp not at all. So the
+    /// map never claims what it left out: peers send it again while it is behind, and its
+    /// staleness for the origin rises until expiry makes room.
     pub fn apply(&mut self, delta: &Delta, now_unix_secs: u64) -> Applied {
         let mut applied = Applied::default();
         for entry in &delta.origins {
             let origin = self.origins.entry(entry.origin).or_default();
-            for update in &entry.lanes {
+            let mut refused_at = None;
+            for (index, update) in entry.lanes.iter().enumerate() {
                 if !update.key.window.is_live(now_unix_secs) {
                     applied.lanes_expired += 1;
                     continue;
+                }
+                let full = self.counters.len() >= self.keys_max;
+                if full && !self.counters.contains_key(&update.key) {
+                    applied.lanes_refused += entry.lanes.len() - index;
+                    refused_at = Some(update.version);
+                    break;
                 }
                 let counter = self.counters.entry(update.key.clone()).or_default();
                 let old_version = counter.slot(entry.origin).map(|slot| slot.version);
@@ -373,8 +411,18 @@ impl CounterMap {
                     }
                 }
             }
-            origin.watermark.version = origin.watermark.version.max(entry.through.version);
-            origin.watermark.stamp = origin.watermark.stamp.max(entry.through.stamp);
+            match refused_at {
+                None => {
+                    origin.watermark.version = origin.watermark.version.max(entry.through.version);
+                    origin.watermark.stamp = origin.watermark.stamp.max(entry.through.stamp);
+                }
+                Some(refused) => {
+                    // The entry's lanes run in version order from the holder's watermark,
+                    // so everything below the refused lane is held.
+                    let below = Version(refused.0.saturating_sub(1)).min(entry.through.version);
+                    origin.watermark.version = origin.watermark.version.max(below);
+                }
+            }
         }
         applied.keys.sort_unstable();
         applied.keys.dedup();
@@ -579,5 +627,47 @@ mod tests {
         assert_eq!(peer.watermark(replica(1)).version, Version(1));
         peer.apply_since(Version(1), &second, NOW);
         assert_eq!(peer.watermark(replica(1)), origin.watermark(replica(1)));
+    }
+
+    #[test]
+    fn at_its_key_cap_a_map_takes_an_entry_up_to_its_first_new_key_and_claims_no_more() {
+        let mut origin = CounterMap::new();
+        // Versions 1 to 4: keys 0, 1, 2, then key 0 again (its lane moves to version 4).
+        for subject in [0, 1, 2, 0] {
+            origin
+                .incr(replica(1), &key(subject, 60), 1, Stamp(9))
+                .unwrap();
+        }
+        let mut capped = CounterMap::new().with_keys_max(1);
+        let applied = capped.apply(&origin.delta_for(&capped.digest(), usize::MAX, 0), NOW);
+        // The delta runs key 1 (version 2), key 2 (3), key 0 (4). Key 2 would be a second
+        // key: it and everything after it are left out.
+        assert_eq!(applied.lanes_refused, 2);
+        assert_eq!(capped.len(), 1);
+        assert_eq!(capped.value(&key(1, 60)), 1);
+        assert_eq!(
+            capped.watermark(replica(1)),
+            Watermark {
+                version: Version(2),
+                stamp: Stamp::default(),
+            },
+            "the watermark stops below the refused lane, and the stamp does not move"
+        );
+        // The cap holds against every later send, and the map stays behind, not wrong.
+        let again = capped.apply(&origin.delta_for(&capped.digest(), usize::MAX, 0), NOW);
+        assert_eq!((again.lanes_refused, capped.len()), (2, 1));
+        // Its own writes are never refused.
+        capped.incr(replica(2), &key(5, 60), 1, Stamp(9)).unwrap();
+        assert_eq!(capped.len(), 2);
+        // With room again, the same exchange completes it.
+        let mut roomy = capped.with_keys_max(usize::MAX);
+        roomy.apply(&origin.delta_for(&roomy.digest(), usize::MAX, 0), NOW);
+        assert_eq!(roomy.watermark(replica(1)), origin.watermark(replica(1)));
+        for subject in 0..3 {
+            assert_eq!(
+                roomy.value(&key(subject, 60)),
+                origin.value(&key(subject, 60))
+            );
+        }
     }
 }

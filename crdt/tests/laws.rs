@@ -186,6 +186,60 @@ proptest! {
     }
 }
 
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(CASES))]
+
+    /// A map at its key cap holds no key past it from peers, and its watermarks never
+    /// claim a lane it left out: with room again, plain anti-entropy completes it.
+    #[test]
+    fn a_capped_map_never_claims_what_it_left_out(
+        (replicas, history, keys_max, budget) in (2..=8usize).prop_flat_map(|n| (
+            Just(n),
+            writes(n, 24, 150),
+            0..24usize,
+            0..(4 * DELTA_BYTES_MIN),
+        ))
+    ) {
+        let mut maps = vec![CounterMap::new(); replicas];
+        // Replica 0 is capped and writes nothing itself: every key it holds came from peers.
+        maps[0] = CounterMap::new().with_keys_max(keys_max);
+        for (step, write) in history.iter().enumerate() {
+            if write.replica != 0 {
+                apply_write(&mut maps[write.replica], write);
+            }
+            let from = 1 + step % (replicas - 1);
+            let delta = maps[from].delta_for(&maps[0].digest(), budget, step);
+            maps[0].apply(&delta, NOW);
+            let to = 1 + (step + 1) % (replicas - 1);
+            let delta = maps[0].delta_for(&maps[to].digest(), budget, step);
+            maps[to].apply(&delta, NOW);
+            prop_assert!(maps[0].len() <= keys_max);
+            // Every lane of an origin at or below the capped map's watermark for it is held.
+            for origin in 1..replicas {
+                let watermark = maps[0].watermark(replica(origin)).version;
+                for (k, counter) in maps[origin].iter() {
+                    if let Some(slot) = counter.slot(replica(origin)) {
+                        if slot.version <= watermark {
+                            prop_assert!(
+                                maps[0].lane(k, replica(origin)).covers(slot.lane),
+                                "watermark {watermark:?} of {origin} claims {k} at {:?}",
+                                slot.version
+                            );
+                        }
+                    }
+                }
+            }
+        }
+        maps[0] = std::mem::take(&mut maps[0]).with_keys_max(usize::MAX);
+        sync_until_quiet(&mut maps, budget);
+        for map in &maps[1..] {
+            let held: BTreeMap<&Key, &PnCounter> = map.iter().collect();
+            let capped: BTreeMap<&Key, &PnCounter> = maps[0].iter().collect();
+            prop_assert_eq!(capped, held);
+        }
+    }
+}
+
 fn apply_write(map: &mut CounterMap, write: &Write) {
     let at = replica(write.replica);
     let result = if write.decr {

@@ -449,6 +449,7 @@ impl Gossip {
                 }));
         }
         self.stats.lanes_in += delta.lanes() as u64;
+        self.stats.lanes_refused += applied.lanes_refused as u64;
         for (entry, before) in delta.origins.iter().zip(before) {
             let held = self.map.watermark(entry.origin).stamp;
             if entry.origin != me && held > before {

@@ -23,6 +23,9 @@ pub struct Stats {
     pub stale: u64,
     /// Lane updates received.
     pub lanes_in: u64,
+    /// Lane updates left out because they would have added a key to a map at its key cap
+    /// (`CounterMap::with_keys_max`).
+    pub lanes_refused: u64,
     /// Lane updates sent.
     pub lanes_out: u64,
     /// How old an origin's newest state was when it arrived here (origin stamp against

@@ -91,7 +91,8 @@ pub async fn run(config: Config, shutdown: impl Future<Output = ()>) -> Result<(
 
     // Earlier lives' logged lanes, re-published above any version a peer may hold: a
     // life writes far fewer versions than microseconds pass between two starts.
-    let mut map = CounterMap::new();
+    // Peers' lanes may add keys only up to the same cap as the lane store's.
+    let mut map = CounterMap::new().with_keys_max(config.keys_max);
     for (retired, lanes) in &recovered.retired {
         map.raise_version(*retired, Version(clock::wall_micros()));
         for (key, lane) in lanes {

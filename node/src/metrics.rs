@@ -143,6 +143,11 @@ pub fn render(sources: &Sources<'_>) -> String {
             gossip.forged,
         ),
         ("gossip_lanes_in", "Lanes received", gossip.lanes_in),
+        (
+            "gossip_lanes_refused",
+            "Lanes received and left out: they would have added a key past keys_max",
+            gossip.lanes_refused,
+        ),
         ("gossip_lanes_out", "Lanes sent", gossip.lanes_out),
     ];
     for (name, help, value) in pairs {
