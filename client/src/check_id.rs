@@ -18,7 +18,7 @@ impl CheckId {
     /// The session is 64 bits from std's `RandomState` (seeded by the OS), so two
     /// processes share one with a chance of about `n² / 2^65` among `n` processes that
     /// make ids. Keep an id with the work it names (a queued job, say) to retry the check
-    /// from another process, or after a restart.
+    /// from another process, or after a restart, within the first check's window.
     #[allow(clippy::new_without_default)] // each call is different: not a default
     pub fn new() -> CheckId {
         let session = *SESSION.get_or_init(|| RandomState::new().hash_one(std::process::id()));

@@ -163,8 +163,11 @@ impl Client {
 
     /// [`Client::check`] under `id`, so that it may be retried: a rule that is exact
     /// counts every send of one id once, and answers each with the first outcome, across
-    /// edge and region restarts (the region remembers each session's most recent ids; an
-    /// id older than that is refused with `RegionUnavailable`, never decided again).
+    /// edges and edge and region restarts, while the region remembers the id: until one
+    /// window length after the first check's window ends, and among the session's most
+    /// recent ids. An id older than those is refused with [`Refusal::Forgotten`], never
+    /// decided again; a send after the first check's window is over and forgotten is a new
+    /// check in its own window.
     ///
     /// Make the id once per check ([`CheckId::new`]) and pass the same one to every retry,
     /// after an error that [`Error::is_retryable`]. An approximate rule is decided at the
@@ -282,9 +285,9 @@ impl fmt::Debug for Client {
     }
 }
 
-/// The most bytes a request's body takes beside its rule and subject: the version byte, the
-/// varints of the id, the op, the two name lengths and the amount (at most 10 bytes each),
-/// and a check id's tag and two varints: 63, rounded up.
+/// The most bytes a request's body takes beside its rule and subject: the version byte and
+/// the op's tag (one each), the varints of the id, the two name lengths and the amount (at
+/// most 9 bytes each), and a check id's tag and two varints: 57, rounded up.
 const REQUEST_OVERHEAD_BYTES_MAX: usize = 64;
 
 /// Refuses a request whose frame would be over the limit the sidecar accepts, before it is

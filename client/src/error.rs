@@ -97,6 +97,9 @@ mod tests {
             Refusal::Overflow,
             Refusal::KeysFull { keys_max: 10 },
             Refusal::Malformed { why: "bad".into() },
+            Refusal::Forgotten {
+                rule: "quota".into(),
+            },
         ];
         for refusal in retryable {
             assert!(Error::Refused(refusal).is_retryable());

@@ -350,6 +350,16 @@ pub enum Refusal {
         /// What was wrong.
         why: String,
     },
+    /// The rule is exact, and the region no longer remembers this check's id: it decided
+    /// the check once, and will not decide it again. Whether it was admitted is not known.
+    #[error(
+        "region: exact rule {rule:?}: the check's id is older than the region remembers; \
+         it was decided once and is not decided again"
+    )]
+    Forgotten {
+        /// The rule.
+        rule: String,
+    },
 }
 
 /// Why a frame was refused.

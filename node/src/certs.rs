@@ -24,6 +24,9 @@ pub enum CertError {
         /// What failed.
         source: std::io::Error,
     },
+    /// Node ids start at 1: 0 marks an application's check ids at the region.
+    #[error("certs: node id 0 is reserved; node ids are at least 1")]
+    NodeZero,
 }
 
 /// The DNS name a node's certificate carries, and that peers check.
@@ -126,6 +129,9 @@ impl Ca {
 
 /// Makes (or reuses) the CA in `dir` and writes a certificate for each of `nodes`.
 pub fn write_cluster(dir: &Path, nodes: &[NodeId]) -> Result<Vec<NodeFiles>, CertError> {
+    if nodes.contains(&NodeId(0)) {
+        return Err(CertError::NodeZero);
+    }
     std::fs::create_dir_all(dir).map_err(|source| CertError::Io {
         path: dir.to_owned(),
         source,

@@ -738,4 +738,45 @@ mod tests {
         assert_eq!(handled.consumed, 0);
         assert!(handled.bad.is_some() && output.is_empty());
     }
+
+    #[test]
+    fn a_forgotten_check_id_is_refused_whatever_the_rule_falls_back_to() {
+        let mut service = service(10);
+        let allow = RuleConfig {
+            on_region_unavailable: crate::config::OnRegionUnavailable::Allow,
+            ..RuleConfig::for_test("quota", 100, RuleMode::Exact)
+        };
+        service.rules = Rules::new(&[allow]).unwrap();
+        let found = service.rules.get("quota").unwrap();
+        let rule = found.1.clone();
+        let key = decide::key(found, "a", clock::wall()).unwrap().to_key();
+        let answer = |result| Forwarded {
+            ticket: Exact {
+                id: 7,
+                rule: rule.clone(),
+                key: key.clone(),
+                cost: 1,
+                check_id: Some(CheckId { session: 1, seq: 2 }),
+            },
+            result,
+        };
+        let unavailable = Refusal::RegionUnavailable {
+            rule: "quota".into(),
+            why: "no answer".into(),
+        };
+        let forgotten = Refusal::Forgotten {
+            rule: "quota".into(),
+        };
+        let mut forwarded = vec![answer(Err(unavailable)), answer(Err(forgotten.clone()))];
+        let mut output = Vec::new();
+        service.answer_exact(&mut forwarded, &mut output);
+        let responses = responses(&output);
+        // A region that did not answer: the rule's fallback decides (and counts) it.
+        assert!(matches!(
+            &responses[0].result,
+            Ok(Reply::Decision(decision)) if decision.mode == wire::Mode::RegionFallback
+        ));
+        // A region that decided it once already: refused, never decided here again.
+        assert_eq!(responses[1].result, Err(forgotten));
+    }
 }

@@ -143,10 +143,14 @@ pub fn node_of(cert: &CertificateDer<'_>) -> Result<NodeId, String> {
                 .strip_prefix("node-")
                 .and_then(|rest| rest.strip_suffix(".tally"))
                 .and_then(|id| id.parse().ok())
+                // No node has id 0 (it marks an application's check ids at the region).
+                .filter(|&id| id > 0)
                 .map(NodeId),
             _ => None,
         })
-        .ok_or_else(|| "the certificate names no node-<id>.tally".to_owned())
+        .ok_or_else(|| {
+            "the certificate names no node-<id>.tally with an id of at least 1".to_owned()
+        })
 }
 
 /// Bounds on what one peer may make this node hold: a few streams, small windows.
@@ -208,6 +212,15 @@ mod tests {
         let (cert, _) = ca.issue(NodeId(42)).unwrap();
         let der = CertificateDer::from_pem_slice(cert.as_bytes()).unwrap();
         assert_eq!(node_of(&der), Ok(NodeId(42)));
+        // Node 0 is reserved for applications' check ids: a certificate for it names none.
+        let (cert, _) = ca.issue(NodeId(0)).unwrap();
+        let der = CertificateDer::from_pem_slice(cert.as_bytes()).unwrap();
+        assert!(node_of(&der).is_err());
+        let dir = std::env::temp_dir().join(format!("tally-tls-zero-{}", std::process::id()));
+        assert!(matches!(
+            crate::certs::write_cluster(&dir, &[NodeId(1), NodeId(0)]),
+            Err(crate::certs::CertError::NodeZero)
+        ));
     }
 
     #[test]

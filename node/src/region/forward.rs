@@ -64,8 +64,9 @@ pub struct Forwarded<T> {
     /// The caller's ticket.
     pub ticket: T,
     /// The region's durable outcome; else `RegionUnavailable` (no answer in time, a region
-    /// without the rule or that forgot the request id, a stopped forwarder), or `Storage`
-    /// (the region could not make the decision durable).
+    /// without the rule, a stopped forwarder), `Forgotten` (a retry of an id the region no
+    /// longer remembers: decided once, never again), or `Storage` (the region could not
+    /// make the decision durable).
     pub result: Result<Outcome, Refusal>,
 }
 
@@ -415,10 +416,9 @@ impl<T> Held<T> {
                     pending.key.rule.as_str()
                 ),
             )),
-            ExactAnswer::Forgotten => Err(self.unavailable(
-                pending.rule(),
-                "the region no longer remembers this request id".into(),
-            )),
+            ExactAnswer::Forgotten => Err(Refusal::Forgotten {
+                rule: pending.rule(),
+            }),
             ExactAnswer::Storage(why) => {
                 self.stats.storage_errors.fetch_add(1, Ordering::Relaxed);
                 Err(Refusal::Storage {

@@ -109,7 +109,8 @@ pub enum Entry<S = String> {
         /// The count.
         count: u64,
     },
-    /// An edge life's sequence numbers below `base` are forgotten: never decided again.
+    /// An edge life's (or application session's) sequence numbers below `base` are
+    /// forgotten: never decided again.
     Floor {
         /// The edge's node id.
         node: u64,

@@ -21,17 +21,19 @@ pub mod wire;
 
 use crate::store::KeyHasher;
 use log::{Entry, RequestId};
-use std::collections::{HashMap, VecDeque};
+use std::collections::{BTreeMap, HashMap, VecDeque};
 use tally_crdt::{Key, Rule, Subject, Window};
 pub use wire::{ExactAnswer, ExactCheck, Outcome};
 
-/// The authoritative counts of exact rules, and the outcomes of each edge life's most
-/// recent request ids. Pure state: the committer makes it durable.
+/// The authoritative counts of exact rules, and the outcomes of each edge life's and
+/// application session's most recent request ids. Pure state: the committer makes it
+/// durable.
 #[derive(Debug, Default, Clone, PartialEq, Eq)]
 pub struct Ledger {
     // Invariant: a count never decreases within its window.
     counts: HashMap<Key, u64, KeyHasher>,
-    // Per edge life (node, generation): the outcomes of its last `RECENT_IDS` requests.
+    // Per edge life (node, generation), the outcomes of its last `RECENT_IDS` requests; per
+    // application session (`CLIENT_NODE`, session), of its last `RECENT_CLIENT_IDS`.
     seen: HashMap<(u64, u64), Recent, KeyHasher>,
 }
 
@@ -41,28 +43,29 @@ pub struct Ledger {
 /// to this many per edge life instead of one entry per decision.
 pub const RECENT_IDS: usize = 65_536;
 
-/// The same for one application session's checks ([`log::CLIENT_NODE`]): fewer, since an
-/// edge serves many applications, and an application retries a check soon after it
-/// failed. Its sequence numbers count every check id the process made, exact or not.
+/// How many check ids of one application session ([`log::CLIENT_NODE`]) the ledger answers
+/// retries of: its most recent this many decided. The session's sequence numbers count
+/// every id its process made, exact rule or not, so they are held sparsely: one entry per
+/// decision, never a slot per number skipped.
 pub const RECENT_CLIENT_IDS: usize = 16_384;
 
-/// How many of `id`'s most recent sequence numbers the ledger remembers for its session.
-fn recent_ids(id: RequestId) -> usize {
-    if id.node == log::CLIENT_NODE {
-        RECENT_CLIENT_IDS
-    } else {
-        RECENT_IDS
-    }
-}
-
-/// One edge life's recent outcomes: the sequence numbers from `base` on, in order.
-#[derive(Debug, Default, Clone, PartialEq, Eq)]
+/// One edge life's or application session's recent outcomes, from `base` on.
+#[derive(Debug, Clone, PartialEq, Eq)]
 struct Recent {
     // Invariant: every sequence number below `base` was decided and then forgotten, or
-    // skipped by a jump of more than RECENT_IDS and never to be decided.
+    // skipped past and never to be decided.
     base: u64,
-    // `outcomes[i]` is sequence number `base + i`: its outcome and window once decided.
-    outcomes: VecDeque<Option<(Outcome, Window)>>,
+    outcomes: Outcomes,
+}
+
+/// The outcomes held, by sequence number from `base` on.
+#[derive(Debug, Clone, PartialEq, Eq)]
+enum Outcomes {
+    /// An edge life's, numbered densely: `[i]` is `base + i`, `None` until decided. At
+    /// most [`RECENT_IDS`] numbers.
+    Dense(VecDeque<Option<(Outcome, Window)>>),
+    /// An application session's, numbered sparsely: at most [`RECENT_CLIENT_IDS`].
+    Sparse(BTreeMap<u64, (Outcome, Window)>),
 }
 
 /// What the ledger holds of one sequence number.
@@ -73,33 +76,60 @@ enum Held {
 }
 
 impl Recent {
+    /// Nothing held yet of the edge life or application session whose node is `node`.
+    fn new(node: u64) -> Recent {
+        let outcomes = if node == log::CLIENT_NODE {
+            Outcomes::Sparse(BTreeMap::new())
+        } else {
+            Outcomes::Dense(VecDeque::new())
+        };
+        Recent { base: 0, outcomes }
+    }
+
     fn get(&self, seq: u64) -> Held {
         let Some(offset) = seq.checked_sub(self.base) else {
             return Held::Forgotten;
         };
-        match usize::try_from(offset)
-            .ok()
-            .and_then(|offset| self.outcomes.get(offset))
-        {
-            Some(Some((outcome, _))) => Held::Decided(*outcome),
-            _ => Held::Unseen,
+        let held = match &self.outcomes {
+            Outcomes::Dense(outcomes) => usize::try_from(offset)
+                .ok()
+                .and_then(|offset| outcomes.get(offset))
+                .and_then(Option::as_ref),
+            Outcomes::Sparse(outcomes) => outcomes.get(&seq),
+        };
+        match held {
+            Some((outcome, _)) => Held::Decided(*outcome),
+            None => Held::Unseen,
         }
     }
 
-    /// Holds `id`'s outcome, forgetting the oldest so that at most [`recent_ids`] of its
-    /// sequence numbers are held. A number below `base` is not held (it was forgotten).
-    fn insert(&mut self, id: RequestId, outcome: Outcome, window: Window) {
-        let seq = id.seq;
+    /// Holds `seq`'s outcome, forgetting the oldest beyond the bound. A number below
+    /// `base` is not held (it was forgotten).
+    fn insert(&mut self, seq: u64, outcome: Outcome, window: Window) {
         if seq < self.base {
             return;
         }
-        self.forget_below(seq.saturating_add(1).saturating_sub(recent_ids(id) as u64));
-        // Below `recent_ids`, as `base` is at most that less one below `seq`.
-        let offset = (seq - self.base) as usize;
-        if self.outcomes.len() <= offset {
-            self.outcomes.resize(offset + 1, None);
+        match &mut self.outcomes {
+            Outcomes::Dense(_) => {
+                self.forget_below(seq.saturating_add(1).saturating_sub(RECENT_IDS as u64));
+                let Outcomes::Dense(outcomes) = &mut self.outcomes else {
+                    unreachable!("invariant: the storage of a Recent never changes");
+                };
+                // Below RECENT_IDS, as `base` is at most RECENT_IDS - 1 below `seq`.
+                let offset = (seq - self.base) as usize;
+                if outcomes.len() <= offset {
+                    outcomes.resize(offset + 1, None);
+                }
+                outcomes[offset] = Some((outcome, window));
+            }
+            Outcomes::Sparse(outcomes) => {
+                outcomes.insert(seq, (outcome, window));
+                if outcomes.len() > RECENT_CLIENT_IDS {
+                    let (oldest, _) = outcomes.pop_first().expect("invariant: not empty");
+                    self.base = oldest + 1;
+                }
+            }
         }
-        self.outcomes[offset] = Some((outcome, window));
     }
 
     /// Forgets every sequence number below `base`.
@@ -107,27 +137,58 @@ impl Recent {
         let Some(forget) = base.checked_sub(self.base) else {
             return;
         };
-        if forget >= self.outcomes.len() as u64 {
-            self.outcomes.clear();
-        } else {
+        match &mut self.outcomes {
+            Outcomes::Dense(outcomes) if forget >= outcomes.len() as u64 => outcomes.clear(),
             // Below the number of outcomes held, so it fits a usize.
-            self.outcomes.drain(..forget as usize);
+            Outcomes::Dense(outcomes) => drop(outcomes.drain(..forget as usize)),
+            Outcomes::Sparse(outcomes) => *outcomes = outcomes.split_off(&base),
         }
         self.base = base;
     }
 
     /// Forgets outcomes of windows that are over; false once no outcome is held. `base`
-    /// stays: a number of a window that is over reads as unseen, which is safe because the
-    /// region refuses a check of a window that is over before it asks the ledger.
+    /// stays: a number of a window that is over reads as unseen. For an edge's id that is
+    /// safe, because the edge fixed the window when it first sent it, and the region
+    /// refuses a check of a window that is over before it asks the ledger. An application's
+    /// retry is given its window afresh by the edge it goes through, so one sent after the
+    /// first check's window is over (and forgotten, one window length after its end) is a
+    /// new check in its own window.
     fn expire(&mut self, now_unix_secs: u64) -> bool {
-        let mut held_any = false;
-        for held in &mut self.outcomes {
-            if held.is_some_and(|(_, window)| !window.is_live(now_unix_secs)) {
-                *held = None;
+        let live = |(_, window): &(Outcome, Window)| window.is_live(now_unix_secs);
+        match &mut self.outcomes {
+            Outcomes::Dense(outcomes) => {
+                let mut held_any = false;
+                for held in outcomes.iter_mut() {
+                    if held.as_ref().is_some_and(|held| !live(held)) {
+                        *held = None;
+                    }
+                    held_any |= held.is_some();
+                }
+                held_any
             }
-            held_any |= held.is_some();
+            Outcomes::Sparse(outcomes) => {
+                outcomes.retain(|_, held| live(held));
+                !outcomes.is_empty()
+            }
         }
-        held_any
+    }
+
+    /// The outcomes held, by sequence number, in order.
+    fn held(&self) -> Box<dyn Iterator<Item = (u64, &(Outcome, Window))> + '_> {
+        match &self.outcomes {
+            // `base + i` is a sequence number held, so it does not overflow.
+            Outcomes::Dense(outcomes) => Box::new(
+                (outcomes.iter().enumerate())
+                    .filter_map(|(i, held)| Some((self.base + i as u64, held.as_ref()?))),
+            ),
+            Outcomes::Sparse(outcomes) => Box::new(outcomes.iter().map(|(seq, held)| (*seq, held))),
+        }
+    }
+
+    /// How many outcomes are held.
+    #[cfg(test)]
+    fn len(&self) -> usize {
+        self.held().count()
     }
 }
 
@@ -138,7 +199,8 @@ pub enum Decided {
     New(Outcome),
     /// A retry of a decided request: its first outcome, nothing new to log.
     Repeat(Outcome),
-    /// A retry of a request older than the last [`RECENT_IDS`] of its edge life: its
+    /// A retry of a request older than the last [`RECENT_IDS`] of its edge life (or
+    /// [`RECENT_CLIENT_IDS`] of its application session): its
     /// outcome is forgotten, and it is not decided again (that could count it twice).
     Forgotten,
 }
@@ -185,7 +247,7 @@ impl Ledger {
             } => {
                 self.seen
                     .entry((*node, *generation))
-                    .or_default()
+                    .or_insert_with(|| Recent::new(*node))
                     .forget_below(*base);
             }
             Entry::Outcome {
@@ -202,8 +264,8 @@ impl Ledger {
                     };
                     self.seen
                         .entry((id.node, id.generation))
-                        .or_default()
-                        .insert(*id, outcome, window);
+                        .or_insert_with(|| Recent::new(id.node))
+                        .insert(id.seq, outcome, window);
                 }
             }
         }
@@ -233,10 +295,7 @@ impl Ledger {
             };
             log::encode(&floor, out);
             entries += 1;
-            for (seq, held) in (recent.base..).zip(&recent.outcomes) {
-                let Some((outcome, window)) = held else {
-                    continue;
-                };
+            for (seq, (outcome, window)) in recent.held() {
                 let entry = Entry::<&str>::Outcome {
                     id: RequestId {
                         node,
@@ -304,8 +363,8 @@ impl Ledger {
         };
         self.seen
             .entry((id.node, id.generation))
-            .or_default()
-            .insert(id, outcome, key.window);
+            .or_insert_with(|| Recent::new(id.node))
+            .insert(id.seq, outcome, key.window);
         outcome
     }
 }
@@ -462,6 +521,37 @@ mod tests {
     }
 
     #[test]
+    fn an_application_session_holds_one_entry_per_decision_however_far_apart_its_numbers() {
+        let mut ledger = Ledger::default();
+        let named = |app_seq| ExactCheck {
+            check_id: Some(CheckId {
+                session: 9,
+                seq: app_seq,
+            }),
+            ..check(app_seq, 1)
+        };
+        for app_seq in [1 << 40, 3, u64::MAX, 7] {
+            assert!(matches!(
+                ledger.decide(&named(app_seq), &key(), 100),
+                Decided::New(_)
+            ));
+        }
+        assert_eq!(ledger.seen[&(log::CLIENT_NODE, 9)].len(), 4);
+        // Numbers between them are still unseen, not forgotten.
+        assert!(matches!(
+            ledger.decide(&named(5), &key(), 100),
+            Decided::New(_)
+        ));
+        assert!(matches!(
+            ledger.decide(&named(1 << 40), &key(), 100),
+            Decided::Repeat(_)
+        ));
+        let mut entries = Vec::new();
+        ledger.snapshot(&mut entries);
+        assert_eq!(Ledger::replay(&log::replay(&entries).0), ledger);
+    }
+
+    #[test]
     fn an_edge_lifes_oldest_ids_are_forgotten_never_decided_twice() {
         let mut ledger = Ledger::default();
         let total = RECENT_IDS as u64 + 10;
@@ -488,7 +578,7 @@ mod tests {
         let far = u64::MAX - 1;
         assert!(matches!(decide(&mut ledger, far, 1, 100), Decided::New(_)));
         let recent = &ledger.seen[&(2, 1)];
-        assert!(recent.outcomes.len() <= RECENT_IDS);
+        assert!(recent.len() <= RECENT_IDS);
         // Skipped numbers far below are forgotten, never decided; those within reach are
         // new, and the jump's own is a repeat.
         assert_eq!(decide(&mut ledger, 5, 1, 100), Decided::Forgotten);
