@@ -12,7 +12,10 @@ mod cluster;
 use cluster::{certs_for, eventually, quic_client, Cluster};
 use std::io::{Read, Write};
 use std::time::Duration;
-use tally_crdt::{Generation, NodeId, ReplicaId};
+use tally_crdt::{
+    Delta, Generation, Key, Lane, LaneUpdate, NodeId, OriginDelta, ReplicaId, Rule, Subject,
+    Version, Watermark, Window,
+};
 use tally_gossip::message::Message;
 
 /// This file's loopback network: 127.2.x.y.
@@ -319,4 +322,82 @@ async fn a_node_at_its_key_cap_takes_no_more_keys_from_peers_and_shows_itself_be
     assert_eq!(decision.mode, tally_client::Mode::ApproximateIsolated);
     // Node 1 has room: it holds all twenty.
     assert!(cluster.nodes[0].metric("tally_gossip_keys", &[]).unwrap() >= 20.0);
+}
+
+#[tokio::test(flavor = "current_thread")]
+async fn a_member_relaying_an_inflated_lane_of_another_origin_is_held_to_the_rise_cap() {
+    let cluster = Cluster::start(NET, 2);
+    let node_1 = cluster.nodes[0].client().await;
+    let node_2 = cluster.nodes[1].client().await;
+    node_2.incr("count", "victim", 5).await.unwrap();
+    let estimate_at_1 = || async { node_1.get("count", "victim").await.unwrap().estimate };
+    for _ in 0..100 {
+        if estimate_at_1().await == 5 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert_eq!(estimate_at_1().await, 5);
+
+    // Node 9, a member, relays node 2's lane with 10^15 increments: far past what node 2's
+    // lanes may rise in a second (10^9 by default).
+    let (status_1, status_2) = (
+        node_1.status().await.unwrap(),
+        node_2.status().await.unwrap(),
+    );
+    let window = node_1.get("count", "victim").await.unwrap().window;
+    let origin = ReplicaId::new(NodeId(2), Generation(status_2.generation));
+    let inflated = OriginDelta {
+        origin,
+        through: Watermark::default(),
+        lanes: vec![LaneUpdate {
+            key: Key::new(
+                Rule::new("count").unwrap(),
+                Subject::new("victim").unwrap(),
+                Window::new(window, 3_600).unwrap(),
+            ),
+            lane: Lane::new(1_000_000_000_000_000, 0),
+            version: Version(1),
+        }],
+    };
+    let frame = tally_gossip::wire::encode(
+        ReplicaId::new(NodeId(9), Generation(1)),
+        &Message::Delta {
+            to: ReplicaId::new(NodeId(1), Generation(status_1.generation)),
+            delta: Delta {
+                origins: vec![inflated],
+            },
+            members: vec![],
+        },
+    );
+    let connection = cluster
+        .member_client(9)
+        .connect(cluster.nodes[0].gossip_addr(), "node-1.tally")
+        .unwrap()
+        .await
+        .unwrap();
+    let mut stream = connection.open_uni().await.unwrap();
+    stream
+        .write_all(&(frame.len() as u32).to_le_bytes())
+        .await
+        .unwrap();
+    stream.write_all(&frame).await.unwrap();
+    stream.finish().unwrap();
+    let node = &cluster.nodes[0];
+    eventually(
+        Duration::from_secs(5),
+        "node 1 to throttle the relayed lane",
+        || node.metric("tally_gossip_lanes_throttled_total", &[]) == Some(1.0),
+    )
+    .await;
+    assert_eq!(estimate_at_1().await, 5, "the inflated lane is not held");
+    // Node 2's own writes still reach node 1.
+    node_2.incr("count", "victim", 1).await.unwrap();
+    for _ in 0..100 {
+        if estimate_at_1().await == 6 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert_eq!(estimate_at_1().await, 6);
 }

@@ -28,6 +28,7 @@
 //! ```
 #![warn(missing_docs)]
 
+mod claims;
 mod config;
 mod gossip;
 pub mod membership;

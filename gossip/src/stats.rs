@@ -26,6 +26,9 @@ pub struct Stats {
     /// Lane updates left out because they would have added a key to a map at its key cap
     /// (`CounterMap::with_keys_max`).
     pub lanes_refused: u64,
+    /// Lane updates left out because their origin's lanes would have risen faster than
+    /// `Config::origin_rise_max_per_sec`.
+    pub lanes_throttled: u64,
     /// Lane updates sent.
     pub lanes_out: u64,
     /// How old an origin's newest state was when it arrived here (origin stamp against

@@ -72,9 +72,14 @@ pub struct Config {
     pub seeds: Vec<SeedConfig>,
     /// Certificates.
     pub tls: TlsConfig,
-    /// The most live keys the lane store holds; new keys past it are refused.
+    /// The most live keys the lane store holds; new keys past it are refused. The gossip's
+    /// map takes peers' keys up to it too.
     #[serde(default = "defaults::keys_max")]
     pub keys_max: usize,
+    /// The most one origin's lanes may rise here in a second, over all its lanes and both
+    /// totals: a lane past it is left out, and this node falls behind that origin.
+    #[serde(default = "defaults::origin_rise_max_per_sec")]
+    pub origin_rise_max_per_sec: u64,
     /// The anti-entropy period.
     #[serde(default = "defaults::gossip_interval_ms")]
     pub gossip_interval_ms: u64,
@@ -195,6 +200,9 @@ mod defaults {
     pub fn keys_max() -> usize {
         1_000_000
     }
+    pub fn origin_rise_max_per_sec() -> u64 {
+        1_000_000_000
+    }
     pub fn gossip_interval_ms() -> u64 {
         1_000
     }
@@ -252,6 +260,8 @@ impl Config {
             return Err(bad("node_id".into(), "must be at least 1".into()));
         }
         positive(self.keys_max as u64, "keys_max").map_err(|why| bad("keys_max".into(), why))?;
+        positive(self.origin_rise_max_per_sec, "origin_rise_max_per_sec")
+            .map_err(|why| bad("origin_rise_max_per_sec".into(), why))?;
         positive(self.gossip_interval_ms, "gossip_interval_ms")
             .map_err(|why| bad("gossip_interval_ms".into(), why))?;
         positive(self.push_interval_ms, "push_interval_ms")

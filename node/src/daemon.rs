@@ -152,6 +152,7 @@ pub async fn run(config: Config, shutdown: impl Future<Output = ()>) -> Result<(
     gossip_config.push_interval = config.push_interval();
     gossip_config.fanout = config.fanout;
     gossip_config.frame_bytes_max = config.frame_bytes_max;
+    gossip_config.origin_rise_max_per_sec = config.origin_rise_max_per_sec;
     gossip_config.dead_after = std::time::Duration::from_millis(config.dead_after_ms);
     gossip_config.rng_seed = clock::entropy_seed();
 

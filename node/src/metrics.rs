@@ -144,6 +144,12 @@ pub fn render(sources: &Sources<'_>) -> String {
         ),
         ("gossip_lanes_in", "Lanes received", gossip.lanes_in),
         (
+            "gossip_lanes_throttled",
+            "Lanes received and left out: their origin's lanes would have risen faster than \
+             origin_rise_max_per_sec",
+            gossip.lanes_throttled,
+        ),
+        (
             "gossip_lanes_refused",
             "Lanes received and left out: they would have added a key past keys_max",
             gossip.lanes_refused,
