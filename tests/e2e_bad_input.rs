@@ -44,6 +44,17 @@ async fn try_peer(endpoint: &quinn::Endpoint, cluster: &Cluster) -> bool {
         .is_err()
 }
 
+/// Sends `frame` (a gossip frame, without its length) on a stream of its own.
+async fn send_frame(connection: &quinn::Connection, frame: &[u8]) {
+    let mut stream = connection.open_uni().await.unwrap();
+    stream
+        .write_all(&(frame.len() as u32).to_le_bytes())
+        .await
+        .unwrap();
+    stream.write_all(frame).await.unwrap();
+    stream.finish().unwrap();
+}
+
 #[tokio::test(flavor = "current_thread")]
 async fn peers_without_a_cluster_certificate_are_refused_at_the_handshake() {
     let cluster = Cluster::start(NET, 2);
@@ -120,12 +131,7 @@ async fn a_member_claiming_another_node_id_than_its_certificate_is_refused() {
         ReplicaId::new(NodeId(2), Generation(1)),
         &Message::Members { members: vec![] },
     );
-    let mut stream = connection.open_uni().await.unwrap();
-    stream
-        .write_all(&(frame.len() as u32).to_le_bytes())
-        .await
-        .unwrap();
-    stream.write_all(&frame).await.unwrap();
+    send_frame(&connection, &frame).await;
     let closed = tokio::time::timeout(Duration::from_secs(2), connection.closed())
         .await
         .expect("the node closes the connection of a forging peer");
@@ -376,13 +382,7 @@ async fn a_member_relaying_an_inflated_lane_of_another_origin_is_held_to_the_ris
         .unwrap()
         .await
         .unwrap();
-    let mut stream = connection.open_uni().await.unwrap();
-    stream
-        .write_all(&(frame.len() as u32).to_le_bytes())
-        .await
-        .unwrap();
-    stream.write_all(&frame).await.unwrap();
-    stream.finish().unwrap();
+    send_frame(&connection, &frame).await;
     let node = &cluster.nodes[0];
     eventually(
         Duration::from_secs(5),

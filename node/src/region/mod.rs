@@ -409,6 +409,17 @@ mod tests {
         key_of("quota", "acct-1", 500_000, 3_600).unwrap()
     }
 
+    /// A check of cost 1 the application named `app_seq` in `session`.
+    fn named(session: u64, app_seq: u64) -> ExactCheck {
+        ExactCheck {
+            check_id: Some(CheckId {
+                session,
+                seq: app_seq,
+            }),
+            ..check(app_seq, 1)
+        }
+    }
+
     fn decide(ledger: &mut Ledger, seq: u64, cost: u64, limit: u64) -> Decided {
         ledger.decide(&check(seq, cost), &key(), limit)
     }
@@ -495,13 +506,7 @@ mod tests {
     #[test]
     fn an_application_session_s_oldest_names_are_forgotten_never_decided_twice() {
         let mut ledger = Ledger::default();
-        let named = |app_seq| ExactCheck {
-            check_id: Some(CheckId {
-                session: 1,
-                seq: app_seq,
-            }),
-            ..check(app_seq, 1)
-        };
+        let named = |app_seq| named(1, app_seq);
         let total = RECENT_CLIENT_IDS as u64 + 1;
         for app_seq in 0..total {
             assert!(matches!(
@@ -523,13 +528,7 @@ mod tests {
     #[test]
     fn an_application_session_holds_one_entry_per_decision_however_far_apart_its_numbers() {
         let mut ledger = Ledger::default();
-        let named = |app_seq| ExactCheck {
-            check_id: Some(CheckId {
-                session: 9,
-                seq: app_seq,
-            }),
-            ..check(app_seq, 1)
-        };
+        let named = |app_seq| named(9, app_seq);
         for app_seq in [1 << 40, 3, u64::MAX, 7] {
             assert!(matches!(
                 ledger.decide(&named(app_seq), &key(), 100),
