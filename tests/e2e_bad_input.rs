@@ -331,7 +331,7 @@ async fn a_node_at_its_key_cap_takes_no_more_keys_from_peers_and_shows_itself_be
 }
 
 #[tokio::test(flavor = "current_thread")]
-async fn a_member_relaying_an_inflated_lane_of_another_origin_is_held_to_the_rise_cap() {
+async fn a_member_relaying_an_inflated_lane_of_another_origin_is_held_to_the_lane_rate() {
     let cluster = Cluster::start(NET, 2);
     let node_1 = cluster.nodes[0].client().await;
     let node_2 = cluster.nodes[1].client().await;
@@ -345,8 +345,8 @@ async fn a_member_relaying_an_inflated_lane_of_another_origin_is_held_to_the_ris
     }
     assert_eq!(estimate_at_1().await, 5);
 
-    // Node 9, a member, relays node 2's lane with 10^15 increments: far past what node 2's
-    // lanes may rise in a second (10^9 by default).
+    // Node 9, a member, relays node 2's lane with 10^15 increments: far past what a lane may
+    // hold in an hour's window (10^9 a second by default, 3.6 * 10^12 at the window's end).
     let (status_1, status_2) = (
         node_1.status().await.unwrap(),
         node_2.status().await.unwrap(),

@@ -12,7 +12,9 @@ use crate::wire::Refusal;
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
 pub enum Error {
-    /// The sidecar answered no. Nothing was counted.
+    /// The sidecar answered no. Nothing was counted here, except that the region may have
+    /// counted an exact check refused with `RegionUnavailable`, `Storage` or `Forgotten`
+    /// (see [`Refusal`]).
     ///
     /// The client gives the same answer, [`Refusal::BadField`], without sending, for a
     /// request whose rule and subject would not fit in one frame

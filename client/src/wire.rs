@@ -299,8 +299,8 @@ pub struct Status {
     pub keys: u64,
 }
 
-/// Why a request was refused. Nothing was applied here; only the region may still count a
-/// check refused with `RegionUnavailable` or `Storage` (see each).
+/// Why a request was refused. Nothing was applied here; only the region may have counted a
+/// check refused with `RegionUnavailable`, `Storage` or `Forgotten` (see each).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, thiserror::Error)]
 pub enum Refusal {
     /// The rule is not configured on this sidecar.

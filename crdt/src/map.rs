@@ -14,13 +14,16 @@ use std::ops::Bound::{Excluded, Unbounded};
 /// a node whose watermark for an origin is `v` holds every lane of that origin whose
 /// current version at the origin is at most `v`. Deltas are cut in version order so a
 /// partial send keeps this true, and so is what [`CounterMap::apply`] leaves out at its
-/// key cap ([`CounterMap::with_keys_max`]).
+/// key cap ([`CounterMap::with_keys_max`]) or past its lane rate
+/// ([`CounterMap::with_lane_rate_max`]).
 #[derive(Debug, Clone)]
 pub struct CounterMap {
     counters: BTreeMap<Key, PnCounter>,
     origins: BTreeMap<ReplicaId, Origin>,
     // Lanes from peers may add keys only while fewer than this are held.
     keys_max: usize,
+    // A lane from a peer may hold at most this much per second of its window's age.
+    lane_rate_max: u64,
     // Invariant: rises on every change to a lane or a counter's presence.
     changes: u64,
 }
@@ -31,6 +34,7 @@ impl Default for CounterMap {
             counters: BTreeMap::new(),
             origins: BTreeMap::new(),
             keys_max: usize::MAX,
+            lane_rate_max: u64::MAX,
             changes: 0,
         }
     }
@@ -56,6 +60,9 @@ pub struct Applied {
     /// Lane updates left out because they would have added a key to a map holding its
     /// `keys_max`: the first such of an origin's entry and every later one of that entry.
     pub lanes_refused: usize,
+    /// Lane updates left out because their totals passed `lane_rate_max` for each second
+    /// of their window so far: the first such of an origin's entry and every later one.
+    pub lanes_throttled: usize,
 }
 
 impl CounterMap {
@@ -69,6 +76,18 @@ impl CounterMap {
     /// refused, so it holds at most `keys_max` keys plus those its own writes add past it.
     pub fn with_keys_max(mut self, keys_max: usize) -> CounterMap {
         self.keys_max = keys_max;
+        self
+    }
+
+    /// The map, taking a lane from peers ([`CounterMap::apply`]) only while its two totals
+    /// add up to at most `per_sec` for each second its window has run (counting the first
+    /// second, so a lane is never held to less than one second's worth). Peers are trusted
+    /// to relay other origins' lanes, and a merge keeps the larger total: this bounds what
+    /// a relayed lane can claim, with no state and whenever it arrives. A lane over it
+    /// waits, with every later lane of its origin, until its window is old enough to cover
+    /// it.
+    pub fn with_lane_rate_max(mut self, per_sec: u64) -> CounterMap {
+        self.lane_rate_max = per_sec;
         self
     }
 
@@ -367,11 +386,13 @@ impl CounterMap {
     /// (they were collected here and must not come back). Idempotent, and total: a delta
     /// never makes a lane or a watermark go back.
     ///
-    /// At the key cap, an origin's entry is taken only up to its first lane of a key not
-    /// held: that lane and the rest are left out ([`Applied::lanes_refused`]), and the
+    /// An origin's entry is taken only up to its first lane of a key not held while the map
+    /// is at its key cap ([`Applied::lanes_refused`]), or whose totals pass the lane rate
+    /// ([`Applied::lanes_throttled`]): that lane and the rest are left out, and the
     /// origin's watermark rises only to the version below it, its stamp not at all. So the
     /// map never claims what it left out: peers send it again while it is behind, and its
-    /// staleness for the origin rises until expiry makes room.
+    /// staleness for the origin rises until expiry makes room or the window grows old
+    /// enough.
     pub fn apply(&mut self, delta: &Delta, now_unix_secs: u64) -> Applied {
         let mut applied = Applied::default();
         for entry in &delta.origins {
@@ -382,9 +403,15 @@ impl CounterMap {
                     applied.lanes_expired += 1;
                     continue;
                 }
+                let left_out = entry.lanes.len() - index;
+                if !within_rate(update, self.lane_rate_max, now_unix_secs) {
+                    applied.lanes_throttled += left_out;
+                    refused_at = Some(update.version);
+                    break;
+                }
                 let full = self.counters.len() >= self.keys_max;
                 if full && !self.counters.contains_key(&update.key) {
-                    applied.lanes_refused += entry.lanes.len() - index;
+                    applied.lanes_refused += left_out;
                     refused_at = Some(update.version);
                     break;
                 }
@@ -453,6 +480,15 @@ impl CounterMap {
             .retain(|replica, origin| !origin.by_version.is_empty() || keep_origin(*replica));
         expired.len()
     }
+}
+
+/// Whether `update`'s totals add up to at most `per_sec` for each second its window has
+/// run at `now_unix_secs`, the first included.
+fn within_rate(update: &LaneUpdate, per_sec: u64, now_unix_secs: u64) -> bool {
+    let secs =
+        (now_unix_secs.saturating_sub(update.key.window.start_unix_secs())).saturating_add(1);
+    let claimed = u128::from(update.lane.incr) + u128::from(update.lane.decr);
+    claimed <= u128::from(per_sec) * u128::from(secs)
 }
 
 #[cfg(test)]
@@ -669,5 +705,30 @@ mod tests {
                 origin.value(&key(subject, 60))
             );
         }
+    }
+
+    #[test]
+    fn a_lane_past_the_rate_over_its_windows_age_waits_and_is_taken_once_the_window_covers_it() {
+        let mut origin = CounterMap::new();
+        // Versions 1 to 3: 100 on key 0, 150 on key 1, 1 on key 2.
+        for (subject, amount) in [(0, 100), (1, 150), (2, 1)] {
+            origin
+                .incr(replica(1), &key(subject, 60), amount, Stamp(9))
+                .unwrap();
+        }
+        let start = key(0, 60).window.start_unix_secs();
+        let mut peer = CounterMap::new().with_lane_rate_max(100);
+        // In the window's first second, 100 is the most a lane may hold: key 1's 150 waits,
+        // and key 2's lane after it.
+        let applied = peer.apply(&origin.delta_for(&peer.digest(), usize::MAX, 0), start);
+        assert_eq!((applied.lanes_throttled, applied.lanes_refused), (2, 0));
+        assert_eq!(peer.value(&key(0, 60)), 100);
+        assert_eq!(peer.watermark(replica(1)).version, Version(1));
+        assert_eq!(peer.watermark(replica(1)).stamp, Stamp::default());
+        // A second later the window covers 200: the rest is taken.
+        let applied = peer.apply(&origin.delta_for(&peer.digest(), usize::MAX, 0), start + 1);
+        assert_eq!(applied.lanes_throttled, 0);
+        assert_eq!(peer.watermark(replica(1)), origin.watermark(replica(1)));
+        assert_eq!(peer.value(&key(1, 60)), 150);
     }
 }

@@ -189,20 +189,23 @@ proptest! {
 proptest! {
     #![proptest_config(ProptestConfig::with_cases(CASES))]
 
-    /// A map at its key cap holds no key past it from peers, and its watermarks never
-    /// claim a lane it left out: with room again, plain anti-entropy completes it.
+    /// A map at its key cap holds no key past it from peers, a map with a lane rate holds
+    /// no lane past it, and their watermarks never claim a lane they left out: with room
+    /// again, plain anti-entropy completes them.
     #[test]
     fn a_capped_map_never_claims_what_it_left_out(
-        (replicas, history, keys_max, budget) in (2..=8usize).prop_flat_map(|n| (
+        (replicas, history, keys_max, rate, budget) in (2..=8usize).prop_flat_map(|n| (
             Just(n),
             writes(n, 24, 150),
             0..24usize,
+            0..20_000u64,
             0..(4 * DELTA_BYTES_MIN),
         ))
     ) {
         let mut maps = vec![CounterMap::new(); replicas];
         // Replica 0 is capped and writes nothing itself: every key it holds came from peers.
-        maps[0] = CounterMap::new().with_keys_max(keys_max);
+        // NOW is its windows' first second, so a lane may hold at most `rate` there.
+        maps[0] = CounterMap::new().with_keys_max(keys_max).with_lane_rate_max(rate);
         for (step, write) in history.iter().enumerate() {
             if write.replica != 0 {
                 apply_write(&mut maps[write.replica], write);
@@ -214,6 +217,11 @@ proptest! {
             let delta = maps[0].delta_for(&maps[to].digest(), budget, step);
             maps[to].apply(&delta, NOW);
             prop_assert!(maps[0].len() <= keys_max);
+            for (_, counter) in maps[0].iter() {
+                for slot in counter.slots() {
+                    prop_assert!(u128::from(slot.lane.incr) + u128::from(slot.lane.decr) <= u128::from(rate));
+                }
+            }
             // Every lane of an origin at or below the capped map's watermark for it is held.
             for origin in 1..replicas {
                 let watermark = maps[0].watermark(replica(origin)).version;
@@ -230,7 +238,9 @@ proptest! {
                 }
             }
         }
-        maps[0] = std::mem::take(&mut maps[0]).with_keys_max(usize::MAX);
+        maps[0] = std::mem::take(&mut maps[0])
+            .with_keys_max(usize::MAX)
+            .with_lane_rate_max(u64::MAX);
         sync_until_quiet(&mut maps, budget);
         for map in &maps[1..] {
             let held: BTreeMap<&Key, &PnCounter> = map.iter().collect();

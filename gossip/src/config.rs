@@ -38,18 +38,13 @@ pub struct Config {
     /// Whether to push fresh lanes, and the heartbeat, eagerly to every live peer. Off
     /// only to measure anti-entropy alone.
     pub eager_push: bool,
-    /// The most one origin's lanes may rise here in a second, summed over its lanes and
-    /// both totals (up to one second's worth at once). A lane past it is left out, and
-    /// this node falls behind that origin until the budget allows it.
-    pub origin_rise_max_per_sec: u64,
 }
 
 impl Config {
     /// The smallest frame budget: one lane of the largest key, with room for headers.
     pub const FRAME_BYTES_MIN: usize = DELTA_BYTES_MIN + 1024;
 
-    /// Defaults for a node: 1 s rounds, 5 ms pushes, fanout 3, 64 KiB frames, and lanes of
-    /// one origin rising by at most 10^9 a second.
+    /// Defaults for a node: 1 s rounds, 5 ms pushes, fanout 3, 64 KiB frames.
     pub fn new(replica: ReplicaId, addr: impl Into<String>) -> Config {
         Config {
             replica,
@@ -63,7 +58,6 @@ impl Config {
             dead_after: Duration::from_secs(10),
             rng_seed: replica.node.0 ^ replica.generation.0,
             eager_push: true,
-            origin_rise_max_per_sec: 1_000_000_000,
         }
     }
 

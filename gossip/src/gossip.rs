@@ -1,6 +1,5 @@
 //! The gossip state machine: anti-entropy, eager push, membership, staleness.
 
-use crate::claims::Claims;
 use crate::membership::{Members, State, Transition};
 use crate::message::{MemberEntry, Message};
 use crate::stats::Stats;
@@ -107,8 +106,6 @@ pub struct Gossip {
     rng: ChaCha8Rng,
     outbox: VecDeque<Output>,
     stats: Stats,
-    // What each origin's lanes may still rise here.
-    claims: Claims,
     // Deadlines on the monotonic clock; `None` until the first input sets them.
     next_round: Option<Duration>,
     next_push: Option<Duration>,
@@ -150,7 +147,6 @@ impl Gossip {
             map,
             outbox: VecDeque::new(),
             stats: Stats::default(),
-            claims: Claims::new(config.origin_rise_max_per_sec),
             next_round: None,
             next_push: None,
             pushed_through,
@@ -316,7 +312,6 @@ impl Gossip {
         let members = &self.members;
         self.map
             .expire(now.unix_secs(), |replica| members.is_live_replica(replica));
-        self.claims.retain_held(&self.map);
     }
 
     /// Pushes own lanes above `pushed_through`, with the current stamp, to every live
@@ -433,13 +428,9 @@ impl Gossip {
 
     /// Merges a delta (or a push following version `after` of its one origin), tells the
     /// failure detector who was heard, records propagation delays, reports changed keys.
-    fn merge(&mut self, now: Now, mut delta: Delta, after: Option<Version>) {
+    fn merge(&mut self, now: Now, delta: Delta, after: Option<Version>) {
         let me = self.config.replica;
         self.stats.lanes_in += delta.lanes() as u64;
-        for entry in delta.origins.iter_mut().filter(|entry| entry.origin != me) {
-            let throttled = (self.claims).cut(&self.map, entry, now.mono, now.unix_secs());
-            self.stats.lanes_throttled += throttled as u64;
-        }
         let before: Vec<Stamp> = delta
             .origins
             .iter()
@@ -459,6 +450,7 @@ impl Gossip {
                 }));
         }
         self.stats.lanes_refused += applied.lanes_refused as u64;
+        self.stats.lanes_throttled += applied.lanes_throttled as u64;
         for (entry, before) in delta.origins.iter().zip(before) {
             let held = self.map.watermark(entry.origin).stamp;
             if entry.origin != me && held > before {

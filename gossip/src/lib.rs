@@ -28,7 +28,6 @@
 //! ```
 #![warn(missing_docs)]
 
-mod claims;
 mod config;
 mod gossip;
 pub mod membership;

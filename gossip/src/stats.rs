@@ -26,8 +26,8 @@ pub struct Stats {
     /// Lane updates left out because they would have added a key to a map at its key cap
     /// (`CounterMap::with_keys_max`).
     pub lanes_refused: u64,
-    /// Lane updates left out because their origin's lanes would have risen faster than
-    /// `Config::origin_rise_max_per_sec`.
+    /// Lane updates left out because their totals passed the map's rate over their
+    /// window's age (`CounterMap::with_lane_rate_max`).
     pub lanes_throttled: u64,
     /// Lane updates sent.
     pub lanes_out: u64,

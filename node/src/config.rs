@@ -76,10 +76,11 @@ pub struct Config {
     /// map takes peers' keys up to it too.
     #[serde(default = "defaults::keys_max")]
     pub keys_max: usize,
-    /// The most one origin's lanes may rise here in a second, over all its lanes and both
-    /// totals: a lane past it is left out, and this node falls behind that origin.
-    #[serde(default = "defaults::origin_rise_max_per_sec")]
-    pub origin_rise_max_per_sec: u64,
+    /// The most a lane from a peer may hold (its two totals together) per second its
+    /// window has run: a lane past it is left out, and this node falls behind its origin
+    /// until the window is old enough.
+    #[serde(default = "defaults::lane_rate_max_per_sec")]
+    pub lane_rate_max_per_sec: u64,
     /// The anti-entropy period.
     #[serde(default = "defaults::gossip_interval_ms")]
     pub gossip_interval_ms: u64,
@@ -200,7 +201,7 @@ mod defaults {
     pub fn keys_max() -> usize {
         1_000_000
     }
-    pub fn origin_rise_max_per_sec() -> u64 {
+    pub fn lane_rate_max_per_sec() -> u64 {
         1_000_000_000
     }
     pub fn gossip_interval_ms() -> u64 {
@@ -260,8 +261,8 @@ impl Config {
             return Err(bad("node_id".into(), "must be at least 1".into()));
         }
         positive(self.keys_max as u64, "keys_max").map_err(|why| bad("keys_max".into(), why))?;
-        positive(self.origin_rise_max_per_sec, "origin_rise_max_per_sec")
-            .map_err(|why| bad("origin_rise_max_per_sec".into(), why))?;
+        positive(self.lane_rate_max_per_sec, "lane_rate_max_per_sec")
+            .map_err(|why| bad("lane_rate_max_per_sec".into(), why))?;
         positive(self.gossip_interval_ms, "gossip_interval_ms")
             .map_err(|why| bad("gossip_interval_ms".into(), why))?;
         positive(self.push_interval_ms, "push_interval_ms")

@@ -91,8 +91,11 @@ pub async fn run(config: Config, shutdown: impl Future<Output = ()>) -> Result<(
 
     // Earlier lives' logged lanes, re-published above any version a peer may hold: a
     // life writes far fewer versions than microseconds pass between two starts.
-    // Peers' lanes may add keys only up to the same cap as the lane store's.
-    let mut map = CounterMap::new().with_keys_max(config.keys_max);
+    // Peers' lanes may add keys only up to the same cap as the lane store's, and claim no
+    // more than the configured rate over their window.
+    let mut map = CounterMap::new()
+        .with_keys_max(config.keys_max)
+        .with_lane_rate_max(config.lane_rate_max_per_sec);
     for (retired, lanes) in &recovered.retired {
         map.raise_version(*retired, Version(clock::wall_micros()));
         for (key, lane) in lanes {
@@ -152,7 +155,6 @@ pub async fn run(config: Config, shutdown: impl Future<Output = ()>) -> Result<(
     gossip_config.push_interval = config.push_interval();
     gossip_config.fanout = config.fanout;
     gossip_config.frame_bytes_max = config.frame_bytes_max;
-    gossip_config.origin_rise_max_per_sec = config.origin_rise_max_per_sec;
     gossip_config.dead_after = std::time::Duration::from_millis(config.dead_after_ms);
     gossip_config.rng_seed = clock::entropy_seed();
 

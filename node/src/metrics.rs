@@ -145,8 +145,8 @@ pub fn render(sources: &Sources<'_>) -> String {
         ("gossip_lanes_in", "Lanes received", gossip.lanes_in),
         (
             "gossip_lanes_throttled",
-            "Lanes received and left out: their origin's lanes would have risen faster than \
-             origin_rise_max_per_sec",
+            "Lanes received and left out: they held more than lane_rate_max_per_sec per \
+             second of their window",
             gossip.lanes_throttled,
         ),
         (
