@@ -109,41 +109,39 @@ impl Recent {
         if seq < self.base {
             return;
         }
-        match &mut self.outcomes {
-            Outcomes::Dense(_) => {
-                self.forget_below(seq.saturating_add(1).saturating_sub(RECENT_IDS as u64));
-                let Outcomes::Dense(outcomes) = &mut self.outcomes else {
-                    unreachable!("invariant: the storage of a Recent never changes");
-                };
+        let Recent { base, outcomes } = self;
+        match outcomes {
+            Outcomes::Dense(slots) => {
+                let floor = seq.saturating_add(1).saturating_sub(RECENT_IDS as u64);
+                forget_dense_below(base, slots, floor);
                 // Below RECENT_IDS, as `base` is at most RECENT_IDS - 1 below `seq`.
-                let offset = (seq - self.base) as usize;
-                if outcomes.len() <= offset {
-                    outcomes.resize(offset + 1, None);
+                let offset = (seq - *base) as usize;
+                if slots.len() <= offset {
+                    slots.resize(offset + 1, None);
                 }
-                outcomes[offset] = Some((outcome, window));
+                slots[offset] = Some((outcome, window));
             }
-            Outcomes::Sparse(outcomes) => {
-                outcomes.insert(seq, (outcome, window));
-                if outcomes.len() > RECENT_CLIENT_IDS {
-                    let (oldest, _) = outcomes.pop_first().expect("invariant: not empty");
-                    self.base = oldest + 1;
+            Outcomes::Sparse(held) => {
+                held.insert(seq, (outcome, window));
+                if held.len() > RECENT_CLIENT_IDS {
+                    let (oldest, _) = held.pop_first().expect("invariant: not empty");
+                    *base = oldest + 1;
                 }
             }
         }
     }
 
-    /// Forgets every sequence number below `base`.
-    fn forget_below(&mut self, base: u64) {
-        let Some(forget) = base.checked_sub(self.base) else {
-            return;
-        };
-        match &mut self.outcomes {
-            Outcomes::Dense(outcomes) if forget >= outcomes.len() as u64 => outcomes.clear(),
-            // Below the number of outcomes held, so it fits a usize.
-            Outcomes::Dense(outcomes) => drop(outcomes.drain(..forget as usize)),
-            Outcomes::Sparse(outcomes) => *outcomes = outcomes.split_off(&base),
+    /// Forgets every sequence number below `floor`.
+    fn forget_below(&mut self, floor: u64) {
+        let Recent { base, outcomes } = self;
+        match outcomes {
+            Outcomes::Dense(slots) => forget_dense_below(base, slots, floor),
+            Outcomes::Sparse(held) if floor > *base => {
+                *held = held.split_off(&floor);
+                *base = floor;
+            }
+            Outcomes::Sparse(_) => {}
         }
-        self.base = base;
     }
 
     /// Forgets outcomes of windows that are over; false once no outcome is held. `base`
@@ -190,6 +188,20 @@ impl Recent {
     fn len(&self) -> usize {
         self.held().count()
     }
+}
+
+/// Forgets the dense slots below `floor`, moving `base` up to it.
+fn forget_dense_below(base: &mut u64, slots: &mut VecDeque<Option<(Outcome, Window)>>, floor: u64) {
+    let Some(forget) = floor.checked_sub(*base) else {
+        return;
+    };
+    if forget >= slots.len() as u64 {
+        slots.clear();
+    } else {
+        // Below the number of slots held, so it fits a usize.
+        slots.drain(..forget as usize);
+    }
+    *base = floor;
 }
 
 /// What [`Ledger::decide`] did.
