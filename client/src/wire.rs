@@ -351,10 +351,11 @@ pub enum Refusal {
         why: String,
     },
     /// The rule is exact, and the region no longer remembers this check's id: it decided
-    /// the check once, and will not decide it again. Whether it was admitted is not known.
+    /// the check once (or skipped its number, never to decide it), and will not decide it
+    /// again. Whether it was admitted is not known.
     #[error(
         "region: exact rule {rule:?}: the check's id is older than the region remembers; \
-         it was decided once and is not decided again"
+         it is not decided again"
     )]
     Forgotten {
         /// The rule.

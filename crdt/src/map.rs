@@ -3,7 +3,7 @@
 use crate::delta::size;
 use crate::{
     Delta, Digest, Key, Lane, LaneUpdate, OriginDelta, Overflow, PnCounter, ReplicaId, Slot, Stamp,
-    Version, Watermark, DELTA_BYTES_MIN,
+    Version, Watermark, Window, DELTA_BYTES_MIN,
 };
 use std::collections::BTreeMap;
 use std::ops::Bound::{Excluded, Unbounded};
@@ -404,7 +404,8 @@ impl CounterMap {
                     continue;
                 }
                 let left_out = entry.lanes.len() - index;
-                if !within_rate(update, self.lane_rate_max, now_unix_secs) {
+                let (lane, window) = (update.lane, update.key.window);
+                if !lane_within_rate(lane, window, self.lane_rate_max, now_unix_secs) {
                     applied.lanes_throttled += left_out;
                     refused_at = Some(update.version);
                     break;
@@ -482,12 +483,12 @@ impl CounterMap {
     }
 }
 
-/// Whether `update`'s totals add up to at most `per_sec` for each second its window has
-/// run at `now_unix_secs`, the first included.
-fn within_rate(update: &LaneUpdate, per_sec: u64, now_unix_secs: u64) -> bool {
-    let secs =
-        (now_unix_secs.saturating_sub(update.key.window.start_unix_secs())).saturating_add(1);
-    let claimed = u128::from(update.lane.incr) + u128::from(update.lane.decr);
+/// Whether `lane`'s totals add up to at most `per_sec` for each second `window` has run at
+/// `now_unix_secs`, the first included: the rule [`CounterMap::with_lane_rate_max`] holds
+/// peers' lanes to, and a node holds its own writes to, so that its peers take them.
+pub fn lane_within_rate(lane: Lane, window: Window, per_sec: u64, now_unix_secs: u64) -> bool {
+    let secs = (now_unix_secs.saturating_sub(window.start_unix_secs())).saturating_add(1);
+    let claimed = u128::from(lane.incr) + u128::from(lane.decr);
     claimed <= u128::from(per_sec) * u128::from(secs)
 }
 

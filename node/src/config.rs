@@ -454,6 +454,9 @@ window_secs = 60
             err.contains("node-1.toml") && err.contains("rules[0].limit"),
             "{err}"
         );
+        let zero_rate = GOOD.replace("node_id = 1", "node_id = 1\nlane_rate_max_per_sec = 0");
+        let err = parse(&zero_rate).unwrap_err().to_string();
+        assert!(err.contains("lane_rate_max_per_sec"), "{err}");
         let err = parse(&GOOD.replace("window_secs = 60", "window_secs = \"x\""))
             .unwrap_err()
             .to_string();

@@ -212,6 +212,7 @@ pub async fn run(config: Config, shutdown: impl Future<Output = ()>) -> Result<(
         metrics: metrics.clone(),
         replica,
         forwarder,
+        lane_rate_max: config.lane_rate_max_per_sec,
         closing: std::sync::atomic::AtomicBool::new(false),
     });
     let endpoints = Arc::new(Endpoints {

@@ -22,7 +22,7 @@ use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::Duration;
 use tally_client::wire::{Decision, Estimate, Mode, Refusal};
-use tally_crdt::{KeyError, KeyRef, Rule, Stamp, Window};
+use tally_crdt::{lane_within_rate, KeyError, KeyRef, Lane, Rule, Stamp, Window};
 
 /// The rules a node answers, by name.
 #[derive(Debug, Clone, Default)]
@@ -83,6 +83,9 @@ pub struct Context<'a> {
     pub now: Stamp,
     /// The lane log, if the node has a data dir.
     pub log: Option<&'a mut LaneLog>,
+    /// The most a lane may hold per second its window has run (`lane_rate_max_per_sec`):
+    /// peers leave out a lane past it, so this node writes none.
+    pub lane_rate_max: u64,
 }
 
 /// The key of `subject` under `rule` in the window containing now, borrowed: building
@@ -102,6 +105,20 @@ impl Context<'_> {
     pub fn count(&mut self, key: KeyRef<'_>, amount: u64, incr: bool) -> Result<Estimate, Refusal> {
         if amount == 0 {
             return Err(bad("amount", "must be at least 1".into()));
+        }
+        let own = self.store.own(key);
+        let after = if incr {
+            Lane::new(own.incr.saturating_add(amount), own.decr)
+        } else {
+            Lane::new(own.incr, own.decr.saturating_add(amount))
+        };
+        if !lane_within_rate(after, key.window(), self.lane_rate_max, self.now.0 / 1_000) {
+            let why = format!(
+                "would take this node's count of the key past lane_rate_max_per_sec ({}) for \
+                 each second of its window so far; peers would not take it",
+                self.lane_rate_max
+            );
+            return Err(bad("amount", why));
         }
         // Logged first, so a write the log refuses changes nothing; flushed by the caller
         // before it awaits anything, so the gossip task never sees a lane the log lacks.
@@ -339,6 +356,7 @@ mod tests {
             view,
             now: NOW,
             log: None,
+            lane_rate_max: u64::MAX,
         }
     }
 
@@ -347,6 +365,31 @@ mod tests {
         let rules = Rules::new(std::slice::from_ref(rule)).unwrap();
         let key = key(rules.get("api").unwrap(), "user-1", NOW).unwrap();
         (store, key.to_key())
+    }
+
+    #[test]
+    fn a_write_past_the_lane_rate_over_its_windows_age_is_refused_and_counts_nothing() {
+        let rule = rule(1_000_000, 0);
+        let (store, owned) = setup(&rule);
+        let key = KeyRef::from(&owned);
+        let view = view(Stamp(NOW.0 - 100));
+        let mut context = context(&store, &view);
+        context.lane_rate_max = 10;
+        let seconds_run = NOW.0 / 1_000 - owned.window.start_unix_secs() + 1;
+        let most = 10 * seconds_run;
+        assert_eq!(
+            context.count(key, most - 1, true).unwrap().estimate,
+            i128::from(most - 1)
+        );
+        let over = context.count(key, 2, true);
+        assert!(
+            matches!(&over, Err(Refusal::BadField { field, .. }) if field == "amount"),
+            "{over:?}"
+        );
+        // A decrement counts toward the lane too.
+        assert!(context.count(key, 2, false).is_err());
+        assert_eq!(store.own(key), Lane::new(most - 1, 0), "nothing counted");
+        assert!(context.count(key, 1, false).is_ok());
     }
 
     #[test]

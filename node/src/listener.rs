@@ -59,6 +59,8 @@ pub struct Service {
     pub replica: ReplicaId,
     /// Where exact checks go, if this node has a region.
     pub forwarder: Option<Forwarder<Exact>>,
+    /// `lane_rate_max_per_sec`: the most a lane may hold per second of its window.
+    pub lane_rate_max: u64,
     /// Set when the node is stopping: connections close before answering anything more,
     /// so every write acknowledged is in the lanes the gossip task pushes last.
     pub closing: std::sync::atomic::AtomicBool,
@@ -225,6 +227,7 @@ impl Service {
             view: &view,
             now,
             log: log.as_deref_mut(),
+            lane_rate_max: self.lane_rate_max,
         };
         let answered = answer(&mut context);
         if let Some(log) = log.as_deref_mut() {
@@ -489,6 +492,7 @@ mod tests {
             metrics: Arc::new(Metrics::default()),
             replica,
             forwarder: None,
+            lane_rate_max: u64::MAX,
             closing: std::sync::atomic::AtomicBool::new(false),
         }
     }

@@ -535,6 +535,15 @@ mod tests {
             Decided::Repeat(_)
         ));
         assert_eq!(ledger.count(&key()), total, "nothing counted twice");
+        // The floor survives a snapshot: replayed, the forgotten number stays forgotten.
+        let mut entries = Vec::new();
+        ledger.snapshot(&mut entries);
+        let mut replayed = Ledger::replay(&log::replay(&entries).0);
+        assert_eq!(replayed, ledger);
+        assert_eq!(
+            replayed.decide(&named(0), &key(), u64::MAX),
+            Decided::Forgotten
+        );
     }
 
     #[test]

@@ -116,7 +116,8 @@ pub enum ExactAnswer {
     Storage(String),
     /// A retry of a request id older than the region remembers for its edge life
     /// ([`super::RECENT_IDS`]) or application session ([`super::RECENT_CLIENT_IDS`]); it
-    /// was decided once and is not decided again.
+    /// was decided once (or its number skipped, never to be decided) and is not decided
+    /// again.
     Forgotten,
 }
 
