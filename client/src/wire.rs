@@ -351,11 +351,12 @@ pub enum Refusal {
         why: String,
     },
     /// The rule is exact, and the region no longer remembers this check's id: it decided
-    /// the check once (or skipped its number, never to decide it), and will not decide it
-    /// again. Whether it was admitted is not known.
+    /// the check once, or the id's number is below the session's most recent 16,384
+    /// decided ones though it was never sent before (an id made long before its first
+    /// send), and will not decide it again. Whether it was admitted is not known.
     #[error(
-        "region: exact rule {rule:?}: the check's id is older than the region remembers; \
-         it is not decided again"
+        "region: exact rule {rule:?}: the check's id is older than the region remembers \
+         (decided long ago, or made long before it was sent); it is not decided again"
     )]
     Forgotten {
         /// The rule.

@@ -174,7 +174,12 @@ impl Window {
     /// A window is kept for one more length after it closes, because a sliding-window
     /// estimate weights the previous window.
     pub fn is_live(&self, now_unix_secs: u64) -> bool {
-        now_unix_secs < self.end_unix_secs() + u64::from(self.len_secs)
+        now_unix_secs < self.live_until_unix_secs()
+    }
+
+    /// The first second at which this window is no longer live ([`Window::is_live`]).
+    pub fn live_until_unix_secs(&self) -> u64 {
+        self.end_unix_secs() + u64::from(self.len_secs)
     }
 }
 

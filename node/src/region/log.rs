@@ -132,6 +132,18 @@ pub enum Entry<S = String> {
         /// Its window's length.
         window_secs: u32,
     },
+    /// The floor of an edge life (or application session) is kept until
+    /// `until_unix_secs`, with or without outcomes held: a number below it may name a
+    /// check whose window is live until then. Written after its `Floor`; logs from before
+    /// it have none, and keep a floor only while it holds outcomes.
+    FloorKept {
+        /// The edge's node id.
+        node: u64,
+        /// The edge's generation.
+        generation: u64,
+        /// The first second at which no forgotten number's window is live.
+        until_unix_secs: u64,
+    },
 }
 
 /// Where the log's bytes go: a file, or in tests a wrapper that fails on cue.
@@ -373,7 +385,7 @@ mod tests {
             generation: 1,
             seq,
         };
-        match seq % 4 {
+        match seq % 5 {
             0 => Entry::Decided(Record {
                 id,
                 rule: "quota".into(),
@@ -394,6 +406,11 @@ mod tests {
                 node: 2,
                 generation: 1,
                 base: seq,
+            },
+            3 => Entry::FloorKept {
+                node: 2,
+                generation: 1,
+                until_unix_secs: seq * 11,
             },
             _ => Entry::Outcome {
                 id,
@@ -529,7 +546,7 @@ mod tests {
         // A group C, D whose C was torn while D reached the disk, then a new entry E of C's
         // length: if the bytes after the recovered end were left, E would end where D
         // starts, and the next recovery would read D, never acknowledged, as decided.
-        let (c, d, e) = (entry(4), entry(5), entry(8));
+        let (c, d, e) = (entry(4), entry(5), entry(9));
         assert_eq!(
             encoded(std::slice::from_ref(&c)).len(),
             encoded(std::slice::from_ref(&e)).len()

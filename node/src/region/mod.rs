@@ -55,6 +55,10 @@ struct Recent {
     // Invariant: every sequence number below `base` was decided and then forgotten, or
     // skipped past and never to be decided.
     base: u64,
+    // A number below `base` may name a check whose window is live until this second
+    // (exclusive): until then the floor is kept, even with no outcome held, so that a
+    // retry of a forgotten number is never read as unseen and counted again.
+    floor_until: u64,
     outcomes: Outcomes,
 }
 
@@ -83,7 +87,11 @@ impl Recent {
         } else {
             Outcomes::Dense(VecDeque::new())
         };
-        Recent { base: 0, outcomes }
+        Recent {
+            base: 0,
+            floor_until: 0,
+            outcomes,
+        }
     }
 
     fn get(&self, seq: u64) -> Held {
@@ -109,11 +117,15 @@ impl Recent {
         if seq < self.base {
             return;
         }
-        let Recent { base, outcomes } = self;
+        let Recent {
+            base,
+            floor_until,
+            outcomes,
+        } = self;
         match outcomes {
             Outcomes::Dense(slots) => {
                 let floor = seq.saturating_add(1).saturating_sub(RECENT_IDS as u64);
-                forget_dense_below(base, slots, floor);
+                forget_dense_below(base, floor_until, slots, floor);
                 // Below RECENT_IDS, as `base` is at most RECENT_IDS - 1 below `seq`.
                 let offset = (seq - *base) as usize;
                 if slots.len() <= offset {
@@ -124,8 +136,9 @@ impl Recent {
             Outcomes::Sparse(held) => {
                 held.insert(seq, (outcome, window));
                 if held.len() > RECENT_CLIENT_IDS {
-                    let (oldest, _) = held.pop_first().expect("invariant: not empty");
+                    let (oldest, (_, window)) = held.pop_first().expect("invariant: not empty");
                     *base = oldest + 1;
+                    *floor_until = (*floor_until).max(window.live_until_unix_secs());
                 }
             }
         }
@@ -133,19 +146,27 @@ impl Recent {
 
     /// Forgets every sequence number below `floor`.
     fn forget_below(&mut self, floor: u64) {
-        let Recent { base, outcomes } = self;
+        let Recent {
+            base,
+            floor_until,
+            outcomes,
+        } = self;
         match outcomes {
-            Outcomes::Dense(slots) => forget_dense_below(base, slots, floor),
+            Outcomes::Dense(slots) => forget_dense_below(base, floor_until, slots, floor),
             Outcomes::Sparse(held) if floor > *base => {
-                *held = held.split_off(&floor);
+                let kept = held.split_off(&floor);
+                for (_, window) in std::mem::replace(held, kept).values() {
+                    *floor_until = (*floor_until).max(window.live_until_unix_secs());
+                }
                 *base = floor;
             }
             Outcomes::Sparse(_) => {}
         }
     }
 
-    /// Forgets outcomes of windows that are over; false once no outcome is held. `base`
-    /// stays: a number of a window that is over reads as unseen. For an edge's id that is
+    /// Forgets outcomes of windows that are over; false once no outcome is held and no
+    /// forgotten one's window is live. `base` stays while this is true: a number of a
+    /// window that is over reads as unseen. For an edge's id that is
     /// safe, because the edge fixed the window when it first sent it, and the region
     /// refuses a check of a window that is over before it asks the ledger. An application's
     /// retry is given its window afresh by the edge it goes through, so one sent after the
@@ -153,7 +174,8 @@ impl Recent {
     /// new check in its own window.
     fn expire(&mut self, now_unix_secs: u64) -> bool {
         let live = |(_, window): &(Outcome, Window)| window.is_live(now_unix_secs);
-        match &mut self.outcomes {
+        let floor_live = now_unix_secs < self.floor_until;
+        let held_any = match &mut self.outcomes {
             Outcomes::Dense(outcomes) => {
                 let mut held_any = false;
                 for held in outcomes.iter_mut() {
@@ -168,7 +190,8 @@ impl Recent {
                 outcomes.retain(|_, held| live(held));
                 !outcomes.is_empty()
             }
-        }
+        };
+        held_any || floor_live
     }
 
     /// The outcomes held, by sequence number, in order.
@@ -190,16 +213,21 @@ impl Recent {
     }
 }
 
-/// Forgets the dense slots below `floor`, moving `base` up to it.
-fn forget_dense_below(base: &mut u64, slots: &mut VecDeque<Option<(Outcome, Window)>>, floor: u64) {
+/// Forgets the dense slots below `floor`, moving `base` up to it and `floor_until` past
+/// the windows of the outcomes forgotten.
+fn forget_dense_below(
+    base: &mut u64,
+    floor_until: &mut u64,
+    slots: &mut VecDeque<Option<(Outcome, Window)>>,
+    floor: u64,
+) {
     let Some(forget) = floor.checked_sub(*base) else {
         return;
     };
-    if forget >= slots.len() as u64 {
-        slots.clear();
-    } else {
-        // Below the number of slots held, so it fits a usize.
-        slots.drain(..forget as usize);
+    // At most the number of slots held, so it fits a usize.
+    let forget = forget.min(slots.len() as u64) as usize;
+    for (_, window) in slots.drain(..forget).flatten() {
+        *floor_until = (*floor_until).max(window.live_until_unix_secs());
     }
     *base = floor;
 }
@@ -262,6 +290,15 @@ impl Ledger {
                     .or_insert_with(|| Recent::new(*node))
                     .forget_below(*base);
             }
+            Entry::FloorKept {
+                node,
+                generation,
+                until_unix_secs,
+            } => {
+                let recent =
+                    (self.seen.entry((*node, *generation))).or_insert_with(|| Recent::new(*node));
+                recent.floor_until = recent.floor_until.max(*until_unix_secs);
+            }
             Entry::Outcome {
                 id,
                 allowed,
@@ -307,6 +344,15 @@ impl Ledger {
             };
             log::encode(&floor, out);
             entries += 1;
+            if recent.floor_until > 0 {
+                let kept = Entry::<&str>::FloorKept {
+                    node,
+                    generation,
+                    until_unix_secs: recent.floor_until,
+                };
+                log::encode(&kept, out);
+                entries += 1;
+            }
             for (seq, (outcome, window)) in recent.held() {
                 let entry = Entry::<&str>::Outcome {
                     id: RequestId {
@@ -544,6 +590,37 @@ mod tests {
             replayed.decide(&named(0), &key(), u64::MAX),
             Decided::Forgotten
         );
+    }
+
+    #[test]
+    fn a_forgotten_name_stays_forgotten_while_its_window_lives_though_nothing_else_is_held() {
+        // A session's first check is of an hour's window; the checks that push it out of
+        // the session's most recent are of one-second windows, over long before it.
+        let (long, start) = (key(), key().window.start_unix_secs());
+        let short = key_of("quota", "acct-1", start, 1).unwrap();
+        let mut ledger = Ledger::default();
+        let first = ledger.decide(&named(1, 0), &long, u64::MAX);
+        assert!(matches!(first, Decided::New(_)));
+        for app_seq in 1..=RECENT_CLIENT_IDS as u64 {
+            ledger.decide(&named(1, app_seq), &short, u64::MAX);
+        }
+        let after_short = short.window.live_until_unix_secs();
+        ledger.expire(after_short);
+        assert_eq!(ledger.count(&short), 0, "the short window is collected");
+        let mut entries = Vec::new();
+        ledger.snapshot(&mut entries);
+        let mut replayed = Ledger::replay(&log::replay(&entries).0);
+        replayed.expire(after_short);
+        for ledger in [&mut ledger, &mut replayed] {
+            assert_eq!(
+                ledger.decide(&named(1, 0), &long, u64::MAX),
+                Decided::Forgotten,
+                "a retry of the first check is never decided again while its window lives"
+            );
+            assert_eq!(ledger.count(&long), 1);
+            ledger.expire(long.window.live_until_unix_secs());
+            assert!(ledger.seen.is_empty(), "then the session is let go");
+        }
     }
 
     #[test]
