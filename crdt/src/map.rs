@@ -28,6 +28,13 @@ pub struct CounterMap {
     changes: u64,
 }
 
+/// The clock skew between nodes the lane rate allows for: a lane from a peer is held to the
+/// rate over the seconds its window has run by this node's clock plus this many, so a
+/// writer whose clock runs up to this far ahead, holding its own writes to the rate by its
+/// own clock ([`lane_within_rate`]), has its lanes taken. 90 s, the skew tally is tested
+/// under (TESTING.md T1).
+pub const LANE_RATE_SKEW_SECS: u64 = 90;
+
 impl Default for CounterMap {
     fn default() -> CounterMap {
         CounterMap {
@@ -81,7 +88,9 @@ impl CounterMap {
 
     /// The map, taking a lane from peers ([`CounterMap::apply`]) only while its two totals
     /// add up to at most `per_sec` for each second its window has run (counting the first
-    /// second, so a lane is never held to less than one second's worth). Peers are trusted
+    /// second, so a lane is never held to less than one second's worth), and
+    /// [`LANE_RATE_SKEW_SECS`] more for the writer's clock. `u64::MAX`, the default, holds
+    /// lanes to nothing. Peers are trusted
     /// to relay other origins' lanes, and a merge keeps the larger total: this bounds what
     /// a relayed lane can claim, with no state and whenever it arrives. A lane over it
     /// waits, with every later lane of its origin, until its window is old enough to cover
@@ -403,17 +412,21 @@ impl CounterMap {
                     applied.lanes_expired += 1;
                     continue;
                 }
-                let left_out = entry.lanes.len() - index;
+                let left_out = &entry.lanes[index..];
+                // An honest sender's lanes run in version order; the lowest left out
+                // holds the watermark down even if they do not.
+                let lowest = left_out.iter().map(|update| update.version).min();
                 let (lane, window) = (update.lane, update.key.window);
-                if !lane_within_rate(lane, window, self.lane_rate_max, now_unix_secs) {
-                    applied.lanes_throttled += left_out;
-                    refused_at = Some(update.version);
+                let writer_now = now_unix_secs.saturating_add(LANE_RATE_SKEW_SECS);
+                if !lane_within_rate(lane, window, self.lane_rate_max, writer_now) {
+                    applied.lanes_throttled += left_out.len();
+                    refused_at = lowest;
                     break;
                 }
                 let full = self.counters.len() >= self.keys_max;
                 if full && !self.counters.contains_key(&update.key) {
-                    applied.lanes_refused += left_out;
-                    refused_at = Some(update.version);
+                    applied.lanes_refused += left_out.len();
+                    refused_at = lowest;
                     break;
                 }
                 let counter = self.counters.entry(update.key.clone()).or_default();
@@ -445,8 +458,8 @@ impl CounterMap {
                     origin.watermark.stamp = origin.watermark.stamp.max(entry.through.stamp);
                 }
                 Some(refused) => {
-                    // The entry's lanes run in version order from the holder's watermark,
-                    // so everything below the refused lane is held.
+                    // The entry's lanes run from the holder's watermark, so everything
+                    // below the lowest left out is held.
                     let below = Version(refused.0.saturating_sub(1)).min(entry.through.version);
                     origin.watermark.version = origin.watermark.version.max(below);
                 }
@@ -484,12 +497,13 @@ impl CounterMap {
 }
 
 /// Whether `lane`'s totals add up to at most `per_sec` for each second `window` has run at
-/// `now_unix_secs`, the first included: the rule [`CounterMap::with_lane_rate_max`] holds
-/// peers' lanes to, and a node holds its own writes to, so that its peers take them.
+/// `now_unix_secs`, the first included (always, at `per_sec` `u64::MAX`): the rule a node
+/// holds its own writes to, so that its peers take them, and that
+/// [`CounterMap::with_lane_rate_max`] holds peers' lanes to, allowing for skew.
 pub fn lane_within_rate(lane: Lane, window: Window, per_sec: u64, now_unix_secs: u64) -> bool {
     let secs = (now_unix_secs.saturating_sub(window.start_unix_secs())).saturating_add(1);
     let claimed = u128::from(lane.incr) + u128::from(lane.decr);
-    claimed <= u128::from(per_sec) * u128::from(secs)
+    per_sec == u64::MAX || claimed <= u128::from(per_sec) * u128::from(secs)
 }
 
 #[cfg(test)]
@@ -717,19 +731,77 @@ mod tests {
                 .incr(replica(1), &key(subject, 60), amount, Stamp(9))
                 .unwrap();
         }
-        let start = key(0, 60).window.start_unix_secs();
+        // The peer's clock reads the window's start less the skew allowed for: a writer
+        // may be in the window's first second, where 100 is the most a lane may hold. Key
+        // 1's 150 waits, and key 2's lane after it.
+        let behind = key(0, 60).window.start_unix_secs() - LANE_RATE_SKEW_SECS;
         let mut peer = CounterMap::new().with_lane_rate_max(100);
-        // In the window's first second, 100 is the most a lane may hold: key 1's 150 waits,
-        // and key 2's lane after it.
-        let applied = peer.apply(&origin.delta_for(&peer.digest(), usize::MAX, 0), start);
+        let applied = peer.apply(&origin.delta_for(&peer.digest(), usize::MAX, 0), behind);
         assert_eq!((applied.lanes_throttled, applied.lanes_refused), (2, 0));
         assert_eq!(peer.value(&key(0, 60)), 100);
         assert_eq!(peer.watermark(replica(1)).version, Version(1));
         assert_eq!(peer.watermark(replica(1)).stamp, Stamp::default());
         // A second later the window covers 200: the rest is taken.
-        let applied = peer.apply(&origin.delta_for(&peer.digest(), usize::MAX, 0), start + 1);
+        let applied = peer.apply(&origin.delta_for(&peer.digest(), usize::MAX, 0), behind + 1);
         assert_eq!(applied.lanes_throttled, 0);
         assert_eq!(peer.watermark(replica(1)), origin.watermark(replica(1)));
         assert_eq!(peer.value(&key(1, 60)), 150);
+    }
+
+    #[test]
+    fn a_writer_ahead_by_the_skew_allowed_has_its_lanes_at_the_rate_taken() {
+        let key = key(0, 60);
+        let start = key.window.start_unix_secs();
+        // The writer's clock is LANE_RATE_SKEW_SECS ahead of the peer's, which reads the
+        // window's start: by its own clock it may hold the rate for 1 + that many seconds.
+        let writer_now = start + LANE_RATE_SKEW_SECS;
+        let most = 100 * (LANE_RATE_SKEW_SECS + 1);
+        assert!(lane_within_rate(
+            Lane::new(most, 0),
+            key.window,
+            100,
+            writer_now
+        ));
+        for (amount, taken) in [(most, true), (most + 1, false)] {
+            let mut origin = CounterMap::new();
+            origin.incr(replica(1), &key, amount, Stamp(9)).unwrap();
+            let mut peer = CounterMap::new().with_lane_rate_max(100);
+            let applied = peer.apply(&origin.delta_for(&peer.digest(), usize::MAX, 0), start);
+            assert_eq!(applied.lanes_throttled, usize::from(!taken), "{amount}");
+            assert_eq!(peer.value(&key) != 0, taken, "{amount}");
+        }
+    }
+
+    #[test]
+    fn the_default_map_holds_no_lane_to_a_rate() {
+        let key = key(0, 60);
+        let mut origin = CounterMap::new();
+        origin.incr(replica(1), &key, u64::MAX, Stamp(9)).unwrap();
+        origin.decr(replica(1), &key, u64::MAX, Stamp(9)).unwrap();
+        let mut peer = CounterMap::new();
+        let start = key.window.start_unix_secs();
+        let applied = peer.apply(&origin.delta_for(&peer.digest(), usize::MAX, 0), start);
+        assert_eq!(applied.lanes_throttled, 0);
+        assert_eq!(peer.watermark(replica(1)), origin.watermark(replica(1)));
+    }
+
+    #[test]
+    fn a_cut_holds_the_watermark_below_the_lowest_lane_left_out_whatever_their_order() {
+        let mut origin = CounterMap::new();
+        for subject in 0..3 {
+            origin
+                .incr(replica(1), &key(subject, 60), 1, Stamp(9))
+                .unwrap();
+        }
+        let mut delta = origin.delta_for(&Digest::default(), usize::MAX, 0);
+        // Versions 1, 3, 2, with version 3's lane past the rate: version 2 was never taken.
+        let lanes = &mut delta.origins[0].lanes;
+        lanes.swap(1, 2);
+        lanes[1].lane = Lane::new(1_000, 0);
+        let mut peer = CounterMap::new().with_lane_rate_max(10);
+        let behind = key(0, 60).window.start_unix_secs() - LANE_RATE_SKEW_SECS;
+        let applied = peer.apply(&delta, behind);
+        assert_eq!(applied.lanes_throttled, 2);
+        assert_eq!(peer.watermark(replica(1)).version, Version(1));
     }
 }

@@ -329,6 +329,18 @@ impl Config {
             if rule.locations == Some(0) {
                 return Err(bad(key("locations"), "must be at least 1".into()));
             }
+            if rule.mode == RuleMode::Exact && rule.limit > self.lane_rate_max_per_sec {
+                // The region counts its admissions in its own lanes, unchecked, from the
+                // window's first second: peers would leave a lane past the rate out.
+                return Err(bad(
+                    key("limit"),
+                    format!(
+                        "an exact rule's limit ({}) must be at most lane_rate_max_per_sec \
+                         ({}): peers would not take the region's count of it",
+                        rule.limit, self.lane_rate_max_per_sec
+                    ),
+                ));
+            }
             if rule.mode == RuleMode::Exact && self.role == Role::Edge && self.region.is_none() {
                 return Err(bad(
                     key("mode"),
@@ -443,6 +455,12 @@ window_secs = 60
         );
         let with_region = format!("region = {{ node = 9, addr = \"127.0.0.9:7001\" }}\n{exact}");
         assert!(parse(&with_region).is_ok());
+        let slow = with_region.replace("node_id = 1", "node_id = 1\nlane_rate_max_per_sec = 99");
+        let err = parse(&slow).unwrap_err().to_string();
+        assert!(
+            err.contains("rules[0].limit") && err.contains("lane_rate_max_per_sec"),
+            "{err}"
+        );
     }
 
     #[test]

@@ -151,7 +151,8 @@ impl Driver {
                 continue;
             };
             // At the key cap a remote key is not held in the store: its estimate reads
-            // only what is counted here until keys expire. Counted like a local refusal.
+            // only what is counted here until its lanes change again after the store has
+            // room, or its window ends (ARCHITECTURE.md). Counted like a local refusal.
             if self
                 .store
                 .publish_remote(key, counter.value_without(me))
