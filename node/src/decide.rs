@@ -103,8 +103,19 @@ pub fn key<'a>(
 impl Context<'_> {
     /// Adds `amount` (or subtracts it) and returns the count after the write.
     pub fn count(&mut self, key: KeyRef<'_>, amount: u64, incr: bool) -> Result<Estimate, Refusal> {
+        self.write(key, amount, incr, "amount")
+    }
+
+    /// [`Context::count`], a refusal naming the request's `field` that carried `amount`.
+    fn write(
+        &mut self,
+        key: KeyRef<'_>,
+        amount: u64,
+        incr: bool,
+        field: &'static str,
+    ) -> Result<Estimate, Refusal> {
         if amount == 0 {
-            return Err(bad("amount", "must be at least 1".into()));
+            return Err(bad(field, "must be at least 1".into()));
         }
         let own = self.store.own(key);
         let after = if incr {
@@ -118,7 +129,7 @@ impl Context<'_> {
                  each second of its window so far; peers would not take it",
                 self.lane_rate_max
             );
-            return Err(bad("amount", why));
+            return Err(bad(field, why));
         }
         // Logged first, so a write the log refuses changes nothing; flushed by the caller
         // before it awaits anything, so the gossip task never sees a lane the log lacks.
@@ -175,7 +186,7 @@ impl Context<'_> {
         let (allowed, estimate) = match rule.on_region_unavailable {
             OnRegionUnavailable::Error => return Err(unavailable),
             OnRegionUnavailable::Approximate => return self.check(rule, key, cost),
-            OnRegionUnavailable::Allow => (true, self.count(key, cost, true)?.estimate),
+            OnRegionUnavailable::Allow => (true, self.write(key, cost, true, "cost")?.estimate),
             OnRegionUnavailable::Deny => (false, self.store.estimate(key)),
         };
         let staleness = self.staleness();
@@ -219,7 +230,7 @@ impl Context<'_> {
             )
         };
         let estimate = if allowed {
-            self.count(key, cost, true)?.estimate
+            self.write(key, cost, true, "cost")?.estimate
         } else {
             self.store.estimate(key)
         };
@@ -390,6 +401,13 @@ mod tests {
         assert!(context.count(key, 2, false).is_err());
         assert_eq!(store.own(key), Lane::new(most - 1, 0), "nothing counted");
         assert!(context.count(key, 1, false).is_ok());
+        // A check whose cost the rule would admit is refused the same way, naming its cost.
+        let checked = context.check(&rule, key, 2);
+        assert!(
+            matches!(&checked, Err(Refusal::BadField { field, .. }) if field == "cost"),
+            "{checked:?}"
+        );
+        assert_eq!(store.own(key), Lane::new(most - 1, 1), "nothing counted");
     }
 
     #[test]
