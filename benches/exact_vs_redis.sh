@@ -135,6 +135,9 @@ write_config() {
         echo "listen_client = \"127.0.0.1:$client\""
         echo "listen_http = \"127.0.0.1:$http\""
         echo "data_dir = \"$data\""
+        # An exact rule's limit must be within the lane rate (the region's count of a key
+        # goes to its peers in its own lane).
+        echo "lane_rate_max_per_sec = 1000000000000"
         echo "seeds = [{ node = $peer, addr = \"127.0.0.1:$peer_quic\" }]"
         echo "tls = { ca = \"$work/certs/ca.pem\", cert = \"$work/certs/node-$id.pem\", key = \"$work/certs/node-$id.key\" }"
         echo "[[rules]]"
