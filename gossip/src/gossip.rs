@@ -369,10 +369,7 @@ impl Gossip {
                     digest: self.wanted_from(&digest),
                     members,
                 };
-                let budget = self.delta_budget(envelope.from, &reply);
-                if let Message::Ack { delta, .. } = &mut reply {
-                    *delta = self.delta_answering(&digest, |_| true, budget);
-                }
+                self.fill_delta(&mut reply, &digest, |_| true);
                 self.send(from, &reply);
             }
             Message::Ack { to, .. } | Message::Delta { to, .. } if to != self.config.replica => {
@@ -397,16 +394,12 @@ impl Gossip {
                         Vec::new()
                     },
                 };
-                let budget = self.delta_budget(envelope.from, &reply);
                 // The Ack's digest lists only the origins its sender lacks something of;
                 // every other origin it holds as far as my Syn said, so none is sent.
                 let listed = |origin| digest.origins.contains_key(&origin);
-                let delta = self.delta_answering(&digest, listed, budget);
-                if delta.is_empty() && !differed {
+                self.fill_delta(&mut reply, &digest, listed);
+                if matches!(&reply, Message::Delta { delta, .. } if delta.is_empty()) && !differed {
                     return;
-                }
-                if let Message::Delta { delta: slot, .. } = &mut reply {
-                    *slot = delta;
                 }
                 self.send(from, &reply);
             }
@@ -572,11 +565,36 @@ impl Gossip {
         }
     }
 
-    /// The byte budget for the delta in `message` (sent with an empty delta), so the whole
-    /// frame stays within `frame_bytes_max`.
-    fn delta_budget(&self, from: ReplicaId, message: &Message) -> usize {
-        let without = wire::encode(from, message).len();
-        self.config.frame_bytes_max.saturating_sub(without + 16)
+    /// Puts in `message` (an `Ack` or `Delta` with an empty delta) what a peer holding
+    /// `theirs` lacks of the origins `listed` accepts ([`Gossip::delta_answering`]), as
+    /// much as its frame holds.
+    ///
+    /// The map budgets a lane at its largest possible encoding, several times what it
+    /// usually takes (a frame names a lane's rule and window once, and its totals are
+    /// varints), so a frame cut to the byte budget alone is mostly empty, and a long
+    /// partition heals a round at a time in such frames. Budgets 4 and 2 times larger are
+    /// tried first, each kept only if its frame fits; the plain budget always does.
+    fn fill_delta(
+        &self,
+        message: &mut Message,
+        theirs: &Digest,
+        listed: impl Fn(ReplicaId) -> bool + Copy,
+    ) {
+        let without = wire::encode(self.config.replica, message).len();
+        let budget = self.config.frame_bytes_max.saturating_sub(without + 16);
+        for scale in [4, 2, 1] {
+            let delta = self.delta_answering(theirs, listed, budget.saturating_mul(scale));
+            let (Message::Ack { delta: slot, .. } | Message::Delta { delta: slot, .. }) = message
+            else {
+                return;
+            };
+            *slot = delta;
+            let fits =
+                || wire::encode(self.config.replica, message).len() <= self.config.frame_bytes_max;
+            if scale == 1 || fits() {
+                return;
+            }
+        }
     }
 
     fn members_if_differ(&self, their_hash: u64) -> Vec<MemberEntry> {

@@ -56,6 +56,7 @@ pub struct Network {
     history: VecDeque<(Duration, Frame)>,
     nodes: usize,
     bytes_sent: u64,
+    largest_frame: usize,
 }
 
 impl Network {
@@ -69,6 +70,7 @@ impl Network {
             history: VecDeque::new(),
             nodes,
             bytes_sent: 0,
+            largest_frame: 0,
         }
     }
 
@@ -107,8 +109,14 @@ impl Network {
         self.bytes_sent
     }
 
+    /// The largest frame handed to the network so far, in bytes.
+    pub fn largest_frame(&self) -> usize {
+        self.largest_frame
+    }
+
     pub(super) fn send(&mut self, from: usize, to: usize, bytes: Vec<u8>, now: Duration) {
         self.bytes_sent += bytes.len() as u64;
+        self.largest_frame = self.largest_frame.max(bytes.len());
         if to >= self.nodes || self.blocked.contains(&(from, to)) {
             return;
         }
