@@ -415,18 +415,18 @@ impl CounterMap {
                 let left_out = &entry.lanes[index..];
                 // An honest sender's lanes run in version order; the lowest left out
                 // holds the watermark down even if they do not.
-                let lowest = left_out.iter().map(|update| update.version).min();
+                let lowest = || left_out.iter().map(|update| update.version).min();
                 let (lane, window) = (update.lane, update.key.window);
                 let writer_now = now_unix_secs.saturating_add(LANE_RATE_SKEW_SECS);
                 if !lane_within_rate(lane, window, self.lane_rate_max, writer_now) {
                     applied.lanes_throttled += left_out.len();
-                    refused_at = lowest;
+                    refused_at = lowest();
                     break;
                 }
                 let full = self.counters.len() >= self.keys_max;
                 if full && !self.counters.contains_key(&update.key) {
                     applied.lanes_refused += left_out.len();
-                    refused_at = lowest;
+                    refused_at = lowest();
                     break;
                 }
                 let counter = self.counters.entry(update.key.clone()).or_default();
@@ -775,11 +775,19 @@ mod tests {
     #[test]
     fn the_default_map_holds_no_lane_to_a_rate() {
         let key = key(0, 60);
+        let start = key.window.start_unix_secs();
+        // A writer in its window's first second, where u64::MAX a second would not do.
+        let past_one_second = Lane::new(u64::MAX, 1);
+        assert!(lane_within_rate(
+            past_one_second,
+            key.window,
+            u64::MAX,
+            start
+        ));
         let mut origin = CounterMap::new();
         origin.incr(replica(1), &key, u64::MAX, Stamp(9)).unwrap();
         origin.decr(replica(1), &key, u64::MAX, Stamp(9)).unwrap();
         let mut peer = CounterMap::new();
-        let start = key.window.start_unix_secs();
         let applied = peer.apply(&origin.delta_for(&peer.digest(), usize::MAX, 0), start);
         assert_eq!(applied.lanes_throttled, 0);
         assert_eq!(peer.watermark(replica(1)), origin.watermark(replica(1)));

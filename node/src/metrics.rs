@@ -146,7 +146,7 @@ pub fn render(sources: &Sources<'_>) -> String {
         (
             "gossip_lanes_throttled",
             "Lanes received and left out: they held more than lane_rate_max_per_sec per \
-             second of their window",
+             second of their window, with 90 s for the writer's clock",
             gossip.lanes_throttled,
         ),
         (

@@ -257,8 +257,14 @@ impl FileStorage {
 }
 
 /// The first bytes of a region log: they name its format, so that a log of another format
-/// is refused at start rather than read as a torn tail and truncated.
-pub const MAGIC: &[u8; 8] = b"tallyRL\x02";
+/// is refused at start rather than read as a torn tail and truncated. A new kind of entry
+/// takes a new one: a build that cannot decode an entry reads it as the log's end.
+pub const MAGIC: &[u8; 8] = b"tallyRL\x03";
+
+/// The format before [`Entry::FloorKept`]. It is still read, and appended to (appends are
+/// only `Decided`), so a log keeps it until its first compaction, which writes [`MAGIC`]:
+/// a build from before `FloorKept` can go on reading a log until that log holds one.
+const MAGIC_BEFORE_FLOOR_KEPT: &[u8; 8] = b"tallyRL\x02";
 
 /// Opens (or creates) the log at `path`: returns its storage for appending and the
 /// entries it holds, and how many bytes of torn tail it dropped (from the log's end to the
@@ -284,7 +290,9 @@ pub fn open(path: &Path) -> std::io::Result<(FileStorage, Vec<Entry>, u64)> {
         file.write_all_at(MAGIC, 0)?;
         file.sync_all()?;
         (Vec::new(), MAGIC.len(), bytes.len())
-    } else if let Some(body) = bytes.strip_prefix(MAGIC.as_slice()) {
+    } else if let Some(body) = (bytes.strip_prefix(MAGIC.as_slice()))
+        .or_else(|| bytes.strip_prefix(MAGIC_BEFORE_FLOOR_KEPT.as_slice()))
+    {
         let (entries, valid) = replay(body);
         let end = MAGIC.len() + valid;
         let torn = bytes[end..]
@@ -648,6 +656,36 @@ mod tests {
         assert_eq!(err.kind(), std::io::ErrorKind::InvalidData);
         assert!(err.to_string().contains("not a region log"), "{err}");
         assert_eq!(std::fs::read(&path).unwrap(), old, "left as it was");
+        std::fs::remove_dir_all(dir).unwrap();
+    }
+
+    #[test]
+    fn a_log_of_the_format_before_floor_kept_is_read_and_compacted_to_this_one() {
+        let dir = temp_dir("region-format-before");
+        let path = dir.join("region.log");
+        let decided = entry(0);
+        let old = [
+            MAGIC_BEFORE_FLOOR_KEPT.as_slice(),
+            &encoded(std::slice::from_ref(&decided)),
+        ]
+        .concat();
+        std::fs::write(&path, &old).unwrap();
+        let (mut storage, entries, torn) = open(&path).unwrap();
+        assert_eq!((entries, torn), (vec![decided.clone()], 0));
+        commit(&mut storage, &encoded(&[entry(5)]));
+        let bytes = std::fs::read(&path).unwrap();
+        assert!(
+            bytes.starts_with(MAGIC_BEFORE_FLOOR_KEPT),
+            "appends keep the format"
+        );
+        storage.replace(&encoded(&[entry(3)])).unwrap();
+        let bytes = std::fs::read(&path).unwrap();
+        assert!(
+            bytes.starts_with(MAGIC),
+            "a compaction, which may hold FloorKept, writes this one"
+        );
+        drop(storage);
+        assert_eq!(open(&path).unwrap().1, [entry(3)]);
         std::fs::remove_dir_all(dir).unwrap();
     }
 

@@ -184,6 +184,11 @@ impl Recent {
                     }
                     held_any |= held.is_some();
                 }
+                if !held_any {
+                    // Kept only for its floor: free the ring, which a snapshot would not
+                    // bring back either.
+                    *outcomes = VecDeque::new();
+                }
                 held_any
             }
             Outcomes::Sparse(outcomes) => {
