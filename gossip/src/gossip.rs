@@ -573,7 +573,10 @@ impl Gossip {
     /// usually takes (a frame names a lane's rule and window once, and its totals are
     /// varints), so a frame cut to the byte budget alone is mostly empty, and a long
     /// partition heals a round at a time in such frames. Budgets 4 and 2 times larger are
-    /// tried first, each kept only if its frame fits; the plain budget always does.
+    /// tried first, then the plain budget, each kept only if its frame fits. The plain
+    /// budget leaves room for the rest of the message as encoded without the delta, but a
+    /// delta's newer stamp can lengthen every stamp the rest encodes relative to it; if
+    /// even that frame does not fit, the delta is left empty.
     fn fill_delta(
         &self,
         message: &mut Message,
@@ -582,8 +585,11 @@ impl Gossip {
     ) {
         let without = wire::encode(self.config.replica, message).len();
         let budget = self.config.frame_bytes_max.saturating_sub(without + 16);
-        for scale in [4, 2, 1] {
-            let delta = self.delta_answering(theirs, listed, budget.saturating_mul(scale));
+        for scale in [4, 2, 1, 0] {
+            let delta = match scale {
+                0 => Delta::default(),
+                _ => self.delta_answering(theirs, listed, budget.saturating_mul(scale)),
+            };
             let (Message::Ack { delta: slot, .. } | Message::Delta { delta: slot, .. }) = message
             else {
                 return;
@@ -591,7 +597,7 @@ impl Gossip {
             *slot = delta;
             let fits =
                 || wire::encode(self.config.replica, message).len() <= self.config.frame_bytes_max;
-            if scale == 1 || fits() {
+            if scale == 0 || fits() {
                 return;
             }
         }
@@ -626,12 +632,13 @@ impl Gossip {
             return;
         }
         let frame = wire::encode(self.config.replica, message);
-        assert!(
-            frame.len() <= self.config.frame_bytes_max,
-            "built a {}-byte frame over frame_bytes_max {}",
-            frame.len(),
-            self.config.frame_bytes_max
-        );
+        if frame.len() > self.config.frame_bytes_max {
+            // Deltas and pushes are cut to fit, so only the rest of a message can pass the
+            // limit: an Ack asking for every origin of a digest a member padded with
+            // made-up ones, say. A peer would refuse the frame; it is not sent.
+            self.stats.frames_oversize += 1;
+            return;
+        }
         let by_message = &mut self.stats.bytes_out_by_message;
         let (lanes, kind_bytes) = match message {
             Message::Syn { .. } => (0, &mut by_message.syn),
@@ -898,6 +905,49 @@ mod tests {
             Some(held),
             "a stamp 2 s older is relayed"
         );
+    }
+
+    #[test]
+    fn an_answer_too_large_for_a_frame_is_dropped_and_counted_never_a_panic() {
+        // A member's Syn lists 14,000 made-up origins, about 4 bytes each; the Ack asking
+        // for all of them takes more bytes each (its stamps are far from its newest).
+        let mut gossip = node(2);
+        let origins = (10..14_010)
+            .map(|id| {
+                let origin = ReplicaId::new(NodeId(id), Generation(WALL));
+                let offer = Watermark {
+                    version: Version(1),
+                    stamp: Stamp(WALL),
+                };
+                (origin, offer)
+            })
+            .collect();
+        let syn = Message::Syn {
+            digest: Digest { origins },
+            unlisted: Stamp(0),
+            members_hash: 0,
+        };
+        let frame = wire::encode(node(1).replica(), &syn);
+        assert!(
+            frame.len() <= gossip.config.frame_bytes_max,
+            "the Syn itself fits"
+        );
+        gossip.handle_input(Input::Receive {
+            now: now(1),
+            from: NodeId(1),
+            frame,
+        });
+        loop {
+            match gossip.poll_output() {
+                Output::Send { to, .. } => assert_ne!(to, NodeId(1), "an Ack past the limit went"),
+                Output::Timeout(_) => break,
+                _ => {}
+            }
+        }
+        assert_eq!(gossip.stats().frames_oversize, 1);
+        // And the node goes on answering.
+        let ack = ack_to_syn(&mut gossip, Digest::default(), 2);
+        assert!(matches!(ack, Message::Ack { .. }));
     }
 
     #[test]

@@ -31,6 +31,8 @@ pub struct Stats {
     pub lanes_throttled: u64,
     /// Lane updates sent.
     pub lanes_out: u64,
+    /// Messages not sent because their frame would have passed `frame_bytes_max`.
+    pub frames_oversize: u64,
     /// How old an origin's newest state was when it arrived here (origin stamp against
     /// the local wall clock).
     pub propagation: Histogram,

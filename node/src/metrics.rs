@@ -155,6 +155,11 @@ pub fn render(sources: &Sources<'_>) -> String {
             gossip.lanes_refused,
         ),
         ("gossip_lanes_out", "Lanes sent", gossip.lanes_out),
+        (
+            "gossip_frames_oversize",
+            "Gossip messages not sent: their frame would have passed frame_bytes_max",
+            gossip.frames_oversize,
+        ),
     ];
     for (name, help, value) in pairs {
         counter(&mut registry, name, help, value);
