@@ -261,16 +261,17 @@ impl FileStorage {
 /// takes a new one: a build that cannot decode an entry reads it as the log's end.
 pub const MAGIC: &[u8; 8] = b"tallyRL\x03";
 
-/// The format before [`Entry::FloorKept`]. It is still read, and appended to (appends are
-/// only `Decided`), so a log keeps it until its first compaction, which writes [`MAGIC`]:
-/// a build from before `FloorKept` can go on reading a log until that log holds one.
+/// The format before [`Entry::FloorKept`]. It is still read; the region compacts its log at
+/// start, which writes [`MAGIC`], so a build from before `FloorKept` refuses the log from
+/// then on rather than cutting it at the first `FloorKept`.
 const MAGIC_BEFORE_FLOOR_KEPT: &[u8; 8] = b"tallyRL\x02";
 
 /// Opens (or creates) the log at `path`: returns its storage for appending and the
 /// entries it holds, and how many bytes of torn tail it dropped (from the log's end to the
 /// last byte that was not zero; the file is truncated at the end if there were any). A
 /// compaction's file that was never renamed over the log is removed. A file that does not
-/// start with [`MAGIC`] is refused with `InvalidData`, and left as it is.
+/// start with [`MAGIC`] (or the format before it) is refused with `InvalidData`, and left
+/// as it is.
 pub fn open(path: &Path) -> std::io::Result<(FileStorage, Vec<Entry>, u64)> {
     match std::fs::remove_file(path.with_extension("compact")) {
         Err(err) if err.kind() != std::io::ErrorKind::NotFound => return Err(err),
