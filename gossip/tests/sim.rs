@@ -389,6 +389,24 @@ fn one_node_clock_skew_keeps_windows_fixed_by_the_key() {
 }
 
 #[test]
+fn a_clock_stepping_back_an_hour_and_forward_again_loses_nothing_and_never_panics() {
+    // TESTING.md T2: timers run on the monotonic clock; stamps and windows on the wall.
+    for seed in seeds(1_100, 10) {
+        let mut sim = Sim::new(SimConfig::new(4, seed));
+        write_for(&mut sim, 4, SECOND);
+        sim.set_skew(1, -3_600_000);
+        write_for(&mut sim, 4, 2 * SECOND);
+        sim.set_skew(1, 0);
+        write_for(&mut sim, 4, SECOND);
+        heal_and_check(
+            &mut sim,
+            "a_clock_stepping_back_an_hour_and_forward_again_loses_nothing_and_never_panics",
+            10 * SECOND,
+        );
+    }
+}
+
+#[test]
 fn mixed_faults_over_many_seeds_keep_final_and_mono() {
     use rand::{Rng, SeedableRng};
     for seed in seeds(10_000, 200) {
