@@ -66,8 +66,11 @@ impl Options {
 /// Requests from every clone are pipelined on the one connection: many may be in flight,
 /// and answers are matched to requests by id in whatever order they come. The connection's
 /// tasks run on the Tokio runtime that called [`Client::connect`] (a current-thread runtime
-/// works). When the connection breaks, the requests in flight fail with
-/// [`Error::Disconnected`] and the next request reconnects.
+/// works, while something drives it), after a reconnect too, whichever runtime the call
+/// that reconnects runs on; calls may come from any runtime. When the connection breaks,
+/// the requests in flight fail with [`Error::Disconnected`] and the next request
+/// reconnects; once the connecting runtime is shut down, every call fails with
+/// `Disconnected`.
 #[derive(Clone)]
 pub struct Client {
     inner: Arc<Inner>,

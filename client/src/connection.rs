@@ -57,12 +57,12 @@ pub(crate) struct Connection {
 }
 
 impl Connection {
-    /// Connects to `endpoint` and spawns the first link's tasks on the current runtime.
-    /// Calls wait at most `timeout` for their answers.
+    /// Connects to `endpoint` and spawns the first link's tasks on the current runtime, as
+    /// every later link's. Calls wait at most `timeout` for their answers.
     pub(crate) async fn open(endpoint: &Endpoint, timeout: Duration) -> Result<Connection, Error> {
         let socket = Socket::connect(endpoint).await?;
         let connection = Connection {
-            shared: Arc::new(Shared::new(timeout)),
+            shared: Arc::new(Shared::new(timeout, tokio::runtime::Handle::current())),
         };
         connection.start(socket);
         Ok(connection)
@@ -203,15 +203,46 @@ impl WriteHalf {
     }
 }
 
-/// Starts a link on `read` and `write`: its writer, reader and sweeper tasks.
+/// Starts a link on `read` and `write`: its writer, reader and sweeper tasks, on the
+/// runtime the connection was opened on (whichever caller reconnects).
 fn spawn_link<R>(shared: &Arc<Shared>, read: R, write: WriteHalf)
 where
     R: AsyncRead + Unpin + Send + 'static,
 {
     let link = shared.begin_link(write);
-    tokio::spawn(write_requests(Arc::clone(shared), link));
-    tokio::spawn(read_responses(read, Arc::clone(shared), link));
-    tokio::spawn(sweep(Arc::clone(shared), link));
+    let guard = || CloseOnDrop {
+        shared: Arc::clone(shared),
+        link,
+    };
+    let runtime = &shared.runtime;
+    let (writer, reader, sweeper) = (guard(), guard(), guard());
+    runtime.spawn(async move {
+        write_requests(Arc::clone(&writer.shared), link).await;
+        drop(writer);
+    });
+    runtime.spawn(async move {
+        read_responses(read, Arc::clone(&reader.shared), link).await;
+        drop(reader);
+    });
+    runtime.spawn(async move {
+        sweep(Arc::clone(&sweeper.shared), link).await;
+        drop(sweeper);
+    });
+}
+
+/// Closes its link when dropped. Each of a link's tasks holds one, so a task that ends
+/// any way (a panic, its runtime shut down, or never run because the runtime was already
+/// gone) fails the link's calls with `Disconnected` instead of leaving them waiting, and
+/// the next call reconnects. Closing a link already closed does nothing.
+struct CloseOnDrop {
+    shared: Arc<Shared>,
+    link: u64,
+}
+
+impl Drop for CloseOnDrop {
+    fn drop(&mut self) {
+        self.shared.close(self.link, Broken::Disconnected);
+    }
 }
 
 /// One request's round trip: encoded into the outbox on its first poll, then waiting for
@@ -373,6 +404,8 @@ struct Shared {
     /// How long a call waits for its answer.
     timeout: Duration,
     deadlines: Deadlines,
+    /// The runtime the connection was opened on, where every link's tasks run.
+    runtime: tokio::runtime::Handle,
 }
 
 /// Everything under the connection's one lock. Nothing under it waits (the most is one
@@ -445,7 +478,7 @@ impl State {
 
 impl Shared {
     /// No link open yet.
-    fn new(timeout: Duration) -> Shared {
+    fn new(timeout: Duration, runtime: tokio::runtime::Handle) -> Shared {
         Shared {
             state: Mutex::new(State {
                 in_flight: InFlight::new(1),
@@ -466,6 +499,7 @@ impl Shared {
             sweeper: Notify::new(),
             timeout,
             deadlines: Deadlines::new(timeout),
+            runtime,
         }
     }
 

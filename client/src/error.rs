@@ -6,9 +6,10 @@ use crate::wire::Refusal;
 
 /// Why a call failed, and whether the sidecar's state may have changed.
 ///
-/// Each variant says what is known about the request: [`Error::Refused`] and
-/// [`Error::Connect`] mean nothing was counted; [`Error::Timeout`], [`Error::Disconnected`]
-/// and [`Error::Protocol`] mean the outcome is unknown.
+/// Each variant says what is known about the request: [`Error::Connect`] and most
+/// refusals mean nothing was counted, but the region may have counted an exact check
+/// refused with `RegionUnavailable`, `Storage` or `Forgotten`; [`Error::Timeout`],
+/// [`Error::Disconnected`] and [`Error::Protocol`] mean the outcome is unknown.
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
 pub enum Error {
@@ -57,8 +58,9 @@ impl Error {
     /// again gets the same answer.
     ///
     /// Retryable does not mean safe to retry. After a `Timeout` or a `Disconnected` the
-    /// first request may have been applied, so retrying an `incr`, `decr` or `check` may
-    /// count twice. Retry those only where an overcount is acceptable, except a check of an
+    /// first request may have been applied, and after a refusal `RegionUnavailable` or
+    /// `Storage` the region may still have counted the exact check, so retrying an `incr`,
+    /// `decr` or `check` may count twice. Retry those only where an overcount is acceptable, except a check of an
     /// exact rule sent again under its [`CheckId`](crate::CheckId)
     /// ([`Client::check_with_id`](crate::Client::check_with_id)): that counts once.
     pub fn is_retryable(&self) -> bool {

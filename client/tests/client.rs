@@ -720,3 +720,57 @@ async fn a_dropped_pipeline_leaves_the_connection_serving_and_its_late_answers_r
     assert_eq!(client.get("login", "user-42").await.unwrap(), estimate(9));
     server.await.unwrap();
 }
+
+#[test]
+fn calls_fail_rather_than_hang_once_the_connecting_runtime_is_gone() {
+    // The connection's tasks run on the runtime that connected. Once it is shut down, a
+    // call from another runtime must fail (the tasks were dropped with the link open),
+    // and so must its reconnect, whose tasks the dead runtime can never run.
+    let current_thread = || {
+        tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap()
+    };
+    // The sidecar, on a thread and runtime of its own, answers every connection.
+    let (endpoint_sender, endpoint) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        current_thread().block_on(async move {
+            let (listener, endpoint) = listen().await;
+            endpoint_sender.send(endpoint).unwrap();
+            loop {
+                let (stream, _) = listener.accept().await.unwrap();
+                tokio::spawn(async move {
+                    let (mut read, mut write) = stream.into_split();
+                    while let Some(request) = read_request(&mut read).await {
+                        let response = Response {
+                            id: request.id,
+                            result: Ok(Reply::Counted(estimate(1))),
+                        };
+                        write_responses(&mut write, &[response]).await;
+                    }
+                });
+            }
+        })
+    });
+    let endpoint = endpoint.recv().unwrap();
+    let connecting = current_thread();
+    let client = connecting.block_on(async {
+        let client = Client::connect(endpoint, options()).await.unwrap();
+        assert_eq!(
+            client.incr("login", "user-42", 1).await.unwrap(),
+            estimate(1)
+        );
+        client
+    });
+    drop(connecting);
+    current_thread().block_on(async {
+        for _ in 0..2 {
+            let call = client.incr("login", "user-42", 1);
+            let result = tokio::time::timeout(Duration::from_secs(10), call)
+                .await
+                .expect("the call came back");
+            assert!(matches!(result, Err(Error::Disconnected)), "{result:?}");
+        }
+    });
+}
