@@ -51,7 +51,7 @@ pub fn wall() -> Stamp {
     Stamp(since.as_millis() as u64)
 }
 
-/// Wall-clock microseconds since the unix epoch: a number that grows across restarts.
+/// Wall-clock microseconds since the unix epoch.
 #[allow(clippy::disallowed_methods)]
 pub fn wall_micros() -> u64 {
     SystemTime::now()

@@ -18,7 +18,7 @@ use crate::transport::{Sessions, Transport, TransportStats};
 use crate::view::View;
 use std::future::Future;
 use std::sync::{Arc, Mutex};
-use tally_crdt::{CounterMap, Generation, KeyError, NodeId, ReplicaId, Version};
+use tally_crdt::{CounterMap, Generation, KeyError, NodeId, ReplicaId};
 use tally_gossip::Gossip;
 use tokio::net::{TcpListener, UnixListener};
 use tokio::sync::watch;
@@ -89,15 +89,14 @@ pub async fn run(config: Config, shutdown: impl Future<Output = ()>) -> Result<(
         recovered.torn
     );
 
-    // Earlier lives' logged lanes, re-published above any version a peer may hold: a
-    // life writes far fewer versions than microseconds pass between two starts.
+    // Earlier lives' logged lanes, re-published above any version a peer may hold.
     // Peers' lanes may add keys only up to the same cap as the lane store's, and claim no
     // more than the configured rate over their window.
     let mut map = CounterMap::new()
         .with_keys_max(config.keys_max)
         .with_lane_rate_max(config.lane_rate_max_per_sec);
     for (retired, lanes) in &recovered.retired {
-        map.raise_version(*retired, Version(clock::wall_micros()));
+        map.raise_version(*retired, recovered.republish_floor());
         for (key, lane) in lanes {
             map.write(*retired, key, *lane, now.wall);
         }

@@ -3,16 +3,19 @@
 //!
 //! # Restart semantics
 //!
-//! Every start takes a new generation, `max(last + 1, wall-clock ms)`, written and synced
-//! before the node serves: a replica id is never used by two lives, even when the data
-//! directory was wiped (the wall clock then keeps it new, unless it stepped back past the
-//! previous start).
+//! Every start takes a new generation, above the last one, above every log's in the
+//! directory, and at least the wall clock in ms, written and synced before the node
+//! serves: a replica id is never used by two lives, even when the generation file was lost
+//! (a generation file that does not parse stops the start), or the data directory was
+//! wiped (the wall clock then keeps it new, unless it stepped back past the previous
+//! start).
 //!
 //! A life's writes are appended to `lanes-<generation>.log` before they are acknowledged
 //! and before the gossip task can see them (see `listener`), so a log holds at least every
 //! lane value any peer ever received from that life. After a restart the node replays the
 //! logs of its earlier lives and re-publishes their lanes as those (retired) replicas, at
-//! versions above any a peer can hold (`CounterMap::raise_version`), so the merge of the
+//! versions above any a peer can hold (`CounterMap::raise_version` to
+//! [`Recovered::republish_floor`]), so the merge of the
 //! logged totals with the peers' copies is the largest of both: nothing acknowledged is
 //! lost, and nothing is counted twice. A log is deleted once every window in it is over.
 //!
@@ -25,7 +28,7 @@ use serde::{Deserialize, Serialize};
 use std::fs::{File, OpenOptions};
 use std::io::{Read, Write};
 use std::path::{Path, PathBuf};
-use tally_crdt::{Generation, Key, Lane, NodeId, ReplicaId, Rule, Subject, Window};
+use tally_crdt::{Generation, Key, Lane, NodeId, ReplicaId, Rule, Subject, Version, Window};
 
 /// Why the data directory could not be used. The node refuses to start, or (once
 /// serving) refuses every write after a failed append.
@@ -69,6 +72,17 @@ pub struct Recovered {
     pub torn: usize,
 }
 
+impl Recovered {
+    /// The version earlier lives' lanes are re-published above: this generation in
+    /// microseconds, above every version a peer can hold of them. A life's own versions
+    /// count up from 0, far below; the last start re-published them one version per lane
+    /// above its own generation in microseconds, and this generation is past that
+    /// ([`open`]), whatever the clock says now.
+    pub fn republish_floor(&self) -> Version {
+        Version(self.generation.0.saturating_mul(1_000))
+    }
+}
+
 /// Opens `dir` for `node`: picks and syncs the new generation, replays earlier logs,
 /// deletes the ones whose windows are all over, and opens this life's log.
 pub fn open(
@@ -84,31 +98,32 @@ pub fn open(
     std::fs::create_dir_all(dir).map_err(io(dir))?;
     let generation_file = dir.join("generation");
     let last = match std::fs::read_to_string(&generation_file) {
-        Ok(text) => text.trim().parse::<u64>().unwrap_or(0),
+        Ok(text) => text.trim().parse::<u64>().map_err(|_| {
+            let why = format!(
+                "holds {text:?}, not a generation; not started, so that no generation is \
+                 used twice (remove the file if the directory's logs are to be kept \
+                 and the clock is right)"
+            );
+            let source = std::io::Error::new(std::io::ErrorKind::InvalidData, why);
+            io(&generation_file)(source)
+        })?,
         Err(err) if err.kind() == std::io::ErrorKind::NotFound => 0,
         Err(source) => return Err(io(&generation_file)(source)),
     };
-    let generation = Generation((last + 1).max(wall_ms));
-    write_synced(
-        &dir.join("generation.tmp"),
-        generation.0.to_string().as_bytes(),
-    )?;
-    std::fs::rename(dir.join("generation.tmp"), &generation_file).map_err(io(&generation_file))?;
-    sync_dir(dir)?;
 
-    let mut recovered = Recovered {
-        generation,
-        retired: Vec::new(),
-        torn: 0,
-    };
+    let mut retired = Vec::new();
+    let (mut torn, mut log_generation_max, mut lanes_max) = (0, 0, 0);
     let entries = std::fs::read_dir(dir).map_err(io(dir))?;
     for entry in entries {
         let path = entry.map_err(io(dir))?.path();
         let Some(old) = log_generation(&path) else {
             continue;
         };
-        let (lanes, torn) = replay(&path)?;
-        recovered.torn += torn;
+        log_generation_max = log_generation_max.max(old);
+        let (lanes, dropped) = replay(&path)?;
+        torn += dropped;
+        // Counted with the expired ones: the last start re-published the log as it was.
+        lanes_max = lanes_max.max(lanes.len() as u64);
         let live: Vec<(Key, Lane)> = lanes
             .into_iter()
             .filter(|(key, _)| key.window.is_live(now_unix_secs))
@@ -116,11 +131,29 @@ pub fn open(
         if live.is_empty() {
             std::fs::remove_file(&path).map_err(io(&path))?;
         } else {
-            recovered
-                .retired
-                .push((ReplicaId::new(node, Generation(old)), live));
+            retired.push((ReplicaId::new(node, Generation(old)), live));
         }
     }
+    // The last start re-published each earlier life's lanes from `last * 1000` up, one
+    // version per lane (`Recovered::republish_floor`): skip past them, a millisecond per
+    // thousand lanes, whatever the clock says now.
+    let past_republished = (last + 1).saturating_add(lanes_max / 1_000 + 1);
+    let generation = Generation(
+        past_republished
+            .max(wall_ms)
+            .max(log_generation_max.saturating_add(1)),
+    );
+    write_synced(
+        &dir.join("generation.tmp"),
+        generation.0.to_string().as_bytes(),
+    )?;
+    std::fs::rename(dir.join("generation.tmp"), &generation_file).map_err(io(&generation_file))?;
+    sync_dir(dir)?;
+    let recovered = Recovered {
+        generation,
+        retired,
+        torn,
+    };
     let path = dir.join(format!("lanes-{}.log", generation.0));
     let file = OpenOptions::new()
         .create(true)
@@ -330,9 +363,10 @@ mod tests {
         log.append(&key("b"), 1, 0).unwrap();
         log.flush().unwrap();
         drop(log);
-        // The wall clock stepped back: the generation still rises.
+        // The wall clock stepped back: the generation still rises, past the versions the
+        // last start could have re-published at (`republish_floor`).
         let (_, second) = open(&dir, NodeId(1), 2, NOW).unwrap();
-        assert_eq!(second.generation, Generation(6));
+        assert_eq!(second.generation, Generation(7));
         assert_eq!(second.retired.len(), 1);
         let (replica, mut lanes) = second.retired.into_iter().next().unwrap();
         assert_eq!(replica, ReplicaId::new(NodeId(1), Generation(5)));
@@ -379,6 +413,60 @@ mod tests {
         std::fs::write(&path, &flipped).unwrap();
         let (lanes, torn) = replay(&path).unwrap();
         assert_eq!((lanes[0].1.incr, torn), (1, 1));
+        std::fs::remove_dir_all(dir).unwrap();
+    }
+
+    #[test]
+    fn re_published_lanes_go_above_the_last_starts_whatever_the_clock() {
+        let dir = dir("republish");
+        let (mut log, _) = open(&dir, NodeId(1), 1_000, NOW).unwrap();
+        for subject in 0..2_500 {
+            log.append(&key(&format!("s{subject}")), 1, 0).unwrap();
+        }
+        log.flush().unwrap();
+        drop(log);
+        // The next start re-publishes the 2,500 lanes, one version each above its floor;
+        // then the clock steps back an hour before the start after.
+        let (_, next) = open(&dir, NodeId(1), 3_600_000, NOW).unwrap();
+        let highest = next.republish_floor().0 + 2_500;
+        let (_, after) = open(&dir, NodeId(1), 5, NOW).unwrap();
+        assert!(
+            after.republish_floor().0 > highest,
+            "{:?} is not above {highest}",
+            after.republish_floor()
+        );
+        std::fs::remove_dir_all(dir).unwrap();
+    }
+
+    #[test]
+    fn a_generation_file_that_does_not_parse_stops_the_start() {
+        let dir = dir("generation-bad");
+        std::fs::create_dir_all(&dir).unwrap();
+        std::fs::write(dir.join("generation"), "not a number").unwrap();
+        let err = open(&dir, NodeId(1), 5, NOW).unwrap_err().to_string();
+        assert!(
+            err.contains("generation") && err.contains("not a number"),
+            "{err}"
+        );
+        std::fs::remove_dir_all(dir).unwrap();
+    }
+
+    #[test]
+    fn a_lost_generation_file_never_brings_back_a_logs_generation() {
+        let dir = dir("generation-lost");
+        let (mut log, first) = open(&dir, NodeId(1), 5, NOW).unwrap();
+        log.append(&key("a"), 3, 0).unwrap();
+        log.flush().unwrap();
+        drop(log);
+        std::fs::remove_file(dir.join("generation")).unwrap();
+        // With the clock behind the old life's start, only its log remembers it.
+        let (_, second) = open(&dir, NodeId(1), 2, NOW).unwrap();
+        assert!(
+            second.generation > first.generation,
+            "{:?}",
+            second.generation
+        );
+        assert_eq!(second.retired[0].0.generation, first.generation);
         std::fs::remove_dir_all(dir).unwrap();
     }
 
