@@ -72,7 +72,14 @@ impl Connection {
     ///
     /// Callers take turns: a link starts only while none is open.
     pub(crate) async fn reopen(&self, endpoint: &Endpoint) -> Result<(), Error> {
-        let socket = Socket::connect(endpoint).await?;
+        // Connected on the runtime the link's tasks run on: a socket is served by the
+        // runtime it was made on, and the caller's may never run again.
+        let endpoint = endpoint.clone();
+        let connect = self
+            .shared
+            .runtime
+            .spawn(async move { Socket::connect(&endpoint).await });
+        let socket = connect.await.map_err(|_gone| Error::Disconnected)??;
         self.start(socket);
         Ok(())
     }

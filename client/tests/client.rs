@@ -774,3 +774,76 @@ fn calls_fail_rather_than_hang_once_the_connecting_runtime_is_gone() {
         }
     });
 }
+
+#[test]
+fn a_reconnect_made_from_another_runtime_keeps_serving_once_that_runtime_idles() {
+    let current_thread = || {
+        tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap()
+    };
+    // The sidecar closes its first connection after one answer, and answers every later
+    // one in full.
+    let (endpoint_sender, endpoint) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        current_thread().block_on(async move {
+            let (listener, endpoint) = listen().await;
+            endpoint_sender.send(endpoint).unwrap();
+            for connection in 0.. {
+                let (stream, _) = listener.accept().await.unwrap();
+                tokio::spawn(async move {
+                    let (mut read, mut write) = stream.into_split();
+                    while let Some(request) = read_request(&mut read).await {
+                        let response = Response {
+                            id: request.id,
+                            result: Ok(Reply::Counted(estimate(1))),
+                        };
+                        write_responses(&mut write, &[response]).await;
+                        if connection == 0 {
+                            return;
+                        }
+                    }
+                });
+            }
+        })
+    });
+    let endpoint = endpoint.recv().unwrap();
+    // The application's runtime connects, and keeps running on its own thread.
+    let (client_sender, client) = std::sync::mpsc::channel();
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let application = std::thread::spawn(move || {
+        current_thread().block_on(async move {
+            let client = Client::connect(endpoint, options()).await.unwrap();
+            assert_eq!(
+                client.incr("login", "user-42", 1).await.unwrap(),
+                estimate(1)
+            );
+            client_sender.send(client).unwrap();
+            stopped.await.unwrap();
+        })
+    });
+    let client = client.recv().unwrap();
+    // A helper's runtime finds the connection closed and reconnects, then idles.
+    current_thread().block_on(async {
+        let mut answered = false;
+        for _ in 0..100 {
+            match client.incr("login", "user-42", 1).await {
+                Ok(counted) => {
+                    assert_eq!(counted, estimate(1));
+                    answered = true;
+                    break;
+                }
+                Err(Error::Disconnected) => tokio::time::sleep(Duration::from_millis(10)).await,
+                Err(err) => panic!("{err:?}"),
+            }
+        }
+        assert!(answered, "the helper's calls never got through");
+    });
+    // Another caller is still answered: the new link is served by the application's
+    // runtime, not by the helper's, which no longer runs.
+    let result = current_thread().block_on(client.incr("login", "user-42", 1));
+    assert_eq!(result.unwrap(), estimate(1));
+    stop.send(()).unwrap();
+    application.join().unwrap();
+}
