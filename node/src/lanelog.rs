@@ -3,8 +3,9 @@
 //!
 //! # Restart semantics
 //!
-//! Every start takes a new generation, above the last one, above every log's in the
-//! directory, and at least the wall clock in ms, written and synced before the node
+//! Every start takes a new generation, above the last one and every log's in the
+//! directory (by more than the versions the last start re-published at), and at least the
+//! wall clock in ms, written and synced before the node
 //! serves: a replica id is never used by two lives, even when the generation file was lost
 //! (a generation file that does not parse stops the start), or the data directory was
 //! wiped (the wall clock then keeps it new, unless it stepped back past the previous
@@ -46,6 +47,11 @@ pub enum LogError {
     #[error("data dir: the lane log failed earlier ({0}); writes are refused until restart")]
     Failed(String),
 }
+
+/// The largest generation a start takes, so that its floor in microseconds
+/// ([`Recovered::republish_floor`]) and the versions above it fit a `u64`: the wall clock in
+/// ms is about 1.8 * 10^12, this is about 9.2 * 10^15.
+const GENERATION_MAX: u64 = u64::MAX / 2_000;
 
 /// A log grown past this many bytes (or twice its size after the last compaction, if that
 /// is more) is rewritten as one record per live key.
@@ -134,15 +140,21 @@ pub fn open(
             retired.push((ReplicaId::new(node, Generation(old)), live));
         }
     }
-    // The last start re-published each earlier life's lanes from `last * 1000` up, one
-    // version per lane (`Recovered::republish_floor`): skip past them, a millisecond per
-    // thousand lanes, whatever the clock says now.
-    let past_republished = (last + 1).saturating_add(lanes_max / 1_000 + 1);
-    let generation = Generation(
-        past_republished
-            .max(wall_ms)
-            .max(log_generation_max.saturating_add(1)),
-    );
+    // The last start re-published each earlier life's lanes from its generation times
+    // 1000 up, one version per lane (`Recovered::republish_floor`): skip past them, a
+    // millisecond per thousand lanes, whatever the clock says now. Its generation is the
+    // newest log's, or the file's if that was lost.
+    let previous = last.max(log_generation_max);
+    let generation = previous.saturating_add(2 + lanes_max / 1_000).max(wall_ms);
+    if generation > GENERATION_MAX {
+        let why = format!(
+            "the next generation, {generation}, is past {GENERATION_MAX}: the file or a \
+             lanes-<generation>.log name is not one this node wrote"
+        );
+        let source = std::io::Error::new(std::io::ErrorKind::InvalidData, why);
+        return Err(io(&generation_file)(source));
+    }
+    let generation = Generation(generation);
     write_synced(
         &dir.join("generation.tmp"),
         generation.0.to_string().as_bytes(),
@@ -426,9 +438,11 @@ mod tests {
         log.flush().unwrap();
         drop(log);
         // The next start re-publishes the 2,500 lanes, one version each above its floor;
-        // then the clock steps back an hour before the start after.
+        // then the clock steps back an hour, and the generation file is lost, before the
+        // start after.
         let (_, next) = open(&dir, NodeId(1), 3_600_000, NOW).unwrap();
         let highest = next.republish_floor().0 + 2_500;
+        std::fs::remove_file(dir.join("generation")).unwrap();
         let (_, after) = open(&dir, NodeId(1), 5, NOW).unwrap();
         assert!(
             after.republish_floor().0 > highest,
@@ -439,7 +453,7 @@ mod tests {
     }
 
     #[test]
-    fn a_generation_file_that_does_not_parse_stops_the_start() {
+    fn a_generation_file_that_does_not_parse_or_is_out_of_range_stops_the_start() {
         let dir = dir("generation-bad");
         std::fs::create_dir_all(&dir).unwrap();
         std::fs::write(dir.join("generation"), "not a number").unwrap();
@@ -448,6 +462,10 @@ mod tests {
             err.contains("generation") && err.contains("not a number"),
             "{err}"
         );
+        // Nor one whose floor in microseconds would not fit.
+        std::fs::write(dir.join("generation"), (u64::MAX - 7).to_string()).unwrap();
+        let err = open(&dir, NodeId(1), 5, NOW).unwrap_err().to_string();
+        assert!(err.contains("generation") && err.contains("past"), "{err}");
         std::fs::remove_dir_all(dir).unwrap();
     }
 
