@@ -450,11 +450,7 @@ async fn callers_on_other_threads_each_get_their_own_answer() {
             for thread in 0..THREADS {
                 let client = callers.clone();
                 scope.spawn(move || {
-                    let runtime = tokio::runtime::Builder::new_current_thread()
-                        .enable_all()
-                        .build()
-                        .unwrap();
-                    runtime.block_on(async {
+                    current_thread().block_on(async {
                         let tasks: Vec<_> = (0..2)
                             .map(|task| {
                                 let client = client.clone();
@@ -721,25 +717,25 @@ async fn a_dropped_pipeline_leaves_the_connection_serving_and_its_late_answers_r
     server.await.unwrap();
 }
 
-#[test]
-fn calls_fail_rather_than_hang_once_the_connecting_runtime_is_gone() {
-    // The connection's tasks run on the runtime that connected. Once it is shut down, a
-    // call from another runtime must fail (the tasks were dropped with the link open),
-    // and so must its reconnect, whose tasks the dead runtime can never run.
-    let current_thread = || {
-        tokio::runtime::Builder::new_current_thread()
-            .enable_all()
-            .build()
-            .unwrap()
-    };
-    // The sidecar, on a thread and runtime of its own, answers every connection.
+/// A current-thread runtime, as an application's thread would run.
+fn current_thread() -> tokio::runtime::Runtime {
+    tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap()
+}
+
+/// A sidecar on a thread and runtime of its own, answering every request with a count of 1;
+/// if `drop_first`, it closes its first connection after one answer.
+fn sidecar_on_its_own_thread(drop_first: bool) -> Endpoint {
     let (endpoint_sender, endpoint) = std::sync::mpsc::channel();
     std::thread::spawn(move || {
         current_thread().block_on(async move {
             let (listener, endpoint) = listen().await;
             endpoint_sender.send(endpoint).unwrap();
-            loop {
+            for connection in 0.. {
                 let (stream, _) = listener.accept().await.unwrap();
+                let once = drop_first && connection == 0;
                 tokio::spawn(async move {
                     let (mut read, mut write) = stream.into_split();
                     while let Some(request) = read_request(&mut read).await {
@@ -748,12 +744,23 @@ fn calls_fail_rather_than_hang_once_the_connecting_runtime_is_gone() {
                             result: Ok(Reply::Counted(estimate(1))),
                         };
                         write_responses(&mut write, &[response]).await;
+                        if once {
+                            return;
+                        }
                     }
                 });
             }
         })
     });
-    let endpoint = endpoint.recv().unwrap();
+    endpoint.recv().unwrap()
+}
+
+#[test]
+fn calls_fail_rather_than_hang_once_the_connecting_runtime_is_gone() {
+    // The connection's tasks run on the runtime that connected. Once it is shut down, a
+    // call from another runtime must fail (the tasks were dropped with the link open),
+    // and so must its reconnect, whose tasks the dead runtime can never run.
+    let endpoint = sidecar_on_its_own_thread(false);
     let connecting = current_thread();
     let client = connecting.block_on(async {
         let client = Client::connect(endpoint, options()).await.unwrap();
@@ -777,38 +784,7 @@ fn calls_fail_rather_than_hang_once_the_connecting_runtime_is_gone() {
 
 #[test]
 fn a_reconnect_made_from_another_runtime_keeps_serving_once_that_runtime_idles() {
-    let current_thread = || {
-        tokio::runtime::Builder::new_current_thread()
-            .enable_all()
-            .build()
-            .unwrap()
-    };
-    // The sidecar closes its first connection after one answer, and answers every later
-    // one in full.
-    let (endpoint_sender, endpoint) = std::sync::mpsc::channel();
-    std::thread::spawn(move || {
-        current_thread().block_on(async move {
-            let (listener, endpoint) = listen().await;
-            endpoint_sender.send(endpoint).unwrap();
-            for connection in 0.. {
-                let (stream, _) = listener.accept().await.unwrap();
-                tokio::spawn(async move {
-                    let (mut read, mut write) = stream.into_split();
-                    while let Some(request) = read_request(&mut read).await {
-                        let response = Response {
-                            id: request.id,
-                            result: Ok(Reply::Counted(estimate(1))),
-                        };
-                        write_responses(&mut write, &[response]).await;
-                        if connection == 0 {
-                            return;
-                        }
-                    }
-                });
-            }
-        })
-    });
-    let endpoint = endpoint.recv().unwrap();
+    let endpoint = sidecar_on_its_own_thread(true);
     // The application's runtime connects, and keeps running on its own thread.
     let (client_sender, client) = std::sync::mpsc::channel();
     let (stop, stopped) = tokio::sync::oneshot::channel::<()>();

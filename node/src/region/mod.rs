@@ -330,48 +330,45 @@ impl Ledger {
     /// ledger. Returns how many entries it wrote.
     pub fn snapshot(&self, out: &mut Vec<u8>) -> u64 {
         let mut entries = 0;
+        let mut put = |entry: Entry<&str>| {
+            log::encode(&entry, out);
+            entries += 1;
+        };
         for (key, count) in &self.counts {
-            let entry = Entry::Count {
+            put(Entry::Count {
                 rule: key.rule.as_str(),
                 subject: key.subject.as_str(),
                 window_index: key.window.index(),
                 window_secs: key.window.len_secs(),
                 count: *count,
-            };
-            log::encode(&entry, out);
-            entries += 1;
+            });
         }
         for (&(node, generation), recent) in &self.seen {
-            let floor = Entry::<&str>::Floor {
+            put(Entry::Floor {
                 node,
                 generation,
                 base: recent.base,
-            };
-            log::encode(&floor, out);
-            entries += 1;
+            });
             if recent.floor_until > 0 {
-                let kept = Entry::<&str>::FloorKept {
+                put(Entry::FloorKept {
                     node,
                     generation,
                     until_unix_secs: recent.floor_until,
-                };
-                log::encode(&kept, out);
-                entries += 1;
+                });
             }
             for (seq, (outcome, window)) in recent.held() {
-                let entry = Entry::<&str>::Outcome {
-                    id: RequestId {
-                        node,
-                        generation,
-                        seq,
-                    },
+                let id = RequestId {
+                    node,
+                    generation,
+                    seq,
+                };
+                put(Entry::Outcome {
+                    id,
                     allowed: outcome.allowed,
                     count: outcome.count,
                     window_index: window.index(),
                     window_secs: window.len_secs(),
-                };
-                log::encode(&entry, out);
-                entries += 1;
+                });
             }
         }
         entries
