@@ -5,20 +5,19 @@
 //!
 //! Every start takes a new generation, above the last one and every log's in the
 //! directory (by more than the versions the last start re-published at), and at least the
-//! wall clock in ms, written and synced before the node
-//! serves: a replica id is never used by two lives, even when the generation file was lost
-//! (a generation file that does not parse stops the start), or the data directory was
-//! wiped (the wall clock then keeps it new, unless it stepped back past the previous
-//! start).
+//! wall clock in ms, written and synced before the node serves: a replica id is never used
+//! by two lives, even when the generation file was lost (one that does not parse stops the
+//! start), or the data directory was wiped (the wall clock then keeps it new, unless it
+//! stepped back past the previous start).
 //!
 //! A life's writes are appended to `lanes-<generation>.log` before they are acknowledged
 //! and before the gossip task can see them (see `listener`), so a log holds at least every
 //! lane value any peer ever received from that life. After a restart the node replays the
 //! logs of its earlier lives and re-publishes their lanes as those (retired) replicas, at
 //! versions above any a peer can hold (`CounterMap::raise_version` to
-//! [`Recovered::republish_floor`]), so the merge of the
-//! logged totals with the peers' copies is the largest of both: nothing acknowledged is
-//! lost, and nothing is counted twice. A log is deleted once every window in it is over.
+//! [`Recovered::republish_floor`]), so the merge of the logged totals with the peers'
+//! copies is the largest of both: nothing acknowledged is lost, and nothing is counted
+//! twice. A log is deleted once every window in it is over.
 //!
 //! A record is `[len u32][crc32 u32][body]`; replay stops at the first record that is
 //! short or fails its checksum (a torn tail), keeping the prefix before it.
