@@ -91,9 +91,9 @@ impl CounterMap {
     /// second, so a lane is never held to less than one second's worth), and
     /// [`LANE_RATE_SKEW_SECS`] more for the writer's clock. `u64::MAX`, the default, holds
     /// lanes to nothing. Peers are trusted to relay other origins' lanes, and a merge keeps
-    /// the larger total: this bounds what a relayed lane can claim, with no state and whenever it arrives. A lane over it
-    /// waits, with every later lane of its origin, until its window is old enough to cover
-    /// it.
+    /// the larger total: this bounds what a relayed lane can claim, with no state and
+    /// whenever it arrives. A lane over it waits, with every later lane of its origin,
+    /// until its window is old enough to cover it.
     pub fn with_lane_rate_max(mut self, per_sec: u64) -> CounterMap {
         self.lane_rate_max = per_sec;
         self
