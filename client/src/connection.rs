@@ -217,23 +217,23 @@ where
     R: AsyncRead + Unpin + Send + 'static,
 {
     let link = shared.begin_link(write);
-    let guard = || CloseOnDrop {
+    spawn_closing(shared, link, write_requests(Arc::clone(shared), link));
+    spawn_closing(shared, link, read_responses(read, Arc::clone(shared), link));
+    spawn_closing(shared, link, sweep(Arc::clone(shared), link));
+}
+
+/// Spawns one of `link`'s tasks on the connection's runtime, holding a [`CloseOnDrop`].
+fn spawn_closing<F>(shared: &Arc<Shared>, link: u64, task: F)
+where
+    F: std::future::Future<Output = ()> + Send + 'static,
+{
+    let guard = CloseOnDrop {
         shared: Arc::clone(shared),
         link,
     };
-    let runtime = &shared.runtime;
-    let (writer, reader, sweeper) = (guard(), guard(), guard());
-    runtime.spawn(async move {
-        write_requests(Arc::clone(&writer.shared), link).await;
-        drop(writer);
-    });
-    runtime.spawn(async move {
-        read_responses(read, Arc::clone(&reader.shared), link).await;
-        drop(reader);
-    });
-    runtime.spawn(async move {
-        sweep(Arc::clone(&sweeper.shared), link).await;
-        drop(sweeper);
+    shared.runtime.spawn(async move {
+        task.await;
+        drop(guard);
     });
 }
 

@@ -403,6 +403,7 @@ impl CounterMap {
     /// enough.
     pub fn apply(&mut self, delta: &Delta, now_unix_secs: u64) -> Applied {
         let mut applied = Applied::default();
+        let writer_now = now_unix_secs.saturating_add(LANE_RATE_SKEW_SECS);
         for entry in &delta.origins {
             let origin = self.origins.entry(entry.origin).or_default();
             let mut refused_at = None;
@@ -416,7 +417,6 @@ impl CounterMap {
                 // holds the watermark down even if they do not.
                 let lowest = || left_out.iter().map(|update| update.version).min();
                 let (lane, window) = (update.lane, update.key.window);
-                let writer_now = now_unix_secs.saturating_add(LANE_RATE_SKEW_SECS);
                 if !lane_within_rate(lane, window, self.lane_rate_max, writer_now) {
                     applied.lanes_throttled += left_out.len();
                     refused_at = lowest();

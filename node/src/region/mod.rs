@@ -117,17 +117,12 @@ impl Recent {
         if seq < self.base {
             return;
         }
-        let Recent {
-            base,
-            floor_until,
-            outcomes,
-        } = self;
-        match outcomes {
+        match &mut self.outcomes {
             Outcomes::Dense(slots) => {
                 let floor = seq.saturating_add(1).saturating_sub(RECENT_IDS as u64);
-                forget_dense_below(base, floor_until, slots, floor);
+                forget_dense_below(&mut self.base, &mut self.floor_until, slots, floor);
                 // Below RECENT_IDS, as `base` is at most RECENT_IDS - 1 below `seq`.
-                let offset = (seq - *base) as usize;
+                let offset = (seq - self.base) as usize;
                 if slots.len() <= offset {
                     slots.resize(offset + 1, None);
                 }
@@ -137,8 +132,8 @@ impl Recent {
                 held.insert(seq, (outcome, window));
                 if held.len() > RECENT_CLIENT_IDS {
                     let (oldest, (_, window)) = held.pop_first().expect("invariant: not empty");
-                    *base = oldest + 1;
-                    *floor_until = (*floor_until).max(window.live_until_unix_secs());
+                    self.base = oldest + 1;
+                    self.floor_until = self.floor_until.max(window.live_until_unix_secs());
                 }
             }
         }
@@ -146,19 +141,16 @@ impl Recent {
 
     /// Forgets every sequence number below `floor`.
     fn forget_below(&mut self, floor: u64) {
-        let Recent {
-            base,
-            floor_until,
-            outcomes,
-        } = self;
-        match outcomes {
-            Outcomes::Dense(slots) => forget_dense_below(base, floor_until, slots, floor),
-            Outcomes::Sparse(held) if floor > *base => {
+        match &mut self.outcomes {
+            Outcomes::Dense(slots) => {
+                forget_dense_below(&mut self.base, &mut self.floor_until, slots, floor);
+            }
+            Outcomes::Sparse(held) if floor > self.base => {
                 let kept = held.split_off(&floor);
                 for (_, window) in std::mem::replace(held, kept).values() {
-                    *floor_until = (*floor_until).max(window.live_until_unix_secs());
+                    self.floor_until = self.floor_until.max(window.live_until_unix_secs());
                 }
-                *base = floor;
+                self.base = floor;
             }
             Outcomes::Sparse(_) => {}
         }
