@@ -44,7 +44,7 @@ pub struct Driver {
     pub metrics: Arc<Metrics>,
     /// The node's clocks.
     pub clock: Clock,
-    /// How often the store's changed lanes are collected.
+    /// How long after a write its lane is collected (with every other written meanwhile).
     pub collect_every: Duration,
     /// Turns true when the node should leave.
     pub shutdown: watch::Receiver<bool>,
@@ -52,15 +52,28 @@ pub struct Driver {
 
 impl Driver {
     /// Runs until shutdown (then leaves the cluster gracefully) or a fatal event.
+    ///
+    /// It sleeps until something happens: a frame, the protocol's deadline, a write to
+    /// the lane store (collected `collect_every` after the first), or the second's expiry.
+    /// Its two timers are reset only when their deadline moves: an idle sidecar does not
+    /// wake every millisecond, and a timer registered earlier than the runtime's next
+    /// wake-up costs a system call.
     pub async fn run(mut self) -> Result<(), DriverError> {
         let me = self.gossip.replica();
         self.publish_all(me);
-        let mut collect = tokio::time::interval(self.collect_every);
-        collect.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        let protocol = tokio::time::sleep(Duration::ZERO);
+        let collect = tokio::time::sleep(Duration::ZERO);
+        tokio::pin!(protocol, collect);
+        // Whether `collect` is set for keys queued since the last collection.
+        let mut collect_due = false;
         let mut expire = tokio::time::interval(Duration::from_secs(1));
         let mut lanes = Vec::new();
         loop {
-            let deadline = self.drain(me)?;
+            let next = self.drain(me)?;
+            let deadline = self.clock.instant(next).into();
+            if protocol.deadline() != deadline || protocol.is_elapsed() {
+                protocol.as_mut().reset(deadline);
+            }
             self.refresh_view(me);
             tokio::select! {
                 inbound = self.inbound.recv() => {
@@ -75,10 +88,16 @@ impl Driver {
                         self.transport.refuse(inbound.from, &inbound.connection);
                     }
                 }
-                _ = tokio::time::sleep_until(self.clock.instant(deadline).into()) => {
+                () = &mut protocol => {
                     self.gossip.handle_input(Input::Timeout { now: self.clock.now() });
                 }
-                _ = collect.tick() => {
+                () = self.store.queued(), if !collect_due => {
+                    let at = self.clock.instant(self.clock.mono() + self.collect_every);
+                    collect.as_mut().reset(at.into());
+                    collect_due = true;
+                }
+                () = &mut collect, if collect_due => {
+                    collect_due = false;
                     self.store.collect(&mut lanes);
                     if !lanes.is_empty() {
                         self.gossip.handle_input(Input::LocalLanes {

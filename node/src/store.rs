@@ -44,6 +44,7 @@ use std::hash::{BuildHasher, Hash, RandomState};
 use std::sync::atomic::AtomicUsize;
 use std::sync::OnceLock;
 use tally_crdt::{Key, KeyRef, Lane, Overflow, ReplicaId};
+use tokio::sync::Notify;
 
 /// One replica's own lanes and the remote sums, shared by every thread as `Arc<LaneStore>`.
 pub struct LaneStore {
@@ -58,6 +59,8 @@ pub struct LaneStore {
     // Keys whose slot went from clean to dirty. A key is here at most once: its slot stays
     // dirty from the push until a collection pops it and takes the slot.
     dirty: SegQueue<Key>,
+    // Raised after each push to `dirty`, so the collector can sleep while nothing changes.
+    queued: Notify,
     // Keys held plus keys being inserted. Invariant: never above `keys_max`, because an
     // insert reserves its place here first and gives it back if it does not insert.
     keys: AtomicUsize,
@@ -66,8 +69,9 @@ pub struct LaneStore {
 }
 
 /// `collect` frees the retired memory of its thread once per this many calls (see there):
-/// about once a second at tallyd's collection every millisecond. A flush is a system call
-/// (`membarrier`) even when there is nothing to free.
+/// about once a second in tallyd while writes keep coming (it collects a millisecond after
+/// a key is first queued). A flush is a system call (`membarrier`) even when there is
+/// nothing to free.
 const FLUSH_EVERY: usize = 1024;
 
 /// What a write left behind: the key's own lane and its estimate just after the write.
@@ -104,6 +108,7 @@ impl LaneStore {
             keys_max,
             slots: papaya::HashMap::with_hasher(KeyHasher::new()),
             dirty: SegQueue::new(),
+            queued: Notify::new(),
             keys: AtomicUsize::new(0),
             collections: AtomicUsize::new(0),
         }
@@ -237,6 +242,15 @@ impl LaneStore {
         }
     }
 
+    /// Completes once a key has been queued for collection since this last completed (at
+    /// once if one was). A key queued after it completes makes the next call complete; so a
+    /// collector that waits on this, then calls [`LaneStore::collect`], leaves no key
+    /// behind, and sleeps while nothing is written. It may complete for keys a collection
+    /// already took. Meant for one collector: a second would take the other's wake-ups.
+    pub async fn queued(&self) {
+        self.queued.notified().await;
+    }
+
     /// How many keys the store holds, counting keys being created at this moment.
     pub fn len(&self) -> usize {
         self.keys.load(Ordering::Relaxed)
@@ -260,6 +274,7 @@ impl LaneStore {
                 Written::Counted { lane, queue } => {
                     if queue {
                         self.dirty.push(held.clone());
+                        self.queued.notify_one();
                     }
                     // The remote sum is read after the write, so the estimate includes
                     // this write and every remote merge published before it.
@@ -566,6 +581,7 @@ fn join(hi: u64, lo: u64) -> i128 {
 mod tests {
     use super::*;
     use std::collections::HashMap;
+    use std::future::Future;
     use std::sync::Arc;
     use tally_crdt::{Generation, NodeId, Rule, Subject, Window};
 
@@ -589,6 +605,49 @@ mod tests {
         let mut out = Vec::new();
         store.collect(&mut out);
         out
+    }
+
+    /// Whether a fresh `queued()` completes at its first poll.
+    fn wakes(store: &LaneStore) -> bool {
+        let queued = std::pin::pin!(store.queued());
+        let mut cx = std::task::Context::from_waker(std::task::Waker::noop());
+        queued.poll(&mut cx).is_ready()
+    }
+
+    #[test]
+    fn a_key_queued_wakes_the_collector_once_and_a_write_to_a_queued_key_does_not() {
+        let store = store(8);
+        let (a, b, c) = (key("a"), key("b"), key("c"));
+        assert!(!wakes(&store), "nothing written, nothing to wake for");
+
+        store.incr(&a, 1).unwrap();
+        assert!(wakes(&store), "the write queued `a`");
+        assert!(!wakes(&store), "one wake-up per queued key, taken");
+        store.incr(&a, 1).unwrap();
+        assert!(
+            !wakes(&store),
+            "`a` was queued already: nothing new to collect"
+        );
+
+        assert_eq!(collected(&store), vec![(a.clone(), Lane::new(2, 0))]);
+        store.decr(&a, 1).unwrap();
+        assert!(
+            wakes(&store),
+            "collected, `a` is queued again by its next write"
+        );
+
+        store.incr(&b, 1).unwrap();
+        store.incr(&c, 1).unwrap();
+        assert!(
+            wakes(&store),
+            "two keys queued while no collector waited: one wake-up"
+        );
+        assert!(!wakes(&store));
+        assert_eq!(
+            collected(&store).len(),
+            3,
+            "the wake-up's collection takes all three"
+        );
     }
 
     #[test]
