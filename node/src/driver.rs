@@ -44,7 +44,7 @@ pub struct Driver {
     pub metrics: Arc<Metrics>,
     /// The node's clocks.
     pub clock: Clock,
-    /// How long after a write its lane is collected (with every other written meanwhile).
+    /// How often written lanes are collected while writes come.
     pub collect_every: Duration,
     /// Turns true when the node should leave.
     pub shutdown: watch::Receiver<bool>,
@@ -54,24 +54,26 @@ impl Driver {
     /// Runs until shutdown (then leaves the cluster gracefully) or a fatal event.
     ///
     /// It sleeps until something happens: a frame, the protocol's deadline, a write to
-    /// the lane store (collected `collect_every` after the first), or the second's expiry.
-    /// Its two timers are reset only when their deadline moves: an idle sidecar does not
-    /// wake every millisecond, and a timer registered earlier than the runtime's next
-    /// wake-up costs a system call.
+    /// the lane store, or the second's expiry. Written lanes are collected on the next tick
+    /// of `collect_every` (at once after a quiet spell), but the tick is only waited for
+    /// while a write is waiting: an idle sidecar does not wake every millisecond. The
+    /// protocol's timer is reset only when its deadline moves: registering a timer earlier
+    /// than the runtime's next wake-up costs a system call.
     pub async fn run(mut self) -> Result<(), DriverError> {
         let me = self.gossip.replica();
         self.publish_all(me);
         let protocol = tokio::time::sleep(Duration::ZERO);
-        let collect = tokio::time::sleep(Duration::ZERO);
-        tokio::pin!(protocol, collect);
-        // Whether `collect` is set for keys queued since the last collection.
+        tokio::pin!(protocol);
+        let mut collect = tokio::time::interval(self.collect_every);
+        collect.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        // Whether a key was queued since the last collection began.
         let mut collect_due = false;
         let mut expire = tokio::time::interval(Duration::from_secs(1));
         let mut lanes = Vec::new();
         loop {
             let next = self.drain(me)?;
             let deadline = self.clock.instant(next).into();
-            if protocol.deadline() != deadline || protocol.is_elapsed() {
+            if protocol.deadline() != deadline {
                 protocol.as_mut().reset(deadline);
             }
             self.refresh_view(me);
@@ -92,11 +94,9 @@ impl Driver {
                     self.gossip.handle_input(Input::Timeout { now: self.clock.now() });
                 }
                 () = self.store.queued(), if !collect_due => {
-                    let at = self.clock.instant(self.clock.mono() + self.collect_every);
-                    collect.as_mut().reset(at.into());
                     collect_due = true;
                 }
-                () = &mut collect, if collect_due => {
+                _ = collect.tick(), if collect_due => {
                     collect_due = false;
                     self.store.collect(&mut lanes);
                     if !lanes.is_empty() {
@@ -109,6 +109,7 @@ impl Driver {
                 _ = expire.tick() => {
                     let now_secs = self.clock.now().wall.0 / 1_000;
                     self.store.expire(now_secs);
+                    self.store.reclaim();
                     self.view.lock().remote_rates.retain(|key, _| key.window.is_live(now_secs));
                 }
                 _ = self.shutdown.changed() => {

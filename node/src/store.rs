@@ -64,15 +64,7 @@ pub struct LaneStore {
     // Keys held plus keys being inserted. Invariant: never above `keys_max`, because an
     // insert reserves its place here first and gives it back if it does not insert.
     keys: AtomicUsize,
-    // Collections so far, to flush retired memory on every FLUSH_EVERY-th.
-    collections: AtomicUsize,
 }
-
-/// `collect` frees the retired memory of its thread once per this many calls (see there):
-/// about once a second in tallyd while writes keep coming (it collects a millisecond after
-/// a key is first queued). A flush is a system call (`membarrier`) even when there is
-/// nothing to free.
-const FLUSH_EVERY: usize = 1024;
 
 /// What a write left behind: the key's own lane and its estimate just after the write.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -110,7 +102,6 @@ impl LaneStore {
             dirty: SegQueue::new(),
             queued: Notify::new(),
             keys: AtomicUsize::new(0),
-            collections: AtomicUsize::new(0),
         }
     }
 
@@ -188,19 +179,6 @@ impl LaneStore {
             };
             out.push((key, slot.take()));
         }
-        // The map's old tables, replaced as it grew, wait in the batch of retired memory of
-        // the thread that finished the resize, which is freed only once the batch fills;
-        // removals are rare between resizes, so without a flush they would stay, as much
-        // again as the live table. In tallyd, writes and collections run on the runtime's
-        // one thread, so this flush reaches them, on the first collection and about once a
-        // second after. Writer threads of their own keep theirs until their batch fills.
-        if self
-            .collections
-            .fetch_add(1, Ordering::Relaxed)
-            .is_multiple_of(FLUSH_EVERY)
-        {
-            guard.flush();
-        }
     }
 
     /// Removes the key if it has nothing left to collect; returns whether it was removed.
@@ -227,11 +205,21 @@ impl LaneStore {
                 removed += 1;
             }
         }
-        if removed > 0 {
-            // The removed keys' memory, as `collect` does for the map's old tables.
-            guard.flush();
-        }
         removed
+    }
+
+    /// Frees the memory this thread retired: removed keys' slots, and the map's old tables.
+    ///
+    /// papaya replaces its table as it grows and hands the old one to its reclamation
+    /// scheme, which frees retired memory a batch at a time, per thread, once the batch
+    /// fills; removals are rare between resizes, so without this the old tables would stay,
+    /// as much again as the live one. They sit in the batch of the thread that finished the
+    /// resize. In tallyd writes, merges and expiry all run on the runtime's one thread,
+    /// whose gossip task calls this once a second; writer threads of their own keep theirs
+    /// until their batch fills. A flush is a system call (`membarrier`) even when there is
+    /// nothing to free.
+    pub fn reclaim(&self) {
+        self.slots.guard().flush();
     }
 
     /// Calls `f` with every key held and its own lane, as read at that moment.
@@ -648,6 +636,74 @@ mod tests {
             3,
             "the wake-up's collection takes all three"
         );
+    }
+
+    #[test]
+    fn a_collector_waiting_for_a_key_is_woken_by_the_write_that_queues_it() {
+        struct Count(std::sync::atomic::AtomicUsize);
+        impl std::task::Wake for Count {
+            fn wake(self: Arc<Self>) {
+                self.0.fetch_add(1, Ordering::Relaxed);
+            }
+        }
+        let store = store(8);
+        let count = Arc::new(Count(AtomicUsize::new(0)));
+        let waker = std::task::Waker::from(count.clone());
+        let mut cx = std::task::Context::from_waker(&waker);
+        let mut queued = std::pin::pin!(store.queued());
+        assert!(queued.as_mut().poll(&mut cx).is_pending());
+
+        store.incr(&key("a"), 1).unwrap();
+        assert_eq!(
+            count.0.load(Ordering::Relaxed),
+            1,
+            "the waiting collector was woken"
+        );
+        assert!(queued.as_mut().poll(&mut cx).is_ready());
+    }
+
+    #[test]
+    fn a_collector_woken_only_by_queued_keys_misses_no_write() {
+        const THREADS: u64 = 3;
+        const WRITES: u64 = 20_000;
+        const KEYS: u64 = 10;
+        let store = Arc::new(store((KEYS + THREADS) as usize));
+        let keys: Arc<Vec<Key>> = Arc::new((0..KEYS).map(|k| key(&format!("user-{k}"))).collect());
+        let writers: Vec<_> = (0..THREADS)
+            .map(|thread| {
+                let (store, keys) = (store.clone(), keys.clone());
+                std::thread::spawn(move || {
+                    for write in 0..WRITES {
+                        store
+                            .incr(&keys[((write + thread) % KEYS) as usize], 1)
+                            .unwrap();
+                    }
+                })
+            })
+            .collect();
+
+        // The collector never collects but when woken: a lost wake-up leaves a write behind
+        // with nothing to wake it, and the wait below times out.
+        let expected = Lane::new(THREADS * WRITES / KEYS, 0);
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .enable_time()
+            .build()
+            .unwrap();
+        let lanes = runtime.block_on(async {
+            let mut lanes: HashMap<Key, Lane> = HashMap::new();
+            while lanes.len() < KEYS as usize || lanes.values().any(|lane| *lane != expected) {
+                tokio::time::timeout(std::time::Duration::from_secs(10), store.queued())
+                    .await
+                    .expect("writes are left uncollected and no wake-up came for them");
+                lanes.extend(collected(&store));
+            }
+            lanes
+        });
+        for writer in writers {
+            writer.join().unwrap();
+        }
+        assert_eq!(lanes.len(), KEYS as usize);
+        assert!(collected(&store).is_empty(), "nothing was left queued");
     }
 
     #[test]
