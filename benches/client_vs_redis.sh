@@ -38,23 +38,14 @@ REDIS_AOF_PORT=${REDIS_AOF_PORT:-6400}
 TALLY_PORT=${TALLY_PORT:-17100}   # its gossip and http ports are this -99 and +100
 TALLY_LOG_PORT=${TALLY_LOG_PORT:-17110}
 
-pids=()
-work=$(mktemp -d -t tally-vs-redis.XXXXXX)
-cleanup() {
-    for pid in "${pids[@]}"; do
-        kill "$pid" 2>/dev/null || true
-    done
-    for pid in "${pids[@]}"; do
-        wait "$pid" 2>/dev/null || true
-    done
-    rm -rf "$work"
-}
-trap cleanup EXIT
-trap 'exit 130' INT TERM
-
 say() { echo "client_vs_redis: $*" >&2; }
 # shellcheck source=benches/redis_side.sh
 source benches/redis_side.sh  # the working directory is the repository root (above)
+
+pids=()
+work=$(mktemp -d -t tally-vs-redis.XXXXXX)
+trap 'stop_started "$work"' EXIT
+trap 'exit 130' INT TERM
 
 # --- Redis -------------------------------------------------------------------------------
 

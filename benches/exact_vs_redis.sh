@@ -84,16 +84,7 @@ if [ -n "$TMPFS_ROOT" ]; then
 fi
 
 pids=()
-cleanup() {
-    for pid in "${pids[@]}"; do
-        kill "$pid" 2>/dev/null || true
-    done
-    for pid in "${pids[@]}"; do
-        wait "$pid" 2>/dev/null || true
-    done
-    rm -rf "$work" ${shm:+"$shm"}
-}
-trap cleanup EXIT
+trap 'stop_started "$work" ${shm:+"$shm"}' EXIT
 trap 'exit 130' INT TERM
 
 # --- Redis -------------------------------------------------------------------------------

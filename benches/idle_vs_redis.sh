@@ -26,23 +26,14 @@ BASELINE=${BASELINE:-}
 REDIS_PORT=${REDIS_PORT:-6401}
 BASE_PORT=${BASE_PORT:-17200} # tallyd n uses BASE_PORT + 10n (client), +1 (gossip), +2 (http)
 
-pids=()
-work=$(mktemp -d -t tally-idle.XXXXXX)
-cleanup() {
-    for pid in "${pids[@]}"; do
-        kill "$pid" 2>/dev/null || true
-    done
-    for pid in "${pids[@]}"; do
-        wait "$pid" 2>/dev/null || true
-    done
-    rm -rf "$work"
-}
-trap cleanup EXIT
-trap 'exit 130' INT TERM
-
 say() { echo "idle_vs_redis: $*" >&2; }
 # shellcheck source=benches/redis_side.sh
 source benches/redis_side.sh
+
+pids=()
+work=$(mktemp -d -t tally-idle.XXXXXX)
+trap 'stop_started "$work"' EXIT
+trap 'exit 130' INT TERM
 
 install_redis
 say "building tally"

@@ -1,5 +1,18 @@
-# Shared by the scripts that run tallyd beside Redis (client_vs_redis.sh, exact_vs_redis.sh):
-# source it after defining `say` and `work`. Functions only; it runs nothing itself.
+# Shared by the scripts that run tallyd beside Redis (client_vs_redis.sh, exact_vs_redis.sh,
+# idle_vs_redis.sh): source it after defining `say`; its functions use the script's `work`
+# and `pids` when they are called. Functions only; it runs nothing itself.
+
+# stop_started PATH...: kills every process in the array `pids` (what the script started),
+# waits for each, then removes the PATHs. For the script's EXIT trap.
+stop_started() {
+    for pid in "${pids[@]}"; do
+        kill "$pid" 2>/dev/null || true
+    done
+    for pid in "${pids[@]}"; do
+        wait "$pid" 2>/dev/null || true
+    done
+    rm -rf "$@"
+}
 
 # Installs redis-server and redis-tools from apt if either command is missing.
 install_redis() {

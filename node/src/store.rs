@@ -664,34 +664,16 @@ mod tests {
 
     #[test]
     fn a_collector_woken_only_by_queued_keys_misses_no_write() {
-        const THREADS: u64 = 3;
-        const WRITES: u64 = 20_000;
-        const KEYS: u64 = 10;
-        let store = Arc::new(store((KEYS + THREADS) as usize));
-        let keys: Arc<Vec<Key>> = Arc::new((0..KEYS).map(|k| key(&format!("user-{k}"))).collect());
-        let writers: Vec<_> = (0..THREADS)
-            .map(|thread| {
-                let (store, keys) = (store.clone(), keys.clone());
-                std::thread::spawn(move || {
-                    for write in 0..WRITES {
-                        store
-                            .incr(&keys[((write + thread) % KEYS) as usize], 1)
-                            .unwrap();
-                    }
-                })
-            })
-            .collect();
-
+        let (store, writers) = spawn_writers(3, 20_000, 10);
         // The collector never collects but when woken: a lost wake-up leaves a write behind
         // with nothing to wake it, and the wait below times out.
-        let expected = Lane::new(THREADS * WRITES / KEYS, 0);
         let runtime = tokio::runtime::Builder::new_current_thread()
             .enable_time()
             .build()
             .unwrap();
         let lanes = runtime.block_on(async {
             let mut lanes: HashMap<Key, Lane> = HashMap::new();
-            while lanes.len() < KEYS as usize || lanes.values().any(|lane| *lane != expected) {
+            while lanes.len() < writers.keys || lanes.values().any(|lane| *lane != writers.lane) {
                 tokio::time::timeout(std::time::Duration::from_secs(10), store.queued())
                     .await
                     .expect("writes are left uncollected and no wake-up came for them");
@@ -699,10 +681,8 @@ mod tests {
             }
             lanes
         });
-        for writer in writers {
-            writer.join().unwrap();
-        }
-        assert_eq!(lanes.len(), KEYS as usize);
+        writers.join();
+        assert_eq!(lanes.len(), 10);
         assert!(collected(&store).is_empty(), "nothing was left queued");
     }
 
@@ -901,23 +881,43 @@ mod tests {
         );
     }
 
-    #[test]
-    fn concurrent_writes_and_collections_lose_nothing() {
-        const THREADS: u64 = 4;
-        const WRITES: u64 = 100_000;
-        const KEYS: u64 = 100;
+    /// What [`spawn_writers`] started.
+    struct Writers {
+        threads: Vec<std::thread::JoinHandle<()>>,
+        /// How many keys they write.
+        keys: usize,
+        /// Every key's own lane once they are done.
+        lane: Lane,
+    }
+
+    impl Writers {
+        fn finished(&self) -> bool {
+            self.threads
+                .iter()
+                .all(std::thread::JoinHandle::is_finished)
+        }
+
+        fn join(self) {
+            self.threads
+                .into_iter()
+                .for_each(|writer| writer.join().unwrap());
+        }
+    }
+
+    /// `threads` threads each making `writes` writes over `keys` keys of a new store, every
+    /// key as often; the last thread decrements, the others increment.
+    fn spawn_writers(threads: u64, writes: u64, keys: u64) -> (Arc<LaneStore>, Writers) {
         // Room for every key plus one creation in flight per thread, so that no creation is
         // refused for racing another near the cap.
-        let store = Arc::new(store((KEYS + THREADS) as usize));
-        let keys: Arc<Vec<Key>> = Arc::new((0..KEYS).map(|k| key(&format!("user-{k}"))).collect());
-        let writers: Vec<_> = (0..THREADS)
+        let store = Arc::new(store((keys + threads) as usize));
+        let names: Arc<Vec<Key>> = Arc::new((0..keys).map(|k| key(&format!("user-{k}"))).collect());
+        let handles = (0..threads)
             .map(|thread| {
-                let (store, keys) = (store.clone(), keys.clone());
+                let (store, names) = (store.clone(), names.clone());
                 std::thread::spawn(move || {
-                    for write in 0..WRITES {
-                        let key = &keys[((write + thread * 7) % KEYS) as usize];
-                        // The last thread decrements, so both totals race collections.
-                        if thread == THREADS - 1 {
+                    for write in 0..writes {
+                        let key = &names[((write + thread * 7) % keys) as usize];
+                        if thread == threads - 1 {
                             store.decr(key, 1).unwrap();
                         } else {
                             store.incr(key, 1).unwrap();
@@ -926,6 +926,19 @@ mod tests {
                 })
             })
             .collect();
+        let per_key = writes / keys;
+        let writers = Writers {
+            threads: handles,
+            keys: keys as usize,
+            lane: Lane::new((threads - 1) * per_key, per_key),
+        };
+        (store, writers)
+    }
+
+    #[test]
+    fn concurrent_writes_and_collections_lose_nothing() {
+        // Both totals race collections: the last thread decrements.
+        let (store, writers) = spawn_writers(4, 100_000, 100);
 
         let mut lanes: HashMap<Key, Lane> = HashMap::new();
         let mut record = |batch: Vec<(Key, Lane)>| {
@@ -938,17 +951,14 @@ mod tests {
                 *before = lane;
             }
         };
-        while writers.iter().any(|writer| !writer.is_finished()) {
+        while !writers.finished() {
             record(collected(&store));
         }
-        for writer in writers {
-            writer.join().unwrap();
-        }
+        let (keys, expected) = (writers.keys, writers.lane);
+        writers.join();
         record(collected(&store));
 
-        let per_key = WRITES / KEYS;
-        let expected = Lane::new((THREADS - 1) * per_key, per_key);
-        assert_eq!(lanes.len(), KEYS as usize);
+        assert_eq!(lanes.len(), keys);
         for (key, lane) in &lanes {
             assert_eq!(*lane, expected, "collected totals of {key}");
             assert_eq!(store.own(key), expected);
