@@ -467,3 +467,41 @@ async fn a_check_retried_under_its_id_counts_once_whatever_lost_its_answer() {
     }
     assert_eq!(region_count(&edge_3, "named").await, 8);
 }
+
+#[tokio::test(flavor = "current_thread")]
+async fn a_second_region_started_on_the_data_dir_in_use_is_refused_and_the_first_loses_nothing() {
+    let mut cluster = Cluster::start_with(NET, 2, 2_000, true);
+    let edge = cluster.nodes[1].client().await;
+    for count in [7, 14, 21] {
+        let decision = edge.check("quota", "twice", 7).await.unwrap();
+        assert_eq!(
+            decided(&decision),
+            (Mode::Exact, true, count, LIMIT - count as u64)
+        );
+    }
+
+    // The same config again, as a second process: it must not touch the running region's
+    // data directory, whose log holds the three acknowledged checks.
+    let region = &cluster.nodes[0];
+    let second = std::process::Command::new(cluster::tally_bin())
+        .arg("daemon")
+        .arg("--config")
+        .arg(&region.config)
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&second.stderr);
+    assert!(!second.status.success(), "{stderr}");
+    assert!(
+        stderr.contains("is in use by another process")
+            && stderr.contains(&region.data_dir.display().to_string()),
+        "the refusal names the directory and why: {stderr}"
+    );
+
+    // The first keeps serving, and after a crash its log still holds every check it
+    // acknowledged, those after the refused start too.
+    let decision = edge.check("quota", "twice", 7).await.unwrap();
+    assert_eq!(decided(&decision), (Mode::Exact, true, 28, LIMIT - 28));
+    cluster.node(1).kill9();
+    cluster.node(1).restart(true);
+    assert_eq!(region_count(&edge, "twice").await, 28);
+}

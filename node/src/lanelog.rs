@@ -42,6 +42,16 @@ pub enum LogError {
         /// What failed.
         source: std::io::Error,
     },
+    /// Another process holds the data directory: two nodes on one directory would replay,
+    /// compact and remove each other's logs.
+    #[error(
+        "data dir: {dir} is in use by another process (it holds the lock on {dir}/lock); \
+         not started: two nodes on one data directory would overwrite each other's logs"
+    )]
+    InUse {
+        /// The directory.
+        dir: PathBuf,
+    },
     /// An earlier append failed; the log accepts nothing more.
     #[error("data dir: the lane log failed earlier ({0}); writes are refused until restart")]
     Failed(String),
@@ -101,6 +111,7 @@ pub fn open(
         move |source| LogError::Io { path, source }
     };
     std::fs::create_dir_all(dir).map_err(io(dir))?;
+    let lock = lock(dir)?;
     let generation_file = dir.join("generation");
     let last = match std::fs::read_to_string(&generation_file) {
         Ok(text) => text.trim().parse::<u64>().map_err(|_| {
@@ -173,6 +184,7 @@ pub fn open(
         .map_err(io(&path))?;
     sync_dir(dir)?;
     let log = LaneLog {
+        _lock: lock,
         path,
         file,
         pending: Vec::new(),
@@ -183,10 +195,39 @@ pub fn open(
     Ok((log, recovered))
 }
 
+/// Takes the lock on `dir`'s `lock` file, before anything in the directory is read or
+/// changed: a second node started on the directory (by mistake, or while the first is still
+/// stopping) would otherwise take the running one's lane log for an earlier life's, and the
+/// region log would be compacted under a region still appending to it, its acknowledged
+/// checks then appended to a file no longer there.
+fn lock(dir: &Path) -> Result<File, LogError> {
+    let path = dir.join("lock");
+    let io = |source| LogError::Io {
+        path: path.clone(),
+        source,
+    };
+    let file = OpenOptions::new()
+        .create(true)
+        .truncate(false)
+        .write(true)
+        .open(&path)
+        .map_err(io)?;
+    match file.try_lock() {
+        Ok(()) => Ok(file),
+        Err(std::fs::TryLockError::WouldBlock) => Err(LogError::InUse {
+            dir: dir.to_owned(),
+        }),
+        Err(std::fs::TryLockError::Error(source)) => Err(io(source)),
+    }
+}
+
 /// This life's log of own lane writes. Appends are buffered; [`LaneLog::flush`] writes them
 /// out, and a write is acknowledged only after its flush returned.
 #[derive(Debug)]
 pub struct LaneLog {
+    // The data directory's lock, held for the process's life (the OS lets go of it when the
+    // process ends, however it ends).
+    _lock: File,
     path: PathBuf,
     file: File,
     pending: Vec<u8>,
@@ -365,6 +406,55 @@ mod tests {
     }
 
     #[test]
+    fn a_directory_in_use_is_refused_and_left_as_it_was_until_its_node_stops() {
+        let dir = dir("in-use");
+        let (mut log, first) = open(&dir, NodeId(1), 5, NOW).unwrap();
+        log.append(&key("a"), 3, 0).unwrap();
+        log.flush().unwrap();
+        let files = || {
+            let mut names: Vec<_> = std::fs::read_dir(&dir)
+                .unwrap()
+                .map(|entry| entry.unwrap().file_name())
+                .collect();
+            names.sort();
+            (
+                names,
+                std::fs::read_to_string(dir.join("generation")).unwrap(),
+            )
+        };
+        let before = files();
+
+        let refused = open(&dir, NodeId(1), 6, NOW).unwrap_err();
+        assert!(
+            matches!(&refused, LogError::InUse { dir: held } if *held == dir),
+            "{refused:?}"
+        );
+        assert!(
+            refused.to_string().contains("in use by another process"),
+            "{refused}"
+        );
+        assert_eq!(
+            files(),
+            before,
+            "the refused start changed nothing in the directory"
+        );
+        log.append(&key("a"), 1, 0).unwrap();
+        log.flush().unwrap();
+
+        drop(log);
+        let (_, second) = open(&dir, NodeId(1), 6, NOW).unwrap();
+        assert_eq!(
+            second.retired,
+            vec![(
+                ReplicaId::new(NodeId(1), first.generation),
+                vec![(key("a"), Lane::new(4, 0))]
+            )],
+            "once the node stopped, the next start found its whole log"
+        );
+        std::fs::remove_dir_all(dir).unwrap();
+    }
+
+    #[test]
     fn a_restart_takes_a_new_generation_and_recovers_the_old_lives_lanes() {
         let dir = dir("restart");
         let (mut log, first) = open(&dir, NodeId(1), 5, NOW).unwrap();
@@ -493,6 +583,7 @@ mod tests {
         let (mut log, _) = open(&dir, NodeId(1), 1, NOW).unwrap();
         log.append(&key("a"), 1, 0).unwrap();
         log.flush().unwrap();
+        drop(log);
         let (_, later) = open(&dir, NodeId(1), 2, NOW + 3_600).unwrap();
         assert!(later.retired.is_empty());
         assert!(!dir.join("lanes-1.log").exists());
