@@ -24,7 +24,8 @@ SETTLE_SECS=${SETTLE_SECS:-5}
 IDLE_SECS=${IDLE_SECS:-30}
 BASELINE=${BASELINE:-}
 REDIS_PORT=${REDIS_PORT:-6401}
-BASE_PORT=${BASE_PORT:-17200} # tallyd n uses BASE_PORT + 10n (client), +1 (gossip), +2 (http)
+# Apart from the ports of client_vs_redis.sh and exact_vs_redis.sh.
+BASE_PORT=${BASE_PORT:-17400} # tallyd n uses BASE_PORT + 10n (client), +1 (gossip), +2 (http)
 
 say() { echo "idle_vs_redis: $*" >&2; }
 # shellcheck source=benches/redis_side.sh
@@ -43,6 +44,14 @@ if [ -n "$BASELINE" ]; then
     cp "$BASELINE" "$work/tally-baseline"
 fi
 "$work/tally" certs --out "$work/certs" --nodes 1,2,3,4 >/dev/null
+
+# Refuse to start if another process answers on a port: the runs would measure it.
+for port in "$REDIS_PORT" $(for n in 1 2 3 4; do seq $((BASE_PORT + 10 * n)) $((BASE_PORT + 10 * n + 2)); done); do
+    if port_taken "$port"; then
+        say "127.0.0.1:$port is already in use; set BASE_PORT or REDIS_PORT"
+        exit 1
+    fi
+done
 
 # start_tallyd BINARY N [PEER]: node N, seeded with node PEER if given.
 start_tallyd() {
@@ -90,9 +99,10 @@ watched+=("${pids[-1]}")
 
 # cpu_ticks PID: utime + stime of every thread, in clock ticks.
 cpu_ticks() { awk '{ print $14 + $15 }' "/proc/$1/stat"; }
-# wakeups PID: context switches of every thread so far.
+# wakeups PID: context switches of every thread so far. A thread that ends between two
+# readings takes its count with it; the idle servers here start none.
 wakeups() {
-    cat /proc/"$1"/task/*/status | awk '/ctxt_switches/ { n += $2 } END { print n }'
+    cat /proc/"$1"/task/*/status 2>/dev/null | awk '/ctxt_switches/ { n += $2 } END { print n }'
 }
 
 say "servers up; settling for ${SETTLE_SECS}s, then measuring ${IDLE_SECS}s"

@@ -40,7 +40,7 @@ pub struct DemoArgs {
 
 /// The push interval the demo's nodes run with, and the staleness window documented for a
 /// write between processes on one busy machine (docs/protocol.md, "The staleness window
-/// on real nodes"): a push interval, the 1 ms wait for collection, and scheduling delays.
+/// on real nodes"): a push interval, at most 2 ms to collection, and scheduling delays.
 const PUSH_INTERVAL_MS: u64 = 5;
 const STALENESS_WINDOW_MS: u64 = 20;
 const REGION: u64 = 1;

@@ -179,7 +179,7 @@ pub async fn run(config: Config, shutdown: impl Future<Output = ()>) -> Result<(
         view: view.clone(),
         metrics: metrics.clone(),
         clock,
-        // Collected within a millisecond and pushed every push interval: a write waits for
+        // Collected within two milliseconds and pushed every push interval: a write waits for
         // one batch, not for a collection and then a batch.
         collect_every: std::time::Duration::from_millis(1),
         shutdown: stopped,

@@ -683,7 +683,11 @@ mod tests {
         });
         writers.join();
         assert_eq!(lanes.len(), 10);
-        assert!(collected(&store).is_empty(), "nothing was left queued");
+        // A write racing the last collection may have queued its key again, already
+        // collected: what is left is at most those keys, at the same totals.
+        for (key, lane) in collected(&store) {
+            assert_eq!(lane, lanes[&key], "{key} was collected whole");
+        }
     }
 
     #[test]
