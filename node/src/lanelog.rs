@@ -1,5 +1,6 @@
 //! The data directory: the generation file, and per generation a log of this node's own
-//! lane writes, so that a restart loses none of what it acknowledged.
+//! lane writes, so that a restart loses none of what it acknowledged. One process at a time
+//! uses it ([`lock`]).
 //!
 //! # Restart semantics
 //!
@@ -45,8 +46,8 @@ pub enum LogError {
     /// Another process holds the data directory: two nodes on one directory would replay,
     /// compact and remove each other's logs.
     #[error(
-        "data dir: {dir} is in use by another process (it holds the lock on {dir}/lock); \
-         not started: two nodes on one data directory would overwrite each other's logs"
+        "data dir: {dir} is in use by another process (it holds the directory's lock); not \
+         started: two nodes on one data directory would overwrite each other's logs"
     )]
     InUse {
         /// The directory.
@@ -111,7 +112,6 @@ pub fn open(
         move |source| LogError::Io { path, source }
     };
     std::fs::create_dir_all(dir).map_err(io(dir))?;
-    let lock = lock(dir)?;
     let generation_file = dir.join("generation");
     let last = match std::fs::read_to_string(&generation_file) {
         Ok(text) => text.trim().parse::<u64>().map_err(|_| {
@@ -184,7 +184,6 @@ pub fn open(
         .map_err(io(&path))?;
     sync_dir(dir)?;
     let log = LaneLog {
-        _lock: lock,
         path,
         file,
         pending: Vec::new(),
@@ -195,25 +194,25 @@ pub fn open(
     Ok((log, recovered))
 }
 
-/// Takes the lock on `dir`'s `lock` file, before anything in the directory is read or
-/// changed: a second node started on the directory (by mistake, or while the first is still
-/// stopping) would otherwise take the running one's lane log for an earlier life's, and the
-/// region log would be compacted under a region still appending to it, its acknowledged
-/// checks then appended to a file no longer there.
-fn lock(dir: &Path) -> Result<File, LogError> {
-    let path = dir.join("lock");
+/// Creates `dir` if it is missing and takes an exclusive lock on it (an `flock` of the
+/// directory itself, so that no file in it can be removed to defeat it), or refuses with
+/// [`LogError::InUse`] if another process holds it. The lock lasts while the returned
+/// handle is open: the OS lets go of it when the process ends, however it ends.
+///
+/// Taken before anything in the directory is read or changed, and held by `tallyd` until
+/// it exits: a second node started on the directory (by mistake, or while the first is
+/// still stopping) would otherwise take the running one's lane log for an earlier life's,
+/// and compact the region log under a region still appending to it, whose later
+/// acknowledged checks would go to a file no longer there.
+pub fn lock(dir: &Path) -> Result<File, LogError> {
     let io = |source| LogError::Io {
-        path: path.clone(),
+        path: dir.to_owned(),
         source,
     };
-    let file = OpenOptions::new()
-        .create(true)
-        .truncate(false)
-        .write(true)
-        .open(&path)
-        .map_err(io)?;
-    match file.try_lock() {
-        Ok(()) => Ok(file),
+    std::fs::create_dir_all(dir).map_err(io)?;
+    let handle = File::open(dir).map_err(io)?;
+    match handle.try_lock() {
+        Ok(()) => Ok(handle),
         Err(std::fs::TryLockError::WouldBlock) => Err(LogError::InUse {
             dir: dir.to_owned(),
         }),
@@ -225,9 +224,6 @@ fn lock(dir: &Path) -> Result<File, LogError> {
 /// out, and a write is acknowledged only after its flush returned.
 #[derive(Debug)]
 pub struct LaneLog {
-    // The data directory's lock, held for the process's life (the OS lets go of it when the
-    // process ends, however it ends).
-    _lock: File,
     path: PathBuf,
     file: File,
     pending: Vec<u8>,
@@ -406,51 +402,27 @@ mod tests {
     }
 
     #[test]
-    fn a_directory_in_use_is_refused_and_left_as_it_was_until_its_node_stops() {
+    fn a_directory_in_use_is_refused_until_its_holder_lets_go() {
         let dir = dir("in-use");
-        let (mut log, first) = open(&dir, NodeId(1), 5, NOW).unwrap();
-        log.append(&key("a"), 3, 0).unwrap();
-        log.flush().unwrap();
-        let files = || {
-            let mut names: Vec<_> = std::fs::read_dir(&dir)
-                .unwrap()
-                .map(|entry| entry.unwrap().file_name())
-                .collect();
-            names.sort();
-            (
-                names,
-                std::fs::read_to_string(dir.join("generation")).unwrap(),
-            )
-        };
-        let before = files();
-
-        let refused = open(&dir, NodeId(1), 6, NOW).unwrap_err();
+        let held = lock(&dir).unwrap();
+        let refused = lock(&dir).unwrap_err();
         assert!(
-            matches!(&refused, LogError::InUse { dir: held } if *held == dir),
+            matches!(&refused, LogError::InUse { dir: in_use } if *in_use == dir),
             "{refused:?}"
         );
         assert!(
             refused.to_string().contains("in use by another process"),
             "{refused}"
         );
-        assert_eq!(
-            files(),
-            before,
-            "the refused start changed nothing in the directory"
+        // Removing every file in the directory does not defeat it: the lock is the
+        // directory's own.
+        assert!(
+            std::fs::read_dir(&dir).unwrap().next().is_none(),
+            "no lock file"
         );
-        log.append(&key("a"), 1, 0).unwrap();
-        log.flush().unwrap();
 
-        drop(log);
-        let (_, second) = open(&dir, NodeId(1), 6, NOW).unwrap();
-        assert_eq!(
-            second.retired,
-            vec![(
-                ReplicaId::new(NodeId(1), first.generation),
-                vec![(key("a"), Lane::new(4, 0))]
-            )],
-            "once the node stopped, the next start found its whole log"
-        );
+        drop(held);
+        let _again = lock(&dir).unwrap();
         std::fs::remove_dir_all(dir).unwrap();
     }
 
