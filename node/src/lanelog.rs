@@ -414,8 +414,7 @@ mod tests {
             refused.to_string().contains("in use by another process"),
             "{refused}"
         );
-        // Removing every file in the directory does not defeat it: the lock is the
-        // directory's own.
+        // The lock is the directory's own, not a file in it that could be removed.
         assert!(
             std::fs::read_dir(&dir).unwrap().next().is_none(),
             "no lock file"
