@@ -640,7 +640,7 @@ mod tests {
 
     #[test]
     fn a_collector_waiting_for_a_key_is_woken_by_the_write_that_queues_it() {
-        struct Count(std::sync::atomic::AtomicUsize);
+        struct Count(AtomicUsize);
         impl std::task::Wake for Count {
             fn wake(self: Arc<Self>) {
                 self.0.fetch_add(1, Ordering::Relaxed);
