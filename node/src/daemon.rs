@@ -68,9 +68,8 @@ pub async fn run(config: Config, shutdown: impl Future<Output = ()>) -> Result<(
     let node = config.node();
     let (log, recovered) = match &config.data_dir {
         Some(dir) => {
-            // Held until the process exits, not dropped with the node at shutdown: the
-            // region's committer thread may still be finishing a group or a compaction in
-            // the directory after everything else has stopped.
+            // Held until the process exits, not dropped with the node at shutdown, so that
+            // no second process takes the directory while this one still runs at all.
             std::mem::forget(lanelog::lock(dir)?);
             let (log, recovered) = lanelog::open(dir, node, now.wall.0, now.wall.0 / 1_000)?;
             (Some(Arc::new(Mutex::new(log))), recovered)

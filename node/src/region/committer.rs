@@ -50,9 +50,13 @@ struct Work {
     done: oneshot::Sender<Result<(), CommitError>>,
 }
 
-/// The handle the region's task submits records through.
+/// The handle the region's task submits records through. Dropping it lets the thread
+/// finish what was queued and waits for it, so nothing of the committer's still writes to
+/// the log once its owner is gone.
 pub struct Committer {
-    sender: mpsc::Sender<Work>,
+    // `None` only while dropping: closing the queue is what ends the thread.
+    sender: Option<mpsc::Sender<Work>>,
+    thread: Option<std::thread::JoinHandle<()>>,
     stats: Arc<CommitStats>,
 }
 
@@ -62,11 +66,22 @@ impl Committer {
         let (sender, receiver) = mpsc::channel();
         let stats = Arc::new(CommitStats::default());
         let thread_stats = stats.clone();
-        std::thread::Builder::new()
+        let thread = std::thread::Builder::new()
             .name("tally-region-commit".into())
             .spawn(move || run(storage, receiver, &thread_stats))
             .expect("invariant: the OS can start one thread at start-up");
-        Committer { sender, stats }
+        Committer {
+            sender: Some(sender),
+            thread: Some(thread),
+            stats,
+        }
+    }
+
+    fn queue(&self, work: Work) {
+        if let Some(sender) = &self.sender {
+            // If the thread is gone, `work.done` is dropped and its receiver reports it.
+            let _ = sender.send(work);
+        }
     }
 
     /// Queues `bytes`, `records` encoded records (zero or more); the receiver completes once
@@ -79,8 +94,7 @@ impl Committer {
         records: u64,
     ) -> oneshot::Receiver<Result<(), CommitError>> {
         let (done, receiver) = oneshot::channel();
-        // If the thread is gone, `done` is dropped and the receiver reports it.
-        let _ = self.sender.send(Work {
+        self.queue(Work {
             bytes,
             records,
             replace: None,
@@ -100,7 +114,7 @@ impl Committer {
         since: Vec<u8>,
     ) -> oneshot::Receiver<Result<(), CommitError>> {
         let (done, receiver) = oneshot::channel();
-        let _ = self.sender.send(Work {
+        self.queue(Work {
             bytes: snapshot,
             records: 0,
             replace: Some(since),
@@ -112,6 +126,16 @@ impl Committer {
     /// The committer's counters.
     pub fn stats(&self) -> &Arc<CommitStats> {
         &self.stats
+    }
+}
+
+impl Drop for Committer {
+    fn drop(&mut self) {
+        self.sender = None;
+        if let Some(thread) = self.thread.take() {
+            // A panic on the thread was reported there; nothing more to do with it here.
+            let _ = thread.join();
+        }
     }
 }
 
