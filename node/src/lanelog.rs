@@ -18,7 +18,9 @@
 //! versions above any a peer can hold (`CounterMap::raise_version` to
 //! [`Recovered::republish_floor`]), so the merge of the logged totals with the peers'
 //! copies is the largest of both: nothing acknowledged is lost, and nothing is counted
-//! twice. A log is deleted once every window in it is over.
+//! twice. A log is deleted once every window in it is over. A log compacted (rewritten as
+//! one record per live key) is written beside itself as `lanes-<generation>.compact` and
+//! renamed over itself; a start removes such a file left by a crash.
 //!
 //! A record is `[len u32][crc32 u32][body]`; replay stops at the first record that is
 //! short or fails its checksum (a torn tail), keeping the prefix before it.
@@ -132,6 +134,12 @@ pub fn open(
     let entries = std::fs::read_dir(dir).map_err(io(dir))?;
     for entry in entries {
         let path = entry.map_err(io(dir))?.path();
+        if is_compaction_left_over(&path) {
+            // A crash inside `compact_if_large` left it: its log was never replaced, and
+            // still holds every record.
+            std::fs::remove_file(&path).map_err(io(&path))?;
+            continue;
+        }
         let Some(old) = log_generation(&path) else {
             continue;
         };
@@ -362,6 +370,16 @@ fn log_generation(path: &Path) -> Option<u64> {
         .ok()
 }
 
+/// Whether `path` is a `lanes-<generation>.compact` file: a compaction's copy of a log,
+/// written before it is renamed over the log.
+fn is_compaction_left_over(path: &Path) -> bool {
+    path.file_name()
+        .and_then(|name| name.to_str())
+        .and_then(|name| name.strip_prefix("lanes-"))
+        .and_then(|name| name.strip_suffix(".compact"))
+        .is_some_and(|generation| generation.parse::<u64>().is_ok())
+}
+
 fn write_synced(path: &Path, bytes: &[u8]) -> Result<(), LogError> {
     let io = |source| LogError::Io {
         path: path.to_owned(),
@@ -558,6 +576,37 @@ mod tests {
         let (_, later) = open(&dir, NodeId(1), 2, NOW + 3_600).unwrap();
         assert!(later.retired.is_empty());
         assert!(!dir.join("lanes-1.log").exists());
+        std::fs::remove_dir_all(dir).unwrap();
+    }
+
+    #[test]
+    fn a_compaction_cut_off_by_a_crash_is_removed_and_its_log_replayed_whole() {
+        let dir = dir("compaction-left-over");
+        let (mut log, first) = open(&dir, NodeId(1), 5, NOW).unwrap();
+        log.append(&key("a"), 3, 0).unwrap();
+        log.append(&key("b"), 1, 0).unwrap();
+        log.flush().unwrap();
+        drop(log);
+        // The crash came while the copy was written: it holds `a` alone, and half of it.
+        let mut copy = Vec::new();
+        encode(&key("a"), 3, 0, &mut copy);
+        copy.truncate(copy.len() / 2);
+        let left_over = dir.join(format!("lanes-{}.compact", first.generation.0));
+        std::fs::write(&left_over, &copy).unwrap();
+        // Not a compaction's name: not the log's to remove.
+        let other = dir.join("lanes-notes.compact");
+        std::fs::write(&other, b"kept").unwrap();
+
+        let (_, second) = open(&dir, NodeId(1), 6, NOW).unwrap();
+        assert!(!left_over.exists(), "the cut-off copy is removed");
+        assert!(other.exists());
+        let (replica, mut lanes) = second.retired.into_iter().next().unwrap();
+        assert_eq!(replica.generation, first.generation);
+        lanes.sort_by(|a, b| a.0.subject.as_str().cmp(b.0.subject.as_str()));
+        assert_eq!(
+            lanes,
+            vec![(key("a"), Lane::new(3, 0)), (key("b"), Lane::new(1, 0))]
+        );
         std::fs::remove_dir_all(dir).unwrap();
     }
 }
