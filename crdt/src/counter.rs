@@ -44,6 +44,16 @@ impl PnCounter {
             .sum()
     }
 
+    /// The value of the lanes of `replica`'s node under other generations than
+    /// `replica`'s: that node's other lives, such as the ones before its last restart.
+    pub fn value_of_other_lives(&self, replica: ReplicaId) -> i128 {
+        self.slots
+            .iter()
+            .filter(|slot| slot.replica.node == replica.node && slot.replica != replica)
+            .map(|slot| slot.lane.value())
+            .sum()
+    }
+
     /// `replica`'s lane, or an empty lane if it has none.
     pub fn lane(&self, replica: ReplicaId) -> Lane {
         self.slot(replica).map(|slot| slot.lane).unwrap_or_default()
@@ -157,6 +167,24 @@ mod tests {
         counter.decr(replica(3), 5).unwrap();
         assert_eq!(counter.value(), 2 * i128::from(u64::MAX) - 5);
         assert_eq!(counter.value_without(replica(1)), i128::from(u64::MAX) - 5);
+    }
+
+    #[test]
+    fn a_nodes_other_lives_are_its_other_generations_lanes() {
+        let life = |node, generation| ReplicaId::new(NodeId(node), Generation(generation));
+        let mut counter = PnCounter::new();
+        counter.incr(life(1, 1), 5).unwrap();
+        counter.decr(life(1, 1), 1).unwrap();
+        counter.incr(life(1, 2), 3).unwrap();
+        counter.incr(life(1, 3), 100).unwrap();
+        counter.incr(life(2, 1), 1_000).unwrap();
+        assert_eq!(counter.value_of_other_lives(life(1, 3)), 4 + 3);
+        assert_eq!(counter.value_of_other_lives(life(2, 1)), 0);
+        assert_eq!(
+            counter.value_of_other_lives(life(3, 1)),
+            0,
+            "no lane of node 3"
+        );
     }
 
     #[test]

@@ -8,7 +8,9 @@
 //!   have made unseen: their increment rate on this key times the stalest live member's
 //!   staleness. (The sum over origins of rate x staleness is at most this.)
 //! - **isolated** (some live member staler): admit iff
-//!   `own + cost <= limit / locations + slack`; the bound is `locations x slack`.
+//!   `own + cost <= limit / locations + slack`, where `own` counts this node's lanes of
+//!   every life it has had (a restart does not give it a second share); the bound is
+//!   `locations x slack`.
 //!
 //! Exact rules go to the region (see `region`); when it cannot answer in time they get
 //! `RegionUnavailable` or the rule's `on_region_unavailable` fallback, decided here.
@@ -221,7 +223,9 @@ impl Context<'_> {
         } else {
             let locations = rule.locations.unwrap_or(freshness.locations as u64).max(1);
             let share = rule.limit / locations + rule.slack;
-            let own = self.store.own(key).value();
+            // This location's count: its lives before a restart admitted under the share
+            // too, and they are still counted in the window.
+            let own = self.store.own(key).value() + self.view.other_lives(key);
             let allowed = own + i128::from(cost) <= i128::from(share);
             (
                 Mode::ApproximateIsolated,
@@ -448,6 +452,24 @@ mod tests {
         let decision = context.check(&rule, key, 1).unwrap();
         assert_eq!(decision.mode, Mode::ApproximateIsolated);
         assert_eq!(decision.bound, 2.0);
+    }
+
+    #[test]
+    fn an_isolated_node_counts_its_lives_before_a_restart_in_its_share() {
+        let rule = rule(10, 1);
+        let (store, owned) = setup(&rule);
+        let key = KeyRef::from(&owned);
+        // The life before the restart admitted 4 of its share of 6 in this window; its lane
+        // is merged as a remote one, and a peer's 3 are in the remote sum too.
+        store.publish_remote(&owned, 4 + 3).unwrap();
+        let mut view = view(Stamp(NOW.0 - 5_000));
+        view.other_lives.insert(owned.clone(), 4);
+        let mut context = context(&store, &view);
+        let allowed = (0..10)
+            .filter(|_| context.check(&rule, key, 1).unwrap().allowed)
+            .count();
+        assert_eq!(allowed, 2, "the rest of the share, not a second one");
+        assert_eq!(store.own(key).value(), 2);
     }
 
     #[test]

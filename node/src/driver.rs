@@ -6,7 +6,7 @@ use crate::clock::Clock;
 use crate::metrics::Metrics;
 use crate::store::LaneStore;
 use crate::transport::{Inbound, Transport};
-use crate::view::{Rate, View};
+use crate::view::View;
 use std::sync::Arc;
 use std::time::Duration;
 use tally_crdt::{Key, ReplicaId, Version};
@@ -110,7 +110,9 @@ impl Driver {
                     let now_secs = self.clock.now().wall.0 / 1_000;
                     self.store.expire(now_secs);
                     self.store.reclaim();
-                    self.view.lock().remote_rates.retain(|key, _| key.window.is_live(now_secs));
+                    let mut view = self.view.lock();
+                    view.remote_rates.retain(|key, _| key.window.is_live(now_secs));
+                    view.other_lives.retain(|key, _| key.window.is_live(now_secs));
                 }
                 _ = self.shutdown.changed() => {
                     self.store.collect(&mut lanes);
@@ -162,7 +164,8 @@ impl Driver {
         self.publish(me, &keys);
     }
 
-    /// Publishes the remote sums of `keys` to the store, and takes in their remote rates.
+    /// Publishes the remote sums of `keys` to the store, and takes their counters into the
+    /// view.
     fn publish(&mut self, me: ReplicaId, keys: &[Key]) {
         let now_ms = self.clock.now().wall.0;
         let mut view = self.view.lock();
@@ -182,16 +185,7 @@ impl Driver {
                     .keys_refused
                     .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
             }
-            let remote_incr: i128 = counter
-                .slots()
-                .iter()
-                .filter(|slot| slot.replica != me)
-                .map(|slot| i128::from(slot.lane.incr))
-                .sum();
-            view.remote_rates
-                .entry(key.clone())
-                .and_modify(|rate| rate.observe(remote_incr, now_ms))
-                .or_insert_with(|| Rate::start(remote_incr, now_ms));
+            view.take_in(key, counter, me, now_ms);
         }
     }
 

@@ -8,7 +8,7 @@
 use std::collections::{BTreeMap, HashMap};
 use std::sync::{Mutex, MutexGuard};
 use std::time::Duration;
-use tally_crdt::{Key, KeyRef, NodeId, ReplicaId, Stamp};
+use tally_crdt::{Key, KeyRef, NodeId, PnCounter, ReplicaId, Stamp};
 use tally_gossip::membership::State;
 use tally_gossip::Stats;
 
@@ -33,6 +33,10 @@ pub struct ViewState {
     pub keys: usize,
     /// Per key, how fast the other replicas' increments have been rising.
     pub remote_rates: HashMap<Key, Rate>,
+    /// Per key, the value of this node's lanes of its other lives (its replicas under
+    /// other generations: the lives before a restart), where it is not zero. An isolated
+    /// decision counts them as this node's own.
+    pub other_lives: HashMap<Key, i128>,
 }
 
 /// A smoothed rate of increments per second, from totals seen at times.
@@ -129,6 +133,30 @@ impl ViewState {
         }
     }
 
+    /// Takes in `key`'s counter as gossip merged it, at wall time `now_ms`: the other
+    /// replicas' increments for its remote rate, and the value of `me`'s other lives.
+    pub fn take_in(&mut self, key: &Key, counter: &PnCounter, me: ReplicaId, now_ms: u64) {
+        let remote_incr: i128 = counter
+            .slots()
+            .iter()
+            .filter(|slot| slot.replica != me)
+            .map(|slot| i128::from(slot.lane.incr))
+            .sum();
+        self.remote_rates
+            .entry(key.clone())
+            .and_modify(|rate| rate.observe(remote_incr, now_ms))
+            .or_insert_with(|| Rate::start(remote_incr, now_ms));
+        match counter.value_of_other_lives(me) {
+            0 if self.other_lives.is_empty() => {}
+            0 => {
+                self.other_lives.remove(key);
+            }
+            value => {
+                self.other_lives.insert(key.clone(), value);
+            }
+        }
+    }
+
     /// The other replicas' increment rate on `key`, per second (0 if never seen rising).
     pub fn remote_rate(&self, key: KeyRef<'_>) -> f64 {
         if self.remote_rates.is_empty() {
@@ -139,11 +167,56 @@ impl ViewState {
             .get(&key.to_key())
             .map_or(0.0, Rate::per_sec)
     }
+
+    /// The value of this node's lanes of its other lives on `key` (0 if none is held).
+    pub fn other_lives(&self, key: KeyRef<'_>) -> i128 {
+        if self.other_lives.is_empty() {
+            // No restart with lanes still live: no look-up, and no owned key built for it.
+            return 0;
+        }
+        self.other_lives.get(&key.to_key()).copied().unwrap_or(0)
+    }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use tally_crdt::{Generation, Window};
+
+    #[test]
+    fn a_counter_taken_in_gives_the_value_of_this_nodes_other_lives_while_it_has_one() {
+        let life = |generation| ReplicaId::new(NodeId(1), Generation(generation));
+        let peer = ReplicaId::new(NodeId(2), Generation(1));
+        let key = Key::new(
+            tally_crdt::Rule::new("api").unwrap(),
+            tally_crdt::Subject::new("user-1").unwrap(),
+            Window::new(1, 60).unwrap(),
+        );
+        let mut state = ViewState::default();
+        let mut counter = PnCounter::new();
+        counter.incr(life(2), 9).unwrap();
+        counter.incr(peer, 5).unwrap();
+        state.take_in(&key, &counter, life(2), 0);
+        assert_eq!(
+            state.other_lives(KeyRef::from(&key)),
+            0,
+            "only this life's lane"
+        );
+        assert!(state.other_lives.is_empty());
+
+        // The life before the restart: re-published from the data directory, or merged
+        // from a peer that held it.
+        counter.incr(life(1), 4).unwrap();
+        counter.decr(life(1), 1).unwrap();
+        state.take_in(&key, &counter, life(2), 0);
+        assert_eq!(state.other_lives(KeyRef::from(&key)), 3);
+
+        // Its lanes netted out (a release counted later): nothing is kept for the key.
+        counter.decr(life(1), 3).unwrap();
+        state.take_in(&key, &counter, life(2), 0);
+        assert_eq!(state.other_lives(KeyRef::from(&key)), 0);
+        assert!(state.other_lives.is_empty());
+    }
 
     #[test]
     fn a_rate_rises_at_once_and_decays_over_its_half_life() {
