@@ -135,8 +135,9 @@ pub fn open(
     for entry in entries {
         let path = entry.map_err(io(dir))?.path();
         if is_compaction_left_over(&path) {
-            // A crash inside `compact_if_large` left it: its log was never replaced, and
-            // still holds every record.
+            // A crash inside `compact_if_large` left it before its rename: its log was
+            // never replaced, and still holds every record (the rename is synced before
+            // anything else is written).
             std::fs::remove_file(&path).map_err(io(&path))?;
             continue;
         }
@@ -294,16 +295,26 @@ impl LaneLog {
         std::fs::rename(&tmp, &self.path).map_err(|source| LogError::Io {
             path: self.path.clone(),
             source,
-        })?; // From here the old file is unlinked: appending to it would acknowledge writes no
-             // restart can read, so a failed reopen fails the log.
-        self.file = match OpenOptions::new().append(true).open(&self.path) {
-            Ok(file) => file,
-            Err(source) => {
-                self.failed = Some(source.to_string());
-                return Err(LogError::Io {
+        })?;
+        // From here the old file is unlinked: appending to it would acknowledge writes no
+        // restart can read, so a failed reopen fails the log. The rename is synced before
+        // anything is appended to the new file, so that a machine crash cannot undo it
+        // under later writes: a `.compact` file found at start is one never renamed, whose
+        // log still holds every record, and `open` removes it.
+        let reopened = sync_dir(self.path.parent().unwrap_or(Path::new("."))).and_then(|()| {
+            OpenOptions::new()
+                .append(true)
+                .open(&self.path)
+                .map_err(|source| LogError::Io {
                     path: self.path.clone(),
                     source,
-                });
+                })
+        });
+        self.file = match reopened {
+            Ok(file) => file,
+            Err(err) => {
+                self.failed = Some(err.to_string());
+                return Err(err);
             }
         };
         self.written = body.len() as u64;

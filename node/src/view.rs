@@ -1,5 +1,6 @@
 //! What the gossip task shows the rest of the node: members, the freshest stamp held per
-//! origin, the remote admission rate per key, and the gossip counters.
+//! origin, per key the remote admission rate and the value of this node's other lives'
+//! lanes, and the gossip counters.
 //!
 //! The gossip task owns the [`tally_gossip::Gossip`] and refreshes this after each batch of
 //! inputs; the client listener reads it for decisions, the HTTP server for metrics. It is a
