@@ -372,3 +372,36 @@ async fn approximate_overshoot_stays_within_the_reported_bound_connected_and_iso
     // Three of four locations, each on its share 2000 / 4 + 10.
     assert_eq!(outcome.allowed, 3 * (2_000 / 4 + 10));
 }
+
+#[tokio::test(flavor = "current_thread")]
+async fn a_node_restarted_while_cut_off_decides_on_its_share_counting_its_earlier_life() {
+    // A silent member would be dead only after a minute: long past the test.
+    let mut cluster = Cluster::start_with(NET, 2, 60_000, false);
+    let client = cluster.nodes[0].client().await;
+    for _ in 0..600 {
+        let decision = client.check("api", "restarted", 1).await.unwrap();
+        assert!(decision.allowed, "{decision:?}");
+        assert_eq!(decision.mode, tally_client::Mode::ApproximateConnected);
+    }
+    drop(client);
+
+    // Node 2 goes away for good; node 1 crashes and comes back with its data dir, hearing
+    // no one. Alone it would be connected on the whole limit of 2,000; on its share of two
+    // locations, 2,000 / 2 + 10, less the 600 its earlier life admitted, it has 410 left.
+    cluster.node(2).kill9();
+    cluster.node(1).kill9();
+    cluster.node(1).restart(true);
+    let client = cluster.nodes[0].client().await;
+    let mut allowed = 0;
+    for _ in 0..1_000 {
+        let decision = client.check("api", "restarted", 1).await.unwrap();
+        assert_eq!(
+            decision.mode,
+            tally_client::Mode::ApproximateIsolated,
+            "{decision:?}"
+        );
+        assert_eq!(decision.bound, 2.0 * 10.0);
+        allowed += u64::from(decision.allowed);
+    }
+    assert_eq!(allowed, 2_000 / 2 + 10 - 600);
+}

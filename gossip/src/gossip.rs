@@ -195,6 +195,11 @@ impl Gossip {
         self.config.replica
     }
 
+    /// The settings it was started with.
+    pub fn config(&self) -> &Config {
+        &self.config
+    }
+
     /// Counters of frames, bytes, errors and propagation delays.
     pub fn stats(&self) -> &Stats {
         &self.stats

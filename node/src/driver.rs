@@ -204,6 +204,15 @@ impl Driver {
             .map(|(_, replica, _)| (*replica, map.watermark(*replica).stamp))
             .filter(|(replica, _)| *replica != me)
             .collect();
+        let config = self.gossip.config();
+        view.unheard_seeds = if rows.is_empty() && self.clock.mono() < config.dead_after {
+            let mut seeds: Vec<_> = config.seeds.iter().map(|seed| seed.node).collect();
+            seeds.sort_unstable();
+            seeds.dedup();
+            seeds.len()
+        } else {
+            0
+        };
         view.members = rows;
         view.gossip = self.gossip.stats().clone();
         view.lanes = map.lanes();

@@ -34,6 +34,12 @@ pub struct ViewState {
     pub keys: usize,
     /// Per key, how fast the other replicas' increments have been rising.
     pub remote_rates: HashMap<Key, Rate>,
+    /// Seeds standing in for the cluster before any member is heard: the configured seeds,
+    /// while this node knows no member and less than `dead_after` has passed since it
+    /// started (a member silent that long would be dead); else 0. Each counts as a live
+    /// member with no stamp, so a node restarted while cut off decides isolated, on its
+    /// share among them, not connected and alone on the whole limit.
+    pub unheard_seeds: usize,
     /// Per key, the value of this node's lanes of its other lives (its replicas under
     /// other generations: the lives before a restart), where it is not zero. An isolated
     /// decision counts them as this node's own.
@@ -112,11 +118,15 @@ impl View {
 
 impl ViewState {
     /// The live members' freshness at wall time `now`. A live member with no stamp held
-    /// is as stale as the epoch: nothing of it has been seen.
+    /// is as stale as the epoch: nothing of it has been seen. So is an unheard seed.
     pub fn freshness(&self, now: Stamp) -> Freshness {
-        let mut staleness = Duration::ZERO;
-        let mut live = 0;
-        let mut locations = 1;
+        let mut staleness = if self.unheard_seeds > 0 {
+            Duration::from_millis(now.0)
+        } else {
+            Duration::ZERO
+        };
+        let mut live = self.unheard_seeds;
+        let mut locations = 1 + self.unheard_seeds;
         for (_, replica, state) in &self.members {
             if *state != State::Left {
                 locations += 1;
@@ -254,5 +264,23 @@ mod tests {
         let freshness = state.freshness(Stamp(1_000));
         assert_eq!(freshness.staleness, Duration::from_millis(300));
         assert_eq!((freshness.live, freshness.locations), (2, 4));
+    }
+
+    #[test]
+    fn unheard_seeds_are_live_members_never_seen() {
+        let alone = ViewState::default().freshness(Stamp(1_000));
+        assert_eq!(
+            alone.staleness,
+            Duration::ZERO,
+            "no seeds: alone, and fresh"
+        );
+        assert_eq!((alone.live, alone.locations), (0, 1));
+        let cut_off = ViewState {
+            unheard_seeds: 2,
+            ..ViewState::default()
+        };
+        let freshness = cut_off.freshness(Stamp(1_000));
+        assert_eq!(freshness.staleness, Duration::from_millis(1_000));
+        assert_eq!((freshness.live, freshness.locations), (2, 3));
     }
 }
