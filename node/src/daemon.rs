@@ -15,7 +15,7 @@ use crate::region::wire::REGION_FRAME_BYTES_MAX;
 use crate::store::LaneStore;
 use crate::tls::{self, TlsError};
 use crate::transport::{Sessions, Transport, TransportStats};
-use crate::view::View;
+use crate::view::{unheard_seeds, View};
 use std::future::Future;
 use std::sync::{Arc, Mutex};
 use tally_crdt::{CounterMap, Generation, KeyError, NodeId, ReplicaId};
@@ -172,6 +172,13 @@ pub async fn run(config: Config, shutdown: impl Future<Output = ()>) -> Result<(
         )
     });
     let view = Arc::new(View::default());
+    // Before the gossip task's first refresh: no check is decided alone meanwhile.
+    view.lock().unheard_seeds = unheard_seeds(
+        &gossip_config.seeds,
+        false,
+        std::time::Duration::ZERO,
+        gossip_config.dead_after,
+    );
     let metrics = Arc::new(Metrics::default());
     let (stop, stopped) = watch::channel(false);
     let driver = Driver {

@@ -6,7 +6,7 @@ use crate::clock::Clock;
 use crate::metrics::Metrics;
 use crate::store::LaneStore;
 use crate::transport::{Inbound, Transport};
-use crate::view::View;
+use crate::view::{unheard_seeds, View};
 use std::sync::Arc;
 use std::time::Duration;
 use tally_crdt::{Key, ReplicaId, Version};
@@ -61,6 +61,7 @@ impl Driver {
     /// than the runtime's next wake-up costs a system call.
     pub async fn run(mut self) -> Result<(), DriverError> {
         let me = self.gossip.replica();
+        let serving_since = self.clock.mono();
         self.publish_all(me);
         let protocol = tokio::time::sleep(Duration::ZERO);
         tokio::pin!(protocol);
@@ -76,7 +77,7 @@ impl Driver {
             if protocol.deadline() != deadline {
                 protocol.as_mut().reset(deadline);
             }
-            self.refresh_view(me);
+            self.refresh_view(me, serving_since);
             tokio::select! {
                 inbound = self.inbound.recv() => {
                     let Some(inbound) = inbound else { return Ok(()) };
@@ -189,7 +190,8 @@ impl Driver {
         }
     }
 
-    fn refresh_view(&mut self, me: ReplicaId) {
+    /// `serving_since`: when the node began serving, on the monotonic clock.
+    fn refresh_view(&mut self, me: ReplicaId, serving_since: Duration) {
         let map = self.gossip.map();
         let members = self.gossip.members();
         let all = [State::Alive, State::Suspect, State::Dead, State::Left];
@@ -205,14 +207,12 @@ impl Driver {
             .filter(|(replica, _)| *replica != me)
             .collect();
         let config = self.gossip.config();
-        view.unheard_seeds = if rows.is_empty() && self.clock.mono() < config.dead_after {
-            let mut seeds: Vec<_> = config.seeds.iter().map(|seed| seed.node).collect();
-            seeds.sort_unstable();
-            seeds.dedup();
-            seeds.len()
-        } else {
-            0
-        };
+        view.unheard_seeds = unheard_seeds(
+            &config.seeds,
+            !rows.is_empty(),
+            self.clock.mono().saturating_sub(serving_since),
+            config.dead_after,
+        );
         view.members = rows;
         view.gossip = self.gossip.stats().clone();
         view.lanes = map.lanes();

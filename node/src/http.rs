@@ -130,6 +130,7 @@ impl Endpoints {
             "node": self.replica.node.0,
             "generation": self.replica.generation.0,
             "members": members,
+            "unheard_seeds": view.unheard_seeds,
             "staleness_ms": freshness.staleness.as_millis() as u64,
             "keys": self.store.len(),
             "lanes": view.lanes,

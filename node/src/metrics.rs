@@ -120,6 +120,9 @@ pub fn render(sources: &Sources<'_>) -> String {
             .get_or_create(&vec![("state".to_owned(), state.to_lowercase())])
             .set(count as i64);
     }
+    members
+        .get_or_create(&vec![("state".to_owned(), "unheard_seed".to_owned())])
+        .set(view.unheard_seeds as i64);
     registry.register("members", "Other members by state", members);
 
     let gossip = &view.gossip;

@@ -11,7 +11,7 @@ use std::sync::{Mutex, MutexGuard};
 use std::time::Duration;
 use tally_crdt::{Key, KeyRef, NodeId, PnCounter, ReplicaId, Stamp};
 use tally_gossip::membership::State;
-use tally_gossip::Stats;
+use tally_gossip::{Seed, Stats};
 
 /// The shared view; see the module docs.
 #[derive(Debug, Default)]
@@ -34,11 +34,10 @@ pub struct ViewState {
     pub keys: usize,
     /// Per key, how fast the other replicas' increments have been rising.
     pub remote_rates: HashMap<Key, Rate>,
-    /// Seeds standing in for the cluster before any member is heard: the configured seeds,
-    /// while this node knows no member and less than `dead_after` has passed since it
-    /// started (a member silent that long would be dead); else 0. Each counts as a live
-    /// member with no stamp, so a node restarted while cut off decides isolated, on its
-    /// share among them, not connected and alone on the whole limit.
+    /// Seeds standing in for the cluster before any member is heard (see [`unheard_seeds`]).
+    /// Each counts as a live member with no stamp, so a node restarted while cut off
+    /// decides isolated, on its share among them, not connected and alone on the whole
+    /// limit.
     pub unheard_seeds: usize,
     /// Per key, the value of this node's lanes of its other lives (its replicas under
     /// other generations: the lives before a restart), where it is not zero. An isolated
@@ -95,14 +94,34 @@ impl Rate {
     }
 }
 
+/// How many seeds stand in for members not yet heard: the distinct `seeds` while this
+/// node knows no member and has served for less than `dead_after`, else 0. A known member
+/// silent that long is suspected and then dead after `dead_after` more; an unheard seed
+/// stops counting sooner, and then the node, still alone, decides connected, as it would
+/// with every member dead.
+pub fn unheard_seeds(
+    seeds: &[Seed],
+    members_known: bool,
+    serving_for: Duration,
+    dead_after: Duration,
+) -> usize {
+    if members_known || serving_for >= dead_after {
+        return 0;
+    }
+    let mut nodes: Vec<NodeId> = seeds.iter().map(|seed| seed.node).collect();
+    nodes.sort_unstable();
+    nodes.dedup();
+    nodes.len()
+}
+
 /// How fresh the live members' state is at one moment, for one decision.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct Freshness {
     /// The stalest live member's staleness (zero when alone).
     pub staleness: Duration,
-    /// Live members: alive or suspect, this node excluded.
+    /// Live members: alive or suspect, and unheard seeds; this node excluded.
     pub live: usize,
-    /// Members known in any state but left, this node included.
+    /// Members known in any state but left, and unheard seeds; this node included.
     pub locations: usize,
 }
 
@@ -282,5 +301,25 @@ mod tests {
         let freshness = cut_off.freshness(Stamp(1_000));
         assert_eq!(freshness.staleness, Duration::from_millis(1_000));
         assert_eq!((freshness.live, freshness.locations), (2, 3));
+    }
+
+    #[test]
+    fn seeds_stand_for_members_only_until_one_is_heard_or_dead_after_has_passed() {
+        let seed = |node| Seed {
+            node: NodeId(node),
+            addr: format!("10.0.0.{node}:7001"),
+        };
+        let seeds = [seed(2), seed(3), seed(2)];
+        let dead_after = Duration::from_secs(10);
+        let at = Duration::from_secs;
+        assert_eq!(
+            unheard_seeds(&seeds, false, at(0), dead_after),
+            2,
+            "distinct"
+        );
+        assert_eq!(unheard_seeds(&seeds, false, at(9), dead_after), 2);
+        assert_eq!(unheard_seeds(&seeds, false, at(10), dead_after), 0);
+        assert_eq!(unheard_seeds(&seeds, true, at(0), dead_after), 0);
+        assert_eq!(unheard_seeds(&[], false, at(0), dead_after), 0);
     }
 }
