@@ -315,7 +315,14 @@ impl<'a> From<&'a Key> for KeyRef<'a> {
 
 impl Equivalent<Key> for KeyRef<'_> {
     fn equivalent(&self, key: &Key) -> bool {
-        self.window == key.window && self.subject == key.subject.as_str() && *self.rule == key.rule
+        let subject = match self.held_subject {
+            // Shared strings compare by pointer first: a key looked up by a key that shares
+            // its subject (as the gossip side's keys share the lane store's) is found
+            // without reading the string, which is a cache miss in a large map.
+            Some(held) => *held == key.subject,
+            None => self.subject == key.subject.as_str(),
+        };
+        self.window == key.window && subject && *self.rule == key.rule
     }
 }
 
@@ -431,6 +438,12 @@ mod tests {
             &owned.subject.0
         ));
         assert!(borrowed.equivalent(&owned));
+        // Borrowed from a key: equal by pointer when the subject is shared, else by bytes.
+        assert!(KeyRef::from(&owned.clone()).equivalent(&owned));
+        let copy = Key::new(rule.clone(), Subject::new("user-42").unwrap(), window);
+        assert!(KeyRef::from(&copy).equivalent(&owned));
+        let another = Key::new(rule.clone(), Subject::new("user-43").unwrap(), window);
+        assert!(!KeyRef::from(&another).equivalent(&owned));
         let others = [
             KeyRef::new(&rule, "user-43", window).unwrap(),
             borrowed.in_window(Window::new(8, 60).unwrap()),
