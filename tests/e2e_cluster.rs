@@ -391,7 +391,11 @@ async fn a_node_restarted_while_cut_off_decides_on_its_share_counting_its_earlie
     cluster.node(1).kill9();
     cluster.node(1).restart(true);
     let unheard = cluster.nodes[0].metric("tally_members", &[("state", "unheard_seed")]);
-    assert_eq!(unheard, Some(1.0), "node 2 stands as a member not yet heard");
+    assert_eq!(
+        unheard,
+        Some(1.0),
+        "node 2 stands as a member not yet heard"
+    );
     let client = cluster.nodes[0].client().await;
     let mut allowed = 0;
     for _ in 0..1_000 {

@@ -3,9 +3,9 @@
 //! last merged them.
 //!
 //! Writers never take a lock and never wait for each other: a write is a checked add on the
-//! key's slot. Reads ([`LaneStore::own`], [`LaneStore::estimate`]) never take a lock either;
-//! an estimate only retries while the gossip task is between the two stores of a publish
-//! to the same key.
+//! key's slot. Reads ([`LaneStore::own`], [`LaneStore::estimate`]) never take a lock either,
+//! but for a key whose remote sum is beyond ±(2^61 - 1), which a slot cannot hold: those
+//! sums sit in a side table behind a lock.
 //! The gossip task is the other side: [`LaneStore::collect`] hands it every own lane that
 //! changed, and [`LaneStore::publish_remote`] takes back what it merged from peers.
 //!
@@ -32,11 +32,12 @@
 //! collectors as negative controls that must lose a write) and the unit test
 //! `concurrent_writes_and_collections_lose_nothing`.
 
-use crate::sync::{wait_a_moment, AtomicU32, AtomicU64, AtomicU8, Ordering};
+use crate::sync::{AtomicU64, Mutex, MutexGuard, Ordering};
 use crossbeam_queue::SegQueue;
 use foldhash::fast::{FoldHasher, SeedableRandomState};
 use foldhash::SharedSeed;
 use papaya::{Equivalent, Guard};
+use std::collections::HashMap;
 use std::fmt;
 use std::hash::{BuildHasher, Hash, RandomState};
 // Not from `crate::sync`: the key count is not part of the slot protocol that the loom
@@ -61,6 +62,8 @@ pub struct LaneStore {
     dirty: SegQueue<Key>,
     // Raised after each push to `dirty`, so the collector can sleep while nothing changes.
     queued: Notify,
+    // The remote sums too large for their slots.
+    outsized: Outsized,
     // Keys held plus keys being inserted. Invariant: never above `keys_max`, because an
     // insert reserves its place here first and gives it back if it does not insert.
     keys: AtomicUsize,
@@ -101,6 +104,7 @@ impl LaneStore {
             slots: papaya::HashMap::with_hasher(KeyHasher::new()),
             dirty: SegQueue::new(),
             queued: Notify::new(),
+            outsized: Outsized::default(),
             keys: AtomicUsize::new(0),
         }
     }
@@ -139,10 +143,18 @@ impl LaneStore {
     /// The key's estimate: its own lane's value plus the remote sum last published, exact in
     /// `i128`. Zero if the store does not hold the key.
     pub fn estimate<'k>(&self, key: impl Into<KeyRef<'k>>) -> i128 {
+        let key = key.into();
         let guard = self.slots.guard();
-        self.slots
-            .get(&key.into(), &guard)
-            .map_or(0, Slot::estimate)
+        loop {
+            let Some(slot) = self.slots.get(&key, &guard) else {
+                return 0;
+            };
+            let own = slot.own();
+            if let Some(remote) = self.outsized.remote(slot) {
+                return own.value() + remote;
+            }
+            // Removed meanwhile, with an outsized sum: read the key's next slot, if any.
+        }
     }
 
     /// Sets the key's remote sum: the sum of every other replica's lane as gossip last merged
@@ -154,7 +166,7 @@ impl LaneStore {
     pub fn publish_remote(&self, key: &Key, remote: i128) -> Result<(), StoreError> {
         let guard = self.slots.guard();
         let (_, slot) = self.slot_or_insert(key.into(), &guard)?;
-        slot.publish_remote(remote);
+        self.outsized.publish(slot, remote);
         Ok(())
     }
 
@@ -259,16 +271,25 @@ impl LaneStore {
         loop {
             let (held, slot) = self.slot_or_insert(key, &guard)?;
             match add(slot, amount)? {
-                Written::Counted { lane, queue } => {
+                Written::Counted {
+                    lane,
+                    remote,
+                    queue,
+                } => {
                     if queue {
                         self.dirty.push(held.clone());
                         self.queued.notify_one();
                     }
-                    // The remote sum is read after the write, so the estimate includes
-                    // this write and every remote merge published before it.
+                    // The remote sum as the write found it, so the estimate includes this
+                    // write and every remote merge published before it. A slot removed
+                    // since, with an outsized sum, leaves the key's current estimate.
+                    let estimate = match remote {
+                        Remote::Inline(remote) => lane.value() + i128::from(remote),
+                        Remote::Outsized => self.estimate_outsized(key, slot, lane),
+                    };
                     return Ok(Counted {
                         own: lane,
-                        estimate: lane.value() + slot.remote(),
+                        estimate,
                     });
                 }
                 Written::Retired => {
@@ -278,6 +299,16 @@ impl LaneStore {
                     self.unlink(&key, |current| std::ptr::eq(current, slot), &guard);
                 }
             }
+        }
+    }
+
+    /// A write's estimate when the remote sum it found is in the `Outsized` table: `lane`
+    /// plus that sum, or, if the slot was removed since, the key's estimate now.
+    #[cold]
+    fn estimate_outsized(&self, key: KeyRef<'_>, slot: &Slot, lane: Lane) -> i128 {
+        match self.outsized.sum(slot, Remote::Outsized) {
+            Some(remote) => lane.value() + remote,
+            None => self.estimate(key),
         }
     }
 
@@ -323,12 +354,12 @@ impl LaneStore {
     where
         Q: Hash + Equivalent<Key> + ?Sized,
     {
-        let removed = self.slots.remove_if(key, |_, slot| which(slot), guard);
-        let removed = matches!(removed, Ok(Some(_)));
-        if removed {
-            self.keys.fetch_sub(1, Ordering::Relaxed);
-        }
-        removed
+        let Ok(Some((_, slot))) = self.slots.remove_if(key, |_, slot| which(slot), guard) else {
+            return false;
+        };
+        self.outsized.forget(slot);
+        self.keys.fetch_sub(1, Ordering::Relaxed);
+        true
     }
 }
 
@@ -380,42 +411,87 @@ impl BuildHasher for KeyHasher {
 }
 
 /// One key's own lane, remote sum and collection state: the part of the store that the
-/// loom models check, so every atomic the protocol relies on lives here.
+/// loom models check, so every atomic the protocol relies on lives here (with
+/// [`Outsized`], for remote sums too large for the slot).
 ///
-/// 40 bytes with std's atomics, one exact allocation together with its key in the map.
+/// 24 bytes with std's atomics, one exact allocation of 48 together with its key in the
+/// map: the memory budget is 64 bytes per key, papaya's table included.
 #[derive(Debug)]
 struct Slot {
     // Invariant: the totals only grow, by checked adds, so a lane never wraps. The one
     // exception is a write taken back from a retired slot, whose totals nobody collects.
     incr: AtomicU64,
     decr: AtomicU64,
-    // The remote sum, an i128 in two halves behind a seqlock: `remote_seq` is odd while a
-    // publish is under way, and each publish adds 2. A reader that sees the same even
-    // `remote_seq` before and after reading both halves read one publish whole. A u32
-    // only wraps if a reader stalls between its two loads for 2^31 publishes of one key.
-    remote_hi: AtomicU64,
-    remote_lo: AtomicU64,
-    remote_seq: AtomicU32,
-    // DIRTY: written since last taken; the key is queued, or about to be by the writer that
-    // set it, or being collected. RETIRED: removed from the map, never cleared. Invariant:
-    // a dirty slot is never retired.
-    state: AtomicU8,
+    // The collection state in the low two bits and the remote sum in the other 62, one
+    // word, so that a read of either is one load and a slot fits the budget. The sum is
+    // two's complement, or `OUTSIZED`: beyond what 62 bits hold, and kept in the store's
+    // `Outsized` table. DIRTY: written since last taken; the key is queued, or about to be
+    // by the writer that set it, or being collected. RETIRED: removed from the map, never
+    // cleared. Invariant: a dirty slot is never retired.
+    word: AtomicU64,
 }
 
-const DIRTY: u8 = 1;
-const RETIRED: u8 = 2;
+const DIRTY: u64 = 1;
+const RETIRED: u64 = 2;
+const STATE: u64 = DIRTY | RETIRED;
+/// The remote-sum bits that say the sum is in the [`Outsized`] table: the one 62-bit value
+/// an inline sum never takes, -2^61.
+const OUTSIZED: u64 = 1 << 63;
 
 // The memory budget per key is tight and the map holds a slot per key; a new field
 // should be a decision, not an accident. Loom's atomics are larger, so only std's count.
 #[cfg(not(tally_loom))]
-const _: () = assert!(std::mem::size_of::<Slot>() == 40, "Slot grew past 40 bytes");
+const _: () = assert!(std::mem::size_of::<Slot>() == 24, "Slot grew past 24 bytes");
+
+/// A remote sum as a slot's word holds it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Remote {
+    /// The sum itself, within [`Remote::INLINE_MAX`] of zero.
+    Inline(i64),
+    /// Farther from zero: the sum is in the store's [`Outsized`] table.
+    Outsized,
+}
+
+impl Remote {
+    /// The largest sum, either side of zero, that a slot holds itself.
+    const INLINE_MAX: i64 = (1 << 61) - 1;
+
+    fn of(sum: i128) -> Remote {
+        match i64::try_from(sum) {
+            Ok(sum) if (-Remote::INLINE_MAX..=Remote::INLINE_MAX).contains(&sum) => {
+                Remote::Inline(sum)
+            }
+            _ => Remote::Outsized,
+        }
+    }
+
+    /// The word's bits for this sum, its state bits clear.
+    fn bits(self) -> u64 {
+        match self {
+            // Within ±(2^61 - 1): the shift keeps the sign, and never gives `OUTSIZED`.
+            Remote::Inline(sum) => (sum << 2) as u64,
+            Remote::Outsized => OUTSIZED,
+        }
+    }
+
+    fn in_word(word: u64) -> Remote {
+        match word & !STATE {
+            OUTSIZED => Remote::Outsized,
+            bits => Remote::Inline((bits as i64) >> 2),
+        }
+    }
+}
 
 /// What a write did to a slot.
 #[derive(Debug)]
 enum Written {
-    /// The write counted; `lane` is the own lane just after it. `queue`: the slot was
-    /// clean, so this writer must queue the key.
-    Counted { lane: Lane, queue: bool },
+    /// The write counted; `lane` is the own lane just after it, `remote` the remote sum
+    /// at that moment. `queue`: the slot was clean, so this writer must queue the key.
+    Counted {
+        lane: Lane,
+        remote: Remote,
+        queue: bool,
+    },
     /// The slot was retired before the write landed. The write was taken back; count it
     /// in the key's next slot.
     Retired,
@@ -426,10 +502,7 @@ impl Slot {
         Slot {
             incr: AtomicU64::new(0),
             decr: AtomicU64::new(0),
-            remote_hi: AtomicU64::new(0),
-            remote_lo: AtomicU64::new(0),
-            remote_seq: AtomicU32::new(0),
-            state: AtomicU8::new(0),
+            word: AtomicU64::new(0),
         }
     }
 
@@ -447,7 +520,7 @@ impl Slot {
         field: &'static str,
         amount: u64,
     ) -> Result<Written, Overflow> {
-        // Relaxed: the `Release` on `state` just below is what hands this add to the
+        // Relaxed: the `Release` on `word` just below is what hands this add to the
         // collector, and no other thread reads anything through the total itself.
         total
             .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |total| {
@@ -459,15 +532,17 @@ impl Slot {
                 amount,
             })?;
         // After the add, never before: a collector that clears the flag after this sets it
-        // must see the add (see the module doc).
-        let state = self.state.fetch_or(DIRTY, Ordering::Release);
-        if state & RETIRED != 0 {
+        // must see the add (see the module doc). The word it returns holds the remote sum
+        // as of this write.
+        let word = self.word.fetch_or(DIRTY, Ordering::Release);
+        if word & RETIRED != 0 {
             total.fetch_sub(amount, Ordering::Relaxed);
             return Ok(Written::Retired);
         }
         Ok(Written::Counted {
             lane: self.own(),
-            queue: state & DIRTY == 0,
+            remote: Remote::in_word(word),
+            queue: word & DIRTY == 0,
         })
     }
 
@@ -478,90 +553,130 @@ impl Slot {
         )
     }
 
-    fn estimate(&self) -> i128 {
-        self.own().value() + self.remote()
-    }
-
     /// Clears the dirty flag, then reads the totals: the collector's half of the protocol.
     /// Called only by the collector that popped the slot's key.
     fn take(&self) -> Lane {
         // Acquire: every write whose `Release` set the flag before this clear is visible to
         // the reads below. Writes after it find the flag clear and queue the key again.
-        self.state.fetch_and(!DIRTY, Ordering::Acquire);
+        self.word.fetch_and(!DIRTY, Ordering::Acquire);
         self.own()
     }
 
     /// Marks the slot removed if it is clean; returns whether it is retired now. Stays true
     /// once true, because the map may ask again while it completes the removal.
     fn retire(&self) -> bool {
-        // Relaxed: the decision reads only `state`; a write that lands after this finds
-        // RETIRED in its own read-modify-write of `state` and takes itself back.
-        match self
-            .state
-            .compare_exchange(0, RETIRED, Ordering::Relaxed, Ordering::Relaxed)
-        {
+        // Relaxed: the decision reads only the state; a write that lands after this finds
+        // RETIRED in its own read-modify-write of the word and takes itself back.
+        let retired = self
+            .word
+            .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |word| {
+                (word & STATE == 0).then_some(word | RETIRED)
+            });
+        match retired {
             Ok(_) => true,
-            Err(state) => state & RETIRED != 0,
+            Err(word) => word & RETIRED != 0,
         }
     }
 
-    fn publish_remote(&self, remote: i128) {
-        // Take the seqlock: move `remote_seq` from even to odd. Acquire orders this publish
-        // after the previous one, so their halves never mix.
-        let seq = loop {
-            let seq = self.remote_seq.load(Ordering::Relaxed);
-            if seq.is_multiple_of(2)
-                && self
-                    .remote_seq
-                    .compare_exchange(
-                        seq,
-                        seq.wrapping_add(1),
-                        Ordering::Acquire,
-                        Ordering::Relaxed,
-                    )
-                    .is_ok()
-            {
-                break seq;
-            }
-            wait_a_moment();
-        };
-        let (hi, lo) = split(remote);
-        // Release on each half: a reader that sees either half of this publish also sees
-        // the odd `remote_seq` above when it checks again, and retries.
-        self.remote_hi.store(hi, Ordering::Release);
-        self.remote_lo.store(lo, Ordering::Release);
-        self.remote_seq
-            .store(seq.wrapping_add(2), Ordering::Release);
+    /// Sets the remote sum's bits, keeping the state; returns the word before.
+    fn publish(&self, remote: Remote) -> u64 {
+        // Release: a reader that sees `OUTSIZED` also sees the table entry written before.
+        self.word
+            .fetch_update(Ordering::Release, Ordering::Relaxed, |word| {
+                Some(remote.bits() | (word & STATE))
+            })
+            .unwrap_or_else(|word| word)
     }
 
-    /// The remote sum from one publish, never two publishes' halves mixed. Retries only
-    /// while a publish of this key is between its stores.
-    fn remote(&self) -> i128 {
-        loop {
-            // Acquire: the halves written before this even value are visible below.
-            let before = self.remote_seq.load(Ordering::Acquire);
-            if before.is_multiple_of(2) {
-                let hi = self.remote_hi.load(Ordering::Acquire);
-                let lo = self.remote_lo.load(Ordering::Acquire);
-                // Relaxed is enough: if either half came from a later publish, the Acquire
-                // load of it makes that publish's odd `remote_seq` visible here.
-                if self.remote_seq.load(Ordering::Relaxed) == before {
-                    return join(hi, lo);
+    fn remote(&self) -> Remote {
+        // Acquire: pairs with `publish`, for the `Outsized` table.
+        Remote::in_word(self.word.load(Ordering::Acquire))
+    }
+}
+
+/// The remote sums too large for their slots, by slot. Rare: a sum past ±(2^61 - 1) takes
+/// that many counts in one window. Behind one lock, taken only for those sums, and once
+/// per removed key.
+///
+/// Keyed by the slot's address: papaya frees a removed slot only once no guard can reach
+/// it, and its entry is gone before then ([`Outsized::forget`]), so an address names one
+/// slot for as long as an entry can be found under it.
+///
+/// Invariant, under the lock: a slot whose word says `OUTSIZED` has an entry, unless it was
+/// forgotten. A word is made `OUTSIZED` only under the lock, after its entry is written;
+/// an entry is removed only under the lock, while its slot's word does not say `OUTSIZED`,
+/// or once its slot is retired.
+#[derive(Debug, Default)]
+struct Outsized {
+    sums: Mutex<HashMap<usize, i128>>,
+}
+
+impl Outsized {
+    /// Sets `slot`'s remote sum. Concurrent publishes to one slot are safe: the sum is the
+    /// last one's.
+    fn publish(&self, slot: &Slot, sum: i128) {
+        match Remote::of(sum) {
+            inline @ Remote::Inline(_) => {
+                // Without the lock: most sums are small. A sum that was outsized leaves an
+                // entry to remove, unless another publish made it outsized again meanwhile.
+                if Remote::in_word(slot.publish(inline)) == Remote::Outsized {
+                    let mut sums = self.lock();
+                    if slot.remote() != Remote::Outsized {
+                        sums.remove(&address(slot));
+                    }
                 }
             }
-            wait_a_moment();
+            Remote::Outsized => {
+                let mut sums = self.lock();
+                sums.insert(address(slot), sum);
+                if slot.publish(Remote::Outsized) & RETIRED != 0 {
+                    // Removed from the map meanwhile: `forget` may have come and gone.
+                    sums.remove(&address(slot));
+                }
+            }
         }
+    }
+
+    /// `slot`'s remote sum, or `None` if the slot was removed from the map with its sum in
+    /// this table (look the key up again).
+    fn remote(&self, slot: &Slot) -> Option<i128> {
+        self.sum(slot, slot.remote())
+    }
+
+    /// The sum that `remote`, read from `slot`'s word, stands for; `None` as for
+    /// [`Outsized::remote`].
+    fn sum(&self, slot: &Slot, remote: Remote) -> Option<i128> {
+        if let Remote::Inline(sum) = remote {
+            return Some(i128::from(sum));
+        }
+        let sums = self.lock();
+        if let Some(sum) = sums.get(&address(slot)) {
+            return Some(*sum);
+        }
+        // No entry: under the lock that means the word says `OUTSIZED` no more, or the slot
+        // was forgotten.
+        match slot.remote() {
+            Remote::Inline(sum) => Some(i128::from(sum)),
+            Remote::Outsized => None,
+        }
+    }
+
+    /// Drops `slot`'s entry: call once it is retired and out of the map.
+    fn forget(&self, slot: &Slot) {
+        self.lock().remove(&address(slot));
+    }
+
+    fn lock(&self) -> MutexGuard<'_, HashMap<usize, i128>> {
+        // Every critical section leaves the table whole: a panic in one loses nothing.
+        self.sums
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
     }
 }
 
-/// An i128 as its high and low 64 bits.
-fn split(value: i128) -> (u64, u64) {
-    ((value >> 64) as u64, value as u64)
-}
-
-/// The inverse of [`split`].
-fn join(hi: u64, lo: u64) -> i128 {
-    (i128::from(hi as i64) << 64) | i128::from(lo)
+/// A slot's identity while it is reachable: see [`Outsized`].
+fn address(slot: &Slot) -> usize {
+    std::ptr::from_ref(slot) as usize
 }
 
 #[cfg(test)]
@@ -835,19 +950,58 @@ mod tests {
     }
 
     #[test]
-    fn remote_sums_round_trip_through_their_halves() {
-        for value in [
-            0,
-            1,
-            -1,
+    fn remote_sums_round_trip_through_the_word_or_go_to_the_table() {
+        let max = Remote::INLINE_MAX;
+        for sum in [0, 1, -1, 5, -5, max, -max] {
+            let remote = Remote::of(i128::from(sum));
+            assert_eq!(remote, Remote::Inline(sum));
+            for state in [0, DIRTY, RETIRED, STATE] {
+                assert_eq!(Remote::in_word(remote.bits() | state), remote, "{sum}");
+                assert_eq!(remote.bits() & STATE, 0);
+            }
+        }
+        let max = i128::from(max);
+        for sum in [
+            max + 1,
+            -max - 1,
             i128::from(u64::MAX),
-            -i128::from(u64::MAX),
             i128::MIN,
             i128::MAX,
         ] {
-            let (hi, lo) = split(value);
-            assert_eq!(join(hi, lo), value);
+            assert_eq!(Remote::of(sum), Remote::Outsized, "{sum}");
         }
+        assert_eq!(Remote::in_word(OUTSIZED | DIRTY), Remote::Outsized);
+    }
+
+    #[test]
+    fn outsized_remote_sums_are_exact_and_leave_no_entry_behind() {
+        let store = store(8);
+        let (a, b) = (key("a"), key("b"));
+        let entries = |store: &LaneStore| store.outsized.lock().len();
+        let huge = i128::from(u64::MAX) * 5;
+        store.incr(&a, 2).unwrap();
+        store.publish_remote(&a, huge).unwrap();
+        store.publish_remote(&b, -huge).unwrap();
+        assert_eq!(entries(&store), 2);
+        assert_eq!(store.estimate(&a), huge + 2);
+        assert_eq!(store.estimate(&b), -huge);
+        assert_eq!(
+            store.incr(&a, 1).map(|c| c.estimate),
+            Ok(huge + 3),
+            "a write's estimate"
+        );
+        store.publish_remote(&a, huge + 1).unwrap();
+        assert_eq!(store.estimate(&a), huge + 4);
+        assert_eq!(entries(&store), 2, "a new outsized sum replaces the entry");
+
+        // Back within a slot: the entry goes.
+        store.publish_remote(&a, 7).unwrap();
+        assert_eq!(store.estimate(&a), 10);
+        assert_eq!(entries(&store), 1);
+        // Removed with an outsized sum: the entry goes with the slot.
+        assert!(store.remove(&b));
+        assert_eq!(entries(&store), 0);
+        assert_eq!(store.estimate(&b), 0);
     }
 
     #[test]
@@ -1077,7 +1231,7 @@ mod loom_models {
     fn a_collector_that_reads_before_clearing_loses_an_increment() {
         check_no_write_is_lost(|slot| {
             let lane = slot.own();
-            slot.state.fetch_and(!DIRTY, Ordering::Acquire);
+            slot.word.fetch_and(!DIRTY, Ordering::Acquire);
             lane
         });
     }
@@ -1089,35 +1243,48 @@ mod loom_models {
     #[should_panic(expected = "lost an increment")]
     fn a_collector_that_clears_with_relaxed_loses_an_increment() {
         check_no_write_is_lost(|slot| {
-            slot.state.fetch_and(!DIRTY, Ordering::Relaxed);
+            slot.word.fetch_and(!DIRTY, Ordering::Relaxed);
             slot.own()
         });
     }
 
-    /// The remote sums a reader may see: the initial zero, then the one the publisher in
-    /// `check_reads_are_whole_and_monotone` publishes. Both of its halves differ from zero's,
-    /// so a read that mixed the two halves gives 1 or 2^64, outside this list.
-    const PUBLISHED: [i128; 2] = [0, (1 << 64) | 1];
+    /// A sum too large for a slot, and one that fits: the publisher in
+    /// `check_reads_follow_the_publishes` publishes the first, then the second.
+    const BIG: i128 = (1 << 64) | 1;
+    const SMALL: i128 = -5;
 
-    /// A writer and a publisher race a reader that reads twice: each read of the remote
-    /// sum is one published value, and neither it, the own lane nor the estimate goes back.
-    fn check_reads_are_whole_and_monotone(remote: fn(&Slot) -> i128) {
-        loom::model(move || {
+    /// How `Outsized::publish` is done, for the negative control's broken one.
+    type Publish = fn(&Outsized, &Slot, i128);
+
+    /// A writer and a publisher (of `BIG`, then `SMALL`) race a reader that reads twice:
+    /// each read of the remote sum is one the publisher published, never missing while
+    /// the slot is live; the second read is never of an earlier publish than the first;
+    /// the own lane never goes back; and the table is empty once the sum fits again.
+    fn check_reads_follow_the_publishes(publish: Publish) {
+        bounded().check(move || {
             let slot = Arc::new(Slot::new());
+            let outsized = Arc::new(Outsized::default());
             let writer = {
                 let slot = slot.clone();
                 thread::spawn(move || slot.incr(1).map(|_| ()))
             };
             let publisher = {
-                let slot = slot.clone();
-                thread::spawn(move || slot.publish_remote(PUBLISHED[1]))
+                let (slot, outsized) = (slot.clone(), outsized.clone());
+                thread::spawn(move || {
+                    publish(&outsized, &slot, BIG);
+                    publish(&outsized, &slot, SMALL);
+                })
             };
-            let read = || (slot.own(), remote(&slot));
+            let order = [0, BIG, SMALL];
+            let read = || {
+                let remote = outsized.remote(&slot).expect("a live slot's remote sum");
+                let at = order.iter().position(|sum| *sum == remote);
+                (
+                    slot.own(),
+                    at.unwrap_or_else(|| panic!("remote sum {remote} never published")),
+                )
+            };
             let (first, second) = (read(), read());
-            for (own, remote) in [first, second] {
-                assert!(PUBLISHED.contains(&remote), "torn remote sum {remote}");
-                assert!(own.incr <= 1 && own.decr == 0, "own lane {own:?}");
-            }
             assert!(
                 second.0.covers(first.0),
                 "own lane went back: {first:?} then {second:?}"
@@ -1128,25 +1295,86 @@ mod loom_models {
             );
             writer.join().unwrap().unwrap();
             publisher.join().unwrap();
-            assert_eq!(slot.estimate(), 1 + PUBLISHED[1]);
+            assert_eq!(outsized.remote(&slot), Some(SMALL));
+            assert!(outsized.lock().is_empty(), "an entry left behind");
         });
     }
 
     #[test]
-    fn a_reader_sees_whole_and_monotone_totals() {
-        check_reads_are_whole_and_monotone(Slot::remote);
+    fn a_reader_sees_each_remote_sum_as_published_and_in_order() {
+        check_reads_follow_the_publishes(|outsized, slot, sum| outsized.publish(slot, sum));
     }
 
-    /// Negative control: reads the two halves without the seqlock. (The expected message is
-    /// the part common to a torn value and a value going back: loom may find either first.)
+    /// Negative control: marks the word `OUTSIZED` before the table holds the sum. A
+    /// reader in between finds neither.
     #[test]
-    #[should_panic(expected = "remote sum")]
-    fn a_reader_without_the_seqlock_sees_a_torn_sum() {
-        check_reads_are_whole_and_monotone(|slot| {
-            join(
-                slot.remote_hi.load(Ordering::Acquire),
-                slot.remote_lo.load(Ordering::Acquire),
-            )
+    #[should_panic(expected = "a live slot's remote sum")]
+    fn a_publish_that_marks_the_word_before_the_table_loses_a_read() {
+        check_reads_follow_the_publishes(|outsized, slot, sum| match Remote::of(sum) {
+            Remote::Outsized => {
+                slot.publish(Remote::Outsized);
+                outsized.lock().insert(address(slot), sum);
+            }
+            inline => {
+                slot.publish(inline);
+                outsized.lock().remove(&address(slot));
+            }
+        });
+    }
+
+    /// Two publishers of one slot, as `LaneStore::publish_remote` allows: the sum is the
+    /// last one's, and the word and the table agree on it.
+    #[test]
+    fn concurrent_publishes_leave_the_last_sum_whole() {
+        bounded().check(|| {
+            let slot = Arc::new(Slot::new());
+            let outsized = Arc::new(Outsized::default());
+            let shrinking = {
+                let (slot, outsized) = (slot.clone(), outsized.clone());
+                thread::spawn(move || {
+                    outsized.publish(&slot, BIG);
+                    outsized.publish(&slot, SMALL);
+                })
+            };
+            outsized.publish(&slot, BIG + 1);
+            shrinking.join().unwrap();
+            match outsized.remote(&slot) {
+                Some(SMALL) => {}
+                Some(sum) => assert_eq!(sum, BIG + 1, "remote sum {sum}"),
+                None => panic!("a live slot's remote sum was lost"),
+            }
+        });
+    }
+
+    /// An outsized publish racing the slot's removal (retire, then forget, as
+    /// `LaneStore::unlink` does) leaves no entry behind; a reader meanwhile gets the sum,
+    /// or `None` only once the slot is retired.
+    #[test]
+    fn an_outsized_publish_racing_a_removal_leaves_no_entry() {
+        bounded().check(|| {
+            let slot = Arc::new(Slot::new());
+            let outsized = Arc::new(Outsized::default());
+            let publisher = {
+                let (slot, outsized) = (slot.clone(), outsized.clone());
+                thread::spawn(move || outsized.publish(&slot, BIG))
+            };
+            let remover = {
+                let (slot, outsized) = (slot.clone(), outsized.clone());
+                thread::spawn(move || {
+                    assert!(slot.retire(), "a clean slot is retired");
+                    outsized.forget(&slot);
+                })
+            };
+            match outsized.remote(&slot) {
+                Some(sum) => assert!(sum == 0 || sum == BIG, "remote sum {sum}"),
+                None => assert!(
+                    slot.word.load(Ordering::Relaxed) & RETIRED != 0,
+                    "a live slot's sum was missing"
+                ),
+            }
+            publisher.join().unwrap();
+            remover.join().unwrap();
+            assert!(outsized.lock().is_empty(), "an entry left behind");
         });
     }
 
