@@ -315,14 +315,15 @@ impl<'a> From<&'a Key> for KeyRef<'a> {
 
 impl Equivalent<Key> for KeyRef<'_> {
     fn equivalent(&self, key: &Key) -> bool {
-        let subject = match self.held_subject {
-            // Shared strings compare by pointer first: a key looked up by a key that shares
-            // its subject (as the gossip side's keys share the lane store's) is found
-            // without reading the string, which is a cache miss in a large map.
-            Some(held) => *held == key.subject,
-            None => self.subject == key.subject.as_str(),
-        };
-        self.window == key.window && subject && *self.rule == key.rule
+        self.window == key.window
+            && *self.rule == key.rule
+            && match self.held_subject {
+                // Shared strings compare by pointer first: a key looked up by a key that
+                // shares its subject (as the gossip side's keys share the lane store's) is
+                // found without reading the string, a cache miss in a large map.
+                Some(held) => *held == key.subject,
+                None => self.subject == key.subject.as_str(),
+            }
     }
 }
 

@@ -3,9 +3,10 @@
 //! last merged them.
 //!
 //! Writers never take a lock and never wait for each other: a write is a checked add on the
-//! key's slot. Reads ([`LaneStore::own`], [`LaneStore::estimate`]) never take a lock either,
-//! but for a key whose remote sum is beyond ±(2^61 - 1), which a slot cannot hold: those
-//! sums sit in a side table behind a lock.
+//! key's slot. Reads ([`LaneStore::own`], [`LaneStore::estimate`]) never take a lock either.
+//! The one exception is a key whose remote sum is beyond ±(2^61 - 1), more than a slot
+//! holds: that sum sits in a side table behind a lock, which its key's reads, writes and
+//! removal take.
 //! The gossip task is the other side: [`LaneStore::collect`] hands it every own lane that
 //! changed, and [`LaneStore::publish_remote`] takes back what it merged from peers.
 //!
@@ -153,7 +154,9 @@ impl LaneStore {
             if let Some(remote) = self.outsized.remote(slot) {
                 return own.value() + remote;
             }
-            // Removed meanwhile, with an outsized sum: read the key's next slot, if any.
+            // Retired with an outsized sum, and maybe still in the map: finish its removal,
+            // so this never waits on the remover, then read the key's next slot, if any.
+            self.unlink(&key, |current| std::ptr::eq(current, slot), &guard);
         }
     }
 
@@ -161,8 +164,9 @@ impl LaneStore {
     /// them. Creates the key if it is new; the only error is
     /// [`StoreError::KeysFull`], and then nothing changed.
     ///
-    /// Meant for one gossip task: concurrent publishes to one key are safe but wait for each
-    /// other. A publish racing the removal of its key may leave with the removed key.
+    /// Meant for one gossip task: concurrent publishes to one key are safe, and the sum is
+    /// the last one's. A publish racing the removal of its key may leave with the removed
+    /// key.
     pub fn publish_remote(&self, key: &Key, remote: i128) -> Result<(), StoreError> {
         let guard = self.slots.guard();
         let (_, slot) = self.slot_or_insert(key.into(), &guard)?;
@@ -580,7 +584,8 @@ impl Slot {
 
     /// Sets the remote sum's bits, keeping the state; returns the word before.
     fn publish(&self, remote: Remote) -> u64 {
-        // Release: a reader that sees `OUTSIZED` also sees the table entry written before.
+        // Release, paired with `remote`'s Acquire. A reader that sees `OUTSIZED` finds the
+        // entry because it takes the table's lock after the publisher let go of it.
         self.word
             .fetch_update(Ordering::Release, Ordering::Relaxed, |word| {
                 Some(remote.bits() | (word & STATE))
@@ -589,7 +594,8 @@ impl Slot {
     }
 
     fn remote(&self) -> Remote {
-        // Acquire: pairs with `publish`, for the `Outsized` table.
+        // Acquire, as `publish`'s Release: not what makes an `Outsized` entry visible (its
+        // lock does), but a reader then sees what the publisher did before publishing.
         Remote::in_word(self.word.load(Ordering::Acquire))
     }
 }
@@ -602,10 +608,10 @@ impl Slot {
 /// it, and its entry is gone before then ([`Outsized::forget`]), so an address names one
 /// slot for as long as an entry can be found under it.
 ///
-/// Invariant, under the lock: a slot whose word says `OUTSIZED` has an entry, unless it was
-/// forgotten. A word is made `OUTSIZED` only under the lock, after its entry is written;
-/// an entry is removed only under the lock, while its slot's word does not say `OUTSIZED`,
-/// or once its slot is retired.
+/// Invariant, under the lock: a slot whose word says `OUTSIZED` has an entry, unless the
+/// slot is retired. A word is made `OUTSIZED` only under the lock, after its entry is
+/// written; an entry is removed only under the lock, while its slot's word does not say
+/// `OUTSIZED`, or once its slot is retired.
 #[derive(Debug, Default)]
 struct Outsized {
     sums: Mutex<HashMap<usize, i128>>,
@@ -637,8 +643,8 @@ impl Outsized {
         }
     }
 
-    /// `slot`'s remote sum, or `None` if the slot was removed from the map with its sum in
-    /// this table (look the key up again).
+    /// `slot`'s remote sum, or `None` if the slot is retired and its sum in this table was
+    /// dropped (finish its removal, and look the key up again).
     fn remote(&self, slot: &Slot) -> Option<i128> {
         self.sum(slot, slot.remote())
     }
@@ -654,7 +660,7 @@ impl Outsized {
             return Some(*sum);
         }
         // No entry: under the lock that means the word says `OUTSIZED` no more, or the slot
-        // was forgotten.
+        // is retired.
         match slot.remote() {
             Remote::Inline(sum) => Some(i128::from(sum)),
             Remote::Outsized => None,
@@ -663,7 +669,12 @@ impl Outsized {
 
     /// Drops `slot`'s entry: call once it is retired and out of the map.
     fn forget(&self, slot: &Slot) {
-        self.lock().remove(&address(slot));
+        // A word that is not `OUTSIZED` leaves no entry to this: the publish that made it
+        // so drops the entry under the lock, and one that makes it `OUTSIZED` from now on
+        // sees RETIRED and drops its own. So most removals take no lock.
+        if slot.remote() == Remote::Outsized {
+            self.lock().remove(&address(slot));
+        }
     }
 
     fn lock(&self) -> MutexGuard<'_, HashMap<usize, i128>> {
@@ -1297,6 +1308,10 @@ mod loom_models {
             publisher.join().unwrap();
             assert_eq!(outsized.remote(&slot), Some(SMALL));
             assert!(outsized.lock().is_empty(), "an entry left behind");
+            assert!(
+                slot.word.load(Ordering::Relaxed) & DIRTY != 0,
+                "a publish cleared the write's dirty flag"
+            );
         });
     }
 
@@ -1322,41 +1337,100 @@ mod loom_models {
         });
     }
 
+    /// A write, a publisher and a collection race, and a last collection runs after: the
+    /// publisher changes the word only by read-modify-writes, which keep the write's dirty
+    /// flag and continue the release sequence the collection's clear synchronizes with, so
+    /// no increment is lost (a publish by a load and a store loses one).
+    #[test]
+    fn a_publish_racing_a_write_and_its_collection_loses_no_increment() {
+        bounded().check(|| {
+            let key = Arc::new(OneKey::new());
+            let outsized = Arc::new(Outsized::default());
+            let writer = {
+                let key = key.clone();
+                thread::spawn(move || {
+                    key.write(key.slot.incr(1));
+                    key.write(key.slot.incr(2));
+                })
+            };
+            let publisher = {
+                let (key, outsized) = (key.clone(), outsized.clone());
+                thread::spawn(move || {
+                    outsized.publish(&key.slot, BIG);
+                    outsized.publish(&key.slot, SMALL);
+                })
+            };
+            let mut lanes = Vec::new();
+            key.collect(Slot::take, &mut lanes);
+            writer.join().unwrap();
+            publisher.join().unwrap();
+            key.collect(Slot::take, &mut lanes);
+            assert_eq!(
+                lanes.last(),
+                Some(&Lane::new(3, 0)),
+                "lost an increment: collected {lanes:?}"
+            );
+        });
+    }
+
     /// Two publishers of one slot, as `LaneStore::publish_remote` allows: the sum is the
     /// last one's, and the word and the table agree on it.
-    #[test]
-    fn concurrent_publishes_leave_the_last_sum_whole() {
-        bounded().check(|| {
+    fn check_concurrent_publishes(publish: Publish) {
+        bounded().check(move || {
             let slot = Arc::new(Slot::new());
             let outsized = Arc::new(Outsized::default());
             let shrinking = {
                 let (slot, outsized) = (slot.clone(), outsized.clone());
                 thread::spawn(move || {
-                    outsized.publish(&slot, BIG);
-                    outsized.publish(&slot, SMALL);
+                    publish(&outsized, &slot, BIG);
+                    publish(&outsized, &slot, SMALL);
                 })
             };
-            outsized.publish(&slot, BIG + 1);
+            publish(&outsized, &slot, BIG + 1);
             shrinking.join().unwrap();
+            let entries: Vec<i128> = outsized.lock().values().copied().collect();
             match outsized.remote(&slot) {
-                Some(SMALL) => {}
-                Some(sum) => assert_eq!(sum, BIG + 1, "remote sum {sum}"),
+                Some(SMALL) => assert_eq!(entries, [], "an entry left behind"),
+                Some(sum) => {
+                    assert_eq!(sum, BIG + 1, "remote sum {sum}");
+                    assert_eq!(entries, [BIG + 1]);
+                }
                 None => panic!("a live slot's remote sum was lost"),
             }
+        });
+    }
+
+    #[test]
+    fn concurrent_publishes_leave_the_last_sum_whole() {
+        check_concurrent_publishes(|outsized, slot, sum| outsized.publish(slot, sum));
+    }
+
+    /// Negative control: a publish that makes the word inline drops the entry without
+    /// looking again under the lock, and so drops the entry of a publish that made the word
+    /// outsized again meanwhile.
+    #[test]
+    #[should_panic(expected = "a live slot's remote sum was lost")]
+    fn a_publish_that_drops_the_entry_without_looking_again_loses_a_sum() {
+        check_concurrent_publishes(|outsized, slot, sum| match Remote::of(sum) {
+            inline @ Remote::Inline(_) => {
+                if Remote::in_word(slot.publish(inline)) == Remote::Outsized {
+                    outsized.lock().remove(&address(slot));
+                }
+            }
+            Remote::Outsized => outsized.publish(slot, sum),
         });
     }
 
     /// An outsized publish racing the slot's removal (retire, then forget, as
     /// `LaneStore::unlink` does) leaves no entry behind; a reader meanwhile gets the sum,
     /// or `None` only once the slot is retired.
-    #[test]
-    fn an_outsized_publish_racing_a_removal_leaves_no_entry() {
-        bounded().check(|| {
+    fn check_publish_racing_a_removal(publish: Publish) {
+        bounded().check(move || {
             let slot = Arc::new(Slot::new());
             let outsized = Arc::new(Outsized::default());
             let publisher = {
                 let (slot, outsized) = (slot.clone(), outsized.clone());
-                thread::spawn(move || outsized.publish(&slot, BIG))
+                thread::spawn(move || publish(&outsized, &slot, BIG))
             };
             let remover = {
                 let (slot, outsized) = (slot.clone(), outsized.clone());
@@ -1375,6 +1449,23 @@ mod loom_models {
             publisher.join().unwrap();
             remover.join().unwrap();
             assert!(outsized.lock().is_empty(), "an entry left behind");
+        });
+    }
+
+    #[test]
+    fn an_outsized_publish_racing_a_removal_leaves_no_entry() {
+        check_publish_racing_a_removal(|outsized, slot, sum| outsized.publish(slot, sum));
+    }
+
+    /// Negative control: an outsized publish that does not drop its entry when it finds the
+    /// slot retired leaves it behind if `forget` came first.
+    #[test]
+    #[should_panic(expected = "an entry left behind")]
+    fn an_outsized_publish_that_ignores_a_retired_slot_leaves_an_entry() {
+        check_publish_racing_a_removal(|outsized, slot, sum| {
+            let mut sums = outsized.lock();
+            sums.insert(address(slot), sum);
+            slot.publish(Remote::of(sum));
         });
     }
 
