@@ -431,7 +431,8 @@ struct Slot {
     // two's complement, or `OUTSIZED`: beyond what 62 bits hold, and kept in the store's
     // `Outsized` table. DIRTY: written since last taken; the key is queued, or about to be
     // by the writer that set it, or being collected. RETIRED: removed from the map, never
-    // cleared. Invariant: a dirty slot is never retired.
+    // cleared. Invariant: a slot is retired only while clean; a write that lands after
+    // sets DIRTY beside RETIRED and takes its add back, and nothing collects it.
     word: AtomicU64,
 }
 
@@ -601,8 +602,8 @@ impl Slot {
 }
 
 /// The remote sums too large for their slots, by slot. Rare: a sum past ±(2^61 - 1) takes
-/// that many counts in one window. Behind one lock, taken only for those sums, and once
-/// per removed key.
+/// that many counts in one window. Behind one lock, taken only for those sums (and by the
+/// removal of a slot that holds one).
 ///
 /// Keyed by the slot's address: papaya frees a removed slot only once no guard can reach
 /// it, and its entry is gone before then ([`Outsized::forget`]), so an address names one
@@ -1340,10 +1341,9 @@ mod loom_models {
     /// A write, a publisher and a collection race, and a last collection runs after: the
     /// publisher changes the word only by read-modify-writes, which keep the write's dirty
     /// flag and continue the release sequence the collection's clear synchronizes with, so
-    /// no increment is lost (a publish by a load and a store loses one).
-    #[test]
-    fn a_publish_racing_a_write_and_its_collection_loses_no_increment() {
-        bounded().check(|| {
+    /// no increment is lost.
+    fn check_publish_racing_a_write(publish: Publish) {
+        bounded().check(move || {
             let key = Arc::new(OneKey::new());
             let outsized = Arc::new(Outsized::default());
             let writer = {
@@ -1356,8 +1356,8 @@ mod loom_models {
             let publisher = {
                 let (key, outsized) = (key.clone(), outsized.clone());
                 thread::spawn(move || {
-                    outsized.publish(&key.slot, BIG);
-                    outsized.publish(&key.slot, SMALL);
+                    publish(&outsized, &key.slot, BIG);
+                    publish(&outsized, &key.slot, SMALL);
                 })
             };
             let mut lanes = Vec::new();
@@ -1370,6 +1370,23 @@ mod loom_models {
                 Some(&Lane::new(3, 0)),
                 "lost an increment: collected {lanes:?}"
             );
+        });
+    }
+
+    #[test]
+    fn a_publish_racing_a_write_and_its_collection_loses_no_increment() {
+        check_publish_racing_a_write(|outsized, slot, sum| outsized.publish(slot, sum));
+    }
+
+    /// Negative control: a publish that loads the word and stores it back with the new sum
+    /// can put back a dirty flag the collection cleared in between; the next write then
+    /// finds it set and does not queue its key.
+    #[test]
+    #[should_panic(expected = "lost an increment")]
+    fn a_publish_by_a_load_and_a_store_loses_an_increment() {
+        check_publish_racing_a_write(|_, slot, sum| {
+            let word = slot.word.load(Ordering::Acquire);
+            (slot.word).store(Remote::of(sum).bits() | (word & STATE), Ordering::Release);
         });
     }
 
