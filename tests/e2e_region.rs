@@ -1,5 +1,6 @@
 //! End to end: exact rules through the region (TESTING.md D1, N10, C4). Node 1 is the
-//! region; the others are edges forwarding the exact rule `quota` (limit 500) to it.
+//! region; the others are edges forwarding the exact rule `quota` (limit 500) to it, and
+//! the region's own clients check it there.
 //!
 //! REGION: the region's count is at least everything it acknowledged, at most everything
 //! ever attempted, never decreases across its restarts, and never passes the limit.
@@ -504,4 +505,37 @@ async fn a_second_region_started_on_the_data_dir_in_use_is_refused_and_the_first
     cluster.node(1).kill9();
     cluster.node(1).restart(true);
     assert_eq!(region_count(&edge, "twice").await, 28);
+}
+
+#[tokio::test(flavor = "current_thread")]
+async fn the_region_nodes_own_clients_check_exact_rules_on_the_same_durable_count() {
+    let mut cluster = Cluster::start_with(NET, 2, 2_000, true);
+    let region = cluster.nodes[0].client().await;
+    let edge = cluster.nodes[1].client().await;
+    // The region's clients and the edge's count on one ledger, in the order decided.
+    for (client, count) in [(&region, 7), (&edge, 14), (&region, 21)] {
+        let decision = client.check("quota", "own", 7).await.unwrap();
+        assert_eq!(
+            decided(&decision),
+            (Mode::Exact, true, count, LIMIT - count as u64)
+        );
+    }
+    let denied = region.check("quota", "own", LIMIT - 20).await.unwrap();
+    assert_eq!(decided(&denied), (Mode::Exact, false, 21, LIMIT - 21));
+
+    // A check named at an edge and retried at the region counts once.
+    let id = CheckId::new();
+    let first = edge.check_with_id(id, "quota", "own", 5).await.unwrap();
+    assert_eq!(decided(&first), (Mode::Exact, true, 26, LIMIT - 26));
+    let retried = region.check_with_id(id, "quota", "own", 5).await.unwrap();
+    assert_eq!(decided(&retried), decided(&first));
+
+    // Acknowledged means durable: after a crash the region's next life holds them all.
+    cluster.node(1).kill9();
+    cluster.node(1).restart(true);
+    let region = cluster.nodes[0].client().await;
+    assert_eq!(region_count(&region, "own").await, 26);
+    let after = region.check("quota", "own", 4).await.unwrap();
+    assert_eq!(decided(&after), (Mode::Exact, true, 30, LIMIT - 30));
+    assert_eq!(region_count(&edge, "own").await, 30);
 }

@@ -298,6 +298,14 @@ impl Config {
             ));
         }
         if let Some(region) = &self.region {
+            if self.role == Role::Region {
+                return Err(bad(
+                    "region".into(),
+                    "a region node decides exact checks itself: `region` names the region \
+                     for an edge"
+                        .into(),
+                ));
+            }
             if region.node == self.node_id {
                 return Err(bad(
                     "region.node".into(),
@@ -461,6 +469,21 @@ window_secs = 60
             err.contains("rules[0].limit") && err.contains("lane_rate_max_per_sec"),
             "{err}"
         );
+    }
+
+    #[test]
+    fn a_region_node_naming_a_region_is_refused() {
+        let region = format!(
+            "role = \"region\"\ndata_dir = \"/tmp/r\"\n\
+             region = {{ node = 9, addr = \"127.0.0.9:7001\" }}\n{GOOD}"
+        );
+        let err = parse(&region).unwrap_err().to_string();
+        assert!(
+            err.contains("node-1.toml") && err.contains("region") && err.contains("itself"),
+            "{err}"
+        );
+        let without = region.replace("region = { node = 9, addr = \"127.0.0.9:7001\" }\n", "");
+        assert!(parse(&without).is_ok());
     }
 
     #[test]

@@ -139,6 +139,8 @@ pub async fn run(config: Config, shutdown: impl Future<Output = ()>) -> Result<(
     });
     let bind =
         |what: &'static str, addr: String| move |source| DaemonError::Bind { what, addr, source };
+    // The region node's own exact checks go to its region task as the edges' do.
+    let own_sessions = sessions.clone();
     let (transport, inbound) = Transport::bind(
         config.listen_gossip,
         identity,
@@ -161,16 +163,23 @@ pub async fn run(config: Config, shutdown: impl Future<Output = ()>) -> Result<(
     gossip_config.rng_seed = clock::entropy_seed();
 
     let forward_stats = Arc::new(ForwardStats::default());
-    let forwarder = config.region.as_ref().map(|region| {
-        Forwarder::new(
+    let forwarder = match (own_sessions, &config.region) {
+        (Some(sessions), _) => Some(Forwarder::local(
+            sessions,
+            replica,
+            clock,
+            forward_stats.clone(),
+        )),
+        (None, Some(region)) => Some(Forwarder::new(
             transport.requester(),
             NodeId(region.node),
             region.addr.to_string(),
             replica,
             clock,
             forward_stats.clone(),
-        )
-    });
+        )),
+        (None, None) => None,
+    };
     let view = Arc::new(View::default());
     // Before the gossip task's first refresh: no check is decided alone meanwhile.
     view.lock().unheard_seeds = unheard_seeds(

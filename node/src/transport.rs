@@ -263,15 +263,117 @@ pub struct Requester {
     shared: Arc<Shared>,
 }
 
-/// One end of a session: its two streams, and the stable id of their connection.
+/// One end of a session: where its frames go, where its answers come from, and the stable
+/// id of their connection.
 pub struct Session {
     /// Where frames go.
-    pub send: quinn::SendStream,
+    pub send: SessionSend,
     /// Where answers come from.
-    pub receive: quinn::RecvStream,
-    /// The connection's [`quinn::Connection::stable_id`].
-    pub connection: usize,
+    pub receive: SessionReceive,
+    /// The connection's [`quinn::Connection::stable_id`]; `None` for a session within the
+    /// node.
+    pub connection: Option<usize>,
 }
+
+/// Where a session's frames go.
+pub enum SessionSend {
+    /// A stream to a peer.
+    Quic(quinn::SendStream),
+    /// This node's own region task.
+    Local(LocalSend),
+}
+
+/// Where a session's answers come from.
+pub enum SessionReceive {
+    /// A stream from a peer.
+    Quic(quinn::RecvStream),
+    /// This node's own region task.
+    Local(LocalReceive),
+}
+
+/// The frames of a session within the node: the region node's own exact checks, handed to
+/// its region task as a peer's are, under the same bound of frames unanswered.
+pub struct LocalSend {
+    sessions: Sessions,
+    from: NodeId,
+    answers: mpsc::UnboundedSender<Outgoing>,
+    in_flight: Arc<Semaphore>,
+}
+
+/// The answers of a session within the node.
+pub struct LocalReceive(mpsc::UnboundedReceiver<Outgoing>);
+
+impl Sessions {
+    /// A session from this node (`from`) to its own sessions' channel: frames on it are
+    /// handed over as a peer's are, without their length prefix, and the answers come back
+    /// as a peer's would.
+    pub fn open_local(&self, from: NodeId) -> Session {
+        let (answers, receive) = mpsc::unbounded_channel();
+        let send = LocalSend {
+            sessions: self.clone(),
+            from,
+            answers,
+            in_flight: Arc::new(Semaphore::new(SESSION_FRAMES_IN_FLIGHT)),
+        };
+        Session {
+            send: SessionSend::Local(send),
+            receive: SessionReceive::Local(LocalReceive(receive)),
+            connection: None,
+        }
+    }
+}
+
+impl SessionSend {
+    /// Writes one frame (length prefix included); an error if the session is broken.
+    pub async fn write(&mut self, frame: Vec<u8>) -> Result<(), SessionBroken> {
+        match self {
+            SessionSend::Quic(send) => send.write_all(&frame).await.map_err(|_| SessionBroken),
+            SessionSend::Local(local) => local.write(frame).await,
+        }
+    }
+}
+
+impl LocalSend {
+    async fn write(&mut self, frame: Vec<u8>) -> Result<(), SessionBroken> {
+        // Waits, as a peer's stream would not be read, while the session has its most
+        // frames unanswered.
+        let permit = (self.in_flight.clone().acquire_owned().await).map_err(|_| SessionBroken)?;
+        let body = frame.get(4..).ok_or(SessionBroken)?.to_vec();
+        if body.len() > self.sessions.frame_bytes_max || self.answers.is_closed() {
+            return Err(SessionBroken);
+        }
+        let frame = SessionFrame {
+            from: self.from,
+            body,
+            reply: Reply {
+                session: self.answers.clone(),
+                permit,
+            },
+        };
+        (self.sessions.frames.send(frame).await).map_err(|_| SessionBroken)
+    }
+}
+
+impl SessionReceive {
+    /// Reads one frame of answers, as [`read_frame`] does.
+    pub async fn read(&mut self, bytes_max: usize) -> FrameRead {
+        match self {
+            SessionReceive::Quic(receive) => read_frame(receive, bytes_max).await,
+            SessionReceive::Local(LocalReceive(answers)) => match answers.recv().await {
+                Some(Outgoing::Frame(mut frame, _permit)) => {
+                    frame.drain(..4.min(frame.len()));
+                    FrameRead::Frame(frame)
+                }
+                // Refused, as a peer's stream is reset; or the region task is gone.
+                Some(Outgoing::Refuse) | None => FrameRead::End,
+            },
+        }
+    }
+}
+
+/// A session that can carry nothing more: another must be opened.
+#[derive(Debug)]
+pub struct SessionBroken;
 
 impl Requester {
     /// Opens a session to `node` at `addr`, on the connection held for it (or a new one).
@@ -279,9 +381,9 @@ impl Requester {
         let connection = connection_to(&self.shared, node, addr).await?;
         let (send, receive) = connection.open_bi().await.map_err(|err| err.to_string())?;
         Ok(Session {
-            send,
-            receive,
-            connection: connection.stable_id(),
+            send: SessionSend::Quic(send),
+            receive: SessionReceive::Quic(receive),
+            connection: Some(connection.stable_id()),
         })
     }
 

@@ -1,5 +1,6 @@
-//! The edge's side of the region path: forwards exact checks on one long-lived session to
-//! the region, many to a frame when they queue up, and waits, at most each rule's
+//! The edge's side of the region path (and the region node's, for its own clients, on a
+//! session within the node): forwards exact checks on one long-lived session to the
+//! region, many to a frame when they queue up, and waits, at most each rule's
 //! `region_timeout_ms`, for a durable answer. Checks a broken session left unanswered are
 //! sent again on the next, with the same request ids (the region answers a repeat with
 //! its first outcome). A decision says exact only when the region answered.
@@ -17,7 +18,7 @@ use super::wire::CheckRef;
 use super::wire::{self, CHECKS_PER_FRAME_MAX, REGION_FRAME_BYTES_MAX};
 use super::{ExactAnswer, Outcome};
 use crate::clock::Clock;
-use crate::transport::{read_frame, FrameRead, Requester, Session};
+use crate::transport::{FrameRead, Requester, Session, SessionReceive, SessionSend, Sessions};
 use std::collections::VecDeque;
 use std::future::Future;
 use std::pin::Pin;
@@ -150,10 +151,39 @@ fn unavailable(rule: String, why: String) -> Refusal {
 }
 
 /// Where the region is.
-struct Region {
-    requester: Requester,
-    node: NodeId,
-    addr: String,
+enum Region {
+    /// Another node, over QUIC.
+    Remote {
+        requester: Requester,
+        node: NodeId,
+        addr: String,
+    },
+    /// This node: its own region task, through its sessions' channel.
+    Local { sessions: Sessions, node: NodeId },
+}
+
+impl Region {
+    async fn open_session(&self) -> Result<Session, String> {
+        match self {
+            Region::Remote {
+                requester,
+                node,
+                addr,
+            } => requester.open_session(*node, addr).await,
+            Region::Local { sessions, node } => Ok(sessions.open_local(*node)),
+        }
+    }
+
+    /// Whether a session on `connection` is on the connection held for the region: a
+    /// newer one may have been adopted.
+    fn is_current(&self, connection: Option<usize>) -> bool {
+        match self {
+            Region::Remote {
+                requester, node, ..
+            } => requester.held(*node) == connection,
+            Region::Local { .. } => true,
+        }
+    }
 }
 
 impl<T: Send + 'static> Forwarder<T> {
@@ -167,12 +197,37 @@ impl<T: Send + 'static> Forwarder<T> {
         clock: Clock,
         stats: Arc<ForwardStats>,
     ) -> Forwarder<T> {
-        let (checks, incoming) = mpsc::unbounded_channel();
-        let region = Region {
+        let region = Region::Remote {
             requester,
             node: region,
             addr,
         };
+        Forwarder::start(region, replica, clock, stats)
+    }
+
+    /// A forwarder on the region node itself, for its own clients' checks: they go to its
+    /// region task through `sessions`, as a peer's frames do, and are decided and made
+    /// durable the same way.
+    pub fn local(
+        sessions: Sessions,
+        replica: ReplicaId,
+        clock: Clock,
+        stats: Arc<ForwardStats>,
+    ) -> Forwarder<T> {
+        let region = Region::Local {
+            sessions,
+            node: replica.node,
+        };
+        Forwarder::start(region, replica, clock, stats)
+    }
+
+    fn start(
+        region: Region,
+        replica: ReplicaId,
+        clock: Clock,
+        stats: Arc<ForwardStats>,
+    ) -> Forwarder<T> {
+        let (checks, incoming) = mpsc::unbounded_channel();
         tokio::spawn(keep_sessions(
             region,
             Held::new(incoming, clock, stats.clone()),
@@ -535,8 +590,7 @@ async fn keep_sessions<T>(region: Region, mut held: Held<T>) {
                 None => return,
             }
         }
-        let open = region.requester.open_session(region.node, &region.addr);
-        let Some(opened) = meanwhile(open, &mut held).await else {
+        let Some(opened) = meanwhile(region.open_session(), &mut held).await else {
             return;
         };
         let carried = match opened {
@@ -646,7 +700,7 @@ async fn carry<T>(region: &Region, session: Session, held: &mut Held<T>) -> Carr
             // The writer failed: the session is broken.
             Carrying::Writable(None) => break broken(answered_any),
             Carrying::Writable(Some(permit)) => {
-                if region.requester.held(region.node) != Some(connection) {
+                if !region.is_current(connection) {
                     // A newer connection to the region was adopted: move to it.
                     break broken(answered_any);
                 }
@@ -679,9 +733,9 @@ fn broken(answered: bool) -> Carried {
 }
 
 /// Writes frames of checks to a session until one fails to write or the session is done.
-async fn write_frames(mut send: quinn::SendStream, mut frames: mpsc::Receiver<Vec<u8>>) {
+async fn write_frames(mut send: SessionSend, mut frames: mpsc::Receiver<Vec<u8>>) {
     while let Some(frame) = frames.recv().await {
-        if send.write_all(&frame).await.is_err() {
+        if send.write(frame).await.is_err() {
             return;
         }
     }
@@ -689,10 +743,10 @@ async fn write_frames(mut send: quinn::SendStream, mut frames: mpsc::Receiver<Ve
 
 /// Reads frames of answers from a session until it ends or sends one that does not decode.
 async fn read_answers(
-    mut receive: quinn::RecvStream,
+    mut receive: SessionReceive,
     answers: mpsc::UnboundedSender<Vec<wire::Answered>>,
 ) {
-    while let FrameRead::Frame(body) = read_frame(&mut receive, REGION_FRAME_BYTES_MAX).await {
+    while let FrameRead::Frame(body) = receive.read(REGION_FRAME_BYTES_MAX).await {
         let Some(frame) = wire::decode_answers(&body) else {
             return;
         };
