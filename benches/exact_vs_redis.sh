@@ -17,11 +17,14 @@
 #   tally-region  client_load --region: the region protocol straight to the region over one
 #                 QUIC connection, as an edge speaks it (with node 3's certificate, so the
 #                 running edge keeps its own connection to the region)
+#   tally-local   client_load --op check --rule quota against the region's own client port:
+#                 an application at the region -> region tallyd -> group commit + fdatasync
+#                 -> back, no QUIC (the same load generator and EDGE_CLIENT as tally-edge)
 #   redis         redis-benchmark -t incr at the same C, P and N
 #
-# and, as controls, the same two tally sides against a second region and edge pair whose
+# and, as controls, the same three tally sides against a second region and edge pair whose
 # region keeps its log on a tmpfs (TMPFS_ROOT, /dev/shm), where fdatasync returns at once:
-# tally-edge-tmpfs and tally-region-tmpfs are the same path with the disk's sync taken out
+# tally-edge-tmpfs, tally-region-tmpfs and tally-local-tmpfs are the same path with the disk's sync taken out
 # (set TMPFS_ROOT= to skip them).
 #
 # Every request of every side is one durable increment of one key (subject `counter`;
@@ -38,7 +41,7 @@
 # overrides: REPEATS (3), N_A (5000), N_B (200000), N_C (200000), SETTINGS ("a b c"),
 # PORT_BASE (18000: QUIC +1, +2, +11, +12; client +101, +102, +111, +112; http +201,
 # +202, +211, +212; redis +300), WORK_ROOT (target/bench-exact; must not be a tmpfs),
-# TMPFS_ROOT (/dev/shm), EDGE_CLIENT (tasks, or batch). About two and a half minutes once
+# TMPFS_ROOT (/dev/shm), EDGE_CLIENT (tasks, or batch). About three and a half minutes once
 # built, on 2 cores. Every run's figures are also left in WORK_ROOT/last-results.tsv (which
 # does not record EDGE_CLIENT; the printed tables do).
 #
@@ -140,13 +143,14 @@ write_config() {
     } >"$file"
 }
 
-# Per pair: the region's and the edge's pids, the region's QUIC and HTTP ports, the edge's
-# client port.
-declare -A region_pid edge_pid region_quic region_http edge_client
+# Per pair: the region's and the edge's pids, the region's QUIC, HTTP and client ports, the
+# edge's client port.
+declare -A region_pid edge_pid region_quic region_http region_client edge_client
 for pair in $pairs; do
     base=$((PORT_BASE + 10 * pair))
     region_quic[$pair]=$((base + 1))
     region_http[$pair]=$((base + 201))
+    region_client[$pair]=$((base + 101))
     edge_client[$pair]=$((base + 102))
     if [ "$pair" = 0 ]; then data=$work; else data=$shm; fi
     write_config "$work/region-$pair.toml" 1 'role = "region"' $((base + 1)) $((base + 101)) \
@@ -169,6 +173,7 @@ pids+=("$redis_pid")
 for pair in $pairs; do
     wait_port "${region_http[$pair]}" "${region_pid[$pair]}"
     wait_port "${edge_client[$pair]}" "${edge_pid[$pair]}"
+    wait_port "${region_client[$pair]}" "${region_pid[$pair]}"
     # Ready when an exact check through the edge is answered by the region.
     for i in $(seq 50); do
         if "$work/client_load" --endpoint "127.0.0.1:${edge_client[$pair]}" --op check \
@@ -269,6 +274,9 @@ for run in $(seq "$REPEATS"); do
             measure "$name" "$run" "tally-region$suffix" "$pair" "$tally_n" "$work/client_load" \
                 --region "127.0.0.1:${region_quic[$pair]}" --certs "$work/certs" --node 3 \
                 --rule quota --connections "$c" --pipeline "$p" --requests "$n"
+            measure "$name" "$run" "tally-local$suffix" "$pair" "$tally_n" "$work/client_load" \
+                --endpoint "127.0.0.1:${region_client[$pair]}" --op check --rule quota \
+                --connections "$c" --pipeline "$p" --requests "$n" "${edge_flags[@]}"
             if [ "$pair" = 0 ]; then
                 measure "$name" "$run" redis 0 "$n" redis_line "$c" "$p" "$n"
             fi
@@ -353,6 +361,35 @@ for name in $SETTINGS; do
         }' "$results"
 done
 
+echo
+echo "exact checks by the region's own clients (tally-local: the edge's load generator" \
+    "against the region's client port) vs redis INCR with appendfsync always; ratios are" \
+    "tally / redis; median rows are the medians of each column:"
+echo
+echo "| setting | run | local ops/s | redis ops/s | local / redis | local p50 us | redis p50 us | p50 local / redis | local p99 us | redis p99 us |"
+echo "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"
+for name in $SETTINGS; do
+    awk -F'\t' -v name="$name" -v label="$(label "$name")" "$awk_lib"'
+        function row(run, lo, do_, lr, lp, dp, pr, l9, d9) {
+            printf "| %s | %s | %.0f | %.0f | %.2fx | %.1f | %.1f | %.2fx | %.1f | %.1f |\n",
+                label, run, lo, do_, lr, lp, dp, pr, l9, d9
+        }
+        $1 == name { o[$2, $3] = $4; p50[$2, $3] = $5; p99[$2, $3] = $6; if ($2 > runs) runs = $2 }
+        END {
+            for (i = 1; i <= runs; i++) {
+                lr = o[i, "tally-local"] / o[i, "redis"]; pr = p50[i, "tally-local"] / p50[i, "redis"]
+                row(i, o[i, "tally-local"], o[i, "redis"], lr, p50[i, "tally-local"], p50[i, "redis"],
+                    pr, p99[i, "tally-local"], p99[i, "redis"])
+                add("lo", o[i, "tally-local"]); add("do", o[i, "redis"]); add("lr", lr)
+                add("lp", p50[i, "tally-local"]); add("dp", p50[i, "redis"]); add("pr", pr)
+                add("l9", p99[i, "tally-local"]); add("d9", p99[i, "redis"])
+            }
+            row("**median**", median(list["lo"]), median(list["do"]), median(list["lr"]),
+                median(list["lp"]), median(list["dp"]), median(list["pr"]), median(list["l9"]),
+                median(list["d9"]))
+        }' "$results"
+done
+
 if [ -n "$shm" ]; then
     echo
     echo "the disk's sync taken out: the same sides against the pair whose region logs to a" \
@@ -361,7 +398,7 @@ if [ -n "$shm" ]; then
     echo "| setting | side | disk ops/s | tmpfs ops/s | disk / tmpfs | disk p50 us | tmpfs p50 us | p50 added by the disk us | disk p99 us | tmpfs p99 us |"
     echo "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"
     for name in $SETTINGS; do
-        for side in tally-edge tally-region; do
+        for side in tally-edge tally-region tally-local; do
             awk -F'\t' -v name="$name" -v side="$side" -v label="$(label "$name")" "$awk_lib"'
                 $1 == name && $3 == side { o[$2] = $4; p50[$2] = $5; p99[$2] = $6; if ($2 > runs) runs = $2 }
                 $1 == name && $3 == side "-tmpfs" { to[$2] = $4; tp50[$2] = $5; tp99[$2] = $6 }
@@ -388,7 +425,8 @@ echo
 echo "| setting | side | records per sync | syncs/s | load generator | edge tallyd | region tallyd | redis-server |"
 echo "|---|---|---:|---:|---:|---:|---:|---:|"
 for name in $SETTINGS; do
-    for side in tally-edge tally-region redis ${shm:+tally-edge-tmpfs tally-region-tmpfs}; do
+    for side in tally-edge tally-region tally-local redis \
+        ${shm:+tally-edge-tmpfs tally-region-tmpfs tally-local-tmpfs}; do
         awk -F'\t' -v name="$name" -v side="$side" -v label="$(label "$name")" "$awk_lib"'
             function cell(cpu_list, share_list) {
                 return sprintf("%.2f (%.0f%%)", median(cpu_list), median(share_list))
