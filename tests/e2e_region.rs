@@ -508,7 +508,7 @@ async fn a_second_region_started_on_the_data_dir_in_use_is_refused_and_the_first
 }
 
 #[tokio::test(flavor = "current_thread")]
-async fn the_region_nodes_own_clients_check_exact_rules_on_the_same_durable_count() {
+async fn the_region_nodes_own_clients_share_the_edges_exact_count_across_a_region_kill9() {
     let mut cluster = Cluster::start_with(NET, 2, 2_000, true);
     let region = cluster.nodes[0].client().await;
     let edge = cluster.nodes[1].client().await;
@@ -530,7 +530,8 @@ async fn the_region_nodes_own_clients_check_exact_rules_on_the_same_durable_coun
     let retried = region.check_with_id(id, "quota", "own", 5).await.unwrap();
     assert_eq!(decided(&retried), decided(&first));
 
-    // Acknowledged means durable: after a crash the region's next life holds them all.
+    // After a kill -9 the region's next life holds them all (the log's sync before every
+    // answer is the committer's, tested in `committer.rs`).
     cluster.node(1).kill9();
     cluster.node(1).restart(true);
     let region = cluster.nodes[0].client().await;

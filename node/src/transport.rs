@@ -307,7 +307,7 @@ impl Sessions {
     /// A session from this node (`from`) to its own sessions' channel: frames on it are
     /// handed over as a peer's are, without their length prefix, and the answers come back
     /// as a peer's would.
-    pub fn open_local(&self, from: NodeId) -> Session {
+    pub(crate) fn open_local(&self, from: NodeId) -> Session {
         let (answers, receive) = mpsc::unbounded_channel();
         let send = LocalSend {
             sessions: self.clone(),

@@ -35,7 +35,8 @@ pub const LATENCY_BOUNDS_US: [u64; 12] = [
     100, 250, 500, 1_000, 2_500, 5_000, 10_000, 25_000, 50_000, 100_000, 250_000, 1_000_000,
 ];
 
-/// Counters of the exact path at an edge, for the metrics.
+/// Counters of the exact path at this node (an edge, or the region for its own clients),
+/// for the metrics.
 #[derive(Debug, Default)]
 pub struct ForwardStats {
     /// Answers by latency bucket (the last one past every bound).
@@ -50,7 +51,7 @@ pub struct ForwardStats {
     pub retries: AtomicU64,
 }
 
-/// Forwards exact checks from one edge life to the region. `T` is the caller's ticket: it
+/// Forwards exact checks from one life of this node to the region. `T` is the caller's ticket: it
 /// comes back with the check's answer.
 pub struct Forwarder<T> {
     checks: mpsc::UnboundedSender<Vec<Box<Pending<T>>>>,
