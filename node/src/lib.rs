@@ -44,6 +44,7 @@ pub mod http;
 pub mod lanelog;
 pub mod listener;
 pub mod metrics;
+pub mod recent;
 pub mod region;
 pub mod store;
 mod sync;

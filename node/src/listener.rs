@@ -19,12 +19,15 @@ use crate::config::{RuleConfig, RuleMode};
 use crate::decide::{self, Context, Rules};
 use crate::lanelog::LaneLog;
 use crate::metrics::Metrics;
+use crate::recent::{RecentChecks, Seen};
 use crate::region::forward::{Answers, Check, Forwarded, Forwarder};
 use crate::store::LaneStore;
 use crate::view::View;
 use std::sync::atomic::Ordering;
-use std::sync::{Arc, Mutex};
-use tally_client::wire::{self, CheckId, FrameError, OpRef, Refusal, Reply, Response, Status};
+use std::sync::{Arc, Mutex, PoisonError};
+use tally_client::wire::{
+    self, CheckId, Decision, FrameError, OpRef, Refusal, Reply, Response, Status,
+};
 use tally_crdt::{Key, KeyRef, ReplicaId};
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 use tokio::net::{TcpListener, UnixListener};
@@ -64,6 +67,8 @@ pub struct Service {
     /// Set when the node is stopping: connections close before answering anything more,
     /// so every write acknowledged is in the lanes the gossip task pushes last.
     pub closing: std::sync::atomic::AtomicBool,
+    /// The approximate checks decided under a check id, for their retries.
+    pub recent: Mutex<RecentChecks>,
 }
 
 /// An exact check taken out of its batch, to forward to the region; the forwarder hands it
@@ -298,7 +303,10 @@ impl Service {
                         };
                         context.fallback(&found.1, key, cost, unavailable)?
                     }
-                    (RuleMode::Approximate, _) => context.check(&found.1, key, cost)?,
+                    (RuleMode::Approximate, _) => match check_id {
+                        None => context.check(&found.1, key, cost)?,
+                        Some(id) => self.check_once(context, &found.1, key, cost, id)?,
+                    },
                 };
                 self.metrics.decided(decision.mode, decision.allowed);
                 Ok(Reply::Decision(decision))
@@ -309,6 +317,32 @@ impl Service {
             self.metrics.keys_refused.fetch_add(1, Ordering::Relaxed);
         }
         result.map(Handling::Now)
+    }
+
+    /// Decides an approximate check under its id once: a retry of an id decided in a
+    /// window still live gets the first decision and counts nothing more.
+    fn check_once(
+        &self,
+        context: &mut Context<'_>,
+        rule: &RuleConfig,
+        key: KeyRef<'_>,
+        cost: u64,
+        id: CheckId,
+    ) -> Result<Decision, Refusal> {
+        let now_secs = context.now.0 / 1_000;
+        let mut recent = self.recent.lock().unwrap_or_else(PoisonError::into_inner);
+        match recent.get(id, now_secs) {
+            Seen::Decided(decision) => Ok(decision),
+            Seen::Forgotten => Err(Refusal::Forgotten {
+                rule: rule.name.clone(),
+            }),
+            Seen::Unseen => {
+                let decision = context.check(rule, key, cost)?;
+                let live_until = key.window().live_until_unix_secs();
+                recent.insert(id, decision, live_until, now_secs);
+                Ok(decision)
+            }
+        }
     }
 
     fn status(&self, context: &Context<'_>) -> Status {
@@ -494,6 +528,7 @@ mod tests {
             forwarder: None,
             lane_rate_max: u64::MAX,
             closing: std::sync::atomic::AtomicBool::new(false),
+            recent: Mutex::default(),
         }
     }
 
@@ -570,6 +605,66 @@ mod tests {
             .collect();
         assert_eq!(estimates, [(7, 1), (8, 2), (9, 3)]);
         assert_eq!(service.metrics.client_requests.load(Ordering::Relaxed), 3);
+    }
+
+    fn check(id: u64, check_id: Option<CheckId>) -> Request {
+        Request {
+            id,
+            op: Op::Check {
+                rule: "count".into(),
+                subject: "a".into(),
+                cost: 5,
+                id: check_id,
+            },
+        }
+    }
+
+    fn decisions(responses: &[Response]) -> Vec<Decision> {
+        (responses.iter())
+            .map(|response| match &response.result {
+                Ok(Reply::Decision(decision)) => *decision,
+                other => panic!("expected a decision, got {other:?}"),
+            })
+            .collect()
+    }
+
+    #[test]
+    fn an_approximate_check_sent_again_under_its_id_counts_once_and_gets_its_first_decision() {
+        let service = service(10);
+        let named = CheckId { session: 9, seq: 1 };
+        let other = CheckId { session: 9, seq: 2 };
+        let batch = [
+            check(1, Some(named)),
+            check(2, Some(named)),
+            check(3, None),
+            check(4, None),
+            check(5, Some(other)),
+        ];
+        let first = decisions(&answer(&service, &batch));
+        let estimates: Vec<i128> = first.iter().map(|decision| decision.estimate).collect();
+        assert_eq!(
+            estimates,
+            [5, 5, 10, 15, 20],
+            "an id is counted once, no id every time"
+        );
+        assert_eq!(first[1], first[0]);
+        // A later batch, as a retry after a timeout: the first decision again.
+        let retried = decisions(&answer(
+            &service,
+            &[check(6, Some(named)), check(7, Some(other))],
+        ));
+        assert_eq!(retried, [first[0], first[4]]);
+        let get = Request {
+            id: 8,
+            op: Op::Get {
+                rule: "count".into(),
+                subject: "a".into(),
+            },
+        };
+        let Ok(Reply::Estimate(estimate)) = &answer(&service, &[get])[0].result else {
+            panic!("expected an estimate");
+        };
+        assert_eq!(estimate.estimate, 20);
     }
 
     #[test]
