@@ -317,6 +317,16 @@ impl Ledger {
         }
     }
 
+    /// Forgets the request ids of every life of `node`: the region's own earlier lives,
+    /// whose forwarders (for the region's own clients) are gone and never retry. A life
+    /// given a generation an earlier one had (its generation file lost with the clock
+    /// behind) then never gets that life's outcomes for its own numbers. `node` is never
+    /// [`log::CLIENT_NODE`]: the applications' check ids stay.
+    pub fn forget_lives_of(&mut self, node: u64) {
+        debug_assert_ne!(node, log::CLIENT_NODE);
+        self.seen.retain(|&(seen, _), _| seen != node);
+    }
+
     /// Appends to `out` the entries of this ledger's state: every key's count, and per edge
     /// life its floor and the outcomes it holds. [`Ledger::replay`] of them gives back this
     /// ledger. Returns how many entries it wrote.
@@ -506,6 +516,39 @@ mod tests {
             assert_eq!(decide(&mut ledger, 1, 3, 10), Decided::Repeat(outcome));
         }
         assert_eq!(ledger.count(&key()), 3);
+    }
+
+    #[test]
+    fn forgetting_a_nodes_lives_keeps_every_other_nodes_ids_and_the_applications() {
+        let mut ledger = Ledger::default();
+        let Decided::New(edge) = decide(&mut ledger, 1, 3, 100) else {
+            panic!()
+        };
+        let own = |seq| ExactCheck {
+            id: RequestId {
+                node: 1,
+                generation: 1,
+                seq,
+            },
+            ..check(seq, 3)
+        };
+        assert!(matches!(
+            ledger.decide(&own(1), &key(), 100),
+            Decided::New(_)
+        ));
+        let Decided::New(app) = ledger.decide(&named(0xfeed, 4), &key(), 100) else {
+            panic!()
+        };
+        ledger.forget_lives_of(1);
+        // Node 1's numbers are new again; node 2's and the application's are remembered.
+        assert!(matches!(
+            ledger.decide(&own(1), &key(), 100),
+            Decided::New(_)
+        ));
+        assert_eq!(decide(&mut ledger, 1, 3, 100), Decided::Repeat(edge));
+        let retried = ledger.decide(&named(0xfeed, 4), &key(), 100);
+        assert_eq!(retried, Decided::Repeat(app));
+        assert_eq!(ledger.count(&key()), 10);
     }
 
     #[test]

@@ -95,6 +95,7 @@ impl RegionService {
         let (mut storage, entries, torn) = log::open(&path).map_err(io)?;
         let mut ledger = Ledger::replay(&entries);
         ledger.expire(clock::wall().0 / 1_000);
+        ledger.forget_lives_of(store.replica().node.0);
         // Start from a compacted log: the state the entries left, without finished windows.
         let mut compacted = Vec::new();
         ledger.snapshot(&mut compacted);
