@@ -175,7 +175,8 @@ impl Client {
     /// Make the id once per check ([`CheckId::new`]) and pass the same one to every retry,
     /// after an error that [`Error::is_retryable`]. An approximate rule is decided at the
     /// sidecar, which counts one id once in the same way while it remembers it (its most
-    /// recent 65,536 ids), but not across its own restart.
+    /// recent 65,536 ids; an older one is decided again), but not through another
+    /// sidecar or across its own restart.
     pub async fn check_with_id(
         &self,
         id: CheckId,

@@ -20,7 +20,7 @@
 //! - [`Client`]: the handle; [`Client::connect`], then `incr`, `decr`, `get`, `check`,
 //!   `status`.
 //! - [`Pipeline`]: requests sent together and answered together ([`Client::send`]).
-//! - [`CheckId`]: names a check across its retries, so that an exact rule counts it once
+//! - [`CheckId`]: names a check across its retries, so that it counts once
 //!   ([`Client::check_with_id`]).
 //! - [`Endpoint`]: where the sidecar listens, parsed from `127.0.0.1:7100` or
 //!   `unix:/path/to.sock`.

@@ -195,8 +195,8 @@ pub enum Op {
 ///
 /// The region remembers the ids of each session's most recent checks, so a retry is
 /// counted once however many edges or restarts (edge or region) lie between its sends.
-/// An approximate rule is decided at the sidecar, which remembers its most recent ids
-/// while their windows are live, but not across its own restart.
+/// An approximate rule is decided at the sidecar, which remembers its own most recent ids
+/// while their windows are live, in memory.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
 pub struct CheckId {
     /// Drawn at random once per process.
@@ -351,13 +351,12 @@ pub enum Refusal {
         /// What was wrong.
         why: String,
     },
-    /// The check's id is older than the ids remembered (for an exact rule, the region's
-    /// record of the session's most recent 16,384; for an approximate one, the sidecar's
-    /// most recent 65,536): the check was decided once, or the id was made long before
-    /// its first send, and it will not be decided again. Whether it was admitted is not
-    /// known.
+    /// The rule is exact, and the region no longer remembers this check's id: it decided
+    /// the check once, or the id's number is below the session's most recent 16,384
+    /// decided ones though it was never sent before (an id made long before its first
+    /// send), and will not decide it again. Whether it was admitted is not known.
     #[error(
-        "check id: rule {rule:?}: the check's id is older than the ids remembered \
+        "region: exact rule {rule:?}: the check's id is older than the region remembers \
          (decided long ago, or made long before it was sent); it is not decided again"
     )]
     Forgotten {

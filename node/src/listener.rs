@@ -19,7 +19,7 @@ use crate::config::{RuleConfig, RuleMode};
 use crate::decide::{self, Context, Rules};
 use crate::lanelog::LaneLog;
 use crate::metrics::Metrics;
-use crate::recent::{RecentChecks, Seen};
+use crate::recent::RecentChecks;
 use crate::region::forward::{Answers, Check, Forwarded, Forwarder};
 use crate::store::LaneStore;
 use crate::view::View;
@@ -319,8 +319,8 @@ impl Service {
         result.map(Handling::Now)
     }
 
-    /// Decides an approximate check under its id once: a retry of an id decided in a
-    /// window still live gets the first decision and counts nothing more.
+    /// Decides an approximate check under its id once: a retry of an id still remembered
+    /// gets the first decision, as it was given, and counts nothing more.
     fn check_once(
         &self,
         context: &mut Context<'_>,
@@ -331,18 +331,13 @@ impl Service {
     ) -> Result<Decision, Refusal> {
         let now_secs = context.now.0 / 1_000;
         let mut recent = self.recent.lock().unwrap_or_else(PoisonError::into_inner);
-        match recent.get(id, now_secs) {
-            Seen::Decided(decision) => Ok(decision),
-            Seen::Forgotten => Err(Refusal::Forgotten {
-                rule: rule.name.clone(),
-            }),
-            Seen::Unseen => {
-                let decision = context.check(rule, key, cost)?;
-                let live_until = key.window().live_until_unix_secs();
-                recent.insert(id, decision, live_until, now_secs);
-                Ok(decision)
-            }
+        if let Some(decision) = recent.get(id, now_secs) {
+            return Ok(decision);
         }
+        let decision = context.check(rule, key, cost)?;
+        let live_until = key.window().live_until_unix_secs();
+        recent.insert(id, decision, live_until, now_secs);
+        Ok(decision)
     }
 
     fn status(&self, context: &Context<'_>) -> Status {
