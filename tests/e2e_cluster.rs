@@ -17,7 +17,7 @@ use cluster::{paced_checks, Cluster};
 use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
-use tally_client::{Client, Error};
+use tally_client::{CheckId, Client, Endpoint, Error, Options};
 
 /// This file's loopback network: 127.1.x.y.
 const NET: u8 = 1;
@@ -409,4 +409,34 @@ async fn a_node_restarted_while_cut_off_decides_on_its_share_counting_its_earlie
         allowed += u64::from(decision.allowed);
     }
     assert_eq!(allowed, 2_000 / 2 + 10 - 600);
+}
+
+#[tokio::test(flavor = "current_thread")]
+async fn an_approximate_check_retried_under_its_id_after_a_timeout_counts_once() {
+    let cluster = Cluster::start(NET, 2);
+    let options = Options::default().with_timeout(Duration::from_millis(300));
+    let endpoint = Endpoint::Tcp(cluster.nodes[0].client_addr());
+    let client = Client::connect(endpoint, options).await.unwrap();
+    let id = CheckId::new();
+    // The sidecar is stopped: the check times out here, and is decided when it resumes.
+    cluster.nodes[0].signal("STOP");
+    let lost = client.check_with_id(id, "count", "retried", 5).await;
+    assert!(matches!(lost, Err(Error::Timeout { .. })), "{lost:?}");
+    cluster.nodes[0].signal("CONT");
+    // Every retry gets the first decision, and the cost is counted once.
+    let retried = client
+        .check_with_id(id, "count", "retried", 5)
+        .await
+        .unwrap();
+    assert!(retried.allowed);
+    assert_eq!(retried.estimate, 5);
+    let again = client
+        .check_with_id(id, "count", "retried", 5)
+        .await
+        .unwrap();
+    assert_eq!(again, retried);
+    assert_eq!(client.get("count", "retried").await.unwrap().estimate, 5);
+    // A check without an id is a new check every time.
+    let unnamed = client.check("count", "retried", 5).await.unwrap();
+    assert_eq!(unnamed.estimate, 10);
 }
