@@ -44,6 +44,29 @@ pub struct DemoArgs {
 const PUSH_INTERVAL_MS: u64 = 5;
 const STALENESS_WINDOW_MS: u64 = 20;
 const REGION: u64 = 1;
+/// The rules' window. A run must fit in one: the counts start again in the next, and the
+/// truth the demo checks against is one window's.
+const WINDOW_SECS: u64 = 3_600;
+/// How long the demo lets the last pushes land after the load stops.
+const SETTLE: Duration = Duration::from_millis(500);
+
+/// Waits, if the rules' current window ends within `run`, for the next to begin: a run
+/// across two windows would admit a limit in each and count its truth across both.
+async fn wait_for_a_window_to_hold(run: Duration) {
+    let left = window_left(tally_node::clock::wall().0, WINDOW_SECS * 1_000);
+    if left < run {
+        println!(
+            "  the rules' window ends in {:.1} s, within the run: waiting for the next ...",
+            left.as_secs_f64()
+        );
+        tokio::time::sleep(left + Duration::from_millis(100)).await;
+    }
+}
+
+/// How long is left of the window of `len_ms` holding the wall-clock time `now_ms`.
+fn window_left(now_ms: u64, len_ms: u64) -> Duration {
+    Duration::from_millis(len_ms - now_ms % len_ms)
+}
 
 pub fn run(args: &DemoArgs) -> anyhow::Result<()> {
     if !(1..=100).contains(&args.edges) || args.duration == 0 || args.rate < 10 {
@@ -125,9 +148,9 @@ impl Ports {
 
 fn rules(hot_limit: u64, quota_limit: u64) -> String {
     format!(
-        "[[rules]]\nname = \"req\"\nlimit = 1000000000000\nwindow_secs = 3600\n\n\
-         [[rules]]\nname = \"api\"\nlimit = {hot_limit}\nwindow_secs = 3600\nstale_after_ms = 1500\nslack = 5\n\n\
-         [[rules]]\nname = \"quota\"\nlimit = {quota_limit}\nwindow_secs = 3600\nmode = \"exact\"\nregion_timeout_ms = 500\n"
+        "[[rules]]\nname = \"req\"\nlimit = 1000000000000\nwindow_secs = {WINDOW_SECS}\n\n\
+         [[rules]]\nname = \"api\"\nlimit = {hot_limit}\nwindow_secs = {WINDOW_SECS}\nstale_after_ms = 1500\nslack = 5\n\n\
+         [[rules]]\nname = \"quota\"\nlimit = {quota_limit}\nwindow_secs = {WINDOW_SECS}\nmode = \"exact\"\nregion_timeout_ms = 500\n"
     )
 }
 
@@ -221,7 +244,9 @@ async fn demo(args: &DemoArgs, cluster: &mut DemoCluster) -> anyhow::Result<()> 
     print!("  waiting for every node to see the others ...");
     let clients = connect_all(&nodes).await?;
     wait_for_members(&nodes, nodes.len() - 1).await?;
-    println!(" done\n");
+    println!(" done");
+    wait_for_a_window_to_hold(Duration::from_secs(args.duration) + SETTLE * 4).await;
+    println!();
 
     let truth_hot = Arc::new(Mutex::new(0u64));
     let seen: Vec<Arc<Mutex<Seen>>> = edges.iter().map(|_| Arc::default()).collect();
@@ -331,7 +356,7 @@ async fn demo(args: &DemoArgs, cluster: &mut DemoCluster) -> anyhow::Result<()> 
     while load.join_next().await.is_some() {}
 
     // Let the last pushes land, then compare every node with the truth.
-    tokio::time::sleep(Duration::from_millis(500)).await;
+    tokio::time::sleep(SETTLE).await;
     let truth = *truth_hot.lock().expect("demo state");
     let req_truth: u64 = seen
         .iter()
@@ -496,4 +521,20 @@ async fn http_get(addr: &str, path: &str) -> Option<String> {
     response
         .split_once("\r\n\r\n")
         .map(|(_, body)| body.to_owned())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_time_left_of_a_window_runs_to_its_end() {
+        let hour = 3_600_000;
+        assert_eq!(
+            window_left(5 * hour + 1_000, hour),
+            Duration::from_millis(hour - 1_000)
+        );
+        assert_eq!(window_left(5 * hour, hour), Duration::from_millis(hour));
+        assert_eq!(window_left(6 * hour - 1, hour), Duration::from_millis(1));
+    }
 }
