@@ -334,11 +334,15 @@ impl SessionSend {
 }
 
 impl LocalSend {
-    async fn write(&mut self, frame: Vec<u8>) -> Result<(), SessionBroken> {
+    async fn write(&mut self, mut body: Vec<u8>) -> Result<(), SessionBroken> {
         // Waits, as a peer's stream would not be read, while the session has its most
         // frames unanswered.
         let permit = (self.in_flight.clone().acquire_owned().await).map_err(|_| SessionBroken)?;
-        let body = frame.get(4..).ok_or(SessionBroken)?.to_vec();
+        if body.len() < 4 {
+            return Err(SessionBroken);
+        }
+        // The frame's own bytes, without its length prefix, as a peer's are handed over.
+        body.drain(..4);
         if body.len() > self.sessions.frame_bytes_max || self.answers.is_closed() {
             return Err(SessionBroken);
         }
