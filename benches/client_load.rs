@@ -721,6 +721,7 @@ fn run_raw(args: &Args) -> Result<Report, String> {
                 rule: args.rule.clone(),
                 subject: subjects[(ticket % subjects.len() as u64) as usize].clone(),
                 amount: 1,
+                id: None,
             };
             let id = i as u64 + 1;
             wire::encode_frame(&Request { id, op }, &mut frames);

@@ -17,7 +17,7 @@ use cluster::{paced_checks, Cluster};
 use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
-use tally_client::{CheckId, Client, Endpoint, Error, Options};
+use tally_client::{CheckId, Client, Decision, Endpoint, Error, Options};
 
 /// This file's loopback network: 127.1.x.y.
 const NET: u8 = 1;
@@ -412,16 +412,24 @@ async fn a_node_restarted_while_cut_off_decides_on_its_share_counting_its_earlie
 }
 
 #[tokio::test(flavor = "current_thread")]
-async fn an_approximate_check_retried_under_its_id_after_a_timeout_counts_once() {
+async fn an_approximate_check_or_an_increment_retried_under_its_id_after_a_timeout_counts_once() {
     let cluster = Cluster::start(NET, 2);
     let options = Options::default().with_timeout(Duration::from_millis(300));
     let endpoint = Endpoint::Tcp(cluster.nodes[0].client_addr());
     let client = Client::connect(endpoint, options).await.unwrap();
-    let id = CheckId::new();
-    // The sidecar is stopped: the check times out here, and is decided when it resumes.
+    let (id, incr_id) = (CheckId::new(), CheckId::new());
+    // The sidecar is stopped: the check and the increment time out here, and are decided
+    // and counted when it resumes.
     cluster.nodes[0].signal("STOP");
-    let lost = client.check_with_id(id, "count", "retried", 5).await;
+    let (lost, lost_incr) = tokio::join!(
+        client.check_with_id(id, "count", "retried", 5),
+        client.incr_with_id(incr_id, "count", "retried-incr", 3),
+    );
     assert!(matches!(lost, Err(Error::Timeout { .. })), "{lost:?}");
+    assert!(
+        matches!(lost_incr, Err(Error::Timeout { .. })),
+        "{lost_incr:?}"
+    );
     cluster.nodes[0].signal("CONT");
     // Every retry gets the first decision, and the cost is counted once.
     let retried = client
@@ -434,8 +442,29 @@ async fn an_approximate_check_retried_under_its_id_after_a_timeout_counts_once()
         .check_with_id(id, "count", "retried", 5)
         .await
         .unwrap();
-    assert_eq!(again, retried);
+    let reset_after_ms = retried.reset_after_ms;
+    assert!(again.reset_after_ms <= reset_after_ms);
+    assert_eq!(
+        Decision {
+            reset_after_ms,
+            ..again
+        },
+        retried,
+        "the first decision, its time to the window's end counted from now"
+    );
     assert_eq!(client.get("count", "retried").await.unwrap().estimate, 5);
+    // So with an increment: the first count, and the amount counted once.
+    for _ in 0..2 {
+        let counted = client
+            .incr_with_id(incr_id, "count", "retried-incr", 3)
+            .await
+            .unwrap();
+        assert_eq!(counted.estimate, 3);
+    }
+    assert_eq!(
+        client.get("count", "retried-incr").await.unwrap().estimate,
+        3
+    );
     // A check without an id is a new check every time.
     let unnamed = client.check("count", "retried", 5).await.unwrap();
     assert_eq!(unnamed.estimate, 10);

@@ -14,7 +14,8 @@ static NEXT_SEQ: AtomicU64 = AtomicU64::new(0);
 impl CheckId {
     /// A new id, never made before by this process; a check sent under it and sent again
     /// under it is counted once ([`crate::Client::check_with_id`]): by the region for an
-    /// exact rule, by the sidecar that decided it for an approximate one.
+    /// exact rule, by the sidecar that decided it for an approximate one. So is an
+    /// increment or a decrement ([`crate::Client::incr_with_id`]), by its sidecar.
     ///
     /// The session is 64 bits from std's `RandomState` (seeded by the OS), so two
     /// processes share one with a chance of about `n² / 2^65` among `n` processes that

@@ -114,33 +114,77 @@ impl Client {
     ///
     /// After an error the count is unchanged only for [`Error::Refused`] and
     /// [`Error::Connect`]. After [`Error::Timeout`] or [`Error::Disconnected`] the outcome
-    /// is unknown: the increment may have been applied, and retrying it may count twice.
+    /// is unknown: the increment may have been applied, and retrying it may count twice;
+    /// for an increment that must be retried, see [`Client::incr_with_id`].
     pub async fn incr(&self, rule: &str, subject: &str, amount: u64) -> Result<Estimate, Error> {
-        let op = OpRef::Incr {
-            rule,
-            subject,
-            amount,
-        };
-        match self.call(op).await? {
-            Reply::Counted(estimate) => Ok(estimate),
-            other => Err(wrong_reply("incr", "Counted", &other)),
-        }
+        self.count(true, rule, subject, amount, None).await
+    }
+
+    /// [`Client::incr`] under `id`, so that it may be retried: the sidecar counts every
+    /// send of one id once, and answers each with the count after the first, while it
+    /// remembers the id (its most recent 65,536 ids, each until its window ends). An id
+    /// it no longer remembers is counted again, and so is one sent to another sidecar or
+    /// after this one restarted. Make the id once per increment ([`CheckId::new`]).
+    pub async fn incr_with_id(
+        &self,
+        id: CheckId,
+        rule: &str,
+        subject: &str,
+        amount: u64,
+    ) -> Result<Estimate, Error> {
+        self.count(true, rule, subject, amount, Some(id)).await
     }
 
     /// Subtracts `amount` from `subject`'s count under `rule` (a release, as when a request
     /// under a concurrency limit finishes) and returns the count after it.
     ///
     /// As with [`Client::incr`], after [`Error::Timeout`] or [`Error::Disconnected`] the
-    /// decrement may have been applied, and retrying it may subtract twice.
+    /// decrement may have been applied, and retrying it may subtract twice; see
+    /// [`Client::decr_with_id`].
     pub async fn decr(&self, rule: &str, subject: &str, amount: u64) -> Result<Estimate, Error> {
-        let op = OpRef::Decr {
-            rule,
-            subject,
-            amount,
+        self.count(false, rule, subject, amount, None).await
+    }
+
+    /// [`Client::decr`] under `id`, counted once across its retries as
+    /// [`Client::incr_with_id`] is.
+    pub async fn decr_with_id(
+        &self,
+        id: CheckId,
+        rule: &str,
+        subject: &str,
+        amount: u64,
+    ) -> Result<Estimate, Error> {
+        self.count(false, rule, subject, amount, Some(id)).await
+    }
+
+    async fn count(
+        &self,
+        incr: bool,
+        rule: &str,
+        subject: &str,
+        amount: u64,
+        id: Option<CheckId>,
+    ) -> Result<Estimate, Error> {
+        let (op, name) = if incr {
+            let op = OpRef::Incr {
+                rule,
+                subject,
+                amount,
+                id,
+            };
+            (op, "incr")
+        } else {
+            let op = OpRef::Decr {
+                rule,
+                subject,
+                amount,
+                id,
+            };
+            (op, "decr")
         };
         match self.call(op).await? {
             Reply::Counted(estimate) => Ok(estimate),
-            other => Err(wrong_reply("decr", "Counted", &other)),
+            other => Err(wrong_reply(name, "Counted", &other)),
         }
     }
 

@@ -61,9 +61,12 @@ impl Error {
     /// first request may have been applied, and after a refusal `RegionUnavailable` or
     /// `Storage` the region may still have counted the exact check, so retrying an `incr`,
     /// `decr` or `check` may count twice. Retry those only where an overcount is
-    /// acceptable, except a check sent again under its [`CheckId`](crate::CheckId)
-    /// ([`Client::check_with_id`](crate::Client::check_with_id)): that counts once (for an
-    /// approximate rule, while the same sidecar remembers the id).
+    /// acceptable, except a request sent again under its [`CheckId`](crate::CheckId)
+    /// ([`Client::check_with_id`](crate::Client::check_with_id),
+    /// [`Client::incr_with_id`](crate::Client::incr_with_id),
+    /// [`Client::decr_with_id`](crate::Client::decr_with_id)): that counts once (for an
+    /// exact check, while the region remembers the id; otherwise while the same sidecar
+    /// does).
     pub fn is_retryable(&self) -> bool {
         match self {
             Error::Timeout { .. } | Error::Disconnected | Error::Connect { .. } => true,

@@ -20,8 +20,9 @@
 //! - [`Client`]: the handle; [`Client::connect`], then `incr`, `decr`, `get`, `check`,
 //!   `status`.
 //! - [`Pipeline`]: requests sent together and answered together ([`Client::send`]).
-//! - [`CheckId`]: names a check across its retries, so that it counts once
-//!   ([`Client::check_with_id`]).
+//! - [`CheckId`]: names a check, an increment or a decrement across its retries, so that
+//!   it counts once ([`Client::check_with_id`], [`Client::incr_with_id`],
+//!   [`Client::decr_with_id`]).
 //! - [`Endpoint`]: where the sidecar listens, parsed from `127.0.0.1:7100` or
 //!   `unix:/path/to.sock`.
 //! - [`Options`]: the request and connect timeouts.

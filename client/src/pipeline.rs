@@ -34,6 +34,24 @@ impl<'a> Pipeline<'a> {
             rule,
             subject,
             amount,
+            id: None,
+        })
+    }
+
+    /// Adds an increment under `id`, as
+    /// [`Client::incr_with_id`](crate::Client::incr_with_id).
+    pub fn incr_with_id(
+        &mut self,
+        id: CheckId,
+        rule: &'a str,
+        subject: &'a str,
+        amount: u64,
+    ) -> &mut Self {
+        self.push(OpRef::Incr {
+            rule,
+            subject,
+            amount,
+            id: Some(id),
         })
     }
 
@@ -43,6 +61,24 @@ impl<'a> Pipeline<'a> {
             rule,
             subject,
             amount,
+            id: None,
+        })
+    }
+
+    /// Adds a decrement under `id`, as
+    /// [`Client::decr_with_id`](crate::Client::decr_with_id).
+    pub fn decr_with_id(
+        &mut self,
+        id: CheckId,
+        rule: &'a str,
+        subject: &'a str,
+        amount: u64,
+    ) -> &mut Self {
+        self.push(OpRef::Decr {
+            rule,
+            subject,
+            amount,
+            id: Some(id),
         })
     }
 

@@ -21,7 +21,7 @@ pub use hot_path::{decode_request, encode_response};
 pub(crate) use hot_path::{decode_response, encode_request};
 
 /// The client protocol version this build speaks.
-pub const CLIENT_WIRE_VERSION: u8 = 2;
+pub const CLIENT_WIRE_VERSION: u8 = 3;
 
 /// The largest frame body either side accepts (after the length prefix).
 pub const CLIENT_FRAME_BYTES_MAX: usize = 64 * 1024;
@@ -58,12 +58,14 @@ pub enum OpRef<'a> {
         rule: &'a str,
         subject: &'a str,
         amount: u64,
+        id: Option<CheckId>,
     },
     /// As [`Op::Decr`].
     Decr {
         rule: &'a str,
         subject: &'a str,
         amount: u64,
+        id: Option<CheckId>,
     },
     /// As [`Op::Get`].
     Get { rule: &'a str, subject: &'a str },
@@ -87,24 +89,28 @@ impl RequestRef<'_> {
                 rule,
                 subject,
                 amount,
+                id,
             } => {
                 let (rule, subject) = names(rule, subject);
                 Op::Incr {
                     rule,
                     subject,
                     amount,
+                    id,
                 }
             }
             OpRef::Decr {
                 rule,
                 subject,
                 amount,
+                id,
             } => {
                 let (rule, subject) = names(rule, subject);
                 Op::Decr {
                     rule,
                     subject,
                     amount,
+                    id,
                 }
             }
             OpRef::Get { rule, subject } => {
@@ -155,6 +161,10 @@ pub enum Op {
         subject: String,
         /// How much to add.
         amount: u64,
+        /// Names the increment across its retries, as [`Op::Check::id`] does a check: one
+        /// sent again under the same id counts once, and is answered with the first count,
+        /// while the sidecar remembers the id. `None`: every send counts.
+        id: Option<CheckId>,
     },
     /// Subtract `amount` (a release: a finished request under a concurrency limit).
     Decr {
@@ -164,6 +174,8 @@ pub enum Op {
         subject: String,
         /// How much to subtract.
         amount: u64,
+        /// Names the decrement across its retries, as for [`Op::Incr::id`].
+        id: Option<CheckId>,
     },
     /// The subject's estimate in the rule's current window, with its staleness.
     Get {
@@ -190,13 +202,15 @@ pub enum Op {
     Status,
 }
 
-/// One check's name across its retries ([`Op::Check::id`]): `seq` is the check's number
-/// in the `session` of the process that made it (see `CheckId::new`).
+/// One check's name across its retries ([`Op::Check::id`]), or one increment's or
+/// decrement's ([`Op::Incr::id`], [`Op::Decr::id`]): `seq` is its number in the `session`
+/// of the process that made it (see `CheckId::new`).
 ///
-/// The region remembers the ids of each session's most recent checks, so a retry is
+/// The region remembers the ids of each session's most recent exact checks, so a retry is
 /// counted once however many edges or restarts (edge or region) lie between its sends.
-/// An approximate rule is decided at the sidecar, which remembers its own most recent ids
-/// while their windows are live, in memory.
+/// A sidecar remembers its own most recent ids of what it decided or counted itself
+/// (approximate checks, a fallback's counted check, increments, decrements) while their
+/// windows are live, in memory.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
 pub struct CheckId {
     /// Drawn at random once per process.

@@ -359,6 +359,7 @@ async fn a_unix_socket_endpoint_works() {
                 rule: "concurrent".into(),
                 subject: "user-42".into(),
                 amount: 2,
+                id: None,
             }
         );
         write_responses(

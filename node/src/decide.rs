@@ -90,6 +90,11 @@ pub struct Context<'a> {
     pub lane_rate_max: u64,
 }
 
+/// How long until `window` ends, at wall-clock `now_ms`: a decision's `reset_after_ms`.
+pub fn reset_after_ms(window: Window, now_ms: u64) -> u64 {
+    (window.end_unix_secs() * 1_000).saturating_sub(now_ms)
+}
+
 /// The key of `subject` under `rule` in the window containing now, borrowed: building
 /// it allocates nothing.
 pub fn key<'a>(
@@ -284,7 +289,7 @@ impl Context<'_> {
             estimate,
             limit: rule.limit,
             remaining,
-            reset_after_ms: (key.window().end_unix_secs() * 1_000).saturating_sub(self.now.0),
+            reset_after_ms: reset_after_ms(key.window(), self.now.0),
             mode,
             staleness_ms: staleness.as_millis() as u64,
             bound,

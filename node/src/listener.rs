@@ -19,7 +19,7 @@ use crate::config::{RuleConfig, RuleMode};
 use crate::decide::{self, Context, Rules};
 use crate::lanelog::LaneLog;
 use crate::metrics::Metrics;
-use crate::recent::RecentChecks;
+use crate::recent::{Answered, RecentIds};
 use crate::region::forward::{Answers, Check, Forwarded, Forwarder};
 use crate::store::LaneStore;
 use crate::view::View;
@@ -67,8 +67,9 @@ pub struct Service {
     /// Set when the node is stopping: connections close before answering anything more,
     /// so every write acknowledged is in the lanes the gossip task pushes last.
     pub closing: std::sync::atomic::AtomicBool,
-    /// The approximate checks decided under a check id, for their retries.
-    pub recent: Mutex<RecentChecks>,
+    /// What was answered here under a check id (approximate checks, counted fallbacks,
+    /// increments and decrements), for their retries.
+    pub recent: Mutex<RecentIds>,
 }
 
 /// An exact check taken out of its batch, to forward to the region; the forwarder hands it
@@ -193,13 +194,13 @@ impl Service {
                     rule,
                     key,
                     cost,
-                    check_id: _,
+                    check_id,
                 } = ticket;
                 let key = KeyRef::from(&key);
                 let result = match result {
                     Ok(outcome) => Ok(context.exact(&rule, key, outcome)),
                     Err(unavailable @ Refusal::RegionUnavailable { .. }) => {
-                        context.fallback(&rule, key, cost, unavailable)
+                        self.fallback(context, &rule, key, cost, check_id, unavailable)
                     }
                     Err(other) => Err(other),
                 };
@@ -262,17 +263,21 @@ impl Service {
                 rule,
                 subject,
                 amount,
+                id,
             } => {
                 let key = decide::key(self.rules.get(rule)?, subject, context.now)?;
-                context.count(key, amount, true).map(Reply::Counted)
+                self.count(context, key, amount, true, id)
+                    .map(Reply::Counted)
             }
             OpRef::Decr {
                 rule,
                 subject,
                 amount,
+                id,
             } => {
                 let key = decide::key(self.rules.get(rule)?, subject, context.now)?;
-                context.count(key, amount, false).map(Reply::Counted)
+                self.count(context, key, amount, false, id)
+                    .map(Reply::Counted)
             }
             OpRef::Get { rule, subject } => {
                 let key = decide::key(self.rules.get(rule)?, subject, context.now)?;
@@ -287,26 +292,35 @@ impl Service {
                 let found = self.rules.get(rule)?;
                 let key = decide::key(found, subject, context.now)?;
                 decide::check_cost(cost)?;
-                let decision = match (found.1.mode, &self.forwarder) {
-                    (RuleMode::Exact, Some(_)) => {
-                        return Ok(Handling::Forward {
-                            rule: found.1.clone(),
-                            key: key.to_key(),
-                            cost,
-                            check_id,
-                        })
-                    }
-                    (RuleMode::Exact, None) => {
-                        let unavailable = Refusal::RegionUnavailable {
-                            rule: found.1.name.clone(),
-                            why: "this node has no region configured".into(),
-                        };
-                        context.fallback(&found.1, key, cost, unavailable)?
-                    }
-                    (RuleMode::Approximate, _) => match check_id {
+                let decision = match found.1.mode {
+                    RuleMode::Approximate => match check_id {
                         None => context.check(&found.1, key, cost)?,
                         Some(id) => self.check_once(context, &found.1, key, cost, id)?,
                     },
+                    RuleMode::Exact => {
+                        let recalled = match check_id {
+                            Some(id) => self.recalled(context, id)?,
+                            None => None,
+                        };
+                        match (recalled, &self.forwarder) {
+                            (Some(decision), _) => decision,
+                            (None, Some(_)) => {
+                                return Ok(Handling::Forward {
+                                    rule: found.1.clone(),
+                                    key: key.to_key(),
+                                    cost,
+                                    check_id,
+                                })
+                            }
+                            (None, None) => {
+                                let unavailable = Refusal::RegionUnavailable {
+                                    rule: found.1.name.clone(),
+                                    why: "this node has no region configured".into(),
+                                };
+                                self.fallback(context, &found.1, key, cost, check_id, unavailable)?
+                            }
+                        }
+                    }
                 };
                 self.metrics.decided(decision.mode, decision.allowed);
                 Ok(Reply::Decision(decision))
@@ -320,7 +334,7 @@ impl Service {
     }
 
     /// Decides an approximate check under its id once: a retry of an id still remembered
-    /// gets the first decision, as it was given, and counts nothing more.
+    /// gets the first decision ([`RecentIds::get`]), and counts nothing more.
     fn check_once(
         &self,
         context: &mut Context<'_>,
@@ -329,14 +343,77 @@ impl Service {
         cost: u64,
         id: CheckId,
     ) -> Result<Decision, Refusal> {
-        let now_secs = context.now.0 / 1_000;
-        let mut recent = self.recent.lock().unwrap_or_else(PoisonError::into_inner);
-        if let Some(decision) = recent.get(id, now_secs) {
-            return Ok(decision);
+        let answered = self.once(context, key, id, |context| {
+            context.check(rule, key, cost).map(Answered::Decided)
+        })?;
+        decided(answered)
+    }
+
+    /// Adds `amount` (or subtracts it), once under `id` if one is given: a retry of an id
+    /// still remembered gets the first count, as it was given, and counts nothing more.
+    fn count(
+        &self,
+        context: &mut Context<'_>,
+        key: KeyRef<'_>,
+        amount: u64,
+        incr: bool,
+        id: Option<CheckId>,
+    ) -> Result<wire::Estimate, Refusal> {
+        let Some(id) = id else {
+            return context.count(key, amount, incr);
+        };
+        let answered = self.once(context, key, id, |context| {
+            context.count(key, amount, incr).map(Answered::Counted)
+        })?;
+        match answered {
+            Answered::Counted(estimate) => Ok(estimate),
+            Answered::Decided(_) => Err(id_reused("a check", "an increment or decrement")),
         }
-        let decision = context.check(rule, key, cost)?;
-        let live_until = key.window().live_until_unix_secs();
-        recent.insert(id, decision, live_until, now_secs);
+    }
+
+    /// `answer`'s answer under `id`, once: the remembered one while `id` is, else what
+    /// `answer` gives, remembered if it gave one.
+    fn once(
+        &self,
+        context: &mut Context<'_>,
+        key: KeyRef<'_>,
+        id: CheckId,
+        answer: impl FnOnce(&mut Context<'_>) -> Result<Answered, Refusal>,
+    ) -> Result<Answered, Refusal> {
+        let now_ms = context.now.0;
+        let mut recent = self.recent.lock().unwrap_or_else(PoisonError::into_inner);
+        if let Some(answered) = recent.get(id, now_ms) {
+            return Ok(answered);
+        }
+        let answered = answer(context)?;
+        recent.insert(id, answered, key.window(), now_ms);
+        Ok(answered)
+    }
+
+    /// The decision an exact check's fallback gave under `id` here, if it is remembered.
+    fn recalled(&self, context: &Context<'_>, id: CheckId) -> Result<Option<Decision>, Refusal> {
+        let recent = self.recent.lock().unwrap_or_else(PoisonError::into_inner);
+        recent.get(id, context.now.0).map(decided).transpose()
+    }
+
+    /// An exact check's decision without the region, as the rule's `on_region_unavailable`
+    /// says. One that counted is remembered under `id`, so a retry counts nothing more
+    /// ([`Service::recalled`]); one that counted nothing is not, so a retry may yet reach
+    /// the region.
+    fn fallback(
+        &self,
+        context: &mut Context<'_>,
+        rule: &RuleConfig,
+        key: KeyRef<'_>,
+        cost: u64,
+        id: Option<CheckId>,
+        unavailable: Refusal,
+    ) -> Result<Decision, Refusal> {
+        let decision = context.fallback(rule, key, cost, unavailable)?;
+        if let (Some(id), true) = (id, decision.allowed) {
+            let mut recent = self.recent.lock().unwrap_or_else(PoisonError::into_inner);
+            recent.insert(id, Answered::Decided(decision), key.window(), context.now.0);
+        }
         Ok(decision)
     }
 
@@ -353,6 +430,25 @@ impl Service {
             members: members.into_iter().collect(),
             keys: self.store.len() as u64,
         }
+    }
+}
+
+/// A remembered answer, as a check's decision.
+fn decided(answered: Answered) -> Result<Decision, Refusal> {
+    match answered {
+        Answered::Decided(decision) => Ok(decision),
+        Answered::Counted(_) => Err(id_reused("an increment or decrement", "a check")),
+    }
+}
+
+/// The refusal of a request under an id that named another kind of request here.
+fn id_reused(first: &str, now: &str) -> Refusal {
+    Refusal::BadField {
+        field: "id".into(),
+        why: format!(
+            "this id named {first} here, not {now}; a retry must repeat its request, and a new \
+             request needs a new id"
+        ),
     }
 }
 
@@ -563,6 +659,7 @@ mod tests {
                 rule: "count".into(),
                 subject: subject.into(),
                 amount: 1,
+                id: None,
             },
         }
     }
@@ -643,23 +740,126 @@ mod tests {
             "an id is counted once, no id every time"
         );
         assert_eq!(first[1], first[0]);
-        // A later batch, as a retry after a timeout: the first decision again.
+        // A later batch, as a retry after a timeout: the first decision again, but for the
+        // time to its window's end, counted from now.
         let retried = decisions(&answer(
             &service,
             &[check(6, Some(named)), check(7, Some(other))],
         ));
-        assert_eq!(retried, [first[0], first[4]]);
+        for (retried, first) in retried.iter().zip([first[0], first[4]]) {
+            assert!(retried.reset_after_ms <= first.reset_after_ms);
+            let reset_after_ms = first.reset_after_ms;
+            assert_eq!(
+                Decision {
+                    reset_after_ms,
+                    ..*retried
+                },
+                first
+            );
+        }
+        assert_eq!(estimate(&service, "count"), 20);
+    }
+
+    /// `rule`/`a`'s estimate, by a `get`.
+    fn estimate(service: &Service, rule: &str) -> i128 {
         let get = Request {
-            id: 8,
+            id: 0,
             op: Op::Get {
-                rule: "count".into(),
+                rule: rule.into(),
                 subject: "a".into(),
             },
         };
-        let Ok(Reply::Estimate(estimate)) = &answer(&service, &[get])[0].result else {
-            panic!("expected an estimate");
+        match &answer(service, &[get])[0].result {
+            Ok(Reply::Estimate(estimate)) => estimate.estimate,
+            other => panic!("expected an estimate, got {other:?}"),
+        }
+    }
+
+    /// An increment of 3 or a decrement of 2 of `count`/`a`, under `check_id` if given.
+    fn count(id: u64, incr: bool, check_id: Option<CheckId>) -> Request {
+        let (rule, subject) = ("count".to_owned(), "a".to_owned());
+        let op = if incr {
+            Op::Incr {
+                rule,
+                subject,
+                amount: 3,
+                id: check_id,
+            }
+        } else {
+            Op::Decr {
+                rule,
+                subject,
+                amount: 2,
+                id: check_id,
+            }
         };
-        assert_eq!(estimate.estimate, 20);
+        Request { id, op }
+    }
+
+    fn counts(responses: &[Response]) -> Vec<i128> {
+        (responses.iter())
+            .map(|response| match &response.result {
+                Ok(Reply::Counted(estimate)) => estimate.estimate,
+                other => panic!("expected a count, got {other:?}"),
+            })
+            .collect()
+    }
+
+    #[test]
+    fn an_increment_or_decrement_sent_again_under_its_id_counts_once_and_gets_its_first_count() {
+        let service = service(10);
+        let up = CheckId { session: 9, seq: 1 };
+        let down = CheckId { session: 9, seq: 2 };
+        let batch = [
+            count(1, true, Some(up)),
+            count(2, true, Some(up)),
+            count(3, true, None),
+            count(4, false, Some(down)),
+            count(5, false, Some(down)),
+            count(6, false, None),
+        ];
+        assert_eq!(
+            counts(&answer(&service, &batch)),
+            [3, 3, 6, 4, 4, 2],
+            "an id is counted once, no id every time"
+        );
+        // A later batch, as retries after a timeout: the first counts again.
+        let retried = [count(7, false, Some(down)), count(8, true, Some(up))];
+        assert_eq!(counts(&answer(&service, &retried)), [4, 3]);
+        assert_eq!(estimate(&service, "count"), 2);
+    }
+
+    #[test]
+    fn an_id_sent_with_another_kind_of_request_than_it_named_is_refused_and_counts_nothing() {
+        let service = service(10);
+        let checked = CheckId { session: 9, seq: 1 };
+        let counted = CheckId { session: 9, seq: 2 };
+        let responses = answer(
+            &service,
+            &[
+                check(1, Some(checked)),
+                count(2, true, Some(counted)),
+                count(3, true, Some(checked)),
+                count(4, false, Some(checked)),
+                check(5, Some(counted)),
+            ],
+        );
+        assert_eq!(decisions(&responses[..1])[0].estimate, 5);
+        assert_eq!(counts(&responses[1..2]), [8]);
+        for response in &responses[2..] {
+            assert!(
+                matches!(
+                    &response.result,
+                    Err(Refusal::BadField { field, why }) if field == "id" && why.contains("retry")
+                ),
+                "{response:?}"
+            );
+        }
+        assert_eq!(
+            estimate(&service, "count"),
+            8,
+            "the refused requests counted nothing"
+        );
     }
 
     #[test]
@@ -689,7 +889,11 @@ mod tests {
 
     /// A forwarder to a region at an address where nothing listens.
     fn forwarder_to_nowhere() -> Forwarder<Exact> {
-        let dir = std::env::temp_dir().join(format!("tally-listener-{}", std::process::id()));
+        // A directory per call: tests run at once, and a file being written reads as bad.
+        static CALLS: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
+        let call = CALLS.fetch_add(1, Ordering::Relaxed);
+        let dir =
+            std::env::temp_dir().join(format!("tally-listener-{}-{call}", std::process::id()));
         let files = crate::certs::write_cluster(&dir, &[tally_crdt::NodeId(1)]).unwrap();
         let files = crate::config::TlsConfig {
             ca: files[0].ca.clone(),
@@ -697,6 +901,7 @@ mod tests {
             key: files[0].key.clone(),
         };
         let identity = crate::tls::identity(&files, tally_crdt::NodeId(1)).unwrap();
+        let _ = std::fs::remove_dir_all(&dir);
         let stats = Arc::new(crate::transport::TransportStats::default());
         let local = std::net::SocketAddr::from(([127, 0, 0, 1], 0));
         let (transport, _inbound) =
@@ -794,6 +999,45 @@ mod tests {
             Err(Refusal::RegionUnavailable { rule, why }) if rule == "quota" && why == "no answer within 50 ms"
         ));
         assert!(forwarded.is_empty());
+    }
+
+    #[tokio::test(flavor = "current_thread")]
+    async fn an_exact_check_its_fallback_counted_is_answered_again_under_its_id_and_not_forwarded()
+    {
+        let mut service = service(10);
+        service.rules = Rules::new(&[RuleConfig {
+            region_timeout_ms: 50,
+            on_region_unavailable: crate::config::OnRegionUnavailable::Allow,
+            ..RuleConfig::for_test("quota", 100, RuleMode::Exact)
+        }])
+        .unwrap();
+        service.forwarder = Some(forwarder_to_nowhere());
+        let (answers, mut answered) = mpsc::unbounded_channel();
+        let (mut output, mut exact) = (Vec::new(), Vec::new());
+        service.handle_frames(&frames(&[quota_check(5, 2)]), &mut output, &mut exact);
+        assert_eq!(exact.len(), 1, "forwarded");
+        service.forward(&mut exact, &answers);
+        let mut forwarded = answered.recv().await.unwrap();
+        service.answer_exact(&mut forwarded, &mut output);
+        let first = decisions(&responses(&output))[0];
+        assert_eq!(
+            (first.mode, first.allowed),
+            (wire::Mode::RegionFallback, true)
+        );
+        assert_eq!(first.estimate, 2, "the fallback counted it");
+
+        // The retry: the fallback's decision, here, not the region's, and nothing counted.
+        output.clear();
+        service.handle_frames(&frames(&[quota_check(5, 2)]), &mut output, &mut exact);
+        assert!(
+            exact.is_empty(),
+            "a retry of a counted fallback is not forwarded"
+        );
+        assert_eq!(decisions(&responses(&output)), [first]);
+        assert_eq!(estimate(&service, "quota"), 2);
+        // Another id is forwarded as before.
+        service.handle_frames(&frames(&[quota_check(6, 2)]), &mut output, &mut exact);
+        assert_eq!(exact.len(), 1);
     }
 
     #[test]

@@ -114,21 +114,25 @@ fn put_request(out: &mut Vec<u8>, request: &RequestRef<'_>) {
             rule,
             subject,
             amount,
+            id,
         } => {
             out.push(OP_INCR);
             put_str(out, rule);
             put_str(out, subject);
             put_varint(out, amount);
+            put_check_id(out, id);
         }
         OpRef::Decr {
             rule,
             subject,
             amount,
+            id,
         } => {
             out.push(OP_DECR);
             put_str(out, rule);
             put_str(out, subject);
             put_varint(out, amount);
+            put_check_id(out, id);
         }
         OpRef::Get { rule, subject } => {
             out.push(OP_GET);
@@ -145,16 +149,20 @@ fn put_request(out: &mut Vec<u8>, request: &RequestRef<'_>) {
             put_str(out, rule);
             put_str(out, subject);
             put_varint(out, cost);
-            match id {
-                None => out.push(OPTION_NONE),
-                Some(CheckId { session, seq }) => {
-                    out.push(OPTION_SOME);
-                    put_varint(out, session);
-                    put_varint(out, seq);
-                }
-            }
+            put_check_id(out, id);
         }
         OpRef::Status => out.push(OP_STATUS),
+    }
+}
+
+fn put_check_id(out: &mut Vec<u8>, id: Option<CheckId>) {
+    match id {
+        None => out.push(OPTION_NONE),
+        Some(CheckId { session, seq }) => {
+            out.push(OPTION_SOME);
+            put_varint(out, session);
+            put_varint(out, seq);
+        }
     }
 }
 
@@ -248,11 +256,13 @@ impl<'a> Reader<'a> {
                 rule: self.str()?,
                 subject: self.str()?,
                 amount: self.u64()?,
+                id: self.check_id()?,
             },
             OP_DECR => OpRef::Decr {
                 rule: self.str()?,
                 subject: self.str()?,
                 amount: self.u64()?,
+                id: self.check_id()?,
             },
             OP_GET => OpRef::Get {
                 rule: self.str()?,
@@ -428,75 +438,72 @@ mod tests {
         Reader::new(body).and_then(Reader::counting_response)
     }
 
-    /// Each op with these fields, borrowed and owned; checks with and without an id.
-    fn ops<'a>(rule: &'a str, subject: &'a str, amount: u64) -> [(OpRef<'a>, Op); 6] {
-        let id = CheckId {
+    /// Each op with these fields, borrowed and owned; the counting ops with and without an
+    /// id.
+    fn ops<'a>(rule: &'a str, subject: &'a str, amount: u64) -> Vec<(OpRef<'a>, Op)> {
+        let named = CheckId {
             session: amount,
             seq: amount.rotate_left(32),
         };
-        let (owned_rule, owned_subject) = (rule.to_owned(), subject.to_owned());
-        [
-            (
+        let owned = || (rule.to_owned(), subject.to_owned());
+        let mut ops = Vec::new();
+        for id in [None, Some(named)] {
+            let (owned_rule, owned_subject) = owned();
+            ops.push((
                 OpRef::Incr {
                     rule,
                     subject,
                     amount,
+                    id,
                 },
                 Op::Incr {
-                    rule: owned_rule.clone(),
-                    subject: owned_subject.clone(),
+                    rule: owned_rule,
+                    subject: owned_subject,
                     amount,
+                    id,
                 },
-            ),
-            (
+            ));
+            let (owned_rule, owned_subject) = owned();
+            ops.push((
                 OpRef::Decr {
                     rule,
                     subject,
                     amount,
+                    id,
                 },
                 Op::Decr {
-                    rule: owned_rule.clone(),
-                    subject: owned_subject.clone(),
+                    rule: owned_rule,
+                    subject: owned_subject,
                     amount,
+                    id,
                 },
-            ),
-            (
-                OpRef::Get { rule, subject },
-                Op::Get {
-                    rule: owned_rule.clone(),
-                    subject: owned_subject.clone(),
-                },
-            ),
-            (
+            ));
+            let (owned_rule, owned_subject) = owned();
+            ops.push((
                 OpRef::Check {
                     rule,
                     subject,
                     cost: amount,
-                    id: None,
-                },
-                Op::Check {
-                    rule: owned_rule.clone(),
-                    subject: owned_subject.clone(),
-                    cost: amount,
-                    id: None,
-                },
-            ),
-            (
-                OpRef::Check {
-                    rule,
-                    subject,
-                    cost: amount,
-                    id: Some(id),
+                    id,
                 },
                 Op::Check {
                     rule: owned_rule,
                     subject: owned_subject,
                     cost: amount,
-                    id: Some(id),
+                    id,
                 },
-            ),
-            (OpRef::Status, Op::Status),
-        ]
+            ));
+        }
+        let (owned_rule, owned_subject) = owned();
+        ops.push((
+            OpRef::Get { rule, subject },
+            Op::Get {
+                rule: owned_rule,
+                subject: owned_subject,
+            },
+        ));
+        ops.push((OpRef::Status, Op::Status));
+        ops
     }
 
     #[test]
@@ -570,6 +577,7 @@ mod tests {
                 rule: "login",
                 subject: "user-42",
                 amount: 1,
+                id: None,
             },
         };
         let mut frame = Vec::new();
