@@ -17,7 +17,7 @@ use cluster::{paced_checks, Cluster};
 use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
-use tally_client::{CheckId, Client, Decision, Endpoint, Error, Options};
+use tally_client::{CheckId, Client, Decision, Endpoint, Error, Options, Pipeline, Reply};
 
 /// This file's loopback network: 127.1.x.y.
 const NET: u8 = 1;
@@ -465,6 +465,20 @@ async fn an_approximate_check_or_an_increment_retried_under_its_id_after_a_timeo
         client.get("count", "retried-incr").await.unwrap().estimate,
         3
     );
+    // And with a decrement, sent twice in one pipeline.
+    let (down, up) = (CheckId::new(), CheckId::new());
+    let mut pipeline = Pipeline::new();
+    pipeline
+        .decr_with_id(down, "count", "retried-incr", 2)
+        .decr_with_id(down, "count", "retried-incr", 2)
+        .incr_with_id(up, "count", "retried-incr", 1);
+    let counts: Vec<i128> = (client.send(&pipeline).await.unwrap().into_iter())
+        .map(|result| match result {
+            Ok(Reply::Counted(estimate)) => estimate.estimate,
+            other => panic!("expected a count, got {other:?}"),
+        })
+        .collect();
+    assert_eq!(counts, [1, 1, 2]);
     // A check without an id is a new check every time.
     let unnamed = client.check("count", "retried", 5).await.unwrap();
     assert_eq!(unnamed.estimate, 10);

@@ -435,23 +435,25 @@ async fn a_check_retried_under_its_id_counts_once_whatever_lost_its_answer() {
         "the region decided the check whose answer was lost"
     );
 
-    // The retry gets that decision, and so does every later one: through another edge,
-    // another life of the first edge, and the region's next life.
+    // The retry gets that decision, and so does every later one: from the region's next
+    // life through another edge, and through another life of the first edge. Each asks
+    // the region: an edge remembers the region's answers only once it has had one.
     let first = check_on(&edge_2, id).await.unwrap();
     assert_eq!(decided(&first), (Mode::Exact, true, 5, LIMIT - 5));
-    assert_eq!(
-        decided(&check_on(&edge_3, id).await.unwrap()),
-        decided(&first)
-    );
+    cluster.node(1).kill9();
+    cluster.node(1).restart(true);
+    let after_region_restart = check_until_answered(&edge_3, id).await;
+    assert_eq!(decided(&after_region_restart), decided(&first));
     cluster.node(2).kill9();
     cluster.node(2).restart(false);
     let edge_2 = cluster.nodes[1].client().await;
     let after_edge_restart = check_until_answered(&edge_2, id).await;
     assert_eq!(decided(&after_edge_restart), decided(&first));
-    cluster.node(1).kill9();
-    cluster.node(1).restart(true);
-    let after_region_restart = check_until_answered(&edge_3, id).await;
-    assert_eq!(decided(&after_region_restart), decided(&first));
+    assert_eq!(
+        decided(&check_on(&edge_3, id).await.unwrap()),
+        decided(&first),
+        "and again, from the edge's memory"
+    );
     assert_eq!(region_count(&edge_3, "named").await, 5, "counted once");
 
     // One id twice in one pipeline is one check; a new id is a new check.

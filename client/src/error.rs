@@ -65,7 +65,8 @@ impl Error {
     /// ([`Client::check_with_id`](crate::Client::check_with_id),
     /// [`Client::incr_with_id`](crate::Client::incr_with_id),
     /// [`Client::decr_with_id`](crate::Client::decr_with_id)): that counts once (for an
-    /// exact check, while the region remembers the id; otherwise while the same sidecar
+    /// exact check, while the region remembers the id, or the sidecar that relayed the
+    /// region's decision or counted a fallback does; otherwise while the same sidecar
     /// does).
     pub fn is_retryable(&self) -> bool {
         match self {

@@ -198,7 +198,11 @@ impl Service {
                 } = ticket;
                 let key = KeyRef::from(&key);
                 let result = match result {
-                    Ok(outcome) => Ok(context.exact(&rule, key, outcome)),
+                    Ok(outcome) => {
+                        let decision = context.exact(&rule, key, outcome);
+                        self.remember_exact(context, key, check_id, decision);
+                        Ok(decision)
+                    }
                     Err(unavailable @ Refusal::RegionUnavailable { .. }) => {
                         self.fallback(context, &rule, key, cost, check_id, unavailable)
                     }
@@ -362,12 +366,18 @@ impl Service {
         let Some(id) = id else {
             return context.count(key, amount, incr);
         };
+        let (counted, this): (fn(_) -> _, _) = if incr {
+            (Answered::Incremented, "an increment")
+        } else {
+            (Answered::Decremented, "a decrement")
+        };
         let answered = self.once(context, key, id, |context| {
-            context.count(key, amount, incr).map(Answered::Counted)
+            context.count(key, amount, incr).map(counted)
         })?;
         match answered {
-            Answered::Counted(estimate) => Ok(estimate),
-            Answered::Decided(_) => Err(id_reused("a check", "an increment or decrement")),
+            Answered::Incremented(estimate) if incr => Ok(estimate),
+            Answered::Decremented(estimate) if !incr => Ok(estimate),
+            other => Err(id_reused(&other, this)),
         }
     }
 
@@ -390,14 +400,31 @@ impl Service {
         Ok(answered)
     }
 
-    /// The decision an exact check's fallback gave under `id` here, if it is remembered.
+    /// The decision given here under `id` (by the region, or by a fallback that counted),
+    /// if it is remembered.
     fn recalled(&self, context: &Context<'_>, id: CheckId) -> Result<Option<Decision>, Refusal> {
         let recent = self.recent.lock().unwrap_or_else(PoisonError::into_inner);
         recent.get(id, context.now.0).map(decided).transpose()
     }
 
+    /// Remembers the region's `decision` under `id`, if given: a retry through this
+    /// sidecar gets it without asking the region, which would answer the same.
+    fn remember_exact(
+        &self,
+        context: &Context<'_>,
+        key: KeyRef<'_>,
+        id: Option<CheckId>,
+        decision: Decision,
+    ) {
+        if let Some(id) = id {
+            let mut recent = self.recent.lock().unwrap_or_else(PoisonError::into_inner);
+            recent.insert(id, Answered::Decided(decision), key.window(), context.now.0);
+        }
+    }
+
     /// An exact check's decision without the region, as the rule's `on_region_unavailable`
-    /// says. One that counted is remembered under `id`, so a retry counts nothing more
+    /// says, once under `id`: a retry of an id remembered here gets the decision given
+    /// under it. One that counted is remembered, so a retry counts nothing more
     /// ([`Service::recalled`]); one that counted nothing is not, so a retry may yet reach
     /// the region.
     fn fallback(
@@ -409,9 +436,15 @@ impl Service {
         id: Option<CheckId>,
         unavailable: Refusal,
     ) -> Result<Decision, Refusal> {
+        let Some(id) = id else {
+            return context.fallback(rule, key, cost, unavailable);
+        };
+        let mut recent = self.recent.lock().unwrap_or_else(PoisonError::into_inner);
+        if let Some(answered) = recent.get(id, context.now.0) {
+            return decided(answered);
+        }
         let decision = context.fallback(rule, key, cost, unavailable)?;
-        if let (Some(id), true) = (id, decision.allowed) {
-            let mut recent = self.recent.lock().unwrap_or_else(PoisonError::into_inner);
+        if decision.allowed {
             recent.insert(id, Answered::Decided(decision), key.window(), context.now.0);
         }
         Ok(decision)
@@ -437,17 +470,18 @@ impl Service {
 fn decided(answered: Answered) -> Result<Decision, Refusal> {
     match answered {
         Answered::Decided(decision) => Ok(decision),
-        Answered::Counted(_) => Err(id_reused("an increment or decrement", "a check")),
+        other => Err(id_reused(&other, "a check")),
     }
 }
 
-/// The refusal of a request under an id that named another kind of request here.
-fn id_reused(first: &str, now: &str) -> Refusal {
+/// The refusal of `this` kind of request under an id that named another kind here.
+fn id_reused(first: &Answered, this: &str) -> Refusal {
     Refusal::BadField {
         field: "id".into(),
         why: format!(
-            "this id named {first} here, not {now}; a retry must repeat its request, and a new \
-             request needs a new id"
+            "this id named {} here, not {this}; a retry must repeat its request, and a new \
+             request needs a new id",
+            first.kind()
         ),
     }
 }
@@ -746,18 +780,23 @@ mod tests {
             &service,
             &[check(6, Some(named)), check(7, Some(other))],
         ));
-        for (retried, first) in retried.iter().zip([first[0], first[4]]) {
-            assert!(retried.reset_after_ms <= first.reset_after_ms);
-            let reset_after_ms = first.reset_after_ms;
-            assert_eq!(
-                Decision {
-                    reset_after_ms,
-                    ..*retried
-                },
-                first
-            );
+        for (retried, first) in retried.into_iter().zip([first[0], first[4]]) {
+            assert_same_but_for_reset(retried, first);
         }
         assert_eq!(estimate(&service, "count"), 20);
+    }
+
+    /// `retried` is `first` given again, its time to the window's end counted later.
+    fn assert_same_but_for_reset(retried: Decision, first: Decision) {
+        assert!(retried.reset_after_ms <= first.reset_after_ms);
+        let reset_after_ms = first.reset_after_ms;
+        assert_eq!(
+            Decision {
+                reset_after_ms,
+                ..retried
+            },
+            first
+        );
     }
 
     /// `rule`/`a`'s estimate, by a `get`.
@@ -833,15 +872,16 @@ mod tests {
     fn an_id_sent_with_another_kind_of_request_than_it_named_is_refused_and_counts_nothing() {
         let service = service(10);
         let checked = CheckId { session: 9, seq: 1 };
-        let counted = CheckId { session: 9, seq: 2 };
+        let incremented = CheckId { session: 9, seq: 2 };
         let responses = answer(
             &service,
             &[
                 check(1, Some(checked)),
-                count(2, true, Some(counted)),
+                count(2, true, Some(incremented)),
                 count(3, true, Some(checked)),
                 count(4, false, Some(checked)),
-                check(5, Some(counted)),
+                check(5, Some(incremented)),
+                count(6, false, Some(incremented)),
             ],
         );
         assert_eq!(decisions(&responses[..1])[0].estimate, 5);
@@ -855,6 +895,13 @@ mod tests {
                 "{response:?}"
             );
         }
+        let Err(Refusal::BadField { why, .. }) = &responses[5].result else {
+            unreachable!("checked above");
+        };
+        assert!(
+            why.contains("named an increment here, not a decrement"),
+            "an increment's id does not take a decrement: {why}"
+        );
         assert_eq!(
             estimate(&service, "count"),
             8,
@@ -1002,8 +1049,7 @@ mod tests {
     }
 
     #[tokio::test(flavor = "current_thread")]
-    async fn an_exact_check_its_fallback_counted_is_answered_again_under_its_id_and_not_forwarded()
-    {
+    async fn an_exact_check_decided_here_is_answered_again_under_its_id_and_not_forwarded() {
         let mut service = service(10);
         service.rules = Rules::new(&[RuleConfig {
             region_timeout_ms: 50,
@@ -1012,31 +1058,71 @@ mod tests {
         }])
         .unwrap();
         service.forwarder = Some(forwarder_to_nowhere());
+        // Sent again before the region's timeout (by a client that gave up sooner): both
+        // sends are forwarded and fall back, and only the first counts.
         let (answers, mut answered) = mpsc::unbounded_channel();
         let (mut output, mut exact) = (Vec::new(), Vec::new());
-        service.handle_frames(&frames(&[quota_check(5, 2)]), &mut output, &mut exact);
-        assert_eq!(exact.len(), 1, "forwarded");
+        let twice = frames(&[quota_check(5, 2), quota_check(5, 2)]);
+        service.handle_frames(&twice, &mut output, &mut exact);
+        assert_eq!(exact.len(), 2, "forwarded");
         service.forward(&mut exact, &answers);
-        let mut forwarded = answered.recv().await.unwrap();
+        let mut forwarded = Vec::new();
+        while forwarded.len() < 2 {
+            forwarded.extend(answered.recv().await.unwrap());
+        }
         service.answer_exact(&mut forwarded, &mut output);
-        let first = decisions(&responses(&output))[0];
+        let both = decisions(&responses(&output));
+        let first = both[0];
         assert_eq!(
-            (first.mode, first.allowed),
-            (wire::Mode::RegionFallback, true)
+            (first.mode, first.allowed, first.estimate),
+            (wire::Mode::RegionFallback, true, 2),
+            "the fallback counted it"
         );
-        assert_eq!(first.estimate, 2, "the fallback counted it");
+        assert_eq!(both[1], first, "and answered the second send from memory");
 
-        // The retry: the fallback's decision, here, not the region's, and nothing counted.
+        // A later retry: the fallback's decision, here, not the region's, and nothing more
+        // counted.
         output.clear();
         service.handle_frames(&frames(&[quota_check(5, 2)]), &mut output, &mut exact);
         assert!(
             exact.is_empty(),
             "a retry of a counted fallback is not forwarded"
         );
-        assert_eq!(decisions(&responses(&output)), [first]);
+        assert_same_but_for_reset(decisions(&responses(&output))[0], first);
         assert_eq!(estimate(&service, "quota"), 2);
-        // Another id is forwarded as before.
+
+        // The region's decision is remembered too: a retry gets it here.
+        let found = service.rules.get("quota").unwrap();
+        let key = decide::key(found, "a", clock::wall()).unwrap().to_key();
+        let mut decided = vec![Forwarded {
+            ticket: Exact {
+                id: 6,
+                rule: found.1.clone(),
+                key,
+                cost: 2,
+                check_id: Some(CheckId { session: 9, seq: 6 }),
+            },
+            result: Ok(crate::region::wire::Outcome {
+                allowed: true,
+                count: 40,
+            }),
+        }];
+        output.clear();
+        service.answer_exact(&mut decided, &mut output);
+        let exact_first = decisions(&responses(&output))[0];
+        assert_eq!(
+            (exact_first.mode, exact_first.estimate),
+            (wire::Mode::Exact, 40)
+        );
+        output.clear();
         service.handle_frames(&frames(&[quota_check(6, 2)]), &mut output, &mut exact);
+        assert!(
+            exact.is_empty(),
+            "a retry of the region's decision is not forwarded"
+        );
+        assert_same_but_for_reset(decisions(&responses(&output))[0], exact_first);
+        // Another id is forwarded as before.
+        service.handle_frames(&frames(&[quota_check(7, 2)]), &mut output, &mut exact);
         assert_eq!(exact.len(), 1);
     }
 

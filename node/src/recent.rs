@@ -25,8 +25,21 @@ pub const RECENT_IDS_MAX: usize = 65_536;
 pub enum Answered {
     /// A check's decision.
     Decided(Decision),
-    /// An increment's or a decrement's count after it.
-    Counted(Estimate),
+    /// An increment's count after it.
+    Incremented(Estimate),
+    /// A decrement's count after it.
+    Decremented(Estimate),
+}
+
+impl Answered {
+    /// What was answered, for a refusal that names it: "a check", say.
+    pub fn kind(&self) -> &'static str {
+        match self {
+            Answered::Decided(_) => "a check",
+            Answered::Incremented(_) => "an increment",
+            Answered::Decremented(_) => "a decrement",
+        }
+    }
 }
 
 /// The recent answers given under an id.
@@ -72,7 +85,7 @@ impl RecentIds {
                 reset_after_ms: reset_after_ms(window, now_ms),
                 ..decision
             }),
-            Answered::Counted(estimate) => Answered::Counted(estimate),
+            counted @ (Answered::Incremented(_) | Answered::Decremented(_)) => counted,
         })
     }
 
@@ -133,7 +146,7 @@ mod tests {
     fn held(recent: &RecentIds, id: CheckId, now_ms: u64) -> Option<i128> {
         recent.get(id, now_ms).map(|answered| match answered {
             Answered::Decided(decision) => decision.estimate,
-            Answered::Counted(estimate) => estimate.estimate,
+            Answered::Incremented(estimate) | Answered::Decremented(estimate) => estimate.estimate,
         })
     }
 
@@ -167,10 +180,10 @@ mod tests {
             window: 0,
             staleness_ms: 3,
         };
-        recent.insert(id(1, 3), Answered::Counted(count), window(30), 10_000);
+        recent.insert(id(1, 3), Answered::Incremented(count), window(30), 10_000);
         assert_eq!(
             recent.get(id(1, 3), 40_000),
-            Some(Answered::Counted(count)),
+            Some(Answered::Incremented(count)),
             "a count is given again as it was"
         );
     }
