@@ -12,15 +12,18 @@
 //! stepped back past the previous start).
 //!
 //! A life's writes are appended to `lanes-<generation>.log` before they are acknowledged
-//! and before the gossip task can see them (see `listener`), so a log holds at least every
-//! lane value any peer ever received from that life. After a restart the node replays the
+//! and before the gossip task can see them (see `listener`), so after a process crash a
+//! log holds at least every lane value any peer ever received from that life. (The appends
+//! go to the page cache, not synced: after a machine crash the log may hold less, and
+//! ARCHITECTURE.md's gaps say what that costs.) After a restart the node replays the
 //! logs of its earlier lives and re-publishes their lanes as those (retired) replicas, at
 //! versions above any a peer can hold (`CounterMap::raise_version` to
 //! [`Recovered::republish_floor`]), so the merge of the logged totals with the peers'
 //! copies is the largest of both: nothing acknowledged is lost, and nothing is counted
 //! twice. A log is deleted once every window in it is over. A log compacted (rewritten as
-//! one record per live key) is written beside itself as `lanes-<generation>.compact` and
-//! renamed over itself; a start removes such a file left by a crash.
+//! one record per live key with a non-zero own lane) is written beside itself as
+//! `lanes-<generation>.compact` and renamed over itself; a start removes such a file left
+//! by a crash.
 //!
 //! A record is `[len u32][crc32 u32][body]`; replay stops at the first record that is
 //! short or fails its checksum (a torn tail), keeping the prefix before it.
@@ -66,7 +69,8 @@ pub enum LogError {
 const GENERATION_MAX: u64 = u64::MAX / 2_000;
 
 /// A log grown past this many bytes (or twice its size after the last compaction, if that
-/// is more) is rewritten as one record per live key.
+/// is more) is rewritten as one record per live key; after a failed rewrite, once it has
+/// grown by this much more.
 const COMPACT_BYTES: u64 = 64 << 20;
 /// One logged write: amounts added to the own lane's two totals.
 #[derive(Debug, Serialize, Deserialize)]
@@ -84,9 +88,10 @@ struct Record {
 pub struct Recovered {
     /// This life's generation.
     pub generation: Generation,
-    /// Earlier lives' own lanes, per retired replica, from their logs (live windows only).
+    /// Earlier lives' own lanes, per retired replica, from their logs (live windows and
+    /// non-zero lanes only).
     pub retired: Vec<(ReplicaId, Vec<(Key, Lane)>)>,
-    /// Records dropped at a torn tail, over all logs.
+    /// How many logs had a torn tail, dropped.
     pub torn: usize,
 }
 
@@ -149,9 +154,12 @@ pub fn open(
         torn += dropped;
         // Counted with the expired ones: the last start re-published the log as it was.
         lanes_max = lanes_max.max(lanes.len() as u64);
+        // A zero lane says nothing (an earlier build's compaction wrote one for every key
+        // the store held, remote ones too): re-published, it would only add a slot to
+        // every key at every peer.
         let live: Vec<(Key, Lane)> = lanes
             .into_iter()
-            .filter(|(key, _)| key.window.is_live(now_unix_secs))
+            .filter(|(key, lane)| key.window.is_live(now_unix_secs) && *lane != Lane::default())
             .collect();
         if live.is_empty() {
             std::fs::remove_file(&path).map_err(io(&path))?;
@@ -281,21 +289,34 @@ impl LaneLog {
         Ok(())
     }
 
-    /// Rewrites the log as one record per key of `store` once it has grown past its
-    /// bound, so a long life's log stays proportional to its live keys. Call between
-    /// batches (nothing pending); the store must not change meanwhile.
+    /// Rewrites the log as one record per key of `store` with a non-zero own lane (a key
+    /// held only for its remote sum has a zero one) once it has grown past its bound, so a
+    /// long life's log stays proportional to its live keys. Call between batches (nothing
+    /// pending); the store must not change meanwhile. A rewrite that fails before it
+    /// replaces the log leaves the log as it was, and is tried again only once the log has
+    /// grown by [`COMPACT_BYTES`] more, not on every batch.
     pub fn compact_if_large(&mut self, store: &LaneStore) -> Result<(), LogError> {
         if self.written < self.compact_at || !self.pending.is_empty() || self.failed.is_some() {
             return Ok(());
         }
         let mut body = Vec::new();
-        store.for_each_own(|key, lane| encode(key, lane.incr, lane.decr, &mut body));
+        store.for_each_own(|key, lane| {
+            if lane != Lane::default() {
+                encode(key, lane.incr, lane.decr, &mut body);
+            }
+        });
         let tmp = self.path.with_extension("compact");
-        write_synced(&tmp, &body)?;
-        std::fs::rename(&tmp, &self.path).map_err(|source| LogError::Io {
-            path: self.path.clone(),
-            source,
-        })?;
+        let replaced = write_synced(&tmp, &body).and_then(|()| {
+            std::fs::rename(&tmp, &self.path).map_err(|source| LogError::Io {
+                path: self.path.clone(),
+                source,
+            })
+        });
+        if let Err(err) = replaced {
+            let _ = std::fs::remove_file(&tmp);
+            self.compact_at = self.written.saturating_add(COMPACT_BYTES);
+            return Err(err);
+        }
         // From here the old file is unlinked: appending to it would acknowledge writes no
         // restart can read, so a failed reopen fails the log. The rename is synced before
         // anything is appended to the new file, so that a machine crash cannot undo it
@@ -337,7 +358,7 @@ fn encode(key: &Key, incr: u64, decr: u64, out: &mut Vec<u8>) {
     checksummed::append(&record, out);
 }
 
-/// The own lanes a log adds up to, and how many bytes of torn tail it had.
+/// The own lanes a log adds up to, and whether it had a torn tail (1) or not (0).
 fn replay(path: &Path) -> Result<(Vec<(Key, Lane)>, usize), LogError> {
     let mut bytes = Vec::new();
     File::open(path)
@@ -618,6 +639,71 @@ mod tests {
             lanes,
             vec![(key("a"), Lane::new(3, 0)), (key("b"), Lane::new(1, 0))]
         );
+        std::fs::remove_dir_all(dir).unwrap();
+    }
+
+    // The lane store runs on loom's atomics under `tally_loom`, which work only inside a
+    // model.
+    #[cfg(not(tally_loom))]
+    #[test]
+    fn a_compaction_writes_no_zero_lane_and_a_restart_republishes_none() {
+        let dir = dir("compaction-zero-lanes");
+        let (mut log, first) = open(&dir, NodeId(1), 5, NOW).unwrap();
+        let store = LaneStore::new(ReplicaId::new(NodeId(1), first.generation), 100);
+        log.append(&key("a"), 3, 1).unwrap();
+        store.incr(&key("a"), 3).unwrap();
+        store.decr(&key("a"), 1).unwrap();
+        // A key the store holds only for its remote sum: its own lane is zero.
+        store.publish_remote(&key("b"), 7).unwrap();
+        log.flush().unwrap();
+        log.compact_at = 0;
+        log.compact_if_large(&store).unwrap();
+        let mut one = Vec::new();
+        encode(&key("a"), 3, 1, &mut one);
+        assert_eq!(std::fs::read(&log.path).unwrap(), one, "one record: a's");
+        // A zero record, as an earlier build's compaction wrote for every remote key.
+        log.append(&key("c"), 0, 0).unwrap();
+        log.flush().unwrap();
+        drop(log);
+
+        let (_, second) = open(&dir, NodeId(1), 6, NOW).unwrap();
+        let [(replica, lanes)] = second.retired.as_slice() else {
+            panic!("one earlier life: {:?}", second.retired);
+        };
+        assert_eq!(replica.generation, first.generation);
+        assert_eq!(lanes, &[(key("a"), Lane::new(3, 1))]);
+        std::fs::remove_dir_all(dir).unwrap();
+    }
+
+    #[cfg(not(tally_loom))]
+    #[test]
+    fn a_failed_compaction_leaves_the_log_whole_and_waits_for_the_log_to_grow_again() {
+        let dir = dir("compaction-failed");
+        let (mut log, first) = open(&dir, NodeId(1), 5, NOW).unwrap();
+        let store = LaneStore::new(ReplicaId::new(NodeId(1), first.generation), 100);
+        log.append(&key("a"), 3, 0).unwrap();
+        store.incr(&key("a"), 3).unwrap();
+        log.flush().unwrap();
+        let before = std::fs::read(&log.path).unwrap();
+        // A directory where the copy goes: writing the copy fails.
+        std::fs::create_dir(log.path.with_extension("compact")).unwrap();
+        log.compact_at = 0;
+        assert!(log.compact_if_large(&store).is_err());
+        assert_eq!(
+            std::fs::read(&log.path).unwrap(),
+            before,
+            "the log as it was"
+        );
+        assert_eq!(log.compact_at, log.written + COMPACT_BYTES);
+        // Not tried again on the next batch (it would fail again).
+        assert!(log.compact_if_large(&store).is_ok());
+        // Still serving: later writes append.
+        log.append(&key("a"), 1, 0).unwrap();
+        log.flush().unwrap();
+        drop(log);
+        std::fs::remove_dir(dir.join(format!("lanes-{}.compact", first.generation.0))).unwrap();
+        let (_, second) = open(&dir, NodeId(1), 6, NOW).unwrap();
+        assert_eq!(second.retired[0].1, vec![(key("a"), Lane::new(4, 0))]);
         std::fs::remove_dir_all(dir).unwrap();
     }
 }

@@ -241,14 +241,7 @@ impl Service {
         };
         let answered = answer(&mut context);
         if let Some(log) = log.as_deref_mut() {
-            if let Err(err) = log.flush() {
-                eprintln!("tallyd: {err}; stopping: writes cannot be made durable");
-                std::process::exit(EXIT_LOG_FAILED);
-            }
-            if let Err(err) = log.compact_if_large(&self.store) {
-                // The log is still whole; only its rewrite failed. The next batch retries.
-                eprintln!("tallyd: {err}");
-            }
+            write_out(log, &self.store);
         }
         answered
     }
@@ -463,6 +456,19 @@ impl Service {
             members: members.into_iter().collect(),
             keys: self.store.len() as u64,
         }
+    }
+}
+
+/// Ends a batch of writes to `store`: writes the lane log's records out, then compacts the
+/// log if it is due. A failed write stops the node: see [`EXIT_LOG_FAILED`].
+pub fn write_out(log: &mut LaneLog, store: &LaneStore) {
+    if let Err(err) = log.flush() {
+        eprintln!("tallyd: {err}; stopping: writes cannot be made durable");
+        std::process::exit(EXIT_LOG_FAILED);
+    }
+    if let Err(err) = log.compact_if_large(store) {
+        // The log is still whole; only its rewrite failed, to be tried again later.
+        eprintln!("tallyd: {err}");
     }
 }
 

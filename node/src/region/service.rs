@@ -17,7 +17,7 @@ use crate::clock;
 use crate::config::RuleMode;
 use crate::decide::Rules;
 use crate::lanelog::LaneLog;
-use crate::listener::EXIT_LOG_FAILED;
+use crate::listener::write_out;
 use crate::store::LaneStore;
 use crate::transport::{Reply, SessionFrame};
 use std::collections::HashMap;
@@ -396,10 +396,7 @@ fn count_in_own_lanes(store: &LaneStore, lanes: Option<&Mutex<LaneLog>>, admitte
             log.undo(mark);
         }
     }
-    if let Err(err) = log.flush() {
-        eprintln!("tallyd: {err}; stopping: writes cannot be made durable");
-        std::process::exit(EXIT_LOG_FAILED);
-    }
+    write_out(&mut log, store);
 }
 
 // The lane store runs on loom's atomics under `tally_loom`, which work only inside a model.
