@@ -294,7 +294,7 @@ impl LaneLog {
     /// long life's log stays proportional to its live keys. Call between batches (nothing
     /// pending); the store must not change meanwhile. A rewrite that fails before it
     /// replaces the log leaves the log as it was, and is tried again only once the log has
-    /// grown by [`COMPACT_BYTES`] more, not on every batch.
+    /// grown by `COMPACT_BYTES` (64 MiB) more, not on every batch.
     pub fn compact_if_large(&mut self, store: &LaneStore) -> Result<(), LogError> {
         if self.written < self.compact_at || !self.pending.is_empty() || self.failed.is_some() {
             return Ok(());

@@ -21,6 +21,7 @@ use crate::lanelog::LaneLog;
 use crate::metrics::Metrics;
 use crate::recent::{Answered, RecentIds};
 use crate::region::forward::{Answers, Check, Forwarded, Forwarder};
+use crate::region::wire::Outcome;
 use crate::store::LaneStore;
 use crate::view::View;
 use std::sync::atomic::Ordering;
@@ -198,11 +199,7 @@ impl Service {
                 } = ticket;
                 let key = KeyRef::from(&key);
                 let result = match result {
-                    Ok(outcome) => {
-                        let decision = context.exact(&rule, key, outcome);
-                        self.remember_exact(context, key, check_id, decision);
-                        Ok(decision)
-                    }
+                    Ok(outcome) => self.exact_once(context, &rule, key, check_id, outcome),
                     Err(unavailable @ Refusal::RegionUnavailable { .. }) => {
                         self.fallback(context, &rule, key, cost, check_id, unavailable)
                     }
@@ -400,19 +397,29 @@ impl Service {
         recent.get(id, context.now.0).map(decided).transpose()
     }
 
-    /// Remembers the region's `decision` under `id`, if given: a retry through this
-    /// sidecar gets it without asking the region, which would answer the same.
-    fn remember_exact(
+    /// The decision the region's `outcome` makes, remembered under `id`, if given, so a
+    /// retry through this sidecar gets it without asking the region, which would answer
+    /// the same. A send of an id this sidecar has already answered (a fallback answered an
+    /// earlier send of it while this one waited for the region) gets that first answer,
+    /// though the region has counted this one too.
+    fn exact_once(
         &self,
         context: &Context<'_>,
+        rule: &RuleConfig,
         key: KeyRef<'_>,
         id: Option<CheckId>,
-        decision: Decision,
-    ) {
-        if let Some(id) = id {
-            let mut recent = self.recent.lock().unwrap_or_else(PoisonError::into_inner);
-            recent.insert(id, Answered::Decided(decision), key.window(), context.now.0);
+        outcome: Outcome,
+    ) -> Result<Decision, Refusal> {
+        let decision = context.exact(rule, key, outcome);
+        let Some(id) = id else {
+            return Ok(decision);
+        };
+        let mut recent = self.recent.lock().unwrap_or_else(PoisonError::into_inner);
+        if let Some(answered) = recent.get(id, context.now.0) {
+            return decided(answered);
         }
+        recent.insert(id, Answered::Decided(decision), key.window(), context.now.0);
+        Ok(decision)
     }
 
     /// An exact check's decision without the region, as the rule's `on_region_unavailable`
@@ -552,7 +559,8 @@ where
 }
 
 /// Reads, answers and writes batches until the client goes or sends a bad frame. Exact
-/// checks are answered when the region is, in between.
+/// checks are answered when the region is, in between; a client that has finished sending
+/// (closed its half of the connection) still gets the answers of those waiting.
 async fn serve_connection<S: AsyncRead + AsyncWrite + Unpin>(
     service: &Arc<Service>,
     mut stream: S,
@@ -564,14 +572,21 @@ async fn serve_connection<S: AsyncRead + AsyncWrite + Unpin>(
     let (answers, mut answered) = mpsc::unbounded_channel::<Vec<Forwarded<Exact>>>();
     let mut forwarded = Vec::new();
     let mut in_flight = 0;
+    // Whether the client may still send.
+    let mut sending = true;
     loop {
+        if !sending && in_flight == 0 {
+            return;
+        }
         output.clear();
         // Room for a read of READ_BYTES past a partial frame; a no-op while there is.
         input.reserve(READ_BYTES);
         let read = tokio::select! {
             // Past EXACT_IN_FLIGHT_MAX exact checks waiting, stop reading until one is
             // answered.
-            read = stream.read_buf(&mut input), if in_flight < EXACT_IN_FLIGHT_MAX => read,
+            read = stream.read_buf(&mut input), if sending && in_flight < EXACT_IN_FLIGHT_MAX => {
+                read
+            }
             Some(first) = answered.recv() => {
                 forwarded.extend(first);
                 while let Ok(next) = answered.try_recv() {
@@ -592,8 +607,13 @@ async fn serve_connection<S: AsyncRead + AsyncWrite + Unpin>(
                     .metrics
                     .client_frames_bad
                     .fetch_add(1, Ordering::Relaxed);
+                return;
             }
-            return;
+            if read.is_err() {
+                return;
+            }
+            sending = false;
+            continue;
         }
         if service.closing.load(Ordering::Relaxed) {
             // Nothing read now is answered: the client sees the connection close.
@@ -1097,24 +1117,30 @@ mod tests {
         assert_same_but_for_reset(decisions(&responses(&output))[0], first);
         assert_eq!(estimate(&service, "quota"), 2);
 
-        // The region's decision is remembered too: a retry gets it here.
+        // The region's decision of a send that was forwarded while the fallback answered
+        // another: the first answer stands.
         let found = service.rules.get("quota").unwrap();
         let key = decide::key(found, "a", clock::wall()).unwrap().to_key();
-        let mut decided = vec![Forwarded {
+        let region_decided = |seq| Forwarded {
             ticket: Exact {
-                id: 6,
+                id: seq,
                 rule: found.1.clone(),
-                key,
+                key: key.clone(),
                 cost: 2,
-                check_id: Some(CheckId { session: 9, seq: 6 }),
+                check_id: Some(CheckId { session: 9, seq }),
             },
-            result: Ok(crate::region::wire::Outcome {
+            result: Ok(Outcome {
                 allowed: true,
                 count: 40,
             }),
-        }];
+        };
         output.clear();
-        service.answer_exact(&mut decided, &mut output);
+        service.answer_exact(&mut vec![region_decided(5)], &mut output);
+        assert_same_but_for_reset(decisions(&responses(&output))[0], first);
+
+        // The region's decision is remembered too: a retry gets it here.
+        output.clear();
+        service.answer_exact(&mut vec![region_decided(6)], &mut output);
         let exact_first = decisions(&responses(&output))[0];
         assert_eq!(
             (exact_first.mode, exact_first.estimate),
@@ -1130,6 +1156,41 @@ mod tests {
         // Another id is forwarded as before.
         service.handle_frames(&frames(&[quota_check(7, 2)]), &mut output, &mut exact);
         assert_eq!(exact.len(), 1);
+    }
+
+    #[tokio::test(flavor = "current_thread")]
+    async fn a_client_that_has_finished_sending_still_gets_the_answers_of_its_exact_checks() {
+        let mut service = service(10);
+        service.rules = Rules::new(&[RuleConfig {
+            region_timeout_ms: 50,
+            ..RuleConfig::for_test("quota", 100, RuleMode::Exact)
+        }])
+        .unwrap();
+        service.forwarder = Some(forwarder_to_nowhere());
+        let service = Arc::new(service);
+        let (mut client, server) = tokio::io::duplex(64 * 1024);
+        let serving = tokio::spawn({
+            let service = Arc::clone(&service);
+            async move { serve_connection(&service, server).await }
+        });
+        let sent = frames(&[quota_check(5, 2), status(6)]);
+        client.write_all(&sent).await.unwrap();
+        // A half-close, as `nc -N` makes at the end of its input.
+        client.shutdown().await.unwrap();
+        let mut output = Vec::new();
+        client.read_to_end(&mut output).await.unwrap();
+        serving.await.unwrap();
+        let responses = responses(&output);
+        let ids: Vec<_> = responses.iter().map(|r| r.id).collect();
+        assert_eq!(
+            ids,
+            [6, 5],
+            "the exact check's answer comes before the close"
+        );
+        assert!(matches!(
+            &responses[1].result,
+            Err(Refusal::RegionUnavailable { rule, .. }) if rule == "quota"
+        ));
     }
 
     #[test]

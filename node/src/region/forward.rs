@@ -9,8 +9,11 @@
 //! channel its answer goes to, and that task keeps every unanswered check by sequence
 //! number and by deadline, answering each once: when the region does, when its deadline
 //! passes, or, if the task ends, with "the forwarder has stopped". A check is encoded into
-//! a frame only when the session's writer has room for one, so a check whose deadline
-//! passes while the region does not read is answered here and never sent.
+//! a frame only when the session's writer has room for one, so most checks whose deadlines
+//! pass while the region does not read are answered here and never sent; but those in the
+//! frames already handed to the writer (up to `FRAMES_QUEUED` waiting, one held by QUIC's
+//! flow control, and what the stream's window took) are sent behind their answers, and
+//! the region may count them (ARCHITECTURE.md's gaps).
 
 use super::deadlines::{self, Deadlines};
 use super::log::RequestId;
@@ -570,8 +573,8 @@ const BACKOFF_MAX: Duration = Duration::from_millis(200);
 const PURGE_EVERY: Duration = Duration::from_millis(100);
 
 /// How many frames of checks wait for a session's writer. Checks are encoded only when
-/// there is room, so that one whose deadline passes while the region does not read is
-/// answered here, never sent behind its answer.
+/// there is room, so that few whose deadlines pass while the region does not read are
+/// sent behind their answers: at most these frames and the one the writer holds.
 const FRAMES_QUEUED: usize = 2;
 
 /// Keeps a session open to the region while there are checks to carry, and carries them

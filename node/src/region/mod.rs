@@ -43,6 +43,11 @@ pub struct Ledger {
 /// to this many per edge life instead of one entry per decision.
 pub const RECENT_IDS: usize = 65_536;
 
+// Every check a session can have decided and not yet answered is among those remembered
+// when its edge sends it again on the next session, so none is refused `Forgotten`.
+const _: () =
+    assert!(crate::transport::SESSION_FRAMES_IN_FLIGHT * wire::CHECKS_PER_FRAME_MAX <= RECENT_IDS);
+
 /// How many check ids of one application session ([`log::CLIENT_NODE`]) the ledger answers
 /// retries of: its most recent this many decided. The session's sequence numbers count
 /// every id its process made, exact rule or not, so they are held sparsely: one entry per
