@@ -372,11 +372,14 @@ impl CounterMap {
             if cost > *budget {
                 // The receiver will hold everything up to the last lane sent (never past
                 // what this map itself holds completely), and nothing shows that it has
-                // the origin's newest stamp.
+                // the origin's newest stamp: the entry carries none, so the receiver keeps
+                // its own. (`theirs.stamp` may be only what this map supposes the receiver
+                // holds: a digest's unlisted origins are read at its sender's `unlisted`
+                // clock, too new for a receiver that has never heard the origin.)
                 let last = entry.lanes.last().map_or(theirs.version, |l| l.version);
                 entry.through = Watermark {
                     version: last.min(origin.watermark.version),
-                    stamp: theirs.stamp,
+                    stamp: Stamp::default(),
                 };
                 return (entry, true);
             }
@@ -577,6 +580,34 @@ mod tests {
         assert!(sends > 1);
         assert_eq!(peer.watermark(replica(1)), origin.watermark(replica(1)));
         assert_eq!(peer.len(), 100);
+    }
+
+    #[test]
+    fn a_cut_send_carries_no_stamp_whatever_the_peer_is_supposed_to_hold() {
+        let mut origin = CounterMap::new();
+        for subject in 0..100 {
+            origin
+                .incr(replica(1), &key(subject, 60), 1, Stamp(5))
+                .unwrap();
+        }
+        // A digest whose sender is read as holding the origin at version 0 and a recent
+        // stamp (an unlisted origin, read at the Syn's `unlisted`), which it never heard.
+        let mut supposed = Digest::default();
+        let fresh = Watermark {
+            version: Version::ZERO,
+            stamp: Stamp(4),
+        };
+        supposed.origins.insert(replica(1), fresh);
+        let delta = origin.delta_for(&supposed, DELTA_BYTES_MIN, 0);
+        assert!(delta.lanes() < 100, "a cut send");
+        assert_eq!(delta.origins[0].through.stamp, Stamp(0));
+        let mut peer = CounterMap::new();
+        peer.apply(&delta, NOW);
+        assert_eq!(
+            peer.watermark(replica(1)).stamp,
+            Stamp(0),
+            "the peer never heard the origin: it gets no stamp from a cut"
+        );
     }
 
     #[test]

@@ -27,8 +27,10 @@ pub enum Message {
         /// that I do not hold is listed, at the default watermark.
         digest: Digest,
         /// Of every origin the digest leaves out, I hold no lanes (version 0, nothing past
-        /// a gap) and a stamp at least this new. The receiver reads each origin it holds
-        /// that the digest does not list as held by me at `(version 0, unlisted)`. With
+        /// a gap) and a stamp at least this new, or that I do not know as a member (then
+        /// my stamp may be older). The receiver reads each origin it holds that the digest
+        /// does not list as held by me at `(version 0, unlisted)`, and never sends that
+        /// reading back as a stamp. With
         /// eager push, this is my clock less two `gossip_interval`s: what the heartbeats
         /// of the last rounds brought is left out, since every node heard it directly. Without,
         /// `Stamp(0)`: nothing is left out but origins I do not hold.
