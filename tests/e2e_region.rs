@@ -452,7 +452,7 @@ async fn a_check_retried_under_its_id_counts_once_whatever_lost_its_answer() {
     assert_eq!(
         decided(&check_on(&edge_3, id).await.unwrap()),
         decided(&first),
-        "and again, from the edge's memory"
+        "and again"
     );
     assert_eq!(region_count(&edge_3, "named").await, 5, "counted once");
 

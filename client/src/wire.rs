@@ -208,9 +208,9 @@ pub enum Op {
 ///
 /// The region remembers the ids of each session's most recent exact checks, so a retry is
 /// counted once however many edges or restarts (edge or region) lie between its sends.
-/// A sidecar remembers its own most recent ids of what it decided or counted itself
-/// (approximate checks, a fallback's counted check, increments, decrements) while their
-/// windows are live, in memory.
+/// A sidecar remembers its own most recent ids of what it answered (approximate checks,
+/// increments, decrements, and exact checks with the region's decision or a fallback's
+/// that counted) while their windows are live, in memory.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
 pub struct CheckId {
     /// Drawn at random once per process.

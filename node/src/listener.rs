@@ -68,8 +68,8 @@ pub struct Service {
     /// Set when the node is stopping: connections close before answering anything more,
     /// so every write acknowledged is in the lanes the gossip task pushes last.
     pub closing: std::sync::atomic::AtomicBool,
-    /// What was answered here under a check id (approximate checks, counted fallbacks,
-    /// increments and decrements), for their retries.
+    /// What was answered here under a check id (approximate checks, increments,
+    /// decrements, the region's decisions and counted fallbacks), for their retries.
     pub recent: Mutex<RecentIds>,
 }
 
@@ -560,7 +560,10 @@ where
 
 /// Reads, answers and writes batches until the client goes or sends a bad frame. Exact
 /// checks are answered when the region is, in between; a client that has finished sending
-/// (closed its half of the connection) still gets the answers of those waiting.
+/// (closed its half of the connection) still gets the answers of those waiting. A closed
+/// connection is not told from a half-closed one: a client that has gone has its exact
+/// checks still answered (within their rule's timeout), and a fallback counted, as every
+/// request read from it is.
 async fn serve_connection<S: AsyncRead + AsyncWrite + Unpin>(
     service: &Arc<Service>,
     mut stream: S,

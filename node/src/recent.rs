@@ -1,8 +1,8 @@
 //! What this sidecar answered under a [`CheckId`], remembered so that a retry (after a
 //! timeout or a broken connection) gets the first answer and counts nothing more
-//! (TESTING.md C3): its approximate checks, the exact checks its fallback counted, its
-//! increments and its decrements. Exact checks the region decided are remembered by the
-//! region instead.
+//! (TESTING.md C3): its approximate checks, its increments and its decrements, and the
+//! exact checks it answered with the region's decision or with a fallback that counted.
+//! The region remembers the exact checks it decided as well, across restarts.
 //!
 //! The memory is bounded: the most recent [`RECENT_IDS_MAX`] ids, each while its window
 //! is live. An id pushed out by newer ones is forgotten, and a retry of it is decided, and

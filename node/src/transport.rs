@@ -96,8 +96,8 @@ impl Reply {
 /// The most frames one session may have unanswered; past it, its stream is not read (so
 /// QUIC's flow control holds its peer back) until answers are written. At the region, its
 /// frames of up to 512 checks are decided as they are read and answered after the sync:
-/// this bounds what an edge sends again, after the session breaks, to checks the region
-/// still remembers (`region::RECENT_IDS`).
+/// this holds the checks decided and not yet answered to as many as the region remembers
+/// of an edge life (`region::RECENT_IDS`).
 pub(crate) const SESSION_FRAMES_IN_FLIGHT: usize = 128;
 
 /// The node's QUIC endpoint and its peers' writers. Owned by the gossip task.

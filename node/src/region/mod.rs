@@ -43,8 +43,11 @@ pub struct Ledger {
 /// to this many per edge life instead of one entry per decision.
 pub const RECENT_IDS: usize = 65_536;
 
-// Every check a session can have decided and not yet answered is among those remembered
-// when its edge sends it again on the next session, so none is refused `Forgotten`.
+// A session holds no more checks decided and not yet answered than the ledger remembers of
+// an edge life. This does not bound how far apart their sequence numbers are (an edge
+// skips the numbers of checks answered or given up on, and answers lost in a broken
+// session let the region read on), so a check sent again can still be refused
+// `Forgotten`: never counted twice, but its outcome unknown.
 const _: () =
     assert!(crate::transport::SESSION_FRAMES_IN_FLIGHT * wire::CHECKS_PER_FRAME_MAX <= RECENT_IDS);
 
