@@ -289,6 +289,12 @@ impl LaneLog {
         Ok(())
     }
 
+    /// Makes the next batch's end compact the log, whatever its size.
+    #[cfg(test)]
+    pub(crate) fn compact_next(&mut self) {
+        self.compact_at = 0;
+    }
+
     /// Rewrites the log as one record per key of `store` with a non-zero own lane (a key
     /// held only for its remote sum has a zero one) once it has grown past its bound, so a
     /// long life's log stays proportional to its live keys. Call between batches (nothing

@@ -406,7 +406,7 @@ mod tests {
     use super::*;
     use crate::config::{RuleConfig, RuleMode};
     use crate::region::log::RequestId;
-    use tally_crdt::{Generation, NodeId, Window};
+    use tally_crdt::{Generation, Lane, NodeId, Rule, Subject, Window};
 
     fn open(dir: &Path) -> RegionService {
         let rules = Rules::new(&[RuleConfig::for_test("quota", 1_000, RuleMode::Exact)]).unwrap();
@@ -439,6 +439,41 @@ mod tests {
             .collect();
         let (_, _, records) = service.decide_frame(&checks);
         service.submit(records)
+    }
+
+    #[test]
+    fn the_regions_admissions_in_its_own_lanes_compact_their_lane_log() {
+        let dir = std::env::temp_dir().join(format!(
+            "tally-region-lanes-{}-{}",
+            std::process::id(),
+            clock::wall().0
+        ));
+        let now = clock::wall().0;
+        let (log, recovered) = crate::lanelog::open(&dir, NodeId(1), now, now / 1_000).unwrap();
+        let store = LaneStore::new(ReplicaId::new(NodeId(1), recovered.generation), 16);
+        let lanes = Mutex::new(log);
+        let window = Window::containing(now / 1_000, 3_600).unwrap();
+        let key = Key::new(
+            Rule::new("quota").unwrap(),
+            Subject::new("acct-1").unwrap(),
+            window,
+        );
+        let log_path = dir.join(format!("lanes-{}.log", recovered.generation.0));
+        let log_len = || std::fs::metadata(&log_path).unwrap().len();
+        count_in_own_lanes(&store, Some(&lanes), &[(key.clone(), 3)]);
+        let one_record = log_len();
+        lanes.lock().unwrap().compact_next();
+        count_in_own_lanes(&store, Some(&lanes), &[(key.clone(), 2), (key.clone(), 4)]);
+        assert_eq!(
+            log_len(),
+            one_record,
+            "three admissions, compacted to one record"
+        );
+        drop(lanes);
+        let later = now + 1;
+        let (_, next) = crate::lanelog::open(&dir, NodeId(1), later, later / 1_000).unwrap();
+        assert_eq!(next.retired[0].1, vec![(key, Lane::new(9, 0))]);
+        std::fs::remove_dir_all(dir).unwrap();
     }
 
     #[tokio::test]
