@@ -233,6 +233,7 @@ pub async fn run(config: Config, shutdown: impl Future<Output = ()>) -> Result<(
         lane_rate_max: config.lane_rate_max_per_sec,
         closing: std::sync::atomic::AtomicBool::new(false),
         recent: std::sync::Mutex::default(),
+        waiting: Arc::default(),
     });
     let endpoints = Arc::new(Endpoints {
         replica,

@@ -19,7 +19,7 @@ use crate::config::{RuleConfig, RuleMode};
 use crate::decide::{self, Context, Rules};
 use crate::lanelog::LaneLog;
 use crate::metrics::Metrics;
-use crate::recent::{Answered, RecentIds};
+use crate::recent::{Answered, RecentIds, Waiting, WaitingSend};
 use crate::region::forward::{Answers, Check, Forwarded, Forwarder};
 use crate::region::wire::Outcome;
 use crate::store::LaneStore;
@@ -71,6 +71,8 @@ pub struct Service {
     /// What was answered here under a check id (approximate checks, increments,
     /// decrements, the region's decisions and counted fallbacks), for their retries.
     pub recent: Mutex<RecentIds>,
+    /// The sends of each check id waiting for the region.
+    pub waiting: Arc<Waiting>,
 }
 
 /// An exact check taken out of its batch, to forward to the region; the forwarder hands it
@@ -87,6 +89,9 @@ pub struct Exact {
     pub cost: u64,
     /// The application's name for the check across its retries, if it gave one.
     pub check_id: Option<CheckId>,
+    /// This send's place among the sends of its check id waiting for the region, if it
+    /// has an id: given up when the check is answered or dropped.
+    pub waiting: Option<WaitingSend>,
 }
 
 /// What [`Service::handle_frames`] made of a batch's bytes.
@@ -147,6 +152,7 @@ impl Service {
                         key,
                         cost,
                         check_id,
+                        waiting: check_id.map(|id| self.waiting.add(id)),
                     });
                     consumed += len;
                     continue;
@@ -196,15 +202,25 @@ impl Service {
                     key,
                     cost,
                     check_id,
+                    waiting,
                 } = ticket;
                 let key = KeyRef::from(&key);
                 let result = match result {
                     Ok(outcome) => self.exact_once(context, &rule, key, check_id, outcome),
+                    // Another send of the id may yet be decided at the region: no fallback
+                    // here, which would count it twice. A later retry gets the answer that
+                    // send gets.
+                    Err(unavailable @ Refusal::RegionUnavailable { .. })
+                        if waiting.as_ref().is_some_and(WaitingSend::has_company) =>
+                    {
+                        Err(unavailable)
+                    }
                     Err(unavailable @ Refusal::RegionUnavailable { .. }) => {
                         self.fallback(context, &rule, key, cost, check_id, unavailable)
                     }
                     Err(other) => Err(other),
                 };
+                drop(waiting);
                 if let Ok(decision) = &result {
                     self.metrics.decided(decision.mode, decision.allowed);
                 }
@@ -683,6 +699,7 @@ mod tests {
             lane_rate_max: u64::MAX,
             closing: std::sync::atomic::AtomicBool::new(false),
             recent: Mutex::default(),
+            waiting: Arc::default(),
         }
     }
 
@@ -1048,12 +1065,14 @@ mod tests {
             key,
             cost,
             check_id,
+            waiting,
         }] = exact.as_slice()
         else {
             panic!("one exact check: {exact:?}");
         };
         assert_eq!((*id, rule.name.as_str(), *cost), (5, "quota", 2));
         assert_eq!(*check_id, Some(CheckId { session: 9, seq: 5 }));
+        assert!(waiting.as_ref().is_some_and(|send| !send.has_company()));
         assert_eq!((key.rule.as_str(), key.subject.as_str()), ("quota", "a"));
 
         let (answers, mut answered) = mpsc::unbounded_channel();
@@ -1088,7 +1107,9 @@ mod tests {
         .unwrap();
         service.forwarder = Some(forwarder_to_nowhere());
         // Sent again before the region's timeout (by a client that gave up sooner): both
-        // sends are forwarded and fall back, and only the first counts.
+        // sends are forwarded and time out; the first, while the second still waits, gets
+        // the error (the second may yet be decided at the region), and the second falls
+        // back and counts.
         let (answers, mut answered) = mpsc::unbounded_channel();
         let (mut output, mut exact) = (Vec::new(), Vec::new());
         let twice = frames(&[quota_check(5, 2), quota_check(5, 2)]);
@@ -1100,14 +1121,17 @@ mod tests {
             forwarded.extend(answered.recv().await.unwrap());
         }
         service.answer_exact(&mut forwarded, &mut output);
-        let both = decisions(&responses(&output));
-        let first = both[0];
+        let both = responses(&output);
+        assert!(
+            matches!(&both[0].result, Err(Refusal::RegionUnavailable { .. })),
+            "{both:?}"
+        );
+        let first = decisions(&both[1..])[0];
         assert_eq!(
             (first.mode, first.allowed, first.estimate),
             (wire::Mode::RegionFallback, true, 2),
-            "the fallback counted it"
+            "the fallback counted it once"
         );
-        assert_eq!(both[1], first, "and answered the second send from memory");
 
         // A later retry: the fallback's decision, here, not the region's, and nothing more
         // counted.
@@ -1131,6 +1155,7 @@ mod tests {
                 key: key.clone(),
                 cost: 2,
                 check_id: Some(CheckId { session: 9, seq }),
+                waiting: None,
             },
             result: Ok(Outcome {
                 allowed: true,
@@ -1159,6 +1184,46 @@ mod tests {
         // Another id is forwarded as before.
         service.handle_frames(&frames(&[quota_check(7, 2)]), &mut output, &mut exact);
         assert_eq!(exact.len(), 1);
+    }
+
+    #[tokio::test(flavor = "current_thread")]
+    async fn a_send_that_times_out_while_another_of_its_id_waits_gets_no_fallback() {
+        let mut service = service(10);
+        service.rules = Rules::new(&[RuleConfig {
+            on_region_unavailable: crate::config::OnRegionUnavailable::Allow,
+            ..RuleConfig::for_test("quota", 100, RuleMode::Exact)
+        }])
+        .unwrap();
+        service.forwarder = Some(forwarder_to_nowhere());
+        let (mut output, mut exact) = (Vec::new(), Vec::new());
+        let twice = frames(&[quota_check(8, 2), quota_check(8, 2)]);
+        service.handle_frames(&twice, &mut output, &mut exact);
+        assert_eq!(exact.len(), 2);
+        let unavailable = Refusal::RegionUnavailable {
+            rule: "quota".into(),
+            why: "no answer".into(),
+        };
+        // The first send's deadline passes; the second is then decided at the region.
+        let outcome = Outcome {
+            allowed: true,
+            count: 30,
+        };
+        let mut answers: Vec<Forwarded<Exact>> = exact
+            .drain(..)
+            .zip([Err(unavailable), Ok(outcome)])
+            .map(|(ticket, result)| Forwarded { ticket, result })
+            .collect();
+        service.answer_exact(&mut answers, &mut output);
+        let both = responses(&output);
+        assert!(
+            matches!(&both[0].result, Err(Refusal::RegionUnavailable { .. })),
+            "no fallback while another send waits: {both:?}"
+        );
+        let decided = decisions(&both[1..])[0];
+        assert_eq!((decided.mode, decided.estimate), (wire::Mode::Exact, 30));
+        assert_eq!(estimate(&service, "quota"), 0, "nothing counted here");
+        let again = service.waiting.add(CheckId { session: 9, seq: 8 });
+        assert!(!again.has_company(), "both sends let go of their places");
     }
 
     #[tokio::test(flavor = "current_thread")]
@@ -1251,6 +1316,7 @@ mod tests {
                 key: key.clone(),
                 cost: 1,
                 check_id: Some(CheckId { session: 1, seq: 2 }),
+                waiting: None,
             },
             result,
         };

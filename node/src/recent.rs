@@ -13,6 +13,7 @@
 
 use crate::decide::reset_after_ms;
 use std::collections::{HashMap, VecDeque};
+use std::sync::{Arc, Mutex, PoisonError};
 use tally_client::wire::{CheckId, Decision, Estimate};
 use tally_crdt::Window;
 
@@ -111,6 +112,59 @@ impl RecentIds {
     #[cfg(test)]
     fn len(&self) -> usize {
         self.answered.len()
+    }
+}
+
+/// The sends of each check id forwarded from this sidecar and not yet answered: a send
+/// whose deadline passes while another send of its id still waits for the region is not
+/// given its rule's fallback (the other may yet be decided there, and both would count).
+#[derive(Debug, Default)]
+pub struct Waiting {
+    sends: Mutex<HashMap<CheckId, usize>>,
+}
+
+impl Waiting {
+    /// Records a send of `id` going to the region; it waits until the returned guard is
+    /// dropped (answered, or abandoned with its connection).
+    pub fn add(self: &Arc<Waiting>, id: CheckId) -> WaitingSend {
+        *self.lock().entry(id).or_default() += 1;
+        WaitingSend {
+            id,
+            waiting: Arc::clone(self),
+        }
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<CheckId, usize>> {
+        self.sends.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+}
+
+/// One send of a check id waiting for the region ([`Waiting::add`]).
+#[derive(Debug)]
+pub struct WaitingSend {
+    id: CheckId,
+    waiting: Arc<Waiting>,
+}
+
+impl WaitingSend {
+    /// Whether another send of this id waits for the region too.
+    pub fn has_company(&self) -> bool {
+        self.waiting
+            .lock()
+            .get(&self.id)
+            .is_some_and(|&sends| sends > 1)
+    }
+}
+
+impl Drop for WaitingSend {
+    fn drop(&mut self) {
+        let mut sends = self.waiting.lock();
+        if let Some(count) = sends.get_mut(&self.id) {
+            *count -= 1;
+            if *count == 0 {
+                sends.remove(&self.id);
+            }
+        }
     }
 }
 
