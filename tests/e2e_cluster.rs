@@ -479,6 +479,10 @@ async fn an_approximate_check_or_an_increment_retried_under_its_id_after_a_timeo
         })
         .collect();
     assert_eq!(counts, [1, 1, 2]);
+    // Two sends of the check, two of the increment and one of the decrement were answered
+    // from the sidecar's memory.
+    let again = cluster.nodes[0].metric("tally_client_ids_answered_again_total", &[]);
+    assert_eq!(again, Some(5.0));
     // A check without an id is a new check every time.
     let unnamed = client.check("count", "retried", 5).await.unwrap();
     assert_eq!(unnamed.estimate, 10);

@@ -399,6 +399,7 @@ impl Service {
         let now_ms = context.now.0;
         let mut recent = self.recent.lock().unwrap_or_else(PoisonError::into_inner);
         if let Some(answered) = recent.get(id, now_ms) {
+            self.answered_again();
             return Ok(answered);
         }
         let answered = answer(context)?;
@@ -410,7 +411,11 @@ impl Service {
     /// if it is remembered.
     fn recalled(&self, context: &Context<'_>, id: CheckId) -> Result<Option<Decision>, Refusal> {
         let recent = self.recent.lock().unwrap_or_else(PoisonError::into_inner);
-        recent.get(id, context.now.0).map(decided).transpose()
+        let answered = recent.get(id, context.now.0);
+        if answered.is_some() {
+            self.answered_again();
+        }
+        answered.map(decided).transpose()
     }
 
     /// The decision the region's `outcome` makes, remembered under `id`, if given, so a
@@ -432,6 +437,7 @@ impl Service {
         };
         let mut recent = self.recent.lock().unwrap_or_else(PoisonError::into_inner);
         if let Some(answered) = recent.get(id, context.now.0) {
+            self.answered_again();
             return decided(answered);
         }
         recent.insert(id, Answered::Decided(decision), key.window(), context.now.0);
@@ -457,6 +463,7 @@ impl Service {
         };
         let mut recent = self.recent.lock().unwrap_or_else(PoisonError::into_inner);
         if let Some(answered) = recent.get(id, context.now.0) {
+            self.answered_again();
             return decided(answered);
         }
         let decision = context.fallback(rule, key, cost, unavailable)?;
@@ -464,6 +471,13 @@ impl Service {
             recent.insert(id, Answered::Decided(decision), key.window(), context.now.0);
         }
         Ok(decision)
+    }
+
+    /// Counts a request answered from memory ([`RecentIds`]).
+    fn answered_again(&self) {
+        self.metrics
+            .client_ids_answered_again
+            .fetch_add(1, Ordering::Relaxed);
     }
 
     fn status(&self, context: &Context<'_>) -> Status {
@@ -912,6 +926,12 @@ mod tests {
         let retried = [count(7, false, Some(down)), count(8, true, Some(up))];
         assert_eq!(counts(&answer(&service, &retried)), [4, 3]);
         assert_eq!(estimate(&service, "count"), 2);
+        let again = &service.metrics.client_ids_answered_again;
+        assert_eq!(
+            again.load(Ordering::Relaxed),
+            4,
+            "two in the batch, two retried"
+        );
     }
 
     #[test]
@@ -1184,6 +1204,12 @@ mod tests {
         // Another id is forwarded as before.
         service.handle_frames(&frames(&[quota_check(7, 2)]), &mut output, &mut exact);
         assert_eq!(exact.len(), 1);
+        let again = &service.metrics.client_ids_answered_again;
+        assert_eq!(
+            again.load(Ordering::Relaxed),
+            3,
+            "two retries, one late answer"
+        );
     }
 
     #[tokio::test(flavor = "current_thread")]

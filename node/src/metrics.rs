@@ -32,6 +32,8 @@ pub struct Metrics {
     pub client_connections_refused: AtomicU64,
     /// Requests answered, refusals included.
     pub client_requests: AtomicU64,
+    /// Requests sent again under a check id and answered from this sidecar's memory.
+    pub client_ids_answered_again: AtomicU64,
 }
 
 impl Metrics {
@@ -220,6 +222,11 @@ pub fn render(sources: &Sources<'_>) -> String {
             "client_requests",
             "Client requests answered",
             load(&metrics.client_requests),
+        ),
+        (
+            "client_ids_answered_again",
+            "Client requests sent again under a check id, answered with the first answer",
+            load(&metrics.client_ids_answered_again),
         ),
     ];
     for (name, help, value) in pairs {
