@@ -425,23 +425,19 @@ impl Service {
     /// though the region has counted this one too.
     fn exact_once(
         &self,
-        context: &Context<'_>,
+        context: &mut Context<'_>,
         rule: &RuleConfig,
         key: KeyRef<'_>,
         id: Option<CheckId>,
         outcome: Outcome,
     ) -> Result<Decision, Refusal> {
-        let decision = context.exact(rule, key, outcome);
         let Some(id) = id else {
-            return Ok(decision);
+            return Ok(context.exact(rule, key, outcome));
         };
-        let mut recent = self.recent.lock().unwrap_or_else(PoisonError::into_inner);
-        if let Some(answered) = recent.get(id, context.now.0) {
-            self.answered_again();
-            return decided(answered);
-        }
-        recent.insert(id, Answered::Decided(decision), key.window(), context.now.0);
-        Ok(decision)
+        let answered = self.once(context, key, id, |context| {
+            Ok(Answered::Decided(context.exact(rule, key, outcome)))
+        })?;
+        decided(answered)
     }
 
     /// An exact check's decision without the region, as the rule's `on_region_unavailable`
