@@ -374,6 +374,7 @@ async fn a_member_relaying_an_inflated_lane_of_another_origin_is_held_to_the_lan
                 origins: vec![inflated],
             },
             members: vec![],
+            dead: vec![],
         },
     );
     let connection = cluster

@@ -7,7 +7,7 @@
 //! partition rejoins; a member that is heard again is alive again.
 
 use crate::message::MemberEntry;
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::hash::{DefaultHasher, Hash, Hasher};
 use std::time::Duration;
 use tally_crdt::{NodeId, ReplicaId};
@@ -81,6 +81,11 @@ impl Members {
         hasher.finish()
     }
 
+    /// This node's own row.
+    pub fn me(&self) -> MemberEntry {
+        self.members[&self.me].entry.clone()
+    }
+
     /// Every row, for sending.
     pub fn entries(&self) -> Vec<MemberEntry> {
         self.members.values().map(|m| m.entry.clone()).collect()
@@ -88,7 +93,15 @@ impl Members {
 
     /// Merges gossiped rows: a higher generation replaces a lower one (the old replica
     /// retires), and within a generation left beats alive.
-    pub fn merge(&mut self, entries: &[MemberEntry]) {
+    ///
+    /// A row taken as new starts alive, or dead if its node is in `dead`, the nodes its
+    /// sender holds as dead. So a node that starts takes a cluster's dead members as dead,
+    /// instead of as alive members it has no stamp of (which hold its staleness high, and
+    /// its decisions isolated) until its own failure detector has found each of them dead.
+    /// A dead member is still probed, and is alive again once heard. A row already held
+    /// keeps its state: this node's own view wins over a sender's.
+    pub fn merge(&mut self, entries: &[MemberEntry], dead: &[NodeId]) {
+        let dead: BTreeSet<NodeId> = dead.iter().copied().collect();
         for entry in entries {
             if entry.node == self.me {
                 continue;
@@ -100,6 +113,8 @@ impl Members {
                 _ => {
                     let state = if entry.left {
                         State::Left
+                    } else if dead.contains(&entry.node) {
+                        State::Dead
                     } else {
                         State::Alive
                     };
@@ -276,7 +291,7 @@ mod tests {
     #[test]
     fn a_silent_member_is_suspected_then_dead_and_alive_again_when_heard() {
         let mut members = Members::new(entry(1, 1), SECOND);
-        members.merge(&[entry(2, 1)]);
+        members.merge(&[entry(2, 1)], &[]);
         members.take_transitions();
         for t in 0..5 {
             members.heard(entry(2, 1).replica(), SECOND * t);
@@ -296,26 +311,55 @@ mod tests {
     #[test]
     fn a_newer_generation_replaces_the_old_replica() {
         let mut members = Members::new(entry(1, 1), SECOND);
-        members.merge(&[entry(2, 1)]);
-        members.merge(&[entry(2, 5)]);
-        members.merge(&[entry(2, 3)]);
+        members.merge(&[entry(2, 1)], &[]);
+        members.merge(&[entry(2, 5)], &[]);
+        members.merge(&[entry(2, 3)], &[]);
         assert_eq!(members.replica(NodeId(2)), Some(entry(2, 5).replica()));
         assert!(!members.is_live_replica(entry(2, 1).replica()));
         assert!(members.is_live_replica(entry(2, 5).replica()));
     }
 
     #[test]
+    fn a_row_taken_as_new_is_dead_if_its_sender_holds_it_dead_and_a_held_row_keeps_its_state() {
+        let mut members = Members::new(entry(1, 1), SECOND);
+        members.merge(&[entry(2, 1), entry(3, 1)], &[NodeId(3)]);
+        assert_eq!(members.state(NodeId(2)), Some(State::Alive));
+        assert_eq!(members.state(NodeId(3)), Some(State::Dead));
+        assert!(!members.is_live_replica(entry(3, 1).replica()));
+        members.merge(&[entry(2, 1)], &[NodeId(2)]);
+        assert_eq!(
+            members.state(NodeId(2)),
+            Some(State::Alive),
+            "a held row keeps this node's view"
+        );
+        members.merge(&[entry(2, 2)], &[NodeId(2)]);
+        assert_eq!(
+            members.state(NodeId(2)),
+            Some(State::Dead),
+            "a new generation is new"
+        );
+        members.heard(entry(3, 1).replica(), SECOND);
+        assert_eq!(members.state(NodeId(3)), Some(State::Alive), "heard again");
+        let states: Vec<State> = members.take_transitions().iter().map(|t| t.state).collect();
+        let expected = [State::Alive, State::Dead, State::Dead, State::Alive];
+        assert_eq!(states, expected);
+    }
+
+    #[test]
     fn left_beats_alive_within_a_generation_and_hashes_differ() {
         let mut a = Members::new(entry(1, 1), SECOND);
-        a.merge(&[entry(2, 1)]);
+        a.merge(&[entry(2, 1)], &[]);
         let before = a.hash();
-        a.merge(&[MemberEntry {
-            left: true,
-            ..entry(2, 1)
-        }]);
+        a.merge(
+            &[MemberEntry {
+                left: true,
+                ..entry(2, 1)
+            }],
+            &[],
+        );
         assert_eq!(a.state(NodeId(2)), Some(State::Left));
         assert_ne!(a.hash(), before);
-        a.merge(&[entry(2, 1)]);
+        a.merge(&[entry(2, 1)], &[]);
         assert_eq!(a.state(NodeId(2)), Some(State::Left));
     }
 }

@@ -38,7 +38,7 @@ pub enum Message {
         /// [`crate::membership::Members::hash`] of my table.
         members_hash: u64,
     },
-    /// Second leg: what you lack, what I hold, and my table if our hashes differ.
+    /// Second leg: what you lack, what I hold, and a part of my table if our hashes differ.
     Ack {
         /// The replica whose digest the delta answers. A delta is only complete relative
         /// to that digest: a node that has since lost its state (a new generation) must
@@ -52,17 +52,24 @@ pub enum Message {
         /// without), so you can answer with those. Of every other origin I hold at least
         /// what your digest said.
         digest: Digest,
-        /// My membership table, empty when the hashes matched.
+        /// Rows of my membership table, empty when the hashes matched: as many as a
+        /// half the frame holds, a later part in each answer.
         members: Vec<MemberEntry>,
+        /// The nodes of `members` that I hold as dead. A node that takes one of those rows
+        /// as new takes it as dead too, not as alive (see [`crate::membership::Members::merge`]).
+        dead: Vec<NodeId>,
     },
-    /// Third leg: what the Ack's sender lacks, and my table if the hashes differed.
+    /// Third leg: what the Ack's sender lacks, and a part of my table if the hashes
+    /// differed.
     Delta {
         /// The replica whose digest the delta answers (see `Ack::to`).
         to: ReplicaId,
         /// Lanes the Ack's sender lacks.
         delta: Delta,
-        /// My membership table, empty when the hashes matched.
+        /// Rows of my membership table, as in `Ack`.
         members: Vec<MemberEntry>,
+        /// The nodes of `members` that I hold as dead, as in `Ack`.
+        dead: Vec<NodeId>,
     },
     /// Eager push of the sender's own fresh lanes (versions above `after`), and its
     /// heartbeat: `lanes.through.stamp` is its clock when it sent them.

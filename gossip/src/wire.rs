@@ -30,7 +30,7 @@ use tally_crdt::{
 };
 
 /// The wire format this build speaks.
-pub const WIRE_VERSION: u8 = 3;
+pub const WIRE_VERSION: u8 = 4;
 
 /// The hard ceiling on any frame, encoded or decoded, whatever the configuration says.
 pub const FRAME_BYTES_LIMIT: usize = 4 * 1024 * 1024;
@@ -91,6 +91,32 @@ pub fn encode(from: ReplicaId, message: &Message) -> Vec<u8> {
     bytes
 }
 
+/// The bytes `member` takes in a frame: its node id and generation, its address after its
+/// length, and its `left` flag.
+pub fn member_bytes(member: &MemberEntry) -> usize {
+    let addr_len = member.addr.len() as u64;
+    node_bytes(member.node)
+        + varint_bytes(member.generation.0)
+        + varint_bytes(addr_len)
+        + member.addr.len()
+        + 1
+}
+
+/// The bytes `node` takes in a frame.
+pub fn node_bytes(node: NodeId) -> usize {
+    varint_bytes(node.0)
+}
+
+/// The bytes bincode's varint encoding gives `value`.
+fn varint_bytes(value: u64) -> usize {
+    match value {
+        0..=250 => 1,
+        251..=0xFFFF => 3,
+        0x1_0000..=0xFFFF_FFFF => 5,
+        _ => 9,
+    }
+}
+
 /// Decodes a frame of at most `limit` bytes (itself capped at [`FRAME_BYTES_LIMIT`]).
 pub fn decode(frame: &[u8], limit: usize) -> Result<Envelope, DecodeError> {
     let limit = limit.min(FRAME_BYTES_LIMIT);
@@ -128,6 +154,20 @@ fn check(envelope: &Envelope) -> Result<(), DecodeError> {
             format!("{} bytes, over {ADDR_BYTES_MAX}", member.addr.len()),
         ));
     }
+    let dead = match &envelope.message {
+        Message::Ack { dead, .. } | Message::Delta { dead, .. } => dead.as_slice(),
+        _ => &[],
+    };
+    if dead.len() > members.len() {
+        return Err(field(
+            "dead",
+            format!(
+                "{} nodes, more than the {} rows sent",
+                dead.len(),
+                members.len()
+            ),
+        ));
+    }
     Ok(())
 }
 
@@ -154,11 +194,13 @@ enum Body {
         delta: DeltaBody,
         digest: Vec<DigestEntry>,
         members: Vec<MemberEntry>,
+        dead: Vec<NodeId>,
     },
     Delta {
         to: Replica,
         delta: DeltaBody,
         members: Vec<MemberEntry>,
+        dead: Vec<NodeId>,
     },
     /// The sender's own lanes; their stamp is the frame's newest.
     Push {
@@ -281,16 +323,24 @@ impl Frame {
                 delta,
                 digest,
                 members,
+                dead,
             } => Body::Ack {
                 to: Replica::new(*to, newest),
                 delta: DeltaBody::new(delta, newest),
                 digest: digest_entries(digest, newest),
                 members: members.clone(),
+                dead: dead.clone(),
             },
-            Message::Delta { to, delta, members } => Body::Delta {
+            Message::Delta {
+                to,
+                delta,
+                members,
+                dead,
+            } => Body::Delta {
                 to: Replica::new(*to, newest),
                 delta: DeltaBody::new(delta, newest),
                 members: members.clone(),
+                dead: dead.clone(),
             },
             Message::Push { after, lanes } => {
                 assert_eq!(
@@ -339,16 +389,24 @@ impl Frame {
                 delta,
                 digest,
                 members,
+                dead,
             } => Message::Ack {
                 to: to.id(newest),
                 delta: delta.into_delta(newest)?,
                 digest: digest_from(digest, newest)?,
                 members,
+                dead,
             },
-            Body::Delta { to, delta, members } => Message::Delta {
+            Body::Delta {
+                to,
+                delta,
+                members,
+                dead,
+            } => Message::Delta {
                 to: to.id(newest),
                 delta: delta.into_delta(newest)?,
                 members,
+                dead,
             },
             Body::Push {
                 after,
@@ -810,16 +868,19 @@ mod tests {
                 delta: delta(),
                 digest: digest(),
                 members: vec![member(1), member(2)],
+                dead: vec![NodeId(2)],
             },
             Message::Delta {
                 to: replica(5),
                 delta: delta(),
                 members: Vec::new(),
+                dead: Vec::new(),
             },
             Message::Delta {
                 to: replica(5),
                 delta: Delta::default(),
                 members: vec![member(7)],
+                dead: Vec::new(),
             },
             push(10, vec![update(key("login", "a", minute), 11)], 11),
             push(
@@ -841,6 +902,25 @@ mod tests {
 
     fn round_trip(message: &Message) -> Result<Envelope, DecodeError> {
         decode(&encode(replica(3), message), FRAME_BYTES_LIMIT)
+    }
+
+    #[test]
+    fn a_members_size_is_the_size_of_its_encoding() {
+        let edges = [0, 250, 251, 65_535, 65_536, u64::from(u32::MAX), u64::MAX];
+        for (i, &node) in edges.iter().enumerate() {
+            for (j, &generation) in edges.iter().enumerate() {
+                let member = MemberEntry {
+                    node: NodeId(node),
+                    generation: Generation(generation),
+                    addr: "a".repeat([0, 15, 250, 251, ADDR_BYTES_MAX][(i + j) % 5]),
+                    left: i % 2 == 0,
+                };
+                let encoded = bincode::serde::encode_to_vec(&member, CONFIG).unwrap();
+                assert_eq!(member_bytes(&member), encoded.len(), "{member:?}");
+                let encoded = bincode::serde::encode_to_vec(member.node, CONFIG).unwrap();
+                assert_eq!(node_bytes(member.node), encoded.len(), "{node}");
+            }
+        }
     }
 
     #[test]
@@ -952,6 +1032,17 @@ mod tests {
         assert_eq!(refused_field(&frame), "lanes.scope");
         let frame = edited_push(|body| push_lanes(body).lanes[0].scope = u64::MAX);
         assert_eq!(refused_field(&frame), "lanes.scope");
+    }
+
+    #[test]
+    fn more_dead_nodes_than_rows_sent_is_a_field_error() {
+        let delta = Message::Delta {
+            to: replica(5),
+            delta: Delta::default(),
+            members: vec![member(7)],
+            dead: vec![NodeId(7), NodeId(8)],
+        };
+        assert_eq!(refused_field(&encode(replica(3), &delta)), "dead");
     }
 
     #[test]
