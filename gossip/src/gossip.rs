@@ -12,12 +12,26 @@ use std::collections::{BTreeMap, VecDeque};
 use std::time::Duration;
 use tally_crdt::{
     CounterMap, Delta, Digest, Key, Lane, NodeId, ReplicaId, Stamp, Version, Watermark,
+    DELTA_BYTES_MIN,
 };
 
 /// An `Ack` or `Delta` gives at most this fraction (one over it) of the room its frame has
-/// left to rows of the membership table, and the rest to lanes: 32 KiB of an otherwise
-/// empty 64 KiB frame, about 1,100 rows with 9-byte generations and 15-byte addresses.
+/// left past the smallest delta to rows of the membership table, and the rest to lanes:
+/// about 32 KiB of an otherwise empty 64 KiB frame, about 1,100 rows with 9-byte
+/// generations and 15-byte addresses.
 const MEMBERS_SHARE_OF_ROOM: usize = 2;
+
+/// Where the next part of the membership table sent to a peer starts (see
+/// `Gossip::fill_members`).
+#[derive(Debug, Clone, Copy, Default)]
+struct TableCursor {
+    /// Among the live rows, other than the sender's own.
+    live: usize,
+    /// Among the other rows.
+    others: usize,
+    /// Whether the other rows go before the live ones in the next part.
+    others_first: bool,
+}
 
 /// The time, as given by the driver: its monotonic clock (for timers) and its wall clock
 /// (for stamps and windows). The protocol never reads either itself.
@@ -122,9 +136,8 @@ pub struct Gossip {
     // since is on its way to every live peer by push and heartbeat already.
     settled: Digest,
     rounds: u64,
-    // Per peer, where the next part of the membership table sent to it starts, among
-    // the live rows and among the others (see `fill_members`).
-    members_next: BTreeMap<NodeId, (usize, usize)>,
+    // Per member, where the next part of the membership table sent to it starts.
+    members_next: BTreeMap<NodeId, TableCursor>,
 }
 
 impl Gossip {
@@ -312,7 +325,11 @@ impl Gossip {
         let mut targets: Vec<NodeId> = live.into_iter().take(self.config.fanout).collect();
         if targets.is_empty() {
             // No live peer: knock on every seed until someone answers.
+            let me = self.config.node();
             targets = self.config.seeds.iter().map(|s| s.node).collect();
+            targets.retain(|&seed| seed != me);
+            targets.sort_unstable();
+            targets.dedup();
         }
         let dead = self.members.others_in(&[State::Dead]);
         if let Some(probe) = dead.choose(&mut self.rng) {
@@ -320,6 +337,9 @@ impl Gossip {
                 targets.push(*probe);
             }
         }
+        let members = &self.members;
+        self.members_next
+            .retain(|&node, _| members.state(node).is_some());
         self.send_to(&targets, &syn);
 
         self.members
@@ -630,16 +650,25 @@ impl Gossip {
 
     /// Puts in `message` (an `Ack` or `Delta` with no rows) a part of my table for `peer`,
     /// and the nodes of its rows I hold as dead. A part holds as many rows as half the room
-    /// left in the frame: my own row, then live rows (alive or suspect), then the others,
-    /// each kind taken on from where the last part sent to `peer` left off, wrapping
-    /// around. So a table too large for one frame reaches a peer over several exchanges,
-    /// the live rows first and my own in every part, and the rest of the frame is left to
-    /// the delta. A merge takes any subset of rows, so the parts need no order.
+    /// the frame has left past the smallest delta: my own row, then live rows (alive or
+    /// suspect) and the other rows, the live ones first in every other part to `peer` and
+    /// the others first in the rest, each kind taken on from where the last part to `peer`
+    /// left off, wrapping around. So a table too large for one frame reaches a peer over
+    /// several exchanges, with my own row in every part, live rows in the first, and
+    /// neither kind held back for good by the other. The rest of the frame is left to the
+    /// delta. A merge takes any subset of rows, so the parts need no order.
     fn fill_members(&mut self, message: &mut Message, peer: NodeId) {
         let without = wire::encode(self.config.replica, message).len();
-        let mut budget =
-            self.config.frame_bytes_max.saturating_sub(without) / MEMBERS_SHARE_OF_ROOM;
+        let room = self
+            .config
+            .frame_bytes_max
+            .saturating_sub(without + DELTA_BYTES_MIN);
+        let mut budget = room / MEMBERS_SHARE_OF_ROOM;
         let me = self.members.me();
+        let Some(left) = budget.checked_sub(wire::member_bytes(&me)) else {
+            return;
+        };
+        budget = left;
         let (live, others): (Vec<MemberEntry>, Vec<MemberEntry>) = self
             .members
             .entries()
@@ -649,13 +678,18 @@ impl Gossip {
                 let state = self.members.state(row.node);
                 matches!(state, Some(State::Alive | State::Suspect))
             });
-        budget = budget.saturating_sub(wire::member_bytes(&me));
         let (mut rows, mut dead) = (vec![me], Vec::new());
-        let (live_next, others_next) = self.members_next.get(&peer).copied().unwrap_or_default();
-        let live_sent = self.take_rows(&live, live_next, &mut budget, &mut rows, &mut dead);
-        let others_sent = self.take_rows(&others, others_next, &mut budget, &mut rows, &mut dead);
-        let next = (live_next + live_sent, others_next + others_sent);
-        self.members_next.insert(peer, next);
+        let mut cursor = self.members_next.get(&peer).copied().unwrap_or_default();
+        let (budget, rows_out, dead_out) = (&mut budget, &mut rows, &mut dead);
+        if cursor.others_first {
+            cursor.others += self.take_rows(&others, cursor.others, budget, rows_out, dead_out);
+            cursor.live += self.take_rows(&live, cursor.live, budget, rows_out, dead_out);
+        } else {
+            cursor.live += self.take_rows(&live, cursor.live, budget, rows_out, dead_out);
+            cursor.others += self.take_rows(&others, cursor.others, budget, rows_out, dead_out);
+        }
+        cursor.others_first = !cursor.others_first;
+        self.members_next.insert(peer, cursor);
         if let Message::Ack {
             members,
             dead: listed,
@@ -1265,6 +1299,85 @@ mod tests {
         assert_eq!(new.map().lanes(), 2_000);
         assert_eq!(old.stats().frames_oversize + new.stats().frames_oversize, 0);
         assert!(rounds > 2, "in parts: {rounds} rounds");
+    }
+
+    /// `from` sends `to` a Syn of its state, and the two answer each other until quiet.
+    fn syn_exchange(from: &mut Gossip, to: &mut Gossip, at: Now) {
+        let syn = Message::Syn {
+            digest: from.map().digest(),
+            unlisted: Stamp(0),
+            members_hash: from.members.hash(),
+        };
+        to.handle_input(Input::Receive {
+            now: at,
+            from: from.config.node(),
+            frame: wire::encode(from.replica(), &syn),
+        });
+        while deliver(to, from, at) | deliver(from, to, at) {}
+    }
+
+    #[test]
+    fn live_rows_that_fill_parts_hold_back_no_other_row_for_good() {
+        // 2,000 live rows with long addresses, several parts' worth, and 500 that left.
+        let (mut old, mut new) = (node(8_000), node(9_000));
+        let row = |id: u64, left| MemberEntry {
+            node: NodeId(id),
+            generation: Generation(1),
+            addr: format!("edge-{id:05}.eu-west-3.internal.example.com:7000"),
+            left,
+        };
+        let live: Vec<MemberEntry> = (1..2_001).map(|id| row(id, false)).collect();
+        let gone: Vec<MemberEntry> = (3_000..3_500).map(|id| row(id, true)).collect();
+        old.members.merge(&live, &[]);
+        old.members.merge(&gone, &[]);
+        new.members.merge(&[old.members.me()], &[]);
+
+        let mut exchanges = 0;
+        while new.members.hash() != old.members.hash() && exchanges < 50 {
+            syn_exchange(&mut new, &mut old, now(exchanges));
+            exchanges += 1;
+        }
+        let counts = BTreeMap::from([(State::Alive, 2_002), (State::Left, 500)]);
+        assert_eq!(new.members.counts(), counts, "after {exchanges} exchanges");
+        assert!(exchanges > 2, "in parts: {exchanges} exchanges");
+        assert_eq!(old.stats().frames_oversize + new.stats().frames_oversize, 0);
+    }
+
+    #[test]
+    fn a_node_with_no_live_peer_knocks_on_its_seeds_while_it_probes_the_dead() {
+        let mut config = Config::new(node(1).replica(), "n1");
+        config.seeds = [2, 3, 3, 1]
+            .map(|n| crate::Seed {
+                node: NodeId(n),
+                addr: format!("n{n}"),
+            })
+            .to_vec();
+        let mut gossip = Gossip::new(config);
+        let dead = MemberEntry {
+            left: false,
+            ..node(4).members.me()
+        };
+        gossip.members.merge(&[dead], &[NodeId(4)]);
+        gossip.handle_input(Input::Timeout { now: now(0) });
+        let mut syns = Vec::new();
+        loop {
+            match gossip.poll_output() {
+                Output::Send { to, frame, .. } => {
+                    let message = wire::decode(&frame, 1 << 20).unwrap().message;
+                    if matches!(message, Message::Syn { .. }) {
+                        syns.push(to.0);
+                    }
+                }
+                Output::Timeout(_) => break,
+                Output::Event(_) => {}
+            }
+        }
+        syns.sort_unstable();
+        assert_eq!(
+            syns,
+            [2, 3, 4],
+            "each seed once, not itself, and the dead probe"
+        );
     }
 
     #[test]
