@@ -5,10 +5,25 @@
 
 use rcgen::{
     BasicConstraints, CertificateParams, DnType, ExtendedKeyUsagePurpose, IsCa, Issuer, KeyPair,
-    KeyUsagePurpose,
+    KeyUsagePurpose, PublicKeyData,
 };
+use rustls::pki_types::{pem::PemObject, CertificateDer};
+use std::io::Write;
+use std::os::unix::fs::{OpenOptionsExt, PermissionsExt};
 use std::path::{Path, PathBuf};
+use std::time::Duration;
 use tally_crdt::NodeId;
+use time::OffsetDateTime;
+
+/// How long a new CA certificate is valid: ten years.
+pub const CA_VALID_FOR: Duration = Duration::from_secs(10 * 365 * 24 * 3600);
+
+/// How long a new node certificate is valid: two years. `tally certs` run again on the same
+/// directory issues new ones under the same CA.
+pub const NODE_VALID_FOR: Duration = Duration::from_secs(2 * 365 * 24 * 3600);
+
+/// How far back a new certificate's validity starts, for clocks behind the issuer's.
+pub const VALID_FROM_BACK: Duration = Duration::from_secs(3600);
 
 /// Why certificates could not be made or written.
 #[derive(Debug, thiserror::Error)]
@@ -27,6 +42,33 @@ pub enum CertError {
     /// Node ids start at 1: 0 marks an application's check ids at the region.
     #[error("certs: node id 0 is reserved; node ids are at least 1")]
     NodeZero,
+    /// One of the CA's two files is there and the other is not.
+    #[error(
+        "certs: {present} exists but {missing} does not; restore it, or move both away to \
+         make a new CA (certificates under the old one will not be trusted by the new)"
+    )]
+    HalfACa {
+        /// The file that is there.
+        present: PathBuf,
+        /// The file that is not.
+        missing: PathBuf,
+    },
+    /// The CA's key is not the key of the CA's certificate.
+    #[error("certs: {key} is not the key of {cert}")]
+    KeyMismatch {
+        /// The CA certificate.
+        cert: PathBuf,
+        /// The key that does not match it.
+        key: PathBuf,
+    },
+    /// The CA certificate's PEM could not be read.
+    #[error("certs: {path}: not a PEM certificate: {why}")]
+    Pem {
+        /// The file.
+        path: PathBuf,
+        /// What was wrong.
+        why: String,
+    },
 }
 
 /// The DNS name a node's certificate carries, and that peers check.
@@ -69,8 +111,9 @@ impl Ca {
         params
             .distinguished_name
             .push(DnType::CommonName, common_name);
-        params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
+        params.is_ca = IsCa::Ca(BasicConstraints::Constrained(0));
         params.key_usages = vec![KeyUsagePurpose::KeyCertSign, KeyUsagePurpose::CrlSign];
+        (params.not_before, params.not_after) = validity(CA_VALID_FOR);
         let key = KeyPair::generate()?;
         let cert = params.self_signed(&key)?;
         Ok(Ca {
@@ -79,19 +122,44 @@ impl Ca {
         })
     }
 
-    /// The CA in `dir` (`ca.pem`, `ca.key`), or a new one written there.
+    /// The CA in `dir` (`ca.pem`, `ca.key`), or a new one written there if neither file
+    /// is. Refused if only one is, or if the key is not the certificate's.
     pub fn load_or_create(dir: &Path) -> Result<Ca, CertError> {
         let (cert_path, key_path) = (dir.join("ca.pem"), dir.join("ca.key"));
-        if cert_path.exists() && key_path.exists() {
-            let cert_pem = read(&cert_path)?;
-            let key = KeyPair::from_pem(&read(&key_path)?)?;
-            let issuer = Issuer::from_ca_cert_pem(&cert_pem, key)?;
-            return Ok(Ca { issuer, cert_pem });
+        match (cert_path.exists(), key_path.exists()) {
+            (true, true) => {}
+            (false, false) => {
+                let ca = Ca::generate("tally cluster CA")?;
+                write(&cert_path, &ca.cert_pem)?;
+                write_secret(&key_path, &ca.issuer.key().serialize_pem())?;
+                return Ok(ca);
+            }
+            (cert_there, _) => {
+                let (present, missing) = if cert_there {
+                    (cert_path, key_path)
+                } else {
+                    (key_path, cert_path)
+                };
+                return Err(CertError::HalfACa { present, missing });
+            }
         }
-        let ca = Ca::generate("tally cluster CA")?;
-        write(&cert_path, &ca.cert_pem)?;
-        write(&key_path, &ca.issuer.key().serialize_pem())?;
-        Ok(ca)
+        let cert_pem = read(&cert_path)?;
+        let key = KeyPair::from_pem(&read(&key_path)?)?;
+        let cert_der =
+            CertificateDer::from_pem_slice(cert_pem.as_bytes()).map_err(|err| CertError::Pem {
+                path: cert_path.clone(),
+                why: err.to_string(),
+            })?;
+        // A certificate holds its key's SubjectPublicKeyInfo as it is.
+        let spki = key.subject_public_key_info();
+        if !cert_der.windows(spki.len()).any(|bytes| bytes == spki) {
+            return Err(CertError::KeyMismatch {
+                cert: cert_path,
+                key: key_path,
+            });
+        }
+        let issuer = Issuer::from_ca_cert_pem(&cert_pem, key)?;
+        Ok(Ca { issuer, cert_pem })
     }
 
     /// A certificate and key for `node`, signed by this CA: PEM texts.
@@ -100,6 +168,7 @@ impl Ca {
         let mut params = CertificateParams::new(vec![name.clone()])?;
         params.distinguished_name.push(DnType::CommonName, name);
         params.key_usages = vec![KeyUsagePurpose::DigitalSignature];
+        (params.not_before, params.not_after) = validity(NODE_VALID_FOR);
         params.extended_key_usages = vec![
             ExtendedKeyUsagePurpose::ServerAuth,
             ExtendedKeyUsagePurpose::ClientAuth,
@@ -114,7 +183,7 @@ impl Ca {
         let files = NodeFiles::in_dir(dir, node);
         let (cert, key) = self.issue(node)?;
         write(&files.cert, &cert)?;
-        write(&files.key, &key)?;
+        write_secret(&files.key, &key)?;
         if !files.ca.exists() {
             write(&files.ca, &self.cert_pem)?;
         }
@@ -152,4 +221,109 @@ fn write(path: &Path, text: &str) -> Result<(), CertError> {
         path: path.to_owned(),
         source,
     })
+}
+
+/// Writes a private key readable by its owner alone (mode 0600), whatever the file's mode
+/// was if it existed.
+fn write_secret(path: &Path, text: &str) -> Result<(), CertError> {
+    let io = |source| CertError::Io {
+        path: path.to_owned(),
+        source,
+    };
+    let mut file = std::fs::OpenOptions::new()
+        .write(true)
+        .create(true)
+        .truncate(true)
+        .mode(0o600)
+        .open(path)
+        .map_err(io)?;
+    file.set_permissions(std::fs::Permissions::from_mode(0o600))
+        .map_err(io)?;
+    file.write_all(text.as_bytes()).map_err(io)
+}
+
+/// A validity period from [`VALID_FROM_BACK`] ago for `span`, by this machine's clock.
+fn validity(span: Duration) -> (OffsetDateTime, OffsetDateTime) {
+    let now = Duration::from_millis(crate::clock::wall().0);
+    let at = |secs: u64| {
+        let secs = i64::try_from(secs).unwrap_or(i64::MAX);
+        OffsetDateTime::from_unix_timestamp(secs).unwrap_or(OffsetDateTime::UNIX_EPOCH)
+    };
+    let from = now.saturating_sub(VALID_FROM_BACK).as_secs();
+    (at(from), at(now.saturating_add(span).as_secs()))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn dir(name: &str) -> PathBuf {
+        let dir = std::env::temp_dir().join(format!("tally-certs-{name}-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        dir
+    }
+
+    fn mode(path: &Path) -> u32 {
+        std::fs::metadata(path).unwrap().permissions().mode() & 0o777
+    }
+
+    #[test]
+    fn keys_are_written_for_their_owner_alone_and_the_ca_is_reused() {
+        let dir = dir("modes");
+        std::fs::create_dir_all(&dir).unwrap();
+        // A key file left readable by all before the run is made private too.
+        std::fs::write(dir.join("node-1.key"), "old").unwrap();
+        std::fs::set_permissions(
+            dir.join("node-1.key"),
+            std::fs::Permissions::from_mode(0o644),
+        )
+        .unwrap();
+        let files = write_cluster(&dir, &[NodeId(1)]).unwrap();
+        assert_eq!(mode(&dir.join("ca.key")), 0o600);
+        assert_eq!(mode(&files[0].key), 0o600);
+        let ca = read(&dir.join("ca.pem")).unwrap();
+        write_cluster(&dir, &[NodeId(2)]).unwrap();
+        assert_eq!(read(&dir.join("ca.pem")).unwrap(), ca, "the same CA");
+        std::fs::remove_dir_all(dir).unwrap();
+    }
+
+    #[test]
+    fn half_a_ca_or_a_key_of_another_ca_is_refused_and_nothing_is_overwritten() {
+        let dir = dir("half");
+        write_cluster(&dir, &[NodeId(1)]).unwrap();
+        let ca = read(&dir.join("ca.pem")).unwrap();
+        std::fs::rename(dir.join("ca.key"), dir.join("ca.key.away")).unwrap();
+        let err = write_cluster(&dir, &[NodeId(2)]).unwrap_err();
+        assert!(matches!(err, CertError::HalfACa { .. }), "{err}");
+        assert!(err.to_string().contains("ca.key does not"), "{err}");
+        assert_eq!(read(&dir.join("ca.pem")).unwrap(), ca, "ca.pem kept");
+        assert!(!dir.join("node-2.pem").exists());
+
+        let other = Ca::generate("another").unwrap();
+        write_secret(&dir.join("ca.key"), &other.issuer.key().serialize_pem()).unwrap();
+        let err = write_cluster(&dir, &[NodeId(2)]).unwrap_err();
+        assert!(matches!(err, CertError::KeyMismatch { .. }), "{err}");
+        assert!(!dir.join("node-2.pem").exists());
+        std::fs::remove_dir_all(dir).unwrap();
+    }
+
+    #[test]
+    fn certificates_are_valid_from_an_hour_ago_for_their_span() {
+        let ca = Ca::generate("test").unwrap();
+        let (node, _) = ca.issue(NodeId(1)).unwrap();
+        let now = (crate::clock::wall().0 / 1_000) as i64;
+        for (pem, span) in [
+            (ca.cert_pem(), CA_VALID_FOR),
+            (node.as_str(), NODE_VALID_FOR),
+        ] {
+            let der = CertificateDer::from_pem_slice(pem.as_bytes()).unwrap();
+            let (_, cert) = x509_parser::parse_x509_certificate(&der).unwrap();
+            let validity = cert.validity();
+            let back = now - validity.not_before.timestamp();
+            let ahead = validity.not_after.timestamp() - now;
+            assert!((3_590..=3_610).contains(&back), "{back}");
+            let span = span.as_secs() as i64;
+            assert!((span - 10..=span + 10).contains(&ahead), "{ahead}");
+        }
+    }
 }
