@@ -272,6 +272,16 @@ impl Config {
             .map_err(|why| bad("dead_after_ms".into(), why))?;
         positive(self.client_connections_max as u64, "client_connections_max")
             .map_err(|why| bad("client_connections_max".into(), why))?;
+        if self.client_connections_max > tokio::sync::Semaphore::MAX_PERMITS {
+            return Err(bad(
+                "client_connections_max".into(),
+                format!(
+                    "{} is over {}",
+                    self.client_connections_max,
+                    tokio::sync::Semaphore::MAX_PERMITS
+                ),
+            ));
+        }
         let frame_min = tally_gossip::Config::FRAME_BYTES_MIN;
         let frame_max = tally_gossip::wire::FRAME_BYTES_LIMIT;
         if !(frame_min..=frame_max).contains(&self.frame_bytes_max) {
@@ -288,6 +298,12 @@ impl Config {
                 return Err(bad(
                     format!("seeds[{i}].node"),
                     format!("{} is this node's own id", seed.node),
+                ));
+            }
+            if seed.node == 0 {
+                return Err(bad(
+                    format!("seeds[{i}].node"),
+                    "must be at least 1: no certificate names node 0".into(),
                 ));
             }
         }
@@ -310,6 +326,12 @@ impl Config {
                 return Err(bad(
                     "region.node".into(),
                     format!("{} is this node's own id", region.node),
+                ));
+            }
+            if region.node == 0 {
+                return Err(bad(
+                    "region.node".into(),
+                    "must be at least 1: no certificate names node 0".into(),
                 ));
             }
         }
@@ -336,6 +358,16 @@ impl Config {
                 .map_err(|why| bad(key("region_timeout_ms"), why))?;
             if rule.locations == Some(0) {
                 return Err(bad(key("locations"), "must be at least 1".into()));
+            }
+            if rule.slack > rule.limit {
+                return Err(bad(
+                    key("slack"),
+                    format!(
+                        "{} is over the rule's limit ({}): a location's allowance past its \
+                         share is at most the limit",
+                        rule.slack, rule.limit
+                    ),
+                ));
             }
             if rule.mode == RuleMode::Exact && rule.limit > self.lane_rate_max_per_sec {
                 // The region counts its admissions in its own lanes, unchecked, from the
@@ -506,5 +538,39 @@ window_secs = 60
             .unwrap_err()
             .to_string();
         assert!(err.contains("seeds[0].node"), "{err}");
+    }
+
+    #[test]
+    fn node_zero_a_slack_past_the_limit_or_too_many_connections_are_refused_by_name() {
+        let cases = [
+            (GOOD.replace("node = 2", "node = 0"), "seeds[0].node"),
+            (
+                GOOD.replace("window_secs = 60", "window_secs = 60\nslack = 101"),
+                "rules[0].slack",
+            ),
+            (
+                GOOD.replace(
+                    "node_id = 1",
+                    "node_id = 1\nclient_connections_max = 18446744073709551615",
+                ),
+                "client_connections_max",
+            ),
+            (
+                GOOD.replace(
+                    "node_id = 1",
+                    "node_id = 1\nregion = { node = 0, addr = \"127.0.0.1:7003\" }",
+                ),
+                "region.node",
+            ),
+        ];
+        for (text, key) in cases {
+            let err = parse(&text).unwrap_err().to_string();
+            assert!(
+                err.contains("node-1.toml") && err.contains(key),
+                "{key}: {err}"
+            );
+        }
+        let at_the_limit = GOOD.replace("window_secs = 60", "window_secs = 60\nslack = 100");
+        assert!(parse(&at_the_limit).is_ok());
     }
 }

@@ -227,7 +227,7 @@ impl Context<'_> {
             (Mode::ApproximateConnected, allowed, bound)
         } else {
             let locations = rule.locations.unwrap_or(freshness.locations as u64).max(1);
-            let share = rule.limit / locations + rule.slack;
+            let share = (rule.limit / locations).saturating_add(rule.slack);
             // This location's count: its lives before a restart admitted under the share
             // too, and they are still counted in the window.
             let own = self.store.own(key).value() + self.view.other_lives(key);
@@ -235,7 +235,7 @@ impl Context<'_> {
             (
                 Mode::ApproximateIsolated,
                 allowed,
-                (locations * rule.slack) as f64,
+                locations as f64 * rule.slack as f64,
             )
         };
         let estimate = if allowed {

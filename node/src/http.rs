@@ -1,4 +1,5 @@
-//! `/metrics` (Prometheus text) and `/status` (JSON) over HTTP on loopback.
+//! `/metrics` (OpenMetrics text, which Prometheus reads) and `/status` (JSON) over HTTP on
+//! loopback.
 //!
 //! Two read-only GET routes on a loopback port are all this serves, so it speaks the few
 //! lines of HTTP/1.1 they need itself (one request per connection, then close) rather than
@@ -15,10 +16,17 @@ use std::sync::Arc;
 use std::time::Duration;
 use tally_crdt::ReplicaId;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
-use tokio::net::TcpListener;
+use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::Semaphore;
 
 /// The largest request head read before the connection is closed.
 const HEAD_BYTES_MAX: usize = 8 * 1024;
+
+/// The most connections served at once; more wait in the listen backlog.
+const CONNECTIONS_MAX: usize = 16;
+
+/// How long one connection may take, from accept to the last byte of the answer.
+const EXCHANGE_TIMEOUT: Duration = Duration::from_secs(5);
 
 /// What the HTTP routes read.
 pub struct Endpoints {
@@ -40,51 +48,69 @@ pub struct Endpoints {
 
 /// Serves `/metrics` and `/status` on `listener` until the node stops.
 pub async fn serve(endpoints: Arc<Endpoints>, listener: TcpListener) {
+    let room = Arc::new(Semaphore::new(CONNECTIONS_MAX));
     loop {
-        let Ok((mut stream, _)) = listener.accept().await else {
+        let Ok(permit) = room.clone().acquire_owned().await else {
+            return;
+        };
+        let Ok((stream, _)) = listener.accept().await else {
             // Out of file descriptors, say: wait for the cause to pass, keep serving.
             tokio::time::sleep(Duration::from_millis(10)).await;
             continue;
         };
         let endpoints = endpoints.clone();
         tokio::spawn(async move {
-            let mut head = Vec::new();
-            let mut chunk = [0u8; 1024];
-            let read_head = async {
-                while !head.windows(4).any(|w| w == b"\r\n\r\n") && head.len() < HEAD_BYTES_MAX {
-                    match stream.read(&mut chunk).await {
-                        Ok(0) | Err(_) => return false,
-                        Ok(n) => head.extend_from_slice(&chunk[..n]),
-                    }
-                }
-                true
-            };
-            if !matches!(
-                tokio::time::timeout(Duration::from_secs(5), read_head).await,
-                Ok(true)
-            ) {
-                return;
-            }
-            let line = head.split(|&b| b == b'\r').next().unwrap_or_default();
-            let (status, kind, body) = endpoints.answer(&String::from_utf8_lossy(line));
-            let response = format!(
-                "HTTP/1.1 {status}\r\ncontent-type: {kind}\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{body}",
-                body.len()
-            );
-            let _ = stream.write_all(response.as_bytes()).await;
-            let _ = stream.shutdown().await;
+            let _ = tokio::time::timeout(EXCHANGE_TIMEOUT, exchange(&endpoints, stream)).await;
+            drop(permit);
         });
     }
+}
+
+/// Reads one request head from `stream` and writes its answer.
+async fn exchange(endpoints: &Endpoints, mut stream: TcpStream) {
+    let mut head = Vec::new();
+    let mut chunk = [0u8; 1024];
+    loop {
+        match stream.read(&mut chunk).await {
+            Ok(0) | Err(_) => return,
+            Ok(n) => head.extend_from_slice(&chunk[..n]),
+        }
+        // Only the bytes just read, and the three before them, can complete the head.
+        let fresh = &head[head.len().saturating_sub(chunk.len() + 3)..];
+        let ended =
+            fresh.windows(4).any(|w| w == b"\r\n\r\n") || fresh.windows(2).any(|w| w == b"\n\n");
+        if ended || head.len() >= HEAD_BYTES_MAX {
+            break;
+        }
+    }
+    let line = head
+        .split(|&b| b == b'\r' || b == b'\n')
+        .next()
+        .unwrap_or_default();
+    let (status, kind, body) = endpoints.answer(&String::from_utf8_lossy(line));
+    let allow = if status.starts_with("405") {
+        "allow: GET\r\n"
+    } else {
+        ""
+    };
+    let response = format!(
+        "HTTP/1.1 {status}\r\ncontent-type: {kind}\r\n{allow}content-length: {}\r\nconnection: close\r\n\r\n{body}",
+        body.len()
+    );
+    let _ = stream.write_all(response.as_bytes()).await;
+    let _ = stream.shutdown().await;
 }
 
 impl Endpoints {
     fn answer(&self, request_line: &str) -> (&'static str, &'static str, String) {
         let mut parts = request_line.split(' ');
-        let (method, path) = (parts.next().unwrap_or(""), parts.next().unwrap_or(""));
+        let (method, target) = (parts.next().unwrap_or(""), parts.next().unwrap_or(""));
+        let path = target.split('?').next().unwrap_or_default();
         match (method, path) {
             ("GET", "/metrics") => (
                 "200 OK",
-                "text/plain; version=0.0.4; charset=utf-8",
+                // prometheus-client writes OpenMetrics text (`_total` samples, `# EOF`).
+                "application/openmetrics-text; version=1.0.0; charset=utf-8",
                 metrics::render(&Sources {
                     metrics: &self.metrics,
                     view: &self.view,
@@ -111,7 +137,7 @@ impl Endpoints {
 
     fn status(&self) -> String {
         let now = clock::wall();
-        let view = self.view.lock().clone();
+        let view = self.view.lock().reported();
         let members: Vec<_> = view
             .members
             .iter()
@@ -136,5 +162,82 @@ impl Endpoints {
             "lanes": view.lanes,
         })
         .to_string()
+    }
+}
+
+// The lane store runs on loom's atomics under `tally_loom`, which work only inside a model.
+#[cfg(test)]
+#[cfg(not(tally_loom))]
+mod tests {
+    use super::*;
+    use tally_crdt::{Generation, NodeId};
+
+    async fn start() -> std::net::SocketAddr {
+        let replica = ReplicaId::new(NodeId(1), Generation(1));
+        let endpoints = Arc::new(Endpoints {
+            replica,
+            metrics: Arc::default(),
+            view: Arc::default(),
+            store: Arc::new(LaneStore::new(replica, 16)),
+            transport: Arc::default(),
+            forward: Arc::default(),
+            region: None,
+        });
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        tokio::spawn(serve(endpoints, listener));
+        addr
+    }
+
+    async fn ask(addr: std::net::SocketAddr, request: &str) -> String {
+        let mut stream = TcpStream::connect(addr).await.unwrap();
+        stream.write_all(request.as_bytes()).await.unwrap();
+        let mut answer = String::new();
+        stream.read_to_string(&mut answer).await.unwrap();
+        answer
+    }
+
+    #[tokio::test(flavor = "current_thread")]
+    async fn metrics_are_openmetrics_text_whatever_the_query_or_line_ends() {
+        let addr = start().await;
+        for request in [
+            "GET /metrics HTTP/1.1\r\n\r\n",
+            "GET /metrics?name=x HTTP/1.1\r\nhost: a\r\n\r\n",
+            "GET /metrics HTTP/1.1\nhost: a\n\n",
+        ] {
+            let answer = ask(addr, request).await;
+            assert!(
+                answer.starts_with("HTTP/1.1 200 OK\r\n"),
+                "{request:?}: {answer}"
+            );
+            assert!(
+                answer.contains("content-type: application/openmetrics-text; version=1.0.0"),
+                "{answer}"
+            );
+            assert!(answer.trim_end().ends_with("# EOF"), "{answer}");
+        }
+        let answer = ask(addr, "POST /metrics HTTP/1.1\r\n\r\n").await;
+        assert!(answer.starts_with("HTTP/1.1 405"), "{answer}");
+        assert!(answer.contains("\r\nallow: GET\r\n"), "{answer}");
+    }
+
+    #[tokio::test(flavor = "current_thread")]
+    async fn past_sixteen_connections_the_next_waits_for_one_to_close() {
+        let addr = start().await;
+        let mut idle = Vec::new();
+        for _ in 0..CONNECTIONS_MAX {
+            let mut stream = TcpStream::connect(addr).await.unwrap();
+            stream.write_all(b"GET /status HTTP/1.1\r\n").await.unwrap();
+            idle.push(stream);
+        }
+        let waiting = tokio::spawn(ask(addr, "GET /status HTTP/1.1\r\n\r\n"));
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        assert!(!waiting.is_finished(), "served past the limit");
+        idle.pop();
+        let answer = tokio::time::timeout(Duration::from_secs(4), waiting)
+            .await
+            .expect("served once a connection closed")
+            .unwrap();
+        assert!(answer.starts_with("HTTP/1.1 200 OK"), "{answer}");
     }
 }

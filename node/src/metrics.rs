@@ -17,6 +17,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use tally_client::wire::Mode;
 use tally_crdt::{ReplicaId, Stamp};
+use tally_gossip::membership::State;
 use tally_gossip::Histogram;
 
 /// Counters the request path updates as it goes.
@@ -91,10 +92,14 @@ pub struct RegionStats {
 /// Renders every metric in the Prometheus text format.
 pub fn render(sources: &Sources<'_>) -> String {
     let mut registry = Registry::with_prefix("tally");
-    let view = sources.view.lock().clone();
+    let view = sources.view.lock().reported();
 
     let staleness = Family::<Vec<(String, String)>, Gauge<f64, AtomicU64>>::default();
     for (node, replica, state) in &view.members {
+        if *state == State::Left {
+            // A member that left says nothing more; a series for each would grow forever.
+            continue;
+        }
         let stamp = view.stamps.get(replica).copied().unwrap_or(Stamp(0));
         let age = sources.now.0.saturating_sub(stamp.0) as f64 / 1_000.0;
         staleness
@@ -364,12 +369,16 @@ fn gauge(registry: &mut Registry, name: &str, help: &str, value: usize) {
     registry.register(name, help, gauge);
 }
 
-/// Resident memory from `/proc/self/statm` (0 where there is none).
+/// Resident memory, `VmRSS` in `/proc/self/status` (in kB whatever the page size; 0
+/// where there is none).
 fn resident_bytes() -> usize {
-    std::fs::read_to_string("/proc/self/statm")
+    std::fs::read_to_string("/proc/self/status")
         .ok()
-        .and_then(|statm| statm.split_whitespace().nth(1)?.parse::<usize>().ok())
-        .map_or(0, |pages| pages * 4_096)
+        .and_then(|status| {
+            let line = status.lines().find(|line| line.starts_with("VmRSS:"))?;
+            line.split_whitespace().nth(1)?.parse::<usize>().ok()
+        })
+        .map_or(0, |kb| kb * 1_024)
 }
 
 /// The gossip's propagation histogram, encoded as a Prometheus histogram in seconds.
@@ -465,5 +474,35 @@ mod tests {
                 r#"tally_decisions_total{mode="region-fallback",outcome="denied"} 1"#,
             ]
         );
+    }
+
+    #[test]
+    fn resident_memory_is_read_and_a_member_that_left_has_no_staleness_series() {
+        assert!(
+            resident_bytes() > 1 << 20,
+            "a test process holds over a MiB"
+        );
+        let view = View::default();
+        let replica = |node| ReplicaId::new(NodeId(node), Generation(1));
+        view.lock().members = vec![
+            (NodeId(2), replica(2), State::Alive),
+            (NodeId(3), replica(3), State::Left),
+        ];
+        let store = LaneStore::new(replica(1), 8);
+        let text = render(&Sources {
+            metrics: &Metrics::default(),
+            view: &view,
+            store: &store,
+            transport: &TransportStats::default(),
+            forward: &ForwardStats::default(),
+            region: None,
+            now: Stamp(0),
+        });
+        let series: Vec<&str> = (text.lines())
+            .filter(|line| line.starts_with("tally_origin_staleness_seconds{"))
+            .collect();
+        assert_eq!(series.len(), 1, "{series:?}");
+        assert!(series[0].contains(r#"node="2""#), "{series:?}");
+        assert!(text.contains(r#"tally_members{state="left"} 1"#), "{text}");
     }
 }

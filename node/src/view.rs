@@ -136,6 +136,22 @@ impl View {
 }
 
 impl ViewState {
+    /// A copy of what `/metrics` and `/status` report: everything but the per-key maps,
+    /// which can hold a million keys and are not reported (a copy of them would hold the
+    /// view's lock, and so every decision, for as long).
+    pub fn reported(&self) -> ViewState {
+        ViewState {
+            members: self.members.clone(),
+            stamps: self.stamps.clone(),
+            gossip: self.gossip.clone(),
+            lanes: self.lanes,
+            keys: self.keys,
+            unheard_seeds: self.unheard_seeds,
+            remote_rates: HashMap::new(),
+            other_lives: HashMap::new(),
+        }
+    }
+
     /// The live members' freshness at wall time `now`. A live member with no stamp held
     /// is as stale as the epoch: nothing of it has been seen. So is an unheard seed.
     pub fn freshness(&self, now: Stamp) -> Freshness {
