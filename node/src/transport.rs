@@ -103,7 +103,15 @@ pub(crate) const SESSION_FRAMES_IN_FLIGHT: usize = 128;
 /// The node's QUIC endpoint and its peers' writers. Owned by the gossip task.
 pub struct Transport {
     shared: Arc<Shared>,
-    writers: HashMap<NodeId, mpsc::Sender<Vec<u8>>>,
+    writers: HashMap<NodeId, Writer>,
+}
+
+/// The queue of frames to one peer, and where its writer dials it.
+struct Writer {
+    frames: mpsc::Sender<Vec<u8>>,
+    // The peer's address as last given with a frame (gossip knows none for a node that
+    // has sent a `Syn` but no row yet, and a member may come back at another address).
+    addr: Arc<Mutex<String>>,
 }
 
 struct Shared {
@@ -152,19 +160,22 @@ impl Transport {
         self.shared.endpoint.local_addr()
     }
 
-    /// Queues `frame` for `to` at `addr`. Never waits: a full queue drops the frame.
+    /// Queues `frame` for `to` at `addr`. Never waits: a full queue drops the frame. The
+    /// next connection to `to` dials the last address given that was not empty.
     pub fn send(&mut self, to: NodeId, addr: &str, frame: Vec<u8>) {
         let writer = self.writers.entry(to).or_insert_with(|| {
-            let (sender, frames) = mpsc::channel(PEER_QUEUE_FRAMES);
-            tokio::spawn(write_to_peer(
-                self.shared.clone(),
-                to,
-                addr.to_owned(),
-                frames,
-            ));
-            sender
+            let (frames, queue) = mpsc::channel(PEER_QUEUE_FRAMES);
+            let addr = Arc::new(Mutex::new(addr.to_owned()));
+            tokio::spawn(write_to_peer(self.shared.clone(), to, addr.clone(), queue));
+            Writer { frames, addr }
         });
-        if writer.try_send(frame).is_err() {
+        if !addr.is_empty() {
+            let mut held = lock(&writer.addr);
+            if *held != addr {
+                addr.clone_into(&mut held);
+            }
+        }
+        if writer.frames.try_send(frame).is_err() {
             self.shared
                 .stats
                 .frames_dropped
@@ -555,7 +566,7 @@ async fn read_frames(
 async fn write_to_peer(
     shared: Arc<Shared>,
     node: NodeId,
-    addr: String,
+    addr: Arc<Mutex<String>>,
     mut frames: mpsc::Receiver<Vec<u8>>,
 ) {
     // The stream, and the stable id of the connection it is on.
@@ -568,7 +579,8 @@ async fn write_to_peer(
             stream = None;
         }
         if stream.is_none() {
-            match open_stream(&shared, node, &addr).await {
+            let dial = lock(&addr).clone();
+            match open_stream(&shared, node, &dial).await {
                 Ok(opened) => {
                     stream = Some(opened);
                     backoff = Duration::from_millis(50);
@@ -645,4 +657,57 @@ fn lock<T>(mutex: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     mutex
         .lock()
         .unwrap_or_else(|poisoned| poisoned.into_inner())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::TlsConfig;
+
+    fn identity(
+        dir: &std::path::Path,
+        files: &crate::certs::NodeFiles,
+        node: u64,
+    ) -> tls::Identity {
+        let config = TlsConfig {
+            ca: files.ca.clone(),
+            cert: files.cert.clone(),
+            key: files.key.clone(),
+        };
+        tls::identity(&config, NodeId(node)).unwrap_or_else(|err| panic!("{dir:?}: {err}"))
+    }
+
+    #[tokio::test(flavor = "current_thread")]
+    async fn a_writer_made_before_its_peers_address_was_known_dials_the_one_given_later() {
+        let dir = std::env::temp_dir().join(format!("tally-transport-{}", std::process::id()));
+        let files = crate::certs::write_cluster(&dir, &[NodeId(1), NodeId(2)]).unwrap();
+        let bind = |files, node| {
+            let any = "127.0.0.1:0".parse().unwrap();
+            Transport::bind(
+                any,
+                identity(&dir, files, node),
+                1 << 16,
+                Arc::default(),
+                None,
+            )
+            .unwrap()
+        };
+        let (mut one, _) = bind(&files[0], 1);
+        let (two, mut to_two) = bind(&files[1], 2);
+        // Gossip knows no address for a node it has heard only a Syn from.
+        one.send(NodeId(2), "", b"unaddressed".to_vec());
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        assert_eq!(one.shared.stats.frames_dropped.load(Ordering::Relaxed), 1);
+        let addr = two.local_addr().unwrap().to_string();
+        one.send(NodeId(2), &addr, b"addressed".to_vec());
+        let inbound = tokio::time::timeout(Duration::from_secs(5), to_two.recv())
+            .await
+            .expect("the writer dialed the address given with the later frame")
+            .unwrap();
+        assert_eq!(
+            (inbound.from, inbound.frame),
+            (NodeId(1), b"addressed".to_vec())
+        );
+        std::fs::remove_dir_all(dir).unwrap();
+    }
 }
