@@ -314,6 +314,7 @@ async fn metrics_parse_and_show_staleness_rising_for_a_killed_peer() {
 async fn approximate_overshoot_stays_within_the_reported_bound_connected_and_isolated() {
     // Dead only after a long suspicion, so a paused peer keeps the others isolated.
     let cluster = Cluster::start_with(NET, 4, 60_000, false);
+    cluster.wait_fresh(Duration::from_millis(300));
     let limit = 2_000i128;
 
     // Connected: one subject's checks spread over all four nodes at a fixed total rate of

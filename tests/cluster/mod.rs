@@ -166,6 +166,31 @@ impl Cluster {
         );
     }
 
+    /// Waits until every running node holds state of every other running node newer than
+    /// `fresh`: a member's row arrives (alive) before its first heartbeat, and until that
+    /// heartbeat a node decides its approximate rules isolated.
+    pub fn wait_fresh(&self, fresh: Duration) {
+        let running: Vec<&Node> = self.nodes.iter().filter(|n| n.is_running()).collect();
+        wait_for(
+            Duration::from_secs(20),
+            "every node to hold fresh state of the others",
+            || {
+                running.iter().all(|node| {
+                    running
+                        .iter()
+                        .filter(|other| other.id != node.id)
+                        .all(|other| {
+                            let labels = [("node", other.id.to_string())];
+                            let labels: Vec<(&str, &str)> =
+                                labels.iter().map(|(k, v)| (*k, v.as_str())).collect();
+                            node.metric("tally_origin_staleness_seconds", &labels)
+                                .is_some_and(|age| age < fresh.as_secs_f64())
+                        })
+                })
+            },
+        );
+    }
+
     pub fn certs(&self) -> PathBuf {
         self.dir.join("certs")
     }
