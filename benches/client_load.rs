@@ -469,7 +469,7 @@ async fn run_region(args: &Args, region: SocketAddr) -> Result<Report, String> {
     } else {
         (std::net::Ipv6Addr::LOCALHOST, 0).into()
     };
-    let (transport, _inbound) = Transport::bind(
+    let (mut transport, _inbound) = Transport::bind(
         local,
         identity,
         // Gossip frames' limit: none come, as no member gossips with this node.
@@ -517,7 +517,7 @@ async fn run_region(args: &Args, region: SocketAddr) -> Result<Report, String> {
     let latencies_ns = region_phase(&target, workers, args.requests, true).await?;
     let elapsed = now().duration_since(started);
 
-    transport.close().await;
+    transport.close(Duration::ZERO).await;
     assert_eq!(
         latencies_ns.len() as u64,
         args.requests,

@@ -14,6 +14,10 @@ use tally_gossip::membership::State;
 use tally_gossip::{Event, Gossip, Input, Output};
 use tokio::sync::{mpsc, watch};
 
+/// How long a stopping node gives its peers' writers to deliver their last frames (the
+/// last push and the goodbye) before it closes its connections.
+const LAST_FRAMES_DEADLINE: Duration = Duration::from_secs(1);
+
 /// Why the gossip task stopped on its own.
 #[derive(Debug, thiserror::Error)]
 pub enum DriverError {
@@ -123,8 +127,7 @@ impl Driver {
                     self.gossip.handle_input(Input::Timeout { now: self.clock.now() });
                     self.gossip.handle_input(Input::Leave);
                     self.drain(me)?;
-                    tokio::time::sleep(Duration::from_millis(100)).await;
-                    self.transport.close().await;
+                    self.transport.close(LAST_FRAMES_DEADLINE).await;
                     return Ok(());
                 }
             }

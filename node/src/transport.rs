@@ -106,9 +106,10 @@ pub struct Transport {
     writers: HashMap<NodeId, Writer>,
 }
 
-/// The queue of frames to one peer, and where its writer dials it.
+/// The queue of frames to one peer, where its writer dials it, and the writer's task.
 struct Writer {
     frames: mpsc::Sender<Vec<u8>>,
+    task: tokio::task::JoinHandle<()>,
     // The peer's address as last given with a frame (gossip knows none for a node that
     // has sent a `Syn` but no row yet, and a member may come back at another address).
     addr: Arc<Mutex<String>>,
@@ -166,8 +167,8 @@ impl Transport {
         let writer = self.writers.entry(to).or_insert_with(|| {
             let (frames, queue) = mpsc::channel(PEER_QUEUE_FRAMES);
             let addr = Arc::new(Mutex::new(addr.to_owned()));
-            tokio::spawn(write_to_peer(self.shared.clone(), to, addr.clone(), queue));
-            Writer { frames, addr }
+            let task = tokio::spawn(write_to_peer(self.shared.clone(), to, addr.clone(), queue));
+            Writer { frames, task, addr }
         });
         if !addr.is_empty() {
             let mut held = lock(&writer.addr);
@@ -206,8 +207,22 @@ impl Transport {
         }
     }
 
-    /// Closes every connection, telling peers this node is going.
-    pub async fn close(&self) {
+    /// Takes no more frames, gives the peers' writers up to `deadline` to deliver what
+    /// they hold (each until its peer has read its stream to the end), then closes every
+    /// connection, telling peers this node is going. Closing at once would throw away
+    /// frames still queued or in flight: a stopping node's last push.
+    pub async fn close(&mut self, deadline: Duration) {
+        let tasks: Vec<_> = self
+            .writers
+            .drain()
+            .map(|(_, writer)| writer.task)
+            .collect();
+        let _ = tokio::time::timeout(deadline, async {
+            for task in tasks {
+                let _ = task.await;
+            }
+        })
+        .await;
         self.shared.endpoint.close(0u32.into(), b"leaving");
         self.shared.endpoint.wait_idle().await;
     }
@@ -611,6 +626,13 @@ async fn write_to_peer(
             stream = None;
         }
     }
+    // The queue is closed: the node is stopping. The peer has everything once it has read
+    // the stream to its end.
+    if let Some((mut open, _)) = stream {
+        if open.finish().is_ok() {
+            let _ = open.stopped().await;
+        }
+    }
 }
 
 /// A stream to `node`, on the connection held for it or a new one to `addr`.
@@ -663,12 +685,9 @@ fn lock<T>(mutex: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
 mod tests {
     use super::*;
     use crate::config::TlsConfig;
+    use std::path::{Path, PathBuf};
 
-    fn identity(
-        dir: &std::path::Path,
-        files: &crate::certs::NodeFiles,
-        node: u64,
-    ) -> tls::Identity {
+    fn identity(dir: &Path, files: &crate::certs::NodeFiles, node: u64) -> tls::Identity {
         let config = TlsConfig {
             ca: files.ca.clone(),
             cert: files.cert.clone(),
@@ -677,9 +696,10 @@ mod tests {
         tls::identity(&config, NodeId(node)).unwrap_or_else(|err| panic!("{dir:?}: {err}"))
     }
 
-    #[tokio::test(flavor = "current_thread")]
-    async fn a_writer_made_before_its_peers_address_was_known_dials_the_one_given_later() {
-        let dir = std::env::temp_dir().join(format!("tally-transport-{}", std::process::id()));
+    /// Nodes 1 and 2 bound on loopback, node 2's inbound frames, and their certificates'
+    /// directory.
+    fn two_nodes(name: &str) -> (Transport, Transport, mpsc::Receiver<Inbound>, PathBuf) {
+        let dir = std::env::temp_dir().join(format!("tally-{name}-{}", std::process::id()));
         let files = crate::certs::write_cluster(&dir, &[NodeId(1), NodeId(2)]).unwrap();
         let bind = |files, node| {
             let any = "127.0.0.1:0".parse().unwrap();
@@ -692,8 +712,14 @@ mod tests {
             )
             .unwrap()
         };
-        let (mut one, _) = bind(&files[0], 1);
-        let (two, mut to_two) = bind(&files[1], 2);
+        let (one, _) = bind(&files[0], 1);
+        let (two, to_two) = bind(&files[1], 2);
+        (one, two, to_two, dir)
+    }
+
+    #[tokio::test(flavor = "current_thread")]
+    async fn a_writer_made_before_its_peers_address_was_known_dials_the_one_given_later() {
+        let (mut one, two, mut to_two, dir) = two_nodes("unaddressed");
         // Gossip knows no address for a node it has heard only a Syn from.
         one.send(NodeId(2), "", b"unaddressed".to_vec());
         tokio::time::sleep(Duration::from_millis(200)).await;
@@ -708,6 +734,25 @@ mod tests {
             (inbound.from, inbound.frame),
             (NodeId(1), b"addressed".to_vec())
         );
+        std::fs::remove_dir_all(dir).unwrap();
+    }
+
+    #[tokio::test(flavor = "current_thread")]
+    async fn closing_delivers_the_frames_still_queued_first() {
+        let (mut one, two, mut to_two, dir) = two_nodes("closing");
+        let addr = two.local_addr().unwrap().to_string();
+        for i in 0..100u8 {
+            one.send(NodeId(2), &addr, vec![i; 1_000]);
+        }
+        one.close(Duration::from_secs(5)).await;
+        for i in 0..100u8 {
+            let inbound = tokio::time::timeout(Duration::from_secs(5), to_two.recv())
+                .await
+                .unwrap_or_else(|_| panic!("frame {i} never arrived"))
+                .unwrap();
+            assert_eq!(inbound.frame, vec![i; 1_000]);
+        }
+        assert_eq!(one.shared.stats.frames_dropped.load(Ordering::Relaxed), 0);
         std::fs::remove_dir_all(dir).unwrap();
     }
 }
