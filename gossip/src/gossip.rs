@@ -136,6 +136,8 @@ pub struct Gossip {
     // since is on its way to every live peer by push and heartbeat already.
     settled: Digest,
     rounds: u64,
+    // Whether a peer's Syn has carried the hash of this node's table since it started.
+    table_matched: bool,
     // Per member, where the next part of the membership table sent to it starts.
     members_next: BTreeMap<NodeId, TableCursor>,
 }
@@ -174,6 +176,7 @@ impl Gossip {
             settled: Digest::default(),
             rounds: 0,
             members_next: BTreeMap::new(),
+            table_matched: false,
             config,
         }
     }
@@ -230,6 +233,13 @@ impl Gossip {
     /// The membership table.
     pub fn members(&self) -> &Members {
         &self.members
+    }
+
+    /// Whether a peer's table has been the same as this node's at some point since it
+    /// started. Until then, the table may be one received only in part: live members may
+    /// be missing from it.
+    pub fn table_matched(&self) -> bool {
+        self.table_matched
     }
 
     /// Per origin held, how old its newest state is at wall time `wall`: the origin's
@@ -398,6 +408,7 @@ impl Gossip {
                 members_hash,
             } => {
                 let digest = self.digest_with_unlisted(digest, unlisted);
+                self.table_matched |= members_hash == self.members.hash();
                 let mut reply = Message::Ack {
                     to: envelope.from,
                     delta: Delta::default(),
@@ -1283,9 +1294,15 @@ mod tests {
             if rounds == 0 {
                 assert_eq!(new.members.state(NodeId(8_000)), Some(State::Alive));
                 assert_eq!(old.members.state(NodeId(9_000)), Some(State::Alive));
+                assert!(!new.table_matched(), "a part is not the table");
             }
             rounds += 1;
         }
+        // The next Syn carries the hash of the same table.
+        let at = now(rounds * 1_000);
+        old.handle_input(Input::Timeout { now: at });
+        while deliver(&mut old, &mut new, at) | deliver(&mut new, &mut old, at) {}
+        assert!(new.table_matched());
         let counts = BTreeMap::from([(State::Alive, 2), (State::Dead, 100), (State::Left, 5_000)]);
         assert_eq!(
             new.members.counts(),

@@ -212,7 +212,7 @@ impl Driver {
         let config = self.gossip.config();
         view.unheard_seeds = unheard_seeds(
             &config.seeds,
-            !rows.is_empty(),
+            self.gossip.table_matched(),
             self.clock.mono().saturating_sub(serving_since),
             config.dead_after,
         );

@@ -94,18 +94,19 @@ impl Rate {
     }
 }
 
-/// How many seeds stand in for members not yet heard: the distinct `seeds` while this
-/// node knows no member and has served for less than `dead_after`, else 0. A known member
-/// silent that long is suspected and then dead after `dead_after` more; an unheard seed
-/// stops counting sooner, and then the node, still alone, decides connected, as it would
-/// with every member dead.
+/// How many seeds stand in for members not yet heard: the distinct `seeds` until this
+/// node's table has matched a peer's (`table_matched`: before that it may hold only parts
+/// of the table, without some live members' rows) while it has served for less than
+/// `dead_after`, else 0. A known member silent that long is suspected and then dead after
+/// `dead_after` more; an unheard seed stops counting sooner, and then the node, still
+/// alone, decides connected, as it would with every member dead.
 pub fn unheard_seeds(
     seeds: &[Seed],
-    members_known: bool,
+    table_matched: bool,
     serving_for: Duration,
     dead_after: Duration,
 ) -> usize {
-    if members_known || serving_for >= dead_after {
+    if table_matched || serving_for >= dead_after {
         return 0;
     }
     let mut nodes: Vec<NodeId> = seeds.iter().map(|seed| seed.node).collect();
@@ -320,7 +321,7 @@ mod tests {
     }
 
     #[test]
-    fn seeds_stand_for_members_only_until_one_is_heard_or_dead_after_has_passed() {
+    fn seeds_stand_for_members_only_until_the_table_matches_a_peers_or_dead_after_has_passed() {
         let seed = |node| Seed {
             node: NodeId(node),
             addr: format!("10.0.0.{node}:7001"),
