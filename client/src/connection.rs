@@ -42,9 +42,9 @@ use crate::wire::{self, OpRef, Reply, RequestRef, Response, CLIENT_FRAME_BYTES_M
 /// stops reading must not make the client buffer without end.
 const QUEUED_BYTES_MAX: usize = 1024 * 1024;
 
-/// Calls wait for room past this many slots in flight, from the oldest call still waiting
-/// to the newest.
-const IN_FLIGHT_SLOTS_MAX: usize = 1 << 16;
+/// Calls wait for room past this many calls in flight: sent or queued, and answered but not
+/// yet collected.
+const IN_FLIGHT_MAX: usize = 1 << 16;
 
 /// The reader's buffer: many small responses come in one read, and it holds the largest
 /// frame whole.
@@ -471,7 +471,7 @@ impl State {
     }
 
     fn has_room(&self) -> bool {
-        self.queued.len() < QUEUED_BYTES_MAX && self.in_flight.span() < IN_FLIGHT_SLOTS_MAX
+        self.queued.len() < QUEUED_BYTES_MAX && self.in_flight.live() < IN_FLIGHT_MAX
     }
 
     /// The calls waiting for room, if there is room now.
@@ -488,7 +488,7 @@ impl Shared {
     fn new(timeout: Duration, runtime: tokio::runtime::Handle) -> Shared {
         Shared {
             state: Mutex::new(State {
-                in_flight: InFlight::new(1),
+                in_flight: InFlight::new(1, IN_FLIGHT_MAX),
                 link: NO_LINK,
                 closed: Some(Broken::Disconnected),
                 queued: Vec::new(),

@@ -7,9 +7,11 @@
 //!
 //! Ids are sequential per connection, so the slots are a queue indexed by `id - first_id`
 //! rather than a hash map: registering is a push, an answer is an index, and the slots of
-//! calls that finished are popped from the front.
+//! calls that finished are popped from the front. An outcome nobody has collected moves
+//! off the front to a side map once the queue is long, so a call that is never polled
+//! again does not keep the queue from moving on.
 
-use std::collections::VecDeque;
+use std::collections::{HashMap, VecDeque};
 use std::task::Waker;
 use std::time::Duration;
 
@@ -113,21 +115,29 @@ enum Slot {
 /// The calls waiting on one connection, by request id.
 #[derive(Debug)]
 pub(crate) struct InFlight {
-    /// The id of `slots[0]`. Every id below it is vacant.
+    /// The id of `slots[0]`. Every id below it is vacant or in `parked`.
     first_id: u64,
     /// Invariant: the front slot, if any, is not `Vacant`: vacant slots are popped from the
     /// front as soon as they are there, so the queue spans only from the oldest live call.
     slots: VecDeque<Slot>,
-    /// Slots that are not vacant: calls that will still collect an outcome.
+    /// Outcomes below `first_id` that their calls have not collected: moved off the front
+    /// when the queue reached `span_max`.
+    parked: HashMap<u64, Outcome>,
+    /// The longest the queue grows before an uncollected outcome at its front is parked.
+    span_max: usize,
+    /// Calls that will still collect an outcome: slots that are not vacant, and `parked`.
     live: usize,
 }
 
 impl InFlight {
-    /// No calls; the first request takes id `first_id`.
-    pub(crate) fn new(first_id: u64) -> InFlight {
+    /// No calls; the first request takes id `first_id`. Past `span_max` slots, outcomes
+    /// waiting at the front to be collected are parked aside.
+    pub(crate) fn new(first_id: u64, span_max: usize) -> InFlight {
         InFlight {
             first_id,
             slots: VecDeque::new(),
+            parked: HashMap::new(),
+            span_max,
             live: 0,
         }
     }
@@ -138,6 +148,7 @@ impl InFlight {
     }
 
     /// How many slots the queue holds, from the oldest live call to the newest.
+    #[cfg(test)]
     pub(crate) fn span(&self) -> usize {
         self.slots.len()
     }
@@ -149,6 +160,18 @@ impl InFlight {
 
     /// Registers a call that `waker` waits on, begun in epoch `since`; returns its id.
     pub(crate) fn push(&mut self, waker: Waker, since: u64) -> u64 {
+        while self.slots.len() >= self.span_max {
+            let Some(Slot::Done(_)) = self.slots.front() else {
+                // A call still waiting holds the front until it is answered or times out.
+                break;
+            };
+            let Some(Slot::Done(outcome)) = self.slots.pop_front() else {
+                unreachable!("the front slot was just matched as done");
+            };
+            self.parked.insert(self.first_id, outcome);
+            self.first_id += 1;
+            self.pop_vacant();
+        }
         let id = self.next_id();
         self.slots.push_back(Slot::Waiting { waker, since });
         self.live += 1;
@@ -172,6 +195,12 @@ impl InFlight {
     /// The call on `id` asks for its outcome: `Some` once, freeing the slot; `None` while it
     /// waits, and `waker` is the one to wake.
     pub(crate) fn poll(&mut self, id: u64, waker: &Waker) -> Option<Outcome> {
+        if id < self.first_id {
+            let outcome = self.parked.remove(&id);
+            let outcome = outcome.expect("invariant: a call polls only its own, uncollected id");
+            self.live -= 1;
+            return Some(outcome);
+        }
         let slot = self.slot_mut(id);
         let slot = slot.expect("invariant: a call polls only its own registered, uncollected id");
         match slot {
@@ -195,6 +224,10 @@ impl InFlight {
 
     /// The call on `id` gives up (its future was dropped); a late answer will be dropped.
     pub(crate) fn abandon(&mut self, id: u64) {
+        if self.parked.remove(&id).is_some() {
+            self.live -= 1;
+            return;
+        }
         let Some(slot) = self.slot_mut(id) else {
             return;
         };
@@ -268,7 +301,7 @@ mod tests {
 
     #[test]
     fn answers_in_any_order_reach_their_own_ids() {
-        let mut in_flight = InFlight::new(1);
+        let mut in_flight = InFlight::new(1, 1 << 16);
         let ids: Vec<u64> = (0..3).map(|_| in_flight.push(waker(), 0)).collect();
         assert_eq!(ids, [1, 2, 3]);
         for &id in ids.iter().rev() {
@@ -286,8 +319,45 @@ mod tests {
     }
 
     #[test]
+    fn an_outcome_never_collected_is_parked_and_the_queue_moves_on() {
+        let mut in_flight = InFlight::new(1, 4);
+        let forgotten = in_flight.push(waker(), 0);
+        in_flight.answer(forgotten, counted(1));
+        for n in 2..100 {
+            let id = in_flight.push(waker(), 0);
+            in_flight.answer(id, counted(n));
+            assert!(in_flight.poll(id, &waker()).is_some());
+            assert!(
+                in_flight.span() <= 4,
+                "the queue grew to {}",
+                in_flight.span()
+            );
+        }
+        assert_eq!(
+            in_flight.live(),
+            1,
+            "the forgotten call is still owed its outcome"
+        );
+        let outcome = in_flight.poll(forgotten, &waker());
+        assert!(
+            matches!(&outcome, Some(Outcome::Answered(result)) if *result == counted(1)),
+            "{outcome:?}"
+        );
+        assert_eq!(in_flight.live(), 0);
+        // A parked call that gives up frees its outcome too.
+        let given_up = in_flight.push(waker(), 0);
+        in_flight.answer(given_up, counted(7));
+        for _ in 0..4 {
+            let id = in_flight.push(waker(), 0);
+            in_flight.abandon(id);
+        }
+        in_flight.abandon(given_up);
+        assert_eq!((in_flight.live(), in_flight.span()), (0, 0));
+    }
+
+    #[test]
     fn a_waiting_call_polls_none_until_answered() {
-        let mut in_flight = InFlight::new(7);
+        let mut in_flight = InFlight::new(7, 1 << 16);
         let id = in_flight.push(waker(), 0);
         assert!(in_flight.poll(id, &waker()).is_none());
         in_flight.answer(id, counted(1));
@@ -296,7 +366,7 @@ mod tests {
 
     #[test]
     fn late_repeated_and_unknown_answers_are_dropped() {
-        let mut in_flight = InFlight::new(1);
+        let mut in_flight = InFlight::new(1, 1 << 16);
         let first = in_flight.push(waker(), 0);
         let second = in_flight.push(waker(), 0);
         in_flight.abandon(first);
@@ -316,7 +386,7 @@ mod tests {
 
     #[test]
     fn vacant_slots_behind_a_live_one_are_popped_when_it_finishes() {
-        let mut in_flight = InFlight::new(1);
+        let mut in_flight = InFlight::new(1, 1 << 16);
         let ids: Vec<u64> = (0..4).map(|_| in_flight.push(waker(), 0)).collect();
         in_flight.abandon(ids[1]);
         in_flight.abandon(ids[2]);
@@ -332,7 +402,7 @@ mod tests {
     fn calls_time_out_after_their_whole_timeout_of_ticks_and_not_before() {
         let deadlines = Deadlines::new(Duration::from_millis(800));
         assert_eq!(deadlines.tick, Duration::from_millis(100));
-        let mut in_flight = InFlight::new(1);
+        let mut in_flight = InFlight::new(1, 1 << 16);
         let early = in_flight.push(waker(), 3);
         let late = in_flight.push(waker(), 5);
         let mut wakers = Vec::new();
@@ -363,7 +433,7 @@ mod tests {
 
     #[test]
     fn closing_fails_the_waiting_calls_and_keeps_the_answered_ones() {
-        let mut in_flight = InFlight::new(1);
+        let mut in_flight = InFlight::new(1, 1 << 16);
         let answered = in_flight.push(waker(), 0);
         let waiting = in_flight.push(waker(), 0);
         in_flight.answer(answered, counted(1));
