@@ -79,7 +79,7 @@ impl Connection {
             .shared
             .runtime
             .spawn(async move { Socket::connect(&endpoint).await });
-        let socket = connect.await.map_err(|_gone| Error::Disconnected)??;
+        let socket = connect.await.map_err(|_gone| Error::RuntimeStopped)??;
         self.start(socket);
         Ok(())
     }

@@ -47,6 +47,11 @@ pub enum Error {
     /// reply of the wrong kind for the request. The outcome is unknown.
     #[error("protocol: {0}")]
     Protocol(String),
+    /// The tokio runtime this client connected on has shut down, and with it the tasks
+    /// that serve its connection: no call on this client can succeed. Nothing was sent.
+    /// Make a new client on a running runtime.
+    #[error("runtime: the runtime this client connected on has shut down; make a new client")]
+    RuntimeStopped,
 }
 
 impl Error {
@@ -54,8 +59,8 @@ impl Error {
     ///
     /// True for [`Error::Timeout`], [`Error::Disconnected`] and [`Error::Connect`], and for
     /// refusals that name a passing condition ([`Refusal::RegionUnavailable`],
-    /// [`Refusal::Storage`]). False for other refusals and for [`Error::Protocol`]: asking
-    /// again gets the same answer.
+    /// [`Refusal::Storage`]). False for other refusals, for [`Error::Protocol`] and for
+    /// [`Error::RuntimeStopped`]: asking again gets the same answer.
     ///
     /// Retryable does not mean safe to retry. After a `Timeout` or a `Disconnected` the
     /// first request may have been applied, and after a refusal `RegionUnavailable` or
@@ -75,7 +80,7 @@ impl Error {
                 refusal,
                 Refusal::RegionUnavailable { .. } | Refusal::Storage { .. }
             ),
-            Error::Protocol(_) => false,
+            Error::Protocol(_) | Error::RuntimeStopped => false,
         }
     }
 }
