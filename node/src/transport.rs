@@ -13,7 +13,7 @@ use crate::certs::server_name;
 use crate::tls;
 use std::collections::HashMap;
 use std::net::SocketAddr;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 use tally_crdt::NodeId;
@@ -21,6 +21,10 @@ use tokio::sync::{mpsc, OwnedSemaphorePermit, Semaphore};
 
 /// Frames waiting for one peer's writer; past this they are dropped.
 const PEER_QUEUE_FRAMES: usize = 1_024;
+
+/// Bytes of frames waiting for one peer's writer; past this they are dropped, so a peer
+/// that stops reading holds at most this much of this node's memory.
+const PEER_QUEUE_BYTES: usize = 4 << 20;
 
 /// The QUIC error code of a connection closed for a frame that broke the protocol.
 pub const CLOSE_PROTOCOL: u32 = 1;
@@ -109,6 +113,8 @@ pub struct Transport {
 /// The queue of frames to one peer, where its writer dials it, and the writer's task.
 struct Writer {
     frames: mpsc::Sender<Vec<u8>>,
+    // The bytes of the frames in `frames`.
+    queued: Arc<AtomicUsize>,
     task: tokio::task::JoinHandle<()>,
     // The peer's address as last given with a frame (gossip knows none for a node that
     // has sent a `Syn` but no row yet, and a member may come back at another address).
@@ -167,8 +173,18 @@ impl Transport {
         let writer = self.writers.entry(to).or_insert_with(|| {
             let (frames, queue) = mpsc::channel(PEER_QUEUE_FRAMES);
             let addr = Arc::new(Mutex::new(addr.to_owned()));
+            let queued = Arc::new(AtomicUsize::new(0));
+            let queue = Queue {
+                frames: queue,
+                bytes: queued.clone(),
+            };
             let task = tokio::spawn(write_to_peer(self.shared.clone(), to, addr.clone(), queue));
-            Writer { frames, task, addr }
+            Writer {
+                frames,
+                queued,
+                task,
+                addr,
+            }
         });
         if !addr.is_empty() {
             let mut held = lock(&writer.addr);
@@ -176,7 +192,10 @@ impl Transport {
                 addr.clone_into(&mut held);
             }
         }
-        if writer.frames.try_send(frame).is_err() {
+        let len = frame.len();
+        let room = writer.queued.fetch_add(len, Ordering::Relaxed) + len <= PEER_QUEUE_BYTES;
+        if !room || writer.frames.try_send(frame).is_err() {
+            writer.queued.fetch_sub(len, Ordering::Relaxed);
             self.shared
                 .stats
                 .frames_dropped
@@ -577,18 +596,52 @@ async fn read_frames(
     }
 }
 
+/// A writer's end of its peer's queue, keeping the count of the bytes queued.
+struct Queue {
+    frames: mpsc::Receiver<Vec<u8>>,
+    bytes: Arc<AtomicUsize>,
+}
+
+impl Queue {
+    async fn recv(&mut self) -> Option<Vec<u8>> {
+        let frame = self.frames.recv().await?;
+        self.bytes.fetch_sub(frame.len(), Ordering::Relaxed);
+        Some(frame)
+    }
+
+    fn try_recv(&mut self) -> Option<Vec<u8>> {
+        let frame = self.frames.try_recv().ok()?;
+        self.bytes.fetch_sub(frame.len(), Ordering::Relaxed);
+        Some(frame)
+    }
+}
+
 /// One peer's writer: keeps a connection and a stream open and writes queued frames.
 async fn write_to_peer(
     shared: Arc<Shared>,
     node: NodeId,
     addr: Arc<Mutex<String>>,
-    mut frames: mpsc::Receiver<Vec<u8>>,
+    mut frames: Queue,
 ) {
     // The stream, and the stable id of the connection it is on.
     let mut stream: Option<(quinn::SendStream, usize)> = None;
-    let mut backoff = Duration::from_millis(50);
+    // Frames written on the current stream: one that fails before carrying
+    // `HEALTHY_STREAM_FRAMES` (a peer that takes the handshake and then closes, or closes
+    // on each frame) costs a backoff, so it is not dialled again at once, each dial costing
+    // about 20 ms of CPU.
+    let mut carried = 0;
+    let mut backoff = BACKOFF_MIN;
     while let Some(frame) = frames.recv().await {
         let current = held(&shared, node).map(|connection| connection.stable_id());
+        if stream.is_some() && current.is_none() {
+            // The stream's connection closed under it.
+            stream = None;
+            if carried < HEALTHY_STREAM_FRAMES {
+                shared.stats.frames_dropped.fetch_add(1, Ordering::Relaxed);
+                back_off(&shared, &mut frames, &mut backoff).await;
+                continue;
+            }
+        }
         if stream.as_ref().map(|(_, id)| *id) != current {
             // A newer connection was adopted (or none is held): move to it.
             stream = None;
@@ -598,17 +651,11 @@ async fn write_to_peer(
             match open_stream(&shared, node, &dial).await {
                 Ok(opened) => {
                     stream = Some(opened);
-                    backoff = Duration::from_millis(50);
+                    carried = 0;
                 }
                 Err(_) => {
                     shared.stats.frames_dropped.fetch_add(1, Ordering::Relaxed);
-                    // Frames queued while the peer is unreachable are stale by the time it
-                    // is back; anti-entropy resends what matters.
-                    tokio::time::sleep(backoff).await;
-                    backoff = (backoff * 2).min(Duration::from_secs(1));
-                    while frames.try_recv().is_ok() {
-                        shared.stats.frames_dropped.fetch_add(1, Ordering::Relaxed);
-                    }
+                    back_off(&shared, &mut frames, &mut backoff).await;
                     continue;
                 }
             }
@@ -621,9 +668,17 @@ async fn write_to_peer(
             Ok(()) => open.write_all(&frame).await,
             Err(err) => Err(err),
         };
-        if written.is_err() {
-            shared.stats.frames_dropped.fetch_add(1, Ordering::Relaxed);
-            stream = None;
+        if written.is_ok() {
+            carried += 1;
+            if carried == HEALTHY_STREAM_FRAMES {
+                backoff = BACKOFF_MIN;
+            }
+            continue;
+        }
+        shared.stats.frames_dropped.fetch_add(1, Ordering::Relaxed);
+        stream = None;
+        if carried < HEALTHY_STREAM_FRAMES {
+            back_off(&shared, &mut frames, &mut backoff).await;
         }
     }
     // The queue is closed: the node is stopping. The peer has everything once it has read
@@ -632,6 +687,27 @@ async fn write_to_peer(
         if open.finish().is_ok() {
             let _ = open.stopped().await;
         }
+    }
+}
+
+/// A writer's first wait after a failure; it doubles with each failure, up to
+/// [`BACKOFF_MAX`], and starts again once a stream has carried [`HEALTHY_STREAM_FRAMES`].
+const BACKOFF_MIN: Duration = Duration::from_millis(50);
+
+/// A writer's longest wait between attempts on a peer that fails.
+const BACKOFF_MAX: Duration = Duration::from_secs(1);
+
+/// How many frames a stream carries before its peer counts as reachable again.
+const HEALTHY_STREAM_FRAMES: u32 = 64;
+
+/// Waits `backoff` after a failure, doubles it up to [`BACKOFF_MAX`], and drops the frames
+/// queued meanwhile: they are stale by the time the peer is back, and anti-entropy resends
+/// what matters.
+async fn back_off(shared: &Shared, frames: &mut Queue, backoff: &mut Duration) {
+    tokio::time::sleep(*backoff).await;
+    *backoff = (*backoff * 2).min(BACKOFF_MAX);
+    while frames.try_recv().is_some() {
+        shared.stats.frames_dropped.fetch_add(1, Ordering::Relaxed);
     }
 }
 
@@ -738,6 +814,19 @@ mod tests {
     }
 
     #[tokio::test(flavor = "current_thread")]
+    async fn a_peers_queue_holds_at_most_its_bytes() {
+        let (mut one, _two, _to_two, dir) = two_nodes("queue");
+        // The writer task has not run yet: every frame waits in the queue.
+        let frame_bytes = 64 * 1024;
+        for _ in 0..100 {
+            one.send(NodeId(2), "127.0.0.1:9", vec![0; frame_bytes]);
+        }
+        let dropped = one.shared.stats.frames_dropped.load(Ordering::Relaxed);
+        assert_eq!(dropped, 100 - (PEER_QUEUE_BYTES / frame_bytes) as u64);
+        std::fs::remove_dir_all(dir).unwrap();
+    }
+
+    #[tokio::test(flavor = "current_thread")]
     async fn closing_delivers_the_frames_still_queued_first() {
         let (mut one, two, mut to_two, dir) = two_nodes("closing");
         let addr = two.local_addr().unwrap().to_string();
@@ -753,6 +842,44 @@ mod tests {
             assert_eq!(inbound.frame, vec![i; 1_000]);
         }
         assert_eq!(one.shared.stats.frames_dropped.load(Ordering::Relaxed), 0);
+        std::fs::remove_dir_all(dir).unwrap();
+    }
+
+    #[tokio::test(flavor = "current_thread")]
+    async fn a_peer_that_closes_each_connection_is_dialled_after_a_growing_backoff() {
+        let dir = std::env::temp_dir().join(format!("tally-churn-{}", std::process::id()));
+        let files = crate::certs::write_cluster(&dir, &[NodeId(1), NodeId(2)]).unwrap();
+        let any = "127.0.0.1:0".parse().unwrap();
+        let (mut one, _) = Transport::bind(
+            any,
+            identity(&dir, &files[0], 1),
+            1 << 16,
+            Arc::default(),
+            None,
+        )
+        .unwrap();
+        // Node 2 takes each handshake, then closes the connection at once.
+        let two = quinn::Endpoint::server(identity(&dir, &files[1], 2).server, any).unwrap();
+        let addr = two.local_addr().unwrap().to_string();
+        let accepted = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+        let counted = accepted.clone();
+        tokio::spawn(async move {
+            while let Some(incoming) = two.accept().await {
+                if let Ok(connection) = incoming.await {
+                    counted.fetch_add(1, Ordering::Relaxed);
+                    connection.close(1u32.into(), b"no");
+                }
+            }
+        });
+        // A frame every 10 ms for a second: each would dial again without a backoff.
+        for _ in 0..100 {
+            one.send(NodeId(2), &addr, vec![0; 100]);
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        let dials = accepted.load(Ordering::Relaxed);
+        // Waits of 50, 100, 200, 400 and then 1,000 ms after each failure fit a handful
+        // of dials in a second.
+        assert!((1..=8).contains(&dials), "{dials} dials in a second");
         std::fs::remove_dir_all(dir).unwrap();
     }
 }
