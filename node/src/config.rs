@@ -352,8 +352,17 @@ impl Config {
                     format!("{} is outside 1..={WINDOW_SECS_MAX}", rule.window_secs),
                 ));
             }
-            positive(rule.stale_after_ms, "stale_after_ms")
-                .map_err(|why| bad(key("stale_after_ms"), why))?;
+            if rule.stale_after_ms <= self.gossip_interval_ms {
+                return Err(bad(
+                    key("stale_after_ms"),
+                    format!(
+                        "{} must be above gossip_interval_ms ({}): an idle member's \
+                         staleness rises to about one round between its heartbeats, so the \
+                         rule would turn isolated every round",
+                        rule.stale_after_ms, self.gossip_interval_ms
+                    ),
+                ));
+            }
             positive(rule.region_timeout_ms, "region_timeout_ms")
                 .map_err(|why| bad(key("region_timeout_ms"), why))?;
             if rule.locations == Some(0) {
@@ -541,9 +550,16 @@ window_secs = 60
     }
 
     #[test]
-    fn node_zero_a_slack_past_the_limit_or_too_many_connections_are_refused_by_name() {
+    fn values_that_would_break_the_node_later_are_refused_by_name() {
         let cases = [
             (GOOD.replace("node = 2", "node = 0"), "seeds[0].node"),
+            (
+                GOOD.replace(
+                    "window_secs = 60",
+                    "window_secs = 60\nstale_after_ms = 1000",
+                ),
+                "rules[0].stale_after_ms",
+            ),
             (
                 GOOD.replace("window_secs = 60", "window_secs = 60\nslack = 101"),
                 "rules[0].slack",
