@@ -70,7 +70,11 @@ impl Options {
 /// that reconnects runs on; calls may come from any runtime. When the connection breaks,
 /// the requests in flight fail with [`Error::Disconnected`] and the next request
 /// reconnects; once the connecting runtime is shut down, every call fails with
-/// `Disconnected`.
+/// [`Error::RuntimeStopped`].
+///
+/// Dropping a call's future (a `select!` that takes another branch, a cancelled task)
+/// stops the wait, not the request: one already queued is still sent, and may count. Its
+/// answer is dropped.
 #[derive(Clone)]
 pub struct Client {
     inner: Arc<Inner>,

@@ -570,7 +570,11 @@ impl Shared {
             let after = self.timeout;
             (Sent::Failed(Error::Timeout { after }), None)
         } else {
-            state.room.push(waker.clone());
+            // A task that polls again before room comes (or polls many calls, as a join
+            // does) is listed once, not once a poll.
+            if !state.room.last().is_some_and(|last| last.will_wake(waker)) {
+                state.room.push(waker.clone());
+            }
             (Sent::NoRoom, None)
         };
         drop(state);
