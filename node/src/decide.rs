@@ -363,11 +363,12 @@ mod tests {
 
     fn view(peer_stamp: Stamp) -> ViewState {
         let peer = ReplicaId::new(NodeId(2), Generation(1));
-        ViewState {
-            members: vec![(NodeId(2), peer, State::Alive)],
-            stamps: [(peer, peer_stamp)].into(),
-            ..ViewState::default()
-        }
+        let mut view = ViewState::default();
+        view.set_members(
+            vec![(NodeId(2), peer, State::Alive)],
+            [(peer, peer_stamp)].into(),
+        );
+        view
     }
 
     fn context<'a>(store: &'a LaneStore, view: &'a ViewState) -> Context<'a> {

@@ -203,12 +203,12 @@ impl Driver {
             .into_iter()
             .filter_map(|node| Some((node, members.replica(node)?, members.state(node)?)))
             .collect();
-        let mut view = self.view.lock();
-        view.stamps = rows
+        let stamps = rows
             .iter()
             .map(|(_, replica, _)| (*replica, map.watermark(*replica).stamp))
             .filter(|(replica, _)| *replica != me)
             .collect();
+        let mut view = self.view.lock();
         let config = self.gossip.config();
         view.unheard_seeds = unheard_seeds(
             &config.seeds,
@@ -216,7 +216,7 @@ impl Driver {
             self.clock.mono().saturating_sub(serving_since),
             config.dead_after,
         );
-        view.members = rows;
+        view.set_members(rows, stamps);
         view.gossip = self.gossip.stats().clone();
         view.lanes = map.lanes();
         view.keys = map.len();

@@ -139,10 +139,10 @@ impl Endpoints {
         let now = clock::wall();
         let view = self.view.lock().reported();
         let members: Vec<_> = view
-            .members
+            .members()
             .iter()
             .map(|(node, replica, state)| {
-                let stamp = view.stamps.get(replica).map_or(0, |s| s.0);
+                let stamp = view.stamps().get(replica).map_or(0, |s| s.0);
                 json!({
                     "node": node.0,
                     "generation": replica.generation.0,

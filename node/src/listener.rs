@@ -478,7 +478,7 @@ impl Service {
 
     fn status(&self, context: &Context<'_>) -> Status {
         let mut members = std::collections::BTreeMap::<String, u64>::new();
-        for (_, _, state) in &context.view.members {
+        for (_, _, state) in context.view.members() {
             *members
                 .entry(format!("{state:?}").to_lowercase())
                 .or_default() += 1;

@@ -95,12 +95,12 @@ pub fn render(sources: &Sources<'_>) -> String {
     let view = sources.view.lock().reported();
 
     let staleness = Family::<Vec<(String, String)>, Gauge<f64, AtomicU64>>::default();
-    for (node, replica, state) in &view.members {
+    for (node, replica, state) in view.members() {
         if *state == State::Left {
             // A member that left says nothing more; a series for each would grow forever.
             continue;
         }
-        let stamp = view.stamps.get(replica).copied().unwrap_or(Stamp(0));
+        let stamp = view.stamps().get(replica).copied().unwrap_or(Stamp(0));
         let age = sources.now.0.saturating_sub(stamp.0) as f64 / 1_000.0;
         staleness
             .get_or_create(&origin_labels(node.0, *replica, &format!("{state:?}")))
@@ -119,7 +119,7 @@ pub fn render(sources: &Sources<'_>) -> String {
     let members = Family::<Vec<(String, String)>, Gauge>::default();
     for state in ["Alive", "Suspect", "Dead", "Left"] {
         let count = view
-            .members
+            .members()
             .iter()
             .filter(|(_, _, s)| format!("{s:?}") == state)
             .count();
@@ -484,10 +484,13 @@ mod tests {
         );
         let view = View::default();
         let replica = |node| ReplicaId::new(NodeId(node), Generation(1));
-        view.lock().members = vec![
-            (NodeId(2), replica(2), State::Alive),
-            (NodeId(3), replica(3), State::Left),
-        ];
+        view.lock().set_members(
+            vec![
+                (NodeId(2), replica(2), State::Alive),
+                (NodeId(3), replica(3), State::Left),
+            ],
+            std::collections::BTreeMap::new(),
+        );
         let store = LaneStore::new(replica(1), 8);
         let text = render(&Sources {
             metrics: &Metrics::default(),

@@ -22,10 +22,13 @@ pub struct View {
 /// The view's contents.
 #[derive(Debug, Default, Clone)]
 pub struct ViewState {
-    /// Every other member: its node, current replica and state.
-    pub members: Vec<(NodeId, ReplicaId, State)>,
-    /// The newest origin stamp held for each other member's current replica.
-    pub stamps: BTreeMap<ReplicaId, Stamp>,
+    // Every other member: its node, current replica and state.
+    members: Vec<(NodeId, ReplicaId, State)>,
+    // The newest origin stamp held for each other member's current replica.
+    stamps: BTreeMap<ReplicaId, Stamp>,
+    // What `freshness` needs of `members` and `stamps`, taken when they are set, so a
+    // decision reads it in constant time however many members there are.
+    summary: Summary,
     /// The gossip's counters.
     pub gossip: Stats,
     /// Lanes held in the gossip's map, over all keys and origins.
@@ -136,7 +139,48 @@ impl View {
     }
 }
 
+/// The members as [`ViewState::freshness`] reads them.
+#[derive(Debug, Default, Clone, Copy)]
+struct Summary {
+    /// The oldest stamp of a live (alive or suspect) member, 0 for one with none held.
+    oldest_live: Option<Stamp>,
+    /// Live members.
+    live: usize,
+    /// Members that have not left.
+    located: usize,
+}
+
 impl ViewState {
+    /// Every other member: its node, current replica and state.
+    pub fn members(&self) -> &[(NodeId, ReplicaId, State)] {
+        &self.members
+    }
+
+    /// The newest origin stamp held for each other member's current replica.
+    pub fn stamps(&self) -> &BTreeMap<ReplicaId, Stamp> {
+        &self.stamps
+    }
+
+    /// Replaces the members and their stamps.
+    pub fn set_members(
+        &mut self,
+        members: Vec<(NodeId, ReplicaId, State)>,
+        stamps: BTreeMap<ReplicaId, Stamp>,
+    ) {
+        let mut summary = Summary::default();
+        for (_, replica, state) in &members {
+            if *state != State::Left {
+                summary.located += 1;
+            }
+            if matches!(state, State::Alive | State::Suspect) {
+                summary.live += 1;
+                let stamp = stamps.get(replica).copied().unwrap_or(Stamp(0));
+                summary.oldest_live = Some(summary.oldest_live.map_or(stamp, |o| o.min(stamp)));
+            }
+        }
+        (self.members, self.stamps, self.summary) = (members, stamps, summary);
+    }
+
     /// A copy of what `/metrics` and `/status` report: everything but the per-key maps,
     /// which can hold a million keys and are not reported (a copy of them would hold the
     /// view's lock, and so every decision, for as long).
@@ -144,6 +188,7 @@ impl ViewState {
         ViewState {
             members: self.members.clone(),
             stamps: self.stamps.clone(),
+            summary: self.summary,
             gossip: self.gossip.clone(),
             lanes: self.lanes,
             keys: self.keys,
@@ -161,22 +206,13 @@ impl ViewState {
         } else {
             Duration::ZERO
         };
-        let mut live = self.unheard_seeds;
-        let mut locations = 1 + self.unheard_seeds;
-        for (_, replica, state) in &self.members {
-            if *state != State::Left {
-                locations += 1;
-            }
-            if matches!(state, State::Alive | State::Suspect) {
-                live += 1;
-                let stamp = self.stamps.get(replica).copied().unwrap_or(Stamp(0));
-                staleness = staleness.max(Duration::from_millis(now.0.saturating_sub(stamp.0)));
-            }
+        if let Some(oldest) = self.summary.oldest_live {
+            staleness = staleness.max(Duration::from_millis(now.0.saturating_sub(oldest.0)));
         }
         Freshness {
             staleness,
-            live,
-            locations,
+            live: self.unheard_seeds + self.summary.live,
+            locations: 1 + self.unheard_seeds + self.summary.located,
         }
     }
 
@@ -283,20 +319,21 @@ mod tests {
     #[test]
     fn the_stalest_live_member_sets_the_freshness() {
         let replica = |n| ReplicaId::new(NodeId(n), tally_crdt::Generation(1));
-        let state = ViewState {
-            members: vec![
+        let mut state = ViewState::default();
+        state.set_members(
+            vec![
                 (NodeId(2), replica(2), State::Alive),
                 (NodeId(3), replica(3), State::Suspect),
                 (NodeId(4), replica(4), State::Dead),
+                (NodeId(5), replica(5), State::Left),
             ],
-            stamps: [
+            [
                 (replica(2), Stamp(990)),
                 (replica(3), Stamp(700)),
                 (replica(4), Stamp(0)),
             ]
             .into(),
-            ..ViewState::default()
-        };
+        );
         let freshness = state.freshness(Stamp(1_000));
         assert_eq!(freshness.staleness, Duration::from_millis(300));
         assert_eq!((freshness.live, freshness.locations), (2, 4));
