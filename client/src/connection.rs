@@ -79,7 +79,11 @@ impl Connection {
             .shared
             .runtime
             .spawn(async move { Socket::connect(&endpoint).await });
-        let socket = connect.await.map_err(|_gone| Error::RuntimeStopped)??;
+        let socket = match connect.await {
+            Ok(connected) => connected?,
+            Err(gone) if gone.is_cancelled() => return Err(Error::RuntimeStopped),
+            Err(panicked) => std::panic::resume_unwind(panicked.into_panic()),
+        };
         self.start(socket);
         Ok(())
     }

@@ -41,8 +41,9 @@ pub struct Config {
 }
 
 impl Config {
-    /// The smallest frame budget: one lane of the largest key, with room for headers.
-    pub const FRAME_BYTES_MIN: usize = DELTA_BYTES_MIN + 1024;
+    /// The smallest frame budget: one lane of the largest key, with room for headers and
+    /// for a part of the membership table of two rows at the longest address.
+    pub const FRAME_BYTES_MIN: usize = DELTA_BYTES_MIN + 2048;
 
     /// Defaults for a node: 1 s rounds, 5 ms pushes, fanout 3, 64 KiB frames.
     pub fn new(replica: ReplicaId, addr: impl Into<String>) -> Config {

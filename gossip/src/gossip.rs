@@ -802,7 +802,7 @@ impl Gossip {
     }
 
     fn addr_of(&self, node: NodeId) -> String {
-        if let Some(addr) = self.members.addr(node) {
+        if let Some(addr) = self.members.addr(node).filter(|addr| !addr.is_empty()) {
             return addr.to_owned();
         }
         self.config

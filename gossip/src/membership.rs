@@ -99,17 +99,22 @@ impl Members {
     /// instead of as alive members it has no stamp of (which hold its staleness high, and
     /// its decisions isolated) until its own failure detector has found each of them dead.
     /// A dead member is still probed, and is alive again once heard. A row already held
-    /// keeps its state: this node's own view wins over a sender's.
+    /// keeps its state: this node's own view wins over a sender's. A row held without an
+    /// address (see [`Members::heard`]) takes the address of the same row gossiped.
     pub fn merge(&mut self, entries: &[MemberEntry], dead: &[NodeId]) {
         let dead: BTreeSet<NodeId> = dead.iter().copied().collect();
         for entry in entries {
             if entry.node == self.me {
                 continue;
             }
-            match self.members.get(&entry.node) {
-                Some(held)
-                    if (held.entry.generation, held.entry.left)
-                        >= (entry.generation, entry.left) => {}
+            let rank = |row: &MemberEntry| (row.generation, row.left);
+            match self.members.get_mut(&entry.node) {
+                Some(held) if rank(&held.entry) == rank(entry) => {
+                    if held.entry.addr.is_empty() {
+                        held.entry.addr.clone_from(&entry.addr);
+                    }
+                }
+                Some(held) if rank(&held.entry) > rank(entry) => {}
                 _ => {
                     let state = if entry.left {
                         State::Left
@@ -125,7 +130,9 @@ impl Members {
     }
 
     /// Records that fresh state of `replica` arrived at `now`. A newer generation than
-    /// known replaces the row (keeping the address, which a later table merge refreshes).
+    /// known replaces the row, with no address until the member's own row arrives by a
+    /// table merge: a node that restarted may listen elsewhere, and a row kept with the old
+    /// address would never match the member's own, so the tables would never agree.
     pub fn heard(&mut self, replica: ReplicaId, now: Duration) {
         if replica.node == self.me {
             return;
@@ -140,6 +147,7 @@ impl Members {
             let entry = MemberEntry {
                 generation: replica.generation,
                 left: false,
+                addr: String::new(),
                 ..member.entry.clone()
             };
             self.insert(entry, State::Alive);
@@ -317,6 +325,34 @@ mod tests {
         assert_eq!(members.replica(NodeId(2)), Some(entry(2, 5).replica()));
         assert!(!members.is_live_replica(entry(2, 1).replica()));
         assert!(members.is_live_replica(entry(2, 5).replica()));
+    }
+
+    #[test]
+    fn a_generation_heard_before_its_row_takes_the_rows_address_and_the_tables_agree() {
+        let mut members = Members::new(entry(1, 1), SECOND);
+        members.merge(&[entry(2, 1)], &[]);
+        // Node 2 restarts listening elsewhere; its new life is heard before its row comes.
+        let moved = MemberEntry {
+            addr: "10.9.9.9:7000".into(),
+            ..entry(2, 2)
+        };
+        members.heard(moved.replica(), SECOND);
+        assert_eq!(
+            members.addr(NodeId(2)),
+            Some(""),
+            "the old address is not kept"
+        );
+        members.heard(moved.replica(), SECOND * 2);
+        members.merge(std::slice::from_ref(&moved), &[]);
+        assert_eq!(members.addr(NodeId(2)), Some("10.9.9.9:7000"));
+        assert_eq!(members.state(NodeId(2)), Some(State::Alive));
+        let mut told = Members::new(entry(1, 1), SECOND);
+        told.merge(&[moved], &[]);
+        assert_eq!(
+            members.hash(),
+            told.hash(),
+            "the same table as a node told the row"
+        );
     }
 
     #[test]

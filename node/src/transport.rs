@@ -227,7 +227,7 @@ impl Transport {
     }
 
     /// Takes no more frames, gives the peers' writers up to `deadline` to deliver what
-    /// they hold (each until its peer has read its stream to the end), then closes every
+    /// they hold (each until its peer has acknowledged all of its stream), then closes every
     /// connection, telling peers this node is going. Closing at once would throw away
     /// frames still queued or in flight: a stopping node's last push.
     pub async fn close(&mut self, deadline: Duration) {
@@ -681,8 +681,8 @@ async fn write_to_peer(
             back_off(&shared, &mut frames, &mut backoff).await;
         }
     }
-    // The queue is closed: the node is stopping. The peer has everything once it has read
-    // the stream to its end.
+    // The queue is closed: the node is stopping. The peer has everything once it has
+    // acknowledged the whole stream.
     if let Some((mut open, _)) = stream {
         if open.finish().is_ok() {
             let _ = open.stopped().await;

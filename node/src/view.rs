@@ -37,7 +37,8 @@ pub struct ViewState {
     pub keys: usize,
     /// Per key, how fast the other replicas' increments have been rising.
     pub remote_rates: HashMap<Key, Rate>,
-    /// Seeds standing in for the cluster before any member is heard (see [`unheard_seeds`]).
+    /// Seeds standing in for the cluster until this node's table has matched a peer's (see
+    /// [`unheard_seeds`]).
     /// Each counts as a live member with no stamp, so a node restarted while cut off
     /// decides isolated, on its share among them, not connected and alone on the whole
     /// limit.

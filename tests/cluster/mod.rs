@@ -152,6 +152,8 @@ impl Cluster {
     }
 
     /// Waits until every running node sees every other running node alive.
+    /// Waits until every running node sees every other running node alive, and counts no
+    /// seed as an unheard member (its table has matched a peer's).
     pub fn wait_members_alive(&self) {
         let running: Vec<&Node> = self.nodes.iter().filter(|n| n.is_running()).collect();
         let others = running.len() - 1;
@@ -161,6 +163,7 @@ impl Cluster {
             || {
                 running.iter().all(|node| {
                     node.metric("tally_members", &[("state", "alive")]) == Some(others as f64)
+                        && node.metric("tally_members", &[("state", "unheard_seed")]) == Some(0.0)
                 })
             },
         );
