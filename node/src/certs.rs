@@ -102,6 +102,8 @@ impl NodeFiles {
 pub struct Ca {
     issuer: Issuer<'static, KeyPair>,
     cert_pem: String,
+    // When the CA's certificate stops being valid: no node certificate outlives it.
+    not_after: OffsetDateTime,
 }
 
 impl Ca {
@@ -114,11 +116,13 @@ impl Ca {
         params.is_ca = IsCa::Ca(BasicConstraints::Constrained(0));
         params.key_usages = vec![KeyUsagePurpose::KeyCertSign, KeyUsagePurpose::CrlSign];
         (params.not_before, params.not_after) = validity(CA_VALID_FOR);
+        let not_after = params.not_after;
         let key = KeyPair::generate()?;
         let cert = params.self_signed(&key)?;
         Ok(Ca {
             cert_pem: cert.pem(),
             issuer: Issuer::new(params, key),
+            not_after,
         })
     }
 
@@ -158,17 +162,42 @@ impl Ca {
                 key: key_path,
             });
         }
+        let not_after = x509_parser::parse_x509_certificate(&cert_der)
+            .ok()
+            .and_then(|(_, cert)| {
+                OffsetDateTime::from_unix_timestamp(cert.validity().not_after.timestamp()).ok()
+            })
+            .ok_or_else(|| CertError::Pem {
+                path: cert_path.clone(),
+                why: "its validity does not parse".into(),
+            })?;
         let issuer = Issuer::from_ca_cert_pem(&cert_pem, key)?;
-        Ok(Ca { issuer, cert_pem })
+        Ok(Ca {
+            issuer,
+            cert_pem,
+            not_after,
+        })
     }
 
-    /// A certificate and key for `node`, signed by this CA: PEM texts.
+    /// A certificate and key for `node`, signed by this CA: PEM texts. Valid for
+    /// [`NODE_VALID_FOR`], or until the CA's certificate ends if that is sooner.
     pub fn issue(&self, node: NodeId) -> Result<(String, String), CertError> {
+        let (from, until) = validity(NODE_VALID_FOR);
+        self.issue_valid(node, from, until.min(self.not_after))
+    }
+
+    /// A certificate and key for `node`, valid from `from` until `until`.
+    pub(crate) fn issue_valid(
+        &self,
+        node: NodeId,
+        from: OffsetDateTime,
+        until: OffsetDateTime,
+    ) -> Result<(String, String), CertError> {
         let name = server_name(node);
         let mut params = CertificateParams::new(vec![name.clone()])?;
         params.distinguished_name.push(DnType::CommonName, name);
         params.key_usages = vec![KeyUsagePurpose::DigitalSignature];
-        (params.not_before, params.not_after) = validity(NODE_VALID_FOR);
+        (params.not_before, params.not_after) = (from, until);
         params.extended_key_usages = vec![
             ExtendedKeyUsagePurpose::ServerAuth,
             ExtendedKeyUsagePurpose::ClientAuth,
@@ -304,6 +333,29 @@ mod tests {
         let err = write_cluster(&dir, &[NodeId(2)]).unwrap_err();
         assert!(matches!(err, CertError::KeyMismatch { .. }), "{err}");
         assert!(!dir.join("node-2.pem").exists());
+        std::fs::remove_dir_all(dir).unwrap();
+    }
+
+    #[test]
+    fn a_node_certificate_ends_no_later_than_its_ca() {
+        let dir = dir("ca-end");
+        std::fs::create_dir_all(&dir).unwrap();
+        let ca = Ca::generate("test").unwrap();
+        let now = (crate::clock::wall().0 / 1_000) as i64;
+        let at = |secs: i64| OffsetDateTime::from_unix_timestamp(secs).unwrap();
+        // A CA with a year left, as written to disk and read back.
+        let mut params = CertificateParams::default();
+        params.is_ca = IsCa::Ca(BasicConstraints::Constrained(0));
+        params.key_usages = vec![KeyUsagePurpose::KeyCertSign];
+        (params.not_before, params.not_after) = (at(now - 3_600), at(now + 365 * 86_400));
+        let year_left = params.self_signed(ca.issuer.key()).unwrap();
+        write(&dir.join("ca.pem"), &year_left.pem()).unwrap();
+        write_secret(&dir.join("ca.key"), &ca.issuer.key().serialize_pem()).unwrap();
+        let ca = Ca::load_or_create(&dir).unwrap();
+        let (node, _) = ca.issue(NodeId(1)).unwrap();
+        let der = CertificateDer::from_pem_slice(node.as_bytes()).unwrap();
+        let (_, cert) = x509_parser::parse_x509_certificate(&der).unwrap();
+        assert_eq!(cert.validity().not_after.timestamp(), now + 365 * 86_400);
         std::fs::remove_dir_all(dir).unwrap();
     }
 

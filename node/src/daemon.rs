@@ -23,6 +23,9 @@ use tally_gossip::Gossip;
 use tokio::net::{TcpListener, UnixListener};
 use tokio::sync::watch;
 
+/// A node whose certificate ends within this many days says so at start.
+const CERT_WARN_DAYS: i64 = 30;
+
 /// Why a node could not start, or stopped on its own.
 #[derive(Debug, thiserror::Error)]
 pub enum DaemonError {
@@ -106,6 +109,14 @@ pub async fn run(config: Config, shutdown: impl Future<Output = ()>) -> Result<(
     }
 
     let identity = tls::identity(&config.tls, node)?;
+    let days_left = (identity.expires_unix_secs - (now.wall.0 / 1_000) as i64) / 86_400;
+    if days_left < CERT_WARN_DAYS {
+        eprintln!(
+            "tallyd: warning: {} expires in {days_left} days; issue a new one with `tally certs` \
+             (peers refuse an expired certificate)",
+            config.tls.cert.display()
+        );
+    }
     let transport_stats = Arc::new(TransportStats::default());
     let store = Arc::new(LaneStore::new(replica, config.keys_max));
     let rules = Rules::new(&config.rules)?;

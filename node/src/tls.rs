@@ -43,6 +43,21 @@ pub enum TlsError {
     /// rustls or quinn refused the configuration.
     #[error("tls: {0}")]
     Config(String),
+    /// The node's own certificate is not valid now: every peer would refuse it.
+    #[error(
+        "tls: {path}: the certificate is valid from {from} to {until} (unix seconds), not at \
+         {now}; issue a new one with `tally certs`"
+    )]
+    NotValidNow {
+        /// The certificate file.
+        path: PathBuf,
+        /// Its first valid second.
+        from: i64,
+        /// Its last valid second.
+        until: i64,
+        /// This machine's clock.
+        now: i64,
+    },
 }
 
 /// What one node needs for QUIC: its server and client configurations.
@@ -51,6 +66,8 @@ pub struct Identity {
     pub server: quinn::ServerConfig,
     /// For dialing peers.
     pub client: quinn::ClientConfig,
+    /// When the node's own certificate stops being valid, in unix seconds.
+    pub expires_unix_secs: i64,
 }
 
 /// Loads the node's certificate files and builds both QUIC configurations. Refuses a
@@ -84,6 +101,7 @@ pub fn identity(files: &TlsConfig, node: NodeId) -> Result<Identity, TlsError> {
             })
         }
     }
+    let expires_unix_secs = valid_now(&files.cert, &chain[0])?;
     let mut roots = rustls::RootCertStore::empty();
     for cert in ca {
         roots
@@ -123,7 +141,35 @@ pub fn identity(files: &TlsConfig, node: NodeId) -> Result<Identity, TlsError> {
         .map_err(|err| TlsError::Config(err.to_string()))?;
     let mut client = quinn::ClientConfig::new(Arc::new(client));
     client.transport_config(transport());
-    Ok(Identity { server, client })
+    Ok(Identity {
+        server,
+        client,
+        expires_unix_secs,
+    })
+}
+
+/// When `cert` (read from `path`) stops being valid, if it is valid now by this machine's
+/// clock.
+fn valid_now(path: &std::path::Path, cert: &CertificateDer<'_>) -> Result<i64, TlsError> {
+    let (_, parsed) = x509_parser::parse_x509_certificate(cert).map_err(|err| TlsError::File {
+        path: path.to_owned(),
+        why: format!("certificate does not parse: {err}"),
+    })?;
+    let validity = parsed.validity();
+    let (from, until) = (
+        validity.not_before.timestamp(),
+        validity.not_after.timestamp(),
+    );
+    let now = (crate::clock::wall().0 / 1_000) as i64;
+    if now < from || now > until {
+        return Err(TlsError::NotValidNow {
+            path: path.to_owned(),
+            from,
+            until,
+            now,
+        });
+    }
+    Ok(until)
 }
 
 /// The node id a certificate names in its `node-<id>.tally` DNS name.
@@ -221,6 +267,33 @@ mod tests {
             crate::certs::write_cluster(&dir, &[NodeId(1), NodeId(0)]),
             Err(crate::certs::CertError::NodeZero)
         ));
+    }
+
+    #[test]
+    fn an_expired_or_not_yet_valid_certificate_is_refused_at_start_naming_it() {
+        let dir = std::env::temp_dir().join(format!("tally-tls-dates-{}", std::process::id()));
+        let files = crate::certs::write_cluster(&dir, &[NodeId(2)]).unwrap();
+        let ca = crate::certs::Ca::load_or_create(&dir).unwrap();
+        let config = TlsConfig {
+            ca: files[0].ca.clone(),
+            cert: files[0].cert.clone(),
+            key: files[0].key.clone(),
+        };
+        let expires = identity(&config, NodeId(2)).unwrap().expires_unix_secs;
+        let now = (crate::clock::wall().0 / 1_000) as i64;
+        assert!(expires > now + 700 * 86_400, "two years ahead: {expires}");
+        let at = |secs: i64| time::OffsetDateTime::from_unix_timestamp(secs).unwrap();
+        for (from, until) in [(now - 7_200, now - 3_600), (now + 3_600, now + 7_200)] {
+            let (cert, key) = ca.issue_valid(NodeId(2), at(from), at(until)).unwrap();
+            std::fs::write(&files[0].cert, cert).unwrap();
+            std::fs::write(&files[0].key, key).unwrap();
+            let err = identity(&config, NodeId(2)).err().unwrap().to_string();
+            assert!(
+                err.contains("node-2.pem") && err.contains("not at"),
+                "{err}"
+            );
+        }
+        std::fs::remove_dir_all(dir).unwrap();
     }
 
     #[test]
