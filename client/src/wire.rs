@@ -230,6 +230,7 @@ pub struct Response {
 
 /// What a request that succeeded returns.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[non_exhaustive]
 pub enum Reply {
     /// For `Incr` and `Decr`: the count after the write.
     Counted(Estimate),
@@ -254,6 +255,7 @@ pub struct Estimate {
 
 /// Which of the rule's ways answered a check.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+#[non_exhaustive]
 pub enum Mode {
     /// Decided here: every live peer was fresher than the rule's `stale_after`.
     ApproximateConnected,
@@ -317,6 +319,7 @@ pub struct Status {
 /// Why a request was refused. Nothing was applied here; only the region may have counted a
 /// check refused with `RegionUnavailable`, `Storage` or `Forgotten` (see each).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, thiserror::Error)]
+#[non_exhaustive]
 pub enum Refusal {
     /// The rule is not configured on this sidecar.
     #[error("rule: no rule named {rule:?} is configured")]

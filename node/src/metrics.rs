@@ -45,13 +45,17 @@ impl Metrics {
 }
 
 /// Where `Metrics` counts a mode's decisions: its place in `MODES`.
+///
+/// # Panics
+///
+/// For a mode missing from `MODES`: `Mode` is `#[non_exhaustive]`, so a mode added to the
+/// client protocol is not a compile error here, and this node decides only those it
+/// lists (`decisions_are_counted_by_mode_and_outcome_and_only_those_seen_are_shown`).
 fn mode_index(mode: Mode) -> usize {
-    match mode {
-        Mode::ApproximateConnected => 0,
-        Mode::ApproximateIsolated => 1,
-        Mode::Exact => 2,
-        Mode::RegionFallback => 3,
-    }
+    MODES
+        .iter()
+        .position(|listed| *listed == mode)
+        .expect("invariant: MODES lists every mode this node decides")
 }
 
 /// Every decision mode, in the order `Metrics` counts them.
