@@ -396,6 +396,18 @@ impl Service {
         id: CheckId,
         answer: impl FnOnce(&mut Context<'_>) -> Result<Answered, Refusal>,
     ) -> Result<Answered, Refusal> {
+        self.once_if(context, key, id, answer, |_| true)
+    }
+
+    /// [`Service::once`], remembering only an answer that `keep` accepts.
+    fn once_if(
+        &self,
+        context: &mut Context<'_>,
+        key: KeyRef<'_>,
+        id: CheckId,
+        answer: impl FnOnce(&mut Context<'_>) -> Result<Answered, Refusal>,
+        keep: impl FnOnce(&Answered) -> bool,
+    ) -> Result<Answered, Refusal> {
         let now_ms = context.now.0;
         let mut recent = self.recent.lock().unwrap_or_else(PoisonError::into_inner);
         if let Some(answered) = recent.get(id, now_ms) {
@@ -403,7 +415,9 @@ impl Service {
             return Ok(answered);
         }
         let answered = answer(context)?;
-        recent.insert(id, answered, key.window(), now_ms);
+        if keep(&answered) {
+            recent.insert(id, answered, key.window(), now_ms);
+        }
         Ok(answered)
     }
 
@@ -457,16 +471,18 @@ impl Service {
         let Some(id) = id else {
             return context.fallback(rule, key, cost, unavailable);
         };
-        let mut recent = self.recent.lock().unwrap_or_else(PoisonError::into_inner);
-        if let Some(answered) = recent.get(id, context.now.0) {
-            self.answered_again();
-            return decided(answered);
-        }
-        let decision = context.fallback(rule, key, cost, unavailable)?;
-        if decision.allowed {
-            recent.insert(id, Answered::Decided(decision), key.window(), context.now.0);
-        }
-        Ok(decision)
+        let answered = self.once_if(
+            context,
+            key,
+            id,
+            |context| {
+                context
+                    .fallback(rule, key, cost, unavailable)
+                    .map(Answered::Decided)
+            },
+            |answered| matches!(answered, Answered::Decided(decision) if decision.allowed),
+        )?;
+        decided(answered)
     }
 
     /// Counts a request answered from memory ([`RecentIds`]).
