@@ -5,6 +5,7 @@ use crate::clock::{self, Clock};
 use crate::config::{Config, Role};
 use crate::decide::Rules;
 use crate::driver::{Driver, DriverError};
+use crate::handoff::Handoff;
 use crate::http::{self, Endpoints};
 use crate::lanelog::{self, LogError};
 use crate::listener::{self, Service};
@@ -209,9 +210,10 @@ pub async fn run(config: Config, shutdown: impl Future<Output = ()>) -> Result<(
         view: view.clone(),
         metrics: metrics.clone(),
         clock,
-        // Collected within two milliseconds and pushed every push interval: a write waits for
-        // one batch, not for a collection and then a batch.
+        // Collected within two milliseconds (then, with a data dir, synced) and pushed every
+        // push interval: a write waits for one batch, not for a collection and then a batch.
         collect_every: std::time::Duration::from_millis(1),
+        handoff: Handoff::new(log.clone()),
         shutdown: stopped,
     };
 

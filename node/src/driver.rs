@@ -3,13 +3,15 @@
 //! remote sums published to the store, and a refreshed [`View`].
 
 use crate::clock::Clock;
+use crate::handoff::Handoff;
+use crate::lanelog::LogError;
 use crate::metrics::Metrics;
 use crate::store::LaneStore;
 use crate::transport::{Inbound, Transport};
 use crate::view::{unheard_seeds, View};
 use std::sync::Arc;
 use std::time::Duration;
-use tally_crdt::{Key, ReplicaId, Version};
+use tally_crdt::{Key, Lane, ReplicaId, Version};
 use tally_gossip::membership::State;
 use tally_gossip::{Event, Gossip, Input, Output};
 use tokio::sync::{mpsc, watch};
@@ -30,6 +32,10 @@ pub enum DriverError {
         /// What this life wrote.
         written: Version,
     },
+    /// The lane log could not be synced: own lanes written since the last sync cannot be
+    /// made durable, so they are never sent.
+    #[error("{0}; stopping: own lanes are sent only once durable")]
+    LogSync(#[from] LogError),
 }
 
 /// The gossip task's parts.
@@ -50,6 +56,8 @@ pub struct Driver {
     pub clock: Clock,
     /// How often written lanes are collected while writes come.
     pub collect_every: Duration,
+    /// Collected lanes on their way to the gossip, once the lane log is synced.
+    pub handoff: Handoff,
     /// Turns true when the node should leave.
     pub shutdown: watch::Receiver<bool>,
 }
@@ -105,11 +113,12 @@ impl Driver {
                     collect_due = false;
                     self.store.collect(&mut lanes);
                     if !lanes.is_empty() {
-                        self.gossip.handle_input(Input::LocalLanes {
-                            now: self.clock.now(),
-                            lanes: std::mem::take(&mut lanes),
-                        });
+                        let durable = self.handoff.collected(std::mem::take(&mut lanes));
+                        self.local_lanes(durable);
                     }
+                }
+                durable = self.handoff.synced(), if self.handoff.is_syncing() => {
+                    self.local_lanes(durable?);
                 }
                 _ = expire.tick() => {
                     let now_secs = self.clock.now().wall.0 / 1_000;
@@ -121,8 +130,10 @@ impl Driver {
                 }
                 _ = self.shutdown.changed() => {
                     self.store.collect(&mut lanes);
-                    let now = self.clock.now();
-                    self.gossip.handle_input(Input::LocalLanes { now, lanes: std::mem::take(&mut lanes) });
+                    let durable = self.handoff.collected(std::mem::take(&mut lanes));
+                    self.local_lanes(durable);
+                    let durable = self.handoff.drain().await?;
+                    self.local_lanes(durable);
                     // Push what is left, then say goodbye.
                     self.gossip.handle_input(Input::Timeout { now: self.clock.now() });
                     self.gossip.handle_input(Input::Leave);
@@ -131,6 +142,16 @@ impl Driver {
                     return Ok(());
                 }
             }
+        }
+    }
+
+    /// Hands own lanes, collected and durable, to the gossip.
+    fn local_lanes(&mut self, lanes: Vec<(Key, Lane)>) {
+        if !lanes.is_empty() {
+            self.gossip.handle_input(Input::LocalLanes {
+                now: self.clock.now(),
+                lanes,
+            });
         }
     }
 

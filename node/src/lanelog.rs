@@ -12,10 +12,11 @@
 //! stepped back past the previous start).
 //!
 //! A life's writes are appended to `lanes-<generation>.log` before they are acknowledged
-//! and before the gossip task can see them (see `listener`), so after a process crash a
-//! log holds at least every lane value any peer ever received from that life. (The appends
-//! go to the page cache, not synced: after a machine crash the log may hold less, and
-//! ARCHITECTURE.md's gaps say what that costs.) After a restart the node replays the
+//! and before the gossip task can see them (see `listener`), and the gossip sends them only
+//! once the log is synced (see `handoff`), so after a crash, of the process or of the
+//! machine, a log holds at least every lane value any peer ever received from that life.
+//! (A machine crash loses the writes acknowledged but not yet synced, which no peer
+//! received either.) After a restart the node replays the
 //! logs of its earlier lives and re-publishes their lanes as those (retired) replicas, at
 //! versions above any a peer can hold (`CounterMap::raise_version` to
 //! [`Recovered::republish_floor`]), so the merge of the logged totals with the peers'
@@ -268,8 +269,8 @@ impl LaneLog {
     }
 
     /// Writes the buffered records to the file (the OS's page cache: a process crash keeps
-    /// them; a machine crash may lose the last ones, which peers then hold or not, as for a
-    /// node without a data dir). After an error, every later append is refused.
+    /// them; a machine crash loses the ones no sync has covered yet, which no peer holds,
+    /// see `handoff`). After an error, every later append is refused.
     pub fn flush(&mut self) -> Result<(), LogError> {
         if self.pending.is_empty() {
             return Ok(());
@@ -287,6 +288,28 @@ impl LaneLog {
         self.written += self.pending.len() as u64;
         self.pending.clear();
         Ok(())
+    }
+
+    /// A handle for syncing what has been written to the log so far, to run off the
+    /// node's thread ([`LogSync::sync`]).
+    pub fn sync_handle(&self) -> Result<LogSync, LogError> {
+        if let Some(why) = &self.failed {
+            return Err(LogError::Failed(why.clone()));
+        }
+        let file = self.file.try_clone().map_err(|source| LogError::Io {
+            path: self.path.clone(),
+            source,
+        })?;
+        Ok(LogSync {
+            path: self.path.clone(),
+            file,
+        })
+    }
+
+    /// Makes the log refuse everything from now on, as after a failed flush.
+    #[cfg(test)]
+    pub(crate) fn fail(&mut self, why: &str) {
+        self.failed = Some(why.to_owned());
     }
 
     /// Makes the next batch's end compact the log, whatever its size.
@@ -352,6 +375,23 @@ impl LaneLog {
     }
 }
 
+/// The lane log's file, to sync (see [`LaneLog::sync_handle`]).
+#[derive(Debug)]
+pub struct LogSync {
+    path: PathBuf,
+    file: File,
+}
+
+impl LogSync {
+    /// Makes every record written to the log before this handle was taken durable.
+    pub fn sync(self) -> Result<(), LogError> {
+        self.file.sync_data().map_err(|source| LogError::Io {
+            path: self.path,
+            source,
+        })
+    }
+}
+
 fn encode(key: &Key, incr: u64, decr: u64, out: &mut Vec<u8>) {
     let record = Record {
         rule: key.rule.as_str().to_owned(),
@@ -364,11 +404,17 @@ fn encode(key: &Key, incr: u64, decr: u64, out: &mut Vec<u8>) {
     checksummed::append(&record, out);
 }
 
-/// The own lanes a log adds up to, and whether it had a torn tail (1) or not (0).
+/// The own lanes a log adds up to, and whether it had a torn tail (1) or not (0). The log
+/// is synced first: its lanes are re-published, and after a process crash some of it may
+/// be in the page cache alone, which a machine crash would then take from under lanes
+/// peers hold (see `handoff`).
 fn replay(path: &Path) -> Result<(Vec<(Key, Lane)>, usize), LogError> {
     let mut bytes = Vec::new();
     File::open(path)
-        .and_then(|mut file| file.read_to_end(&mut bytes))
+        .and_then(|mut file| {
+            file.sync_data()?;
+            file.read_to_end(&mut bytes)
+        })
         .map_err(|source| LogError::Io {
             path: path.to_owned(),
             source,

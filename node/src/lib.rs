@@ -4,7 +4,7 @@
 //! lock, and the remote sums that gossip merges in. Around it: the gossip task
 //! ([`driver`]) over QUIC ([`transport`], [`tls`]), the client listener ([`listener`],
 //! [`decide`]), the region path for exact rules ([`region`]), the lane log
-//! ([`lanelog`]), and `/metrics` and `/status` ([`http`], [`metrics`]). [`daemon::run`]
+//! ([`lanelog`]) and the sync own lanes wait for before gossip sends them ([`handoff`]), and `/metrics` and `/status` ([`http`], [`metrics`]). [`daemon::run`]
 //! starts them all on one current-thread runtime.
 //!
 //! Architecture Invariant: the store never does IO, never reads a clock and never wraps a
@@ -40,6 +40,7 @@ pub mod config;
 pub mod daemon;
 pub mod decide;
 pub mod driver;
+pub mod handoff;
 pub mod http;
 pub mod lanelog;
 pub mod listener;

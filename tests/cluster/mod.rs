@@ -6,6 +6,8 @@
 //! process and removes its directory.
 #![allow(dead_code, clippy::unwrap_used, clippy::expect_used)]
 
+pub mod disk;
+
 use std::net::{SocketAddr, TcpStream};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};

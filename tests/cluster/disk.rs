@@ -1,0 +1,67 @@
+//! A small ext4 filesystem in an image file, loop-mounted, for a node's data dir: a copy of
+//! the image taken while the node runs is what its disk would hold had the machine lost
+//! power then (the writes the filesystem still holds in memory are not in it). Mounting
+//! needs root, as CI runs.
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+pub struct LoopDisk {
+    image: PathBuf,
+    mount: PathBuf,
+}
+
+impl LoopDisk {
+    /// Makes an ext4 image of `size_mib` MiB at `image` and mounts it at `mount`, which is
+    /// made empty first.
+    pub fn mount_new(image: &Path, mount: &Path, size_mib: u64) -> LoopDisk {
+        let file = std::fs::File::create(image).unwrap();
+        file.set_len(size_mib << 20).unwrap();
+        run(Command::new("mkfs.ext4").args(["-q", "-F"]).arg(image));
+        let _ = std::fs::remove_dir_all(mount);
+        LoopDisk::mount(image, mount)
+    }
+
+    /// Mounts the ext4 image `image` at `mount` (created if missing).
+    pub fn mount(image: &Path, mount: &Path) -> LoopDisk {
+        std::fs::create_dir_all(mount).unwrap();
+        run(Command::new("mount")
+            .args(["-o", "loop"])
+            .arg(image)
+            .arg(mount));
+        LoopDisk {
+            image: image.to_owned(),
+            mount: mount.to_owned(),
+        }
+    }
+
+    /// Copies the image to `to`: the disk as a power loss now would leave it.
+    pub fn crash_image(&self, to: &Path) {
+        std::fs::copy(&self.image, to).unwrap();
+    }
+}
+
+impl Drop for LoopDisk {
+    /// Unmounts lazily: a node still running on it lets go when it exits.
+    fn drop(&mut self) {
+        let _ = Command::new("umount").arg("-l").arg(&self.mount).status();
+    }
+}
+
+/// Writes every filesystem's dirty pages back, as the kernel's flusher does on its own
+/// within half a minute.
+pub fn write_back() {
+    run(&mut Command::new("sync"));
+}
+
+fn run(command: &mut Command) {
+    let output = command
+        .output()
+        .unwrap_or_else(|err| panic!("{command:?}: {err} (the loop-disk tests need root)"));
+    assert!(
+        output.status.success(),
+        "{command:?}: {}{} (the loop-disk tests need root and a loop device)",
+        String::from_utf8_lossy(&output.stdout),
+        String::from_utf8_lossy(&output.stderr)
+    );
+}
