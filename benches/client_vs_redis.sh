@@ -180,9 +180,18 @@ table() {
         }' "$results"
 }
 
+# The data_dir tallyd and the AOF Redis serve the same runs: their CPU (utime + stime, not
+# the kernel's journal threads) and the lane log's syncs tell what durability costs each.
+hz=$(getconf CLK_TCK)
+cpu_of() { awk -v hz="$hz" '{ printf "%.2f", ($14 + $15) / hz }' "/proc/$1/stat"; }
+syncs=$(curl -s "http://127.0.0.1:$((TALLY_LOG_PORT + 100))/metrics" \
+    | awk '$1 == "tally_lane_log_syncs_total" { print $2 }')
+
 echo
 echo "nproc $(nproc); load average before $load_before, after $(cut -d' ' -f1-3 /proc/loadavg);" \
     "$(redis-server --version | cut -d' ' -f1-3)"
+echo "CPU seconds over every run: tallyd with a data_dir $(cpu_of "${pids[3]}"), redis with AOF" \
+    "$(cpu_of "${pids[1]}"); lane-log syncs: ${syncs:-none counted}"
 echo
 echo "tally (no data_dir) vs redis (no persistence); ratios are tally / redis, medians per column:"
 echo

@@ -316,6 +316,8 @@ async fn after_a_machine_crash_the_log_holds_every_lane_peers_received_and_the_n
         }
     }
     drop(peers);
+    let syncs = cluster.nodes[0].metric("tally_lane_log_syncs_total", &[]);
+    assert!(syncs.is_some_and(|n| n >= 1.0), "lane log syncs: {syncs:?}");
 
     // The control: a file written now and never synced is not in the crash image, so the
     // image shows what only a sync puts on the disk.

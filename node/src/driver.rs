@@ -119,6 +119,7 @@ impl Driver {
                 }
                 durable = self.handoff.synced(), if self.handoff.is_syncing() => {
                     self.local_lanes(durable?);
+                    self.metrics.lane_log_syncs.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
                 }
                 _ = expire.tick() => {
                     let now_secs = self.clock.now().wall.0 / 1_000;

@@ -35,6 +35,8 @@ pub struct Metrics {
     pub client_requests: AtomicU64,
     /// Requests sent again under a check id and answered from this sidecar's memory.
     pub client_ids_answered_again: AtomicU64,
+    /// Syncs of the lane log that made collected own lanes durable before their gossip.
+    pub lane_log_syncs: AtomicU64,
 }
 
 impl Metrics {
@@ -236,6 +238,11 @@ pub fn render(sources: &Sources<'_>) -> String {
             "client_ids_answered_again",
             "Client requests sent again under a check id, answered with the first answer",
             load(&metrics.client_ids_answered_again),
+        ),
+        (
+            "lane_log_syncs",
+            "Syncs of the lane log that made own lanes durable before their gossip",
+            load(&metrics.lane_log_syncs),
         ),
     ];
     for (name, help, value) in pairs {
