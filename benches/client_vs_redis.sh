@@ -4,9 +4,10 @@
 #   bash benches/client_vs_redis.sh
 #
 # One tallyd (`tally daemon`, no data_dir) and one redis-server (no RDB, no AOF) on loopback,
-# plus, for the durable row, a second tallyd with a data_dir (a lane-log write() per batch)
-# and a second redis-server with AOF and `appendfsync no` (a write() per event-loop turn,
-# no fsync: the same durability as the lane log). Each setting runs
+# plus, for the durable row, a second tallyd with a data_dir (a lane-log write() per batch,
+# and an fdatasync per collection before its lanes are gossiped) and a second redis-server
+# with AOF and `appendfsync no` (a write() per event-loop turn, no fsync: both acknowledge
+# from the page cache). Each setting runs
 # `redis-benchmark -t incr` and the tally load generator (`benches/client_load.rs`) with
 # the same connections C, pipeline P and request count N, tally and Redis alternating,
 # REPEATS times; then prints Markdown tables of every run and the medians. A third tally

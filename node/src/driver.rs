@@ -3,12 +3,14 @@
 //! remote sums published to the store, and a refreshed [`View`].
 
 use crate::clock::Clock;
-use crate::handoff::Handoff;
+use crate::handoff::{Collected, Handoff};
 use crate::lanelog::LogError;
+use crate::listener::EXIT_LOG_FAILED;
 use crate::metrics::Metrics;
 use crate::store::LaneStore;
 use crate::transport::{Inbound, Transport};
 use crate::view::{unheard_seeds, View};
+use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Duration;
 use tally_crdt::{Key, Lane, ReplicaId, Version};
@@ -32,10 +34,6 @@ pub enum DriverError {
         /// What this life wrote.
         written: Version,
     },
-    /// The lane log could not be synced: own lanes written since the last sync cannot be
-    /// made durable, so they are never sent.
-    #[error("{0}; stopping: own lanes are sent only once durable")]
-    LogSync(#[from] LogError),
 }
 
 /// The gossip task's parts.
@@ -68,7 +66,9 @@ impl Driver {
     /// It sleeps until something happens: a frame, the protocol's deadline, a write to
     /// the lane store, or the second's expiry. Written lanes are collected on the next tick
     /// of `collect_every` (at once after a quiet spell), but the tick is only waited for
-    /// while a write is waiting: an idle sidecar does not wake every millisecond. The
+    /// while a write is waiting: an idle sidecar does not wake every millisecond. With a
+    /// data directory, collected lanes reach the gossip once the lane log is synced, and
+    /// none are collected while a sync runs ([`Handoff`]). The
     /// protocol's timer is reset only when its deadline moves: registering a timer earlier
     /// than the runtime's next wake-up costs a system call.
     pub async fn run(mut self) -> Result<(), DriverError> {
@@ -109,17 +109,13 @@ impl Driver {
                 () = self.store.queued(), if !collect_due => {
                     collect_due = true;
                 }
-                _ = collect.tick(), if collect_due => {
+                // Keys written while a sync runs stay queued until it returns.
+                _ = collect.tick(), if collect_due && !self.handoff.is_syncing() => {
                     collect_due = false;
-                    self.store.collect(&mut lanes);
-                    if !lanes.is_empty() {
-                        let durable = self.handoff.collected(std::mem::take(&mut lanes));
-                        self.local_lanes(durable);
-                    }
+                    self.collect(&mut lanes);
                 }
-                durable = self.handoff.synced(), if self.handoff.is_syncing() => {
-                    self.local_lanes(durable?);
-                    self.metrics.lane_log_syncs.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                synced = self.handoff.synced(), if self.handoff.is_syncing() => {
+                    self.synced(synced);
                 }
                 _ = expire.tick() => {
                     let now_secs = self.clock.now().wall.0 / 1_000;
@@ -130,11 +126,7 @@ impl Driver {
                     view.other_lives.retain(|key, _| key.window.is_live(now_secs));
                 }
                 _ = self.shutdown.changed() => {
-                    self.store.collect(&mut lanes);
-                    let durable = self.handoff.collected(std::mem::take(&mut lanes));
-                    self.local_lanes(durable);
-                    let durable = self.handoff.drain().await?;
-                    self.local_lanes(durable);
+                    self.last_lanes(&mut lanes).await;
                     // Push what is left, then say goodbye.
                     self.gossip.handle_input(Input::Timeout { now: self.clock.now() });
                     self.gossip.handle_input(Input::Leave);
@@ -146,14 +138,59 @@ impl Driver {
         }
     }
 
-    /// Hands own lanes, collected and durable, to the gossip.
-    fn local_lanes(&mut self, lanes: Vec<(Key, Lane)>) {
-        if !lanes.is_empty() {
-            self.gossip.handle_input(Input::LocalLanes {
-                now: self.clock.now(),
-                lanes,
-            });
+    /// Collects the lanes written since the last collection, and hands them to the gossip
+    /// at once or once synced.
+    fn collect(&mut self, lanes: &mut Vec<(Key, Lane)>) {
+        self.store.collect(lanes);
+        if lanes.is_empty() {
+            return;
         }
+        let now = self.clock.now();
+        if let Some(durable) = self.handoff.collected((now, std::mem::take(lanes))) {
+            self.local_lanes(durable);
+        }
+    }
+
+    /// Hands lanes the lane log's sync made durable to the gossip. A failed sync stops the
+    /// node before they are sent, as a failed write of the log does: see
+    /// [`EXIT_LOG_FAILED`].
+    fn synced(&mut self, synced: Result<Collected, LogError>) {
+        match synced {
+            Ok(durable) => {
+                self.metrics.lane_log_syncs.fetch_add(1, Ordering::Relaxed);
+                self.local_lanes(durable);
+            }
+            Err(err) => {
+                eprintln!("tallyd: {err}; stopping: own lanes are sent only once durable");
+                std::process::exit(EXIT_LOG_FAILED);
+            }
+        }
+    }
+
+    /// On shutdown: every lane written, collected and made durable for the last push.
+    /// Lanes whose sync has not returned within [`LAST_FRAMES_DEADLINE`] stay unsent (the
+    /// log holds them, and a restart re-publishes them).
+    async fn last_lanes(&mut self, lanes: &mut Vec<(Key, Lane)>) {
+        let collected = tokio::time::timeout(LAST_FRAMES_DEADLINE, async {
+            loop {
+                if self.handoff.is_syncing() {
+                    let synced = self.handoff.synced().await;
+                    self.synced(synced);
+                }
+                self.collect(lanes);
+                if !self.handoff.is_syncing() {
+                    return;
+                }
+            }
+        });
+        if collected.await.is_err() {
+            eprintln!("tallyd: the lane log's sync did not return; leaving without its lanes");
+        }
+    }
+
+    /// Hands own lanes, collected and durable, to the gossip.
+    fn local_lanes(&mut self, (now, lanes): Collected) {
+        self.gossip.handle_input(Input::LocalLanes { now, lanes });
     }
 
     /// Carries out every output until the next deadline, which it returns.

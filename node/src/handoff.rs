@@ -11,21 +11,26 @@
 //! crash still loses the writes acknowledged but not yet collected and synced, which no
 //! peer received either.
 //!
-//! One sync at a time runs on a blocking thread; lanes collected meanwhile wait for the
-//! next, which starts as soon as it returns. So a write waits for at most two syncs, and a
-//! node under load syncs at most once per collection.
+//! One sync at a time runs, on a blocking thread, and the driver collects no lanes while
+//! it does: keys written meanwhile stay queued in the store, and are collected once it has
+//! returned. So a node under load syncs at most once per collection (1 ms), what waits is
+//! bounded by the store's keys, and a write waits for at most two syncs. Lanes go to the
+//! gossip stamped with when they were collected, so the staleness peers measure includes
+//! the sync.
 
 use crate::lanelog::{LaneLog, LogError};
 use std::sync::{Arc, Mutex};
 use tally_crdt::{Key, Lane};
+use tally_gossip::Now;
 use tokio::task::JoinHandle;
+
+/// Own lanes collected at one moment.
+pub type Collected = (Now, Vec<(Key, Lane)>);
 
 /// Collected own lanes, handed to the gossip once durable.
 #[derive(Debug)]
 pub struct Handoff {
     log: Option<Arc<Mutex<LaneLog>>>,
-    // Collected since the sync in flight began (or since the last one, if none runs).
-    waiting: Vec<(Key, Lane)>,
     syncing: Option<Syncing>,
 }
 
@@ -33,39 +38,49 @@ pub struct Handoff {
 #[derive(Debug)]
 struct Syncing {
     task: JoinHandle<Result<(), LogError>>,
-    lanes: Vec<(Key, Lane)>,
+    lanes: Collected,
 }
 
 impl Handoff {
     /// Lanes logged to `log` are held until it is synced; without a log they pass at once.
     pub fn new(log: Option<Arc<Mutex<LaneLog>>>) -> Handoff {
-        Handoff {
-            log,
-            waiting: Vec::new(),
-            syncing: None,
-        }
+        Handoff { log, syncing: None }
     }
 
-    /// Takes collected lanes; returns the ones the gossip may have now: all of them
-    /// without a log, none with one (they wait for [`Handoff::synced`]).
-    pub fn collected(&mut self, lanes: Vec<(Key, Lane)>) -> Vec<(Key, Lane)> {
-        if self.log.is_none() {
-            return lanes;
-        }
-        self.waiting.extend(lanes);
-        self.start_sync();
-        Vec::new()
-    }
-
-    /// Whether a sync is in flight.
+    /// Whether a sync is in flight: collect nothing meanwhile.
     pub fn is_syncing(&self) -> bool {
         self.syncing.is_some()
     }
 
+    /// Takes lanes collected at `now`, while no sync is in flight. Returns them at once
+    /// without a log; with one, starts their sync and returns nothing (see
+    /// [`Handoff::synced`]).
+    pub fn collected(&mut self, lanes: Collected) -> Option<Collected> {
+        assert!(
+            self.syncing.is_none(),
+            "invariant: nothing is collected while a sync is in flight"
+        );
+        let Some(log) = &self.log else {
+            return Some(lanes);
+        };
+        // A handle of the file as it is now: every record of a collected lane was written
+        // to it before the collection (or to the compacted file that replaced it, which
+        // was synced when written).
+        let file = log
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
+            .sync_handle();
+        self.syncing = Some(Syncing {
+            task: tokio::task::spawn_blocking(move || file?.sync()),
+            lanes,
+        });
+        None
+    }
+
     /// Waits for the sync in flight (forever if none) and returns the lanes it made
-    /// durable, starting the next sync if lanes wait. Cancel-safe: dropped before the sync
-    /// returns, it leaves the sync in flight for the next call.
-    pub async fn synced(&mut self) -> Result<Vec<(Key, Lane)>, LogError> {
+    /// durable. Cancel-safe: dropped before the sync returns, it leaves the sync in flight
+    /// for the next call.
+    pub async fn synced(&mut self) -> Result<Collected, LogError> {
         let Some(syncing) = self.syncing.as_mut() else {
             return std::future::pending().await;
         };
@@ -77,56 +92,35 @@ impl Handoff {
             .syncing
             .take()
             .expect("invariant: the sync awaited is the one in flight");
-        result?;
-        self.start_sync();
-        Ok(synced.lanes)
-    }
-
-    /// Every lane collected so far, durable: for a node stopping, whose last push must
-    /// carry them.
-    pub async fn drain(&mut self) -> Result<Vec<(Key, Lane)>, LogError> {
-        let mut lanes = Vec::new();
-        while self.is_syncing() {
-            lanes.extend(self.synced().await?);
-        }
-        Ok(lanes)
-    }
-
-    fn start_sync(&mut self) {
-        if self.syncing.is_some() || self.waiting.is_empty() {
-            return;
-        }
-        let Some(log) = &self.log else {
-            return;
-        };
-        // A handle of the file as it is now: every record of a collected lane was written
-        // to it before the collection (or to the compacted file that replaced it, which
-        // was synced when written).
-        let file = log
-            .lock()
-            .unwrap_or_else(|poisoned| poisoned.into_inner())
-            .sync_handle();
-        self.syncing = Some(Syncing {
-            task: tokio::task::spawn_blocking(move || file?.sync()),
-            lanes: std::mem::take(&mut self.waiting),
-        });
+        result.map(|()| synced.lanes)
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use tally_crdt::{NodeId, Rule, Subject, Window};
+    use std::time::Duration;
+    use tally_crdt::{NodeId, Rule, Stamp, Subject, Window};
 
     const NOW: u64 = 1_767_225_600;
 
-    fn lane(subject: &str, incr: u64) -> (Key, Lane) {
-        let key = Key::new(
-            Rule::new("r").unwrap(),
-            Subject::new(subject).unwrap(),
-            Window::containing(NOW, 60).unwrap(),
-        );
-        (key, Lane::new(incr, 0))
+    fn collected(at_ms: u64, lanes: &[(&str, u64)]) -> Collected {
+        let now = Now {
+            mono: Duration::from_millis(at_ms),
+            wall: Stamp(NOW * 1_000 + at_ms),
+        };
+        let lanes = lanes
+            .iter()
+            .map(|(subject, incr)| {
+                let key = Key::new(
+                    Rule::new("r").unwrap(),
+                    Subject::new(*subject).unwrap(),
+                    Window::containing(NOW, 60).unwrap(),
+                );
+                (key, Lane::new(*incr, 0))
+            })
+            .collect();
+        (now, lanes)
     }
 
     fn log(name: &str) -> Arc<Mutex<LaneLog>> {
@@ -139,39 +133,34 @@ mod tests {
     #[test]
     fn without_a_data_dir_collected_lanes_pass_at_once() {
         let mut handoff = Handoff::new(None);
-        let lanes = vec![lane("a", 1), lane("b", 2)];
-        assert_eq!(handoff.collected(lanes.clone()), lanes);
+        let lanes = collected(1, &[("a", 1), ("b", 2)]);
+        assert_eq!(handoff.collected(lanes.clone()), Some(lanes));
         assert!(!handoff.is_syncing());
     }
 
     #[tokio::test(flavor = "current_thread")]
-    async fn lanes_wait_for_a_sync_and_those_collected_meanwhile_for_the_next() {
+    async fn lanes_wait_for_their_sync_and_keep_when_they_were_collected() {
         let mut handoff = Handoff::new(Some(log("wait")));
-        assert_eq!(handoff.collected(vec![lane("a", 1)]), vec![]);
+        let lanes = collected(1, &[("a", 1), ("b", 2)]);
+        assert_eq!(handoff.collected(lanes.clone()), None);
         assert!(handoff.is_syncing());
-        assert_eq!(handoff.collected(vec![lane("b", 2), lane("a", 3)]), vec![]);
-        assert_eq!(handoff.synced().await.unwrap(), vec![lane("a", 1)]);
-        assert!(
-            handoff.is_syncing(),
-            "the lanes that waited start the next sync"
-        );
-        assert_eq!(
-            handoff.synced().await.unwrap(),
-            vec![lane("b", 2), lane("a", 3)]
-        );
+        assert_eq!(handoff.synced().await.unwrap(), lanes);
         assert!(!handoff.is_syncing());
+        let later = collected(3, &[("a", 4)]);
+        assert_eq!(handoff.collected(later.clone()), None);
+        assert_eq!(handoff.synced().await.unwrap(), later);
     }
 
-    #[tokio::test(flavor = "current_thread")]
-    async fn a_stopping_node_gets_every_lane_collected_once_synced() {
-        let mut handoff = Handoff::new(Some(log("drain")));
-        assert_eq!(handoff.collected(vec![lane("a", 1)]), vec![]);
-        assert_eq!(handoff.collected(vec![lane("b", 1)]), vec![]);
-        assert_eq!(
-            handoff.drain().await.unwrap(),
-            vec![lane("a", 1), lane("b", 1)]
-        );
-        assert!(!handoff.is_syncing());
+    #[test]
+    #[should_panic(expected = "nothing is collected while a sync is in flight")]
+    fn collecting_while_a_sync_is_in_flight_is_a_bug() {
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .build()
+            .unwrap();
+        let _entered = runtime.enter();
+        let mut handoff = Handoff::new(Some(log("twice")));
+        let _ = handoff.collected(collected(1, &[("a", 1)]));
+        let _ = handoff.collected(collected(2, &[("a", 2)]));
     }
 
     #[tokio::test(flavor = "current_thread")]
@@ -179,7 +168,7 @@ mod tests {
         let log = log("failed");
         let mut handoff = Handoff::new(Some(log.clone()));
         log.lock().unwrap().fail("injected");
-        assert_eq!(handoff.collected(vec![lane("a", 1)]), vec![]);
+        assert_eq!(handoff.collected(collected(1, &[("a", 1)])), None);
         let err = handoff.synced().await.unwrap_err();
         assert!(err.to_string().contains("injected"), "{err}");
         assert!(!handoff.is_syncing());

@@ -137,16 +137,18 @@ pub fn open(
 
     let mut retired = Vec::new();
     let (mut torn, mut log_generation_max, mut lanes_max) = (0, 0, 0);
-    let entries = std::fs::read_dir(dir).map_err(io(dir))?;
-    for entry in entries {
-        let path = entry.map_err(io(dir))?.path();
-        if is_compaction_left_over(&path) {
-            // A crash inside `compact_if_large` left it before its rename: its log was
-            // never replaced, and still holds every record (the rename is synced before
-            // anything else is written).
-            std::fs::remove_file(&path).map_err(io(&path))?;
-            continue;
-        }
+    let mut paths = Vec::new();
+    for entry in std::fs::read_dir(dir).map_err(io(dir))? {
+        paths.push(entry.map_err(io(dir))?.path());
+    }
+    // First, since a log's rewrite below writes a file of that name.
+    for path in paths.iter().filter(|path| is_compaction_left_over(path)) {
+        // A crash inside `compact_if_large` or `rewrite` left it before its rename: its log
+        // was never replaced, and still holds every record (the rename is synced before
+        // anything else is written).
+        std::fs::remove_file(path).map_err(io(path))?;
+    }
+    for path in paths {
         let Some(old) = log_generation(&path) else {
             continue;
         };
@@ -165,6 +167,7 @@ pub fn open(
         if live.is_empty() {
             std::fs::remove_file(&path).map_err(io(&path))?;
         } else {
+            rewrite(&path, &live)?;
             retired.push((ReplicaId::new(node, Generation(old)), live));
         }
     }
@@ -404,17 +407,11 @@ fn encode(key: &Key, incr: u64, decr: u64, out: &mut Vec<u8>) {
     checksummed::append(&record, out);
 }
 
-/// The own lanes a log adds up to, and whether it had a torn tail (1) or not (0). The log
-/// is synced first: its lanes are re-published, and after a process crash some of it may
-/// be in the page cache alone, which a machine crash would then take from under lanes
-/// peers hold (see `handoff`).
+/// The own lanes a log adds up to, and whether it had a torn tail (1) or not (0).
 fn replay(path: &Path) -> Result<(Vec<(Key, Lane)>, usize), LogError> {
     let mut bytes = Vec::new();
     File::open(path)
-        .and_then(|mut file| {
-            file.sync_data()?;
-            file.read_to_end(&mut bytes)
-        })
+        .and_then(|mut file| file.read_to_end(&mut bytes))
         .map_err(|source| LogError::Io {
             path: path.to_owned(),
             source,
@@ -462,6 +459,27 @@ fn is_compaction_left_over(path: &Path) -> bool {
         .and_then(|name| name.strip_prefix("lanes-"))
         .and_then(|name| name.strip_suffix(".compact"))
         .is_some_and(|generation| generation.parse::<u64>().is_ok())
+}
+
+/// Replaces the log at `path` with one record per lane of `lanes`, synced (the rename is
+/// synced with the directory before `open` returns). What a restart re-publishes must be
+/// on the disk: after a process crash part of the log may be in the page cache alone, and
+/// after a failed sync the kernel may keep pages it marked clean though they never reached
+/// the disk (so syncing the file again would not write them); a machine crash would take
+/// either from under lanes the peers then hold (see `handoff`). Written from what was read,
+/// it is on the disk whatever the page cache held. A crash before the rename leaves a
+/// `.compact` file, which the next start removes, replaying the log whole.
+fn rewrite(path: &Path, lanes: &[(Key, Lane)]) -> Result<(), LogError> {
+    let mut body = Vec::new();
+    for (key, lane) in lanes {
+        encode(key, lane.incr, lane.decr, &mut body);
+    }
+    let tmp = path.with_extension("compact");
+    write_synced(&tmp, &body)?;
+    std::fs::rename(&tmp, path).map_err(|source| LogError::Io {
+        path: path.to_owned(),
+        source,
+    })
 }
 
 fn write_synced(path: &Path, bytes: &[u8]) -> Result<(), LogError> {
@@ -647,6 +665,33 @@ mod tests {
             second.generation
         );
         assert_eq!(second.retired[0].0.generation, first.generation);
+        std::fs::remove_dir_all(dir).unwrap();
+    }
+
+    #[test]
+    fn a_replayed_log_is_rewritten_as_its_live_lanes_one_record_each() {
+        let dir = dir("rewritten");
+        let (mut log, _) = open(&dir, NodeId(1), 1, NOW).unwrap();
+        log.append(&key("a"), 3, 0).unwrap();
+        log.append(&key("a"), 2, 1).unwrap();
+        let over = Key::new(
+            Rule::new("r").unwrap(),
+            Subject::new("over").unwrap(),
+            Window::containing(NOW - 120, 60).unwrap(),
+        );
+        log.append(&over, 7, 0).unwrap();
+        log.flush().unwrap();
+        drop(log);
+        let (_, second) = open(&dir, NodeId(1), 2, NOW).unwrap();
+        assert_eq!(second.retired[0].1, vec![(key("a"), Lane::new(5, 1))]);
+        let mut one = Vec::new();
+        encode(&key("a"), 5, 1, &mut one);
+        let old = second.retired[0].0.generation.0;
+        assert_eq!(
+            std::fs::read(dir.join(format!("lanes-{old}.log"))).unwrap(),
+            one
+        );
+        assert!(!dir.join(format!("lanes-{old}.compact")).exists());
         std::fs::remove_dir_all(dir).unwrap();
     }
 

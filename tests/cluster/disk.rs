@@ -25,8 +25,10 @@ impl LoopDisk {
     /// Mounts the ext4 image `image` at `mount` (created if missing).
     pub fn mount(image: &Path, mount: &Path) -> LoopDisk {
         std::fs::create_dir_all(mount).unwrap();
+        // A journal commit every 600 s, not 5: the periodic one would put a file's creation
+        // on the disk without a sync, at a moment the test cannot choose.
         run(Command::new("mount")
-            .args(["-o", "loop"])
+            .args(["-o", "loop,commit=600"])
             .arg(image)
             .arg(mount));
         LoopDisk {
