@@ -345,8 +345,9 @@ async fn a_member_relaying_an_inflated_lane_of_another_origin_is_held_to_the_lan
     }
     assert_eq!(estimate_at_1().await, 5);
 
-    // Node 9, a member, relays node 2's lane with 10^15 increments: far past what a lane may
-    // hold in an hour's window (10^9 a second by default, 3.6 * 10^12 at the window's end).
+    // Node 9, a member, relays node 2's lane with 10^18 increments: far past what a lane may
+    // hold in a week's window (10^9 a second by default, about 6 * 10^14 at the window's
+    // end).
     let (status_1, status_2) = (
         node_1.status().await.unwrap(),
         node_2.status().await.unwrap(),
@@ -360,7 +361,7 @@ async fn a_member_relaying_an_inflated_lane_of_another_origin_is_held_to_the_lan
             key: Key::new(
                 Rule::new("count").unwrap(),
                 Subject::new("victim").unwrap(),
-                Window::new(window, 3_600).unwrap(),
+                Window::new(window, cluster::WINDOW_SECS).unwrap(),
             ),
             lane: Lane::new(1_000_000_000_000_000, 0),
             version: Version(1),

@@ -269,7 +269,7 @@ async fn speak_as_edge_2(
         rule: "quota".into(),
         subject: subject.into(),
         window_index: window,
-        window_secs: 3_600,
+        window_secs: cluster::WINDOW_SECS,
         cost: 5,
     };
     (cluster, connection, edge, check)

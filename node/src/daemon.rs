@@ -57,6 +57,21 @@ pub enum DaemonError {
     Driver(#[from] DriverError),
 }
 
+/// How often the gossip task collects written lanes while writes come. Without a data dir,
+/// every millisecond: a write waits for one push batch, not for a collection and then a
+/// batch. With one, each collection is followed by a sync of the lane log (`handoff`), and
+/// a sync per millisecond cost a fifth of the sidecar's pipelined throughput
+/// (BENCHMARKS.md): twice per push interval instead, so a write may wait up to half a push
+/// interval more.
+fn collect_every(data_dir: bool, push_interval: std::time::Duration) -> std::time::Duration {
+    let every = std::time::Duration::from_millis(1);
+    if data_dir {
+        every.max(push_interval / 2)
+    } else {
+        every
+    }
+}
+
 /// Runs a node until `shutdown` completes, then leaves the cluster gracefully.
 ///
 /// Must run on a current-thread runtime: the client listener relies on the gossip task
@@ -210,9 +225,7 @@ pub async fn run(config: Config, shutdown: impl Future<Output = ()>) -> Result<(
         view: view.clone(),
         metrics: metrics.clone(),
         clock,
-        // Collected within two milliseconds (then, with a data dir, synced) and pushed every
-        // push interval: a write waits for one batch, not for a collection and then a batch.
-        collect_every: std::time::Duration::from_millis(1),
+        collect_every: collect_every(log.is_some(), config.push_interval()),
         handoff: Handoff::new(log.clone()),
         shutdown: stopped,
     };

@@ -19,17 +19,21 @@ pub const GOSSIP_PORT: u16 = 7001;
 pub const CLIENT_PORT: u16 = 7100;
 pub const HTTP_PORT: u16 = 7200;
 
-/// The rules every test node gets.
+/// The window of every test rule: a week, the longest there is, so that a test does not
+/// span a window's end (an hour's would, now and then, and count from zero midway).
+pub const WINDOW_SECS: u32 = 604_800;
+
+/// The rules every test node gets (`window_secs` is [`WINDOW_SECS`]).
 pub const RULES: &str = r#"
 [[rules]]
 name = "count"
 limit = 1000000000
-window_secs = 3600
+window_secs = 604800
 
 [[rules]]
 name = "api"
 limit = 2000
-window_secs = 3600
+window_secs = 604800
 stale_after_ms = 600
 slack = 10
 "#;
@@ -39,7 +43,7 @@ pub const REGION_RULES: &str = r#"
 [[rules]]
 name = "quota"
 limit = 500
-window_secs = 3600
+window_secs = 604800
 mode = "exact"
 region_timeout_ms = 300
 "#;
@@ -260,7 +264,15 @@ impl Node {
         }
     }
 
-    /// SIGSTOP or SIGCONT.
+    /// The node's exit status, once its process has ended (it is then reaped and no
+    /// longer running); `None` while it runs.
+    pub fn exited(&mut self) -> Option<std::process::ExitStatus> {
+        let status = self.child.as_mut()?.try_wait().unwrap()?;
+        self.child = None;
+        Some(status)
+    }
+
+    /// Sends the signal `name` (STOP, CONT, TERM).
     pub fn signal(&self, name: &str) {
         let pid = self.child.as_ref().expect("node is running").id();
         let status = Command::new("kill")
