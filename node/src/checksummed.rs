@@ -3,12 +3,14 @@
 //!
 //! A reader stops at the first record that is short, of length 0, longer than
 //! [`RECORD_BYTES_MAX`], or fails its checksum: a crash can tear only the tail, so what
-//! comes before is whole. No record is empty, so a length of 0 is the end: the region
-//! log's allocation ahead is zeros, and `[len 0][crc 0]` would check (the crc32 of no bytes
-//! is 0).
+//! comes before is whole. No record is empty, so a length of 0 is the end: both logs are
+//! allocated ahead with zeros ([`write_zeros`]), and `[len 0][crc 0]` would check (the
+//! crc32 of no bytes is 0).
 
 use serde::de::DeserializeOwned;
 use serde::Serialize;
+use std::fs::File;
+use std::os::unix::fs::FileExt;
 
 /// The largest record body written or read.
 pub const RECORD_BYTES_MAX: usize = 1024;
@@ -58,4 +60,16 @@ pub fn read_all<T: DeserializeOwned>(bytes: &[u8]) -> (Vec<T>, usize) {
         at = next;
     }
     (records, at)
+}
+
+/// Writes zeros over `from..to` of `file`: a log's allocation ahead of its records.
+pub fn write_zeros(file: &File, from: u64, to: u64) -> std::io::Result<()> {
+    static ZEROS: [u8; 64 * 1024] = [0; 64 * 1024];
+    let mut at = from;
+    while at < to {
+        let len = (to - at).min(ZEROS.len() as u64) as usize;
+        file.write_all_at(&ZEROS[..len], at)?;
+        at += len as u64;
+    }
+    Ok(())
 }

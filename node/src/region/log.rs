@@ -229,7 +229,7 @@ impl Storage for FileStorage {
         let written = File::create(&tmp).and_then(|mut file| {
             file.write_all(MAGIC)?;
             file.write_all(bytes)?;
-            write_zeros(&file, end, allocated)?;
+            checksummed::write_zeros(&file, end, allocated)?;
             file.sync_all()
         });
         if let Err(err) = written {
@@ -249,7 +249,7 @@ impl Storage for FileStorage {
 impl FileStorage {
     /// Writes zeros from the allocation's end up to `allocated` and syncs them.
     fn allocate_to(&mut self, allocated: u64) -> std::io::Result<()> {
-        write_zeros(&self.file, self.allocated, allocated)?;
+        checksummed::write_zeros(&self.file, self.allocated, allocated)?;
         self.file.sync_data()?;
         self.allocated = allocated;
         Ok(())
@@ -329,18 +329,6 @@ fn sync_dir(path: &Path) -> std::io::Result<()> {
         Some(dir) => File::open(dir)?.sync_all(),
         None => Ok(()),
     }
-}
-
-/// Writes zeros over `from..to` of `file`.
-fn write_zeros(file: &File, from: u64, to: u64) -> std::io::Result<()> {
-    static ZEROS: [u8; 64 * 1024] = [0; 64 * 1024];
-    let mut at = from;
-    while at < to {
-        let len = (to - at).min(ZEROS.len() as u64) as usize;
-        file.write_all_at(&ZEROS[..len], at)?;
-        at += len as u64;
-    }
-    Ok(())
 }
 
 impl<'a> Record<&'a str> {

@@ -458,8 +458,7 @@ mod tests {
             Subject::new("acct-1").unwrap(),
             window,
         );
-        let log_path = dir.join(format!("lanes-{}.log", recovered.generation.0));
-        let log_len = || std::fs::metadata(&log_path).unwrap().len();
+        let log_len = || lanes.lock().unwrap().records_bytes();
         count_in_own_lanes(&store, Some(&lanes), &[(key.clone(), 3)]);
         let one_record = log_len();
         lanes.lock().unwrap().compact_next();
