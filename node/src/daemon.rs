@@ -61,8 +61,8 @@ pub enum DaemonError {
 /// every millisecond: a write waits for one push batch, not for a collection and then a
 /// batch. With one, each collection is followed by a sync of the lane log (`handoff`), and
 /// a sync per millisecond cost a fifth of the sidecar's pipelined throughput
-/// (BENCHMARKS.md): twice per push interval instead, so a write may wait up to half a push
-/// interval more.
+/// (BENCHMARKS.md, runs 33 to 36): twice per push interval instead, so a write may wait up
+/// to half a push interval more.
 fn collect_every(data_dir: bool, push_interval: std::time::Duration) -> std::time::Duration {
     let every = std::time::Duration::from_millis(1);
     if data_dir {
