@@ -198,7 +198,7 @@ echo "tally (no data_dir) vs redis (no persistence); ratios are tally / redis, m
 echo
 table tally redis
 echo
-echo "tally (data_dir: lane-log write per batch) vs redis (AOF, appendfsync no):"
+echo "tally (data_dir: lane-log write per batch, a sync per collection before gossip) vs redis (AOF, appendfsync no):"
 echo
 table tally-log redis-aof
 echo

@@ -40,7 +40,8 @@ pub struct DemoArgs {
 
 /// The push interval the demo's nodes run with, and the staleness window documented for a
 /// write between processes on one busy machine (docs/protocol.md, "The staleness window
-/// on real nodes"): a push interval, at most 2 ms to collection, and scheduling delays.
+/// on real nodes"): a push interval, at most 3.5 ms to collection (the nodes have a data
+/// dir), the lane log's sync, and scheduling delays.
 const PUSH_INTERVAL_MS: u64 = 5;
 const STALENESS_WINDOW_MS: u64 = 20;
 const REGION: u64 = 1;

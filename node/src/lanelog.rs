@@ -209,10 +209,9 @@ pub fn open(
     };
     let path = dir.join(format!("lanes-{}.log", generation.0));
     // Written at offsets, over the zeros allocated ahead: not in append mode, where Linux
-    // writes at the end whatever the offset.
+    // writes at the end whatever the offset. New: the generation is above every log's.
     let file = OpenOptions::new()
-        .create(true)
-        .truncate(false)
+        .create_new(true)
         .write(true)
         .open(&path)
         .map_err(io(&path))?;
@@ -299,19 +298,7 @@ impl LaneLog {
             return Err(LogError::Failed(why.clone()));
         }
         let end = self.written + self.pending.len() as u64;
-        let written = self
-            .file
-            .write_all_at(&self.pending, self.written)
-            .and_then(|()| {
-                if end <= self.allocated {
-                    return Ok(());
-                }
-                let allocated = end.next_multiple_of(ALLOCATE_BYTES);
-                checksummed::write_zeros(&self.file, end, allocated)?;
-                self.allocated = allocated;
-                Ok(())
-            });
-        if let Err(source) = written {
+        if let Err(source) = self.file.write_all_at(&self.pending, self.written) {
             self.failed = Some(source.to_string());
             return Err(LogError::Io {
                 path: self.path.clone(),
@@ -320,6 +307,18 @@ impl LaneLog {
         }
         self.written = end;
         self.pending.clear();
+        if end > self.allocated {
+            let allocated = end.next_multiple_of(ALLOCATE_BYTES);
+            match checksummed::write_zeros(&self.file, end, allocated) {
+                Ok(()) => self.allocated = allocated,
+                // The records are written; without zeros ahead, the next syncs grow the
+                // file, which costs more and loses nothing. Tried again at the next flush.
+                Err(err) => eprintln!(
+                    "tallyd: data dir: {}: allocating the lane log ahead: {err}",
+                    self.path.display()
+                ),
+            }
+        }
         Ok(())
     }
 

@@ -19,8 +19,10 @@ pub const GOSSIP_PORT: u16 = 7001;
 pub const CLIENT_PORT: u16 = 7100;
 pub const HTTP_PORT: u16 = 7200;
 
-/// The window of every test rule: a week, the longest there is, so that a test does not
-/// span a window's end (an hour's would, now and then, and count from zero midway).
+/// The window of every test rule: a week, the longest there is, so that a test seldom
+/// spans a window's end (weeks end on Thursdays at 00:00 UTC; an hour's window ended under
+/// a test now and then, which then counted from zero midway). `RULES` and `REGION_RULES`
+/// spell it out; `Cluster::start_with` checks that they agree.
 pub const WINDOW_SECS: u32 = 604_800;
 
 /// The rules every test node gets (`window_secs` is [`WINDOW_SECS`]).
@@ -74,6 +76,13 @@ impl Cluster {
     /// [`Cluster::start`] with a failure detector that declares a silent member dead after
     /// `dead_after_ms` of suspicion, and node 1 the region if `region`.
     pub fn start_with(net: u8, n: u64, dead_after_ms: u64, region: bool) -> Cluster {
+        let window = format!("window_secs = {WINDOW_SECS}\n");
+        assert_eq!(RULES.matches(&window).count(), 2, "RULES' windows");
+        assert_eq!(
+            REGION_RULES.matches(&window).count(),
+            1,
+            "REGION_RULES' window"
+        );
         let cluster = CLUSTERS.fetch_add(1, Ordering::Relaxed);
         let dir =
             std::env::temp_dir().join(format!("tally-e2e-{}-{net}-{cluster}", std::process::id()));
