@@ -15,9 +15,8 @@
 //! it does: keys written meanwhile stay queued in the store, and are collected once it has
 //! returned. So a node under load syncs at most once per collection (every half push
 //! interval with a data dir: `daemon::collect_every`), what waits is bounded by the
-//! store's keys, and a write waits for at most two syncs. Lanes go to the
-//! gossip stamped with when they were collected, so the staleness peers measure includes
-//! the sync.
+//! store's keys, and a write waits for at most two syncs. Lanes go to the gossip stamped
+//! with when they were collected, so the staleness peers measure includes the sync.
 
 use crate::lanelog::{LaneLog, LogError};
 use std::sync::{Arc, Mutex};

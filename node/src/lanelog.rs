@@ -28,11 +28,11 @@
 //!
 //! A record is `[len u32][crc32 u32][body]`; replay stops at the first record that is
 //! short, of length 0, or fails its checksum, keeping the prefix before it. A log is
-//! allocated ahead with zeros (a MiB at a time), so that the sync each
-//! collection waits for (`handoff`) writes the records' blocks alone: one that grows the
-//! file also commits its size and blocks (a journal commit on ext4), which costs more and
-//! holds up the region log's syncs on the same disk. The zeros end the replay (a record is
-//! never empty); anything else after the last whole record is a torn tail.
+//! allocated ahead with zeros (a MiB at a time), so that the sync each collection waits
+//! for (`handoff`) writes the records' blocks alone: one that grows the file also commits
+//! its size and blocks (a journal commit on ext4), which costs more and holds up the
+//! region log's syncs on the same disk. The zeros end the replay (a record is never
+//! empty); anything else after the last whole record is a torn tail.
 
 use crate::checksummed;
 use crate::store::LaneStore;
