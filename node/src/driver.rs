@@ -22,6 +22,11 @@ use tokio::sync::{mpsc, watch};
 /// last push and the goodbye) before it closes its connections.
 const LAST_FRAMES_DEADLINE: Duration = Duration::from_secs(1);
 
+/// How long a lane-log sync may run before the node stops its protocol until it returns:
+/// far past a sync on a slow disk (milliseconds), well within a rule's `stale_after_ms`
+/// (3 s by default).
+const SYNC_OVERDUE: Duration = Duration::from_secs(1);
+
 /// Why the gossip task stopped on its own.
 #[derive(Debug, thiserror::Error)]
 pub enum DriverError {
@@ -90,6 +95,14 @@ impl Driver {
                 protocol.as_mut().reset(deadline);
             }
             self.refresh_view(me, serving_since);
+            // A lane-log sync that does not return holds this node's writes back; past
+            // `SYNC_OVERDUE` (or a gossip interval, if longer) its protocol waits with them
+            // (no rounds, so no heartbeats), so that peers see it go stale rather than fresh
+            // without its writes.
+            let held = self.handoff.overdue(
+                self.clock.mono(),
+                SYNC_OVERDUE.max(self.gossip.config().gossip_interval),
+            );
             tokio::select! {
                 inbound = self.inbound.recv() => {
                     let Some(inbound) = inbound else { return Ok(()) };
@@ -103,7 +116,7 @@ impl Driver {
                         self.transport.refuse(inbound.from, &inbound.connection);
                     }
                 }
-                () = &mut protocol => {
+                () = &mut protocol, if !held => {
                     self.gossip.handle_input(Input::Timeout { now: self.clock.now() });
                 }
                 () = self.store.queued(), if !collect_due => {

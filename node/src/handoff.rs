@@ -16,10 +16,13 @@
 //! returned. So a node under load syncs at most once per collection (every half push
 //! interval with a data dir: `daemon::collect_every`), what waits is bounded by the
 //! store's keys, and a write waits for at most two syncs. Lanes go to the gossip stamped
-//! with when they were collected, so the staleness peers measure includes the sync.
+//! with when they were collected, so the staleness peers measure includes the sync. A
+//! sync that runs past a second is [`Handoff::overdue`]: the driver then holds its
+//! protocol, heartbeats included, until it returns.
 
 use crate::lanelog::{LaneLog, LogError};
 use std::sync::{Arc, Mutex};
+use std::time::Duration;
 use tally_crdt::{Key, Lane};
 use tally_gossip::Now;
 use tokio::task::JoinHandle;
@@ -50,6 +53,14 @@ impl Handoff {
     /// Whether a sync is in flight: collect nothing meanwhile.
     pub fn is_syncing(&self) -> bool {
         self.syncing.is_some()
+    }
+
+    /// Whether the sync in flight began more than `limit` before `now` (monotonic): the
+    /// disk is not answering, and the lanes it holds back are the node's writes since.
+    pub fn overdue(&self, now: Duration, limit: Duration) -> bool {
+        self.syncing
+            .as_ref()
+            .is_some_and(|syncing| now.saturating_sub(syncing.lanes.0.mono) > limit)
     }
 
     /// Takes lanes collected at `now`, while no sync is in flight. Returns them at once
@@ -99,7 +110,6 @@ impl Handoff {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use std::time::Duration;
     use tally_crdt::{NodeId, Rule, Stamp, Subject, Window};
 
     const NOW: u64 = 1_767_225_600;
@@ -149,6 +159,21 @@ mod tests {
         let later = collected(3, &[("a", 4)]);
         assert_eq!(handoff.collected(later.clone()), None);
         assert_eq!(handoff.synced().await.unwrap(), later);
+    }
+
+    #[tokio::test(flavor = "current_thread")]
+    async fn a_sync_is_overdue_once_it_has_run_longer_than_the_limit_since_its_collection() {
+        let mut handoff = Handoff::new(Some(log("overdue")));
+        let second = Duration::from_secs(1);
+        assert!(
+            !handoff.overdue(Duration::from_secs(60), second),
+            "no sync in flight"
+        );
+        assert_eq!(handoff.collected(collected(1_000, &[("a", 1)])), None);
+        assert!(!handoff.overdue(Duration::from_millis(2_000), second));
+        assert!(handoff.overdue(Duration::from_millis(2_001), second));
+        handoff.synced().await.unwrap();
+        assert!(!handoff.overdue(Duration::from_millis(2_001), second));
     }
 
     #[test]
