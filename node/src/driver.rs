@@ -22,9 +22,9 @@ use tokio::sync::{mpsc, watch};
 /// last push and the goodbye) before it closes its connections.
 const LAST_FRAMES_DEADLINE: Duration = Duration::from_secs(1);
 
-/// How long a lane-log sync may run before the node stops its protocol until it returns:
-/// far past a sync on a slow disk (milliseconds), well within a rule's `stale_after_ms`
-/// (3 s by default).
+/// How long a lane-log sync may run (or a gossip interval, if longer) before the node
+/// stops its protocol until it returns and decides as stale as the writes it holds back:
+/// far past a sync on a slow disk (milliseconds), below the default `stale_after_ms` (3 s).
 const SYNC_OVERDUE: Duration = Duration::from_secs(1);
 
 /// Why the gossip task stopped on its own.
@@ -94,15 +94,12 @@ impl Driver {
             if protocol.deadline() != deadline {
                 protocol.as_mut().reset(deadline);
             }
-            self.refresh_view(me, serving_since);
             // A lane-log sync that does not return holds this node's writes back; past
             // `SYNC_OVERDUE` (or a gossip interval, if longer) its protocol waits with them
             // (no rounds, so no heartbeats), so that peers see it go stale rather than fresh
             // without its writes.
-            let held = self.handoff.overdue(
-                self.clock.mono(),
-                SYNC_OVERDUE.max(self.gossip.config().gossip_interval),
-            );
+            let held = self.held_since();
+            self.refresh_view(me, serving_since, held);
             tokio::select! {
                 inbound = self.inbound.recv() => {
                     let Some(inbound) = inbound else { return Ok(()) };
@@ -116,8 +113,11 @@ impl Driver {
                         self.transport.refuse(inbound.from, &inbound.connection);
                     }
                 }
-                () = &mut protocol, if !held => {
-                    self.gossip.handle_input(Input::Timeout { now: self.clock.now() });
+                // Checked again: the sync may have become overdue while the loop slept.
+                () = &mut protocol, if held.is_none() => {
+                    if self.held_since().is_none() {
+                        self.gossip.handle_input(Input::Timeout { now: self.clock.now() });
+                    }
                 }
                 () = self.store.queued(), if !collect_due => {
                     collect_due = true;
@@ -149,6 +149,12 @@ impl Driver {
                 }
             }
         }
+    }
+
+    /// If the lane log's sync is overdue, when the lanes it holds back were collected.
+    fn held_since(&self) -> Option<tally_crdt::Stamp> {
+        let limit = SYNC_OVERDUE.max(self.gossip.config().gossip_interval);
+        self.handoff.overdue(self.clock.mono(), limit)
     }
 
     /// Collects the lanes written since the last collection, and hands them to the gossip
@@ -265,8 +271,14 @@ impl Driver {
         }
     }
 
-    /// `serving_since`: when the node began serving, on the monotonic clock.
-    fn refresh_view(&mut self, me: ReplicaId, serving_since: Duration) {
+    /// `serving_since`: when the node began serving, on the monotonic clock; `held_since`:
+    /// when the lanes an overdue lane-log sync holds back were collected.
+    fn refresh_view(
+        &mut self,
+        me: ReplicaId,
+        serving_since: Duration,
+        held_since: Option<tally_crdt::Stamp>,
+    ) {
         let map = self.gossip.map();
         let members = self.gossip.members();
         let all = [State::Alive, State::Suspect, State::Dead, State::Left];
@@ -289,6 +301,7 @@ impl Driver {
             config.dead_after,
         );
         view.set_members(rows, stamps);
+        view.own_held_since = held_since;
         view.gossip = self.gossip.stats().clone();
         view.lanes = map.lanes();
         view.keys = map.len();

@@ -17,13 +17,14 @@
 //! interval with a data dir: `daemon::collect_every`), what waits is bounded by the
 //! store's keys, and a write waits for at most two syncs. Lanes go to the gossip stamped
 //! with when they were collected, so the staleness peers measure includes the sync. A
-//! sync that runs past a second is [`Handoff::overdue`]: the driver then holds its
-//! protocol, heartbeats included, until it returns.
+//! sync that runs past a limit (the driver's: a second, or a gossip interval) is
+//! [`Handoff::overdue`]: the driver then holds its protocol, heartbeats included, until
+//! it returns, and the node decides as stale as the writes it holds back.
 
 use crate::lanelog::{LaneLog, LogError};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
-use tally_crdt::{Key, Lane};
+use tally_crdt::{Key, Lane, Stamp};
 use tally_gossip::Now;
 use tokio::task::JoinHandle;
 
@@ -55,12 +56,12 @@ impl Handoff {
         self.syncing.is_some()
     }
 
-    /// Whether the sync in flight began more than `limit` before `now` (monotonic): the
-    /// disk is not answering, and the lanes it holds back are the node's writes since.
-    pub fn overdue(&self, now: Duration, limit: Duration) -> bool {
-        self.syncing
-            .as_ref()
-            .is_some_and(|syncing| now.saturating_sub(syncing.lanes.0.mono) > limit)
+    /// If the sync in flight began more than `limit` before `now` (monotonic), the wall
+    /// time of its lanes' collection: the disk is not answering, and no peer has this
+    /// node's writes since then.
+    pub fn overdue(&self, now: Duration, limit: Duration) -> Option<Stamp> {
+        let (collected, _) = &self.syncing.as_ref()?.lanes;
+        (now.saturating_sub(collected.mono) > limit).then_some(collected.wall)
     }
 
     /// Takes lanes collected at `now`, while no sync is in flight. Returns them at once
@@ -110,7 +111,7 @@ impl Handoff {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use tally_crdt::{NodeId, Rule, Stamp, Subject, Window};
+    use tally_crdt::{NodeId, Rule, Subject, Window};
 
     const NOW: u64 = 1_767_225_600;
 
@@ -165,15 +166,18 @@ mod tests {
     async fn a_sync_is_overdue_once_it_has_run_longer_than_the_limit_since_its_collection() {
         let mut handoff = Handoff::new(Some(log("overdue")));
         let second = Duration::from_secs(1);
-        assert!(
-            !handoff.overdue(Duration::from_secs(60), second),
+        let at = Duration::from_millis;
+        assert_eq!(
+            handoff.overdue(at(60_000), second),
+            None,
             "no sync in flight"
         );
         assert_eq!(handoff.collected(collected(1_000, &[("a", 1)])), None);
-        assert!(!handoff.overdue(Duration::from_millis(2_000), second));
-        assert!(handoff.overdue(Duration::from_millis(2_001), second));
+        assert_eq!(handoff.overdue(at(2_000), second), None);
+        let since = Stamp(NOW * 1_000 + 1_000);
+        assert_eq!(handoff.overdue(at(2_001), second), Some(since));
         handoff.synced().await.unwrap();
-        assert!(!handoff.overdue(Duration::from_millis(2_001), second));
+        assert_eq!(handoff.overdue(at(2_001), second), None);
     }
 
     #[test]

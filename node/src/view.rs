@@ -47,6 +47,11 @@ pub struct ViewState {
     /// other generations: the lives before a restart), where it is not zero. An isolated
     /// decision counts them as this node's own.
     pub other_lives: HashMap<Key, i128>,
+    /// Once the lane log's sync is overdue (`handoff`), when the writes it holds back were
+    /// collected: no peer has this node's writes since, and a peer may have declared it
+    /// dead and stopped counting it, so it decides as stale as that, isolated once past a
+    /// rule's `stale_after_ms`.
+    pub own_held_since: Option<Stamp>,
 }
 
 /// A smoothed rate of increments per second, from totals seen at times.
@@ -196,6 +201,7 @@ impl ViewState {
             unheard_seeds: self.unheard_seeds,
             remote_rates: HashMap::new(),
             other_lives: HashMap::new(),
+            own_held_since: self.own_held_since,
         }
     }
 
@@ -209,6 +215,9 @@ impl ViewState {
         };
         if let Some(oldest) = self.summary.oldest_live {
             staleness = staleness.max(Duration::from_millis(now.0.saturating_sub(oldest.0)));
+        }
+        if let Some(since) = self.own_held_since {
+            staleness = staleness.max(Duration::from_millis(now.0.saturating_sub(since.0)));
         }
         Freshness {
             staleness,
@@ -338,6 +347,17 @@ mod tests {
         let freshness = state.freshness(Stamp(1_000));
         assert_eq!(freshness.staleness, Duration::from_millis(300));
         assert_eq!((freshness.live, freshness.locations), (2, 4));
+    }
+
+    #[test]
+    fn own_writes_held_back_by_an_overdue_sync_count_as_staleness() {
+        let held = ViewState {
+            own_held_since: Some(Stamp(400)),
+            ..ViewState::default()
+        };
+        let freshness = held.freshness(Stamp(1_000));
+        assert_eq!(freshness.staleness, Duration::from_millis(600));
+        assert_eq!((freshness.live, freshness.locations), (0, 1));
     }
 
     #[test]
