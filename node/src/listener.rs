@@ -215,6 +215,12 @@ impl Service {
                     {
                         Err(unavailable)
                     }
+                    // A stopping node counts nothing more: its last push may have gone.
+                    Err(unavailable @ Refusal::RegionUnavailable { .. })
+                        if self.closing.load(Ordering::Relaxed) =>
+                    {
+                        Err(unavailable)
+                    }
                     Err(unavailable @ Refusal::RegionUnavailable { .. }) => {
                         self.fallback(context, &rule, key, cost, check_id, unavailable)
                     }
@@ -1376,5 +1382,56 @@ mod tests {
         ));
         // A region that decided it once already: refused, never decided here again.
         assert_eq!(responses[1].result, Err(forgotten));
+    }
+
+    #[test]
+    fn a_stopping_node_counts_no_fallback_and_answers_the_region_unavailable() {
+        let mut service = service(10);
+        let allow = RuleConfig {
+            on_region_unavailable: crate::config::OnRegionUnavailable::Allow,
+            ..RuleConfig::for_test("quota", 100, RuleMode::Exact)
+        };
+        service.rules = Rules::new(&[allow]).unwrap();
+        let found = service.rules.get("quota").unwrap();
+        let (rule, key) = (
+            found.1.clone(),
+            decide::key(found, "a", clock::wall()).unwrap(),
+        );
+        let unavailable = Refusal::RegionUnavailable {
+            rule: "quota".into(),
+            why: "no answer".into(),
+        };
+        let answer = |id| Forwarded {
+            ticket: Exact {
+                id,
+                rule: rule.clone(),
+                key: key.to_key(),
+                cost: 3,
+                check_id: None,
+                waiting: None,
+            },
+            result: Err(unavailable.clone()),
+        };
+        let mut output = Vec::new();
+        service.answer_exact(&mut vec![answer(1)], &mut output);
+        assert!(matches!(
+            &responses(&output)[0].result,
+            Ok(Reply::Decision(decision)) if decision.allowed
+        ));
+        assert_eq!(
+            service.store.estimate(&key.to_key()),
+            3,
+            "the fallback counted"
+        );
+
+        service.closing.store(true, Ordering::Relaxed);
+        output.clear();
+        service.answer_exact(&mut vec![answer(2)], &mut output);
+        assert_eq!(responses(&output)[0].result, Err(unavailable.clone()));
+        assert_eq!(
+            service.store.estimate(&key.to_key()),
+            3,
+            "nothing more counted"
+        );
     }
 }
