@@ -1342,8 +1342,9 @@ mod tests {
         assert!(handled.bad.is_some() && output.is_empty());
     }
 
-    #[test]
-    fn a_forgotten_check_id_is_refused_whatever_the_rule_falls_back_to() {
+    /// A service whose one rule, `quota`, is exact and falls back to `allow`; the rule, and
+    /// its key for subject `a`.
+    fn allowing_service() -> (Service, Arc<RuleConfig>, Key) {
         let mut service = service(10);
         let allow = RuleConfig {
             on_region_unavailable: crate::config::OnRegionUnavailable::Allow,
@@ -1353,6 +1354,12 @@ mod tests {
         let found = service.rules.get("quota").unwrap();
         let rule = found.1.clone();
         let key = decide::key(found, "a", clock::wall()).unwrap().to_key();
+        (service, rule, key)
+    }
+
+    #[test]
+    fn a_forgotten_check_id_is_refused_whatever_the_rule_falls_back_to() {
+        let (service, rule, key) = allowing_service();
         let answer = |result| Forwarded {
             ticket: Exact {
                 id: 7,
@@ -1386,17 +1393,7 @@ mod tests {
 
     #[test]
     fn a_stopping_node_counts_no_fallback_and_answers_the_region_unavailable() {
-        let mut service = service(10);
-        let allow = RuleConfig {
-            on_region_unavailable: crate::config::OnRegionUnavailable::Allow,
-            ..RuleConfig::for_test("quota", 100, RuleMode::Exact)
-        };
-        service.rules = Rules::new(&[allow]).unwrap();
-        let found = service.rules.get("quota").unwrap();
-        let (rule, key) = (
-            found.1.clone(),
-            decide::key(found, "a", clock::wall()).unwrap(),
-        );
+        let (service, rule, key) = allowing_service();
         let unavailable = Refusal::RegionUnavailable {
             rule: "quota".into(),
             why: "no answer".into(),
@@ -1405,7 +1402,7 @@ mod tests {
             ticket: Exact {
                 id,
                 rule: rule.clone(),
-                key: key.to_key(),
+                key: key.clone(),
                 cost: 3,
                 check_id: None,
                 waiting: None,
@@ -1418,20 +1415,12 @@ mod tests {
             &responses(&output)[0].result,
             Ok(Reply::Decision(decision)) if decision.allowed
         ));
-        assert_eq!(
-            service.store.estimate(&key.to_key()),
-            3,
-            "the fallback counted"
-        );
+        assert_eq!(service.store.estimate(&key), 3, "the fallback counted");
 
         service.closing.store(true, Ordering::Relaxed);
         output.clear();
         service.answer_exact(&mut vec![answer(2)], &mut output);
         assert_eq!(responses(&output)[0].result, Err(unavailable.clone()));
-        assert_eq!(
-            service.store.estimate(&key.to_key()),
-            3,
-            "nothing more counted"
-        );
+        assert_eq!(service.store.estimate(&key), 3, "nothing more counted");
     }
 }
