@@ -207,17 +207,12 @@ impl Service {
                 let key = KeyRef::from(&key);
                 let result = match result {
                     Ok(outcome) => self.exact_once(context, &rule, key, check_id, outcome),
-                    // Another send of the id may yet be decided at the region: no fallback
-                    // here, which would count it twice. A later retry gets the answer that
-                    // send gets.
+                    // No fallback where another send of the id may yet be decided at the
+                    // region (it would count twice; a later retry gets the answer that send
+                    // gets), nor on a stopping node (its last push may have gone).
                     Err(unavailable @ Refusal::RegionUnavailable { .. })
-                        if waiting.as_ref().is_some_and(WaitingSend::has_company) =>
-                    {
-                        Err(unavailable)
-                    }
-                    // A stopping node counts nothing more: its last push may have gone.
-                    Err(unavailable @ Refusal::RegionUnavailable { .. })
-                        if self.closing.load(Ordering::Relaxed) =>
+                        if waiting.as_ref().is_some_and(WaitingSend::has_company)
+                            || self.closing.load(Ordering::Relaxed) =>
                     {
                         Err(unavailable)
                     }
