@@ -12,7 +12,11 @@
 
 mod cluster;
 
+use cluster::disk::LoopDisk;
 use cluster::Cluster;
+use std::collections::BTreeMap;
+use std::io::Write;
+use std::path::Path;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 use tally_client::{CheckId, Client, Decision, Error, Mode, Pipeline, Refusal, Reply};
@@ -541,4 +545,151 @@ async fn the_region_nodes_own_clients_share_the_edges_exact_count_across_a_regio
     let after = region.check("quota", "own", 4).await.unwrap();
     assert_eq!(decided(&after), (Mode::Exact, true, 30, LIMIT - 30));
     assert_eq!(region_count(&edge, "own").await, 30);
+}
+
+/// Writes zeros to `path` until the filesystem refuses any more: every block left is taken.
+fn fill(path: &Path) {
+    let mut file = std::fs::File::create(path).unwrap();
+    for chunk in [64 * 1024, 1_024] {
+        while file.write_all(&vec![0; chunk]).is_ok() {}
+    }
+}
+
+/// TESTING.md D6: the region's disk fills up under exact checks from an edge. The region
+/// refuses them with a clear error (`Storage`, with the OS's "No space left on device"),
+/// admits nothing after its first refusal, and keeps running: the edge's approximate rules
+/// serve, and the region's own clients get the same clear error for a write its lane log
+/// has no room for. Once room is made, it starts again on the same log with every check it
+/// acknowledged, and the admissions its lane log had no room for are repaired into its
+/// lanes, so the edge's estimate of each exact key is the region's count again.
+#[tokio::test(flavor = "current_thread")]
+async fn a_region_whose_disk_fills_refuses_with_a_clear_error_admits_nothing_after_and_reopens() {
+    let mut cluster = Cluster::start_with(NET, 2, 2_000, true);
+    let data_dir = cluster.nodes[0].data_dir().to_owned();
+    cluster.node(1).kill9();
+    let _disk = LoopDisk::mount_new(&cluster.dir.join("region.img"), &data_dir, 32);
+    cluster.node(1).restart(true);
+    cluster.wait_members_alive();
+    let edge = cluster.nodes[1].client().await;
+    // Long subjects make long records: the logs' allocations fill in fewer checks.
+    let subjects: Vec<String> = (0..100).map(|i| format!("{i:0>200}")).collect();
+    let first = edge.check("quota", &subjects[0], 1).await.unwrap();
+    assert_eq!((first.mode, first.allowed), (Mode::Exact, true));
+    // The region log has a chunk allocated ahead, the region's lane log a MiB; the rest of
+    // the disk goes to this file.
+    fill(&data_dir.join("filler"));
+
+    let mut acked: BTreeMap<&str, u64> = BTreeMap::from([(subjects[0].as_str(), 1)]);
+    let mut unknown: BTreeMap<&str, u64> = BTreeMap::new();
+    let mut refused_in = None;
+    for round in 0..400 {
+        let mut pipeline = Pipeline::new();
+        let sent: Vec<&str> = (0..256)
+            .map(|i| subjects[(round * 256 + i) % subjects.len()].as_str())
+            .collect();
+        for subject in &sent {
+            pipeline.check("quota", subject, 1);
+        }
+        let results = edge.send(&pipeline).await.unwrap();
+        for (subject, result) in sent.into_iter().zip(results) {
+            match result {
+                Ok(Reply::Decision(decision)) => {
+                    assert_eq!(
+                        refused_in, None,
+                        "a check was answered after a round with a refusal: {decision:?}"
+                    );
+                    assert_eq!((decision.mode, decision.allowed), (Mode::Exact, true));
+                    *acked.entry(subject).or_default() += 1;
+                }
+                Err(Error::Refused(Refusal::Storage { why })) => {
+                    assert!(why.contains("No space left on device"), "{why}");
+                    refused_in.get_or_insert(round);
+                }
+                // The region did not answer in time (a chunk's allocation can take long
+                // on this disk): it may have admitted the check.
+                Err(Error::Refused(Refusal::RegionUnavailable { .. })) => {
+                    *unknown.entry(subject).or_default() += 1;
+                }
+                other => panic!("an exact check on a filling disk got {other:?}"),
+            }
+        }
+        assert_eq!(cluster.node(1).exited(), None, "the region keeps running");
+        if refused_in.is_some_and(|refused| round > refused + 2) {
+            break;
+        }
+    }
+    assert!(refused_in.is_some(), "the disk never filled");
+    let refused = cluster.nodes[0]
+        .metric("tally_region_log_refused_total", &[])
+        .unwrap();
+    assert!(refused >= 256.0, "region_log_refused: {refused}");
+    let approximate = edge.incr("count", "elsewhere", 1).await.unwrap();
+    assert_eq!(approximate.estimate, 1);
+    let region = cluster.nodes[0].client().await;
+    // A subject longer than any checked: its record cannot fit where theirs did not.
+    let longest = "h".repeat(256);
+    match region.incr("count", &longest, 1).await {
+        Err(Error::Refused(Refusal::Storage { why })) => {
+            assert!(why.contains("No space left on device"), "{why}");
+        }
+        other => panic!("a write the region's lane log has no room for got {other:?}"),
+    }
+
+    // Room made: the lane log takes writes again at once; the region log refuses until
+    // the region restarts, as after any failed allocation, write or sync.
+    std::fs::remove_file(data_dir.join("filler")).unwrap();
+    let written = region.incr("count", &longest, 1).await.unwrap();
+    assert_eq!(written.estimate, 1);
+    match edge.check("quota", &subjects[1], 1).await {
+        Err(Error::Refused(Refusal::Storage { why })) => {
+            assert!(why.contains("No space left on device"), "{why}");
+        }
+        other => panic!("an exact check before the region's restart got {other:?}"),
+    }
+    drop(region);
+    cluster.node(1).kill9();
+    cluster.node(1).restart(true);
+    let log = std::fs::read_to_string(&cluster.nodes[0].log).unwrap();
+    let repaired: u64 = log
+        .lines()
+        .rev()
+        .find_map(|line| {
+            line.split("; ")
+                .nth(1)?
+                .strip_suffix(" admissions repaired into the region's lanes")
+        })
+        .expect("the region's start reports its repair")
+        .parse()
+        .unwrap();
+    assert!(
+        repaired > 0,
+        "the region's lane log filled before its region log, and the admissions it had no \
+         room for are repaired: {log}"
+    );
+    for subject in &subjects {
+        let count = region_count(&edge, subject).await;
+        let (ok, maybe) = (
+            acked[subject.as_str()],
+            unknown.get(subject.as_str()).copied().unwrap_or(0),
+        );
+        assert!(
+            (ok..=ok + maybe).contains(&count),
+            "{subject}: count {count}, acknowledged {ok}, unanswered {maybe}"
+        );
+        let mut estimate = 0;
+        for _ in 0..200 {
+            estimate = edge.get("quota", subject).await.unwrap().estimate;
+            if estimate == i128::from(count) {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(25)).await;
+        }
+        assert_eq!(
+            estimate,
+            i128::from(count),
+            "{subject}: the edge's estimate"
+        );
+    }
+    let after = edge.check("quota", &subjects[1], 1).await.unwrap();
+    assert_eq!((after.mode, after.allowed), (Mode::Exact, true));
 }

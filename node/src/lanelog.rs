@@ -272,13 +272,30 @@ pub struct LaneLog {
 
 impl LaneLog {
     /// Buffers a write of `incr` and `decr` to `key`'s own lane; returns a mark that
-    /// [`LaneLog::undo`] takes back to. Refused once a flush has failed.
+    /// [`LaneLog::undo`] takes back to. Refused once a flush has failed, and refused
+    /// (with nothing buffered) when the file has no room allocated for it and allocating
+    /// more fails, as on a full disk: the write is then refused with the OS's error, and a
+    /// later one is tried again, so the log takes writes again once there is room.
     pub fn append(&mut self, key: &Key, incr: u64, decr: u64) -> Result<usize, LogError> {
         if let Some(why) = &self.failed {
             return Err(LogError::Failed(why.clone()));
         }
         let mark = self.pending.len();
         encode(key, incr, decr, &mut self.pending);
+        let end = self.written + self.pending.len() as u64;
+        if end > self.allocated {
+            let allocated = end.next_multiple_of(ALLOCATE_BYTES);
+            if let Err(source) = checksummed::write_zeros(&self.file, self.allocated, allocated) {
+                // Zeros alone were written, before the records' end: nothing to undo but
+                // the record. Those that did reach the file end a replay as any do.
+                self.pending.truncate(mark);
+                return Err(LogError::Io {
+                    path: self.path.clone(),
+                    source,
+                });
+            }
+            self.allocated = allocated;
+        }
         Ok(mark)
     }
 
@@ -289,7 +306,8 @@ impl LaneLog {
 
     /// Writes the buffered records to the file (the OS's page cache: a process crash keeps
     /// them; a machine crash loses the ones no sync has covered yet, which no peer holds,
-    /// see `handoff`). After an error, every later append is refused.
+    /// see `handoff`), over zeros [`LaneLog::append`] allocated for them, so a full disk
+    /// cannot fail it. After an error, every later append is refused.
     pub fn flush(&mut self) -> Result<(), LogError> {
         if self.pending.is_empty() {
             return Ok(());
@@ -298,6 +316,7 @@ impl LaneLog {
             return Err(LogError::Failed(why.clone()));
         }
         let end = self.written + self.pending.len() as u64;
+        debug_assert!(end <= self.allocated, "records are written over zeros");
         if let Err(source) = self.file.write_all_at(&self.pending, self.written) {
             self.failed = Some(source.to_string());
             return Err(LogError::Io {
@@ -307,18 +326,6 @@ impl LaneLog {
         }
         self.written = end;
         self.pending.clear();
-        if end > self.allocated {
-            let allocated = end.next_multiple_of(ALLOCATE_BYTES);
-            match checksummed::write_zeros(&self.file, end, allocated) {
-                Ok(()) => self.allocated = allocated,
-                // The records are written; without zeros ahead, the next syncs grow the
-                // file, which costs more and loses nothing. Tried again at the next flush.
-                Err(err) => eprintln!(
-                    "tallyd: data dir: {}: allocating the lane log ahead: {err}",
-                    self.path.display()
-                ),
-            }
-        }
         Ok(())
     }
 
@@ -637,6 +644,50 @@ mod tests {
                 vec![(key("a"), Lane::new(5, 0))]
             )]
         );
+        std::fs::remove_dir_all(dir).unwrap();
+    }
+
+    #[test]
+    fn a_write_with_no_room_allocated_for_it_is_refused_whole_and_taken_once_there_is_room() {
+        let dir = dir("no-room");
+        let (mut log, first) = open(&dir, NodeId(1), 5, NOW).unwrap();
+        let mut record = Vec::new();
+        encode(&key("a"), 1, 0, &mut record);
+        let mut appended = 0;
+        while log.written + (log.pending.len() + record.len()) as u64 <= ALLOCATE_BYTES {
+            log.append(&key("a"), 1, 0).unwrap();
+            appended += 1;
+        }
+        let pending = log.pending.len();
+        // A file the log cannot write to: its allocation of the next MiB fails, as on a
+        // full disk.
+        let writable = std::mem::replace(&mut log.file, File::open(&log.path).unwrap());
+        let err = log.append(&key("a"), 1, 0).unwrap_err();
+        assert!(matches!(err, LogError::Io { .. }), "{err}");
+        assert_eq!(
+            log.pending.len(),
+            pending,
+            "nothing of the refused write is kept"
+        );
+        assert_eq!(log.allocated, ALLOCATE_BYTES);
+        log.file = writable;
+        log.flush().unwrap();
+        log.append(&key("b"), 2, 0).unwrap();
+        log.flush().unwrap();
+        assert_eq!(log.allocated, 2 * ALLOCATE_BYTES);
+        drop(log);
+        let (_, second) = open(&dir, NodeId(1), 6, NOW).unwrap();
+        let (replica, mut lanes) = second.retired.into_iter().next().unwrap();
+        assert_eq!(replica, ReplicaId::new(NodeId(1), first.generation));
+        lanes.sort_by(|a, b| a.0.subject.as_str().cmp(b.0.subject.as_str()));
+        assert_eq!(
+            lanes,
+            vec![
+                (key("a"), Lane::new(appended, 0)),
+                (key("b"), Lane::new(2, 0))
+            ]
+        );
+        assert_eq!(second.torn, 0);
         std::fs::remove_dir_all(dir).unwrap();
     }
 

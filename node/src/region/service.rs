@@ -377,7 +377,10 @@ async fn acknowledge(
 /// Counts durable admissions in the region's own lanes, through the lane log as an edge's
 /// writes go (logged, counted, and written out before this thread can run the gossip task),
 /// so gossip carries them to the edges' estimates and a restart republishes them. At the
-/// key cap an admission is not counted in the lane; the decision stands.
+/// key cap, or when the lane log has no room for its record (a full disk: the region log
+/// on the same disk refuses checks soon after), an admission is not counted in the lane;
+/// the decision stands, durable in the region log, and the next start's repair counts it
+/// in.
 fn count_in_own_lanes(store: &LaneStore, lanes: Option<&Mutex<LaneLog>>, admitted: &[(Key, u64)]) {
     let Some(lanes) = lanes else {
         for (key, cost) in admitted {
