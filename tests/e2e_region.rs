@@ -1,4 +1,4 @@
-//! End to end: exact rules through the region (TESTING.md D1, N10, C4). Node 1 is the
+//! End to end: exact rules through the region (TESTING.md D1, D6, N10, C4). Node 1 is the
 //! region; the others are edges forwarding the exact rule `quota` (limit 500) to it, and
 //! the region's own clients check it there.
 //!
@@ -619,6 +619,12 @@ async fn a_region_whose_disk_fills_refuses_with_a_clear_error_admits_nothing_aft
         }
     }
     assert!(refused_in.is_some(), "the disk never filled");
+    let owed = cluster.nodes[0].metric("tally_region_lanes_owed", &[]);
+    assert!(
+        owed.is_some_and(|owed| owed > 0.0),
+        "the region's lane log filled before its region log: its lanes owe admissions \
+         ({owed:?})"
+    );
     let refused = cluster.nodes[0]
         .metric("tally_region_log_refused_total", &[])
         .unwrap();
@@ -647,24 +653,46 @@ async fn a_region_whose_disk_fills_refuses_with_a_clear_error_admits_nothing_aft
         other => panic!("an exact check before the region's restart got {other:?}"),
     }
     drop(region);
+    // What the region's lanes owed is counted in within a second or so, without a restart,
+    // and reaches the edge's estimates.
+    cluster::eventually(
+        Duration::from_secs(10),
+        "the region's lanes to count in what they owed",
+        || cluster.nodes[0].metric("tally_region_lanes_owed", &[]) == Some(0.0),
+    )
+    .await;
+    for subject in &subjects {
+        let (ok, maybe) = (
+            acked[subject.as_str()],
+            unknown.get(subject.as_str()).copied().unwrap_or(0),
+        );
+        let mut estimate = 0;
+        for _ in 0..200 {
+            estimate = edge.get("quota", subject).await.unwrap().estimate;
+            if (i128::from(ok)..=i128::from(ok + maybe)).contains(&estimate) {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(25)).await;
+        }
+        assert!(
+            (i128::from(ok)..=i128::from(ok + maybe)).contains(&estimate),
+            "{subject}: the edge's estimate {estimate}, acknowledged {ok}, unanswered {maybe}"
+        );
+    }
+
     cluster.node(1).kill9();
     cluster.node(1).restart(true);
     let log = std::fs::read_to_string(&cluster.nodes[0].log).unwrap();
-    let repaired: u64 = log
+    let start = log
         .lines()
         .rev()
-        .find_map(|line| {
-            line.split("; ")
-                .nth(1)?
-                .strip_suffix(" admissions repaired into the region's lanes")
-        })
-        .expect("the region's start reports its repair")
-        .parse()
-        .unwrap();
+        .find(|line| line.starts_with("tallyd: region log:"))
+        .expect("the region's start reports its repair");
     assert!(
-        repaired > 0,
-        "the region's lane log filled before its region log, and the admissions it had no \
-         room for are repaired: {log}"
+        start.ends_with(
+            "; 0 admissions repaired into the region's lanes; 0 owed until its lane log has room"
+        ),
+        "the lanes held every admission before the restart: {start}"
     );
     for subject in &subjects {
         let count = region_count(&edge, subject).await;

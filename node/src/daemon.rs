@@ -148,8 +148,9 @@ pub async fn run(config: Config, shutdown: impl Future<Output = ()>) -> Result<(
             )?;
             eprintln!(
                 "tallyd: region log: {} entries replayed, {} torn bytes dropped, compacted \
-                 to its live windows; {} admissions repaired into the region's lanes",
-                opened.entries, opened.torn, opened.repaired
+                 to its live windows; {} admissions repaired into the region's lanes; {} \
+                 owed until its lane log has room",
+                opened.entries, opened.torn, opened.repaired, opened.owed
             );
             let (frames, receiver) = tokio::sync::mpsc::channel(1_024);
             let sessions = Sessions {
@@ -163,6 +164,7 @@ pub async fn run(config: Config, shutdown: impl Future<Output = ()>) -> Result<(
     let region_stats = region.as_ref().map(|(service, _)| RegionStats {
         commit: service.commit_stats(),
         bad_requests: service.bad_requests.clone(),
+        lanes_owed: service.lanes_owed(),
     });
     let bind =
         |what: &'static str, addr: String| move |source| DaemonError::Bind { what, addr, source };

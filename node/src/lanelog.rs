@@ -43,8 +43,9 @@ use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 use tally_crdt::{Generation, Key, Lane, NodeId, ReplicaId, Rule, Subject, Version, Window};
 
-/// Why the data directory could not be used. The node refuses to start, or (once
-/// serving) refuses every write after a failed append.
+/// Why the data directory could not be used. The node refuses to start; or, once serving,
+/// refuses a write whose record the log had no room allocated for (a full disk), and every
+/// write after a failed flush.
 #[derive(Debug, thiserror::Error)]
 pub enum LogError {
     /// A file operation failed.
@@ -83,6 +84,9 @@ const COMPACT_BYTES: u64 = 64 << 20;
 /// How far ahead of its records the log is allocated with zeros, at a time: the sync after
 /// an allocation commits the new size, the ones until the next only the records.
 const ALLOCATE_BYTES: u64 = 1 << 20;
+
+/// The zeros of an allocation are written this many bytes at a time.
+const ALLOCATE_STEP_BYTES: u64 = 64 << 10;
 /// One logged write: amounts added to the own lane's two totals.
 #[derive(Debug, Serialize, Deserialize)]
 struct Record {
@@ -283,20 +287,35 @@ impl LaneLog {
         let mark = self.pending.len();
         encode(key, incr, decr, &mut self.pending);
         let end = self.written + self.pending.len() as u64;
-        if end > self.allocated {
-            let allocated = end.next_multiple_of(ALLOCATE_BYTES);
-            if let Err(source) = checksummed::write_zeros(&self.file, self.allocated, allocated) {
-                // Zeros alone were written, before the records' end: nothing to undo but
-                // the record. Those that did reach the file end a replay as any do.
-                self.pending.truncate(mark);
-                return Err(LogError::Io {
-                    path: self.path.clone(),
-                    source,
-                });
-            }
-            self.allocated = allocated;
+        if let Err(source) = self.allocate_for(end) {
+            // Zeros alone were written, after the records: nothing to undo but the record.
+            self.pending.truncate(mark);
+            return Err(LogError::Io {
+                path: self.path.clone(),
+                source,
+            });
         }
         Ok(mark)
+    }
+
+    /// Writes zeros after the allocation until it reaches `end`, and on to the next MiB
+    /// while the disk has room, a step at a time. It fails only if `end` is not reached;
+    /// the steps written before a failure are kept, so a refused write costs one step's
+    /// try and the next write takes the room a partial allocation left.
+    fn allocate_for(&mut self, end: u64) -> std::io::Result<()> {
+        let target = end.next_multiple_of(ALLOCATE_BYTES);
+        while self.allocated < target {
+            let step = (self.allocated + ALLOCATE_STEP_BYTES).min(target);
+            if let Err(err) = checksummed::write_zeros(&self.file, self.allocated, step) {
+                return if end <= self.allocated {
+                    Ok(())
+                } else {
+                    Err(err)
+                };
+            }
+            self.allocated = step;
+        }
+        Ok(())
     }
 
     /// Drops the records buffered since `mark`: their write was refused.
@@ -355,6 +374,19 @@ impl LaneLog {
     #[cfg(test)]
     pub(crate) fn fail(&mut self, why: &str) {
         self.failed = Some(why.to_owned());
+    }
+
+    /// As on a full disk (`full`), every write needs an allocation and every allocation
+    /// fails; or the disk has room again. Call with nothing buffered.
+    #[cfg(test)]
+    pub(crate) fn full_disk(&mut self, full: bool) {
+        assert!(self.pending.is_empty(), "nothing buffered");
+        self.allocated = self.written;
+        self.file = OpenOptions::new()
+            .read(true)
+            .write(!full)
+            .open(&self.path)
+            .unwrap();
     }
 
     /// Makes the next batch's end compact the log, whatever its size.

@@ -93,6 +93,8 @@ pub struct RegionStats {
     pub commit: Arc<CommitStats>,
     /// Forwarded checks refused as malformed or for no exact rule.
     pub bad_requests: Arc<AtomicU64>,
+    /// Admitted costs the region's own lanes lack for want of room in the lane log.
+    pub lanes_owed: Arc<AtomicU64>,
 }
 
 /// Renders every metric in the Prometheus text format.
@@ -310,6 +312,13 @@ pub fn render(sources: &Sources<'_>) -> String {
         for (name, help, value) in pairs {
             counter(&mut registry, name, help, value);
         }
+        gauge(
+            &mut registry,
+            "region_lanes_owed",
+            "Admitted costs the region's own lanes (and so the edges' estimates) lack for \
+             want of room in its lane log, counted in once it has room",
+            load(&region.lanes_owed) as usize,
+        );
     }
 
     let decisions = Family::<Vec<(String, String)>, Counter>::default();

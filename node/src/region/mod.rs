@@ -16,6 +16,7 @@ pub mod committer;
 mod deadlines;
 pub mod forward;
 pub mod log;
+mod own_lanes;
 pub mod service;
 pub mod wire;
 

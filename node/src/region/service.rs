@@ -11,13 +11,13 @@
 
 use super::committer::{CommitError, Committer};
 use super::log::{self, Entry, Record, Storage};
+use super::own_lanes::OwnLanes;
 use super::wire::{self, Answered};
 use super::{key_in, Decided, ExactAnswer, ExactCheck, Ledger};
 use crate::clock;
 use crate::config::RuleMode;
 use crate::decide::Rules;
 use crate::lanelog::LaneLog;
-use crate::listener::write_out;
 use crate::store::LaneStore;
 use crate::transport::{Reply, SessionFrame};
 use std::collections::HashMap;
@@ -43,10 +43,10 @@ pub struct RegionService {
     // ledger was copied for it, which follow the snapshot in the new log.
     since_snapshot: Option<Vec<u8>>,
     rules: Rules,
-    store: Arc<LaneStore>,
-    // The node's lane log: the region's own lanes of exact admissions go in it, as an
-    // edge's writes do, so a restart republishes them to the edges' estimates.
-    lanes: Option<Arc<Mutex<LaneLog>>>,
+    // The region's own lanes of its admissions; taken by `serve`'s acknowledging task.
+    own: Option<OwnLanes>,
+    // The costs admitted that `own` lacks for want of room in the lane log.
+    owed: Arc<AtomicU64>,
     /// Forwarded checks that named no exact rule here or no live window, and frames that
     /// did not decode or asked under another node's ids.
     pub bad_requests: Arc<AtomicU64>,
@@ -69,6 +69,8 @@ pub struct Opened {
     pub torn: u64,
     /// Admissions the region's own lanes lacked after a crash, counted in again.
     pub repaired: u64,
+    /// Of those, the ones the lane log had no room for yet: counted in once it has.
+    pub owed: u64,
 }
 
 impl RegionService {
@@ -100,6 +102,30 @@ impl RegionService {
         let mut compacted = Vec::new();
         ledger.snapshot(&mut compacted);
         storage.replace(&compacted).map_err(io)?;
+        let mut own = OwnLanes::new(store, lanes);
+        let owed = own.owed_total();
+        let mut held: HashMap<&Key, u64> = HashMap::new();
+        for (_, retired_lanes) in retired {
+            for (key, lane) in retired_lanes {
+                let sum = held.entry(key).or_default();
+                *sum = sum.saturating_add(lane.incr);
+            }
+        }
+        let missing: Vec<(Key, u64)> = ledger
+            .counts()
+            .map(|(key, count)| {
+                let held = held.get(key).copied().unwrap_or(0);
+                (key.clone(), count.saturating_sub(held))
+            })
+            .filter(|(_, missing)| *missing > 0)
+            .collect();
+        own.count(&missing);
+        let opened = Opened {
+            entries: entries.len(),
+            torn,
+            repaired: missing.iter().map(|(_, missing)| missing).sum(),
+            owed: owed.load(Ordering::Relaxed),
+        };
         let service = RegionService {
             ledger,
             committer: Committer::start(Box::new(storage)),
@@ -108,33 +134,9 @@ impl RegionService {
             compact_after_bytes: COMPACT_AFTER_BYTES,
             since_snapshot: None,
             rules,
-            store,
-            lanes,
+            own: Some(own),
+            owed,
             bad_requests: Arc::new(AtomicU64::new(0)),
-        };
-        let mut held: HashMap<&Key, u64> = HashMap::new();
-        for (_, retired_lanes) in retired {
-            for (key, lane) in retired_lanes {
-                let sum = held.entry(key).or_default();
-                *sum = sum.saturating_add(lane.incr);
-            }
-        }
-        let mut repaired = 0;
-        for (key, count) in service.ledger.counts() {
-            let missing = count.saturating_sub(held.get(key).copied().unwrap_or(0));
-            if missing > 0 {
-                count_in_own_lanes(
-                    &service.store,
-                    service.lanes.as_deref(),
-                    &[(key.clone(), missing)],
-                );
-                repaired += missing;
-            }
-        }
-        let opened = Opened {
-            entries: entries.len(),
-            torn,
-            repaired,
         };
         Ok((service, opened))
     }
@@ -144,10 +146,20 @@ impl RegionService {
         self.committer.stats().clone()
     }
 
+    /// The costs admitted that the region's own lanes lack for want of room in the lane
+    /// log, to be counted in once it has.
+    pub fn lanes_owed(&self) -> Arc<AtomicU64> {
+        self.owed.clone()
+    }
+
     /// Serves frames of forwarded checks until the channel closes.
     pub async fn serve(mut self, mut frames: mpsc::Receiver<SessionFrame>) {
         let (batches, decided) = mpsc::unbounded_channel();
-        tokio::spawn(acknowledge(decided, self.store.clone(), self.lanes.clone()));
+        let own = self
+            .own
+            .take()
+            .expect("invariant: a service is served once");
+        tokio::spawn(acknowledge(decided, own));
         let mut expire = tokio::time::interval(Duration::from_secs(1));
         // A compaction's snapshot, being encoded.
         let mut snapshot: Option<oneshot::Receiver<Vec<u8>>> = None;
@@ -330,6 +342,9 @@ fn admit(admitted: &mut Vec<(Key, u64)>, key: Key, cost: u64) {
 /// The least a log grows by before it is compacted.
 pub const COMPACT_AFTER_BYTES: u64 = 64 * 1024 * 1024;
 
+/// How often admissions the region's own lanes owe are tried again, while no frame comes.
+const OWED_RETRY: Duration = Duration::from_secs(1);
+
 /// One frame's new records, encoded one after the other.
 #[derive(Default)]
 struct Records {
@@ -348,20 +363,29 @@ struct Batch {
 /// Answers frames as their records become durable, in the order they were decided (the
 /// committer completes in that order too). Once durable, a frame's admissions are counted
 /// in the region's own lanes; if its records were refused, its decisions are answered
-/// with the storage error instead, and nothing of it is counted.
-async fn acknowledge(
-    mut batches: mpsc::UnboundedReceiver<Batch>,
-    store: Arc<LaneStore>,
-    lanes: Option<Arc<Mutex<LaneLog>>>,
-) {
-    while let Some(mut batch) = batches.recv().await {
+/// with the storage error instead, and nothing of it is counted. While the lanes owe
+/// admissions, it tries to count them in every second too, since no admission may come
+/// (after a full disk, the region log refuses until a restart).
+async fn acknowledge(mut batches: mpsc::UnboundedReceiver<Batch>, mut own: OwnLanes) {
+    let mut retry = tokio::time::interval(OWED_RETRY);
+    loop {
+        let mut batch = tokio::select! {
+            batch = batches.recv() => match batch {
+                Some(batch) => batch,
+                None => return,
+            },
+            _ = retry.tick(), if own.is_owing() => {
+                own.count(&[]);
+                continue;
+            }
+        };
         let refused = match (&mut batch.durable).await {
             Ok(Ok(())) => None,
             Ok(Err(err)) => Some(err.to_string()),
             Err(_) => Some("the region's committer stopped".to_owned()),
         };
         match refused {
-            None => count_in_own_lanes(&store, lanes.as_deref(), &batch.admitted),
+            None => own.count(&batch.admitted),
             Some(why) => {
                 for (_, answer) in &mut batch.answers {
                     if matches!(answer, ExactAnswer::Decided(_)) {
@@ -374,34 +398,6 @@ async fn acknowledge(
     }
 }
 
-/// Counts durable admissions in the region's own lanes, through the lane log as an edge's
-/// writes go (logged, counted, and written out before this thread can run the gossip task),
-/// so gossip carries them to the edges' estimates and a restart republishes them. At the
-/// key cap, or when the lane log has no room for its record (a full disk: the region log
-/// on the same disk refuses checks soon after), an admission is not counted in the lane;
-/// the decision stands, durable in the region log, and the next start's repair counts it
-/// in.
-fn count_in_own_lanes(store: &LaneStore, lanes: Option<&Mutex<LaneLog>>, admitted: &[(Key, u64)]) {
-    let Some(lanes) = lanes else {
-        for (key, cost) in admitted {
-            let _ = store.incr(key, *cost);
-        }
-        return;
-    };
-    let mut log = lanes
-        .lock()
-        .unwrap_or_else(|poisoned| poisoned.into_inner());
-    for (key, cost) in admitted {
-        let Ok(mark) = log.append(key, *cost, 0) else {
-            continue;
-        };
-        if store.incr(key, *cost).is_err() {
-            log.undo(mark);
-        }
-    }
-    write_out(&mut log, store);
-}
-
 // The lane store runs on loom's atomics under `tally_loom`, which work only inside a model.
 #[cfg(test)]
 #[cfg(not(tally_loom))]
@@ -409,7 +405,7 @@ mod tests {
     use super::*;
     use crate::config::{RuleConfig, RuleMode};
     use crate::region::log::RequestId;
-    use tally_crdt::{Generation, Lane, NodeId, Rule, Subject, Window};
+    use tally_crdt::{Generation, NodeId, Window};
 
     fn open(dir: &Path) -> RegionService {
         let rules = Rules::new(&[RuleConfig::for_test("quota", 1_000, RuleMode::Exact)]).unwrap();
@@ -442,40 +438,6 @@ mod tests {
             .collect();
         let (_, _, records) = service.decide_frame(&checks);
         service.submit(records)
-    }
-
-    #[test]
-    fn the_regions_admissions_in_its_own_lanes_compact_their_lane_log() {
-        let dir = std::env::temp_dir().join(format!(
-            "tally-region-lanes-{}-{}",
-            std::process::id(),
-            clock::wall().0
-        ));
-        let now = clock::wall().0;
-        let (log, recovered) = crate::lanelog::open(&dir, NodeId(1), now, now / 1_000).unwrap();
-        let store = LaneStore::new(ReplicaId::new(NodeId(1), recovered.generation), 16);
-        let lanes = Mutex::new(log);
-        let window = Window::containing(now / 1_000, 3_600).unwrap();
-        let key = Key::new(
-            Rule::new("quota").unwrap(),
-            Subject::new("acct-1").unwrap(),
-            window,
-        );
-        let log_len = || lanes.lock().unwrap().records_bytes();
-        count_in_own_lanes(&store, Some(&lanes), &[(key.clone(), 3)]);
-        let one_record = log_len();
-        lanes.lock().unwrap().compact_next();
-        count_in_own_lanes(&store, Some(&lanes), &[(key.clone(), 2), (key.clone(), 4)]);
-        assert_eq!(
-            log_len(),
-            one_record,
-            "three admissions, compacted to one record"
-        );
-        drop(lanes);
-        let later = now + 1;
-        let (_, next) = crate::lanelog::open(&dir, NodeId(1), later, later / 1_000).unwrap();
-        assert_eq!(next.retired[0].1, vec![(key, Lane::new(9, 0))]);
-        std::fs::remove_dir_all(dir).unwrap();
     }
 
     #[tokio::test]

@@ -1,0 +1,187 @@
+//! The region's own lanes of its durable admissions: counted through the lane log as an
+//! edge's writes are (logged, counted, and written out before this thread can run the
+//! gossip task), so gossip carries them to the edges' estimates and a restart republishes
+//! them.
+//!
+//! An admission is durable in the region log before it gets here, and its decision stands
+//! whatever happens here. One the lane log has no room for (a full disk) is owed: kept per
+//! key and counted in, before any later one, once the log has room again, so the edges'
+//! estimates catch up without a restart. One past the lane store's key cap is not counted.
+
+use crate::clock;
+use crate::lanelog::LaneLog;
+use crate::listener::write_out;
+use crate::store::LaneStore;
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use tally_crdt::Key;
+
+/// The region's own lanes, and what they owe.
+pub struct OwnLanes {
+    store: Arc<LaneStore>,
+    log: Option<Arc<Mutex<LaneLog>>>,
+    // Durable admissions the lane log had no room for, summed per key: at most one entry
+    // per key of a live window.
+    owed: HashMap<Key, u64>,
+    // The sum of `owed`, for the metric.
+    owed_total: Arc<AtomicU64>,
+}
+
+impl OwnLanes {
+    /// The lanes of `store`, logged in `log` if the node has a data directory.
+    pub fn new(store: Arc<LaneStore>, log: Option<Arc<Mutex<LaneLog>>>) -> OwnLanes {
+        OwnLanes {
+            store,
+            log,
+            owed: HashMap::new(),
+            owed_total: Arc::new(AtomicU64::new(0)),
+        }
+    }
+
+    /// The costs admitted but not yet counted for lack of room in the lane log.
+    pub fn owed_total(&self) -> Arc<AtomicU64> {
+        self.owed_total.clone()
+    }
+
+    /// Whether any admission waits for room in the lane log.
+    pub fn is_owing(&self) -> bool {
+        !self.owed.is_empty()
+    }
+
+    /// Counts what is owed (but the keys whose windows are over), then `admitted`, a key's
+    /// cost in its lane. Once the lane log refuses a record, that admission and every
+    /// later one are owed: the log is not tried again until the next call.
+    pub fn count(&mut self, admitted: &[(Key, u64)]) {
+        let Some(log) = &self.log else {
+            for (key, cost) in admitted {
+                let _ = self.store.incr(key, *cost);
+            }
+            return;
+        };
+        let mut log = log.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+        let now_secs = clock::wall().0 / 1_000;
+        let mut owed = std::mem::take(&mut self.owed);
+        owed.retain(|key, _| key.window.is_live(now_secs));
+        let mut room = true;
+        for (key, cost) in owed
+            .iter()
+            .chain(admitted.iter().map(|(key, cost)| (key, cost)))
+        {
+            if room {
+                match log.append(key, *cost, 0) {
+                    Ok(mark) => {
+                        if self.store.incr(key, *cost).is_err() {
+                            log.undo(mark);
+                        }
+                        continue;
+                    }
+                    Err(_) => room = false,
+                }
+            }
+            let sum = self.owed.entry(key.clone()).or_default();
+            *sum = sum.saturating_add(*cost);
+        }
+        write_out(&mut log, &self.store);
+        let total = self
+            .owed
+            .values()
+            .fold(0u64, |sum, cost| sum.saturating_add(*cost));
+        self.owed_total.store(total, Ordering::Relaxed);
+    }
+}
+
+// The lane store runs on loom's atomics under `tally_loom`, which work only inside a model.
+#[cfg(test)]
+#[cfg(not(tally_loom))]
+mod tests {
+    use super::*;
+    use tally_crdt::{Lane, NodeId, ReplicaId, Rule, Subject, Window};
+
+    #[test]
+    fn the_regions_admissions_in_its_own_lanes_compact_their_lane_log() {
+        let dir = std::env::temp_dir().join(format!(
+            "tally-region-lanes-{}-{}",
+            std::process::id(),
+            clock::wall().0
+        ));
+        let now = clock::wall().0;
+        let (log, recovered) = crate::lanelog::open(&dir, NodeId(1), now, now / 1_000).unwrap();
+        let store = Arc::new(LaneStore::new(
+            ReplicaId::new(NodeId(1), recovered.generation),
+            16,
+        ));
+        let log = Arc::new(Mutex::new(log));
+        let mut lanes = OwnLanes::new(store, Some(log.clone()));
+        let window = Window::containing(now / 1_000, 3_600).unwrap();
+        let key = Key::new(
+            Rule::new("quota").unwrap(),
+            Subject::new("acct-1").unwrap(),
+            window,
+        );
+        let log_len = || log.lock().unwrap().records_bytes();
+        lanes.count(&[(key.clone(), 3)]);
+        let one_record = log_len();
+        log.lock().unwrap().compact_next();
+        lanes.count(&[(key.clone(), 2), (key.clone(), 4)]);
+        assert_eq!(
+            log_len(),
+            one_record,
+            "three admissions, compacted to one record"
+        );
+        drop((lanes, log));
+        let later = now + 1;
+        let (_, next) = crate::lanelog::open(&dir, NodeId(1), later, later / 1_000).unwrap();
+        assert_eq!(next.retired[0].1, vec![(key, Lane::new(9, 0))]);
+        std::fs::remove_dir_all(dir).unwrap();
+    }
+
+    #[test]
+    fn admissions_the_lane_log_has_no_room_for_are_owed_and_counted_in_once_it_has() {
+        let dir = std::env::temp_dir().join(format!(
+            "tally-region-owed-{}-{}",
+            std::process::id(),
+            clock::wall().0
+        ));
+        let now = clock::wall().0;
+        let (log, recovered) = crate::lanelog::open(&dir, NodeId(1), now, now / 1_000).unwrap();
+        let store = Arc::new(LaneStore::new(
+            ReplicaId::new(NodeId(1), recovered.generation),
+            16,
+        ));
+        let log = Arc::new(Mutex::new(log));
+        let mut lanes = OwnLanes::new(store.clone(), Some(log.clone()));
+        let owed = lanes.owed_total();
+        let window = Window::containing(now / 1_000, 3_600).unwrap();
+        let key = |subject: &str| {
+            Key::new(
+                Rule::new("quota").unwrap(),
+                Subject::new(subject).unwrap(),
+                window,
+            )
+        };
+        let (a, b) = (key("a"), key("b"));
+        let counted = || (store.own(&a).incr, store.own(&b).incr);
+
+        lanes.count(&[(a.clone(), 1)]);
+        log.lock().unwrap().full_disk(true);
+        lanes.count(&[(a.clone(), 2), (b.clone(), 3)]);
+        lanes.count(&[(b.clone(), 4)]);
+        assert!(lanes.is_owing());
+        assert_eq!(owed.load(Ordering::Relaxed), 9);
+        assert_eq!(counted(), (1, 0), "nothing counted that the log lacks");
+
+        log.lock().unwrap().full_disk(false);
+        lanes.count(&[]);
+        assert!(!lanes.is_owing());
+        assert_eq!(owed.load(Ordering::Relaxed), 0);
+        assert_eq!(counted(), (3, 7), "what was owed is counted");
+        drop((lanes, log));
+        let later = now + 1;
+        let (_, next) = crate::lanelog::open(&dir, NodeId(1), later, later / 1_000).unwrap();
+        let mut retired = next.retired[0].1.clone();
+        retired.sort_by(|x, y| x.0.subject.as_str().cmp(y.0.subject.as_str()));
+        assert_eq!(retired, vec![(a, Lane::new(3, 0)), (b, Lane::new(7, 0))]);
+        std::fs::remove_dir_all(dir).unwrap();
+    }
+}
