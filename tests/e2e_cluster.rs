@@ -13,12 +13,12 @@
 
 mod cluster;
 
-use cluster::disk::{write_back, LoopDisk};
+use cluster::disk::LoopDisk;
 use cluster::{paced_checks, Cluster};
 use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
-use tally_client::{CheckId, Client, Decision, Endpoint, Error, Options, Pipeline, Reply};
+use tally_client::{CheckId, Client, Decision, Endpoint, Error, Mode, Options, Pipeline, Reply};
 
 /// This file's loopback network: 127.1.x.y.
 const NET: u8 = 1;
@@ -290,7 +290,7 @@ async fn after_a_machine_crash_the_log_holds_every_lane_peers_received_and_the_n
     let mut ledger = Ledger::default();
     for i in 0..200u64 {
         if i == 100 {
-            write_back();
+            disk.write_back();
         }
         let (subject, amount) = (format!("user-{}", i % 4), 1 + i % 3);
         let result = client.incr("count", &subject, amount).await;
@@ -340,6 +340,95 @@ async fn after_a_machine_crash_the_log_holds_every_lane_peers_received_and_the_n
         finals, ledger.ok,
         "FINAL: nothing acknowledged is lost, and the nodes agree"
     );
+}
+
+/// A lane-log sync that hangs: node 1's disk is throttled so that a sync of one block takes
+/// 16 s. Its writes, acknowledged from the page cache, wait for that sync before its peers
+/// get them; past a second (`SYNC_OVERDUE`) its gossip protocol waits too, so its heartbeats
+/// stop vouching for the writes it holds back: its peers' staleness of it rises, and it
+/// decides its own approximate rules isolated. Once the disk is fast again, the sync
+/// returns, its peers get every write, and it decides connected again. Failure detection
+/// is slowed (10 s) so that the peers still count node 1 as a live member meanwhile.
+#[tokio::test(flavor = "current_thread")]
+async fn a_node_whose_lane_log_sync_hangs_stops_vouching_for_the_writes_it_holds_back() {
+    let mut cluster = Cluster::start_with(NET, 3, 10_000, false);
+    let data_dir = cluster.nodes[0].data_dir().to_owned();
+    cluster.node(1).kill9();
+    let disk = LoopDisk::mount_new(&cluster.dir.join("slow.img"), &data_dir, 32);
+    cluster.node(1).restart(true);
+    cluster.wait_members_alive();
+    cluster.wait_fresh(Duration::from_millis(500));
+    let client = cluster.nodes[0].client().await;
+    let peers = [
+        cluster.nodes[1].client().await,
+        cluster.nodes[2].client().await,
+    ];
+    let estimates = |peers: &[Client; 2]| {
+        let peers = peers.clone();
+        async move {
+            let mut estimates = Vec::new();
+            for peer in &peers {
+                estimates.push(peer.get("count", "held").await.unwrap().estimate);
+            }
+            estimates
+        }
+    };
+    // The first write allocates the lane log's first MiB, and its sync writes it.
+    client.incr("count", "held", 1).await.unwrap();
+    let mut seen = Vec::new();
+    for _ in 0..200 {
+        seen = estimates(&peers).await;
+        if seen == [1, 1] {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(25)).await;
+    }
+    assert_eq!(seen, [1, 1], "the peers got the first write");
+
+    let slow = disk.throttle_writes(256);
+    for _ in 0..10 {
+        client.incr("count", "held", 1).await.unwrap();
+    }
+    let staleness = |node: &cluster::Node| {
+        node.metric("tally_origin_staleness_seconds", &[("node", "1")])
+            .unwrap_or(0.0)
+    };
+    cluster::eventually(
+        Duration::from_secs(10),
+        "the peers' staleness of node 1 to pass 1.5 s",
+        || cluster.nodes[1..].iter().all(|peer| staleness(peer) > 1.5),
+    )
+    .await;
+    assert_eq!(
+        estimates(&peers).await,
+        [1, 1],
+        "the writes wait for their sync"
+    );
+    let own = client.check("api", "held", 1).await.unwrap();
+    assert_eq!(
+        own.mode,
+        Mode::ApproximateIsolated,
+        "node 1 decides as stale as the writes it holds back"
+    );
+    let peer = peers[0].check("api", "held", 1).await.unwrap();
+    assert_eq!(peer.mode, Mode::ApproximateIsolated, "node 1 is stale");
+
+    drop(slow);
+    for _ in 0..400 {
+        seen = estimates(&peers).await;
+        if seen == [11, 11] {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(25)).await;
+    }
+    assert_eq!(
+        seen,
+        [11, 11],
+        "the peers got every write once the sync returned"
+    );
+    cluster.wait_fresh(Duration::from_millis(500));
+    let own = client.check("api", "held", 1).await.unwrap();
+    assert_eq!(own.mode, Mode::ApproximateConnected);
 }
 
 /// A graceful stop (SIGTERM) under load: the node stops answering, pushes every write it

@@ -1,7 +1,8 @@
 //! A small ext4 filesystem in an image file, loop-mounted, for a node's data dir: a copy of
 //! the image taken while the node runs is what its disk would hold had the machine lost
-//! power then (the writes the filesystem still holds in memory are not in it). Mounting
-//! needs root, as CI runs.
+//! power then (the writes the filesystem still holds in memory are not in it), and its
+//! writes can be throttled to make it a slow disk. Mounting and throttling need root, as
+//! CI runs.
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -41,6 +42,65 @@ impl LoopDisk {
     pub fn crash_image(&self, to: &Path) {
         std::fs::copy(&self.image, to).unwrap();
     }
+
+    /// Writes the filesystem's dirty pages back, as the kernel's flusher does on its own
+    /// within half a minute.
+    pub fn write_back(&self) {
+        run(Command::new("sync").arg("-f").arg(&self.mount));
+    }
+
+    /// Holds the writes to the disk's loop device to `bytes_per_sec` until the returned
+    /// guard drops, with the cgroup v1 blkio controller's throttle (the test and its nodes
+    /// run in the root cgroup): a slow disk, where a sync of one block takes 4096 /
+    /// `bytes_per_sec` seconds. Writes to the page cache do not wait.
+    pub fn throttle_writes(&self, bytes_per_sec: u64) -> Throttle {
+        let mounts = std::fs::read_to_string("/proc/self/mounts").unwrap();
+        let device = mounts
+            .lines()
+            .filter_map(|line| {
+                let mut fields = line.split(' ');
+                Some((fields.next()?, fields.next()?))
+            })
+            .find(|(_, target)| Path::new(target) == self.mount)
+            .map(|(source, _)| source)
+            .unwrap_or_else(|| panic!("{} is not mounted", self.mount.display()));
+        let name = Path::new(device).file_name().unwrap().to_str().unwrap();
+        let numbers = std::fs::read_to_string(format!("/sys/class/block/{name}/dev")).unwrap();
+        let throttle = Throttle {
+            device: numbers.trim().to_owned(),
+        };
+        throttle.set(bytes_per_sec).unwrap_or_else(|err| {
+            panic!(
+                "{}: {err} (the slow-disk test needs root and the cgroup v1 blkio controller)",
+                Throttle::CONTROL
+            )
+        });
+        throttle
+    }
+}
+
+/// A loop device's writes held to a rate; lifted on drop.
+pub struct Throttle {
+    // The device's "major:minor".
+    device: String,
+}
+
+impl Throttle {
+    const CONTROL: &str = "/sys/fs/cgroup/blkio/blkio.throttle.write_bps_device";
+
+    fn set(&self, bytes_per_sec: u64) -> std::io::Result<()> {
+        std::fs::write(
+            Throttle::CONTROL,
+            format!("{} {bytes_per_sec}", self.device),
+        )
+    }
+}
+
+impl Drop for Throttle {
+    /// Lifts the limit (0 is none): the writes it held go at once.
+    fn drop(&mut self) {
+        let _ = self.set(0);
+    }
 }
 
 impl Drop for LoopDisk {
@@ -48,12 +108,6 @@ impl Drop for LoopDisk {
     fn drop(&mut self) {
         let _ = Command::new("umount").arg("-l").arg(&self.mount).status();
     }
-}
-
-/// Writes every filesystem's dirty pages back, as the kernel's flusher does on its own
-/// within half a minute.
-pub fn write_back() {
-    run(&mut Command::new("sync"));
 }
 
 fn run(command: &mut Command) {
