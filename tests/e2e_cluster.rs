@@ -281,10 +281,7 @@ async fn kill9_with_the_data_dir_wiped_takes_a_new_generation_and_loses_nothing_
 async fn after_a_machine_crash_the_log_holds_every_lane_peers_received_and_the_nodes_agree() {
     let mut cluster = Cluster::start(NET, 3);
     let data_dir = cluster.nodes[0].data_dir().to_owned();
-    cluster.node(1).kill9();
-    let disk = LoopDisk::mount_new(&cluster.dir.join("disk.img"), &data_dir, 32);
-    cluster.node(1).restart(true);
-    cluster.wait_members_alive();
+    let disk = cluster.put_on_loop_disk(1, 32);
 
     let client = cluster.nodes[0].client().await;
     let mut ledger = Ledger::default();
@@ -352,11 +349,7 @@ async fn after_a_machine_crash_the_log_holds_every_lane_peers_received_and_the_n
 #[tokio::test(flavor = "current_thread")]
 async fn a_node_whose_lane_log_sync_hangs_stops_vouching_for_the_writes_it_holds_back() {
     let mut cluster = Cluster::start_with(NET, 3, 10_000, false);
-    let data_dir = cluster.nodes[0].data_dir().to_owned();
-    cluster.node(1).kill9();
-    let disk = LoopDisk::mount_new(&cluster.dir.join("slow.img"), &data_dir, 32);
-    cluster.node(1).restart(true);
-    cluster.wait_members_alive();
+    let disk = cluster.put_on_loop_disk(1, 32);
     cluster.wait_fresh(Duration::from_millis(500));
     let client = cluster.nodes[0].client().await;
     let peers = [

@@ -12,7 +12,6 @@
 
 mod cluster;
 
-use cluster::disk::LoopDisk;
 use cluster::Cluster;
 use std::collections::BTreeMap;
 use std::io::Write;
@@ -559,17 +558,15 @@ fn fill(path: &Path) {
 /// refuses them with a clear error (`Storage`, with the OS's "No space left on device"),
 /// admits nothing after its first refusal, and keeps running: the edge's approximate rules
 /// serve, and the region's own clients get the same clear error for a write its lane log
-/// has no room for. Once room is made, it starts again on the same log with every check it
-/// acknowledged, and the admissions its lane log had no room for are repaired into its
-/// lanes, so the edge's estimate of each exact key is the region's count again.
+/// has no room for. Once room is made, the admissions its lane log had no room for are
+/// counted into its lanes without a restart, so the edge's estimate of each exact key is
+/// the region's count again; and it starts again on the same log with every check it
+/// acknowledged.
 #[tokio::test(flavor = "current_thread")]
 async fn a_region_whose_disk_fills_refuses_with_a_clear_error_admits_nothing_after_and_reopens() {
     let mut cluster = Cluster::start_with(NET, 2, 2_000, true);
     let data_dir = cluster.nodes[0].data_dir().to_owned();
-    cluster.node(1).kill9();
-    let _disk = LoopDisk::mount_new(&cluster.dir.join("region.img"), &data_dir, 32);
-    cluster.node(1).restart(true);
-    cluster.wait_members_alive();
+    let _disk = cluster.put_on_loop_disk(1, 32);
     let edge = cluster.nodes[1].client().await;
     // Long subjects make long records: the logs' allocations fill in fewer checks.
     let subjects: Vec<String> = (0..100).map(|i| format!("{i:0>200}")).collect();

@@ -427,7 +427,8 @@ impl Config {
     }
 }
 
-#[cfg(test)]
+// Its tests use the lane store, which runs on loom's atomics under `tally_loom`.
+#[cfg(all(test, not(tally_loom)))]
 impl RuleConfig {
     /// A rule with the defaults a config file would give, for unit tests.
     pub(crate) fn for_test(name: &str, limit: u64, mode: RuleMode) -> RuleConfig {

@@ -166,6 +166,18 @@ impl Cluster {
         &mut self.nodes[id as usize - 1]
     }
 
+    /// Moves node `id`'s data dir onto a new loop-mounted ext4 of `size_mib` MiB: the node
+    /// is killed, started again on the empty disk, and seen alive by every other node.
+    pub fn put_on_loop_disk(&mut self, id: u64, size_mib: u64) -> disk::LoopDisk {
+        let image = self.dir.join(format!("node-{id}.img"));
+        let node = self.node(id);
+        node.kill9();
+        let disk = disk::LoopDisk::mount_new(&image, &node.data_dir, size_mib);
+        node.restart(true);
+        self.wait_members_alive();
+        disk
+    }
+
     /// Waits until every running node sees every other running node alive.
     /// Waits until every running node sees every other running node alive, and counts no
     /// seed as an unheard member (its table has matched a peer's).

@@ -98,90 +98,99 @@ mod tests {
     use super::*;
     use tally_crdt::{Lane, NodeId, ReplicaId, Rule, Subject, Window};
 
-    #[test]
-    fn the_regions_admissions_in_its_own_lanes_compact_their_lane_log() {
-        let dir = std::env::temp_dir().join(format!(
-            "tally-region-lanes-{}-{}",
-            std::process::id(),
-            clock::wall().0
-        ));
-        let now = clock::wall().0;
-        let (log, recovered) = crate::lanelog::open(&dir, NodeId(1), now, now / 1_000).unwrap();
-        let store = Arc::new(LaneStore::new(
-            ReplicaId::new(NodeId(1), recovered.generation),
-            16,
-        ));
-        let log = Arc::new(Mutex::new(log));
-        let mut lanes = OwnLanes::new(store, Some(log.clone()));
-        let window = Window::containing(now / 1_000, 3_600).unwrap();
-        let key = Key::new(
-            Rule::new("quota").unwrap(),
-            Subject::new("acct-1").unwrap(),
-            window,
-        );
-        let log_len = || log.lock().unwrap().records_bytes();
-        lanes.count(&[(key.clone(), 3)]);
-        let one_record = log_len();
-        log.lock().unwrap().compact_next();
-        lanes.count(&[(key.clone(), 2), (key.clone(), 4)]);
-        assert_eq!(
-            log_len(),
-            one_record,
-            "three admissions, compacted to one record"
-        );
-        drop((lanes, log));
-        let later = now + 1;
-        let (_, next) = crate::lanelog::open(&dir, NodeId(1), later, later / 1_000).unwrap();
-        assert_eq!(next.retired[0].1, vec![(key, Lane::new(9, 0))]);
-        std::fs::remove_dir_all(dir).unwrap();
+    /// A lane log in a new directory, the region's store and its `OwnLanes` over them,
+    /// and keys of the rule `quota` in the current hour.
+    struct Region {
+        dir: std::path::PathBuf,
+        now: u64,
+        store: Arc<LaneStore>,
+        log: Arc<Mutex<LaneLog>>,
+        lanes: OwnLanes,
     }
 
-    #[test]
-    fn admissions_the_lane_log_has_no_room_for_are_owed_and_counted_in_once_it_has() {
-        let dir = std::env::temp_dir().join(format!(
-            "tally-region-owed-{}-{}",
-            std::process::id(),
-            clock::wall().0
-        ));
-        let now = clock::wall().0;
-        let (log, recovered) = crate::lanelog::open(&dir, NodeId(1), now, now / 1_000).unwrap();
-        let store = Arc::new(LaneStore::new(
-            ReplicaId::new(NodeId(1), recovered.generation),
-            16,
-        ));
-        let log = Arc::new(Mutex::new(log));
-        let mut lanes = OwnLanes::new(store.clone(), Some(log.clone()));
-        let owed = lanes.owed_total();
-        let window = Window::containing(now / 1_000, 3_600).unwrap();
-        let key = |subject: &str| {
+    impl Region {
+        fn open(name: &str) -> Region {
+            let now = clock::wall().0;
+            let dir = std::env::temp_dir()
+                .join(format!("tally-region-{name}-{}-{now}", std::process::id()));
+            let (log, recovered) = crate::lanelog::open(&dir, NodeId(1), now, now / 1_000).unwrap();
+            let replica = ReplicaId::new(NodeId(1), recovered.generation);
+            let store = Arc::new(LaneStore::new(replica, 16));
+            let log = Arc::new(Mutex::new(log));
+            let lanes = OwnLanes::new(store.clone(), Some(log.clone()));
+            Region {
+                dir,
+                now,
+                store,
+                log,
+                lanes,
+            }
+        }
+
+        fn key(&self, subject: &str) -> Key {
+            let window = Window::containing(self.now / 1_000, 3_600).unwrap();
             Key::new(
                 Rule::new("quota").unwrap(),
                 Subject::new(subject).unwrap(),
                 window,
             )
-        };
-        let (a, b) = (key("a"), key("b"));
+        }
+
+        /// Closes the log and reopens the directory: the lanes its next life recovers.
+        fn reopen(self) -> Vec<(Key, Lane)> {
+            let Region { dir, now, .. } = self;
+            let later = now + 1;
+            let (_, next) = crate::lanelog::open(&dir, NodeId(1), later, later / 1_000).unwrap();
+            std::fs::remove_dir_all(dir).unwrap();
+            let mut lanes = next.retired[0].1.clone();
+            lanes.sort_by(|x, y| x.0.subject.as_str().cmp(y.0.subject.as_str()));
+            lanes
+        }
+    }
+
+    #[test]
+    fn the_regions_admissions_in_its_own_lanes_compact_their_lane_log() {
+        let mut region = Region::open("compact");
+        let key = region.key("acct-1");
+        let log = region.log.clone();
+        let log_len = || log.lock().unwrap().records_bytes();
+        region.lanes.count(&[(key.clone(), 3)]);
+        let one_record = log_len();
+        log.lock().unwrap().compact_next();
+        region.lanes.count(&[(key.clone(), 2), (key.clone(), 4)]);
+        assert_eq!(
+            log_len(),
+            one_record,
+            "three admissions, compacted to one record"
+        );
+        drop(log);
+        assert_eq!(region.reopen(), vec![(key, Lane::new(9, 0))]);
+    }
+
+    #[test]
+    fn admissions_the_lane_log_has_no_room_for_are_owed_and_counted_in_once_it_has() {
+        let mut region = Region::open("owed");
+        let owed = region.lanes.owed_total();
+        let (a, b) = (region.key("a"), region.key("b"));
+        let store = region.store.clone();
         let counted = || (store.own(&a).incr, store.own(&b).incr);
 
-        lanes.count(&[(a.clone(), 1)]);
-        log.lock().unwrap().full_disk(true);
-        lanes.count(&[(a.clone(), 2), (b.clone(), 3)]);
-        lanes.count(&[(b.clone(), 4)]);
-        assert!(lanes.is_owing());
+        region.lanes.count(&[(a.clone(), 1)]);
+        region.log.lock().unwrap().full_disk(true).unwrap();
+        region.lanes.count(&[(a.clone(), 2), (b.clone(), 3)]);
+        region.lanes.count(&[(b.clone(), 4)]);
+        assert!(region.lanes.is_owing());
         assert_eq!(owed.load(Ordering::Relaxed), 9);
         assert_eq!(counted(), (1, 0), "nothing counted that the log lacks");
 
-        log.lock().unwrap().full_disk(false);
-        lanes.count(&[]);
-        assert!(!lanes.is_owing());
+        region.log.lock().unwrap().full_disk(false).unwrap();
+        region.lanes.count(&[]);
+        assert!(!region.lanes.is_owing());
         assert_eq!(owed.load(Ordering::Relaxed), 0);
         assert_eq!(counted(), (3, 7), "what was owed is counted");
-        drop((lanes, log));
-        let later = now + 1;
-        let (_, next) = crate::lanelog::open(&dir, NodeId(1), later, later / 1_000).unwrap();
-        let mut retired = next.retired[0].1.clone();
-        retired.sort_by(|x, y| x.0.subject.as_str().cmp(y.0.subject.as_str()));
-        assert_eq!(retired, vec![(a, Lane::new(3, 0)), (b, Lane::new(7, 0))]);
-        std::fs::remove_dir_all(dir).unwrap();
+        assert_eq!(
+            region.reopen(),
+            vec![(a, Lane::new(3, 0)), (b, Lane::new(7, 0))]
+        );
     }
 }
