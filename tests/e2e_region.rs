@@ -637,6 +637,8 @@ async fn a_region_whose_disk_fills_refuses_with_a_clear_error_admits_nothing_aft
         }
         other => panic!("a write the region's lane log has no room for got {other:?}"),
     }
+    let refused = cluster.nodes[0].metric("tally_lane_log_refused_total", &[]);
+    assert_eq!(refused, Some(1.0), "the refused write is counted");
 
     // Room made: the lane log takes writes again at once; the region log refuses until
     // the region restarts, as after any failed allocation, write or sync.

@@ -21,6 +21,7 @@ use crate::region::Outcome;
 use crate::store::{KeyHasher, LaneStore, StoreError};
 use crate::view::ViewState;
 use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 use tally_client::wire::{Decision, Estimate, Mode, Refusal};
@@ -88,6 +89,8 @@ pub struct Context<'a> {
     /// The most a lane may hold per second its window has run (`lane_rate_max_per_sec`):
     /// peers leave out a lane past it, so this node writes none.
     pub lane_rate_max: u64,
+    /// Counts the writes refused because the lane log had no room for their record.
+    pub lane_log_refused: &'a AtomicU64,
 }
 
 /// How long until `window` ends, at wall-clock `now_ms`: a decision's `reset_after_ms`.
@@ -312,8 +315,11 @@ impl Context<'_> {
         let (incr, decr) = if incr { (amount, 0) } else { (0, amount) };
         log.append(&key.to_key(), incr, decr)
             .map(Some)
-            .map_err(|err| Refusal::Storage {
-                why: err.to_string(),
+            .map_err(|err| {
+                self.lane_log_refused.fetch_add(1, Ordering::Relaxed);
+                Refusal::Storage {
+                    why: err.to_string(),
+                }
             })
     }
 }
@@ -371,6 +377,8 @@ mod tests {
         view
     }
 
+    static REFUSED: AtomicU64 = AtomicU64::new(0);
+
     fn context<'a>(store: &'a LaneStore, view: &'a ViewState) -> Context<'a> {
         Context {
             store,
@@ -378,6 +386,7 @@ mod tests {
             now: NOW,
             log: None,
             lane_rate_max: u64::MAX,
+            lane_log_refused: &REFUSED,
         }
     }
 

@@ -299,10 +299,14 @@ impl LaneLog {
     }
 
     /// Writes zeros after the allocation until it reaches `end`, and on to the next MiB
-    /// while the disk has room, a step at a time. It fails only if `end` is not reached;
-    /// the steps written before a failure are kept, so a refused write costs one step's
-    /// try and the next write takes the room a partial allocation left.
+    /// while the disk has room, a step at a time; nothing if `end` is allocated already. It
+    /// fails only if `end` is not reached; the steps written before a failure are kept, so
+    /// a refused write costs one step's try and the next write takes the room a partial
+    /// allocation left.
     fn allocate_for(&mut self, end: u64) -> std::io::Result<()> {
+        if end <= self.allocated {
+            return Ok(());
+        }
         let target = end.next_multiple_of(ALLOCATE_BYTES);
         while self.allocated < target {
             let step = (self.allocated + ALLOCATE_STEP_BYTES).min(target);

@@ -252,6 +252,7 @@ impl Service {
             now,
             log: log.as_deref_mut(),
             lane_rate_max: self.lane_rate_max,
+            lane_log_refused: &self.metrics.lane_log_refused,
         };
         let answered = answer(&mut context);
         if let Some(log) = log.as_deref_mut() {

@@ -37,6 +37,8 @@ pub struct Metrics {
     pub client_ids_answered_again: AtomicU64,
     /// Syncs of the lane log that made collected own lanes durable before their gossip.
     pub lane_log_syncs: AtomicU64,
+    /// Writes refused because the lane log had no room for their record (a full disk).
+    pub lane_log_refused: AtomicU64,
 }
 
 impl Metrics {
@@ -246,6 +248,11 @@ pub fn render(sources: &Sources<'_>) -> String {
             "Syncs of the lane log that made own lanes durable before their gossip",
             load(&metrics.lane_log_syncs),
         ),
+        (
+            "lane_log_refused",
+            "Writes refused because the lane log refused their record (no room, or the log failed)",
+            load(&metrics.lane_log_refused),
+        ),
     ];
     for (name, help, value) in pairs {
         counter(&mut registry, name, help, value);
@@ -315,8 +322,8 @@ pub fn render(sources: &Sources<'_>) -> String {
         gauge(
             &mut registry,
             "region_lanes_owed",
-            "Admitted costs the region's own lanes (and so the edges' estimates) lack for \
-             want of room in its lane log, counted in once it has room",
+            "Admitted costs the region's own lanes (and so the edges' estimates) lack because \
+             its lane log refused their records (no room, or the log failed)",
             load(&region.lanes_owed) as usize,
         );
     }

@@ -32,10 +32,14 @@ impl LoopDisk {
             .args(["-o", "loop,commit=600"])
             .arg(image)
             .arg(mount));
-        LoopDisk {
+        let disk = LoopDisk {
             image: image.to_owned(),
             mount: mount.to_owned(),
-        }
+        };
+        // A run killed while it throttled this loop device (its guard never dropped) left
+        // the limit on it: lifted, where the blkio controller exists.
+        let _ = disk.throttle().set(0);
+        disk
     }
 
     /// Copies the image to `to`: the disk as a power loss now would leave it.
@@ -54,6 +58,18 @@ impl LoopDisk {
     /// run in the root cgroup): a slow disk, where a sync of one block takes 4096 /
     /// `bytes_per_sec` seconds. Writes to the page cache do not wait.
     pub fn throttle_writes(&self, bytes_per_sec: u64) -> Throttle {
+        let throttle = self.throttle();
+        throttle.set(bytes_per_sec).unwrap_or_else(|err| {
+            panic!(
+                "{}: {err} (the slow-disk test needs root and the cgroup v1 blkio controller)",
+                Throttle::CONTROL
+            )
+        });
+        throttle
+    }
+
+    /// The throttle of the disk's loop device.
+    fn throttle(&self) -> Throttle {
         let mounts = std::fs::read_to_string("/proc/self/mounts").unwrap();
         let device = mounts
             .lines()
@@ -66,16 +82,9 @@ impl LoopDisk {
             .unwrap_or_else(|| panic!("{} is not mounted", self.mount.display()));
         let name = Path::new(device).file_name().unwrap().to_str().unwrap();
         let numbers = std::fs::read_to_string(format!("/sys/class/block/{name}/dev")).unwrap();
-        let throttle = Throttle {
+        Throttle {
             device: numbers.trim().to_owned(),
-        };
-        throttle.set(bytes_per_sec).unwrap_or_else(|err| {
-            panic!(
-                "{}: {err} (the slow-disk test needs root and the cgroup v1 blkio controller)",
-                Throttle::CONTROL
-            )
-        });
-        throttle
+        }
     }
 }
 

@@ -21,8 +21,8 @@ use tally_crdt::Key;
 pub struct OwnLanes {
     store: Arc<LaneStore>,
     log: Option<Arc<Mutex<LaneLog>>>,
-    // Durable admissions the lane log had no room for, summed per key: at most one entry
-    // per key of a live window.
+    // Durable admissions the lane log refused, summed per key: at most one entry per key
+    // of a live window.
     owed: HashMap<Key, u64>,
     // The sum of `owed`, for the metric.
     owed_total: Arc<AtomicU64>,
@@ -39,7 +39,7 @@ impl OwnLanes {
         }
     }
 
-    /// The costs admitted but not yet counted for lack of room in the lane log.
+    /// The costs admitted but not yet counted because the lane log refused their records.
     pub fn owed_total(&self) -> Arc<AtomicU64> {
         self.owed_total.clone()
     }
@@ -49,9 +49,9 @@ impl OwnLanes {
         !self.owed.is_empty()
     }
 
-    /// Counts what is owed (but the keys whose windows are over), then `admitted`, a key's
-    /// cost in its lane. Once the lane log refuses a record, that admission and every
-    /// later one are owed: the log is not tried again until the next call.
+    /// Counts `admitted`, a key's cost in its lane. Once the lane log refuses a record, that
+    /// admission and every later one are owed; while anything is owed, new admissions are
+    /// owed too, behind it, until [`OwnLanes::retry`] counts them in.
     pub fn count(&mut self, admitted: &[(Key, u64)]) {
         let Some(log) = &self.log else {
             for (key, cost) in admitted {
@@ -60,34 +60,51 @@ impl OwnLanes {
             return;
         };
         let mut log = log.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
-        let now_secs = clock::wall().0 / 1_000;
-        let mut owed = std::mem::take(&mut self.owed);
-        owed.retain(|key, _| key.window.is_live(now_secs));
-        let mut room = true;
-        for (key, cost) in owed
-            .iter()
-            .chain(admitted.iter().map(|(key, cost)| (key, cost)))
-        {
-            if room {
-                match log.append(key, *cost, 0) {
-                    Ok(mark) => {
-                        if self.store.incr(key, *cost).is_err() {
-                            log.undo(mark);
-                        }
-                        continue;
+        for (key, cost) in admitted {
+            if self.owed.is_empty() {
+                if let Ok(mark) = log.append(key, *cost, 0) {
+                    if self.store.incr(key, *cost).is_err() {
+                        log.undo(mark);
                     }
-                    Err(_) => room = false,
+                    continue;
                 }
             }
             let sum = self.owed.entry(key.clone()).or_default();
             *sum = sum.saturating_add(*cost);
+            self.owed_total.fetch_add(*cost, Ordering::Relaxed);
         }
         write_out(&mut log, &self.store);
-        let total = self
-            .owed
-            .values()
-            .fold(0u64, |sum, cost| sum.saturating_add(*cost));
-        self.owed_total.store(total, Ordering::Relaxed);
+    }
+
+    /// Counts in what is owed, key by key, until the lane log refuses a record again; drops
+    /// what is owed to windows that are over.
+    pub fn retry(&mut self) {
+        let Some(log) = &self.log else {
+            return;
+        };
+        let mut log = log.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+        let now_secs = clock::wall().0 / 1_000;
+        let mut room = true;
+        let mut paid = 0u64;
+        self.owed.retain(|key, cost| {
+            if !room {
+                return true;
+            }
+            // A cost owed to a window that is over is dropped: its lanes are gone everywhere.
+            if key.window.is_live(now_secs) {
+                let Ok(mark) = log.append(key, *cost, 0) else {
+                    room = false;
+                    return true;
+                };
+                if self.store.incr(key, *cost).is_err() {
+                    log.undo(mark);
+                }
+            }
+            paid = paid.saturating_add(*cost);
+            false
+        });
+        write_out(&mut log, &self.store);
+        self.owed_total.fetch_sub(paid, Ordering::Relaxed);
     }
 }
 
@@ -184,7 +201,7 @@ mod tests {
         assert_eq!(counted(), (1, 0), "nothing counted that the log lacks");
 
         region.log.lock().unwrap().full_disk(false).unwrap();
-        region.lanes.count(&[]);
+        region.lanes.retry();
         assert!(!region.lanes.is_owing());
         assert_eq!(owed.load(Ordering::Relaxed), 0);
         assert_eq!(counted(), (3, 7), "what was owed is counted");

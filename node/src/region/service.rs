@@ -368,6 +368,8 @@ struct Batch {
 /// (after a full disk, the region log refuses until a restart).
 async fn acknowledge(mut batches: mpsc::UnboundedReceiver<Batch>, mut own: OwnLanes) {
     let mut retry = tokio::time::interval(OWED_RETRY);
+    // Ticks missed while nothing was owed are not made up in a burst.
+    retry.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
         let mut batch = tokio::select! {
             batch = batches.recv() => match batch {
@@ -375,7 +377,7 @@ async fn acknowledge(mut batches: mpsc::UnboundedReceiver<Batch>, mut own: OwnLa
                 None => return,
             },
             _ = retry.tick(), if own.is_owing() => {
-                own.count(&[]);
+                own.retry();
                 continue;
             }
         };
