@@ -720,3 +720,95 @@ async fn a_region_whose_disk_fills_refuses_with_a_clear_error_admits_nothing_aft
     let after = edge.check("quota", &subjects[1], 1).await.unwrap();
     assert_eq!((after.mode, after.allowed), (Mode::Exact, true));
 }
+
+/// A region stopped (SIGTERM) under exact checks from an edge decides nothing more, and
+/// counts what it decided in its own lanes before its last push: with the region gone and
+/// not restarted, the edge's estimate of each key holds every admission it was answered,
+/// and at most the checks it got no answer for besides; and it is the count the region's
+/// log holds, which its next start finds nothing to repair in. Four stops, each on new
+/// subjects.
+#[tokio::test(flavor = "current_thread")]
+async fn a_region_stopped_under_load_pushes_every_admission_it_acknowledged() {
+    let mut cluster = Cluster::start_with(NET, 2, 2_000, true);
+    let edge = cluster.nodes[1].client().await;
+    for stop in 0..4 {
+        let mut load = tokio::task::JoinSet::new();
+        for task in 0..4 {
+            let (edge, subject) = (edge.clone(), format!("stop-{stop}-{task}"));
+            load.spawn(async move {
+                let mut tally = Tally::default();
+                // Paced under the limit: admissions go on until the region stops.
+                let mut pace = tokio::time::interval(Duration::from_millis(3));
+                loop {
+                    pace.tick().await;
+                    tally.attempted += 1;
+                    match edge.check("quota", &subject, 1).await {
+                        Ok(decision) => {
+                            assert_eq!((decision.mode, decision.allowed), (Mode::Exact, true));
+                            tally.acked += 1;
+                            tally.answers += 1;
+                        }
+                        Err(Error::Refused(Refusal::RegionUnavailable { .. })) => break,
+                        Err(other) => panic!("an exact check while the region stops: {other}"),
+                    }
+                }
+                (subject, tally)
+            });
+        }
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        cluster.nodes[0].signal("TERM");
+        let mut status = None;
+        cluster::eventually(Duration::from_secs(10), "the region to stop", || {
+            status = cluster.node(1).exited();
+            status.is_some()
+        })
+        .await;
+        assert!(
+            status.unwrap().success(),
+            "a graceful stop exits 0: {status:?}"
+        );
+        let mut estimates = Vec::new();
+        while let Some(joined) = load.join_next().await {
+            let (subject, tally) = joined.unwrap();
+            assert!(tally.acked > 20, "the load ran: {subject}: {tally:?}");
+            // The one check answered RegionUnavailable may have been admitted.
+            let unanswered = tally.attempted - tally.answers;
+            let range = i128::from(tally.acked)..=i128::from(tally.acked + unanswered);
+            let mut estimate = 0;
+            for _ in 0..100 {
+                estimate = edge.get("quota", &subject).await.unwrap().estimate;
+                if range.contains(&estimate) {
+                    break;
+                }
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+            assert!(
+                range.contains(&estimate),
+                "stop {stop}: {subject}: the edge's estimate {estimate}, admissions answered \
+                 {}, unanswered {unanswered}",
+                tally.acked
+            );
+            estimates.push((subject, estimate));
+        }
+        cluster.node(1).restart(true);
+        let log = std::fs::read_to_string(&cluster.nodes[0].log).unwrap();
+        let start = log
+            .lines()
+            .rev()
+            .find(|line| line.starts_with("tallyd: region log:"))
+            .expect("the region's start reports its repair");
+        assert!(
+            start.contains("; 0 admissions repaired"),
+            "stop {stop}: the lanes held every decision: {start}"
+        );
+        cluster.wait_members_alive();
+        for (subject, estimate) in estimates {
+            let count = region_count(&edge, &subject).await;
+            assert_eq!(
+                i128::from(count),
+                estimate,
+                "stop {stop}: {subject}: the last push carried every decision"
+            );
+        }
+    }
+}

@@ -27,6 +27,10 @@ use tokio::sync::watch;
 /// A node whose certificate ends within this many days says so at start.
 const CERT_WARN_DAYS: i64 = 30;
 
+/// How long a stopping region waits for the decisions it made to be durable and counted
+/// in its lanes before its last push goes without them (its next start repairs them).
+const REGION_DRAIN_DEADLINE: std::time::Duration = std::time::Duration::from_secs(1);
+
 /// Why a node could not start, or stopped on its own.
 #[derive(Debug, thiserror::Error)]
 pub enum DaemonError {
@@ -279,7 +283,9 @@ pub async fn run(config: Config, shutdown: impl Future<Output = ()>) -> Result<(
         config.client_connections_max,
     ));
     let http_task = tokio::spawn(http::serve(endpoints, http_listener));
-    let region_task = region.map(|(service, requests)| tokio::spawn(service.serve(requests)));
+    let (region_stop, region_stopped) = watch::channel(false);
+    let mut region_task =
+        region.map(|(service, requests)| tokio::spawn(service.serve(requests, region_stopped)));
     eprintln!(
         "tallyd: node {} serving: gossip {gossip_addr}, client {}, http {}",
         node.0, config.listen_client, config.listen_http
@@ -290,10 +296,15 @@ pub async fn run(config: Config, shutdown: impl Future<Output = ()>) -> Result<(
     let result = tokio::select! {
         result = &mut driver_task => result,
         () = &mut shutdown => {
-            // Stop answering first, so the driver's last push carries every acknowledged
-            // write; then leave.
+            // Stop answering first, and on the region stop deciding and count what it
+            // decided in its lanes, so the driver's last push carries every acknowledged
+            // write and admission; then leave.
             service.closing.store(true, std::sync::atomic::Ordering::Relaxed);
             client_task.abort();
+            if let Some(region_task) = region_task.as_mut() {
+                let _ = region_stop.send(true);
+                let _ = tokio::time::timeout(REGION_DRAIN_DEADLINE, region_task).await;
+            }
             let _ = stop.send(true);
             driver_task.await
         }

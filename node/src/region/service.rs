@@ -26,7 +26,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 use tally_crdt::{Key, Lane, ReplicaId};
-use tokio::sync::{mpsc, oneshot};
+use tokio::sync::{mpsc, oneshot, watch};
 
 /// The region's state and its log.
 pub struct RegionService {
@@ -152,23 +152,31 @@ impl RegionService {
         self.owed.clone()
     }
 
-    /// Serves frames of forwarded checks until the channel closes.
-    pub async fn serve(mut self, mut frames: mpsc::Receiver<SessionFrame>) {
+    /// Serves frames of forwarded checks until the channel closes or `stop` turns true.
+    /// Then it decides nothing more, and returns once every frame it decided is answered
+    /// and its admissions are counted in the region's own lanes (or refused), so that a
+    /// stopping node's last push carries them.
+    pub async fn serve(
+        mut self,
+        mut frames: mpsc::Receiver<SessionFrame>,
+        mut stop: watch::Receiver<bool>,
+    ) {
         let (batches, decided) = mpsc::unbounded_channel();
         let own = self
             .own
             .take()
             .expect("invariant: a service is served once");
-        tokio::spawn(acknowledge(decided, own));
+        let acknowledging = tokio::spawn(acknowledge(decided, own));
         let mut expire = tokio::time::interval(Duration::from_secs(1));
         // A compaction's snapshot, being encoded.
         let mut snapshot: Option<oneshot::Receiver<Vec<u8>>> = None;
         loop {
             tokio::select! {
                 frame = frames.recv() => {
-                    let Some(frame) = frame else { return };
+                    let Some(frame) = frame else { break };
                     self.handle(frame, &batches);
                 }
+                _ = stop.wait_for(|stop| *stop) => break,
                 _ = expire.tick() => {
                     self.ledger.expire(clock::wall().0 / 1_000);
                     if snapshot.is_none() {
@@ -181,6 +189,10 @@ impl RegionService {
                 }
             }
         }
+        // The acknowledging task ends once it has answered every batch sent before this;
+        // the committer (in `self`) lives until then, to make them durable.
+        drop(batches);
+        let _ = acknowledging.await;
     }
 
     /// Starts a compaction of the log once it has grown by as much as it held after the
