@@ -490,6 +490,8 @@ async fn run_region(args: &Args, region: SocketAddr) -> Result<Report, String> {
         ),
         tally_node::clock::Clock::start(),
         stats.clone(),
+        // No check times out here (a timeout fails the run), so none is admitted late.
+        tokio::sync::mpsc::unbounded_channel().0,
     );
     let target = RegionTarget {
         forwarder: Arc::new(forwarder),
@@ -586,6 +588,7 @@ async fn region_phase(
         for Forwarded {
             ticket: (sent, n),
             result,
+            ..
         } in &run
         {
             match result {

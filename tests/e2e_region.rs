@@ -812,3 +812,43 @@ async fn a_region_stopped_under_load_pushes_every_admission_it_acknowledged() {
         }
     }
 }
+
+/// An exact check the region answers after its rule's timeout: the edge answers the rule's
+/// fallback (`allow`, which counts the cost in the edge's own lane), and when the region's
+/// admission arrives late the edge takes its count back, so the estimates hold the check
+/// once, in the region's lanes.
+#[tokio::test(flavor = "current_thread")]
+async fn a_fallback_for_a_check_the_region_admitted_late_is_taken_back() {
+    let cluster = Cluster::start_with(NET, 2, 2_000, true);
+    let edge = cluster.nodes[1].client().await;
+    let first = edge.check("paid", "late", 1).await.unwrap();
+    assert_eq!((first.mode, first.allowed), (Mode::Exact, true));
+    cluster.nodes[0].signal("STOP");
+    let fallback = edge.check("paid", "late", 2).await.unwrap();
+    assert_eq!(
+        (fallback.mode, fallback.allowed),
+        (Mode::RegionFallback, true)
+    );
+    cluster.nodes[0].signal("CONT");
+
+    // The region decides the check it received while stopped and admits it (the forwarder
+    // reports admissions only), and the edge takes its fallback's count back.
+    cluster::eventually(
+        Duration::from_secs(5),
+        "the edge to take its fallback's count back",
+        || cluster.nodes[1].metric("tally_fallbacks_taken_back_total", &[]) == Some(1.0),
+    )
+    .await;
+    let mut estimate = 0;
+    for _ in 0..100 {
+        estimate = edge.get("paid", "late").await.unwrap().estimate;
+        if estimate == 3 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert_eq!(
+        estimate, 3,
+        "the region's lane holds both checks (3), the edge's none: not 5"
+    );
+}

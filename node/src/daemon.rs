@@ -196,12 +196,14 @@ pub async fn run(config: Config, shutdown: impl Future<Output = ()>) -> Result<(
     gossip_config.rng_seed = clock::entropy_seed();
 
     let forward_stats = Arc::new(ForwardStats::default());
+    let (late, mut late_admitted) = tokio::sync::mpsc::unbounded_channel();
     let forwarder = match (own_sessions, &config.region) {
         (Some(sessions), _) => Some(Forwarder::local(
             sessions,
             replica,
             clock,
             forward_stats.clone(),
+            late,
         )),
         (None, Some(region)) => Some(Forwarder::new(
             transport.requester(),
@@ -210,6 +212,7 @@ pub async fn run(config: Config, shutdown: impl Future<Output = ()>) -> Result<(
             replica,
             clock,
             forward_stats.clone(),
+            late,
         )),
         (None, None) => None,
     };
@@ -266,6 +269,7 @@ pub async fn run(config: Config, shutdown: impl Future<Output = ()>) -> Result<(
         closing: std::sync::atomic::AtomicBool::new(false),
         recent: std::sync::Mutex::default(),
         waiting: Arc::default(),
+        late: std::sync::Mutex::default(),
     });
     let endpoints = Arc::new(Endpoints {
         replica,
@@ -283,6 +287,15 @@ pub async fn run(config: Config, shutdown: impl Future<Output = ()>) -> Result<(
         config.client_connections_max,
     ));
     let http_task = tokio::spawn(http::serve(endpoints, http_listener));
+    // The fallbacks counted for exact checks the region admitted after all, taken back.
+    let late_task = tokio::spawn({
+        let service = service.clone();
+        async move {
+            while let Some(seqs) = late_admitted.recv().await {
+                service.late_admissions(&seqs);
+            }
+        }
+    });
     let (region_stop, region_stopped) = watch::channel(false);
     let mut region_task =
         region.map(|(service, requests)| tokio::spawn(service.serve(requests, region_stopped)));
@@ -311,6 +324,7 @@ pub async fn run(config: Config, shutdown: impl Future<Output = ()>) -> Result<(
     };
     client_task.abort();
     http_task.abort();
+    late_task.abort();
     if let Some(region_task) = region_task {
         region_task.abort();
     }

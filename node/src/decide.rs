@@ -203,6 +203,11 @@ impl Context<'_> {
         Ok(self.decision(rule, key, Verdict::fallback(allowed, estimate), staleness))
     }
 
+    /// Takes back a fallback's count of `cost` on `key`: a decrement of the own lane.
+    pub fn take_back(&mut self, key: KeyRef<'_>, cost: u64) -> Result<(), Refusal> {
+        self.write(key, cost, false, "cost").map(|_| ())
+    }
+
     /// The decision the region's durable `outcome` makes: exact, with no overshoot bound.
     pub fn exact(&self, rule: &RuleConfig, key: KeyRef<'_>, outcome: Outcome) -> Decision {
         // The region's count is not stale: its decision is the authoritative one.

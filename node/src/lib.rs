@@ -43,6 +43,7 @@ pub mod driver;
 pub mod handoff;
 pub mod http;
 pub mod lanelog;
+pub mod late;
 pub mod listener;
 pub mod metrics;
 pub mod recent;

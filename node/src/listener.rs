@@ -18,6 +18,7 @@ use crate::clock;
 use crate::config::{RuleConfig, RuleMode};
 use crate::decide::{self, Context, Rules};
 use crate::lanelog::LaneLog;
+use crate::late::LateFallbacks;
 use crate::metrics::Metrics;
 use crate::recent::{Answered, RecentIds, Waiting, WaitingSend};
 use crate::region::forward::{Answers, Check, Forwarded, Forwarder};
@@ -73,6 +74,9 @@ pub struct Service {
     pub recent: Mutex<RecentIds>,
     /// The sends of each check id waiting for the region.
     pub waiting: Arc<Waiting>,
+    /// Fallbacks counted for forwarded checks, to take back if the region admitted them
+    /// after all.
+    pub late: Mutex<LateFallbacks>,
 }
 
 /// An exact check taken out of its batch, to forward to the region; the forwarder hands it
@@ -195,7 +199,12 @@ impl Service {
     pub fn answer_exact(&self, forwarded: &mut Vec<Forwarded<Exact>>, output: &mut Vec<u8>) {
         let answered = forwarded.len() as u64;
         self.in_context(|context| {
-            for Forwarded { ticket, result } in forwarded.drain(..) {
+            for Forwarded {
+                ticket,
+                seq,
+                result,
+            } in forwarded.drain(..)
+            {
                 let Exact {
                     id,
                     rule,
@@ -217,7 +226,7 @@ impl Service {
                         Err(unavailable)
                     }
                     Err(unavailable @ Refusal::RegionUnavailable { .. }) => {
-                        self.fallback(context, &rule, key, cost, check_id, unavailable)
+                        self.fallback(context, &rule, key, cost, check_id, unavailable, Some(seq))
                     }
                     Err(other) => Err(other),
                 };
@@ -329,7 +338,15 @@ impl Service {
                                     rule: found.1.name.clone(),
                                     why: "this node has no region configured".into(),
                                 };
-                                self.fallback(context, &found.1, key, cost, check_id, unavailable)?
+                                self.fallback(
+                                    context,
+                                    &found.1,
+                                    key,
+                                    cost,
+                                    check_id,
+                                    unavailable,
+                                    None,
+                                )?
                             }
                         }
                     }
@@ -461,6 +478,10 @@ impl Service {
     /// under it. One that counted is remembered, so a retry counts nothing more
     /// ([`Service::recalled`]); one that counted nothing is not, so a retry may yet reach
     /// the region.
+    /// `forwarded` is the check's sequence number if it was forwarded: an admitted
+    /// fallback (which counted its cost) is remembered under it, and taken back if the
+    /// region admitted the check after all ([`Service::late_admissions`]).
+    #[allow(clippy::too_many_arguments)]
     fn fallback(
         &self,
         context: &mut Context<'_>,
@@ -469,22 +490,56 @@ impl Service {
         cost: u64,
         id: Option<CheckId>,
         unavailable: Refusal,
+        forwarded: Option<u64>,
     ) -> Result<Decision, Refusal> {
+        let count = |context: &mut Context<'_>| {
+            let decision = context.fallback(rule, key, cost, unavailable)?;
+            if let (true, Some(seq)) = (decision.allowed, forwarded) {
+                let admitted = self.late_lock().counted(seq, key.to_key(), cost);
+                if admitted {
+                    self.take_back(context, key, cost);
+                }
+            }
+            Ok(decision)
+        };
         let Some(id) = id else {
-            return context.fallback(rule, key, cost, unavailable);
+            return count(context);
         };
         let answered = self.once_if(
             context,
             key,
             id,
-            |context| {
-                context
-                    .fallback(rule, key, cost, unavailable)
-                    .map(Answered::Decided)
-            },
+            |context| count(context).map(Answered::Decided),
             |answered| matches!(answered, Answered::Decided(decision) if decision.allowed),
         )?;
         decided(answered)
+    }
+
+    /// Takes back the fallbacks counted for the forwarded checks `seqs`, which the region
+    /// admitted after they were answered `RegionUnavailable`.
+    pub fn late_admissions(&self, seqs: &[u64]) {
+        self.in_context(|context| {
+            for &seq in seqs {
+                let counted = self.late_lock().admitted(seq);
+                if let Some((key, cost)) = counted {
+                    self.take_back(context, KeyRef::from(&key), cost);
+                }
+            }
+        });
+    }
+
+    /// A decrement of `cost` in this node's own lane of `key`: a fallback's count taken
+    /// back. One the lane log or the lane's rate refuses is left counted.
+    fn take_back(&self, context: &mut Context<'_>, key: KeyRef<'_>, cost: u64) {
+        if context.take_back(key, cost).is_ok() {
+            self.metrics
+                .fallbacks_taken_back
+                .fetch_add(1, Ordering::Relaxed);
+        }
+    }
+
+    fn late_lock(&self) -> std::sync::MutexGuard<'_, LateFallbacks> {
+        self.late.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
     /// Counts a request answered from memory ([`RecentIds`]).
@@ -728,6 +783,7 @@ mod tests {
             closing: std::sync::atomic::AtomicBool::new(false),
             recent: Mutex::default(),
             waiting: Arc::default(),
+            late: Mutex::default(),
         }
     }
 
@@ -1041,6 +1097,7 @@ mod tests {
             ReplicaId::new(tally_crdt::NodeId(1), tally_crdt::Generation(1)),
             crate::clock::Clock::start(),
             Arc::default(),
+            tokio::sync::mpsc::unbounded_channel().0,
         )
     }
 
@@ -1191,6 +1248,7 @@ mod tests {
                 check_id: Some(CheckId { session: 9, seq }),
                 waiting: None,
             },
+            seq,
             result: Ok(Outcome {
                 allowed: true,
                 count: 40,
@@ -1251,7 +1309,12 @@ mod tests {
         let mut answers: Vec<Forwarded<Exact>> = exact
             .drain(..)
             .zip([Err(unavailable), Ok(outcome)])
-            .map(|(ticket, result)| Forwarded { ticket, result })
+            .enumerate()
+            .map(|(seq, (ticket, result))| Forwarded {
+                ticket,
+                seq: seq as u64,
+                result,
+            })
             .collect();
         service.answer_exact(&mut answers, &mut output);
         let both = responses(&output);
@@ -1365,6 +1428,7 @@ mod tests {
                 check_id: Some(CheckId { session: 1, seq: 2 }),
                 waiting: None,
             },
+            seq: 7,
             result,
         };
         let unavailable = Refusal::RegionUnavailable {
@@ -1403,6 +1467,7 @@ mod tests {
                 check_id: None,
                 waiting: None,
             },
+            seq: id,
             result: Err(unavailable.clone()),
         };
         let mut output = Vec::new();
@@ -1418,5 +1483,63 @@ mod tests {
         service.answer_exact(&mut vec![answer(2)], &mut output);
         assert_eq!(responses(&output)[0].result, Err(unavailable.clone()));
         assert_eq!(service.store.estimate(&key), 3, "nothing more counted");
+    }
+
+    #[test]
+    fn a_fallback_counted_for_a_check_the_region_admitted_late_is_taken_back_once() {
+        let (service, rule, key) = allowing_service();
+        let unavailable = |seq| Forwarded {
+            ticket: Exact {
+                id: seq,
+                rule: rule.clone(),
+                key: key.clone(),
+                cost: 3,
+                check_id: None,
+                waiting: None,
+            },
+            seq,
+            result: Err(Refusal::RegionUnavailable {
+                rule: "quota".into(),
+                why: "no answer".into(),
+            }),
+        };
+        let allowed = |output: &[u8]| {
+            matches!(
+                &responses(output)[..],
+                [Response { result: Ok(Reply::Decision(decision)), .. }] if decision.allowed
+            )
+        };
+        let mut output = Vec::new();
+        service.answer_exact(&mut vec![unavailable(1)], &mut output);
+        assert!(allowed(&output));
+        assert_eq!(service.store.estimate(&key), 3, "the fallback counted");
+        service.late_admissions(&[1]);
+        assert_eq!(
+            service.store.estimate(&key),
+            0,
+            "taken back: the region counts it"
+        );
+        service.late_admissions(&[1]);
+        assert_eq!(service.store.estimate(&key), 0, "taken back once");
+
+        // The region's late admission reported before the fallback counts.
+        service.late_admissions(&[2]);
+        output.clear();
+        service.answer_exact(&mut vec![unavailable(2)], &mut output);
+        assert!(
+            allowed(&output),
+            "the caller still gets the fallback's answer"
+        );
+        assert_eq!(service.store.estimate(&key), 0, "counted and taken back");
+        assert_eq!(
+            service.metrics.fallbacks_taken_back.load(Ordering::Relaxed),
+            2
+        );
+
+        // A check whose fallback counted, and no late admission: it stays counted.
+        output.clear();
+        service.answer_exact(&mut vec![unavailable(3)], &mut output);
+        service.late_admissions(&[4]);
+        assert_eq!(service.store.estimate(&key), 3);
     }
 }

@@ -39,6 +39,8 @@ pub struct Metrics {
     pub lane_log_syncs: AtomicU64,
     /// Writes refused because the lane log had no room for their record (a full disk).
     pub lane_log_refused: AtomicU64,
+    /// Fallbacks' counts taken back because the region admitted their checks after all.
+    pub fallbacks_taken_back: AtomicU64,
 }
 
 impl Metrics {
@@ -252,6 +254,11 @@ pub fn render(sources: &Sources<'_>) -> String {
             "lane_log_refused",
             "Writes refused because the lane log refused their record (no room, or the log failed)",
             load(&metrics.lane_log_refused),
+        ),
+        (
+            "fallbacks_taken_back",
+            "Fallbacks' counts taken back because the region admitted their exact checks late",
+            load(&metrics.fallbacks_taken_back),
         ),
     ];
     for (name, help, value) in pairs {

@@ -40,7 +40,9 @@ stale_after_ms = 600
 slack = 10
 "#;
 
-/// The exact rule of clusters with a region: an edge refuses an exact rule without one.
+/// The exact rules of clusters with a region (an edge refuses an exact rule without one):
+/// `quota` answers `RegionUnavailable` when the region does not answer in time, `paid`
+/// allows and counts the check at the edge.
 pub const REGION_RULES: &str = r#"
 [[rules]]
 name = "quota"
@@ -48,6 +50,14 @@ limit = 500
 window_secs = 604800
 mode = "exact"
 region_timeout_ms = 300
+
+[[rules]]
+name = "paid"
+limit = 500
+window_secs = 604800
+mode = "exact"
+region_timeout_ms = 300
+on_region_unavailable = "allow"
 "#;
 
 static CLUSTERS: AtomicU8 = AtomicU8::new(1);
@@ -80,8 +90,8 @@ impl Cluster {
         assert_eq!(RULES.matches(&window).count(), 2, "RULES' windows");
         assert_eq!(
             REGION_RULES.matches(&window).count(),
-            1,
-            "REGION_RULES' window"
+            2,
+            "REGION_RULES' windows"
         );
         let cluster = CLUSTERS.fetch_add(1, Ordering::Relaxed);
         let dir =

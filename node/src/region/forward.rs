@@ -22,7 +22,7 @@ use super::wire::{self, CHECKS_PER_FRAME_MAX, REGION_FRAME_BYTES_MAX};
 use super::{ExactAnswer, Outcome};
 use crate::clock::Clock;
 use crate::transport::{FrameRead, Requester, Session, SessionReceive, SessionSend, Sessions};
-use std::collections::VecDeque;
+use std::collections::{BTreeSet, VecDeque};
 use std::future::Future;
 use std::pin::Pin;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -68,6 +68,10 @@ pub struct Forwarder<T> {
 pub struct Forwarded<T> {
     /// The caller's ticket.
     pub ticket: T,
+    /// The check's sequence number among this edge life's requests: an admission the
+    /// region answers after the check's `RegionUnavailable` is reported under it
+    /// ([`LateAdmissions`]).
+    pub seq: u64,
     /// The region's durable outcome; else `RegionUnavailable` (no answer in time, a region
     /// without the rule, a stopped forwarder), `Forgotten` (a retry of an id the region no
     /// longer remembers: decided once, never again), or `Storage` (the region could not
@@ -78,6 +82,14 @@ pub struct Forwarded<T> {
 /// Where forwarded checks' answers go: in runs, those of one caller that the region
 /// answered together arrive as one message.
 pub type Answers<T> = mpsc::UnboundedSender<Vec<Forwarded<T>>>;
+
+/// Where the sequence numbers of checks go that the region admitted after their callers
+/// were answered `RegionUnavailable`: a fallback counted for one counts it a second time.
+pub type LateAdmissions = mpsc::UnboundedSender<Vec<u64>>;
+
+/// How many checks answered `RegionUnavailable` a forwarder remembers, the most recent, to
+/// report if the region admits them after all.
+const TIMED_OUT_HELD: usize = 4_096;
 
 /// A check to forward.
 #[derive(Debug)]
@@ -138,6 +150,7 @@ impl<T> Pending<T> {
     fn answer(self, result: Result<Outcome, Refusal>) {
         let _ = self.answers.send(vec![Forwarded {
             ticket: self.ticket,
+            seq: self.id.seq,
             result,
         }]);
     }
@@ -200,13 +213,14 @@ impl<T: Send + 'static> Forwarder<T> {
         replica: ReplicaId,
         clock: Clock,
         stats: Arc<ForwardStats>,
+        late: LateAdmissions,
     ) -> Forwarder<T> {
         let region = Region::Remote {
             requester,
             node: region,
             addr,
         };
-        Forwarder::start(region, replica, clock, stats)
+        Forwarder::start(region, replica, clock, stats, late)
     }
 
     /// A forwarder on the region node itself, for its own clients' checks: they go to its
@@ -217,12 +231,13 @@ impl<T: Send + 'static> Forwarder<T> {
         replica: ReplicaId,
         clock: Clock,
         stats: Arc<ForwardStats>,
+        late: LateAdmissions,
     ) -> Forwarder<T> {
         let region = Region::Local {
             sessions,
             node: replica.node,
         };
-        Forwarder::start(region, replica, clock, stats)
+        Forwarder::start(region, replica, clock, stats, late)
     }
 
     fn start(
@@ -230,11 +245,12 @@ impl<T: Send + 'static> Forwarder<T> {
         replica: ReplicaId,
         clock: Clock,
         stats: Arc<ForwardStats>,
+        late: LateAdmissions,
     ) -> Forwarder<T> {
         let (checks, incoming) = mpsc::unbounded_channel();
         tokio::spawn(keep_sessions(
             region,
-            Held::new(incoming, clock, stats.clone()),
+            Held::new(incoming, clock, stats.clone(), late),
         ));
         Forwarder {
             checks,
@@ -302,6 +318,10 @@ struct Held<T> {
     next_seq: u64,
     clock: Clock,
     stats: Arc<ForwardStats>,
+    // The checks answered `RegionUnavailable`, the most recent `TIMED_OUT_HELD`, and
+    // where an admission of one answered later goes.
+    timed_out: BTreeSet<u64>,
+    late: LateAdmissions,
 }
 
 impl<T> Held<T> {
@@ -309,6 +329,7 @@ impl<T> Held<T> {
         incoming: mpsc::UnboundedReceiver<Vec<Box<Pending<T>>>>,
         clock: Clock,
         stats: Arc<ForwardStats>,
+        late: LateAdmissions,
     ) -> Held<T> {
         Held {
             incoming,
@@ -320,6 +341,8 @@ impl<T> Held<T> {
             next_seq: 0,
             clock,
             stats,
+            timed_out: BTreeSet::new(),
+            late,
         }
     }
 
@@ -427,20 +450,31 @@ impl<T> Held<T> {
     }
 
     /// Answers each check of a frame of the region's answers that still waits. The answers
-    /// of a run of checks from one caller go to it as one message.
+    /// of a run of checks from one caller go to it as one message. The admissions of checks
+    /// already answered `RegionUnavailable` go to `late`.
     fn answer_frame(&mut self, frame: Vec<wire::Answered>) {
         // One clock reading times the whole frame: its answers arrived together.
         let now = self.clock.mono();
         let mut run: Option<(Answers<T>, Vec<Forwarded<T>>)> = None;
+        let mut late = Vec::new();
         for (seq, answer) in frame {
             let Some(pending) = self.remove(seq) else {
+                let admitted =
+                    matches!(answer, ExactAnswer::Decided(Outcome { allowed: true, .. }));
+                if self.timed_out.remove(&seq) && admitted {
+                    late.push(seq);
+                }
                 continue;
             };
             let result = self.result(&pending, answer, now);
             let Pending {
                 ticket, answers, ..
             } = *pending;
-            let forwarded = Forwarded { ticket, result };
+            let forwarded = Forwarded {
+                ticket,
+                seq,
+                result,
+            };
             match &mut run {
                 Some((to, answered)) if to.same_channel(&answers) => answered.push(forwarded),
                 _ => {
@@ -452,6 +486,9 @@ impl<T> Held<T> {
         }
         if let Some((to, answered)) = run {
             let _ = to.send(answered);
+        }
+        if !late.is_empty() {
+            let _ = self.late.send(late);
         }
     }
 
@@ -502,6 +539,10 @@ impl<T> Held<T> {
             let why = format!("no answer within {} ms", pending.timeout_ms);
             let refusal = self.unavailable(pending.rule(), why);
             pending.answer(Err(refusal));
+            self.timed_out.insert(seq);
+            if self.timed_out.len() > TIMED_OUT_HELD {
+                self.timed_out.pop_first();
+            }
         }
     }
 
@@ -801,8 +842,9 @@ mod tests {
     ) {
         let (checks, incoming) = mpsc::unbounded_channel();
         let stats = Arc::new(ForwardStats::default());
+        let (late, _) = mpsc::unbounded_channel();
         (
-            Held::new(incoming, Clock::start(), stats.clone()),
+            Held::new(incoming, Clock::start(), stats.clone(), late),
             checks,
             stats,
         )
@@ -826,6 +868,40 @@ mod tests {
     fn first_deadline(held: &mut Held<u64>) -> Option<Duration> {
         let held_seqs = held_seqs(held);
         held.deadlines.first(|seq| held_seqs.contains(&seq))
+    }
+
+    #[test]
+    fn an_admission_answered_after_its_check_timed_out_is_reported_late() {
+        let (answers, mut answered) = mpsc::unbounded_channel();
+        let (checks, incoming) = mpsc::unbounded_channel::<Vec<Box<Pending<u64>>>>();
+        let (late, mut reported) = mpsc::unbounded_channel();
+        let stats = Arc::new(ForwardStats::default());
+        let mut held = Held::new(incoming, Clock::start(), stats, late);
+        for seq in 0..4 {
+            held.insert(pending(seq, 100, &answers));
+        }
+        held.expire(ms(100));
+        assert_eq!(drain(&mut answered).len(), 4, "all four timed out");
+        let decided = |allowed| ExactAnswer::Decided(Outcome { allowed, count: 1 });
+        held.answer_frame(vec![
+            (0, decided(true)),
+            (1, decided(false)),
+            (2, ExactAnswer::Forgotten),
+            (3, decided(true)),
+            (3, decided(true)),
+            (9, decided(true)),
+        ]);
+        assert!(
+            drain(&mut answered).is_empty(),
+            "their callers were answered once"
+        );
+        assert_eq!(
+            reported.try_recv().unwrap(),
+            [0, 3],
+            "admissions only, each once, of checks that timed out"
+        );
+        assert!(reported.try_recv().is_err());
+        drop(checks);
     }
 
     #[test]
@@ -861,7 +937,7 @@ mod tests {
         let last = drain(&mut answered);
         assert!(matches!(
             &last[..],
-            [Forwarded { ticket: 0, result: Err(Refusal::RegionUnavailable { why, .. }) }]
+            [Forwarded { ticket: 0, seq: 0, result: Err(Refusal::RegionUnavailable { why, .. }) }]
                 if why == "no answer within 300 ms"
         ));
         assert!(held.is_empty() && first_deadline(&mut held).is_none());
