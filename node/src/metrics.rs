@@ -37,7 +37,7 @@ pub struct Metrics {
     pub client_ids_answered_again: AtomicU64,
     /// Syncs of the lane log that made collected own lanes durable before their gossip.
     pub lane_log_syncs: AtomicU64,
-    /// Writes refused because the lane log had no room for their record (a full disk).
+    /// Writes refused because the lane log refused their record (no room, or it failed).
     pub lane_log_refused: AtomicU64,
     /// Fallbacks' counts taken back because the region admitted their checks after all.
     pub fallbacks_taken_back: AtomicU64,

@@ -38,7 +38,9 @@ impl LoopDisk {
         };
         // A run killed while it throttled this loop device (its guard never dropped) left
         // the limit on it: lifted, where the blkio controller exists.
-        let _ = disk.throttle().set(0);
+        if let Some(throttle) = disk.throttle() {
+            let _ = throttle.set(0);
+        }
         disk
     }
 
@@ -58,7 +60,12 @@ impl LoopDisk {
     /// run in the root cgroup): a slow disk, where a sync of one block takes 4096 /
     /// `bytes_per_sec` seconds. Writes to the page cache do not wait.
     pub fn throttle_writes(&self, bytes_per_sec: u64) -> Throttle {
-        let throttle = self.throttle();
+        let throttle = self.throttle().unwrap_or_else(|| {
+            panic!(
+                "{}: no loop device found mounted there",
+                self.mount.display()
+            )
+        });
         throttle.set(bytes_per_sec).unwrap_or_else(|err| {
             panic!(
                 "{}: {err} (the slow-disk test needs root and the cgroup v1 blkio controller)",
@@ -68,9 +75,9 @@ impl LoopDisk {
         throttle
     }
 
-    /// The throttle of the disk's loop device.
-    fn throttle(&self) -> Throttle {
-        let mounts = std::fs::read_to_string("/proc/self/mounts").unwrap();
+    /// The throttle of the disk's loop device, if it is found mounted.
+    fn throttle(&self) -> Option<Throttle> {
+        let mounts = std::fs::read_to_string("/proc/self/mounts").ok()?;
         let device = mounts
             .lines()
             .filter_map(|line| {
@@ -78,13 +85,12 @@ impl LoopDisk {
                 Some((fields.next()?, fields.next()?))
             })
             .find(|(_, target)| Path::new(target) == self.mount)
-            .map(|(source, _)| source)
-            .unwrap_or_else(|| panic!("{} is not mounted", self.mount.display()));
-        let name = Path::new(device).file_name().unwrap().to_str().unwrap();
-        let numbers = std::fs::read_to_string(format!("/sys/class/block/{name}/dev")).unwrap();
-        Throttle {
+            .map(|(source, _)| source)?;
+        let name = Path::new(device).file_name()?.to_str()?;
+        let numbers = std::fs::read_to_string(format!("/sys/class/block/{name}/dev")).ok()?;
+        Some(Throttle {
             device: numbers.trim().to_owned(),
-        }
+        })
     }
 }
 

@@ -190,9 +190,12 @@ impl RegionService {
             }
         }
         // The acknowledging task ends once it has answered every batch sent before this;
-        // the committer (in `self`) lives until then, to make them durable.
+        // the committer (in `self`) lives until then, to make them durable. Dropping it
+        // joins its thread, which may still be allocating ahead on a slow disk: on a
+        // blocking thread, so the node's one thread goes on to its last push meanwhile.
         drop(batches);
         let _ = acknowledging.await;
+        tokio::task::spawn_blocking(move || drop(self));
     }
 
     /// Starts a compaction of the log once it has grown by as much as it held after the
