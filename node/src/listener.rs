@@ -201,7 +201,7 @@ impl Service {
         self.in_context(|context| {
             for Forwarded {
                 ticket,
-                seq,
+                late_seq,
                 result,
             } in forwarded.drain(..)
             {
@@ -226,7 +226,7 @@ impl Service {
                         Err(unavailable)
                     }
                     Err(unavailable @ Refusal::RegionUnavailable { .. }) => {
-                        self.fallback(context, &rule, key, cost, check_id, unavailable, Some(seq))
+                        self.fallback(context, &rule, key, cost, check_id, unavailable, late_seq)
                     }
                     Err(other) => Err(other),
                 };
@@ -478,9 +478,10 @@ impl Service {
     /// under it. One that counted is remembered, so a retry counts nothing more
     /// ([`Service::recalled`]); one that counted nothing is not, so a retry may yet reach
     /// the region.
-    /// `forwarded` is the check's sequence number if it was forwarded: an admitted
-    /// fallback (which counted its cost) is remembered under it, and taken back if the
-    /// region admitted the check after all ([`Service::late_admissions`]).
+    /// `late_seq` is the sequence number of a forwarded check the region may still decide
+    /// (see [`Forwarded::late_seq`]): an admitted fallback (which counted its cost) is
+    /// remembered under it, and taken back if the region admitted the check after all
+    /// ([`Service::late_admissions`]).
     #[allow(clippy::too_many_arguments)]
     fn fallback(
         &self,
@@ -490,11 +491,11 @@ impl Service {
         cost: u64,
         id: Option<CheckId>,
         unavailable: Refusal,
-        forwarded: Option<u64>,
+        late_seq: Option<u64>,
     ) -> Result<Decision, Refusal> {
         let count = |context: &mut Context<'_>| {
             let decision = context.fallback(rule, key, cost, unavailable)?;
-            if let (true, Some(seq)) = (decision.allowed, forwarded) {
+            if let (true, Some(seq)) = (decision.allowed, late_seq) {
                 let admitted = self.late_lock().counted(seq, key.to_key(), cost);
                 if admitted {
                     self.take_back(context, key, cost);
@@ -529,8 +530,12 @@ impl Service {
     }
 
     /// A decrement of `cost` in this node's own lane of `key`: a fallback's count taken
-    /// back. One the lane log or the lane's rate refuses is left counted.
+    /// back. One the lane log or the lane's rate refuses is left counted, and one whose
+    /// window is over is not taken (its lanes are being dropped everywhere).
     fn take_back(&self, context: &mut Context<'_>, key: KeyRef<'_>, cost: u64) {
+        if !key.window().is_live(context.now.0 / 1_000) {
+            return;
+        }
         if context.take_back(key, cost).is_ok() {
             self.metrics
                 .fallbacks_taken_back
@@ -1248,7 +1253,7 @@ mod tests {
                 check_id: Some(CheckId { session: 9, seq }),
                 waiting: None,
             },
-            seq,
+            late_seq: None,
             result: Ok(Outcome {
                 allowed: true,
                 count: 40,
@@ -1312,7 +1317,7 @@ mod tests {
             .enumerate()
             .map(|(seq, (ticket, result))| Forwarded {
                 ticket,
-                seq: seq as u64,
+                late_seq: Some(seq as u64),
                 result,
             })
             .collect();
@@ -1428,7 +1433,7 @@ mod tests {
                 check_id: Some(CheckId { session: 1, seq: 2 }),
                 waiting: None,
             },
-            seq: 7,
+            late_seq: Some(7),
             result,
         };
         let unavailable = Refusal::RegionUnavailable {
@@ -1467,7 +1472,7 @@ mod tests {
                 check_id: None,
                 waiting: None,
             },
-            seq: id,
+            late_seq: Some(id),
             result: Err(unavailable.clone()),
         };
         let mut output = Vec::new();
@@ -1497,7 +1502,7 @@ mod tests {
                 check_id: None,
                 waiting: None,
             },
-            seq,
+            late_seq: Some(seq),
             result: Err(Refusal::RegionUnavailable {
                 rule: "quota".into(),
                 why: "no answer".into(),

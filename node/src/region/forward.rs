@@ -68,10 +68,11 @@ pub struct Forwarder<T> {
 pub struct Forwarded<T> {
     /// The caller's ticket.
     pub ticket: T,
-    /// The check's sequence number among this edge life's requests: an admission the
-    /// region answers after the check's `RegionUnavailable` is reported under it
-    /// ([`LateAdmissions`]).
-    pub seq: u64,
+    /// For a check written to the region and then answered `RegionUnavailable` (its
+    /// deadline passed): its sequence number among this edge life's requests, under which
+    /// an admission the region answers late is reported ([`LateAdmissions`]). `None`
+    /// otherwise: the region answered in time, or never got the check.
+    pub late_seq: Option<u64>,
     /// The region's durable outcome; else `RegionUnavailable` (no answer in time, a region
     /// without the rule, a stopped forwarder), `Forgotten` (a retry of an id the region no
     /// longer remembers: decided once, never again), or `Storage` (the region could not
@@ -87,8 +88,8 @@ pub type Answers<T> = mpsc::UnboundedSender<Vec<Forwarded<T>>>;
 /// were answered `RegionUnavailable`: a fallback counted for one counts it a second time.
 pub type LateAdmissions = mpsc::UnboundedSender<Vec<u64>>;
 
-/// How many checks answered `RegionUnavailable` a forwarder remembers, the most recent, to
-/// report if the region admits them after all.
+/// How many checks written to the region and then answered `RegionUnavailable` a forwarder
+/// remembers, the most recent, to report if the region admits them after all.
 const TIMED_OUT_HELD: usize = 4_096;
 
 /// A check to forward.
@@ -147,10 +148,10 @@ impl<T> Pending<T> {
         self.answers.is_closed()
     }
 
-    fn answer(self, result: Result<Outcome, Refusal>) {
+    fn answer(self, result: Result<Outcome, Refusal>, late_seq: Option<u64>) {
         let _ = self.answers.send(vec![Forwarded {
             ticket: self.ticket,
-            seq: self.id.seq,
+            late_seq,
             result,
         }]);
     }
@@ -159,7 +160,10 @@ impl<T> Pending<T> {
     fn stopped(self, stats: &ForwardStats) {
         stats.unavailable.fetch_add(1, Ordering::Relaxed);
         let rule = self.rule();
-        self.answer(Err(unavailable(rule, "the forwarder has stopped".into())));
+        self.answer(
+            Err(unavailable(rule, "the forwarder has stopped".into())),
+            None,
+        );
     }
 }
 
@@ -472,7 +476,7 @@ impl<T> Held<T> {
             } = *pending;
             let forwarded = Forwarded {
                 ticket,
-                seq,
+                late_seq: None,
                 result,
             };
             match &mut run {
@@ -538,10 +542,14 @@ impl<T> Held<T> {
             }
             let why = format!("no answer within {} ms", pending.timeout_ms);
             let refusal = self.unavailable(pending.rule(), why);
-            pending.answer(Err(refusal));
-            self.timed_out.insert(seq);
-            if self.timed_out.len() > TIMED_OUT_HELD {
-                self.timed_out.pop_first();
+            // Only a check written to the region can be decided there after all.
+            let late_seq = pending.written.then_some(seq);
+            pending.answer(Err(refusal), late_seq);
+            if late_seq.is_some() {
+                self.timed_out.insert(seq);
+                if self.timed_out.len() > TIMED_OUT_HELD {
+                    self.timed_out.pop_first();
+                }
             }
         }
     }
@@ -880,8 +888,18 @@ mod tests {
         for seq in 0..4 {
             held.insert(pending(seq, 100, &answers));
         }
+        assert!(
+            held.next_frame().is_some(),
+            "the four are written to the region"
+        );
+        held.insert(pending(4, 100, &answers));
         held.expire(ms(100));
-        assert_eq!(drain(&mut answered).len(), 4, "all four timed out");
+        let late_seqs: Vec<Option<u64>> = drain(&mut answered).iter().map(|f| f.late_seq).collect();
+        assert_eq!(
+            late_seqs,
+            [Some(0), Some(1), Some(2), Some(3), None],
+            "all five timed out; the one never written cannot be decided late"
+        );
         let decided = |allowed| ExactAnswer::Decided(Outcome { allowed, count: 1 });
         held.answer_frame(vec![
             (0, decided(true)),
@@ -889,6 +907,7 @@ mod tests {
             (2, ExactAnswer::Forgotten),
             (3, decided(true)),
             (3, decided(true)),
+            (4, decided(true)),
             (9, decided(true)),
         ]);
         assert!(
@@ -937,7 +956,7 @@ mod tests {
         let last = drain(&mut answered);
         assert!(matches!(
             &last[..],
-            [Forwarded { ticket: 0, seq: 0, result: Err(Refusal::RegionUnavailable { why, .. }) }]
+            [Forwarded { ticket: 0, late_seq: None, result: Err(Refusal::RegionUnavailable { why, .. }) }]
                 if why == "no answer within 300 ms"
         ));
         assert!(held.is_empty() && first_deadline(&mut held).is_none());
