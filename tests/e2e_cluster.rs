@@ -451,17 +451,7 @@ async fn a_node_stopped_under_load_hands_every_write_it_acknowledged_to_its_peer
             }
         });
         tokio::time::sleep(Duration::from_millis(300)).await;
-        cluster.nodes[2].signal("TERM");
-        let mut status = None;
-        cluster::eventually(Duration::from_secs(10), "node 3 to stop", || {
-            status = cluster.node(3).exited();
-            status.is_some()
-        })
-        .await;
-        assert!(
-            status.unwrap().success(),
-            "a graceful stop exits 0: {status:?}"
-        );
+        cluster.stop_gracefully(3).await;
         load.await.unwrap();
         for node in &cluster.nodes[..2] {
             cluster::eventually(Duration::from_secs(5), "node 3 to be seen as left", || {

@@ -546,6 +546,16 @@ async fn the_region_nodes_own_clients_share_the_edges_exact_count_across_a_regio
     assert_eq!(region_count(&edge, "own").await, 30);
 }
 
+/// The region's report of its last start: what it replayed and repaired.
+fn last_region_start(cluster: &Cluster) -> String {
+    let log = std::fs::read_to_string(&cluster.nodes[0].log).unwrap();
+    log.lines()
+        .rev()
+        .find(|line| line.starts_with("tallyd: region log:"))
+        .expect("the region's start reports its repair")
+        .to_owned()
+}
+
 /// Writes zeros to `path` until the filesystem refuses any more: every block left is taken.
 fn fill(path: &Path) {
     let mut file = std::fs::File::create(path).unwrap();
@@ -681,12 +691,7 @@ async fn a_region_whose_disk_fills_refuses_with_a_clear_error_admits_nothing_aft
 
     cluster.node(1).kill9();
     cluster.node(1).restart(true);
-    let log = std::fs::read_to_string(&cluster.nodes[0].log).unwrap();
-    let start = log
-        .lines()
-        .rev()
-        .find(|line| line.starts_with("tallyd: region log:"))
-        .expect("the region's start reports its repair");
+    let start = last_region_start(&cluster);
     assert!(
         start.ends_with(
             "; 0 admissions repaired into the region's lanes; 0 owed until its lane log has room"
@@ -756,17 +761,7 @@ async fn a_region_stopped_under_load_pushes_every_admission_it_acknowledged() {
             });
         }
         tokio::time::sleep(Duration::from_millis(300)).await;
-        cluster.nodes[0].signal("TERM");
-        let mut status = None;
-        cluster::eventually(Duration::from_secs(10), "the region to stop", || {
-            status = cluster.node(1).exited();
-            status.is_some()
-        })
-        .await;
-        assert!(
-            status.unwrap().success(),
-            "a graceful stop exits 0: {status:?}"
-        );
+        cluster.stop_gracefully(1).await;
         // The region's last push reached the edge before it exited; its gossip task
         // publishes it to the estimates meanwhile.
         tokio::time::sleep(Duration::from_millis(300)).await;
@@ -794,12 +789,7 @@ async fn a_region_stopped_under_load_pushes_every_admission_it_acknowledged() {
             estimates.push((subject, estimate));
         }
         cluster.node(1).restart(true);
-        let log = std::fs::read_to_string(&cluster.nodes[0].log).unwrap();
-        let start = log
-            .lines()
-            .rev()
-            .find(|line| line.starts_with("tallyd: region log:"))
-            .expect("the region's start reports its repair");
+        let start = last_region_start(&cluster);
         assert!(
             start.contains("; 0 admissions repaired"),
             "stop {stop}: the lanes held every decision: {start}"

@@ -176,6 +176,21 @@ impl Cluster {
         &mut self.nodes[id as usize - 1]
     }
 
+    /// Stops node `id` with SIGTERM and waits until it has exited, with status 0.
+    pub async fn stop_gracefully(&mut self, id: u64) {
+        self.node(id).signal("TERM");
+        let mut status = None;
+        eventually(Duration::from_secs(10), "the node to stop", || {
+            status = self.node(id).exited();
+            status.is_some()
+        })
+        .await;
+        assert!(
+            status.is_some_and(|status| status.success()),
+            "a graceful stop exits 0: {status:?}"
+        );
+    }
+
     /// Moves node `id`'s data dir onto a new loop-mounted ext4 of `size_mib` MiB: the node
     /// is killed, started again on the empty disk, and seen alive by every other node.
     pub fn put_on_loop_disk(&mut self, id: u64, size_mib: u64) -> disk::LoopDisk {
