@@ -832,8 +832,8 @@ async fn a_fallback_for_a_check_the_region_admitted_late_is_taken_back() {
         || cluster.nodes[1].metric("tally_fallbacks_taken_back_total", &[]) == Some(1.0),
     )
     .await;
-    // The region's lane reaches the edge's estimates within a few gossip intervals (before
-    // it does, the edge reads 1 + 2 with or without the take-back).
+    // The region's lane reaches the edge's estimates within a few gossip intervals: an
+    // earlier read tells nothing (1 + 2 without the take-back, 1 with it).
     tokio::time::sleep(Duration::from_millis(500)).await;
     for node in &cluster.nodes {
         let estimate = node

@@ -1317,7 +1317,8 @@ mod tests {
             .enumerate()
             .map(|(seq, (ticket, result))| Forwarded {
                 ticket,
-                late_seq: Some(seq as u64),
+                // As the forwarder does: a sequence number for a timed-out check alone.
+                late_seq: result.is_err().then_some(seq as u64),
                 result,
             })
             .collect();
@@ -1433,7 +1434,7 @@ mod tests {
                 check_id: Some(CheckId { session: 1, seq: 2 }),
                 waiting: None,
             },
-            late_seq: Some(7),
+            late_seq: None,
             result,
         };
         let unavailable = Refusal::RegionUnavailable {
