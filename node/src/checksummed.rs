@@ -62,14 +62,15 @@ pub fn read_all<T: DeserializeOwned>(bytes: &[u8]) -> (Vec<T>, usize) {
     (records, at)
 }
 
-/// Writes zeros over `from..to` of `file`: a log's allocation ahead of its records.
-pub fn write_zeros(file: &File, from: u64, to: u64) -> std::io::Result<()> {
+/// Writes zeros over `*at..to` of `file`, 64 KiB at a time, moving `*at` past each piece
+/// written: a log's allocation ahead of its records. After an error, `*at` is where the
+/// whole pieces written end.
+pub fn write_zeros(file: &File, at: &mut u64, to: u64) -> std::io::Result<()> {
     static ZEROS: [u8; 64 * 1024] = [0; 64 * 1024];
-    let mut at = from;
-    while at < to {
-        let len = (to - at).min(ZEROS.len() as u64) as usize;
-        file.write_all_at(&ZEROS[..len], at)?;
-        at += len as u64;
+    while *at < to {
+        let len = (to - *at).min(ZEROS.len() as u64) as usize;
+        file.write_all_at(&ZEROS[..len], *at)?;
+        *at += len as u64;
     }
     Ok(())
 }

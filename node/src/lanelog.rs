@@ -85,8 +85,6 @@ const COMPACT_BYTES: u64 = 64 << 20;
 /// an allocation commits the new size, the ones until the next only the records.
 const ALLOCATE_BYTES: u64 = 1 << 20;
 
-/// The zeros of an allocation are written this many bytes at a time.
-const ALLOCATE_STEP_BYTES: u64 = 64 << 10;
 /// One logged write: amounts added to the own lane's two totals.
 #[derive(Debug, Serialize, Deserialize)]
 struct Record {
@@ -299,27 +297,19 @@ impl LaneLog {
     }
 
     /// Writes zeros after the allocation until it reaches `end`, and on to the next MiB
-    /// while the disk has room, a step at a time; nothing if `end` is allocated already. It
-    /// fails only if `end` is not reached; the steps written before a failure are kept, so
-    /// a refused write costs one step's try and the next write takes the room a partial
-    /// allocation left.
+    /// while the disk has room; nothing if `end` is allocated already. It fails only if
+    /// `end` is not reached; the zeros written before a failure are kept (64 KiB pieces),
+    /// so a refused write costs one piece's try and the next write takes the room a
+    /// partial allocation left.
     fn allocate_for(&mut self, end: u64) -> std::io::Result<()> {
         if end <= self.allocated {
             return Ok(());
         }
         let target = end.next_multiple_of(ALLOCATE_BYTES);
-        while self.allocated < target {
-            let step = (self.allocated + ALLOCATE_STEP_BYTES).min(target);
-            if let Err(err) = checksummed::write_zeros(&self.file, self.allocated, step) {
-                return if end <= self.allocated {
-                    Ok(())
-                } else {
-                    Err(err)
-                };
-            }
-            self.allocated = step;
+        match checksummed::write_zeros(&self.file, &mut self.allocated, target) {
+            Err(err) if end > self.allocated => Err(err),
+            _ => Ok(()),
         }
-        Ok(())
     }
 
     /// Drops the records buffered since `mark`: their write was refused.

@@ -229,7 +229,7 @@ impl Storage for FileStorage {
         let written = File::create(&tmp).and_then(|mut file| {
             file.write_all(MAGIC)?;
             file.write_all(bytes)?;
-            checksummed::write_zeros(&file, end, allocated)?;
+            checksummed::write_zeros(&file, &mut end.clone(), allocated)?;
             file.sync_all()
         });
         if let Err(err) = written {
@@ -249,7 +249,8 @@ impl Storage for FileStorage {
 impl FileStorage {
     /// Writes zeros from the allocation's end up to `allocated` and syncs them.
     fn allocate_to(&mut self, allocated: u64) -> std::io::Result<()> {
-        checksummed::write_zeros(&self.file, self.allocated, allocated)?;
+        // `self.allocated` moves only once the zeros are synced.
+        checksummed::write_zeros(&self.file, &mut self.allocated.clone(), allocated)?;
         self.file.sync_data()?;
         self.allocated = allocated;
         Ok(())
