@@ -19,13 +19,14 @@
 
 use stats_alloc::{Region, StatsAlloc, INSTRUMENTED_SYSTEM};
 use std::alloc::System;
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashMap};
 use std::mem::size_of;
 use tally_crdt::{
     CounterMap, Delta, Generation, Key, Lane, LaneUpdate, NodeId, OriginDelta, PnCounter,
     ReplicaId, Rule, Slot, Stamp, Subject, Version, Watermark, Window,
 };
 use tally_node::store::LaneStore;
+use tally_node::view::Rate;
 
 #[global_allocator]
 static GLOBAL: &StatsAlloc<System> = &INSTRUMENTED_SYSTEM;
@@ -51,8 +52,9 @@ fn main() {
     println!();
 
     lane_store(&keys);
-    counter_map(&keys);
-    counter_map_parts(&keys);
+    let one_lane = counter_map(&keys);
+    counter_map_parts(&keys, one_lane);
+    view_rates(&keys);
 }
 
 /// Live heap bytes and allocations added by some work, and the resident set's growth.
@@ -125,8 +127,10 @@ fn print_sizes() {
         ("Version", size_of::<Version>()),
         ("Slot (ReplicaId + Lane + Version)", size_of::<Slot>()),
         ("PnCounter (Vec<Slot>)", size_of::<PnCounter>()),
-        ("(Key, PnCounter) map entry", size_of::<(Key, PnCounter)>()),
-        ("(Version, Key) index entry", size_of::<(Version, Key)>()),
+        (
+            "Option<(Key, PnCounter)> key table entry",
+            size_of::<Option<(Key, PnCounter)>>(),
+        ),
     ] {
         println!("  {name:<40} {size:>4}");
     }
@@ -186,7 +190,8 @@ fn lane_store(keys: &[Key]) {
     println!();
 }
 
-fn counter_map(keys: &[Key]) {
+/// Returns the map's live bytes with one own lane per key.
+fn counter_map(keys: &[Key]) -> Live {
     let own = replica(0);
     let (mut map, own_lanes) = measure(|| {
         let mut map = CounterMap::new();
@@ -239,6 +244,7 @@ fn counter_map(keys: &[Key]) {
         );
     }
     println!();
+    own_lanes
 }
 
 /// A delta from `origin` carrying one lane for every key, in version order.
@@ -264,20 +270,21 @@ fn remote_delta(origin: ReplicaId, keys: &[Key]) -> Delta {
     }
 }
 
-/// The counter map's parts, each built alone for the same keys and inserted one at a time
-/// as the map inserts them (a bulk-built B-tree packs its nodes fuller), to show where its
-/// bytes go: the key-to-counter B-tree, one counter's lane vector, and the per-origin
-/// version-to-key B-tree that delta sync walks.
-fn counter_map_parts(keys: &[Key]) {
+/// The counter map's parts, each built alone for the same keys and grown one key at a time
+/// as the map grows them, to show where its bytes go: its key table's entries (a vector of
+/// keys and counters, indexed by key id), one counter's lane vector, and the per-origin
+/// version-to-key-id B-tree that delta sync walks. The rest of `one_lane` is the key table's
+/// hash table of ids.
+fn counter_map_parts(keys: &[Key], one_lane: Live) {
     println!("CounterMap's parts, each alone, per key:");
-    let (counters, counters_live) = measure(|| {
-        let mut counters = BTreeMap::new();
+    let (entries, entries_live) = measure(|| {
+        let mut entries = Vec::new();
         for key in keys {
-            counters.insert(key.clone(), PnCounter::new());
+            entries.push(Some((key.clone(), PnCounter::new())));
         }
-        counters
+        entries
     });
-    drop(counters);
+    drop(entries);
     let (lanes, lanes_live) = measure(|| {
         keys.iter()
             .map(|_| {
@@ -292,28 +299,49 @@ fn counter_map_parts(keys: &[Key]) {
     drop(lanes);
     let (index, index_live) = measure(|| {
         let mut index = BTreeMap::new();
-        for (key, version) in keys.iter().zip(1..) {
-            index.insert(Version(version), key.clone());
+        for (id, version) in (0..keys.len()).zip(1..) {
+            index.insert(Version(version), id);
         }
         index
     });
     drop(index);
     let vector = (KEYS * size_of::<PnCounter>()) as isize;
+    let lane_heap = lanes_live.bytes - vector;
+    let ids = one_lane.bytes - entries_live.bytes - lane_heap - index_live.bytes;
     for (part, live) in [
         (
-            "BTreeMap<Key, PnCounter> (empty counters)",
-            counters_live.bytes,
+            "key table entries, Vec<Option<(Key, PnCounter)>>",
+            entries_live.bytes,
         ),
+        ("one-lane PnCounter's Vec<Slot> heap", lane_heap),
         (
-            "one-lane PnCounter's Vec<Slot> heap",
-            lanes_live.bytes - vector,
-        ),
-        (
-            "BTreeMap<Version, Key> (one origin's index)",
+            "BTreeMap<Version, key id> (one origin's index)",
             index_live.bytes,
         ),
+        ("key table's hash table of ids (the rest)", ids),
     ] {
         println!("  {part:<50} {:>6.1}", live as f64 / KEYS as f64);
     }
+    println!();
+}
+
+/// What the node's decision view adds per key once gossip has merged a remote lane of it:
+/// the smoothed rate of the other replicas' increments (`ViewState::remote_rates`).
+fn view_rates(keys: &[Key]) {
+    let (rates, live) = measure(|| {
+        let mut rates = HashMap::new();
+        for key in keys {
+            rates.insert(key.clone(), Rate::start(0, 0));
+        }
+        rates
+    });
+    assert_eq!(rates.len(), KEYS);
+    drop(rates);
+    println!("decision view (tallyd's ViewState), per key with a remote lane:");
+    println!(
+        "  remote_rates, HashMap<Key, Rate> ({} bytes an entry): {:.1} bytes/key",
+        size_of::<(Key, Rate)>(),
+        live.per(KEYS)
+    );
     println!();
 }

@@ -40,6 +40,7 @@ mod id;
 mod key;
 mod lane;
 mod map;
+mod table;
 
 pub use counter::{PnCounter, Slot};
 pub use delta::{

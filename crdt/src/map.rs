@@ -1,6 +1,7 @@
 //! Many counters with versioned lanes: the state that gossip keeps in sync.
 
 use crate::delta::size;
+use crate::table::{KeyId, KeyTable};
 use crate::{
     Delta, Digest, Key, Lane, LaneUpdate, OriginDelta, Overflow, PnCounter, ReplicaId, Slot, Stamp,
     Version, Watermark, Window, DELTA_BYTES_MIN,
@@ -18,7 +19,7 @@ use std::ops::Bound::{Excluded, Unbounded};
 /// ([`CounterMap::with_lane_rate_max`]).
 #[derive(Debug, Clone)]
 pub struct CounterMap {
-    counters: BTreeMap<Key, PnCounter>,
+    keys: KeyTable,
     origins: BTreeMap<ReplicaId, Origin>,
     // Lanes from peers may add keys only while fewer than this are held.
     keys_max: usize,
@@ -38,7 +39,7 @@ pub const LANE_RATE_SKEW_SECS: u64 = 90;
 impl Default for CounterMap {
     fn default() -> CounterMap {
         CounterMap {
-            counters: BTreeMap::new(),
+            keys: KeyTable::with_seed(0),
             origins: BTreeMap::new(),
             keys_max: usize::MAX,
             lane_rate_max: u64::MAX,
@@ -51,8 +52,9 @@ impl Default for CounterMap {
 #[derive(Debug, Clone, Default)]
 struct Origin {
     watermark: Watermark,
-    // Invariant: one entry per lane of this origin held in `counters`, at its version.
-    by_version: BTreeMap<Version, Key>,
+    // Invariant: one entry per lane of this origin held in `keys`, at its version, naming
+    // its key's id.
+    by_version: BTreeMap<Version, KeyId>,
 }
 
 /// What applying a delta changed.
@@ -99,9 +101,18 @@ impl CounterMap {
         self
     }
 
+    /// The map, its keys hashed under `seed`. A map that takes keys from clients or peers
+    /// needs a seed they cannot learn (a node draws one at start), or they could choose keys
+    /// that collide in its hash table; the default, 0, suits a map whose keys are trusted.
+    pub fn with_hash_seed(mut self, seed: u64) -> CounterMap {
+        self.keys.reseed(seed);
+        self
+    }
+
     /// The counter at `key`, if any lane of it is held.
     pub fn counter(&self, key: &Key) -> Option<&PnCounter> {
-        self.counters.get(key)
+        let id = self.keys.id(key)?;
+        Some(&self.keys.get(id)?.counter)
     }
 
     /// The value at `key`: zero if nothing is held.
@@ -109,9 +120,9 @@ impl CounterMap {
         self.counter(key).map_or(0, PnCounter::value)
     }
 
-    /// Every key and its counter, in key order.
+    /// Every key and its counter, in no particular order.
     pub fn iter(&self) -> impl Iterator<Item = (&Key, &PnCounter)> {
-        self.counters.iter()
+        self.keys.iter().map(|(_, held)| (&held.key, &held.counter))
     }
 
     /// A number that rises whenever a lane rises or a counter is dropped, so a caller can
@@ -122,12 +133,12 @@ impl CounterMap {
 
     /// How many counters are held.
     pub fn len(&self) -> usize {
-        self.counters.len()
+        self.keys.len()
     }
 
     /// Whether no counter is held.
     pub fn is_empty(&self) -> bool {
-        self.counters.is_empty()
+        self.keys.len() == 0
     }
 
     /// How many lanes are held, over all counters.
@@ -206,7 +217,7 @@ impl CounterMap {
         origin.watermark.stamp = origin.watermark.stamp.max(stamp);
         let mut lane = held;
         lane.merge(totals);
-        let counter = self.counters.entry(key.clone()).or_default();
+        let (id, counter) = self.keys.entry(key);
         if lane == held {
             if let Some(slot) = counter.slot(replica) {
                 return slot.version;
@@ -217,7 +228,7 @@ impl CounterMap {
         if let Some(old) = counter.slot(replica) {
             origin.by_version.remove(&old.version);
         }
-        origin.by_version.insert(version, key.clone());
+        origin.by_version.insert(version, id);
         self.changes += 1;
         counter.merge_slot(Slot {
             replica,
@@ -367,8 +378,11 @@ impl CounterMap {
             lanes: Vec::new(),
         };
         let after = Version(theirs.version.0.saturating_add(1));
-        for (&version, key) in origin.by_version.range(after..) {
-            let cost = size::lane(key);
+        for (&version, &id) in origin.by_version.range(after..) {
+            let Some(held) = self.keys.get(id) else {
+                continue;
+            };
+            let cost = size::lane(&held.key);
             if cost > *budget {
                 // The receiver will hold everything up to the last lane sent (never past
                 // what this map itself holds completely), and nothing shows that it has
@@ -385,8 +399,8 @@ impl CounterMap {
             }
             *budget -= cost;
             entry.lanes.push(LaneUpdate {
-                key: key.clone(),
-                lane: self.lane(key, replica),
+                key: held.key.clone(),
+                lane: held.counter.lane(replica),
                 version,
             });
         }
@@ -425,13 +439,13 @@ impl CounterMap {
                     refused_at = lowest();
                     break;
                 }
-                let full = self.counters.len() >= self.keys_max;
-                if full && !self.counters.contains_key(&update.key) {
+                let full = self.keys.len() >= self.keys_max;
+                if full && self.keys.id(&update.key).is_none() {
                     applied.lanes_refused += left_out.len();
                     refused_at = lowest();
                     break;
                 }
-                let counter = self.counters.entry(update.key.clone()).or_default();
+                let (id, counter) = self.keys.entry(&update.key);
                 let old_version = counter.slot(entry.origin).map(|slot| slot.version);
                 let raised = counter.merge_slot(Slot {
                     replica: entry.origin,
@@ -450,7 +464,7 @@ impl CounterMap {
                         origin.by_version.remove(&old);
                     }
                     if let Some(new) = new_version {
-                        origin.by_version.insert(new, update.key.clone());
+                        origin.by_version.insert(new, id);
                     }
                 }
             }
@@ -476,21 +490,32 @@ impl CounterMap {
     /// origin left with no lanes for which `keep_origin` is false (a retired generation,
     /// a dead node). Returns how many counters were dropped.
     pub fn expire(&mut self, now_unix_secs: u64, keep_origin: impl Fn(ReplicaId) -> bool) -> usize {
-        let expired: Vec<Key> = self
-            .counters
-            .keys()
-            .filter(|key| !key.window.is_live(now_unix_secs))
-            .cloned()
+        let expired: Vec<KeyId> = self
+            .keys
+            .iter()
+            .filter(|(_, held)| !held.key.window.is_live(now_unix_secs))
+            .map(|(id, _)| id)
             .collect();
-        for key in &expired {
+        for &id in &expired {
             self.changes += 1;
-            if let Some(counter) = self.counters.remove(key) {
-                for slot in counter.slots() {
+            if let Some(held) = self.keys.remove(id) {
+                for slot in held.counter.slots() {
                     if let Some(origin) = self.origins.get_mut(&slot.replica) {
                         origin.by_version.remove(&slot.version);
                     }
                 }
             }
+        }
+        if self.keys.is_sparse() {
+            let origins = &mut self.origins;
+            self.keys.compact(|_, to, held| {
+                for slot in held.counter.slots() {
+                    let origin = origins.get_mut(&slot.replica);
+                    if let Some(at) = origin.and_then(|o| o.by_version.get_mut(&slot.version)) {
+                        *at = to;
+                    }
+                }
+            });
         }
         self.origins
             .retain(|replica, origin| !origin.by_version.is_empty() || keep_origin(*replica));

@@ -252,18 +252,102 @@ proptest! {
     }
 }
 
-fn apply_write(map: &mut CounterMap, write: &Write) {
-    let at = replica(write.replica);
-    let result = if write.decr {
-        map.decr(at, &key(write.key), write.amount, Stamp(0))
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(CASES))]
+    #[test]
+    fn expiry_drops_exactly_the_ended_windows_and_the_rest_still_converges_to_its_writes(
+        (replicas, before, after, later, budget) in (2..=6usize).prop_flat_map(|n| (
+            Just(n),
+            writes(n, 40, 200),
+            writes(n, 20, 60),
+            NOW..NOW + 30,
+            0..(4 * DELTA_BYTES_MIN),
+        ))
+    ) {
+        // Keys 0..40 before the expiry, four in five of them in 10-second windows; keys
+        // 40..60 after it, new to every map, in hour-long windows (the ids freed by the
+        // expiry are taken again).
+        let spread = |index: usize| if index.is_multiple_of(5) { 3_600 } else { 10 };
+        let mut maps = vec![CounterMap::new(); replicas];
+        let mut written = BTreeMap::<Key, i128>::new();
+        for (step, write) in before.iter().enumerate() {
+            let at = key_in(write.key, spread(write.key));
+            apply_write_at(&mut maps[write.replica], write, &at);
+            *written.entry(at).or_default() += signed(write);
+            let (from, to) = (step % replicas, (step + 1) % replicas);
+            let delta = maps[from].delta_for(&maps[to].digest(), budget, step);
+            maps[to].apply(&delta, NOW);
+        }
+        for map in &mut maps {
+            let held = snapshot_lanes(map);
+            map.expire(later, |_| true);
+            let kept: Lanes = held
+                .into_iter()
+                .filter(|((k, _), _)| k.window.is_live(later))
+                .collect();
+            prop_assert_eq!(snapshot_lanes(map), kept);
+        }
+        written.retain(|k, _| k.window.is_live(later));
+        for (step, write) in after.iter().enumerate() {
+            let at = key_in(40 + write.key, 3_600);
+            apply_write_at(&mut maps[write.replica], write, &at);
+            *written.entry(at).or_default() += signed(write);
+            let (from, to) = (step % replicas, (step + 1) % replicas);
+            let delta = maps[from].delta_for(&maps[to].digest(), budget, step);
+            maps[to].apply(&delta, later);
+        }
+        sync_until_quiet_at(&mut maps, budget, later);
+        for map in &maps {
+            let values: BTreeMap<Key, i128> = map
+                .iter()
+                .map(|(k, c)| (k.clone(), c.value()))
+                .filter(|&(_, value)| value != 0)
+                .collect();
+            let expected: BTreeMap<Key, i128> =
+                written.iter().filter(|&(_, &v)| v != 0).map(|(k, v)| (k.clone(), *v)).collect();
+            prop_assert_eq!(values, expected);
+        }
+    }
+}
+
+fn key_in(index: usize, len_secs: u32) -> Key {
+    Key::new(
+        Rule::new("r").expect("valid rule"),
+        Subject::new(format!("s{index}")).expect("valid subject"),
+        Window::containing(NOW, len_secs).expect("valid window"),
+    )
+}
+
+fn signed(write: &Write) -> i128 {
+    let amount = i128::from(write.amount);
+    if write.decr {
+        -amount
     } else {
-        map.incr(at, &key(write.key), write.amount, Stamp(0))
+        amount
+    }
+}
+
+fn apply_write_at(map: &mut CounterMap, write: &Write, at: &Key) {
+    let replica = replica(write.replica);
+    let result = if write.decr {
+        map.decr(replica, at, write.amount, Stamp(0))
+    } else {
+        map.incr(replica, at, write.amount, Stamp(0))
     };
     result.expect("small amounts never overflow");
 }
 
+fn apply_write(map: &mut CounterMap, write: &Write) {
+    apply_write_at(map, write, &key(write.key));
+}
+
 /// Anti-entropy between every ordered pair, in budget-cut chunks, until no delta is left.
 fn sync_until_quiet(maps: &mut [CounterMap], bytes_max: usize) {
+    sync_until_quiet_at(maps, bytes_max, NOW);
+}
+
+/// [`sync_until_quiet`], applying at `now_unix_secs`.
+fn sync_until_quiet_at(maps: &mut [CounterMap], bytes_max: usize, now_unix_secs: u64) {
     for round in 0.. {
         assert!(
             round < 10_000,
@@ -278,7 +362,7 @@ fn sync_until_quiet(maps: &mut [CounterMap], bytes_max: usize) {
                 let delta = maps[from].delta_for(&maps[to].digest(), bytes_max, round);
                 if !delta.is_empty() {
                     sent = true;
-                    maps[to].apply(&delta, NOW);
+                    maps[to].apply(&delta, now_unix_secs);
                 }
             }
         }

@@ -60,7 +60,8 @@ pub fn wall_micros() -> u64 {
         .as_micros() as u64
 }
 
-/// A seed for the gossip's peer selection: differs between processes and starts.
+/// A seed for the gossip's peer selection and the counter map's hasher: drawn from the
+/// OS's randomness (std's `RandomState`), so it differs between processes and starts.
 #[allow(clippy::disallowed_methods)]
 pub fn entropy_seed() -> u64 {
     use std::hash::{BuildHasher, Hasher};

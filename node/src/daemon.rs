@@ -117,8 +117,10 @@ pub async fn run(config: Config, shutdown: impl Future<Output = ()>) -> Result<(
 
     // Earlier lives' logged lanes, re-published above any version a peer may hold.
     // Peers' lanes may add keys only up to the same cap as the lane store's, and claim no
-    // more than the configured rate over their window.
+    // more than the configured rate over their window. Keys come from clients and peers,
+    // so the map's hash table is keyed by a seed they cannot learn.
     let mut map = CounterMap::new()
+        .with_hash_seed(clock::entropy_seed())
         .with_keys_max(config.keys_max)
         .with_lane_rate_max(config.lane_rate_max_per_sec);
     for (retired, lanes) in &recovered.retired {

@@ -1,0 +1,255 @@
+//! The counter map's keys: each held key with its counter, under a small id that the map's
+//! per-origin version indexes hold instead of a copy of the key.
+
+use crate::{Key, PnCounter};
+use foldhash::fast::FixedState;
+use hashbrown::HashTable;
+use std::hash::BuildHasher;
+
+/// A held key's place in its [`KeyTable`]: fixed while the key is held, reused after.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct KeyId(usize);
+
+/// A key and its counter.
+#[derive(Debug, Clone)]
+pub(crate) struct Held {
+    pub(crate) key: Key,
+    pub(crate) counter: PnCounter,
+}
+
+/// Keys and their counters, found by key or by id.
+///
+/// The hash table holds ids only (8 bytes and a control byte a bucket), and hashes an id
+/// by the key it names, so each key is held once, beside its counter.
+#[derive(Debug, Clone)]
+pub(crate) struct KeyTable {
+    // Invariant: the id of every entry that is `Some`, once, at its key's hash.
+    ids: HashTable<KeyId>,
+    // Invariant: `None` exactly at the ids in `free`.
+    entries: Vec<Option<Held>>,
+    free: Vec<KeyId>,
+    hasher: FixedState,
+}
+
+impl KeyTable {
+    /// An empty table whose hasher is keyed by `seed`.
+    pub(crate) fn with_seed(seed: u64) -> KeyTable {
+        KeyTable {
+            ids: HashTable::new(),
+            entries: Vec::new(),
+            free: Vec::new(),
+            hasher: FixedState::with_seed(seed),
+        }
+    }
+
+    /// How many keys are held.
+    pub(crate) fn len(&self) -> usize {
+        self.ids.len()
+    }
+
+    /// The id of `key`, if it is held.
+    pub(crate) fn id(&self, key: &Key) -> Option<KeyId> {
+        let hash = self.hasher.hash_one(key);
+        self.ids.find(hash, |&id| self.names(id, key)).copied()
+    }
+
+    /// The key and counter at `id`, if `id` is held.
+    pub(crate) fn get(&self, id: KeyId) -> Option<&Held> {
+        self.entries.get(id.0)?.as_ref()
+    }
+
+    /// The id and counter of `key`, holding it with an empty counter if it was not held.
+    pub(crate) fn entry(&mut self, key: &Key) -> (KeyId, &mut PnCounter) {
+        let id = match self.id(key) {
+            Some(id) => id,
+            None => self.insert(key),
+        };
+        let held = self.entries[id.0].get_or_insert_with(|| Held {
+            key: key.clone(),
+            counter: PnCounter::new(),
+        });
+        (id, &mut held.counter)
+    }
+
+    /// Holds `key`, not held yet, with an empty counter, under a free id or a new one.
+    fn insert(&mut self, key: &Key) -> KeyId {
+        let held = Held {
+            key: key.clone(),
+            counter: PnCounter::new(),
+        };
+        let id = match self.free.pop() {
+            Some(id) => {
+                self.entries[id.0] = Some(held);
+                id
+            }
+            None => {
+                self.entries.push(Some(held));
+                KeyId(self.entries.len() - 1)
+            }
+        };
+        let hash = self.hasher.hash_one(key);
+        let (entries, hasher) = (&self.entries, &self.hasher);
+        self.ids
+            .insert_unique(hash, id, |&id| hash_at(entries, hasher, id));
+        id
+    }
+
+    /// Stops holding `id`'s key, returning it with its counter.
+    pub(crate) fn remove(&mut self, id: KeyId) -> Option<Held> {
+        let held = self.entries.get_mut(id.0)?.take()?;
+        let hash = self.hasher.hash_one(&held.key);
+        if let Ok(found) = self.ids.find_entry(hash, |&other| other == id) {
+            found.remove();
+        }
+        self.free.push(id);
+        Some(held)
+    }
+
+    /// Every held id with its key and counter, in no particular order.
+    pub(crate) fn iter(&self) -> impl Iterator<Item = (KeyId, &Held)> {
+        self.entries
+            .iter()
+            .enumerate()
+            .filter_map(|(at, held)| Some((KeyId(at), held.as_ref()?)))
+    }
+
+    /// Whether at most a quarter of the ids up to the highest held are held: a table left
+    /// that sparse by [`KeyTable::remove`] is worth compacting.
+    pub(crate) fn is_sparse(&self) -> bool {
+        self.len() < self.entries.len() / 4
+    }
+
+    /// Moves the entries at the highest ids into the free ids below them until no id is
+    /// free, and gives the room left over back to the allocator. Calls `moved(from, to,
+    /// held)` for every entry that changed id, so that whatever holds ids can follow.
+    pub(crate) fn compact(&mut self, mut moved: impl FnMut(KeyId, KeyId, &Held)) {
+        // Lowest last, so that `pop` takes the lowest free id.
+        self.free.sort_unstable_by_key(|id| std::cmp::Reverse(id.0));
+        loop {
+            while matches!(self.entries.last(), Some(None)) {
+                self.entries.pop();
+            }
+            let Some(to) = self.free.pop() else {
+                break;
+            };
+            if to.0 >= self.entries.len() {
+                continue;
+            }
+            let from = KeyId(self.entries.len() - 1);
+            let Some(held) = self.entries.pop().flatten() else {
+                continue;
+            };
+            let hash = self.hasher.hash_one(&held.key);
+            if let Ok(mut found) = self.ids.find_entry(hash, |&id| id == from) {
+                *found.get_mut() = to;
+            }
+            moved(from, to, &held);
+            self.entries[to.0] = Some(held);
+        }
+        self.entries.shrink_to_fit();
+        self.free.shrink_to_fit();
+        let (entries, hasher) = (&self.entries, &self.hasher);
+        self.ids.shrink_to_fit(|&id| hash_at(entries, hasher, id));
+    }
+
+    /// The table, its hasher keyed by `seed` instead: every id stays.
+    pub(crate) fn reseed(&mut self, seed: u64) {
+        self.hasher = FixedState::with_seed(seed);
+        let mut ids = HashTable::with_capacity(self.len());
+        for (id, held) in self.iter() {
+            let hash = self.hasher.hash_one(&held.key);
+            ids.insert_unique(hash, id, |&id| hash_at(&self.entries, &self.hasher, id));
+        }
+        self.ids = ids;
+    }
+
+    fn names(&self, id: KeyId, key: &Key) -> bool {
+        self.get(id).is_some_and(|held| held.key == *key)
+    }
+}
+
+/// The hash of the key at `id`, for the hash table's moves (every id it holds is held).
+fn hash_at(entries: &[Option<Held>], hasher: &FixedState, id: KeyId) -> u64 {
+    match entries.get(id.0) {
+        Some(Some(held)) => hasher.hash_one(&held.key),
+        _ => 0,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::{Generation, NodeId, ReplicaId, Rule, Subject, Window};
+
+    fn key(subject: usize) -> Key {
+        Key::new(
+            Rule::new("r").unwrap(),
+            Subject::new(format!("subject-{subject}")).unwrap(),
+            Window::containing(600, 60).unwrap(),
+        )
+    }
+
+    #[test]
+    fn a_key_keeps_its_id_while_held_and_a_removed_keys_id_is_reused() {
+        let mut table = KeyTable::with_seed(7);
+        let ids: Vec<KeyId> = (0..100).map(|s| table.entry(&key(s)).0).collect();
+        assert_eq!(table.len(), 100);
+        assert_eq!(table.entry(&key(5)).0, ids[5], "held: same id");
+        let replica = ReplicaId::new(NodeId(1), Generation(1));
+        table.entry(&key(5)).1.incr(replica, 3).unwrap();
+
+        let removed = table.remove(ids[5]).unwrap();
+        assert_eq!((removed.key, removed.counter.value()), (key(5), 3));
+        assert_eq!(table.id(&key(5)), None);
+        assert!(table.get(ids[5]).is_none());
+        assert!(table.remove(ids[5]).is_none(), "removed once");
+        assert_eq!(table.len(), 99);
+
+        let reused = table.entry(&key(1_000)).0;
+        assert_eq!(reused, ids[5]);
+        assert_eq!(table.get(reused).unwrap().counter.value(), 0);
+        for (s, id) in ids.iter().enumerate().filter(|&(s, _)| s != 5) {
+            assert_eq!(table.id(&key(s)), Some(*id), "key {s}");
+        }
+        assert_eq!(table.iter().count(), 100);
+    }
+
+    #[test]
+    fn compacting_moves_the_highest_entries_into_the_free_ids_and_reports_each_move() {
+        let mut table = KeyTable::with_seed(7);
+        for s in 0..100 {
+            table.entry(&key(s));
+        }
+        // Keep every tenth key, so the free ids are spread under the held ones.
+        for s in (0..100).filter(|s| s % 10 != 0) {
+            let id = table.id(&key(s)).unwrap();
+            table.remove(id).unwrap();
+        }
+        assert!(table.is_sparse());
+        let mut moves = Vec::new();
+        table.compact(|from, to, held| moves.push((from, to, held.key.clone())));
+        assert!(!table.is_sparse());
+        assert_eq!(table.len(), 10);
+        assert_eq!(table.entries.len(), 10, "no free id is left");
+        for (from, to, moved) in &moves {
+            assert!(to.0 < from.0);
+            assert_eq!(table.id(moved), Some(*to));
+        }
+        for s in (0..100).step_by(10) {
+            let id = table.id(&key(s)).unwrap();
+            assert_eq!(table.get(id).unwrap().key, key(s));
+        }
+        let fresh = table.entry(&key(1_000)).0;
+        assert_eq!(fresh, KeyId(10), "the next id follows the compacted ones");
+    }
+
+    #[test]
+    fn a_reseeded_table_finds_every_key_under_its_old_id() {
+        let mut table = KeyTable::with_seed(1);
+        let ids: Vec<KeyId> = (0..50).map(|s| table.entry(&key(s)).0).collect();
+        table.reseed(2);
+        for (s, id) in ids.iter().enumerate() {
+            assert_eq!(table.id(&key(s)), Some(*id));
+        }
+    }
+}
