@@ -115,6 +115,26 @@ const FORBIDDEN_IN_PURE_SOURCES: &[Forbidden] = &[
         why: "randomness is an input (seeded)",
         sim_may_use: false,
     },
+    Forbidden {
+        pattern: "RandomState",
+        why: "randomness is an input: a hasher is keyed by a seed passed in",
+        sim_may_use: false,
+    },
+    Forbidden {
+        pattern: "DefaultHashBuilder",
+        why: "randomness is an input: a hasher is keyed by a seed passed in",
+        sim_may_use: false,
+    },
+    Forbidden {
+        pattern: "HashMap",
+        why: "std's HashMap keys its hasher from the OS: randomness is an input",
+        sim_may_use: false,
+    },
+    Forbidden {
+        pattern: "HashSet",
+        why: "std's HashSet keys its hasher from the OS: randomness is an input",
+        sim_may_use: false,
+    },
 ];
 
 /// One thing the pure crates' sources never mention.

@@ -416,7 +416,7 @@ mod tests {
     #[test]
     fn a_borrowed_key_hashes_and_compares_as_its_owned_key() {
         use std::hash::BuildHasher;
-        let hasher = std::collections::hash_map::RandomState::new();
+        let hasher = foldhash::fast::FixedState::with_seed(42);
         let rule = Rule::new("login").unwrap();
         let window = Window::new(7, 60).unwrap();
         let borrowed = KeyRef::new(&rule, "user-42", window).unwrap();

@@ -101,9 +101,12 @@ impl CounterMap {
         self
     }
 
-    /// The map, its keys hashed under `seed`. A map that takes keys from clients or peers
-    /// needs a seed they cannot learn (a node draws one at start), or they could choose keys
-    /// that collide in its hash table; the default, 0, suits a map whose keys are trusted.
+    /// The map, its keys hashed under `seed` (foldhash, both of its seeds drawn from this
+    /// one). A map that takes keys from clients or peers needs a seed they cannot learn (a
+    /// node draws one at start), so that they cannot choose keys that collide in its hash
+    /// table; the default, 0, suits a map whose keys are trusted, as in tests and the
+    /// simulator. foldhash does not claim to resist an attacker who studies a long-running
+    /// process to recover its seed; the map never shows its hash order (it iterates by id).
     pub fn with_hash_seed(mut self, seed: u64) -> CounterMap {
         self.keys.reseed(seed);
         self
@@ -379,7 +382,9 @@ impl CounterMap {
         };
         let after = Version(theirs.version.0.saturating_add(1));
         for (&version, &id) in origin.by_version.range(after..) {
-            let Some(held) = self.keys.get(id) else {
+            let held = self.keys.get(id);
+            debug_assert!(held.is_some(), "the version index names only held keys");
+            let Some(held) = held else {
                 continue;
             };
             let cost = size::lane(&held.key);
@@ -508,10 +513,11 @@ impl CounterMap {
         }
         if self.keys.is_sparse() {
             let origins = &mut self.origins;
-            self.keys.compact(|_, to, held| {
+            self.keys.compact(|from, to, held| {
                 for slot in held.counter.slots() {
                     let origin = origins.get_mut(&slot.replica);
                     if let Some(at) = origin.and_then(|o| o.by_version.get_mut(&slot.version)) {
+                        debug_assert_eq!(*at, from, "a lane's version names its own key");
                         *at = to;
                     }
                 }

@@ -2,9 +2,10 @@
 //! per-origin version indexes hold instead of a copy of the key.
 
 use crate::{Key, PnCounter};
-use foldhash::fast::FixedState;
+use foldhash::fast::FoldHasher;
+use foldhash::SharedSeed;
 use hashbrown::HashTable;
-use std::hash::BuildHasher;
+use std::hash::{Hash, Hasher};
 
 /// A held key's place in its [`KeyTable`]: fixed while the key is held, reused after.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -28,7 +29,30 @@ pub(crate) struct KeyTable {
     // Invariant: `None` exactly at the ids in `free`.
     entries: Vec<Option<Held>>,
     free: Vec<KeyId>,
-    hasher: FixedState,
+    hasher: KeyHasher,
+}
+
+/// foldhash, with both its seeds taken from the map's seed: the per-hasher seed and the
+/// shared one, which foldhash's own `FixedState` leaves at public constants.
+#[derive(Debug, Clone)]
+struct KeyHasher {
+    seed: u64,
+    shared: SharedSeed,
+}
+
+impl KeyHasher {
+    fn new(seed: u64) -> KeyHasher {
+        KeyHasher {
+            seed,
+            shared: SharedSeed::from_u64(seed),
+        }
+    }
+
+    fn hash_one(&self, key: &Key) -> u64 {
+        let mut hasher = FoldHasher::with_seed(self.seed, &self.shared);
+        key.hash(&mut hasher);
+        hasher.finish()
+    }
 }
 
 impl KeyTable {
@@ -38,7 +62,7 @@ impl KeyTable {
             ids: HashTable::new(),
             entries: Vec::new(),
             free: Vec::new(),
-            hasher: FixedState::with_seed(seed),
+            hasher: KeyHasher::new(seed),
         }
     }
 
@@ -113,8 +137,9 @@ impl KeyTable {
             .filter_map(|(at, held)| Some((KeyId(at), held.as_ref()?)))
     }
 
-    /// Whether at most a quarter of the ids up to the highest held are held: a table left
-    /// that sparse by [`KeyTable::remove`] is worth compacting.
+    /// Whether fewer than a quarter of the ids given out (up to the highest, free ones
+    /// included) are held: a table left that sparse by [`KeyTable::remove`] is worth
+    /// compacting.
     pub(crate) fn is_sparse(&self) -> bool {
         self.len() < self.entries.len() / 4
     }
@@ -154,7 +179,7 @@ impl KeyTable {
 
     /// The table, its hasher keyed by `seed` instead: every id stays.
     pub(crate) fn reseed(&mut self, seed: u64) {
-        self.hasher = FixedState::with_seed(seed);
+        self.hasher = KeyHasher::new(seed);
         let mut ids = HashTable::with_capacity(self.len());
         for (id, held) in self.iter() {
             let hash = self.hasher.hash_one(&held.key);
@@ -169,7 +194,7 @@ impl KeyTable {
 }
 
 /// The hash of the key at `id`, for the hash table's moves (every id it holds is held).
-fn hash_at(entries: &[Option<Held>], hasher: &FixedState, id: KeyId) -> u64 {
+fn hash_at(entries: &[Option<Held>], hasher: &KeyHasher, id: KeyId) -> u64 {
     match entries.get(id.0) {
         Some(Some(held)) => hasher.hash_one(&held.key),
         _ => 0,

@@ -256,19 +256,23 @@ proptest! {
     #![proptest_config(ProptestConfig::with_cases(CASES))]
     #[test]
     fn expiry_drops_exactly_the_ended_windows_and_the_rest_still_converges_to_its_writes(
-        (replicas, before, after, later, budget) in (2..=6usize).prop_flat_map(|n| (
+        (replicas, before, after, long_every, later, budget, seed) in (2..=6usize).prop_flat_map(|n| (
             Just(n),
             writes(n, 40, 200),
             writes(n, 20, 60),
-            NOW..NOW + 30,
+            2..=6usize,
+            NOW + 20..NOW + 30,
             0..(4 * DELTA_BYTES_MIN),
+            any::<u64>(),
         ))
     ) {
-        // Keys 0..40 before the expiry, four in five of them in 10-second windows; keys
-        // 40..60 after it, new to every map, in hour-long windows (the ids freed by the
-        // expiry are taken again).
-        let spread = |index: usize| if index.is_multiple_of(5) { 3_600 } else { 10 };
-        let mut maps = vec![CounterMap::new(); replicas];
+        // Keys 0..40 before the expiry, one in `long_every` of them in an hour-long window
+        // and the rest in 10-second windows, which end before `later`: so an expiry leaves
+        // a half to a sixth of the keys, and the sparser maps compact. Keys 40..60 after it,
+        // new to every map, in hour-long windows, take the ids the expiry freed where it
+        // did not compact, and follow the compacted ones where it did.
+        let spread = |index: usize| if index.is_multiple_of(long_every) { 3_600 } else { 10 };
+        let mut maps = vec![CounterMap::new().with_hash_seed(seed); replicas];
         let mut written = BTreeMap::<Key, i128>::new();
         for (step, write) in before.iter().enumerate() {
             let at = key_in(write.key, spread(write.key));
@@ -285,6 +289,7 @@ proptest! {
                 .into_iter()
                 .filter(|((k, _), _)| k.window.is_live(later))
                 .collect();
+            prop_assert_eq!(map.lanes(), kept.len(), "one version-index entry per lane");
             prop_assert_eq!(snapshot_lanes(map), kept);
         }
         written.retain(|k, _| k.window.is_live(later));

@@ -23,7 +23,7 @@
 
 use crate::message::{Envelope, MemberEntry, Message, ADDR_BYTES_MAX};
 use serde::{Deserialize, Serialize};
-use std::collections::HashMap;
+use std::collections::BTreeMap;
 use tally_crdt::{
     Delta, Digest, Generation, Key, Lane, LaneUpdate, NodeId, OriginDelta, ReplicaId, Rule, Stamp,
     Subject, Version, Watermark, Window,
@@ -592,7 +592,7 @@ impl Lanes {
 struct ScopeTable {
     newest: Stamp,
     scopes: Vec<Scope>,
-    indexes: HashMap<(Rule, Window), u64>,
+    indexes: BTreeMap<(Rule, Window), u64>,
 }
 
 impl ScopeTable {
@@ -600,7 +600,7 @@ impl ScopeTable {
         ScopeTable {
             newest,
             scopes: Vec::new(),
-            indexes: HashMap::new(),
+            indexes: BTreeMap::new(),
         }
     }
 
