@@ -1,5 +1,6 @@
-//! Memory per key: live heap bytes that the lane store and the counter map hold per key,
-//! and per extra remote lane. Prints a report; it is not a criterion timing.
+//! Memory per key: live heap bytes that the lane store, the counter map and the decision
+//! view's remote rates hold per key, and per extra remote lane. Prints a report; it is not
+//! a criterion timing.
 //!
 //! Run with `cargo bench --bench memory`.
 //!

@@ -38,9 +38,9 @@ mod counter;
 mod delta;
 mod id;
 mod key;
+mod key_table;
 mod lane;
 mod map;
-mod table;
 
 pub use counter::{PnCounter, Slot};
 pub use delta::{

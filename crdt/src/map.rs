@@ -1,7 +1,7 @@
 //! Many counters with versioned lanes: the state that gossip keeps in sync.
 
 use crate::delta::size;
-use crate::table::{KeyId, KeyTable};
+use crate::key_table::{KeyId, KeyTable};
 use crate::{
     Delta, Digest, Key, Lane, LaneUpdate, OriginDelta, Overflow, PnCounter, ReplicaId, Slot, Stamp,
     Version, Watermark, Window, DELTA_BYTES_MIN,
@@ -215,12 +215,12 @@ impl CounterMap {
     ///
     /// Only the replica itself may call this for its lanes: versions are its own count.
     pub fn write(&mut self, replica: ReplicaId, key: &Key, totals: Lane, stamp: Stamp) -> Version {
-        let held = self.lane(key, replica);
+        let (id, counter) = self.keys.entry(key);
+        let held = counter.lane(replica);
         let origin = self.origins.entry(replica).or_default();
         origin.watermark.stamp = origin.watermark.stamp.max(stamp);
         let mut lane = held;
         lane.merge(totals);
-        let (id, counter) = self.keys.entry(key);
         if lane == held {
             if let Some(slot) = counter.slot(replica) {
                 return slot.version;
@@ -382,10 +382,8 @@ impl CounterMap {
         };
         let after = Version(theirs.version.0.saturating_add(1));
         for (&version, &id) in origin.by_version.range(after..) {
-            let held = self.keys.get(id);
-            debug_assert!(held.is_some(), "the version index names only held keys");
-            let Some(held) = held else {
-                continue;
+            let Some(held) = self.keys.get(id) else {
+                panic!("{replica}'s version {version:?} names key id {id:?}, which is not held");
             };
             let cost = size::lane(&held.key);
             if cost > *budget {
@@ -517,7 +515,11 @@ impl CounterMap {
                 for slot in held.counter.slots() {
                     let origin = origins.get_mut(&slot.replica);
                     if let Some(at) = origin.and_then(|o| o.by_version.get_mut(&slot.version)) {
-                        debug_assert_eq!(*at, from, "a lane's version names its own key");
+                        assert_eq!(
+                            *at, from,
+                            "{}'s version {:?} names another key",
+                            slot.replica, slot.version
+                        );
                         *at = to;
                     }
                 }
@@ -654,6 +656,71 @@ mod tests {
         peer.apply(&delta, NOW);
         assert_eq!(peer.watermark(replica(1)).stamp, Stamp(9));
         assert!(origin.delta_for(&peer.digest(), 0, 0).is_empty());
+    }
+
+    /// Every version-index entry names a held key whose lane of that origin is at that
+    /// version, and every held lane has one.
+    fn assert_index_names_each_lane(map: &CounterMap) {
+        for (replica, origin) in &map.origins {
+            for (version, &id) in &origin.by_version {
+                let held = map.keys.get(id).expect("the index names a held key");
+                let slot = held
+                    .counter
+                    .slot(*replica)
+                    .expect("the key has the origin's lane");
+                assert_eq!(slot.version, *version, "{replica} at {}", held.key);
+            }
+        }
+        let lanes: usize = map.iter().map(|(_, counter)| counter.lanes()).sum();
+        assert_eq!(map.lanes(), lanes);
+    }
+
+    #[test]
+    fn an_expiry_that_compacts_the_keys_keeps_every_lane_at_its_version() {
+        let mut map = CounterMap::new().with_hash_seed(11);
+        // 100 keys over two origins; one in ten in an hour-long window, the rest in 10 s.
+        let len = |subject: usize| {
+            if subject.is_multiple_of(10) {
+                3_600
+            } else {
+                10
+            }
+        };
+        for subject in 0..100 {
+            for node in [1, 2] {
+                map.incr(replica(node), &key(subject, len(subject)), 1, Stamp(1))
+                    .unwrap();
+            }
+        }
+        let kept: Vec<Key> = (0..100).step_by(10).map(|s| key(s, 3_600)).collect();
+        let later = key(1, 10).window.live_until_unix_secs();
+        assert_eq!(map.expire(later, |_| true), 90);
+        assert!(!map.keys.is_sparse(), "the expiry compacted the keys");
+        assert_index_names_each_lane(&map);
+        let delta = map.delta_for(&Digest::default(), usize::MAX, 0);
+        for origin in &delta.origins {
+            let sent: Vec<&Key> = origin.lanes.iter().map(|lane| &lane.key).collect();
+            assert_eq!(sent.len(), kept.len());
+            for lane in &origin.lanes {
+                assert!(kept.contains(&lane.key));
+                assert_eq!(
+                    map.counter(&lane.key)
+                        .unwrap()
+                        .slot(origin.origin)
+                        .unwrap()
+                        .version,
+                    lane.version
+                );
+            }
+        }
+        // Writes after the compaction land on the moved keys and on new ones.
+        for subject in [10, 90, 500] {
+            map.incr(replica(1), &key(subject, 3_600), 5, Stamp(2))
+                .unwrap();
+        }
+        assert_index_names_each_lane(&map);
+        assert_eq!(map.value(&key(90, 3_600)), 2 + 5);
+        assert_eq!(map.value(&key(500, 3_600)), 5);
     }
 
     #[test]

@@ -4,6 +4,7 @@
 use crate::{Key, PnCounter};
 use foldhash::fast::FoldHasher;
 use foldhash::SharedSeed;
+use hashbrown::hash_table::Entry;
 use hashbrown::HashTable;
 use std::hash::{Hash, Hasher};
 
@@ -74,7 +75,9 @@ impl KeyTable {
     /// The id of `key`, if it is held.
     pub(crate) fn id(&self, key: &Key) -> Option<KeyId> {
         let hash = self.hasher.hash_one(key);
-        self.ids.find(hash, |&id| self.names(id, key)).copied()
+        self.ids
+            .find(hash, |&id| names(&self.entries, id, key))
+            .copied()
     }
 
     /// The key and counter at `id`, if `id` is held.
@@ -82,40 +85,32 @@ impl KeyTable {
         self.entries.get(id.0)?.as_ref()
     }
 
-    /// The id and counter of `key`, holding it with an empty counter if it was not held.
+    /// The id and counter of `key`, holding it with an empty counter (under a free id or
+    /// a new one) if it was not held.
     pub(crate) fn entry(&mut self, key: &Key) -> (KeyId, &mut PnCounter) {
-        let id = match self.id(key) {
-            Some(id) => id,
-            None => self.insert(key),
+        let hash = self.hasher.hash_one(key);
+        let (entries, hasher) = (&self.entries, &self.hasher);
+        let found = self.ids.entry(
+            hash,
+            |&id| names(entries, id, key),
+            |&id| hash_at(entries, hasher, id),
+        );
+        let id = match found {
+            Entry::Occupied(held) => *held.get(),
+            Entry::Vacant(free) => {
+                let id = self.free.pop().unwrap_or_else(|| {
+                    self.entries.push(None);
+                    KeyId(self.entries.len() - 1)
+                });
+                free.insert(id);
+                id
+            }
         };
         let held = self.entries[id.0].get_or_insert_with(|| Held {
             key: key.clone(),
             counter: PnCounter::new(),
         });
         (id, &mut held.counter)
-    }
-
-    /// Holds `key`, not held yet, with an empty counter, under a free id or a new one.
-    fn insert(&mut self, key: &Key) -> KeyId {
-        let held = Held {
-            key: key.clone(),
-            counter: PnCounter::new(),
-        };
-        let id = match self.free.pop() {
-            Some(id) => {
-                self.entries[id.0] = Some(held);
-                id
-            }
-            None => {
-                self.entries.push(Some(held));
-                KeyId(self.entries.len() - 1)
-            }
-        };
-        let hash = self.hasher.hash_one(key);
-        let (entries, hasher) = (&self.entries, &self.hasher);
-        self.ids
-            .insert_unique(hash, id, |&id| hash_at(entries, hasher, id));
-        id
     }
 
     /// Stops holding `id`'s key, returning it with its counter.
@@ -187,10 +182,11 @@ impl KeyTable {
         }
         self.ids = ids;
     }
+}
 
-    fn names(&self, id: KeyId, key: &Key) -> bool {
-        self.get(id).is_some_and(|held| held.key == *key)
-    }
+/// Whether the entry at `id` holds `key`.
+fn names(entries: &[Option<Held>], id: KeyId, key: &Key) -> bool {
+    matches!(entries.get(id.0), Some(Some(held)) if held.key == *key)
 }
 
 /// The hash of the key at `id`, for the hash table's moves (every id it holds is held).
