@@ -16,11 +16,7 @@ fn replica(index: usize) -> ReplicaId {
 }
 
 fn key(index: usize) -> Key {
-    Key::new(
-        Rule::new("r").expect("valid rule"),
-        Subject::new(format!("s{index}")).expect("valid subject"),
-        Window::containing(NOW, 60).expect("valid window"),
-    )
+    key_in(index, 60)
 }
 
 /// One counter write: which replica, incr or decr, how much.

@@ -203,7 +203,6 @@ impl Cluster {
         disk
     }
 
-    /// Waits until every running node sees every other running node alive.
     /// Waits until every running node sees every other running node alive, and counts no
     /// seed as an unheard member (its table has matched a peer's).
     pub fn wait_members_alive(&self) {

@@ -9,7 +9,7 @@
 //! estimates catch up without a restart. One past the lane store's key cap is not counted.
 
 use crate::clock;
-use crate::lanelog::LaneLog;
+use crate::lanelog::{LaneLog, LogError};
 use crate::listener::write_out;
 use crate::store::LaneStore;
 use std::collections::HashMap;
@@ -61,13 +61,8 @@ impl OwnLanes {
         };
         let mut log = log.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
         for (key, cost) in admitted {
-            if self.owed.is_empty() {
-                if let Ok(mark) = log.append(key, *cost, 0) {
-                    if self.store.incr(key, *cost).is_err() {
-                        log.undo(mark);
-                    }
-                    continue;
-                }
+            if self.owed.is_empty() && count_in(&mut log, &self.store, key, *cost).is_ok() {
+                continue;
             }
             let sum = self.owed.entry(key.clone()).or_default();
             *sum = sum.saturating_add(*cost);
@@ -91,14 +86,10 @@ impl OwnLanes {
                 return true;
             }
             // A cost owed to a window that is over is dropped: its lanes are gone everywhere.
-            if key.window.is_live(now_secs) {
-                let Ok(mark) = log.append(key, *cost, 0) else {
-                    room = false;
-                    return true;
-                };
-                if self.store.incr(key, *cost).is_err() {
-                    log.undo(mark);
-                }
+            if key.window.is_live(now_secs) && count_in(&mut log, &self.store, key, *cost).is_err()
+            {
+                room = false;
+                return true;
             }
             paid = paid.saturating_add(*cost);
             false
@@ -106,6 +97,16 @@ impl OwnLanes {
         write_out(&mut log, &self.store);
         self.owed_total.fetch_sub(paid, Ordering::Relaxed);
     }
+}
+
+/// Logs `cost` on `key` and counts it in the store; a record the store then refuses (its
+/// key cap) is undone. An error if the lane log refused the record: nothing is counted.
+fn count_in(log: &mut LaneLog, store: &LaneStore, key: &Key, cost: u64) -> Result<(), LogError> {
+    let mark = log.append(key, cost, 0)?;
+    if store.incr(key, cost).is_err() {
+        log.undo(mark);
+    }
+    Ok(())
 }
 
 // The lane store runs on loom's atomics under `tally_loom`, which work only inside a model.
