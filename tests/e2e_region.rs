@@ -379,6 +379,50 @@ async fn a_pipeline_mixing_exact_and_approximate_rules_gets_its_answers_in_its_o
     );
 }
 
+#[tokio::test(flavor = "current_thread")]
+async fn exact_checks_read_before_a_bad_frame_are_answered_before_the_connection_closes() {
+    use std::io::Read;
+    use tally_client::wire::{Op, Request, Response};
+    let cluster = Cluster::start_with(NET, 2, 2_000, true);
+    let mut stream = std::net::TcpStream::connect(cluster.nodes[1].client_addr()).unwrap();
+    stream
+        .set_read_timeout(Some(Duration::from_secs(5)))
+        .unwrap();
+    let mut bytes = Vec::new();
+    let check = Op::Check {
+        rule: "quota".into(),
+        subject: "before-bad".into(),
+        cost: 1,
+        id: None,
+    };
+    tally_client::wire::encode_frame(&Request { id: 1, op: check }, &mut bytes);
+    // A good length and a body that does not decode.
+    bytes.extend_from_slice(&[4, 0, 0, 0, 1, 0xff, 0xff, 0xff]);
+    stream.write_all(&bytes).unwrap();
+    let mut answer = Vec::new();
+    stream.read_to_end(&mut answer).unwrap();
+    let mut responses = Vec::new();
+    let mut rest = answer.as_slice();
+    while let Some((prefix, after)) = rest.split_first_chunk::<4>() {
+        let len = tally_client::wire::frame_len(*prefix).unwrap();
+        let response: Response = tally_client::wire::decode_body(&after[..len]).unwrap();
+        responses.push(response);
+        rest = &after[len..];
+    }
+    // The bad frame is answered at once; the check before it once the region has decided
+    // it, and only then does the edge close the connection.
+    assert_eq!(responses.len(), 2, "{responses:?}");
+    assert!(
+        matches!(&responses[0].result, Err(Refusal::Malformed { .. })),
+        "{responses:?}"
+    );
+    assert!(
+        matches!(&responses[1], Response { id: 1, result: Ok(Reply::Decision(decision)) }
+            if decision.mode == Mode::Exact && decision.allowed),
+        "{responses:?}"
+    );
+}
+
 /// The check under `id` that the retry test repeats.
 async fn check_on(edge: &Client, id: CheckId) -> Result<Decision, Error> {
     edge.check_with_id(id, "quota", "named", 5).await

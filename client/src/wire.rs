@@ -289,7 +289,9 @@ pub struct Decision {
     pub estimate: i128,
     /// The rule's limit per window.
     pub limit: u64,
-    /// How much more the limit admits, as this node sees it (0 when over).
+    /// How much more the rule that decided admits, as this node sees it (0 when over):
+    /// the limit less the estimate, or in isolated mode this node's share less its own
+    /// count.
     pub remaining: u64,
     /// Milliseconds until the window ends and the count starts again.
     pub reset_after_ms: u64,
@@ -299,7 +301,9 @@ pub struct Decision {
     pub staleness_ms: u64,
     /// The overshoot this answer may be part of, beyond the limit: in connected mode the
     /// admissions other nodes may have made unseen (their rate x their staleness); in
-    /// isolated mode `locations x slack`; 0 for exact.
+    /// isolated mode `locations x slack` plus what was admitted before isolation (this
+    /// node's estimate, and the others' rate x `stale_after_ms`); 0 for exact and for a
+    /// `deny` fallback; infinite for an `allow` fallback, which admits whatever the count.
     pub bound: f64,
 }
 

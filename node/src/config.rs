@@ -390,6 +390,14 @@ impl Config {
                     ),
                 ));
             }
+            if rule.mode == RuleMode::Exact && rule.sliding {
+                return Err(bad(
+                    key("sliding"),
+                    "an exact rule is decided at the region on its fixed window: `sliding` \
+                     weights the previous window for approximate rules only"
+                        .into(),
+                ));
+            }
             if rule.mode == RuleMode::Exact && self.role == Role::Edge && self.region.is_none() {
                 return Err(bad(
                     key("mode"),
@@ -505,6 +513,9 @@ window_secs = 60
         );
         let with_region = format!("region = {{ node = 9, addr = \"127.0.0.9:7001\" }}\n{exact}");
         assert!(parse(&with_region).is_ok());
+        let sliding = with_region.replace("mode = \"exact\"", "mode = \"exact\"\nsliding = true");
+        let err = parse(&sliding).unwrap_err().to_string();
+        assert!(err.contains("rules[0].sliding"), "{err}");
         let slow = with_region.replace("node_id = 1", "node_id = 1\nlane_rate_max_per_sec = 99");
         let err = parse(&slow).unwrap_err().to_string();
         assert!(

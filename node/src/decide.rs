@@ -4,13 +4,21 @@
 //! three ways to answer"):
 //!
 //! - **connected** (every live member fresher than the rule's `stale_after`): admit iff
-//!   `estimate + cost <= limit`. The bound in force is the admissions the other nodes may
-//!   have made unseen: their increment rate on this key times the stalest live member's
-//!   staleness. (The sum over origins of rate x staleness is at most this.)
+//!   `estimate + cost <= limit`, the estimate of a `sliding` rule weighting the previous
+//!   window's. The bound in force is the admissions the other nodes may have made unseen:
+//!   their increment rate on this key times the stalest live member's staleness. (The sum
+//!   over origins of rate x staleness is at most this.)
 //! - **isolated** (some live member staler): admit iff
 //!   `own + cost <= limit / locations + slack`, where `own` counts this node's lanes of
-//!   every life it has had (a restart does not give it a second share); the bound is
-//!   `locations x slack`.
+//!   every life it has had (a restart does not give it a second share). The bound is
+//!   `locations x slack` plus what was admitted before isolation: each location admits
+//!   up to its share beyond what it held then, so the window's total is at most the
+//!   limit, `locations x slack` and that count. This node knows that count as its
+//!   window's estimate, plus what the others may have admitted unseen in the
+//!   `stale_after` before it turned isolated (their rate times `stale_after`).
+//!
+//! A decision's `remaining` is what the rule that decided would still admit: the limit
+//! less the estimate when connected, the share less `own` when isolated.
 //!
 //! Exact rules go to the region (see `region`); when it cannot answer in time they get
 //! `RegionUnavailable` or the rule's `on_region_unavailable` fallback, decided here.
@@ -60,18 +68,23 @@ struct Verdict {
     allowed: bool,
     // The count the decision was made on.
     estimate: i128,
+    // What the rule that decided would still admit.
+    room: i128,
     mode: Mode,
     bound: f64,
 }
 
 impl Verdict {
-    /// The rule's `on_region_unavailable` answered, on this node's estimate.
-    fn fallback(allowed: bool, estimate: i128) -> Verdict {
+    /// The rule's `on_region_unavailable` answered, on this node's `estimate`. An `allow`
+    /// admits whatever the count: no bound holds its overshoot.
+    fn fallback(rule: &RuleConfig, allowed: bool, estimate: i128) -> Verdict {
+        let unbounded = rule.on_region_unavailable == OnRegionUnavailable::Allow;
         Verdict {
             allowed,
             estimate,
+            room: i128::from(rule.limit) - estimate,
             mode: Mode::RegionFallback,
-            bound: 0.0,
+            bound: if unbounded { f64::INFINITY } else { 0.0 },
         }
     }
 }
@@ -91,6 +104,8 @@ pub struct Context<'a> {
     pub lane_rate_max: u64,
     /// Counts the writes refused because the lane log had no room for their record.
     pub lane_log_refused: &'a AtomicU64,
+    /// Counts the writes refused because the store held `keys_max` keys.
+    pub keys_refused: &'a AtomicU64,
 }
 
 /// How long until `window` ends, at wall-clock `now_ms`: a decision's `reset_after_ms`.
@@ -153,6 +168,9 @@ impl Context<'_> {
             if let (Some(log), Some(mark)) = (self.log.as_deref_mut(), mark) {
                 log.undo(mark);
             }
+            if let StoreError::KeysFull { .. } = err {
+                self.keys_refused.fetch_add(1, Ordering::Relaxed);
+            }
             refusal(err)
         })?;
         Ok(Estimate {
@@ -200,7 +218,8 @@ impl Context<'_> {
             OnRegionUnavailable::Deny => (false, self.store.estimate(key)),
         };
         let staleness = self.staleness();
-        Ok(self.decision(rule, key, Verdict::fallback(allowed, estimate), staleness))
+        let decided = Verdict::fallback(rule, allowed, estimate);
+        Ok(self.decision(rule, key, decided, staleness))
     }
 
     /// Takes back a fallback's count of `cost` on `key`: a decrement of the own lane.
@@ -211,9 +230,11 @@ impl Context<'_> {
     /// The decision the region's durable `outcome` makes: exact, with no overshoot bound.
     pub fn exact(&self, rule: &RuleConfig, key: KeyRef<'_>, outcome: Outcome) -> Decision {
         // The region's count is not stale: its decision is the authoritative one.
+        let count = i128::from(outcome.count);
         let decided = Verdict {
             allowed: outcome.allowed,
-            estimate: i128::from(outcome.count),
+            estimate: count,
+            room: i128::from(rule.limit) - count,
             mode: Mode::Exact,
             bound: 0.0,
         };
@@ -228,53 +249,59 @@ impl Context<'_> {
     ) -> Result<Decision, Refusal> {
         let freshness = self.view.freshness(self.now);
         let connected = freshness.staleness <= Duration::from_millis(rule.stale_after_ms);
-        let (mode, allowed, bound) = if connected {
-            let estimate = self.weighted_estimate(rule, key);
-            let allowed = estimate + i128::from(cost) <= i128::from(rule.limit);
+        let current = self.store.estimate(key);
+        let previous = self.previous_window_part(rule, key);
+        let cost_i = i128::from(cost);
+        let (mode, allowed, bound, room) = if connected {
+            let room = i128::from(rule.limit) - (current + previous);
             let bound = self.view.remote_rate(key) * freshness.staleness.as_secs_f64();
-            (Mode::ApproximateConnected, allowed, bound)
+            (Mode::ApproximateConnected, cost_i <= room, bound, room)
         } else {
             let locations = rule.locations.unwrap_or(freshness.locations as u64).max(1);
             let share = (rule.limit / locations).saturating_add(rule.slack);
             // This location's count: its lives before a restart admitted under the share
             // too, and they are still counted in the window.
             let own = self.store.own(key).value() + self.view.other_lives(key);
-            let allowed = own + i128::from(cost) <= i128::from(share);
-            (
-                Mode::ApproximateIsolated,
+            let room = i128::from(share) - own;
+            let unseen = self.view.remote_rate(key) * rule.stale_after_ms as f64 / 1_000.0;
+            let before = current.max(0) as f64 + unseen;
+            let bound = locations as f64 * rule.slack as f64 + before;
+            (Mode::ApproximateIsolated, cost_i <= room, bound, room)
+        };
+        let decided = if allowed {
+            Verdict {
                 allowed,
-                locations as f64 * rule.slack as f64,
-            )
-        };
-        let estimate = if allowed {
-            self.write(key, cost, true, "cost")?.estimate
+                estimate: self.write(key, cost, true, "cost")?.estimate + previous,
+                room: room - cost_i,
+                mode,
+                bound,
+            }
         } else {
-            self.store.estimate(key)
-        };
-        let decided = Verdict {
-            allowed,
-            estimate,
-            mode,
-            bound,
+            Verdict {
+                allowed,
+                estimate: current + previous,
+                room,
+                mode,
+                bound,
+            }
         };
         Ok(self.decision(rule, key, decided, freshness.staleness))
     }
 
-    /// The estimate a rule decides on: with `sliding`, the previous window's count
-    /// weighted by the part of it still inside the sliding window.
-    fn weighted_estimate(&self, rule: &RuleConfig, key: KeyRef<'_>) -> i128 {
-        let current = self.store.estimate(key);
+    /// What a `sliding` rule's estimate takes from the previous window: its count weighted
+    /// by the part of it still inside the sliding window, rounded up. 0 for a fixed window.
+    fn previous_window_part(&self, rule: &RuleConfig, key: KeyRef<'_>) -> i128 {
         if !rule.sliding {
-            return current;
+            return 0;
         }
         let window = key.window();
         let Some(previous) = window.previous() else {
-            return current;
+            return 0;
         };
         let len_ms = u64::from(window.len_secs()) * 1_000;
         let elapsed_ms = self.now.0.saturating_sub(window.start_unix_secs() * 1_000);
         let weight = 1.0 - (elapsed_ms.min(len_ms) as f64 / len_ms as f64);
-        current + (self.store.estimate(key.in_window(previous)) as f64 * weight).ceil() as i128
+        (self.store.estimate(key.in_window(previous)) as f64 * weight).ceil() as i128
     }
 
     /// The decision on `key` under `rule`, as `decided`, on state `staleness` old.
@@ -288,10 +315,11 @@ impl Context<'_> {
         let Verdict {
             allowed,
             estimate,
+            room,
             mode,
             bound,
         } = decided;
-        let remaining = (i128::from(rule.limit) - estimate).clamp(0, i128::from(u64::MAX)) as u64;
+        let remaining = room.clamp(0, i128::from(u64::MAX)) as u64;
         Decision {
             allowed,
             estimate,
@@ -383,6 +411,7 @@ mod tests {
     }
 
     static REFUSED: AtomicU64 = AtomicU64::new(0);
+    static KEYS_REFUSED: AtomicU64 = AtomicU64::new(0);
 
     fn context<'a>(store: &'a LaneStore, view: &'a ViewState) -> Context<'a> {
         Context {
@@ -392,6 +421,7 @@ mod tests {
             log: None,
             lane_rate_max: u64::MAX,
             lane_log_refused: &REFUSED,
+            keys_refused: &KEYS_REFUSED,
         }
     }
 
@@ -471,7 +501,87 @@ mod tests {
         assert_eq!(allowed, 6);
         let decision = context.check(&rule, key, 1).unwrap();
         assert_eq!(decision.mode, Mode::ApproximateIsolated);
-        assert_eq!(decision.bound, 2.0);
+        assert_eq!(decision.remaining, 0, "the share is used up");
+        // Two locations' slack, and the 6 this node holds, admitted before this decision.
+        assert_eq!(decision.bound, 2.0 + 6.0);
+    }
+
+    #[test]
+    fn an_isolated_bound_counts_what_was_admitted_before_isolation() {
+        // BRIEF.md's case: another location admitted the whole limit while connected; then
+        // the partition. Each of the 4 locations may still admit its share on its own count.
+        let rule = RuleConfig {
+            locations: Some(4),
+            ..rule(100, 0)
+        };
+        let (store, owned) = setup(&rule);
+        let key = KeyRef::from(&owned);
+        store.publish_remote(&owned, 100).unwrap();
+        let view = view(Stamp(NOW.0 - 5_000));
+        let mut context = context(&store, &view);
+        let decisions: Vec<Decision> = (0..30)
+            .map(|_| context.check(&rule, key, 1).unwrap())
+            .collect();
+        assert_eq!(decisions.iter().filter(|d| d.allowed).count(), 25);
+        // Three such locations admit 75 past the limit: within the first bound reported.
+        assert_eq!(decisions[0].bound, 100.0);
+        assert!(decisions.iter().all(|d| d.bound >= 3.0 * 25.0));
+        assert_eq!((decisions[0].estimate, decisions[0].remaining), (101, 24));
+    }
+
+    #[test]
+    fn a_sliding_rule_reports_the_weighted_estimate_it_decided_on_and_its_room() {
+        let rule = RuleConfig {
+            sliding: true,
+            ..rule(100, 0)
+        };
+        let (store, owned) = setup(&rule);
+        let key = KeyRef::from(&owned);
+        let previous = owned.window.previous().unwrap();
+        let view = view(Stamp(NOW.0 - 100));
+        let mut context = context(&store, &view);
+        context.count(key.in_window(previous), 100, true).unwrap();
+        context.count(key, 5, true).unwrap();
+        // Half of the window has run: half the previous window's 100 still weighs.
+        let admitted = context.check(&rule, key, 10).unwrap();
+        assert!(admitted.allowed);
+        assert_eq!((admitted.estimate, admitted.remaining), (50 + 5 + 10, 35));
+        let refused = context.check(&rule, key, 40).unwrap();
+        assert!(!refused.allowed);
+        assert_eq!((refused.estimate, refused.remaining), (65, 35));
+    }
+
+    #[test]
+    fn an_allow_fallback_reports_no_bound_and_the_keys_cap_is_counted() {
+        let mut rule = rule(10, 0);
+        rule.mode = crate::config::RuleMode::Exact;
+        rule.on_region_unavailable = OnRegionUnavailable::Allow;
+        let store = LaneStore::new(ReplicaId::new(NodeId(1), Generation(1)), 1);
+        let rules = Rules::new(std::slice::from_ref(&rule)).unwrap();
+        let view = view(NOW);
+        let keys_refused = AtomicU64::new(0);
+        let mut context = Context {
+            keys_refused: &keys_refused,
+            ..context(&store, &view)
+        };
+        let unavailable = Refusal::RegionUnavailable {
+            rule: "api".into(),
+            why: "cut off".into(),
+        };
+        let held = key(rules.get("api").unwrap(), "held", NOW).unwrap();
+        let decision = context
+            .fallback(&rule, held, 11, unavailable.clone())
+            .unwrap();
+        assert!(decision.allowed);
+        assert_eq!(
+            decision.bound,
+            f64::INFINITY,
+            "an allow admits past any bound"
+        );
+        let new = key(rules.get("api").unwrap(), "new", NOW).unwrap();
+        let refused = context.fallback(&rule, new, 1, unavailable);
+        assert_eq!(refused, Err(Refusal::KeysFull { keys_max: 1 }));
+        assert_eq!(keys_refused.load(Ordering::Relaxed), 1);
     }
 
     #[test]

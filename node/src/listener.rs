@@ -30,7 +30,7 @@ use std::sync::{Arc, Mutex, PoisonError};
 use tally_client::wire::{
     self, CheckId, Decision, FrameError, OpRef, Refusal, Reply, Response, Status,
 };
-use tally_crdt::{Key, KeyRef, ReplicaId};
+use tally_crdt::{Key, KeyRef, ReplicaId, Rule};
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 use tokio::net::{TcpListener, UnixListener};
 use tokio::sync::{mpsc, Semaphore};
@@ -262,6 +262,7 @@ impl Service {
             log: log.as_deref_mut(),
             lane_rate_max: self.lane_rate_max,
             lane_log_refused: &self.metrics.lane_log_refused,
+            keys_refused: &self.metrics.keys_refused,
         };
         let answered = answer(&mut context);
         if let Some(log) = log.as_deref_mut() {
@@ -286,7 +287,7 @@ impl Service {
                 amount,
                 id,
             } => {
-                let key = decide::key(self.rules.get(rule)?, subject, context.now)?;
+                let key = decide::key(self.countable(rule)?, subject, context.now)?;
                 self.count(context, key, amount, true, id)
                     .map(Reply::Counted)
             }
@@ -296,7 +297,7 @@ impl Service {
                 amount,
                 id,
             } => {
-                let key = decide::key(self.rules.get(rule)?, subject, context.now)?;
+                let key = decide::key(self.countable(rule)?, subject, context.now)?;
                 self.count(context, key, amount, false, id)
                     .map(Reply::Counted)
             }
@@ -356,10 +357,22 @@ impl Service {
             }
             OpRef::Status => Ok(Reply::Status(self.status(context))),
         };
-        if let Err(Refusal::KeysFull { .. }) = &result {
-            self.metrics.keys_refused.fetch_add(1, Ordering::Relaxed);
-        }
         result.map(Handling::Now)
+    }
+
+    /// The rule named `name`, if an increment or decrement may count in it here: an exact
+    /// rule's count is the region's, and only its checks change it.
+    fn countable(&self, name: &str) -> Result<&(Rule, Arc<RuleConfig>), Refusal> {
+        let found = self.rules.get(name)?;
+        match found.1.mode {
+            RuleMode::Approximate => Ok(found),
+            RuleMode::Exact => Err(Refusal::BadField {
+                field: "rule".into(),
+                why: format!(
+                    "{name:?} is exact: its count is the region's, changed only by checks"
+                ),
+            }),
+        }
     }
 
     /// Decides an approximate check under its id once: a retry of an id still remembered
@@ -664,10 +677,11 @@ where
 
 /// Reads, answers and writes batches until the client goes or sends a bad frame. Exact
 /// checks are answered when the region is, in between; a client that has finished sending
-/// (closed its half of the connection) still gets the answers of those waiting. A closed
-/// connection is not told from a half-closed one: a client that has gone has its exact
-/// checks still answered (within their rule's timeout), and a fallback counted, as every
-/// request read from it is.
+/// (closed its half of the connection), sent a bad frame, or gone in the middle of a frame
+/// still gets the answers of those waiting, and only then is the connection closed. A
+/// closed connection is not told from a half-closed one: a client that has gone has its
+/// exact checks still answered (within their rule's timeout), and a fallback counted, as
+/// every request read from it is.
 async fn serve_connection<S: AsyncRead + AsyncWrite + Unpin>(
     service: &Arc<Service>,
     mut stream: S,
@@ -679,10 +693,14 @@ async fn serve_connection<S: AsyncRead + AsyncWrite + Unpin>(
     let (answers, mut answered) = mpsc::unbounded_channel::<Vec<Forwarded<Exact>>>();
     let mut forwarded = Vec::new();
     let mut in_flight = 0;
-    // Whether the client may still send.
+    // Whether the client may still send, and whether it sent a bad frame.
     let mut sending = true;
+    let mut bad_frame = false;
     loop {
         if !sending && in_flight == 0 {
+            if bad_frame {
+                let _ = stream.shutdown().await;
+            }
             return;
         }
         output.clear();
@@ -714,10 +732,6 @@ async fn serve_connection<S: AsyncRead + AsyncWrite + Unpin>(
                     .metrics
                     .client_frames_bad
                     .fetch_add(1, Ordering::Relaxed);
-                return;
-            }
-            if read.is_err() {
-                return;
             }
             sending = false;
             continue;
@@ -747,8 +761,8 @@ async fn serve_connection<S: AsyncRead + AsyncWrite + Unpin>(
             return;
         }
         if handled.bad.is_some() {
-            let _ = stream.shutdown().await;
-            return;
+            // Nothing after the bad frame is read; the exact checks before it are answered.
+            (sending, bad_frame) = (false, true);
         }
     }
 }
@@ -850,7 +864,38 @@ mod tests {
             "a new key past the cap names the cap"
         );
         assert_eq!(service.metrics.keys_refused.load(Ordering::Relaxed), 1);
+        // A check the rule admits is refused the same way, and counted: it would write.
+        let mut new_subject = check(5, None);
+        if let Op::Check { subject, .. } = &mut new_subject.op {
+            *subject = "c".into();
+        }
+        let responses = answer(&service, &[new_subject]);
+        assert_eq!(responses[0].result, Err(Refusal::KeysFull { keys_max: 2 }));
+        assert_eq!(service.metrics.keys_refused.load(Ordering::Relaxed), 2);
         assert_eq!(service.store.len(), 2);
+    }
+
+    #[test]
+    fn an_increment_or_decrement_of_an_exact_rule_is_refused_naming_the_rule() {
+        let service = service(10);
+        let mut batch = [incr(1, "a"), incr(2, "a")];
+        if let Op::Incr { rule, .. } = &mut batch[0].op {
+            *rule = "quota".into();
+        }
+        batch[1].op = Op::Decr {
+            rule: "quota".into(),
+            subject: "a".into(),
+            amount: 1,
+            id: None,
+        };
+        for response in answer(&service, &batch) {
+            assert!(
+                matches!(&response.result, Err(Refusal::BadField { field, why })
+                    if field == "rule" && why.contains("\"quota\" is exact")),
+                "{response:?}"
+            );
+        }
+        assert_eq!(service.store.len(), 0, "nothing counted");
     }
 
     #[test]
