@@ -131,7 +131,7 @@ pub fn open(
         let path = path.to_owned();
         move |source| LogError::Io { path, source }
     };
-    std::fs::create_dir_all(dir).map_err(io(dir))?;
+    create_dir_durably(dir).map_err(io(dir))?;
     let generation_file = dir.join("generation");
     let last = match std::fs::read_to_string(&generation_file) {
         Ok(text) => text.trim().parse::<u64>().map_err(|_| {
@@ -245,7 +245,7 @@ pub fn lock(dir: &Path) -> Result<File, LogError> {
         path: dir.to_owned(),
         source,
     };
-    std::fs::create_dir_all(dir).map_err(io)?;
+    create_dir_durably(dir).map_err(io)?;
     let handle = File::open(dir).map_err(io)?;
     match handle.try_lock() {
         Ok(()) => Ok(handle),
@@ -560,6 +560,25 @@ fn write_synced(path: &Path, bytes: &[u8]) -> Result<(), LogError> {
     let mut file = File::create(path).map_err(io)?;
     file.write_all(bytes).map_err(io)?;
     file.sync_all().map_err(io)
+}
+
+/// Creates `dir` and the parents it lacks, and syncs each new directory's parent, so that
+/// a machine crash after a log's first sync cannot take the directory, and the log in it,
+/// away.
+pub fn create_dir_durably(dir: &Path) -> std::io::Result<()> {
+    let missing: Vec<&Path> = dir
+        .ancestors()
+        .take_while(|path| !path.as_os_str().is_empty() && !path.exists())
+        .collect();
+    std::fs::create_dir_all(dir)?;
+    for created in missing {
+        let parent = match created.parent() {
+            Some(parent) if !parent.as_os_str().is_empty() => parent,
+            _ => Path::new("."),
+        };
+        File::open(parent)?.sync_all()?;
+    }
+    Ok(())
 }
 
 fn sync_dir(dir: &Path) -> Result<(), LogError> {

@@ -6,18 +6,16 @@
 //! turn: the log is replaced whole by the entries of the state every earlier submission
 //! left.
 //!
-//! After a failed write, sync, allocation or compaction, every record then queued and every
-//! later one is refused: the committer never retries and then acknowledges. A full disk
-//! fails the allocation, before any of the group that needed it is written.
+//! After a failed write, sync, allocation (a group's, or one ahead while none waits) or
+//! compaction, every record then queued and every later one is refused: the committer never
+//! retries and then acknowledges. A full disk fails the allocation, before any of the group
+//! that needed it is written.
 
-use super::log::Storage;
+use super::log::{Storage, GROUP_BYTES_MAX};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::mpsc;
 use std::sync::Arc;
 use tokio::sync::oneshot;
-
-/// A group stops taking submissions once it holds this many bytes: bounds one write.
-const GROUP_BYTES_MAX: usize = 4 * 1024 * 1024;
 
 /// Why a record was not acknowledged.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -84,15 +82,21 @@ impl Committer {
         }
     }
 
-    /// Queues `bytes`, `records` encoded records (zero or more); the receiver completes once
-    /// they are durable together with everything submitted before them, or refused. Empty
-    /// `bytes` completes after everything submitted before it: how a retry waits for its
-    /// first.
+    /// Queues `bytes`, `records` encoded records (zero or more, at most [`GROUP_BYTES_MAX`]
+    /// bytes: one frame's records are far fewer); the receiver completes once they are
+    /// durable together with everything submitted before them, or refused. Empty `bytes`
+    /// completes after everything submitted before it: how a retry waits for its first.
     pub fn submit(
         &self,
         bytes: Vec<u8>,
         records: u64,
     ) -> oneshot::Receiver<Result<(), CommitError>> {
+        // Recovery takes more unacknowledged bytes than one group's for a damaged log.
+        assert!(
+            bytes.len() <= GROUP_BYTES_MAX,
+            "a submission of {} bytes is over one group's {GROUP_BYTES_MAX}",
+            bytes.len()
+        );
         let (done, receiver) = oneshot::channel();
         self.queue(Work {
             bytes,
@@ -142,7 +146,8 @@ impl Drop for Committer {
 fn run(mut storage: Box<dyn Storage>, receiver: mpsc::Receiver<Work>, stats: &CommitStats) {
     let mut failed: Option<CommitError> = None;
     let mut bytes = Vec::new();
-    // A compaction taken off the queue while a group was being gathered: it goes next.
+    // A compaction taken off the queue while a group was being gathered, or a submission
+    // that would have taken the group past GROUP_BYTES_MAX: it goes next.
     let mut next: Option<Work> = None;
     loop {
         let first = match next.take() {
@@ -153,9 +158,11 @@ fn run(mut storage: Box<dyn Storage>, receiver: mpsc::Receiver<Work>, stats: &Co
                 Err(mpsc::TryRecvError::Empty) => {
                     if failed.is_none() {
                         // Nothing waits: allocate ahead now rather than in a group's path. A
-                        // failure here holds up no record (everything appended is synced),
-                        // and the next group's own reserve meets it again, failing closed.
-                        let _ = storage.reserve_ahead();
+                        // failure fails closed like any other: a failed sync's error is
+                        // reported once, so the next group's sync may well succeed.
+                        if let Err(err) = storage.reserve_ahead() {
+                            failed = Some(CommitError::from(err));
+                        }
                     }
                     match receiver.recv() {
                         Ok(work) => work,
@@ -181,9 +188,12 @@ fn run(mut storage: Box<dyn Storage>, receiver: mpsc::Receiver<Work>, stats: &Co
         bytes.clear();
         bytes.extend_from_slice(&first.bytes);
         let mut group = vec![first];
-        while bytes.len() < GROUP_BYTES_MAX {
+        loop {
             match receiver.try_recv() {
-                Ok(work) if work.replace.is_some() => {
+                Ok(work)
+                    if work.replace.is_some()
+                        || bytes.len() + work.bytes.len() > GROUP_BYTES_MAX =>
+                {
                     next = Some(work);
                     break;
                 }
@@ -665,6 +675,63 @@ mod tests {
             vec![1; 6],
             "nothing after the failure"
         );
+    }
+
+    /// A disk whose one allocation ahead fails in its sync (a writeback error, reported
+    /// once, as Linux does), and whose every other I/O works.
+    struct AheadFailsOnce {
+        written: Arc<Mutex<Vec<u8>>>,
+        failed: Arc<std::sync::atomic::AtomicBool>,
+    }
+
+    impl Storage for AheadFailsOnce {
+        fn reserve(&mut self, _bytes: usize) -> std::io::Result<()> {
+            Ok(())
+        }
+
+        fn reserve_ahead(&mut self) -> std::io::Result<()> {
+            if self.failed.swap(true, Ordering::SeqCst) {
+                return Ok(());
+            }
+            Err(std::io::Error::from_raw_os_error(5))
+        }
+
+        fn append(&mut self, bytes: &[u8]) -> std::io::Result<()> {
+            self.written.lock().unwrap().extend_from_slice(bytes);
+            Ok(())
+        }
+
+        fn sync(&mut self) -> std::io::Result<()> {
+            Ok(())
+        }
+
+        fn replace(&mut self, bytes: &[u8]) -> std::io::Result<()> {
+            *self.written.lock().unwrap() = bytes.to_vec();
+            Ok(())
+        }
+    }
+
+    #[test]
+    fn a_failed_allocation_ahead_fails_closed_though_the_next_sync_would_succeed() {
+        let written = Arc::new(Mutex::new(Vec::new()));
+        let failed = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        // Nothing is queued at start, so the committer allocates ahead first, and fails.
+        let committer = Committer::start(Box::new(AheadFailsOnce {
+            written: written.clone(),
+            failed: failed.clone(),
+        }));
+        while !failed.load(Ordering::SeqCst) {
+            std::thread::sleep(std::time::Duration::from_millis(1));
+        }
+        for _ in 0..2 {
+            let err = committer
+                .submit(vec![1; 6], 1)
+                .blocking_recv()
+                .unwrap()
+                .unwrap_err();
+            assert!(err.why.contains("Input/output error"), "{err}");
+        }
+        assert!(written.lock().unwrap().is_empty(), "nothing written after");
     }
 
     #[test]

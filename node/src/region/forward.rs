@@ -409,9 +409,12 @@ impl<T> Held<T> {
         self.unwritten < self.next_seq
     }
 
-    /// The next frame to write: up to [`CHECKS_PER_FRAME_MAX`] of the checks to send, in
-    /// order, leaving out those whose caller is gone. `None` if none is left.
-    fn next_frame(&mut self) -> Option<Vec<u8>> {
+    /// The next frame to write at monotonic time `now`: up to [`CHECKS_PER_FRAME_MAX`] of
+    /// the checks to send, in order, leaving out those whose caller is gone. Checks whose
+    /// deadline has passed are answered first, so none is sent after its caller was
+    /// answered `RegionUnavailable`. `None` if none is left.
+    fn next_frame(&mut self, now: Duration) -> Option<Vec<u8>> {
+        self.expire(now);
         let (mut batch, mut retries) = (Vec::new(), 0);
         while batch.len() < CHECKS_PER_FRAME_MAX && self.unwritten < self.next_seq {
             let seq = self.unwritten;
@@ -757,7 +760,7 @@ async fn carry<T>(region: &Region, session: Session, held: &mut Held<T>) -> Carr
                     // A newer connection to the region was adopted: move to it.
                     break broken(answered_any);
                 }
-                if let Some(frame) = held.next_frame() {
+                if let Some(frame) = held.next_frame(held.clock.mono()) {
                     permit.send(frame);
                 }
             }
@@ -889,7 +892,7 @@ mod tests {
             held.insert(pending(seq, 100, &answers));
         }
         assert!(
-            held.next_frame().is_some(),
+            held.next_frame(ms(0)).is_some(),
             "the four are written to the region"
         );
         held.insert(pending(4, 100, &answers));
@@ -972,16 +975,17 @@ mod tests {
         held.insert(pending(2, 300, &gone));
         held.insert(pending(3, 300, &answers));
         drop(gone_answers);
-        held.expire(ms(100));
-        let frame = held.next_frame().expect("two checks to send");
+        // The first's deadline passes as the frame is made: it is answered, not sent.
+        let frame = held.next_frame(ms(100)).expect("two checks to send");
         assert_eq!(frame_seqs(&frame), [1, 3]);
-        assert!(!held.has_unsent() && held.next_frame().is_none());
+        assert_eq!(stats.unavailable.load(Ordering::Relaxed), 1);
+        assert!(!held.has_unsent() && held.next_frame(ms(100)).is_none());
         assert_eq!(held_seqs(&held), [1, 3]);
         assert_eq!(stats.retries.load(Ordering::Relaxed), 0);
 
         // A new session writes them again, as retries.
         held.resend_all();
-        assert!(held.next_frame().is_some());
+        assert!(held.next_frame(ms(0)).is_some());
         assert_eq!(stats.retries.load(Ordering::Relaxed), 2);
     }
 
@@ -1000,7 +1004,7 @@ mod tests {
         for seq in 0..6 {
             held.insert(pending(seq, 100, &answers));
         }
-        let written = held.next_frame().expect("six checks to send");
+        let written = held.next_frame(ms(0)).expect("six checks to send");
         assert_eq!(frame_seqs(&written), [0, 1, 2, 3, 4, 5]);
         let outcome = ExactAnswer::Decided(Outcome {
             allowed: true,
@@ -1011,7 +1015,7 @@ mod tests {
         assert_eq!(held_seqs(&held), [2, 3, 5]);
 
         held.resend_all();
-        let again = held.next_frame().expect("three checks to send again");
+        let again = held.next_frame(ms(0)).expect("three checks to send again");
         assert_eq!(frame_seqs(&again), [2, 3, 5]);
         assert!(!held.has_unsent());
         assert_eq!(stats.retries.load(Ordering::Relaxed), 3);
@@ -1020,7 +1024,7 @@ mod tests {
         assert_eq!(drain(&mut answered).len(), 3);
         assert!(held.is_empty());
         held.insert(pending(6, 100, &answers));
-        let next = held.next_frame().expect("the new check");
+        let next = held.next_frame(ms(0)).expect("the new check");
         assert_eq!(frame_seqs(&next), [6]);
         assert_eq!(stats.retries.load(Ordering::Relaxed), 3, "a first write");
         held.expire(ms(100));

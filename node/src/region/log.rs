@@ -30,6 +30,12 @@
 //! only after `sync_data` returned for every byte of it, and a compaction replaces the file
 //! only by renaming a synced one over it.
 //!
+//! So a crash leaves at most one group unacknowledged, at most [`GROUP_BYTES_MAX`] bytes.
+//! More bytes than that after the end mean an entry was damaged after it was synced (a
+//! flipped bit, a bad block), and the entries after it were acknowledged: the log is then
+//! refused at start and left as it is, never cut. Damage within the last group's span of
+//! the end cannot be told from a torn group, and is cut as one.
+//!
 //! A log from before the allocation ahead (entries up to the file's length) is the same
 //! format with no zeros at its end, and opens as it is.
 
@@ -179,8 +185,12 @@ pub trait Storage: Send {
 /// 4 MiB, within a growing file's 270 to 700 us, against 1.0 to 1.2 ms with 1 MiB and 590
 /// to 690 us with 256 KiB; p99.9 5.0 ms with 4 MiB. (`client_load --fsync-probe` times
 /// 16 KiB writes both ways, the waits included.) A chunk also holds a largest group
-/// (`GROUP_BYTES_MAX`, 4 MiB).
+/// ([`GROUP_BYTES_MAX`]).
 pub const CHUNK_BYTES: u64 = 4 * 1024 * 1024;
+
+/// The most bytes one group of records takes, and so the most a crash can leave of entries
+/// never acknowledged: the committer writes at most this much with one append.
+pub const GROUP_BYTES_MAX: usize = 4 * 1024 * 1024;
 
 /// The log file.
 pub struct FileStorage {
@@ -271,7 +281,8 @@ const MAGIC_BEFORE_FLOOR_KEPT: &[u8; 8] = b"tallyRL\x02";
 /// entries it holds, and how many bytes of torn tail it dropped (from the log's end to the
 /// last byte that was not zero; the file is truncated at the end if there were any). A
 /// compaction's file that was never renamed over the log is removed. A file that does not
-/// start with [`MAGIC`] (or the format before it) is refused with `InvalidData`, and left
+/// start with [`MAGIC`] (or the format before it), or that holds more than
+/// [`GROUP_BYTES_MAX`] bytes after a damaged entry, is refused with `InvalidData`, and left
 /// as it is.
 pub fn open(path: &Path) -> std::io::Result<(FileStorage, Vec<Entry>, u64)> {
     match std::fs::remove_file(path.with_extension("compact")) {
@@ -301,6 +312,18 @@ pub fn open(path: &Path) -> std::io::Result<(FileStorage, Vec<Entry>, u64)> {
             .iter()
             .rposition(|&byte| byte != 0)
             .map_or(0, |last| last + 1);
+        if torn > GROUP_BYTES_MAX {
+            return Err(std::io::Error::new(
+                std::io::ErrorKind::InvalidData,
+                format!(
+                    "the region log's entries stop at byte {end}, a damaged entry, but {torn} \
+                     bytes after it are not zeros: more than a crash can leave of one group \
+                     ({GROUP_BYTES_MAX} bytes), so entries after it were acknowledged; the \
+                     log is left as it is: restore it from a copy, or move it away to start \
+                     with an empty log"
+                ),
+            ));
+        }
         if torn > 0 {
             file.set_len(end as u64)?;
             file.sync_all()?;
@@ -570,6 +593,50 @@ mod tests {
         drop(storage);
         let (_, reopened, _) = open(&path).unwrap();
         assert_eq!(reopened, [entry(0), entry(1), e], "D came back");
+        std::fs::remove_dir_all(dir).unwrap();
+    }
+
+    #[test]
+    fn a_damaged_entry_followed_by_more_than_a_group_is_refused_and_the_log_left_whole() {
+        // A flipped bit in an entry synced long ago: the entries after it, more bytes than
+        // one group, were acknowledged, and cutting them would lose them.
+        let dir = temp_dir("region-damaged");
+        let path = dir.join("region.log");
+        let (mut storage, _, _) = open(&path).unwrap();
+        let after = GROUP_BYTES_MAX / 14;
+        commit(&mut storage, &encoded(&[entry(0)]));
+        for chunk in (1..=after as u64).collect::<Vec<_>>().chunks(10_000) {
+            let entries: Vec<Entry> = chunk.iter().map(|&i| entry(i)).collect();
+            commit(&mut storage, &encoded(&entries));
+        }
+        drop(storage);
+        let mut file = std::fs::read(&path).unwrap();
+        let first = encoded(&[entry(0)]).len();
+        let logged = file.iter().rposition(|&byte| byte != 0).unwrap() + 1;
+        assert!(
+            logged - MAGIC.len() - first > GROUP_BYTES_MAX,
+            "more than a group after"
+        );
+        file[MAGIC.len() + 12] ^= 0x01;
+        std::fs::write(&path, &file).unwrap();
+        let err = open(&path).err().expect("a damaged log is refused");
+        assert_eq!(err.kind(), std::io::ErrorKind::InvalidData);
+        assert!(err.to_string().contains("damaged entry"), "{err}");
+        assert_eq!(std::fs::read(&path).unwrap(), file, "left as it is");
+        // The same damage in the last entry, within a group's span of the end, is a torn
+        // tail: cut as before.
+        file[MAGIC.len() + 12] ^= 0x01;
+        let end = file.iter().rposition(|&byte| byte != 0).unwrap() + 1;
+        let last = encoded(&[entry(after as u64)]).len();
+        file[end - last + 12] ^= 0x01;
+        std::fs::write(&path, &file).unwrap();
+        let (_, recovered, torn) = open(&path).unwrap();
+        assert_eq!(
+            recovered.len(),
+            after,
+            "every entry but the damaged last one"
+        );
+        assert!(torn > 0 && torn as usize <= last, "{torn} bytes torn");
         std::fs::remove_dir_all(dir).unwrap();
     }
 

@@ -93,7 +93,7 @@ impl RegionService {
             path: path.clone(),
             source,
         };
-        std::fs::create_dir_all(dir).map_err(io)?;
+        crate::lanelog::create_dir_durably(dir).map_err(io)?;
         let (mut storage, entries, torn) = log::open(&path).map_err(io)?;
         let mut ledger = Ledger::replay(&entries);
         ledger.expire(clock::wall().0 / 1_000);
