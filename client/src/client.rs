@@ -30,9 +30,11 @@ pub struct Options {
     /// How long one request waits for its answer once a connection is up. Default 1 s.
     ///
     /// A request without an answer fails with [`Error::Timeout`] no sooner than this, and
-    /// later by about an eighth of it at most (a millisecond or two for timeouts of a few
-    /// milliseconds): rather than one timer per request, one timer per connection looks at
-    /// the requests in flight every eighth of `timeout`.
+    /// later by about an eighth of it, plus up to a millisecond for each of the nine or so
+    /// ticks it waits (Tokio's timer rounds a sleep up to a whole millisecond): rather
+    /// than one timer per request, one timer per connection looks at the requests in
+    /// flight every eighth of `timeout`. With a 50 ms timeout a request fails after 50 to
+    /// about 65 ms.
     pub timeout: Duration,
     /// How long connecting (or reconnecting) may take. Default 1 s.
     pub connect_timeout: Duration,
@@ -68,9 +70,9 @@ impl Options {
 /// tasks run on the Tokio runtime that called [`Client::connect`] (a current-thread runtime
 /// works, while something drives it), after a reconnect too, whichever runtime the call
 /// that reconnects runs on; calls may come from any runtime. When the connection breaks,
-/// the requests in flight fail with [`Error::Disconnected`] and the next request
-/// reconnects; once the connecting runtime is shut down, every call fails with
-/// [`Error::RuntimeStopped`].
+/// the requests in flight fail with [`Error::Disconnected`] (or [`Error::Protocol`] after
+/// a bad frame either way) and the next request reconnects; once the connecting runtime is
+/// shut down, every call fails with [`Error::RuntimeStopped`].
 ///
 /// Dropping a call's future (a `select!` that takes another branch, a cancelled task)
 /// stops the wait, not the request: one already queued is still sent, and may count. Its
@@ -86,7 +88,8 @@ struct Inner {
     /// The connection requests go to; it opens a new socket when the last has closed.
     connection: Connection,
     /// Held while reconnecting, so that callers who find the connection closed at the same
-    /// moment make one new connection, not one each.
+    /// moment make one new connection, not one each, when it succeeds; after a failed
+    /// attempt, each caller waiting makes its own in turn, within its own connect timeout.
     reconnecting: tokio::sync::Mutex<()>,
 }
 
@@ -116,8 +119,8 @@ impl Client {
 
     /// Adds `amount` to `subject`'s count under `rule` and returns the count after it.
     ///
-    /// After an error the count is unchanged only for [`Error::Refused`] and
-    /// [`Error::Connect`]. After [`Error::Timeout`] or [`Error::Disconnected`] the outcome
+    /// After an error the count is unchanged only for [`Error::Refused`], [`Error::Connect`]
+    /// and [`Error::RuntimeStopped`]. After [`Error::Timeout`] or [`Error::Disconnected`] the outcome
     /// is unknown: the increment may have been applied, and retrying it may count twice;
     /// for an increment that must be retried, see [`Client::incr_with_id`].
     pub async fn incr(&self, rule: &str, subject: &str, amount: u64) -> Result<Estimate, Error> {

@@ -8,7 +8,8 @@
 //!   outbox goes from empty to non-empty, so the calls made while a write is under way, or
 //!   before the writer runs, share the next write: that is what makes pipelining cheap.
 //!   A call that is alone in flight, with nothing to share a write with, writes its request
-//!   itself if the socket takes it at once, and wakes no task.
+//!   itself if the socket takes it at once, and wakes no writer (only the sweeper, if the
+//!   connection was idle and it was parked).
 //! - the reader decodes every response that one read brought, hands each to the call
 //!   waiting on its id under one lock, in whatever order they come, and wakes those calls.
 //! - the sweeper ticks the connection's coarse clock and times out the calls that have
@@ -36,7 +37,7 @@ use tokio::sync::Notify;
 use crate::endpoint::Endpoint;
 use crate::error::Error;
 use crate::in_flight::{Broken, Deadlines, InFlight, Outcome};
-use crate::wire::{self, OpRef, Reply, RequestRef, Response, CLIENT_FRAME_BYTES_MAX};
+use crate::wire::{self, OpRef, Refusal, Reply, RequestRef, Response, CLIENT_FRAME_BYTES_MAX};
 
 /// Calls wait for room past this many bytes of requests not yet written: a sidecar that
 /// stops reading must not make the client buffer without end.
@@ -955,6 +956,16 @@ fn decode_responses(input: &[u8], mut handle: impl FnMut(Response)) -> (usize, O
             break;
         };
         match wire::decode_response(body) {
+            // No request has id 0: the sidecar refused a frame of this connection (one of
+            // a wire version it does not speak, say) and closes it. What it says is why
+            // every call still waiting fails, and no retry on this build will do better.
+            Ok(Response {
+                id: 0,
+                result: Err(Refusal::Malformed { why }),
+            }) => {
+                let why = format!("the sidecar refused this client's frame: {why}");
+                return (at + 4 + len, Some(Broken::Protocol(why)));
+            }
             Ok(response) => handle(response),
             Err(err) => return (at, Some(Broken::Protocol(err.to_string()))),
         }

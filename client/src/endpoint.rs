@@ -8,7 +8,8 @@ use std::str::FromStr;
 /// Where a sidecar listens.
 ///
 /// Parsed from `unix:/path/to.sock` or `ip:port` (`127.0.0.1:7100`, `[::1]:7100`), and
-/// displayed the same way, so `endpoint.to_string().parse()` gives the endpoint back.
+/// displayed the same way, so `endpoint.to_string().parse()` gives the endpoint back (for a
+/// Unix socket, when its path is UTF-8).
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
 pub enum Endpoint {
     /// A TCP address. Host names are not resolved: a sidecar is local.

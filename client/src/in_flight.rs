@@ -70,7 +70,8 @@ pub(crate) struct Deadlines {
     ticks: u64,
 }
 
-/// Ticks per timeout: a request times out between its timeout and about an eighth more.
+/// Ticks per timeout: a request times out between its timeout and about an eighth more
+/// (and up to a millisecond a tick more, Tokio's timer rounding each sleep up).
 const TICKS_PER_TIMEOUT: u32 = 8;
 
 /// The shortest tick, so that a tiny timeout does not make the sweeper spin. Tokio's timer

@@ -12,7 +12,8 @@
 //! protocol is defined.
 //!
 //! Architecture Invariant: a [`Client`] holds at most one connection. When it breaks, the
-//! requests in flight fail with [`Error::Disconnected`] and the next request makes one
+//! requests in flight fail with [`Error::Disconnected`] (or [`Error::Protocol`], after a
+//! frame that does not decode or one the sidecar refused) and the next request makes one
 //! attempt to reconnect; nothing reconnects in the background and nothing retries.
 //!
 //! Main types:

@@ -258,6 +258,35 @@ async fn garbage_frames_close_the_connection_with_a_protocol_error() {
 }
 
 #[tokio::test]
+async fn a_frame_the_sidecar_refuses_fails_the_call_with_its_reason_and_no_retry() {
+    // What a sidecar of another wire version answers: `Malformed` under id 0, then close.
+    let (listener, endpoint) = listen().await;
+    let server = tokio::spawn(async move {
+        for _ in 0..2 {
+            let (mut stream, _) = listener.accept().await.unwrap();
+            read_request(&mut stream).await.unwrap();
+            let refused = Response {
+                id: 0,
+                result: Err(Refusal::Malformed {
+                    why: "frame: client wire version 3, this build speaks 4".into(),
+                }),
+            };
+            write_responses(&mut stream, &[refused]).await;
+        }
+    });
+    let client = Client::connect(endpoint, options()).await.unwrap();
+    for _ in 0..2 {
+        let err = client.get("login", "user-42").await.unwrap_err();
+        assert!(
+            matches!(&err, Error::Protocol(why) if why.contains("this build speaks 4")),
+            "{err:?}"
+        );
+        assert!(!err.is_retryable(), "a retry meets the same refusal");
+    }
+    server.await.unwrap();
+}
+
+#[tokio::test]
 async fn a_reply_of_the_wrong_kind_is_a_protocol_error_and_the_connection_stays_up() {
     let (listener, endpoint) = listen().await;
     let server = tokio::spawn(async move {
