@@ -332,7 +332,7 @@ fn view_rates(keys: &[Key]) {
     let (rates, live) = measure(|| {
         let mut rates = HashMap::new();
         for key in keys {
-            rates.insert(key.clone(), Rate::start(0, 0));
+            rates.insert(key.clone(), Rate::start(0, 0, 0.0));
         }
         rates
     });

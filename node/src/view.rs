@@ -66,12 +66,12 @@ impl Rate {
     /// How quickly a new sample replaces the old rate (per second of elapsed time).
     const HALF_LIFE_SECS: f64 = 2.0;
 
-    /// A rate starting at `total` at `at_ms`, with no history.
-    pub fn start(total: i128, at_ms: u64) -> Rate {
+    /// A rate starting at `total` at `at_ms`, at `per_sec` until its first sample.
+    pub fn start(total: i128, at_ms: u64, per_sec: f64) -> Rate {
         Rate {
             total,
             at_ms,
-            per_sec: 0.0,
+            per_sec,
         }
     }
 
@@ -235,10 +235,19 @@ impl ViewState {
             .filter(|slot| slot.replica != me)
             .map(|slot| i128::from(slot.lane.incr))
             .sum();
-        self.remote_rates
-            .entry(key.clone())
-            .and_modify(|rate| rate.observe(remote_incr, now_ms))
-            .or_insert_with(|| Rate::start(remote_incr, now_ms));
+        match self.remote_rates.get_mut(key) {
+            Some(rate) => rate.observe(remote_incr, now_ms),
+            None => {
+                // A key's first sample in a window comes 100 ms in at the soonest: until
+                // then its rate in the window before is the best guess, rather than none.
+                let before = (key.window.previous())
+                    .map(|previous| KeyRef::from(key).in_window(previous).to_key())
+                    .and_then(|previous| self.remote_rates.get(&previous))
+                    .map_or(0.0, Rate::per_sec);
+                let rate = Rate::start(remote_incr, now_ms, before);
+                self.remote_rates.insert(key.clone(), rate);
+            }
+        }
         match counter.value_of_other_lives(me) {
             0 if self.other_lives.is_empty() => {}
             0 => {
@@ -312,8 +321,33 @@ mod tests {
     }
 
     #[test]
+    fn a_keys_rate_in_a_new_window_starts_from_its_rate_in_the_window_before() {
+        let me = ReplicaId::new(NodeId(1), Generation(1));
+        let peer = ReplicaId::new(NodeId(2), Generation(1));
+        let key = |window| {
+            Key::new(
+                tally_crdt::Rule::new("api").unwrap(),
+                tally_crdt::Subject::new("user-1").unwrap(),
+                Window::new(window, 60).unwrap(),
+            )
+        };
+        let mut state = ViewState::default();
+        let mut counter = PnCounter::new();
+        state.take_in(&key(1), &counter, me, 0);
+        counter.incr(peer, 200).unwrap();
+        state.take_in(&key(1), &counter, me, 1_000);
+        assert_eq!(state.remote_rate(KeyRef::from(&key(1))), 200.0);
+        let fresh = PnCounter::new();
+        state.take_in(&key(2), &fresh, me, 60_000);
+        assert_eq!(state.remote_rate(KeyRef::from(&key(2))), 200.0);
+        // A key with no window before it here starts with no rate.
+        state.take_in(&key(5), &fresh, me, 240_000);
+        assert_eq!(state.remote_rate(KeyRef::from(&key(5))), 0.0);
+    }
+
+    #[test]
     fn a_rate_rises_at_once_and_decays_over_its_half_life() {
-        let mut rate = Rate::start(0, 0);
+        let mut rate = Rate::start(0, 0, 0.0);
         rate.observe(90, 10);
         assert_eq!(
             rate.per_sec(),
