@@ -301,8 +301,9 @@ pub struct Decision {
     pub staleness_ms: u64,
     /// The overshoot this answer may be part of, beyond the limit: in connected mode the
     /// admissions other nodes may have made unseen (their rate x their staleness); in
-    /// isolated mode `locations x slack` plus what was admitted before isolation (this
-    /// node's estimate, and the others' rate x `stale_after_ms`); 0 for exact and for a
+    /// isolated mode `locations x slack` plus what the locations held beyond their shares
+    /// when it turned isolated (this node's own excess, and the others' count, with their
+    /// rate x `stale_after_ms` unseen, less one share); 0 for exact and for a
     /// `deny` fallback; infinite for an `allow` fallback, which admits whatever the count.
     pub bound: f64,
 }
