@@ -192,9 +192,15 @@ async fn garbage_truncated_and_oversized_peer_frames_are_counted_and_dropped() {
     stream.write_all(&100u32.to_le_bytes()).await.unwrap();
     stream.write_all(&[1; 10]).await.unwrap();
     stream.finish().unwrap();
-    eventually(Duration::from_secs(5), "a truncated frame counted", || {
-        node.metric("tally_quic_frames_truncated_total", &[]) == Some(1.0)
-    })
+    // And one cut off inside its length prefix.
+    let mut stream = connection.open_uni().await.unwrap();
+    stream.write_all(&[9, 0]).await.unwrap();
+    stream.finish().unwrap();
+    eventually(
+        Duration::from_secs(5),
+        "two truncated frames counted",
+        || node.metric("tally_quic_frames_truncated_total", &[]) == Some(2.0),
+    )
     .await;
 
     // Length prefixes of 2^32 - 1 and 0: refused before reading, the connection closed.

@@ -125,6 +125,7 @@ pub fn identity(files: &TlsConfig, node: NodeId) -> Result<Identity, TlsError> {
         .with_single_cert(chain.clone(), key.clone_key())
         .map_err(config_err)?;
     server.alpn_protocols = vec![ALPN.to_vec()];
+    no_resumption(&mut server);
     let server = quinn::crypto::rustls::QuicServerConfig::try_from(server)
         .map_err(|err| TlsError::Config(err.to_string()))?;
     let mut server = quinn::ServerConfig::with_crypto(Arc::new(server));
@@ -137,6 +138,7 @@ pub fn identity(files: &TlsConfig, node: NodeId) -> Result<Identity, TlsError> {
         .with_client_auth_cert(chain, key)
         .map_err(config_err)?;
     client.alpn_protocols = vec![ALPN.to_vec()];
+    client.resumption = rustls::client::Resumption::disabled();
     let client = quinn::crypto::rustls::QuicClientConfig::try_from(client)
         .map_err(|err| TlsError::Config(err.to_string()))?;
     let mut client = quinn::ClientConfig::new(Arc::new(client));
@@ -146,6 +148,16 @@ pub fn identity(files: &TlsConfig, node: NodeId) -> Result<Identity, TlsError> {
         client,
         expires_unix_secs,
     })
+}
+
+/// Turns TLS session resumption off: a resumed handshake takes the peer's certificate
+/// from the session it resumes, without verifying it again, so a certificate that expired
+/// since (or a CA no longer trusted) would go on being accepted for as long as the peer
+/// reconnects within a ticket's life. Every handshake is a full one; connections are
+/// long-lived, so that costs little.
+fn no_resumption(server: &mut rustls::ServerConfig) {
+    server.send_tls13_tickets = 0;
+    server.session_storage = Arc::new(rustls::server::NoServerSessionStorage {});
 }
 
 /// When `cert` (read from `path`) stops being valid, if it is valid now by this machine's
@@ -172,7 +184,9 @@ fn valid_now(path: &std::path::Path, cert: &CertificateDer<'_>) -> Result<i64, T
     Ok(until)
 }
 
-/// The node id a certificate names in its `node-<id>.tally` DNS name.
+/// The node id a certificate names in its one `node-<id>.tally` DNS name, written as
+/// [`server_name`] writes it (no sign, no leading zero), so that the name a dialling node
+/// checks and the id an accepting node reads are the same one.
 pub fn node_of(cert: &CertificateDer<'_>) -> Result<NodeId, String> {
     let (_, cert) = x509_parser::parse_x509_certificate(cert)
         .map_err(|err| format!("certificate does not parse: {err}"))?;
@@ -180,23 +194,27 @@ pub fn node_of(cert: &CertificateDer<'_>) -> Result<NodeId, String> {
         .subject_alternative_name()
         .map_err(|err| format!("subject alternative names do not parse: {err}"))?
         .ok_or("the certificate has no subject alternative name")?;
-    names
+    let mut nodes = names
         .value
         .general_names
         .iter()
-        .find_map(|name| match name {
+        .filter_map(|name| match name {
             x509_parser::extensions::GeneralName::DNSName(dns) => dns
                 .strip_prefix("node-")
                 .and_then(|rest| rest.strip_suffix(".tally"))
-                .and_then(|id| id.parse().ok())
-                // No node has id 0 (it marks an application's check ids at the region).
-                .filter(|&id| id > 0)
-                .map(NodeId),
+                .map(|id| (*dns, id)),
             _ => None,
-        })
-        .ok_or_else(|| {
-            "the certificate names no node-<id>.tally with an id of at least 1".to_owned()
-        })
+        });
+    let (Some((dns, id)), None) = (nodes.next(), nodes.next()) else {
+        return Err("the certificate must name exactly one node-<id>.tally".to_owned());
+    };
+    id.parse()
+        .ok()
+        // No node has id 0 (it marks an application's check ids at the region).
+        .filter(|&id| id > 0)
+        .map(NodeId)
+        .filter(|&node| server_name(node) == dns)
+        .ok_or_else(|| format!("{dns:?} does not name a node id of at least 1 in digits"))
 }
 
 /// Bounds on what one peer may make this node hold: a few streams, small windows.
@@ -209,6 +227,8 @@ fn transport() -> Arc<quinn::TransportConfig> {
         .stream_receive_window((1u32 << 20).into())
         .receive_window((4u32 << 20).into())
         .send_window(4 << 20)
+        // Nothing is sent as a datagram: a peer's would only be buffered, unread.
+        .datagram_receive_buffer_size(None)
         .keep_alive_interval(Some(Duration::from_secs(1)))
         .max_idle_timeout(Some(
             Duration::from_secs(10)
@@ -267,6 +287,47 @@ mod tests {
             crate::certs::write_cluster(&dir, &[NodeId(1), NodeId(0)]),
             Err(crate::certs::CertError::NodeZero)
         ));
+    }
+
+    #[test]
+    fn a_certificate_must_name_exactly_one_node_as_server_name_writes_it() {
+        let named = |names: &[&str]| {
+            let names = names
+                .iter()
+                .map(|name| name.to_string())
+                .collect::<Vec<_>>();
+            let params = rcgen::CertificateParams::new(names).unwrap();
+            let cert = params
+                .self_signed(&rcgen::KeyPair::generate().unwrap())
+                .unwrap();
+            node_of(cert.der())
+        };
+        assert_eq!(named(&["node-5.tally"]), Ok(NodeId(5)));
+        assert_eq!(named(&["other.example", "node-5.tally"]), Ok(NodeId(5)));
+        for bad in [
+            &["node-05.tally"][..],
+            &["node-+5.tally"],
+            &["node-.tally"],
+            &["node-5.tally", "node-6.tally"],
+            &["other.example"],
+        ] {
+            assert!(named(bad).is_err(), "{bad:?}: {:?}", named(bad));
+        }
+    }
+
+    #[test]
+    fn session_resumption_is_off_so_every_handshake_verifies_the_certificate() {
+        let mut server = rustls::ServerConfig::builder_with_provider(Arc::new(
+            rustls::crypto::ring::default_provider(),
+        ))
+        .with_protocol_versions(&[&rustls::version::TLS13])
+        .unwrap()
+        .with_no_client_auth()
+        .with_cert_resolver(Arc::new(rustls::server::ResolvesServerCertUsingSni::new()));
+        assert!(server.send_tls13_tickets > 0 && server.session_storage.can_cache());
+        no_resumption(&mut server);
+        assert_eq!(server.send_tls13_tickets, 0, "no tickets");
+        assert!(!server.session_storage.can_cache(), "no session cache");
     }
 
     #[test]

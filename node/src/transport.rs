@@ -463,8 +463,11 @@ pub enum FrameRead {
 /// anything is allocated, and that many bytes.
 pub async fn read_frame(stream: &mut quinn::RecvStream, bytes_max: usize) -> FrameRead {
     let mut prefix = [0u8; 4];
-    if stream.read_exact(&mut prefix).await.is_err() {
-        return FrameRead::End;
+    match stream.read_exact(&mut prefix).await {
+        Ok(()) => {}
+        // Part of a length prefix, then the end: a truncated frame too.
+        Err(quinn::ReadExactError::FinishedEarly(read)) if read > 0 => return FrameRead::Truncated,
+        Err(_) => return FrameRead::End,
     }
     let len = u32::from_le_bytes(prefix) as usize;
     if len == 0 || len > bytes_max {
