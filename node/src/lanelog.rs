@@ -119,8 +119,9 @@ impl Recovered {
     }
 }
 
-/// Opens `dir` for `node`: picks and syncs the new generation, replays earlier logs,
-/// deletes the ones whose windows are all over, and opens this life's log.
+/// Opens `dir` for `node`: checks that the directory is `node`'s ([`claim`]), picks and
+/// syncs the new generation, replays earlier logs, deletes the ones whose windows are all
+/// over, and opens this life's log.
 pub fn open(
     dir: &Path,
     node: NodeId,
@@ -132,6 +133,7 @@ pub fn open(
         move |source| LogError::Io { path, source }
     };
     create_dir_durably(dir).map_err(io(dir))?;
+    claim(dir, node)?;
     let generation_file = dir.join("generation");
     let last = match std::fs::read_to_string(&generation_file) {
         Ok(text) => text.trim().parse::<u64>().map_err(|_| {
@@ -552,6 +554,42 @@ fn rewrite(path: &Path, lanes: &[(Key, Lane)]) -> Result<(), LogError> {
     })
 }
 
+/// Checks that `dir` belongs to `node`, by the id in its `node` file, or writes that file
+/// (synced) on the directory's first start. A directory started under another node id is
+/// refused: its lane logs would be re-published as that node's lanes, counting the first
+/// node's writes twice, and a region would take them for its own admissions. A directory
+/// from a build before the file is taken as `node`'s.
+fn claim(dir: &Path, node: NodeId) -> Result<(), LogError> {
+    let file = dir.join("node");
+    let refused = |why: String| LogError::Io {
+        path: file.clone(),
+        source: std::io::Error::new(std::io::ErrorKind::InvalidData, why),
+    };
+    match std::fs::read_to_string(&file) {
+        Ok(text) if text.trim() == node.0.to_string() => Ok(()),
+        Ok(text) => Err(refused(format!(
+            "names node {:?}, and this is node {}: a data directory holds the logs of \
+             the node that first started on it; not started (give this node a directory \
+             of its own)",
+            text.trim(),
+            node.0
+        ))),
+        Err(err) if err.kind() == std::io::ErrorKind::NotFound => {
+            let tmp = dir.join("node.tmp");
+            write_synced(&tmp, node.0.to_string().as_bytes())?;
+            std::fs::rename(&tmp, &file).map_err(|source| LogError::Io {
+                path: file.clone(),
+                source,
+            })?;
+            sync_dir(dir)
+        }
+        Err(source) => Err(LogError::Io {
+            path: file.clone(),
+            source,
+        }),
+    }
+}
+
 fn write_synced(path: &Path, bytes: &[u8]) -> Result<(), LogError> {
     let io = |source| LogError::Io {
         path: path.to_owned(),
@@ -631,6 +669,30 @@ mod tests {
 
         drop(held);
         let _again = lock(&dir).unwrap();
+        std::fs::remove_dir_all(dir).unwrap();
+    }
+
+    #[test]
+    fn a_directory_started_under_another_node_id_is_refused_and_left_as_it_is() {
+        let dir = dir("owner");
+        let (log, _) = open(&dir, NodeId(1), 5, NOW).unwrap();
+        drop(log);
+        let files = || {
+            let mut names: Vec<_> = std::fs::read_dir(&dir)
+                .unwrap()
+                .map(|entry| entry.unwrap().file_name())
+                .collect();
+            names.sort();
+            names
+        };
+        let before = files();
+        let err = open(&dir, NodeId(2), 10, NOW).err().unwrap().to_string();
+        assert!(
+            err.contains("names node \"1\"") && err.contains("this is node 2"),
+            "{err}"
+        );
+        assert_eq!(files(), before, "nothing taken or changed");
+        assert!(open(&dir, NodeId(1), 10, NOW).is_ok());
         std::fs::remove_dir_all(dir).unwrap();
     }
 
