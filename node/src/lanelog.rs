@@ -391,6 +391,11 @@ impl LaneLog {
         self.compact_at = 0;
     }
 
+    /// Whether a failed write, sync or reopen has made the log refuse every append.
+    pub fn has_failed(&self) -> bool {
+        self.failed.is_some()
+    }
+
     /// Rewrites the log as one record per key of `store` with a non-zero own lane (a key
     /// held only for its remote sum has a zero one) once it has grown past its bound, so a
     /// long life's log stays proportional to its live keys. Call between batches (nothing

@@ -591,6 +591,11 @@ pub fn write_out(log: &mut LaneLog, store: &LaneStore) {
         std::process::exit(EXIT_LOG_FAILED);
     }
     if let Err(err) = log.compact_if_large(store) {
+        if log.has_failed() {
+            // Renamed over the log but not reopened: nothing can be appended now.
+            eprintln!("tallyd: {err}; stopping: writes cannot be made durable");
+            std::process::exit(EXIT_LOG_FAILED);
+        }
         // The log is still whole; only its rewrite failed, to be tried again later.
         eprintln!("tallyd: {err}");
     }
