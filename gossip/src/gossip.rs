@@ -4,7 +4,7 @@ use crate::membership::{Members, State, Transition};
 use crate::message::{MemberEntry, Message};
 use crate::stats::Stats;
 use crate::wire;
-use crate::Config;
+use crate::{Config, PacedWall};
 use rand::seq::SliceRandom;
 use rand::SeedableRng;
 use rand_chacha::ChaCha8Rng;
@@ -41,12 +41,6 @@ pub struct Now {
     pub mono: Duration,
     /// Wall-clock milliseconds since the unix epoch.
     pub wall: Stamp,
-}
-
-impl Now {
-    fn unix_secs(&self) -> u64 {
-        self.wall.0 / 1_000
-    }
 }
 
 /// What the driver hands in.
@@ -140,6 +134,8 @@ pub struct Gossip {
     table_matched: bool,
     // Per member, where the next part of the membership table sent to it starts.
     members_next: BTreeMap<NodeId, TableCursor>,
+    // The wall clock that windows end by; `None` until the first input with a time.
+    expiry: Option<PacedWall>,
 }
 
 impl Gossip {
@@ -176,6 +172,7 @@ impl Gossip {
             settled: Digest::default(),
             rounds: 0,
             members_next: BTreeMap::new(),
+            expiry: None,
             table_matched: false,
             config,
         }
@@ -355,9 +352,19 @@ impl Gossip {
         self.members
             .check(now.mono, self.config.suspect_phi, self.config.dead_after);
         self.emit_transitions();
+        let live_at = self.expiry_secs(now);
         let members = &self.members;
         self.map
-            .expire(now.unix_secs(), |replica| members.is_live_replica(replica));
+            .expire(live_at, |replica| members.is_live_replica(replica));
+    }
+
+    /// The time, in unix seconds, that windows end by here: the wall clock paced
+    /// ([`PacedWall`]), so that a clock stepped forward and back drops no live window's
+    /// lanes, from the map or from a delta, whose versions are then below the watermark
+    /// and never sent again.
+    fn expiry_secs(&mut self, now: Now) -> u64 {
+        let expiry = self.expiry.get_or_insert_with(|| PacedWall::new(now));
+        expiry.at(now).0 / 1_000
     }
 
     /// Pushes own lanes above `pushed_through`, with the current stamp, to every live
@@ -486,9 +493,10 @@ impl Gossip {
             .map(|entry| self.map.watermark(entry.origin).stamp)
             .collect();
         let own_before = self.map.watermark(me).version;
+        let live_at = self.expiry_secs(now);
         let applied = match (after, delta.origins.first()) {
-            (Some(after), Some(entry)) => self.map.apply_since(after, entry, now.unix_secs()),
-            _ => self.map.apply(&delta, now.unix_secs()),
+            (Some(after), Some(entry)) => self.map.apply_since(after, entry, live_at),
+            _ => self.map.apply(&delta, live_at),
         };
         let own_after = self.map.watermark(me).version;
         if own_after > own_before {

@@ -32,6 +32,7 @@ mod config;
 mod gossip;
 pub mod membership;
 pub mod message;
+mod paced;
 #[cfg(feature = "sim")]
 pub mod sim;
 mod stats;
@@ -39,4 +40,5 @@ pub mod wire;
 
 pub use config::{Config, Seed};
 pub use gossip::{Event, Gossip, Input, Now, Output};
+pub use paced::PacedWall;
 pub use stats::{Histogram, MessageBytes, Stats};

@@ -4,7 +4,7 @@
 
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 use tally_crdt::Stamp;
-use tally_gossip::Now;
+use tally_gossip::{Now, PacedWall};
 
 /// The node's clocks: a monotonic one for timers, the wall clock for stamps and windows.
 #[derive(Debug, Clone, Copy)]
@@ -71,63 +71,25 @@ pub fn entropy_seed() -> u64 {
     hasher.finish()
 }
 
-/// The wall clock that windows are expired by: it follows [`wall`], but never runs ahead
-/// of its last reading by more than the monotonic time since, and a tenth more (room for
-/// NTP's slewing, and for a clock that was behind to catch up, gradually). So a wall clock
-/// stepped forward (a bad NTP step, a VM resumed with a stale clock) ends no live window
-/// early: the window's count and request ids, forgotten once it ends, would be gone when
-/// the clock is set back and the window is live again. It is never ahead of [`wall`].
+/// [`PacedWall`] on this node's clocks: the wall clock that windows are expired by.
 #[derive(Debug, Clone, Copy)]
-pub struct PacedWall {
+pub struct ExpiryClock {
     clock: Clock,
-    last_ms: u64,
-    last_mono: Duration,
+    paced: PacedWall,
 }
 
-impl PacedWall {
+impl ExpiryClock {
     /// Starts at the wall clock now.
-    pub fn start() -> PacedWall {
+    pub fn start() -> ExpiryClock {
         let clock = Clock::start();
-        PacedWall {
+        ExpiryClock {
             clock,
-            last_ms: wall().0,
-            last_mono: clock.mono(),
+            paced: PacedWall::new(clock.now()),
         }
     }
 
-    /// The paced wall time now, in milliseconds since the unix epoch.
-    pub fn now_ms(&mut self) -> u64 {
-        self.at(wall().0, self.clock.mono())
-    }
-
-    /// The paced wall time given a wall reading `wall_ms` and a monotonic one `mono`.
-    fn at(&mut self, wall_ms: u64, mono: Duration) -> u64 {
-        let elapsed = mono.saturating_sub(self.last_mono).as_millis() as u64;
-        let paced = self.last_ms.saturating_add(elapsed + elapsed / 10);
-        self.last_ms = wall_ms.min(paced);
-        self.last_mono = mono;
-        self.last_ms
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn a_paced_wall_follows_the_wall_takes_a_forward_step_slowly_and_a_backward_one_at_once() {
-        let secs = Duration::from_secs;
-        let mut paced = PacedWall {
-            clock: Clock::start(),
-            last_ms: 1_000_000,
-            last_mono: secs(10),
-        };
-        assert_eq!(paced.at(1_001_000, secs(11)), 1_001_000, "in step");
-        // The wall clock jumps an hour ahead: a second later the paced one is 1.1 s on.
-        assert_eq!(paced.at(4_602_000, secs(12)), 1_002_100);
-        assert_eq!(paced.at(4_612_000, secs(22)), 1_013_100);
-        // Set back: the paced one is never ahead of the wall.
-        assert_eq!(paced.at(1_013_000, secs(23)), 1_013_000);
-        assert_eq!(paced.at(1_014_000, secs(24)), 1_014_000);
+    /// The paced wall time now, in seconds since the unix epoch.
+    pub fn now_secs(&mut self) -> u64 {
+        self.paced.at(self.clock.now()).0 / 1_000
     }
 }

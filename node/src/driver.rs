@@ -83,6 +83,8 @@ impl Driver {
         let protocol = tokio::time::sleep(Duration::ZERO);
         tokio::pin!(protocol);
         let mut collect = tokio::time::interval(self.collect_every);
+        // Windows end by the paced wall clock: a clock stepped forward ends none early.
+        let mut expiry = crate::clock::ExpiryClock::start();
         collect.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         // Whether a key was queued since the last collection began.
         let mut collect_due = false;
@@ -131,7 +133,7 @@ impl Driver {
                     self.synced(synced);
                 }
                 _ = expire.tick() => {
-                    let now_secs = self.clock.now().wall.0 / 1_000;
+                    let now_secs = expiry.now_secs();
                     self.store.expire(now_secs);
                     self.store.reclaim();
                     let mut view = self.view.lock();

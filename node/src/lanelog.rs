@@ -119,7 +119,7 @@ impl Recovered {
     }
 }
 
-/// Opens `dir` for `node`: checks that the directory is `node`'s ([`claim`]), picks and
+/// Opens `dir` for `node`: checks that the directory is `node`'s (its `node` file), picks and
 /// syncs the new generation, replays earlier logs, deletes the ones whose windows are all
 /// over, and opens this life's log.
 pub fn open(

@@ -168,7 +168,7 @@ impl RegionService {
             .expect("invariant: a service is served once");
         let acknowledging = tokio::spawn(acknowledge(decided, own));
         let mut expire = tokio::time::interval(Duration::from_secs(1));
-        let mut expiry_clock = clock::PacedWall::start();
+        let mut expiry_clock = clock::ExpiryClock::start();
         // A compaction's snapshot, being encoded.
         let mut snapshot: Option<oneshot::Receiver<Vec<u8>>> = None;
         loop {
@@ -179,7 +179,7 @@ impl RegionService {
                 }
                 _ = stop.wait_for(|stop| *stop) => break,
                 _ = expire.tick() => {
-                    self.ledger.expire(expiry_clock.now_ms() / 1_000);
+                    self.ledger.expire(expiry_clock.now_secs());
                     if snapshot.is_none() {
                         snapshot = self.start_compaction_if_due();
                     }

@@ -1,0 +1,58 @@
+//! The wall clock that windows are expired by.
+
+use crate::Now;
+use tally_crdt::Stamp;
+
+/// The wall clock as windows are expired by: it follows the wall clock, but never runs
+/// ahead of its last reading by more than the monotonic time since, and a tenth more (room
+/// for NTP's slewing, and for a clock that was behind to catch up, gradually), and it is
+/// never ahead of the wall clock. So a wall clock stepped forward (a bad NTP step, a VM
+/// resumed with a stale clock) ends no live window early: a window's counts, and what else
+/// is forgotten with it, would be gone when the clock is set back and the window is live
+/// again. A step of `J` is taken in over about `10 J` of monotonic time.
+#[derive(Debug, Clone, Copy)]
+pub struct PacedWall {
+    last: Stamp,
+    last_mono: std::time::Duration,
+}
+
+impl PacedWall {
+    /// Starts at `now`'s wall clock.
+    pub fn new(now: Now) -> PacedWall {
+        PacedWall {
+            last: now.wall,
+            last_mono: now.mono,
+        }
+    }
+
+    /// The paced wall time at `now`.
+    pub fn at(&mut self, now: Now) -> Stamp {
+        let elapsed = now.mono.saturating_sub(self.last_mono).as_millis() as u64;
+        let paced = self.last.0.saturating_add(elapsed + elapsed / 10);
+        self.last = Stamp(now.wall.0.min(paced));
+        self.last_mono = now.mono;
+        self.last
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::time::Duration;
+
+    #[test]
+    fn a_paced_wall_follows_the_wall_takes_a_forward_step_slowly_and_a_backward_one_at_once() {
+        let now = |wall, mono_secs| Now {
+            mono: Duration::from_secs(mono_secs),
+            wall: Stamp(wall),
+        };
+        let mut paced = PacedWall::new(now(1_000_000, 10));
+        assert_eq!(paced.at(now(1_001_000, 11)), Stamp(1_001_000), "in step");
+        // The wall clock jumps an hour ahead: a second later the paced one is 1.1 s on.
+        assert_eq!(paced.at(now(4_602_000, 12)), Stamp(1_002_100));
+        assert_eq!(paced.at(now(4_612_000, 22)), Stamp(1_013_100));
+        // Set back: the paced one is never ahead of the wall.
+        assert_eq!(paced.at(now(1_013_000, 23)), Stamp(1_013_000));
+        assert_eq!(paced.at(now(1_014_000, 24)), Stamp(1_014_000));
+    }
+}
