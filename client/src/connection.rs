@@ -956,9 +956,11 @@ fn decode_responses(input: &[u8], mut handle: impl FnMut(Response)) -> (usize, O
             break;
         };
         match wire::decode_response(body) {
-            // No request has id 0: the sidecar refused a frame of this connection (one of
-            // a wire version it does not speak, say) and closes it. What it says is why
-            // every call still waiting fails, and no retry on this build will do better.
+            // No request has id 0: the sidecar refused a frame of this connection (one it
+            // cannot decode, an operation newer than its build, say) and closes it. What
+            // it says is why every call still waiting fails, and no retry on this build
+            // will do better. (A sidecar of another wire version answers in its own, which
+            // `decode_response` refuses first.)
             Ok(Response {
                 id: 0,
                 result: Err(Refusal::Malformed { why }),

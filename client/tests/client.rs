@@ -259,7 +259,8 @@ async fn garbage_frames_close_the_connection_with_a_protocol_error() {
 
 #[tokio::test]
 async fn a_frame_the_sidecar_refuses_fails_the_call_with_its_reason_and_no_retry() {
-    // What a sidecar of another wire version answers: `Malformed` under id 0, then close.
+    // What a sidecar of this wire version answers a frame it cannot decode (an operation
+    // added after its build, say): `Malformed` under id 0, then close.
     let (listener, endpoint) = listen().await;
     let server = tokio::spawn(async move {
         for _ in 0..2 {
@@ -268,7 +269,7 @@ async fn a_frame_the_sidecar_refuses_fails_the_call_with_its_reason_and_no_retry
             let refused = Response {
                 id: 0,
                 result: Err(Refusal::Malformed {
-                    why: "frame: client wire version 3, this build speaks 4".into(),
+                    why: "frame: body does not decode: unknown variant".into(),
                 }),
             };
             write_responses(&mut stream, &[refused]).await;
@@ -278,7 +279,7 @@ async fn a_frame_the_sidecar_refuses_fails_the_call_with_its_reason_and_no_retry
     for _ in 0..2 {
         let err = client.get("login", "user-42").await.unwrap_err();
         assert!(
-            matches!(&err, Error::Protocol(why) if why.contains("this build speaks 4")),
+            matches!(&err, Error::Protocol(why) if why.contains("unknown variant")),
             "{err:?}"
         );
         assert!(!err.is_retryable(), "a retry meets the same refusal");

@@ -52,4 +52,4 @@ pub use key::{
     WINDOW_INDEX_MAX, WINDOW_SECS_MAX,
 };
 pub use lane::{Lane, Overflow};
-pub use map::{lane_within_rate, Applied, CounterMap, LANE_RATE_SKEW_SECS};
+pub use map::{lane_within_rate, Applied, AppliedAt, CounterMap, LANE_RATE_SKEW_SECS};

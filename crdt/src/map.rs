@@ -352,7 +352,7 @@ impl CounterMap {
         &mut self,
         after: Version,
         entry: &OriginDelta,
-        now_unix_secs: u64,
+        at: impl Into<AppliedAt>,
     ) -> Applied {
         let held = self.watermark(entry.origin);
         let mut entry = entry.clone();
@@ -363,7 +363,7 @@ impl CounterMap {
             &Delta {
                 origins: vec![entry],
             },
-            now_unix_secs,
+            at,
         )
     }
 
@@ -410,9 +410,9 @@ impl CounterMap {
         (entry, false)
     }
 
-    /// Merges a delta. Lanes of windows no longer live at `now_unix_secs` are skipped
-    /// (they were collected here and must not come back). Idempotent, and total: a delta
-    /// never makes a lane or a watermark go back.
+    /// Merges a delta. Lanes of windows no longer live at `at.live_at_unix_secs` are
+    /// skipped (they were collected here and must not come back). Idempotent, and total: a
+    /// delta never makes a lane or a watermark go back.
     ///
     /// An origin's entry is taken only up to its first lane of a key not held while the map
     /// is at its key cap ([`Applied::lanes_refused`]), or whose totals pass the lane rate
@@ -421,14 +421,18 @@ impl CounterMap {
     /// map never claims what it left out: peers send it again while it is behind, and its
     /// staleness for the origin rises until expiry makes room or the window grows old
     /// enough.
-    pub fn apply(&mut self, delta: &Delta, now_unix_secs: u64) -> Applied {
+    pub fn apply(&mut self, delta: &Delta, at: impl Into<AppliedAt>) -> Applied {
+        let AppliedAt {
+            live_at_unix_secs,
+            now_unix_secs,
+        } = at.into();
         let mut applied = Applied::default();
         let writer_now = now_unix_secs.saturating_add(LANE_RATE_SKEW_SECS);
         for entry in &delta.origins {
             let origin = self.origins.entry(entry.origin).or_default();
             let mut refused_at = None;
             for (index, update) in entry.lanes.iter().enumerate() {
-                if !update.key.window.is_live(now_unix_secs) {
+                if !update.key.window.is_live(live_at_unix_secs) {
                     applied.lanes_expired += 1;
                     continue;
                 }
@@ -528,6 +532,26 @@ impl CounterMap {
         self.origins
             .retain(|replica, origin| !origin.by_version.is_empty() || keep_origin(*replica));
         expired.len()
+    }
+}
+
+/// The times a delta is applied at: the one windows end by (`tallyd` paces its wall clock
+/// for it, so that a clock stepped forward ends no live window early) and the wall clock
+/// the lane rate is checked against. A single time stands for both.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct AppliedAt {
+    /// Lanes of windows no longer live at this time are skipped.
+    pub live_at_unix_secs: u64,
+    /// A lane past the rate by this time (and [`LANE_RATE_SKEW_SECS`]) is throttled.
+    pub now_unix_secs: u64,
+}
+
+impl From<u64> for AppliedAt {
+    fn from(now_unix_secs: u64) -> AppliedAt {
+        AppliedAt {
+            live_at_unix_secs: now_unix_secs,
+            now_unix_secs,
+        }
     }
 }
 
@@ -874,6 +898,32 @@ mod tests {
         assert_eq!(applied.lanes_throttled, 0);
         assert_eq!(peer.watermark(replica(1)), origin.watermark(replica(1)));
         assert_eq!(peer.value(&key(1, 60)), 150);
+    }
+
+    #[test]
+    fn a_delta_keeps_lanes_live_at_its_live_time_and_checks_the_rate_at_its_wall_time() {
+        let mut origin = CounterMap::new();
+        origin.incr(replica(1), &key(0, 60), 100, Stamp(9)).unwrap();
+        let start = key(0, 60).window.start_unix_secs();
+        let behind = start - LANE_RATE_SKEW_SECS;
+        let delta = || origin.delta_for(&CounterMap::new().digest(), usize::MAX, 0);
+        // Over by the wall clock (two windows on), live by the paced one: taken.
+        let mut peer = CounterMap::new().with_lane_rate_max(100);
+        let over = AppliedAt {
+            live_at_unix_secs: start,
+            now_unix_secs: start + 180,
+        };
+        assert_eq!(peer.apply(&delta(), over).lanes_raised, 1);
+        // Within the rate by the wall clock though not by the paced one: taken.
+        let mut peer = CounterMap::new().with_lane_rate_max(1);
+        let caught_up = AppliedAt {
+            live_at_unix_secs: behind,
+            now_unix_secs: start + 100,
+        };
+        assert_eq!(peer.apply(&delta(), caught_up).lanes_throttled, 0);
+        // One time for both: the paced one throttles it.
+        let mut peer = CounterMap::new().with_lane_rate_max(1);
+        assert_eq!(peer.apply(&delta(), behind).lanes_throttled, 1);
     }
 
     #[test]

@@ -11,7 +11,7 @@ use rand_chacha::ChaCha8Rng;
 use std::collections::{BTreeMap, VecDeque};
 use std::time::Duration;
 use tally_crdt::{
-    CounterMap, Delta, Digest, Key, Lane, NodeId, ReplicaId, Stamp, Version, Watermark,
+    AppliedAt, CounterMap, Delta, Digest, Key, Lane, NodeId, ReplicaId, Stamp, Version, Watermark,
     DELTA_BYTES_MIN,
 };
 
@@ -493,10 +493,13 @@ impl Gossip {
             .map(|entry| self.map.watermark(entry.origin).stamp)
             .collect();
         let own_before = self.map.watermark(me).version;
-        let live_at = self.expiry_secs(now);
+        let at = AppliedAt {
+            live_at_unix_secs: self.expiry_secs(now),
+            now_unix_secs: now.wall.0 / 1_000,
+        };
         let applied = match (after, delta.origins.first()) {
-            (Some(after), Some(entry)) => self.map.apply_since(after, entry, live_at),
-            _ => self.map.apply(&delta, live_at),
+            (Some(after), Some(entry)) => self.map.apply_since(after, entry, at),
+            _ => self.map.apply(&delta, at),
         };
         let own_after = self.map.watermark(me).version;
         if own_after > own_before {

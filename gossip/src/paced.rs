@@ -6,10 +6,13 @@ use tally_crdt::Stamp;
 /// The wall clock as windows are expired by: it follows the wall clock, but never runs
 /// ahead of its last reading by more than the monotonic time since, and a tenth more (room
 /// for NTP's slewing, and for a clock that was behind to catch up, gradually), and it is
-/// never ahead of the wall clock. So a wall clock stepped forward (a bad NTP step, a VM
-/// resumed with a stale clock) ends no live window early: a window's counts, and what else
-/// is forgotten with it, would be gone when the clock is set back and the window is live
-/// again. A step of `J` is taken in over about `10 J` of monotonic time.
+/// never ahead of the wall clock, nor behind it by more than [`PacedWall::LAG_MAX`]. So a
+/// wall clock stepped forward (a bad NTP step) and set back ends no live window early: a
+/// window's counts, and what else is forgotten with it, would be gone when the clock is
+/// set back and the window is live again. A step of `J` up to ten minutes is taken in over
+/// about `10 J` of monotonic time; of a longer one, all but ten minutes at once, so that
+/// what expiry holds back (windows kept past their end, and the keys in them) stays
+/// bounded after a clock that was behind is set right.
 #[derive(Debug, Clone, Copy)]
 pub struct PacedWall {
     last: Stamp,
@@ -17,6 +20,9 @@ pub struct PacedWall {
 }
 
 impl PacedWall {
+    /// The most the paced clock lags the wall clock, in milliseconds.
+    pub const LAG_MAX: u64 = 10 * 60 * 1_000;
+
     /// Starts at `now`'s wall clock.
     pub fn new(now: Now) -> PacedWall {
         PacedWall {
@@ -29,7 +35,8 @@ impl PacedWall {
     pub fn at(&mut self, now: Now) -> Stamp {
         let elapsed = now.mono.saturating_sub(self.last_mono).as_millis() as u64;
         let paced = self.last.0.saturating_add(elapsed + elapsed / 10);
-        self.last = Stamp(now.wall.0.min(paced));
+        let lag_floor = now.wall.0.saturating_sub(PacedWall::LAG_MAX);
+        self.last = Stamp(now.wall.0.min(paced).max(lag_floor));
         self.last_mono = now.mono;
         self.last
     }
@@ -48,11 +55,13 @@ mod tests {
         };
         let mut paced = PacedWall::new(now(1_000_000, 10));
         assert_eq!(paced.at(now(1_001_000, 11)), Stamp(1_001_000), "in step");
-        // The wall clock jumps an hour ahead: a second later the paced one is 1.1 s on.
-        assert_eq!(paced.at(now(4_602_000, 12)), Stamp(1_002_100));
-        assert_eq!(paced.at(now(4_612_000, 22)), Stamp(1_013_100));
+        // The wall clock jumps five minutes ahead: a second later the paced one is 1.1 s on.
+        assert_eq!(paced.at(now(1_302_000, 12)), Stamp(1_002_100));
+        assert_eq!(paced.at(now(1_312_000, 22)), Stamp(1_013_100));
         // Set back: the paced one is never ahead of the wall.
         assert_eq!(paced.at(now(1_013_000, 23)), Stamp(1_013_000));
         assert_eq!(paced.at(now(1_014_000, 24)), Stamp(1_014_000));
+        // An hour ahead: all but the ten minutes at once.
+        assert_eq!(paced.at(now(4_615_000, 25)), Stamp(4_015_000));
     }
 }

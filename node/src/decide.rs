@@ -253,7 +253,12 @@ impl Context<'_> {
         let freshness = self.view.freshness(self.now);
         let connected = freshness.staleness <= Duration::from_millis(rule.stale_after_ms);
         let current = self.store.estimate(key);
-        let previous = self.previous_window_part(rule, key);
+        // An isolated decision counts the current window only, and reports what it counts.
+        let previous = if connected {
+            self.previous_window_part(rule, key)
+        } else {
+            0
+        };
         let cost_i = i128::from(cost);
         let (mode, allowed, bound, room) = if connected {
             let room = i128::from(rule.limit) - (current + previous);

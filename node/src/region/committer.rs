@@ -158,8 +158,9 @@ fn run(mut storage: Box<dyn Storage>, receiver: mpsc::Receiver<Work>, stats: &Co
                 Err(mpsc::TryRecvError::Empty) => {
                     if failed.is_none() {
                         // Nothing waits: allocate ahead now rather than in a group's path. A
-                        // failure fails closed like any other: a failed sync's error is
-                        // reported once, so the next group's sync may well succeed.
+                        // failed sync fails closed like any other: its error is reported
+                        // once, so the next group's sync may well succeed. (A failed write,
+                        // a full disk, is met again by the next group's own reserve.)
                         if let Err(err) = storage.reserve_ahead() {
                             failed = Some(CommitError::from(err));
                         }

@@ -30,7 +30,7 @@
 //! only after `sync_data` returned for every byte of it, and a compaction replaces the file
 //! only by renaming a synced one over it.
 //!
-//! So a crash leaves at most one group unacknowledged, at most [`GROUP_BYTES_MAX`] bytes.
+//! So a crash leaves at most one group unacknowledged, at most [`TORN_BYTES_MAX`] bytes.
 //! More bytes than that after the end mean an entry was damaged after it was synced (a
 //! flipped bit, a bad block), and the entries after it were acknowledged: the log is then
 //! refused at start and left as it is, never cut. Damage within the last group's span of
@@ -161,6 +161,8 @@ pub trait Storage: Send {
     /// Allocates the next chunk now if the log's end is within half a chunk of the
     /// allocation's end. The committer calls it while no group waits, so that a group
     /// rarely waits for a chunk's zeros. Storage that allocates nothing ahead does nothing.
+    /// An error means the sync failed: a write that fails (a full disk) is no error here,
+    /// since it made nothing durable, and the next group's own reserve meets it again.
     fn reserve_ahead(&mut self) -> std::io::Result<()> {
         Ok(())
     }
@@ -188,9 +190,14 @@ pub trait Storage: Send {
 /// ([`GROUP_BYTES_MAX`]).
 pub const CHUNK_BYTES: u64 = 4 * 1024 * 1024;
 
-/// The most bytes one group of records takes, and so the most a crash can leave of entries
-/// never acknowledged: the committer writes at most this much with one append.
+/// The most bytes one group of records takes: the committer writes at most this much with
+/// one append.
 pub const GROUP_BYTES_MAX: usize = 4 * 1024 * 1024;
+
+/// The most bytes of entries never acknowledged a crash can leave after the log's end: one
+/// group, as builds before session 17 gathered it (up to one frame's records, at most
+/// 512 KiB, past [`GROUP_BYTES_MAX`]), so that a log they left torn is not refused.
+pub const TORN_BYTES_MAX: usize = GROUP_BYTES_MAX + 1024 * 1024;
 
 /// The log file.
 pub struct FileStorage {
@@ -218,7 +225,13 @@ impl Storage for FileStorage {
         if self.allocated - self.end >= self.chunk_bytes / 2 {
             return Ok(());
         }
-        self.allocate_to((self.allocated + 1).next_multiple_of(self.chunk_bytes))
+        let allocated = (self.allocated + 1).next_multiple_of(self.chunk_bytes);
+        if checksummed::write_zeros(&self.file, &mut self.allocated.clone(), allocated).is_err() {
+            return Ok(());
+        }
+        self.file.sync_data()?;
+        self.allocated = allocated;
+        Ok(())
     }
 
     fn append(&mut self, bytes: &[u8]) -> std::io::Result<()> {
@@ -282,7 +295,7 @@ const MAGIC_BEFORE_FLOOR_KEPT: &[u8; 8] = b"tallyRL\x02";
 /// last byte that was not zero; the file is truncated at the end if there were any). A
 /// compaction's file that was never renamed over the log is removed. A file that does not
 /// start with [`MAGIC`] (or the format before it), or that holds more than
-/// [`GROUP_BYTES_MAX`] bytes after a damaged entry, is refused with `InvalidData`, and left
+/// [`TORN_BYTES_MAX`] bytes after a damaged entry, is refused with `InvalidData`, and left
 /// as it is.
 pub fn open(path: &Path) -> std::io::Result<(FileStorage, Vec<Entry>, u64)> {
     match std::fs::remove_file(path.with_extension("compact")) {
@@ -312,13 +325,13 @@ pub fn open(path: &Path) -> std::io::Result<(FileStorage, Vec<Entry>, u64)> {
             .iter()
             .rposition(|&byte| byte != 0)
             .map_or(0, |last| last + 1);
-        if torn > GROUP_BYTES_MAX {
+        if torn > TORN_BYTES_MAX {
             return Err(std::io::Error::new(
                 std::io::ErrorKind::InvalidData,
                 format!(
                     "the region log's entries stop at byte {end}, a damaged entry, but {torn} \
                      bytes after it are not zeros: more than a crash can leave of one group \
-                     ({GROUP_BYTES_MAX} bytes), so entries after it were acknowledged; the \
+                     ({TORN_BYTES_MAX} bytes), so entries after it were acknowledged; the \
                      log is left as it is: restore it from a copy, or move it away to start \
                      with an empty log"
                 ),
@@ -603,7 +616,7 @@ mod tests {
         let dir = temp_dir("region-damaged");
         let path = dir.join("region.log");
         let (mut storage, _, _) = open(&path).unwrap();
-        let after = GROUP_BYTES_MAX / 14;
+        let after = TORN_BYTES_MAX / 14;
         commit(&mut storage, &encoded(&[entry(0)]));
         for chunk in (1..=after as u64).collect::<Vec<_>>().chunks(10_000) {
             let entries: Vec<Entry> = chunk.iter().map(|&i| entry(i)).collect();
@@ -614,7 +627,7 @@ mod tests {
         let first = encoded(&[entry(0)]).len();
         let logged = file.iter().rposition(|&byte| byte != 0).unwrap() + 1;
         assert!(
-            logged - MAGIC.len() - first > GROUP_BYTES_MAX,
+            logged - MAGIC.len() - first > TORN_BYTES_MAX,
             "more than a group after"
         );
         file[MAGIC.len() + 12] ^= 0x01;
