@@ -33,8 +33,6 @@ pub struct Config {
     pub suspect_phi: f64,
     /// How long a member stays suspected before it is declared dead.
     pub dead_after: Duration,
-    /// How long a member's row stays once it is dead or has left (seeds' rows stay).
-    pub forget_after: Duration,
     /// Seed of the protocol's RNG (peer selection), so runs replay.
     pub rng_seed: u64,
     /// Whether to push fresh lanes, and the heartbeat, eagerly to every live peer. Off
@@ -59,7 +57,6 @@ impl Config {
             frame_bytes_max: 64 * 1024,
             suspect_phi: 8.0,
             dead_after: Duration::from_secs(10),
-            forget_after: Duration::from_secs(24 * 3_600),
             rng_seed: replica.node.0 ^ replica.generation.0,
             eager_push: true,
         }

@@ -351,10 +351,6 @@ impl Gossip {
 
         self.members
             .check(now.mono, self.config.suspect_phi, self.config.dead_after);
-        let seeds = &self.config.seeds;
-        let is_seed = |node| seeds.iter().any(|seed| seed.node == node);
-        self.members
-            .forget(now.mono, self.config.forget_after, is_seed);
         self.emit_transitions();
         let live_at = self.expiry_secs(now);
         let members = &self.members;

@@ -5,21 +5,12 @@
 //! raises phi; past `suspect_phi` the member is suspected, and after `dead_after` of
 //! suspicion it is dead. Dead members are still probed now and then, so a healed
 //! partition rejoins; a member that is heard again is alive again.
-//!
-//! A row that has been dead or left for `forget_after` is forgotten ([`Members::forget`]),
-//! so that the table of a long-lived cluster holds the nodes it has, not every node it
-//! ever had. A forgotten row leaves a tombstone (its node and generation) for another
-//! `forget_after`, long enough for every node to forget the row too: meanwhile the same
-//! row gossiped as dead or left is not taken again, or the nodes would hand it back and
-//! forth for ever. A row a sender holds alive is taken whatever the tombstone: the member
-//! may be back. Seeds are never forgotten, so that two sides of a partition that forgot
-//! each other still probe each other's seeds, and heal.
 
 use crate::message::MemberEntry;
 use std::collections::{BTreeMap, BTreeSet};
 use std::hash::{DefaultHasher, Hash, Hasher};
 use std::time::Duration;
-use tally_crdt::{Generation, NodeId, ReplicaId};
+use tally_crdt::{NodeId, ReplicaId};
 
 /// How a member looks from here.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
@@ -56,8 +47,6 @@ struct Member {
     heard_at: Option<Duration>,
     interval: Duration,
     suspect_since: Option<Duration>,
-    // When `forget` first found it dead or left, on the monotonic clock.
-    gone_since: Option<Duration>,
 }
 
 /// The table of members, including this node itself.
@@ -67,8 +56,6 @@ pub struct Members {
     members: BTreeMap<NodeId, Member>,
     expected_interval: Duration,
     pending: Vec<Transition>,
-    // Forgotten rows: the generation forgotten, and when.
-    tombstones: BTreeMap<NodeId, (Generation, Duration)>,
 }
 
 impl Members {
@@ -80,7 +67,6 @@ impl Members {
             members: BTreeMap::new(),
             expected_interval,
             pending: Vec::new(),
-            tombstones: BTreeMap::new(),
         };
         members.insert(me, State::Alive);
         members
@@ -114,19 +100,11 @@ impl Members {
     /// its decisions isolated) until its own failure detector has found each of them dead.
     /// A dead member is still probed, and is alive again once heard. A row already held
     /// keeps its state: this node's own view wins over a sender's. A row held without an
-    /// address (see [`Members::heard`]) takes the address of the same row gossiped. A row
-    /// forgotten here is not taken again as dead or left, at its generation or below,
-    /// while its tombstone lasts.
+    /// address (see [`Members::heard`]) takes the address of the same row gossiped.
     pub fn merge(&mut self, entries: &[MemberEntry], dead: &[NodeId]) {
         let dead: BTreeSet<NodeId> = dead.iter().copied().collect();
         for entry in entries {
             if entry.node == self.me {
-                continue;
-            }
-            let gone = entry.left || dead.contains(&entry.node);
-            let buried = (self.tombstones.get(&entry.node))
-                .is_some_and(|&(generation, _)| entry.generation <= generation);
-            if gone && buried && !self.members.contains_key(&entry.node) {
                 continue;
             }
             let rank = |row: &MemberEntry| (row.generation, row.left);
@@ -184,7 +162,6 @@ impl Members {
         }
         member.heard_at = Some(now);
         member.suspect_since = None;
-        member.gone_since = None;
         if matches!(member.state, State::Suspect | State::Dead) {
             member.state = State::Alive;
             self.pending.push(transition(member));
@@ -216,36 +193,6 @@ impl Members {
                 _ => {}
             }
         }
-    }
-
-    /// Forgets the rows that have been dead or left for `forget_after` at `now`, but for
-    /// this node's and those `keep` names (the seeds), and the tombstones older than
-    /// `forget_after`. Returns how many rows it forgot.
-    pub fn forget(
-        &mut self,
-        now: Duration,
-        forget_after: Duration,
-        keep: impl Fn(NodeId) -> bool,
-    ) -> usize {
-        self.tombstones
-            .retain(|_, &mut (_, at)| now.saturating_sub(at) < forget_after);
-        let mut forgotten = Vec::new();
-        for member in self.members.values_mut() {
-            let node = member.entry.node;
-            let gone = matches!(member.state, State::Dead | State::Left);
-            if node == self.me || keep(node) || !gone {
-                continue;
-            }
-            let since = *member.gone_since.get_or_insert(now);
-            if now.saturating_sub(since) >= forget_after {
-                forgotten.push((node, member.entry.generation));
-            }
-        }
-        for &(node, generation) in &forgotten {
-            self.members.remove(&node);
-            self.tombstones.insert(node, (generation, now));
-        }
-        forgotten.len()
     }
 
     /// Marks this node as leaving.
@@ -310,7 +257,6 @@ impl Members {
             heard_at: None,
             interval: self.expected_interval,
             suspect_since: None,
-            gone_since: None,
         };
         if member.entry.node != self.me {
             self.pending.push(transition(&member));
@@ -433,76 +379,6 @@ mod tests {
         let states: Vec<State> = members.take_transitions().iter().map(|t| t.state).collect();
         let expected = [State::Alive, State::Dead, State::Dead, State::Alive];
         assert_eq!(states, expected);
-    }
-
-    #[test]
-    fn a_row_gone_for_forget_after_is_forgotten_and_not_taken_back_as_gone_while_buried() {
-        let forget_after = SECOND * 60;
-        let mut members = Members::new(entry(1, 1), SECOND);
-        let left = MemberEntry {
-            left: true,
-            ..entry(3, 1)
-        };
-        members.merge(
-            &[entry(2, 1), left.clone(), entry(4, 1), entry(9, 1)],
-            &[NodeId(2)],
-        );
-        let seed = |node: NodeId| node == NodeId(9);
-        assert_eq!(
-            members.forget(SECOND * 10, forget_after, seed),
-            0,
-            "gone since now"
-        );
-        members.merge(&[entry(9, 1)], &[]);
-        members.heard(entry(9, 1).replica(), SECOND * 11);
-        assert_eq!(members.forget(SECOND * 69, forget_after, seed), 0);
-        assert_eq!(members.forget(SECOND * 70, forget_after, seed), 2);
-        assert_eq!(members.state(NodeId(2)), None, "dead for a minute");
-        assert_eq!(members.state(NodeId(3)), None, "left a minute ago");
-        assert_eq!(members.state(NodeId(4)), Some(State::Alive));
-        // The same rows, gossiped as gone by a node that has not forgotten them yet.
-        members.merge(&[entry(2, 1), left.clone()], &[NodeId(2)]);
-        assert_eq!(
-            (members.state(NodeId(2)), members.state(NodeId(3))),
-            (None, None)
-        );
-        // A sender that holds node 2 alive, or a new life of it, brings it back.
-        members.merge(&[entry(2, 1)], &[]);
-        assert_eq!(members.state(NodeId(2)), Some(State::Alive));
-        members.merge(&[entry(3, 2)], &[NodeId(3)]);
-        assert_eq!(
-            members.state(NodeId(3)),
-            Some(State::Dead),
-            "a new generation"
-        );
-        // Once the tombstone is gone, a gone row is taken again (and forgotten again).
-        let mut other = Members::new(entry(1, 1), SECOND);
-        other.merge(&[entry(5, 1)], &[NodeId(5)]);
-        other.forget(SECOND, forget_after, seed);
-        other.forget(SECOND * 61, forget_after, seed);
-        other.merge(&[entry(5, 1)], &[NodeId(5)]);
-        assert_eq!(other.state(NodeId(5)), None, "buried");
-        other.forget(SECOND * 121, forget_after, seed);
-        other.merge(&[entry(5, 1)], &[NodeId(5)]);
-        assert_eq!(
-            other.state(NodeId(5)),
-            Some(State::Dead),
-            "the tombstone is gone"
-        );
-    }
-
-    #[test]
-    fn a_seed_or_a_member_heard_again_is_not_forgotten() {
-        let forget_after = SECOND * 60;
-        let mut members = Members::new(entry(1, 1), SECOND);
-        members.merge(&[entry(2, 1), entry(9, 1)], &[NodeId(2), NodeId(9)]);
-        let seed = |node: NodeId| node == NodeId(9);
-        members.forget(SECOND, forget_after, seed);
-        members.heard(entry(2, 1).replica(), SECOND * 30);
-        members.check(SECOND * 30, 8.0, SECOND * 10);
-        assert_eq!(members.forget(SECOND * 100, forget_after, seed), 0);
-        assert_eq!(members.state(NodeId(2)), Some(State::Alive));
-        assert_eq!(members.state(NodeId(9)), Some(State::Dead), "a seed stays");
     }
 
     #[test]

@@ -96,9 +96,6 @@ pub struct Config {
     /// How long a silent member stays suspected before it is declared dead.
     #[serde(default = "defaults::dead_after_ms")]
     pub dead_after_ms: u64,
-    /// How long a member's row stays once it is dead or has left (a seed's stays).
-    #[serde(default = "defaults::forget_after_ms")]
-    pub forget_after_ms: u64,
     /// The most client connections served at once.
     #[serde(default = "defaults::client_connections_max")]
     pub client_connections_max: usize,
@@ -222,9 +219,6 @@ mod defaults {
     pub fn dead_after_ms() -> u64 {
         10_000
     }
-    pub fn forget_after_ms() -> u64 {
-        24 * 3_600 * 1_000
-    }
     pub fn client_connections_max() -> usize {
         1_024
     }
@@ -276,17 +270,6 @@ impl Config {
         positive(self.fanout as u64, "fanout").map_err(|why| bad("fanout".into(), why))?;
         positive(self.dead_after_ms, "dead_after_ms")
             .map_err(|why| bad("dead_after_ms".into(), why))?;
-        if self.forget_after_ms < self.dead_after_ms {
-            return Err(bad(
-                "forget_after_ms".into(),
-                format!(
-                    "{} is below dead_after_ms ({}): nodes find a member dead up to about \
-                     that far apart, and one that forgets its row sooner than the others can \
-                     be handed it back",
-                    self.forget_after_ms, self.dead_after_ms
-                ),
-            ));
-        }
         positive(self.client_connections_max as u64, "client_connections_max")
             .map_err(|why| bad("client_connections_max".into(), why))?;
         if self.client_connections_max > tokio::sync::Semaphore::MAX_PERMITS {
@@ -539,18 +522,6 @@ window_secs = 60
             err.contains("rules[0].limit") && err.contains("lane_rate_max_per_sec"),
             "{err}"
         );
-    }
-
-    #[test]
-    fn forget_after_below_dead_after_is_refused_naming_the_key() {
-        let short = GOOD.replace("node_id = 1", "node_id = 1\nforget_after_ms = 5000");
-        let err = parse(&short).unwrap_err().to_string();
-        assert!(
-            err.contains("forget_after_ms") && err.contains("dead_after_ms"),
-            "{err}"
-        );
-        let long = GOOD.replace("node_id = 1", "node_id = 1\nforget_after_ms = 3600000");
-        assert_eq!(parse(&long).unwrap().forget_after_ms, 3_600_000);
     }
 
     #[test]

@@ -195,7 +195,6 @@ pub async fn run(config: Config, shutdown: impl Future<Output = ()>) -> Result<(
     gossip_config.fanout = config.fanout;
     gossip_config.frame_bytes_max = config.frame_bytes_max;
     gossip_config.dead_after = std::time::Duration::from_millis(config.dead_after_ms);
-    gossip_config.forget_after = std::time::Duration::from_millis(config.forget_after_ms);
     gossip_config.rng_seed = clock::entropy_seed();
 
     let forward_stats = Arc::new(ForwardStats::default());

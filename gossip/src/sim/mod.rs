@@ -56,8 +56,6 @@ pub struct SimConfig {
     pub frame_bytes_max: usize,
     /// See [`Config::dead_after`].
     pub dead_after: Duration,
-    /// See [`Config::forget_after`].
-    pub forget_after: Duration,
     /// Window length of the keys the workload writes, in seconds.
     pub window_secs: u32,
     /// If set, the staleness checker runs with this bound.
@@ -83,7 +81,6 @@ impl SimConfig {
             eager_push: true,
             frame_bytes_max: 64 * 1024,
             dead_after: Duration::from_secs(2),
-            forget_after: Duration::from_secs(24 * 3_600),
             window_secs: 3_600,
             staleness_bound: None,
             check_every_step: true,
@@ -564,7 +561,6 @@ impl Sim {
         config.eager_push = self.config.eager_push;
         config.frame_bytes_max = self.config.frame_bytes_max;
         config.dead_after = self.config.dead_after;
-        config.forget_after = self.config.forget_after;
         config.rng_seed = self.config.seed
             ^ (index as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15)
             ^ replica.generation.0;
