@@ -272,6 +272,7 @@ pub async fn run(config: Config, shutdown: impl Future<Output = ()>) -> Result<(
         recent: std::sync::Mutex::default(),
         waiting: Arc::default(),
         late: std::sync::Mutex::default(),
+        expiry: std::sync::Mutex::new(clock::ExpiryClock::start()),
     });
     let endpoints = Arc::new(Endpoints {
         replica,

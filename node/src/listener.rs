@@ -77,6 +77,8 @@ pub struct Service {
     /// Fallbacks counted for forwarded checks, to take back if the region admitted them
     /// after all.
     pub late: Mutex<LateFallbacks>,
+    /// The clock windows end by, for what is remembered of them here.
+    pub expiry: Mutex<clock::ExpiryClock>,
 }
 
 /// An exact check taken out of its batch, to forward to the region; the forwarder hands it
@@ -248,6 +250,9 @@ impl Service {
     /// stops the node: see [`EXIT_LOG_FAILED`].
     fn in_context<T>(&self, answer: impl FnOnce(&mut Context<'_>) -> T) -> T {
         let now = clock::wall();
+        let live_at_secs = (self.expiry.lock())
+            .unwrap_or_else(PoisonError::into_inner)
+            .now_secs();
         // Held for the batch: synchronous code on the node's one thread, so the gossip task
         // cannot be waiting for it meanwhile.
         let view = self.view.lock();
@@ -259,6 +264,7 @@ impl Service {
             store: &self.store,
             view: &view,
             now,
+            live_at_secs,
             log: log.as_deref_mut(),
             lane_rate_max: self.lane_rate_max,
             lane_log_refused: &self.metrics.lane_log_refused,
@@ -440,15 +446,15 @@ impl Service {
         answer: impl FnOnce(&mut Context<'_>) -> Result<Answered, Refusal>,
         keep: impl FnOnce(&Answered) -> bool,
     ) -> Result<Answered, Refusal> {
-        let now_ms = context.now.0;
+        let (now_ms, live_at) = (context.now.0, context.live_at_secs);
         let mut recent = self.recent.lock().unwrap_or_else(PoisonError::into_inner);
-        if let Some(answered) = recent.get(id, now_ms) {
+        if let Some(answered) = recent.get(id, now_ms, live_at) {
             self.answered_again();
             return Ok(answered);
         }
         let answered = answer(context)?;
         if keep(&answered) {
-            recent.insert(id, answered, key.window(), now_ms);
+            recent.insert(id, answered, key.window(), live_at);
         }
         Ok(answered)
     }
@@ -457,7 +463,7 @@ impl Service {
     /// if it is remembered.
     fn recalled(&self, context: &Context<'_>, id: CheckId) -> Result<Option<Decision>, Refusal> {
         let recent = self.recent.lock().unwrap_or_else(PoisonError::into_inner);
-        let answered = recent.get(id, context.now.0);
+        let answered = recent.get(id, context.now.0, context.live_at_secs);
         if answered.is_some() {
             self.answered_again();
         }
@@ -546,7 +552,7 @@ impl Service {
     /// back. One the lane log or the lane's rate refuses is left counted, and one whose
     /// window is over is not taken (its lanes are being dropped everywhere).
     fn take_back(&self, context: &mut Context<'_>, key: KeyRef<'_>, cost: u64) {
-        if !key.window().is_live(context.now.0 / 1_000) {
+        if !key.window().is_live(context.live_at_secs) {
             return;
         }
         if context.take_back(key, cost).is_ok() {
@@ -806,6 +812,7 @@ mod tests {
             lane_rate_max: u64::MAX,
             closing: std::sync::atomic::AtomicBool::new(false),
             recent: Mutex::default(),
+            expiry: Mutex::new(clock::ExpiryClock::start()),
             waiting: Arc::default(),
             late: Mutex::default(),
         }

@@ -73,12 +73,12 @@ impl RecentIds {
         }
     }
 
-    /// `id`'s answer, if it is held and its window is live at wall-clock `now_ms`; `None`:
-    /// answer it now. A decision comes back as it was given but for its `reset_after_ms`,
-    /// which counts from now.
-    pub fn get(&self, id: CheckId, now_ms: u64) -> Option<Answered> {
+    /// `id`'s answer, if it is held and its window is live at `live_at_secs` (the paced
+    /// wall clock windows end by); `None`: answer it now. A decision comes back as it was
+    /// given but for its `reset_after_ms`, which counts from wall-clock `now_ms`.
+    pub fn get(&self, id: CheckId, now_ms: u64, live_at_secs: u64) -> Option<Answered> {
         let &(answered, window, _) = self.answered.get(&id)?;
-        if !window.is_live(now_ms / 1_000) {
+        if !window.is_live(live_at_secs) {
             return None;
         }
         Some(match answered {
@@ -91,14 +91,14 @@ impl RecentIds {
     }
 
     /// Remembers `id`'s answer, given in `window`; pushes out the oldest ids past the
-    /// bound, and those whose windows are no longer live at wall-clock `now_ms`.
-    pub fn insert(&mut self, id: CheckId, answered: Answered, window: Window, now_ms: u64) {
+    /// bound, and those whose windows are no longer live at `live_at_secs`.
+    pub fn insert(&mut self, id: CheckId, answered: Answered, window: Window, live_at_secs: u64) {
         self.inserted += 1;
         self.answered.insert(id, (answered, window, self.inserted));
         self.order.push_back((id, self.inserted));
         while let Some(&(oldest, number)) = self.order.front() {
             let held = (self.answered.get(&oldest)).filter(|&&(_, _, held)| held == number);
-            let over = held.is_none_or(|(_, window, _)| !window.is_live(now_ms / 1_000));
+            let over = held.is_none_or(|(_, window, _)| !window.is_live(live_at_secs));
             if self.order.len() <= self.max && !over {
                 break;
             }
@@ -198,18 +198,22 @@ mod tests {
 
     /// The estimate of `id`'s answer, if it is held at `now_ms`.
     fn held(recent: &RecentIds, id: CheckId, now_ms: u64) -> Option<i128> {
-        recent.get(id, now_ms).map(|answered| match answered {
-            Answered::Decided(decision) => decision.estimate,
-            Answered::Incremented(estimate) | Answered::Decremented(estimate) => estimate.estimate,
-        })
+        recent
+            .get(id, now_ms, now_ms / 1_000)
+            .map(|answered| match answered {
+                Answered::Decided(decision) => decision.estimate,
+                Answered::Incremented(estimate) | Answered::Decremented(estimate) => {
+                    estimate.estimate
+                }
+            })
     }
 
     #[test]
     fn an_answer_is_given_again_while_its_window_is_live_its_reset_counted_from_now() {
         let mut recent = RecentIds::default();
-        assert_eq!(recent.get(id(1, 1), 10_000), None);
-        recent.insert(id(1, 1), decision(5), window(30), 10_000);
-        let reset_at = |now_ms| match recent.get(id(1, 1), now_ms) {
+        assert_eq!(recent.get(id(1, 1), 10_000, 10), None);
+        recent.insert(id(1, 1), decision(5), window(30), 10);
+        let reset_at = |now_ms: u64| match recent.get(id(1, 1), now_ms, now_ms / 1_000) {
             Some(Answered::Decided(decision)) => Some((decision.estimate, decision.reset_after_ms)),
             other => other.map(|_| panic!("a decision was remembered")),
         };
@@ -226,19 +230,37 @@ mod tests {
         );
         // Once its window is no longer live, a retry is a new check in its own window.
         assert_eq!(reset_at(60_000), None);
-        assert_eq!(recent.get(id(1, 2), 10_000), None);
-        assert_eq!(recent.get(id(2, 1), 10_000), None);
+        assert_eq!(recent.get(id(1, 2), 10_000, 10), None);
+        assert_eq!(recent.get(id(2, 1), 10_000, 10), None);
 
         let count = Estimate {
             estimate: 7,
             window: 0,
             staleness_ms: 3,
         };
-        recent.insert(id(1, 3), Answered::Incremented(count), window(30), 10_000);
+        recent.insert(id(1, 3), Answered::Incremented(count), window(30), 10);
         assert_eq!(
-            recent.get(id(1, 3), 40_000),
+            recent.get(id(1, 3), 40_000, 40),
             Some(Answered::Incremented(count)),
             "a count is given again as it was"
+        );
+    }
+
+    #[test]
+    fn an_answer_stays_while_its_window_is_live_by_the_paced_clock_whatever_the_wall_says() {
+        let mut recent = RecentIds::default();
+        recent.insert(id(1, 1), decision(5), window(30), 10);
+        // The wall clock stepped an hour ahead; the paced one is a second on.
+        assert_eq!(held(&recent, id(1, 1), 10_000), Some(5));
+        assert!(recent.get(id(1, 1), 3_611_000, 11).is_some());
+        recent.insert(id(1, 2), decision(6), window(30), 11);
+        assert!(
+            recent.get(id(1, 1), 3_611_000, 11).is_some(),
+            "not pushed out"
+        );
+        assert!(
+            recent.get(id(1, 1), 3_611_000, 60).is_none(),
+            "over by the paced clock"
         );
     }
 
@@ -251,7 +273,7 @@ mod tests {
     fn the_oldest_ids_are_pushed_out_past_the_bound() {
         let mut recent = RecentIds::with_max(3);
         for seq in 1..=5 {
-            recent.insert(id(7, seq), decision(seq as i128), window(30), 10_000);
+            recent.insert(id(7, seq), decision(seq as i128), window(30), 10);
         }
         assert_eq!(recent.len(), 3);
         assert_eq!(
@@ -266,9 +288,9 @@ mod tests {
     #[test]
     fn ids_whose_windows_are_over_are_let_go_and_one_decided_again_is_held_once() {
         let mut recent = RecentIds::with_max(10);
-        recent.insert(id(1, 1), decision(1), window(10), 10_000);
-        recent.insert(id(1, 2), decision(2), window(30), 10_000);
-        recent.insert(id(1, 3), decision(3), window(30), 30_000);
+        recent.insert(id(1, 1), decision(1), window(10), 10);
+        recent.insert(id(1, 2), decision(2), window(30), 10);
+        recent.insert(id(1, 3), decision(3), window(30), 30);
         assert_eq!(
             recent.len(),
             2,
@@ -277,10 +299,10 @@ mod tests {
         // An id decided again in a later window takes a new place in the order: its old
         // place, at the front, does not push out the new decision.
         let mut again = RecentIds::with_max(2);
-        again.insert(id(1, 1), decision(1), window(10), 10_000);
-        again.insert(id(1, 2), decision(2), window(50), 10_000);
-        again.insert(id(1, 1), decision(7), window(40), 15_000);
-        again.insert(id(1, 3), decision(3), window(50), 15_000);
+        again.insert(id(1, 1), decision(1), window(10), 10);
+        again.insert(id(1, 2), decision(2), window(50), 10);
+        again.insert(id(1, 1), decision(7), window(40), 15);
+        again.insert(id(1, 3), decision(3), window(50), 15);
         assert_eq!(held(&again, id(1, 1), 15_000), Some(7));
         assert_eq!(
             held(&again, id(1, 2), 15_000),

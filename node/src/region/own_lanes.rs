@@ -26,6 +26,8 @@ pub struct OwnLanes {
     owed: HashMap<Key, u64>,
     // The sum of `owed`, for the metric.
     owed_total: Arc<AtomicU64>,
+    // What an owed cost's window ends by (see `clock::ExpiryClock`).
+    expiry: clock::ExpiryClock,
 }
 
 impl OwnLanes {
@@ -36,6 +38,7 @@ impl OwnLanes {
             log,
             owed: HashMap::new(),
             owed_total: Arc::new(AtomicU64::new(0)),
+            expiry: clock::ExpiryClock::start(),
         }
     }
 
@@ -78,7 +81,7 @@ impl OwnLanes {
             return;
         };
         let mut log = log.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
-        let now_secs = clock::wall().0 / 1_000;
+        let now_secs = self.expiry.now_secs();
         let mut room = true;
         let mut paid = 0u64;
         self.owed.retain(|key, cost| {
