@@ -100,9 +100,6 @@ pub struct Context<'a> {
     pub view: &'a ViewState,
     /// The wall clock now.
     pub now: Stamp,
-    /// The paced wall clock windows end by, in unix seconds (`clock::ExpiryClock`): what
-    /// is remembered of a window is forgotten by it.
-    pub live_at_secs: u64,
     /// The lane log, if the node has a data dir.
     pub log: Option<&'a mut LaneLog>,
     /// The most a lane may hold per second its window has run (`lane_rate_max_per_sec`):
@@ -430,7 +427,6 @@ mod tests {
             store,
             view,
             now: NOW,
-            live_at_secs: NOW.0 / 1_000,
             log: None,
             lane_rate_max: u64::MAX,
             lane_log_refused: &REFUSED,

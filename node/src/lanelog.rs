@@ -200,12 +200,7 @@ pub fn open(
         return Err(io(&generation_file)(source));
     }
     let generation = Generation(generation);
-    write_synced(
-        &dir.join("generation.tmp"),
-        generation.0.to_string().as_bytes(),
-    )?;
-    std::fs::rename(dir.join("generation.tmp"), &generation_file).map_err(io(&generation_file))?;
-    sync_dir(dir)?;
+    replace_synced(dir, "generation", generation.0.to_string().as_bytes())?;
     let recovered = Recovered {
         generation,
         retired,
@@ -580,19 +575,22 @@ fn claim(dir: &Path, node: NodeId) -> Result<(), LogError> {
             node.0
         ))),
         Err(err) if err.kind() == std::io::ErrorKind::NotFound => {
-            let tmp = dir.join("node.tmp");
-            write_synced(&tmp, node.0.to_string().as_bytes())?;
-            std::fs::rename(&tmp, &file).map_err(|source| LogError::Io {
-                path: file.clone(),
-                source,
-            })?;
-            sync_dir(dir)
+            replace_synced(dir, "node", node.0.to_string().as_bytes())
         }
         Err(source) => Err(LogError::Io {
             path: file.clone(),
             source,
         }),
     }
+}
+
+/// Puts `bytes` in `dir/name` whole or not at all, durably: written and synced as
+/// `name.tmp`, renamed over `name`, and the directory synced.
+fn replace_synced(dir: &Path, name: &str, bytes: &[u8]) -> Result<(), LogError> {
+    let (tmp, path) = (dir.join(format!("{name}.tmp")), dir.join(name));
+    write_synced(&tmp, bytes)?;
+    std::fs::rename(&tmp, &path).map_err(|source| LogError::Io { path, source })?;
+    sync_dir(dir)
 }
 
 fn write_synced(path: &Path, bytes: &[u8]) -> Result<(), LogError> {

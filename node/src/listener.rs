@@ -250,9 +250,6 @@ impl Service {
     /// stops the node: see [`EXIT_LOG_FAILED`].
     fn in_context<T>(&self, answer: impl FnOnce(&mut Context<'_>) -> T) -> T {
         let now = clock::wall();
-        let live_at_secs = (self.expiry.lock())
-            .unwrap_or_else(PoisonError::into_inner)
-            .now_secs();
         // Held for the batch: synchronous code on the node's one thread, so the gossip task
         // cannot be waiting for it meanwhile.
         let view = self.view.lock();
@@ -264,7 +261,6 @@ impl Service {
             store: &self.store,
             view: &view,
             now,
-            live_at_secs,
             log: log.as_deref_mut(),
             lane_rate_max: self.lane_rate_max,
             lane_log_refused: &self.metrics.lane_log_refused,
@@ -275,6 +271,14 @@ impl Service {
             write_out(log, &self.store);
         }
         answered
+    }
+
+    /// The paced wall clock, in unix seconds, that what is remembered here of a window is
+    /// forgotten by (`clock::ExpiryClock`). Read only where it is needed: not on a
+    /// request's path unless the request names an id.
+    fn live_at_secs(&self) -> u64 {
+        let mut expiry = self.expiry.lock().unwrap_or_else(PoisonError::into_inner);
+        expiry.now_secs()
     }
 
     fn counted_requests(&self, answered: u64) {
@@ -446,7 +450,7 @@ impl Service {
         answer: impl FnOnce(&mut Context<'_>) -> Result<Answered, Refusal>,
         keep: impl FnOnce(&Answered) -> bool,
     ) -> Result<Answered, Refusal> {
-        let (now_ms, live_at) = (context.now.0, context.live_at_secs);
+        let (now_ms, live_at) = (context.now.0, self.live_at_secs());
         let mut recent = self.recent.lock().unwrap_or_else(PoisonError::into_inner);
         if let Some(answered) = recent.get(id, now_ms, live_at) {
             self.answered_again();
@@ -463,7 +467,7 @@ impl Service {
     /// if it is remembered.
     fn recalled(&self, context: &Context<'_>, id: CheckId) -> Result<Option<Decision>, Refusal> {
         let recent = self.recent.lock().unwrap_or_else(PoisonError::into_inner);
-        let answered = recent.get(id, context.now.0, context.live_at_secs);
+        let answered = recent.get(id, context.now.0, self.live_at_secs());
         if answered.is_some() {
             self.answered_again();
         }
@@ -552,7 +556,7 @@ impl Service {
     /// back. One the lane log or the lane's rate refuses is left counted, and one whose
     /// window is over is not taken (its lanes are being dropped everywhere).
     fn take_back(&self, context: &mut Context<'_>, key: KeyRef<'_>, cost: u64) {
-        if !key.window().is_live(context.live_at_secs) {
+        if !key.window().is_live(self.live_at_secs()) {
             return;
         }
         if context.take_back(key, cost).is_ok() {
