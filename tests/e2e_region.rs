@@ -590,6 +590,44 @@ async fn the_region_nodes_own_clients_share_the_edges_exact_count_across_a_regio
     assert_eq!(region_count(&edge, "own").await, 30);
 }
 
+/// A region restarted with its wall clock five minutes ahead (a bad NTP step at boot) keeps
+/// the ledger of a window that, by that clock, ended over two minutes ago: `brief`'s
+/// windows are two minutes long and live for two more. The start resumes its paced clock
+/// from the last life's reading in the data directory (`expiry_mark`). Once the clock is
+/// right again, the window's count is all there, so the limit holds.
+#[tokio::test(flavor = "current_thread")]
+async fn a_region_started_with_its_clock_ahead_keeps_the_windows_that_only_look_over() {
+    // All of it in one window by the right clock: start with 75 s of it left at least.
+    let secs = || tally_node::clock::wall().0 / 1_000;
+    while secs() % 120 > 45 {
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+    let window = secs() / 120;
+    let mut cluster = Cluster::start_with(NET, 2, 2_000, true);
+    let region = cluster.nodes[0].client().await;
+    for count in [150, 300, 450] {
+        let decision = region.check("brief", "ahead", 150).await.unwrap();
+        assert_eq!(
+            decided(&decision),
+            (Mode::Exact, true, count, LIMIT - count as u64)
+        );
+    }
+    // The paced clock's reading is kept once a second.
+    tokio::time::sleep(Duration::from_millis(1_500)).await;
+    cluster.node(1).kill9();
+    cluster.node(1).restart_with_clock_ahead(300);
+    // Serving ahead for a few of its expiry's seconds, then stopped.
+    tokio::time::sleep(Duration::from_millis(2_500)).await;
+    cluster.node(1).kill9();
+    cluster.node(1).restart(true);
+    let region = cluster.nodes[0].client().await;
+    let refused = region.check("brief", "ahead", 51).await.unwrap();
+    assert_eq!(decided(&refused), (Mode::Exact, false, 450, LIMIT - 450));
+    let admitted = region.check("brief", "ahead", 50).await.unwrap();
+    assert_eq!(decided(&admitted), (Mode::Exact, true, 500, 0));
+    assert_eq!(secs() / 120, window, "the test ran within one window");
+}
+
 /// The region's report of its last start: what it replayed and repaired.
 fn last_region_start(cluster: &Cluster) -> String {
     let log = std::fs::read_to_string(&cluster.nodes[0].log).unwrap();

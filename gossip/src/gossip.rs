@@ -134,7 +134,8 @@ pub struct Gossip {
     table_matched: bool,
     // Per member, where the next part of the membership table sent to it starts.
     members_next: BTreeMap<NodeId, TableCursor>,
-    // The wall clock that windows end by; `None` until the first input with a time.
+    // The wall clock that windows end by; `None` until the first input with a time, unless
+    // resumed (`with_expiry`).
     expiry: Option<PacedWall>,
 }
 
@@ -176,6 +177,14 @@ impl Gossip {
             table_matched: false,
             config,
         }
+    }
+
+    /// The node, its windows ending by `expiry` (resumed from an earlier life's reading:
+    /// [`PacedWall::resume`]) rather than by a paced clock that starts at the first input's
+    /// wall clock. `expiry` must read the same monotonic clock as the inputs' `now`.
+    pub fn with_expiry(mut self, expiry: PacedWall) -> Gossip {
+        self.expiry = Some(expiry);
+        self
     }
 
     /// Feeds one input. Never fails: bad frames are counted in [`Gossip::stats`] and

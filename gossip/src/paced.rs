@@ -31,6 +31,18 @@ impl PacedWall {
         }
     }
 
+    /// Resumes from `mark`, an earlier life's reading (kept in the node's data directory):
+    /// it starts at `mark`, brought within [`PacedWall::LAG_MAX`] behind `now`'s wall
+    /// clock and never ahead of it. So a node restarted with its wall clock stepped ahead
+    /// ends no window early at start either, as one whose clock steps while it runs.
+    pub fn resume(now: Now, mark: Stamp) -> PacedWall {
+        let lag_floor = now.wall.0.saturating_sub(PacedWall::LAG_MAX);
+        PacedWall {
+            last: Stamp(mark.0.max(lag_floor).min(now.wall.0)),
+            last_mono: now.mono,
+        }
+    }
+
     /// The paced wall time at `now`.
     pub fn at(&mut self, now: Now) -> Stamp {
         let elapsed = now.mono.saturating_sub(self.last_mono).as_millis() as u64;
@@ -63,5 +75,28 @@ mod tests {
         assert_eq!(paced.at(now(1_014_000, 24)), Stamp(1_014_000));
         // An hour ahead: all but the ten minutes at once.
         assert_eq!(paced.at(now(4_615_000, 25)), Stamp(4_015_000));
+    }
+
+    #[test]
+    fn a_resumed_paced_wall_starts_at_its_mark_within_the_lag_and_never_ahead_of_the_wall() {
+        let now = |wall| Now {
+            mono: Duration::from_secs(3),
+            wall: Stamp(wall),
+        };
+        let lag = PacedWall::LAG_MAX;
+        // Started five minutes ahead of the last life's reading: at that reading, then
+        // paced on from it.
+        let mut paced = PacedWall::resume(now(1_300_000), Stamp(1_000_000));
+        assert_eq!(paced.at(now(1_300_000)), Stamp(1_000_000));
+        let later = Now {
+            mono: Duration::from_secs(13),
+            wall: Stamp(1_310_000),
+        };
+        assert_eq!(paced.at(later), Stamp(1_011_000));
+        // A mark older than the lag allows, or one ahead of the wall clock.
+        let mut paced = PacedWall::resume(now(lag + 5_000_000), Stamp(1_000));
+        assert_eq!(paced.at(now(lag + 5_000_000)), Stamp(5_000_000));
+        let mut paced = PacedWall::resume(now(5_000_000), Stamp(9_000_000));
+        assert_eq!(paced.at(now(5_000_000)), Stamp(5_000_000));
     }
 }

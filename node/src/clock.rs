@@ -81,15 +81,32 @@ pub struct ExpiryClock {
 impl ExpiryClock {
     /// Starts at the wall clock now.
     pub fn start() -> ExpiryClock {
-        let clock = Clock::start();
-        ExpiryClock {
-            clock,
-            paced: PacedWall::new(clock.now()),
-        }
+        ExpiryClock::resume(Clock::start(), None)
+    }
+
+    /// Starts on `clock` at `mark`, an earlier life's reading ([`PacedWall::resume`]), or
+    /// at the wall clock now if there is none.
+    pub fn resume(clock: Clock, mark: Option<Stamp>) -> ExpiryClock {
+        let now = clock.now();
+        let paced = match mark {
+            Some(mark) => PacedWall::resume(now, mark),
+            None => PacedWall::new(now),
+        };
+        ExpiryClock { clock, paced }
+    }
+
+    /// The paced wall time now.
+    pub fn now(&mut self) -> Stamp {
+        self.paced.at(self.clock.now())
     }
 
     /// The paced wall time now, in seconds since the unix epoch.
     pub fn now_secs(&mut self) -> u64 {
-        self.paced.at(self.clock.now()).0 / 1_000
+        self.now().0 / 1_000
+    }
+
+    /// The paced clock as it stands, for the gossip (which reads the same [`Clock`]).
+    pub fn paced(&self) -> PacedWall {
+        self.paced
     }
 }

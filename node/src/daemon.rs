@@ -1,10 +1,11 @@
 //! Starting a node: the data directory and generation, TLS, QUIC, the gossip task, the
 //! client listener and the HTTP endpoints, in that order; and stopping it.
 
-use crate::clock::{self, Clock};
+use crate::clock::{self, Clock, ExpiryClock};
 use crate::config::{Config, Role};
 use crate::decide::Rules;
 use crate::driver::{Driver, DriverError};
+use crate::expiry_mark::{self, ExpiryMark};
 use crate::handoff::Handoff;
 use crate::http::{self, Endpoints};
 use crate::lanelog::{self, LogError};
@@ -89,12 +90,16 @@ pub async fn run(config: Config, shutdown: impl Future<Output = ()>) -> Result<(
     let clock = Clock::start();
     let now = clock.now();
     let node = config.node();
+    // Windows end by the paced wall clock, resumed from the last life's reading: a start
+    // with the clock stepped ahead ends no window early (`expiry_mark`).
+    let mut expiry = ExpiryClock::resume(clock, None);
     let (log, recovered) = match &config.data_dir {
         Some(dir) => {
             // Held until the process exits, not dropped with the node at shutdown, so that
             // no second process takes the directory while this one still runs at all.
             std::mem::forget(lanelog::lock(dir)?);
-            let (log, recovered) = lanelog::open(dir, node, now.wall.0, now.wall.0 / 1_000)?;
+            expiry = ExpiryClock::resume(clock, expiry_mark::read(dir)?);
+            let (log, recovered) = lanelog::open(dir, node, now.wall.0, expiry.now_secs())?;
             (Some(Arc::new(Mutex::new(log))), recovered)
         }
         None => (
@@ -151,6 +156,7 @@ pub async fn run(config: Config, shutdown: impl Future<Output = ()>) -> Result<(
                 store.clone(),
                 log.clone(),
                 &recovered.retired,
+                expiry,
             )?;
             eprintln!(
                 "tallyd: region log: {} entries replayed, {} torn bytes dropped, compacted \
@@ -229,13 +235,15 @@ pub async fn run(config: Config, shutdown: impl Future<Output = ()>) -> Result<(
     let metrics = Arc::new(Metrics::default());
     let (stop, stopped) = watch::channel(false);
     let driver = Driver {
-        gossip: Gossip::with_state(gossip_config, map),
+        gossip: Gossip::with_state(gossip_config, map).with_expiry(expiry.paced()),
         transport,
         inbound,
         store: store.clone(),
         view: view.clone(),
         metrics: metrics.clone(),
         clock,
+        expiry,
+        expiry_mark: config.data_dir.clone().map(ExpiryMark::new),
         collect_every: collect_every(log.is_some(), config.push_interval()),
         handoff: Handoff::new(log.clone()),
         shutdown: stopped,
@@ -272,7 +280,7 @@ pub async fn run(config: Config, shutdown: impl Future<Output = ()>) -> Result<(
         recent: std::sync::Mutex::default(),
         waiting: Arc::default(),
         late: std::sync::Mutex::default(),
-        expiry: std::sync::Mutex::new(clock::ExpiryClock::start()),
+        expiry: std::sync::Mutex::new(expiry),
     });
     let endpoints = Arc::new(Endpoints {
         replica,

@@ -2,7 +2,8 @@
 //! timers and the lane store's changed lanes into inputs, and the outputs into QUIC writes,
 //! remote sums published to the store, and a refreshed [`View`].
 
-use crate::clock::Clock;
+use crate::clock::{Clock, ExpiryClock};
+use crate::expiry_mark::ExpiryMark;
 use crate::handoff::{Collected, Handoff};
 use crate::lanelog::LogError;
 use crate::listener::EXIT_LOG_FAILED;
@@ -57,6 +58,10 @@ pub struct Driver {
     pub metrics: Arc<Metrics>,
     /// The node's clocks.
     pub clock: Clock,
+    /// The paced wall clock windows end by, read from `clock`.
+    pub expiry: ExpiryClock,
+    /// Where its readings are kept, if the node has a data directory.
+    pub expiry_mark: Option<ExpiryMark>,
     /// How often written lanes are collected while writes come.
     pub collect_every: Duration,
     /// Collected lanes on their way to the gossip, once the lane log is synced.
@@ -83,8 +88,6 @@ impl Driver {
         let protocol = tokio::time::sleep(Duration::ZERO);
         tokio::pin!(protocol);
         let mut collect = tokio::time::interval(self.collect_every);
-        // Windows end by the paced wall clock: a clock stepped forward ends none early.
-        let mut expiry = crate::clock::ExpiryClock::start();
         collect.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         // Whether a key was queued since the last collection began.
         let mut collect_due = false;
@@ -132,8 +135,14 @@ impl Driver {
                 synced = self.handoff.synced(), if self.handoff.is_syncing() => {
                     self.synced(synced);
                 }
+                // Windows end by the paced wall clock: a clock stepped forward ends none
+                // early, nor does the next start's (its reading is kept).
                 _ = expire.tick() => {
-                    let now_secs = expiry.now_secs();
+                    let paced = self.expiry.now();
+                    if let Some(mark) = &self.expiry_mark {
+                        mark.record(paced);
+                    }
+                    let now_secs = paced.0 / 1_000;
                     self.store.expire(now_secs);
                     self.store.reclaim();
                     let mut view = self.view.lock();

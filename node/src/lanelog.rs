@@ -1,6 +1,7 @@
 //! The data directory: the generation file, and per generation a log of this node's own
 //! lane writes, so that a restart loses none of what it acknowledged. One process at a time
-//! uses it ([`lock`]).
+//! uses it ([`lock`]). (Its `expiry` file is [`crate::expiry_mark`]'s, and `region.log` the
+//! region's.)
 //!
 //! # Restart semantics
 //!
@@ -593,7 +594,8 @@ fn replace_synced(dir: &Path, name: &str, bytes: &[u8]) -> Result<(), LogError> 
     sync_dir(dir)
 }
 
-fn write_synced(path: &Path, bytes: &[u8]) -> Result<(), LogError> {
+/// Writes `bytes` to a new file at `path` and syncs it.
+pub(crate) fn write_synced(path: &Path, bytes: &[u8]) -> Result<(), LogError> {
     let io = |source| LogError::Io {
         path: path.to_owned(),
         source,

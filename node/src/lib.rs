@@ -40,6 +40,7 @@ pub mod config;
 pub mod daemon;
 pub mod decide;
 pub mod driver;
+pub mod expiry_mark;
 pub mod handoff;
 pub mod http;
 pub mod lanelog;

@@ -42,7 +42,7 @@ slack = 10
 
 /// The exact rules of clusters with a region (an edge refuses an exact rule without one):
 /// `quota` answers `RegionUnavailable` when the region does not answer in time, `paid`
-/// allows and counts the check at the edge.
+/// allows and counts the check at the edge; `brief` is `quota` with two-minute windows.
 pub const REGION_RULES: &str = r#"
 [[rules]]
 name = "quota"
@@ -58,6 +58,13 @@ window_secs = 604800
 mode = "exact"
 region_timeout_ms = 300
 on_region_unavailable = "allow"
+
+[[rules]]
+name = "brief"
+limit = 500
+window_secs = 120
+mode = "exact"
+region_timeout_ms = 300
 "#;
 
 static CLUSTERS: AtomicU8 = AtomicU8::new(1);
@@ -281,12 +288,18 @@ impl Drop for Cluster {
 
 impl Node {
     fn spawn(&mut self) {
+        self.spawn_with(&[]);
+    }
+
+    /// Starts the node's process with `env` added to its environment.
+    fn spawn_with(&mut self, env: &[(&str, &str)]) {
         let log = std::fs::OpenOptions::new()
             .create(true)
             .append(true)
             .open(&self.log)
             .unwrap();
         let child = Command::new(tally_bin())
+            .envs(env.iter().copied())
             .arg("daemon")
             .arg("--config")
             .arg(&self.config)
@@ -334,6 +347,20 @@ impl Node {
             let _ = std::fs::remove_dir_all(&self.data_dir);
         }
         self.spawn();
+        self.wait_ready();
+    }
+
+    /// Starts the node again on its data dir with its clocks `secs` ahead: libfaketime
+    /// preloaded into the node's own process (Debian's `libfaketime`, which CI installs; a
+    /// missing one fails the test).
+    pub fn restart_with_clock_ahead(&mut self, secs: u64) {
+        assert!(self.child.is_none(), "restart a node that was killed");
+        let lib = "/usr/lib/x86_64-linux-gnu/faketime/libfaketimeMT.so.1";
+        assert!(
+            Path::new(lib).exists(),
+            "{lib} is missing: apt install libfaketime"
+        );
+        self.spawn_with(&[("LD_PRELOAD", lib), ("FAKETIME", &format!("+{secs}s"))]);
         self.wait_ready();
     }
 

@@ -31,14 +31,19 @@ pub struct OwnLanes {
 }
 
 impl OwnLanes {
-    /// The lanes of `store`, logged in `log` if the node has a data directory.
-    pub fn new(store: Arc<LaneStore>, log: Option<Arc<Mutex<LaneLog>>>) -> OwnLanes {
+    /// The lanes of `store`, logged in `log` if the node has a data directory; an owed
+    /// cost is forgotten when its window ends by `expiry`.
+    pub fn new(
+        store: Arc<LaneStore>,
+        log: Option<Arc<Mutex<LaneLog>>>,
+        expiry: clock::ExpiryClock,
+    ) -> OwnLanes {
         OwnLanes {
             store,
             log,
             owed: HashMap::new(),
             owed_total: Arc::new(AtomicU64::new(0)),
-            expiry: clock::ExpiryClock::start(),
+            expiry,
         }
     }
 
@@ -138,7 +143,11 @@ mod tests {
             let replica = ReplicaId::new(NodeId(1), recovered.generation);
             let store = Arc::new(LaneStore::new(replica, 16));
             let log = Arc::new(Mutex::new(log));
-            let lanes = OwnLanes::new(store.clone(), Some(log.clone()));
+            let lanes = OwnLanes::new(
+                store.clone(),
+                Some(log.clone()),
+                clock::ExpiryClock::start(),
+            );
             Region {
                 dir,
                 now,

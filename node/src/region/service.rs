@@ -14,7 +14,7 @@ use super::log::{self, Entry, Record, Storage};
 use super::own_lanes::OwnLanes;
 use super::wire::{self, Answered};
 use super::{key_in, Decided, ExactAnswer, ExactCheck, Ledger};
-use crate::clock;
+use crate::clock::{self, ExpiryClock};
 use crate::config::RuleMode;
 use crate::decide::Rules;
 use crate::lanelog::LaneLog;
@@ -47,6 +47,8 @@ pub struct RegionService {
     own: Option<OwnLanes>,
     // The costs admitted that `own` lacks for want of room in the lane log.
     owed: Arc<AtomicU64>,
+    // What the ledger's windows end by.
+    expiry: ExpiryClock,
     /// Forwarded checks that named no exact rule here or no live window, and frames that
     /// did not decode or asked under another node's ids.
     pub bad_requests: Arc<AtomicU64>,
@@ -75,7 +77,8 @@ pub struct Opened {
 
 impl RegionService {
     /// Opens `dir/region.log`, replays it (dropping a torn tail), compacts it (without the
-    /// windows that are over), and starts the committer.
+    /// windows that are over by `expiry`, which the service goes on expiring by), and
+    /// starts the committer.
     ///
     /// Then it repairs the region's own lanes: an admission is counted in a lane only after
     /// it is durable, so a crash in between leaves the ledger above what this node's earlier
@@ -87,6 +90,7 @@ impl RegionService {
         store: Arc<LaneStore>,
         lanes: Option<Arc<Mutex<LaneLog>>>,
         retired: &[(ReplicaId, Vec<(Key, Lane)>)],
+        mut expiry: ExpiryClock,
     ) -> Result<(RegionService, Opened), OpenError> {
         let path = dir.join("region.log");
         let io = |source| OpenError {
@@ -96,13 +100,13 @@ impl RegionService {
         crate::lanelog::create_dir_durably(dir).map_err(io)?;
         let (mut storage, entries, torn) = log::open(&path).map_err(io)?;
         let mut ledger = Ledger::replay(&entries);
-        ledger.expire(clock::wall().0 / 1_000);
+        ledger.expire(expiry.now_secs());
         ledger.forget_lives_of(store.replica().node.0);
         // Start from a compacted log: the state the entries left, without finished windows.
         let mut compacted = Vec::new();
         ledger.snapshot(&mut compacted);
         storage.replace(&compacted).map_err(io)?;
-        let mut own = OwnLanes::new(store, lanes);
+        let mut own = OwnLanes::new(store, lanes, expiry);
         let owed = own.owed_total();
         let mut held: HashMap<&Key, u64> = HashMap::new();
         for (_, retired_lanes) in retired {
@@ -136,6 +140,7 @@ impl RegionService {
             rules,
             own: Some(own),
             owed,
+            expiry,
             bad_requests: Arc::new(AtomicU64::new(0)),
         };
         Ok((service, opened))
@@ -168,7 +173,6 @@ impl RegionService {
             .expect("invariant: a service is served once");
         let acknowledging = tokio::spawn(acknowledge(decided, own));
         let mut expire = tokio::time::interval(Duration::from_secs(1));
-        let mut expiry_clock = clock::ExpiryClock::start();
         // A compaction's snapshot, being encoded.
         let mut snapshot: Option<oneshot::Receiver<Vec<u8>>> = None;
         loop {
@@ -179,7 +183,7 @@ impl RegionService {
                 }
                 _ = stop.wait_for(|stop| *stop) => break,
                 _ = expire.tick() => {
-                    self.ledger.expire(expiry_clock.now_secs());
+                    self.ledger.expire(self.expiry.now_secs());
                     if snapshot.is_none() {
                         snapshot = self.start_compaction_if_due();
                     }
@@ -429,7 +433,9 @@ mod tests {
         let rules = Rules::new(&[RuleConfig::for_test("quota", 1_000, RuleMode::Exact)]).unwrap();
         let replica = ReplicaId::new(NodeId(1), Generation(1));
         let store = Arc::new(LaneStore::new(replica, 1_024));
-        RegionService::open(dir, rules, store, None, &[]).unwrap().0
+        RegionService::open(dir, rules, store, None, &[], ExpiryClock::start())
+            .unwrap()
+            .0
     }
 
     /// Decides a frame of checks from node 2 with sequence numbers `seqs`, on seven
