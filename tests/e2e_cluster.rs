@@ -691,3 +691,65 @@ async fn an_approximate_check_or_an_increment_retried_under_its_id_after_a_timeo
     let unnamed = client.check("count", "retried", 5).await.unwrap();
     assert_eq!(unnamed.estimate, 10);
 }
+
+/// TESTING.md C3 across a crash: a sidecar with a data directory logs what it answered
+/// under an id with the writes, so a retry sent to its next life, after a `kill -9`, gets
+/// the first answer and counts nothing more. The other node holds the lanes too, so the
+/// counts are checked there as well.
+#[tokio::test(flavor = "current_thread")]
+async fn a_request_retried_under_its_id_after_its_sidecar_was_killed_and_restarted_counts_once() {
+    let mut cluster = Cluster::start(NET, 2);
+    let client = cluster.nodes[0].client().await;
+    let (checked, incremented) = (CheckId::new(), CheckId::new());
+    let first = client
+        .check_with_id(checked, "api", "crashed", 7)
+        .await
+        .unwrap();
+    assert!(first.allowed);
+    assert_eq!(first.estimate, 7);
+    let counted = client
+        .incr_with_id(incremented, "count", "crashed", 3)
+        .await
+        .unwrap();
+    assert_eq!(counted.estimate, 3);
+
+    cluster.node(1).kill9();
+    cluster.node(1).restart(true);
+    let client = cluster.nodes[0].client().await;
+    let retried = client
+        .check_with_id(checked, "api", "crashed", 7)
+        .await
+        .unwrap();
+    assert_eq!(
+        Decision {
+            reset_after_ms: first.reset_after_ms,
+            ..retried
+        },
+        first,
+        "the first decision"
+    );
+    let recounted = client
+        .incr_with_id(incremented, "count", "crashed", 3)
+        .await
+        .unwrap();
+    assert_eq!(recounted, counted, "the first count");
+    let again = cluster.nodes[0].metric("tally_client_ids_answered_again_total", &[]);
+    assert_eq!(again, Some(2.0));
+    // Counted once: here at once (the retries' writes would be this node's own), and at
+    // the other node once the lanes reach it.
+    let other = cluster.nodes[1].client().await;
+    for client in [&client, &other] {
+        let mut counts = (0, 0);
+        for _ in 0..100 {
+            counts = (
+                client.get("api", "crashed").await.unwrap().estimate,
+                client.get("count", "crashed").await.unwrap().estimate,
+            );
+            if counts == (7, 3) {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        assert_eq!(counts, (7, 3));
+    }
+}

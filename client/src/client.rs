@@ -131,7 +131,9 @@ impl Client {
     /// send of one id once, and answers each with the count after the first, while it
     /// remembers the id (its most recent 65,536 ids, each until one window length after
     /// its window ends). An id it no longer remembers is counted again, and so is one sent
-    /// to another sidecar or after this one restarted. An id that named another kind of
+    /// to another sidecar, or after this one restarted without a data directory (with one,
+    /// it logs what it answered under ids with the writes, and its next life remembers
+    /// them). An id that named another kind of
     /// request there (a check, or a decrement) is refused: make one id per increment
     /// ([`CheckId::new`]).
     pub async fn incr_with_id(
@@ -228,8 +230,9 @@ impl Client {
     /// Make the id once per check ([`CheckId::new`]) and pass the same one to every retry,
     /// after an error that [`Error::is_retryable`]. An approximate rule is decided at the
     /// sidecar, which counts one id once in the same way while it remembers it (its most
-    /// recent 65,536 ids; an older one is decided again), but not through another
-    /// sidecar or across its own restart. The sidecar also remembers an exact check's
+    /// recent 65,536 ids; an older one is decided again), across its own restarts if it
+    /// has a data directory, but not through another sidecar. The sidecar also remembers
+    /// an exact check's
     /// decision, the region's or one its rule's `on_region_unavailable` fallback counted,
     /// and answers a retry with it without asking the region: a retry of a fallback's
     /// decision gets that decision ([`Mode::RegionFallback`](crate::Mode::RegionFallback)) again, even once the region

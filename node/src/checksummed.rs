@@ -37,6 +37,13 @@ pub fn append<T: Serialize>(record: &T, out: &mut Vec<u8>) {
 
 /// The record at `at` and where the next one starts, if it is whole and checks.
 pub fn read<T: DeserializeOwned>(bytes: &[u8], at: usize) -> Option<(T, usize)> {
+    let (body, next) = read_body(bytes, at)?;
+    Some((decode(body)?, next))
+}
+
+/// The body of the record at `at` and where the next one starts, if it is whole and
+/// checks: for a log of more than one kind of record, told apart by their bodies.
+pub fn read_body(bytes: &[u8], at: usize) -> Option<(&[u8], usize)> {
     let header = bytes.get(at..at.checked_add(8)?)?;
     let len = u32::from_le_bytes(header[..4].try_into().ok()?) as usize;
     let crc = u32::from_le_bytes(header[4..].try_into().ok()?);
@@ -44,11 +51,13 @@ pub fn read<T: DeserializeOwned>(bytes: &[u8], at: usize) -> Option<(T, usize)> 
         return None;
     }
     let body = bytes.get(at + 8..at + 8 + len)?;
-    if crc32fast::hash(body) != crc {
-        return None;
-    }
+    (crc32fast::hash(body) == crc).then_some((body, at + 8 + len))
+}
+
+/// A record's body decoded, if it decodes whole.
+pub fn decode<T: DeserializeOwned>(body: &[u8]) -> Option<T> {
     let (record, read) = bincode::serde::decode_from_slice(body, CONFIG).ok()?;
-    (read == len).then_some((record, at + 8 + len))
+    (read == body.len()).then_some(record)
 }
 
 /// Every whole record at the front of `bytes`, and how many bytes they take.

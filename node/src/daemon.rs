@@ -11,6 +11,7 @@ use crate::http::{self, Endpoints};
 use crate::lanelog::{self, LogError};
 use crate::listener::{self, Service};
 use crate::metrics::{Metrics, RegionStats};
+use crate::recent::RecentIds;
 use crate::region::forward::{ForwardStats, Forwarder};
 use crate::region::service::{OpenError, RegionService};
 use crate::region::wire::REGION_FRAME_BYTES_MAX;
@@ -107,6 +108,7 @@ pub async fn run(config: Config, shutdown: impl Future<Output = ()>) -> Result<(
             lanelog::Recovered {
                 generation: Generation(now.wall.0),
                 retired: Vec::new(),
+                answered: Vec::new(),
                 torn: 0,
             },
         ),
@@ -277,7 +279,11 @@ pub async fn run(config: Config, shutdown: impl Future<Output = ()>) -> Result<(
         forwarder,
         lane_rate_max: config.lane_rate_max_per_sec,
         closing: std::sync::atomic::AtomicBool::new(false),
-        recent: std::sync::Mutex::default(),
+        // A retry sent to this life of an id an earlier one answered gets that answer.
+        recent: std::sync::Mutex::new(RecentIds::remembering(
+            recovered.answered,
+            expiry.now_secs(),
+        )),
         waiting: Arc::default(),
         late: std::sync::Mutex::default(),
         expiry: std::sync::Mutex::new(expiry),

@@ -7,11 +7,15 @@
 //! The memory is bounded: the most recent [`RECENT_IDS_MAX`] ids, each while its window
 //! is live. An id pushed out by newer ones is forgotten, and a retry of it is decided, and
 //! counted, again: at 10,000 named requests a second an id is remembered for more than 6
-//! seconds, well past a client's timeout. Nothing here survives a restart, and each
-//! sidecar remembers only its own: a retry sent to another sidecar, or to the next life of
-//! this one, is counted again.
+//! seconds, well past a client's timeout. Each sidecar remembers only its own: a retry sent
+//! to another sidecar is counted again. With a data directory, every answer remembered is
+//! also logged in the lane log (`LaneLog::append_answered`), after the writes it made, and
+//! the next life starts remembering the last 65,536 of each earlier life whose windows
+//! are live ([`RecentIds::remembering`]); without one, a retry sent to the next life is
+//! counted again.
 
 use crate::decide::reset_after_ms;
+use serde::{Deserialize, Serialize};
 use std::collections::{HashMap, VecDeque};
 use std::sync::{Arc, Mutex, PoisonError};
 use tally_client::wire::{CheckId, Decision, Estimate};
@@ -22,7 +26,7 @@ use tally_crdt::Window;
 pub const RECENT_IDS_MAX: usize = 65_536;
 
 /// What the sidecar answered under an id.
-#[derive(Debug, Clone, Copy, PartialEq)]
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
 pub enum Answered {
     /// A check's decision.
     Decided(Decision),
@@ -71,6 +75,19 @@ impl RecentIds {
             inserted: 0,
             max: max.max(1),
         }
+    }
+
+    /// Remembers `answered`, oldest first, as [`RecentIds::insert`] would have, at
+    /// `live_at_secs`: what earlier lives answered ([`crate::lanelog::Recovered::answered`]).
+    pub fn remembering(
+        answered: impl IntoIterator<Item = (CheckId, Answered, Window)>,
+        live_at_secs: u64,
+    ) -> RecentIds {
+        let mut recent = RecentIds::default();
+        for (id, answered, window) in answered {
+            recent.insert(id, answered, window, live_at_secs);
+        }
+        recent
     }
 
     /// `id`'s answer, if it is held and its window is live at `live_at_secs` (the paced
