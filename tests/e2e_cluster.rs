@@ -735,21 +735,30 @@ async fn a_request_retried_under_its_id_after_its_sidecar_was_killed_and_restart
     assert_eq!(recounted, counted, "the first count");
     let again = cluster.nodes[0].metric("tally_client_ids_answered_again_total", &[]);
     assert_eq!(again, Some(2.0));
-    // Counted once: here at once (the retries' writes would be this node's own), and at
-    // the other node once the lanes reach it.
-    let other = cluster.nodes[1].client().await;
-    for client in [&client, &other] {
-        let mut counts = (0, 0);
-        for _ in 0..100 {
-            counts = (
+    // Counted once: here (the retries' writes would be this node's own lanes), and at the
+    // other node once it holds a write made after the retries (a node takes an origin's
+    // lanes in version order).
+    let counts = |client: &Client| {
+        let client = client.clone();
+        async move {
+            (
                 client.get("api", "crashed").await.unwrap().estimate,
                 client.get("count", "crashed").await.unwrap().estimate,
-            );
-            if counts == (7, 3) {
-                break;
-            }
-            tokio::time::sleep(Duration::from_millis(50)).await;
+            )
         }
-        assert_eq!(counts, (7, 3));
+    };
+    assert_eq!(counts(&client).await, (7, 3));
+    client.incr("count", "crashed-after", 1).await.unwrap();
+    let other = cluster.nodes[1].client().await;
+    for _ in 0..200 {
+        if other.get("count", "crashed-after").await.unwrap().estimate == 1 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
     }
+    assert_eq!(
+        other.get("count", "crashed-after").await.unwrap().estimate,
+        1
+    );
+    assert_eq!(counts(&other).await, (7, 3));
 }

@@ -132,8 +132,8 @@ impl Client {
     /// remembers the id (its most recent 65,536 ids, each until one window length after
     /// its window ends). An id it no longer remembers is counted again, and so is one sent
     /// to another sidecar, or after this one restarted without a data directory (with one,
-    /// it logs what it answered under ids with the writes, and its next life remembers
-    /// them). An id that named another kind of
+    /// it logs what it answered under ids there, after the writes, and its next life
+    /// remembers them). An id that named another kind of
     /// request there (a check, or a decrement) is refused: make one id per increment
     /// ([`CheckId::new`]).
     pub async fn incr_with_id(

@@ -210,8 +210,8 @@ pub enum Op {
 /// counted once however many edges or restarts (edge or region) lie between its sends.
 /// A sidecar remembers its own most recent ids of what it answered (approximate checks,
 /// increments, decrements, and exact checks with the region's decision or a fallback's
-/// that counted) while their windows are live, in memory, and with a data directory in its
-/// lane log too, so that its next life remembers them.
+/// that counted) while their windows are live, in memory, and with a data directory there
+/// too, so that its next life remembers them.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
 pub struct CheckId {
     /// Drawn at random once per process.

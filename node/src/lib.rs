@@ -32,6 +32,7 @@
 //! assert_eq!(changed, vec![(key, Lane::new(3, 0))]);
 //! ```
 
+pub mod answerlog;
 pub mod certs;
 mod checksummed;
 pub mod cli;

@@ -459,10 +459,9 @@ impl Service {
         let answered = answer(context)?;
         if keep(&answered) {
             recent.insert(id, answered, key.window(), live_at);
-            // Logged after what the answer wrote, for this node's next life. One the log
-            // refuses (a full disk) is remembered until then only.
+            // Logged after what the answer wrote, for this node's next life.
             if let Some(log) = context.log.as_deref_mut() {
-                let _ = log.append_answered(id, answered, key.window());
+                log.append_answered(id, answered, key.window());
             }
         }
         Ok(answered)

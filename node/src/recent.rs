@@ -9,9 +9,9 @@
 //! counted, again: at 10,000 named requests a second an id is remembered for more than 6
 //! seconds, well past a client's timeout. Each sidecar remembers only its own: a retry sent
 //! to another sidecar is counted again. With a data directory, every answer remembered is
-//! also logged in the lane log (`LaneLog::append_answered`), after the writes it made, and
-//! the next life starts remembering the last 65,536 of each earlier life whose windows
-//! are live ([`RecentIds::remembering`]); without one, a retry sent to the next life is
+//! also logged there, written out after the writes it made ([`crate::answerlog`]), and the
+//! next life starts remembering the newest 65,536 over its earlier lives whose windows are
+//! live ([`RecentIds::remembering`]); without one, a retry sent to the next life is
 //! counted again.
 
 use crate::decide::reset_after_ms;

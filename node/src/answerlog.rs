@@ -1,0 +1,403 @@
+//! What a life answered under request ids ([`crate::recent`]), logged as
+//! `answers-<generation>.log` in the data directory beside the life's lane log, so that a
+//! retry sent to the node's next life gets the first answer and counts nothing more.
+//!
+//! A file of its own, not records in the lane log: a build that does not know it leaves it
+//! alone, and a record that checks but does not decode (one a later build wrote) is skipped,
+//! which costs a retry's count at most, never a lane. An answer is written out after the
+//! writes it made (`LaneLog::flush` writes the lane records first) and synced with them
+//! (`LogSync::sync`), so a crash never leaves an answer remembered for a write the lane log
+//! lacks; it may leave a write whose answer is lost, and a retry of it then counts again.
+//!
+//! A start keeps the newest [`RECENT_IDS_MAX`] answers in live windows over every earlier
+//! life ([`recover`]), as many as the sidecar's memory holds, rewriting each earlier file
+//! with the answers it keeps or removing it. A life's file is appended to; past
+//! `COMPACT_BYTES` (or twice its size after the last compaction) it is rewritten as the
+//! life's last [`RECENT_IDS_MAX`] answers. A failed write or rewrite (a full disk) stops
+//! the logging of answers for the rest of the life, reported once on stderr: the writes go
+//! on, and their answers are remembered in memory only.
+
+use crate::checksummed;
+use crate::lanelog::{sync_dir, write_synced, LogError};
+use crate::recent::{Answered, RECENT_IDS_MAX};
+use serde::{Deserialize, Serialize};
+use std::collections::VecDeque;
+use std::fs::{File, OpenOptions};
+use std::io::{Read, Write};
+use std::path::{Path, PathBuf};
+use tally_client::wire::CheckId;
+use tally_crdt::{Generation, Window};
+
+/// A life's file past this many bytes (or twice its size after its last compaction) is
+/// rewritten as its last answers: about three times what [`RECENT_IDS_MAX`] answers take.
+const COMPACT_BYTES: u64 = 16 << 20;
+
+/// An answer given under a request id, in the window it was given in.
+pub type AnsweredId = (CheckId, Answered, Window);
+
+/// One logged answer.
+#[derive(Debug, Serialize, Deserialize)]
+struct Record {
+    id: CheckId,
+    window_index: u64,
+    window_secs: u32,
+    answered: Answered,
+}
+
+/// This life's file of answers.
+#[derive(Debug)]
+pub struct AnswerLog {
+    path: PathBuf,
+    file: File,
+    pending: Vec<u8>,
+    written: u64,
+    compact_at: u64,
+    // Whether answers were written out since the last sync handle was taken.
+    unsynced: bool,
+    failed: bool,
+    // The life's last RECENT_IDS_MAX answers, which a compaction writes.
+    answered: VecDeque<AnsweredId>,
+}
+
+impl AnswerLog {
+    /// Creates this life's file in `dir` (the caller syncs the directory).
+    pub fn create(dir: &Path, generation: Generation) -> Result<AnswerLog, LogError> {
+        let path = dir.join(format!("answers-{}.log", generation.0));
+        let file = OpenOptions::new()
+            .create_new(true)
+            .append(true)
+            .open(&path)
+            .map_err(|source| LogError::Io {
+                path: path.clone(),
+                source,
+            })?;
+        Ok(AnswerLog {
+            path,
+            file,
+            pending: Vec::new(),
+            written: 0,
+            compact_at: COMPACT_BYTES,
+            unsynced: false,
+            failed: false,
+            answered: VecDeque::new(),
+        })
+    }
+
+    /// Buffers an answer, to be written out by the next [`AnswerLog::flush`].
+    pub fn append(&mut self, answered: AnsweredId) {
+        if self.failed {
+            return;
+        }
+        encode(&answered, &mut self.pending);
+        if self.answered.len() == RECENT_IDS_MAX {
+            self.answered.pop_front();
+        }
+        self.answered.push_back(answered);
+    }
+
+    /// Writes the buffered answers out (to the page cache: a process crash keeps them).
+    pub fn flush(&mut self) {
+        if self.pending.is_empty() || self.failed {
+            return;
+        }
+        match self.file.write_all(&self.pending) {
+            Ok(()) => {
+                self.written += self.pending.len() as u64;
+                self.unsynced = true;
+            }
+            Err(source) => self.fail(&source),
+        }
+        self.pending.clear();
+    }
+
+    /// The file to sync, if answers were written out since the last call.
+    pub fn sync_handle(&mut self) -> Option<(PathBuf, File)> {
+        if !self.unsynced || self.failed {
+            return None;
+        }
+        match self.file.try_clone() {
+            Ok(file) => {
+                self.unsynced = false;
+                Some((self.path.clone(), file))
+            }
+            Err(source) => {
+                self.fail(&source);
+                None
+            }
+        }
+    }
+
+    /// Rewrites the file as the life's last answers once it has grown past its bound.
+    /// Call with nothing pending.
+    pub fn compact_if_large(&mut self) {
+        if self.written < self.compact_at || self.failed || !self.pending.is_empty() {
+            return;
+        }
+        let mut body = Vec::new();
+        for answered in &self.answered {
+            encode(answered, &mut body);
+        }
+        let tmp = self.path.with_extension("compact");
+        let dir = self.path.parent().unwrap_or(Path::new("."));
+        let replaced = write_synced(&tmp, &body)
+            .and_then(|()| {
+                std::fs::rename(&tmp, &self.path).map_err(|source| LogError::Io {
+                    path: self.path.clone(),
+                    source,
+                })
+            })
+            .and_then(|()| sync_dir(dir));
+        let reopened = replaced.and_then(|()| {
+            OpenOptions::new()
+                .append(true)
+                .open(&self.path)
+                .map_err(|source| LogError::Io {
+                    path: self.path.clone(),
+                    source,
+                })
+        });
+        match reopened {
+            Ok(file) => {
+                self.file = file;
+                self.written = body.len() as u64;
+                self.compact_at = COMPACT_BYTES.max(2 * self.written);
+            }
+            Err(err) => {
+                let _ = std::fs::remove_file(&tmp);
+                self.failed = true;
+                eprintln!("tallyd: warning: {err}; {STOPPED}");
+            }
+        }
+    }
+
+    fn fail(&mut self, source: &std::io::Error) {
+        self.failed = true;
+        eprintln!(
+            "tallyd: warning: {}: {source}; {STOPPED}",
+            self.path.display()
+        );
+    }
+}
+
+const STOPPED: &str = "answers under request ids are remembered in memory only for the rest \
+                       of this life (a retry sent to the next life counts again)";
+
+/// The newest [`RECENT_IDS_MAX`] answers in windows live at `now_unix_secs` over the earlier
+/// lives' files in `dir`, oldest first. Each file is rewritten with the answers it keeps,
+/// or removed if it keeps none; a rewrite cut off by a crash is removed first (its file is
+/// whole).
+pub fn recover(dir: &Path, now_unix_secs: u64) -> Result<Vec<AnsweredId>, LogError> {
+    let io = |path: &Path| {
+        let path = path.to_owned();
+        move |source| LogError::Io { path, source }
+    };
+    let mut lives = Vec::new();
+    for entry in std::fs::read_dir(dir).map_err(io(dir))? {
+        let path = entry.map_err(io(dir))?.path();
+        match file_generation(&path) {
+            Some((generation, "log")) => lives.push((generation, path)),
+            Some((_, "compact")) => std::fs::remove_file(&path).map_err(io(&path))?,
+            _ => {}
+        }
+    }
+    lives.sort_unstable_by_key(|(generation, _)| std::cmp::Reverse(*generation));
+    let mut kept = Vec::new();
+    let mut room = RECENT_IDS_MAX;
+    for (_, path) in lives {
+        let live: Vec<AnsweredId> = replay(&path)?
+            .into_iter()
+            .filter(|(_, _, window)| window.is_live(now_unix_secs))
+            .collect();
+        let keep = live[live.len().saturating_sub(room)..].to_vec();
+        room -= keep.len();
+        if keep.is_empty() {
+            std::fs::remove_file(&path).map_err(io(&path))?;
+        } else {
+            rewrite(&path, &keep)?;
+            kept.push(keep);
+        }
+    }
+    Ok(kept.into_iter().rev().flatten().collect())
+}
+
+/// The generation and the extension of an `answers-<generation>.<extension>` file.
+fn file_generation(path: &Path) -> Option<(u64, &str)> {
+    let name = path.file_name()?.to_str()?.strip_prefix("answers-")?;
+    let (generation, extension) = name.split_once('.')?;
+    Some((generation.parse().ok()?, extension))
+}
+
+/// The answers in the file at `path`, in order: up to a torn tail, skipping a record that
+/// checks but does not decode.
+fn replay(path: &Path) -> Result<Vec<AnsweredId>, LogError> {
+    let mut bytes = Vec::new();
+    File::open(path)
+        .and_then(|mut file| file.read_to_end(&mut bytes))
+        .map_err(|source| LogError::Io {
+            path: path.to_owned(),
+            source,
+        })?;
+    let mut answers = VecDeque::new();
+    let mut at = 0;
+    while let Some((body, next)) = checksummed::read_body(&bytes, at) {
+        at = next;
+        let Some(record) = checksummed::decode::<Record>(body) else {
+            continue;
+        };
+        let Ok(window) = Window::new(record.window_index, record.window_secs) else {
+            continue;
+        };
+        if answers.len() == RECENT_IDS_MAX {
+            answers.pop_front();
+        }
+        answers.push_back((record.id, record.answered, window));
+    }
+    Ok(answers.into())
+}
+
+/// Replaces the file at `path` with `answers`, synced (`lanelog::open` syncs the directory
+/// before it returns).
+fn rewrite(path: &Path, answers: &[AnsweredId]) -> Result<(), LogError> {
+    let mut body = Vec::new();
+    for answered in answers {
+        encode(answered, &mut body);
+    }
+    let tmp = path.with_extension("compact");
+    write_synced(&tmp, &body)?;
+    std::fs::rename(&tmp, path).map_err(|source| LogError::Io {
+        path: path.to_owned(),
+        source,
+    })
+}
+
+fn encode((id, answered, window): &AnsweredId, out: &mut Vec<u8>) {
+    let record = Record {
+        id: *id,
+        window_index: window.index(),
+        window_secs: window.len_secs(),
+        answered: *answered,
+    };
+    checksummed::append(&record, out);
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tally_client::wire::{Decision, Mode};
+
+    const NOW: u64 = 1_700_000_000;
+
+    fn dir(name: &str) -> PathBuf {
+        let dir = std::env::temp_dir().join(format!("tally-answers-{name}-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        dir
+    }
+
+    fn answer(seq: u64, window: Window) -> AnsweredId {
+        let decision = Decision {
+            allowed: true,
+            estimate: i128::from(seq),
+            limit: 1_000_000,
+            remaining: 1,
+            reset_after_ms: 1_000,
+            mode: Mode::ApproximateConnected,
+            staleness_ms: 0,
+            bound: 0.0,
+        };
+        (
+            CheckId { session: 9, seq },
+            Answered::Decided(decision),
+            window,
+        )
+    }
+
+    fn live() -> Window {
+        Window::containing(NOW, 60).unwrap()
+    }
+
+    fn seqs(answers: &[AnsweredId]) -> Vec<u64> {
+        answers.iter().map(|(id, _, _)| id.seq).collect()
+    }
+
+    /// Writes `answers` as life `generation`'s file.
+    fn life(dir: &Path, generation: u64, answers: impl IntoIterator<Item = AnsweredId>) {
+        let mut log = AnswerLog::create(dir, Generation(generation)).unwrap();
+        for answered in answers {
+            log.append(answered);
+        }
+        log.flush();
+    }
+
+    #[test]
+    fn a_start_keeps_the_newest_live_answers_over_every_life_and_removes_the_rest() {
+        let dir = dir("lives");
+        let over = Window::containing(NOW - 600, 60).unwrap();
+        let max = RECENT_IDS_MAX as u64;
+        // The oldest life's answers are all pushed out by the newer lives' ones.
+        life(&dir, 1, (0..10).map(|seq| answer(seq, live())));
+        life(&dir, 2, (10..20).map(|seq| answer(seq, live())));
+        life(&dir, 3, [answer(20, over)]);
+        life(&dir, 4, (21..21 + max - 5).map(|seq| answer(seq, live())));
+        let recovered = recover(&dir, NOW).unwrap();
+        let expected: Vec<u64> = (15..20).chain(21..21 + max - 5).collect();
+        assert_eq!(seqs(&recovered), expected);
+        let files = |generation: u64| dir.join(format!("answers-{generation}.log")).exists();
+        assert_eq!(
+            [1, 2, 3, 4].map(files),
+            [false, true, false, true],
+            "a life that keeps nothing is removed"
+        );
+        // Rewritten with what each kept: the next start finds the same.
+        assert_eq!(seqs(&recover(&dir, NOW).unwrap()), expected);
+        std::fs::remove_dir_all(dir).unwrap();
+    }
+
+    #[test]
+    fn a_record_that_checks_but_does_not_decode_is_skipped_and_a_torn_tail_dropped() {
+        let dir = dir("skipped");
+        let mut bytes = Vec::new();
+        encode(&answer(1, live()), &mut bytes);
+        // As a later build might write: a whole record of another shape.
+        checksummed::append(&("a record of another shape", 7u8), &mut bytes);
+        encode(&answer(2, live()), &mut bytes);
+        let whole = bytes.len();
+        encode(&answer(3, live()), &mut bytes);
+        let path = dir.join("answers-5.log");
+        std::fs::write(&path, &bytes[..whole + 9]).unwrap();
+        assert_eq!(seqs(&recover(&dir, NOW).unwrap()), [1, 2]);
+        std::fs::remove_dir_all(dir).unwrap();
+    }
+
+    #[test]
+    fn a_compaction_writes_the_lifes_last_answers_and_appending_goes_on() {
+        let dir = dir("compaction");
+        let mut log = AnswerLog::create(&dir, Generation(7)).unwrap();
+        let max = RECENT_IDS_MAX as u64;
+        for seq in 0..max + 3 {
+            log.append(answer(seq, live()));
+        }
+        log.flush();
+        log.compact_at = 0;
+        log.compact_if_large();
+        log.append(answer(max + 3, live()));
+        log.flush();
+        assert!(!dir.join("answers-7.compact").exists());
+        let bytes = std::fs::read(&log.path).unwrap();
+        let mut records = 0;
+        let mut at = 0;
+        while let Some((_, next)) = checksummed::read_body(&bytes, at) {
+            (records, at) = (records + 1, next);
+        }
+        assert_eq!(
+            (records, at),
+            (max + 1, bytes.len()),
+            "the last answers, and one more"
+        );
+        assert_eq!(
+            seqs(&replay(&log.path).unwrap()),
+            (4..max + 4).collect::<Vec<_>>()
+        );
+        std::fs::remove_dir_all(dir).unwrap();
+    }
+}
