@@ -590,11 +590,13 @@ async fn the_region_nodes_own_clients_share_the_edges_exact_count_across_a_regio
     assert_eq!(region_count(&edge, "own").await, 30);
 }
 
-/// A region restarted with its wall clock five minutes ahead (a bad NTP step at boot) keeps
-/// the ledger of a window that, by that clock, ended over two minutes ago: `brief`'s
-/// windows are two minutes long and live for two more. The start resumes its paced clock
-/// from the last life's reading in the data directory (`expiry_mark`). Once the clock is
-/// right again, the window's count is all there, so the limit holds.
+/// A region restarted with its wall clock five minutes ahead (a bad NTP step) keeps the
+/// ledger and the lane log of a window that, by that clock, ended over two minutes ago:
+/// `brief`'s and `brief-count`'s windows are two minutes long and live for two more. The
+/// start resumes its paced clock from the last life's reading in the data directory
+/// (`expiry_mark`). Once the clock is right again, the window's counts are all there, so
+/// the limit holds. The edge is stopped first, so that no peer hands the region's lanes
+/// back.
 #[tokio::test(flavor = "current_thread")]
 async fn a_region_started_with_its_clock_ahead_keeps_the_windows_that_only_look_over() {
     // All of it in one window by the right clock: start with 75 s of it left at least.
@@ -612,15 +614,29 @@ async fn a_region_started_with_its_clock_ahead_keeps_the_windows_that_only_look_
             (Mode::Exact, true, count, LIMIT - count as u64)
         );
     }
-    // The paced clock's reading is kept once a second.
-    tokio::time::sleep(Duration::from_millis(1_500)).await;
+    assert_eq!(
+        region
+            .incr("brief-count", "ahead", 7)
+            .await
+            .unwrap()
+            .estimate,
+        7
+    );
+    cluster.node(2).kill9();
     cluster.node(1).kill9();
+    let started = tally_node::clock::wall().0;
     cluster.node(1).restart_with_clock_ahead(300);
+    assert!(
+        cluster.nodes[0].last_generation() >= started + 290_000,
+        "the life ahead took its generation from the clock ahead"
+    );
     // Serving ahead for a few of its expiry's seconds, then stopped.
     tokio::time::sleep(Duration::from_millis(2_500)).await;
     cluster.node(1).kill9();
     cluster.node(1).restart(true);
     let region = cluster.nodes[0].client().await;
+    let counted = region.get("brief-count", "ahead").await.unwrap();
+    assert_eq!(counted.estimate, 7, "the lane log kept the window");
     let refused = region.check("brief", "ahead", 51).await.unwrap();
     assert_eq!(decided(&refused), (Mode::Exact, false, 450, LIMIT - 450));
     let admitted = region.check("brief", "ahead", 50).await.unwrap();

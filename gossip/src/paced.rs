@@ -13,10 +13,14 @@ use tally_crdt::Stamp;
 /// about `10 J` of monotonic time; of a longer one, all but ten minutes at once, so that
 /// what expiry holds back (windows kept past their end, and the keys in them) stays
 /// bounded after a clock that was behind is set right.
+///
+/// It runs from an anchor (a reading and its monotonic time), moved only when the wall
+/// clock holds it back or drags it on: read however often, it gains the full tenth while it
+/// lags, with no rounding lost between readings.
 #[derive(Debug, Clone, Copy)]
 pub struct PacedWall {
-    last: Stamp,
-    last_mono: std::time::Duration,
+    anchor: Stamp,
+    anchor_mono: std::time::Duration,
 }
 
 impl PacedWall {
@@ -26,8 +30,8 @@ impl PacedWall {
     /// Starts at `now`'s wall clock.
     pub fn new(now: Now) -> PacedWall {
         PacedWall {
-            last: now.wall,
-            last_mono: now.mono,
+            anchor: now.wall,
+            anchor_mono: now.mono,
         }
     }
 
@@ -38,19 +42,23 @@ impl PacedWall {
     pub fn resume(now: Now, mark: Stamp) -> PacedWall {
         let lag_floor = now.wall.0.saturating_sub(PacedWall::LAG_MAX);
         PacedWall {
-            last: Stamp(mark.0.max(lag_floor).min(now.wall.0)),
-            last_mono: now.mono,
+            anchor: Stamp(mark.0.max(lag_floor).min(now.wall.0)),
+            anchor_mono: now.mono,
         }
     }
 
     /// The paced wall time at `now`.
     pub fn at(&mut self, now: Now) -> Stamp {
-        let elapsed = now.mono.saturating_sub(self.last_mono).as_millis() as u64;
-        let paced = self.last.0.saturating_add(elapsed + elapsed / 10);
+        let elapsed_us = now.mono.saturating_sub(self.anchor_mono).as_micros();
+        let gained_ms = u64::try_from(elapsed_us * 11 / 10_000).unwrap_or(u64::MAX);
+        let paced = self.anchor.0.saturating_add(gained_ms);
         let lag_floor = now.wall.0.saturating_sub(PacedWall::LAG_MAX);
-        self.last = Stamp(now.wall.0.min(paced).max(lag_floor));
-        self.last_mono = now.mono;
-        self.last
+        let held = paced.min(now.wall.0).max(lag_floor);
+        if held != paced {
+            self.anchor = Stamp(held);
+            self.anchor_mono = now.mono;
+        }
+        Stamp(held)
     }
 }
 
@@ -75,6 +83,26 @@ mod tests {
         assert_eq!(paced.at(now(1_014_000, 24)), Stamp(1_014_000));
         // An hour ahead: all but the ten minutes at once.
         assert_eq!(paced.at(now(4_615_000, 25)), Stamp(4_015_000));
+    }
+
+    #[test]
+    fn a_paced_wall_read_every_millisecond_gains_its_full_tenth_while_it_lags() {
+        let mut paced = PacedWall::resume(
+            Now {
+                mono: Duration::ZERO,
+                wall: Stamp(10_000_000),
+            },
+            Stamp(9_700_000),
+        );
+        let mut last = Stamp(0);
+        for ms in 1..=10_000 {
+            last = paced.at(Now {
+                mono: Duration::from_micros(ms * 1_000 - 300),
+                wall: Stamp(10_000_000 + ms),
+            });
+        }
+        // 10 s less 0.3 ms of monotonic time, times 1.1, from the mark.
+        assert_eq!(last, Stamp(9_700_000 + 10_999));
     }
 
     #[test]

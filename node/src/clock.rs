@@ -71,6 +71,26 @@ pub fn entropy_seed() -> u64 {
     hasher.finish()
 }
 
+/// This boot of the machine, as Linux's /proc tells it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Boot {
+    /// The boot's random id (`/proc/sys/kernel/random/boot_id`).
+    pub id: String,
+    /// Milliseconds since the boot (`/proc/uptime`), across process restarts.
+    pub uptime_ms: u64,
+}
+
+/// This boot of the machine now; `None` where /proc does not tell (not Linux).
+pub fn boot() -> Option<Boot> {
+    let id = std::fs::read_to_string("/proc/sys/kernel/random/boot_id").ok()?;
+    let uptime = std::fs::read_to_string("/proc/uptime").ok()?;
+    let secs: f64 = uptime.split_whitespace().next()?.parse().ok()?;
+    Some(Boot {
+        id: id.trim().to_owned(),
+        uptime_ms: (secs * 1_000.0) as u64,
+    })
+}
+
 /// [`PacedWall`] on this node's clocks: the wall clock that windows are expired by.
 #[derive(Debug, Clone, Copy)]
 pub struct ExpiryClock {

@@ -99,7 +99,9 @@ pub async fn run(config: Config, shutdown: impl Future<Output = ()>) -> Result<(
             // Held until the process exits, not dropped with the node at shutdown, so that
             // no second process takes the directory while this one still runs at all.
             std::mem::forget(lanelog::lock(dir)?);
-            expiry = ExpiryClock::resume(clock, expiry_mark::read(dir)?);
+            let mark = expiry_mark::read(dir)?;
+            let resumed = mark.map(|mark| mark.resumed(clock::boot().as_ref()));
+            expiry = ExpiryClock::resume(clock, resumed);
             let (log, recovered) = lanelog::open(dir, node, now.wall.0, expiry.now_secs())?;
             (Some(Arc::new(Mutex::new(log))), recovered)
         }

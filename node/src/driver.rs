@@ -139,8 +139,8 @@ impl Driver {
                 // early, nor does the next start's (its reading is kept).
                 _ = expire.tick() => {
                     let paced = self.expiry.now();
-                    if let Some(mark) = &self.expiry_mark {
-                        mark.record(paced);
+                    if let Some(mark) = &mut self.expiry_mark {
+                        mark.record(paced, self.clock.mono());
                     }
                     let now_secs = paced.0 / 1_000;
                     self.store.expire(now_secs);

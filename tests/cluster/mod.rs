@@ -25,12 +25,18 @@ pub const HTTP_PORT: u16 = 7200;
 /// spell it out; `Cluster::start_with` checks that they agree.
 pub const WINDOW_SECS: u32 = 604_800;
 
-/// The rules every test node gets (`window_secs` is [`WINDOW_SECS`]).
+/// The rules every test node gets (`window_secs` is [`WINDOW_SECS`] but for
+/// `brief-count`, `count` with two-minute windows).
 pub const RULES: &str = r#"
 [[rules]]
 name = "count"
 limit = 1000000000
 window_secs = 604800
+
+[[rules]]
+name = "brief-count"
+limit = 1000000000
+window_secs = 120
 
 [[rules]]
 name = "api"
@@ -350,18 +356,32 @@ impl Node {
         self.wait_ready();
     }
 
-    /// Starts the node again on its data dir with its clocks `secs` ahead: libfaketime
-    /// preloaded into the node's own process (Debian's `libfaketime`, which CI installs; a
-    /// missing one fails the test).
+    /// Starts the node again on its data dir with its wall clock `secs` ahead, as after a
+    /// bad step, its monotonic clock as it is: libfaketime preloaded into the node's own
+    /// process (Debian's `libfaketime`, which CI installs; a missing one fails the test).
     pub fn restart_with_clock_ahead(&mut self, secs: u64) {
         assert!(self.child.is_none(), "restart a node that was killed");
-        let lib = "/usr/lib/x86_64-linux-gnu/faketime/libfaketimeMT.so.1";
-        assert!(
-            Path::new(lib).exists(),
-            "{lib} is missing: apt install libfaketime"
-        );
-        self.spawn_with(&[("LD_PRELOAD", lib), ("FAKETIME", &format!("+{secs}s"))]);
+        let lib = std::fs::read_dir("/usr/lib")
+            .unwrap()
+            .map(|entry| entry.unwrap().path().join("faketime/libfaketimeMT.so.1"))
+            .find(|lib| lib.exists())
+            .expect("/usr/lib/*/faketime/libfaketimeMT.so.1: apt install libfaketime");
+        self.spawn_with(&[
+            ("LD_PRELOAD", lib.to_str().unwrap()),
+            ("FAKETIME", &format!("+{secs}s")),
+            ("FAKETIME_DONT_FAKE_MONOTONIC", "1"),
+        ]);
         self.wait_ready();
+    }
+
+    /// The generation the node's last start took, from its log.
+    pub fn last_generation(&self) -> u64 {
+        let log = std::fs::read_to_string(&self.log).unwrap();
+        let line = (log.lines().rev())
+            .find(|line| line.contains(" generation ") && line.ends_with("torn log tails"))
+            .expect("a start reports its generation");
+        let after = line.split(" generation ").nth(1).unwrap();
+        after.split(' ').next().unwrap().trim().parse().unwrap()
     }
 
     pub fn client_addr(&self) -> SocketAddr {
