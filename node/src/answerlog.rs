@@ -5,9 +5,13 @@
 //! A file of its own, not records in the lane log: a build that does not know it leaves it
 //! alone, and a record that checks but does not decode (one a later build wrote) is skipped,
 //! which costs a retry's count at most, never a lane. An answer is written out after the
-//! writes it made (`LaneLog::flush` writes the lane records first) and synced with them
-//! (`LogSync::sync`), so a crash never leaves an answer remembered for a write the lane log
-//! lacks; it may leave a write whose answer is lost, and a retry of it then counts again.
+//! writes it made (`LaneLog::flush` writes the lane records first), so a process crash never
+//! leaves an answer remembered for a write the lane log lacks; it may leave a write whose
+//! answer is lost, and a retry of it then counts again. The file is synced about once a
+//! second, off the gossip's path (`AnswerLog::sync_in_background`: the lanes' gossip waits
+//! for the lane log's sync alone), so a machine crash loses the answers of about the last
+//! second, whose retries count again, and may keep an answer whose write it lost (the
+//! kernel may write either file's pages back first).
 //!
 //! A start keeps the newest [`RECENT_IDS_MAX`] answers in live windows over every earlier
 //! life ([`recover`]), as many as the sidecar's memory holds, rewriting each earlier file
@@ -25,6 +29,8 @@ use std::collections::VecDeque;
 use std::fs::{File, OpenOptions};
 use std::io::{Read, Write};
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
 use tally_client::wire::CheckId;
 use tally_crdt::{Generation, Window};
 
@@ -52,8 +58,12 @@ pub struct AnswerLog {
     pending: Vec<u8>,
     written: u64,
     compact_at: u64,
-    // Whether answers were written out since the last sync handle was taken.
+    // Whether answers were written out since the last sync began.
     unsynced: bool,
+    // Whether a sync is in flight.
+    syncing: Arc<AtomicBool>,
+    // Whether a sync failed: reported once.
+    sync_failed: Arc<AtomicBool>,
     failed: bool,
     // The life's last RECENT_IDS_MAX answers, which a compaction writes.
     answered: VecDeque<AnsweredId>,
@@ -78,6 +88,8 @@ impl AnswerLog {
             written: 0,
             compact_at: COMPACT_BYTES,
             unsynced: false,
+            syncing: Arc::default(),
+            sync_failed: Arc::default(),
             failed: false,
             answered: VecDeque::new(),
         })
@@ -110,21 +122,38 @@ impl AnswerLog {
         self.pending.clear();
     }
 
-    /// The file to sync, if answers were written out since the last call.
-    pub fn sync_handle(&mut self) -> Option<(PathBuf, File)> {
-        if !self.unsynced || self.failed {
-            return None;
+    /// Syncs the answers written out so far on a blocking thread, unless none were written
+    /// since the last sync began or one is in flight. A failure is reported once on stderr
+    /// and stops nothing.
+    pub fn sync_in_background(&mut self) {
+        if !self.unsynced || self.failed || self.syncing.swap(true, Ordering::AcqRel) {
+            return;
         }
-        match self.file.try_clone() {
-            Ok(file) => {
-                self.unsynced = false;
-                Some((self.path.clone(), file))
-            }
+        let file = match self.file.try_clone() {
+            Ok(file) => file,
             Err(source) => {
-                self.fail(&source);
-                None
+                self.syncing.store(false, Ordering::Release);
+                return self.fail(&source);
             }
-        }
+        };
+        self.unsynced = false;
+        let (path, syncing, failed) = (
+            self.path.clone(),
+            self.syncing.clone(),
+            self.sync_failed.clone(),
+        );
+        tokio::task::spawn_blocking(move || {
+            if let Err(err) = file.sync_data() {
+                if !failed.swap(true, Ordering::Relaxed) {
+                    eprintln!(
+                        "tallyd: warning: {}: {err}; the answers under request ids written \
+                         since may not survive a machine crash",
+                        path.display()
+                    );
+                }
+            }
+            syncing.store(false, Ordering::Release);
+        });
     }
 
     /// Rewrites the file as the life's last answers once it has grown past its bound.

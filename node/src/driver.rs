@@ -142,6 +142,7 @@ impl Driver {
                     if let Some(mark) = &mut self.expiry_mark {
                         mark.record(paced, self.clock.mono());
                     }
+                    self.handoff.sync_answers();
                     let now_secs = paced.0 / 1_000;
                     self.store.expire(now_secs);
                     self.store.reclaim();

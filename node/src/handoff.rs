@@ -89,6 +89,14 @@ impl Handoff {
         None
     }
 
+    /// Syncs the answers the log holds under request ids, on a blocking thread: not a
+    /// collection's sync, which the lanes' gossip waits for (see `answerlog`).
+    pub fn sync_answers(&self) {
+        if let Some(log) = &self.log {
+            (log.lock().unwrap_or_else(|poisoned| poisoned.into_inner())).sync_answers();
+        }
+    }
+
     /// Waits for the sync in flight (forever if none) and returns the lanes it made
     /// durable. Cancel-safe: dropped before the sync returns, it leaves the sync in flight
     /// for the next call.

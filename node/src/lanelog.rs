@@ -313,6 +313,12 @@ impl LaneLog {
         self.answers.append((id, answered, window));
     }
 
+    /// Syncs the answers written out so far, on a blocking thread, off the gossip's path
+    /// ([`AnswerLog::sync_in_background`]).
+    pub fn sync_answers(&mut self) {
+        self.answers.sync_in_background();
+    }
+
     /// Writes zeros after the allocation until it reaches `end`, and on to the next MiB
     /// while the disk has room; nothing if `end` is allocated already. It fails only if
     /// `end` is not reached; the zeros written before a failure are kept (64 KiB pieces),
@@ -340,6 +346,8 @@ impl LaneLog {
     /// cannot fail it. After an error, every later append is refused.
     pub fn flush(&mut self) -> Result<(), LogError> {
         if self.pending.is_empty() {
+            // Answers that wrote nothing (a denial, a region's decision) go out alone.
+            self.answers.flush();
             return Ok(());
         }
         if let Some(why) = &self.failed {
@@ -362,7 +370,7 @@ impl LaneLog {
 
     /// A handle for syncing what has been written to the log so far, to run off the
     /// node's thread ([`LogSync::sync`]).
-    pub fn sync_handle(&mut self) -> Result<LogSync, LogError> {
+    pub fn sync_handle(&self) -> Result<LogSync, LogError> {
         if let Some(why) = &self.failed {
             return Err(LogError::Failed(why.clone()));
         }
@@ -373,7 +381,6 @@ impl LaneLog {
         Ok(LogSync {
             path: self.path.clone(),
             file,
-            answers: self.answers.sync_handle(),
         })
     }
 
@@ -477,24 +484,15 @@ impl LaneLog {
 pub struct LogSync {
     path: PathBuf,
     file: File,
-    // The answer log's file, if answers were written out since the last handle.
-    answers: Option<(PathBuf, File)>,
 }
 
 impl LogSync {
-    /// Makes every record written to the log before this handle was taken durable, and
-    /// then the answers written out with them.
+    /// Makes every record written to the log before this handle was taken durable.
     pub fn sync(self) -> Result<(), LogError> {
         self.file.sync_data().map_err(|source| LogError::Io {
             path: self.path,
             source,
-        })?;
-        match self.answers {
-            Some((path, file)) => file
-                .sync_data()
-                .map_err(|source| LogError::Io { path, source }),
-            None => Ok(()),
-        }
+        })
     }
 }
 
@@ -698,10 +696,19 @@ mod tests {
         log.append(&key("a"), 2, 0).unwrap();
         log.append_answered(id, counted, key("a").window);
         log.flush().unwrap();
-        log.sync_handle().unwrap().sync().unwrap();
+        // One that wrote nothing (a denial, say) goes out alone.
+        let denied = CheckId { session: 3, seq: 2 };
+        log.append_answered(denied, counted, key("a").window);
+        log.flush().unwrap();
         drop(log);
         let (_, second) = open(&dir, NodeId(1), 6, NOW).unwrap();
-        assert_eq!(second.answered, [(id, counted, key("a").window)]);
+        assert_eq!(
+            second.answered,
+            [
+                (id, counted, key("a").window),
+                (denied, counted, key("a").window)
+            ]
+        );
         assert_eq!(second.retired[0].1, [(key("a"), Lane::new(2, 0))]);
         std::fs::remove_dir_all(dir).unwrap();
     }
