@@ -63,7 +63,10 @@
 //!
 //! `--op check` calls `check(rule, subject, 1)` where the default calls `incr`; a denied
 //! check fails the run (a throughput run wants every check counted, so give the rule a
-//! limit above the requests). The line ends in `op=check`.
+//! limit above the requests). The line ends in `op=check`. `--op incr-id` calls
+//! `incr_with_id` under a new `CheckId` each time: what the sidecar's memory of ids costs
+//! (and with a data directory its answer log, `node/src/answerlog.rs`). The line ends in
+//! `op=incr-id`.
 //!
 //! `--region ADDR` leaves the edge's client side out: it runs the edge's own forwarder
 //! (`tally_node::region::forward::Forwarder`) on a QUIC endpoint of its own, with the
@@ -98,7 +101,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use tally_client::wire::{self, Op, Request, Response};
-use tally_client::{Client, Decision, Endpoint, Error, Options, Pipeline, Reply};
+use tally_client::{CheckId, Client, Decision, Endpoint, Error, Options, Pipeline, Reply};
 use tally_crdt::{Generation, Key, NodeId, ReplicaId, Rule, Subject, Window};
 use tally_node::config::{OnRegionUnavailable, RuleConfig, RuleMode};
 use tally_node::region::forward::{Check, ForwardStats, Forwarded, Forwarder};
@@ -147,13 +150,16 @@ struct Args {
 enum LoadOp {
     /// `incr(rule, subject, 1)`.
     Incr,
+    /// `incr_with_id(CheckId::new(), rule, subject, 1)`: a named increment, which the
+    /// sidecar remembers (and, with a data directory, logs) under its id.
+    IncrWithId,
     /// `check(rule, subject, 1)`, which must be allowed.
     Check,
 }
 
 const USAGE: &str = "usage: client_load [--endpoint 127.0.0.1:7100] [--connections 1] \
                      [--pipeline 1] [--requests 100000] [--rule bench] [--keys 1] [--raw] \
-                     [--batch] [--op incr|check] \
+                     [--batch] [--op incr|incr-id|check] \
                      [--region ADDR --certs DIR [--node 2] [--region-node 1] [--window-secs 3600]] \
                      [--fsync-probe FILE]";
 
@@ -205,6 +211,7 @@ fn main() -> ExitCode {
         Ok(report) => {
             let op = match args.op {
                 LoadOp::Incr if args.region.is_none() => "",
+                LoadOp::IncrWithId => " op=incr-id",
                 LoadOp::Incr | LoadOp::Check => " op=check",
             };
             println!(
@@ -335,6 +342,12 @@ async fn phase(
                             .await
                             .map_err(|err| format!("incr {rule}/{subject}: {err}"))?;
                     }
+                    LoadOp::IncrWithId => {
+                        client
+                            .incr_with_id(CheckId::new(), &rule, subject, 1)
+                            .await
+                            .map_err(|err| format!("incr {rule}/{subject}: {err}"))?;
+                    }
                     LoadOp::Check => {
                         let decision = client.check(&rule, subject, 1).await;
                         expect_allowed(&rule, subject, decision)?;
@@ -386,6 +399,9 @@ async fn batched_phase(
                 for subject in &round_subjects {
                     match op {
                         LoadOp::Incr => pipeline.incr(&rule, subject, 1),
+                        LoadOp::IncrWithId => {
+                            pipeline.incr_with_id(CheckId::new(), &rule, subject, 1)
+                        }
                         LoadOp::Check => pipeline.check(&rule, subject, 1),
                     };
                 }
@@ -397,7 +413,7 @@ async fn batched_phase(
                 let answered = now();
                 for (subject, result) in round_subjects.iter().zip(results) {
                     match op {
-                        LoadOp::Incr => {
+                        LoadOp::Incr | LoadOp::IncrWithId => {
                             result.map_err(|err| format!("incr {rule}/{subject}: {err}"))?;
                         }
                         LoadOp::Check => {
@@ -837,8 +853,11 @@ fn parse_args(mut argv: impl Iterator<Item = String>) -> Result<Args, String> {
             "--op" => {
                 args.op = match value()?.as_str() {
                     "incr" => LoadOp::Incr,
+                    "incr-id" => LoadOp::IncrWithId,
                     "check" => LoadOp::Check,
-                    other => return Err(format!("--op: {other:?} is neither incr nor check")),
+                    other => {
+                        return Err(format!("--op: {other:?} is none of incr, incr-id, check"))
+                    }
                 }
             }
             "--region" => {
@@ -860,8 +879,11 @@ fn parse_args(mut argv: impl Iterator<Item = String>) -> Result<Args, String> {
             other => return Err(format!("unknown argument {other:?}")),
         }
     }
-    if args.raw && args.op == LoadOp::Check {
-        return Err("--raw sends incr only; --op check needs tally-client".into());
+    if args.raw && args.op != LoadOp::Incr {
+        return Err("--raw sends incr only; --op check and incr-id need tally-client".into());
+    }
+    if args.region.is_some() && args.op == LoadOp::IncrWithId {
+        return Err("--region sends exact checks; --op incr-id goes to a sidecar".into());
     }
     if args.batch && (args.raw || args.region.is_some()) {
         return Err("--batch drives tally-client; --raw and --region do not use it".into());

@@ -15,10 +15,13 @@
 # encoded once, blocking sockets), to tell the sidecar's cost from the client library's.
 # A fourth, `client_load --batch`, drives it with tally-client in redis-benchmark's shape:
 # each connection sends its P requests as one `Pipeline` and waits for all P answers.
+# Two more, `client_load --op incr-id`, send every increment under a new request id, to
+# both tallyds: what the sidecar's memory of ids costs, and with a data_dir its answer log
+# (`node/src/answerlog.rs`), against the plain increments of the same run.
 #
 # Settings: (a) C=1, P=1, N=N_A; (b) C=50, P=16, N=N_B. Environment overrides:
 # REPEATS (3), N_A (200000), N_B (2000000), and the ports REDIS_PORT (6399), REDIS_AOF_PORT
-# (6400), TALLY_PORT (17100), TALLY_LOG_PORT (17110). About three minutes once built, on 2
+# (6400), TALLY_PORT (17100), TALLY_LOG_PORT (17110). About fifteen minutes once built, on 2
 # cores.
 #
 # The load generator and the server share the machine's cores, as redis-benchmark and
@@ -143,6 +146,8 @@ for run in $(seq "$REPEATS"); do
         run_redis redis-aof "$REDIS_AOF_PORT" "$name" "$run" "$c" "$p" "$n"
         run_tally tally-raw "$TALLY_PORT" "$name" "$run" "$c" "$p" "$n" --raw
         run_tally tally-batch "$TALLY_PORT" "$name" "$run" "$c" "$p" "$n" --batch
+        run_tally tally-named "$TALLY_PORT" "$name" "$run" "$c" "$p" "$n" "--op incr-id"
+        run_tally tally-log-named "$TALLY_LOG_PORT" "$name" "$run" "$c" "$p" "$n" "--op incr-id"
     done
 done
 
@@ -212,3 +217,12 @@ echo "tally-client in pipelines: tallyd (no data_dir) driven by client_load --ba
     "request timed to the pipeline's last answer) vs redis (no persistence):"
 echo
 table tally-batch redis
+echo
+echo "named increments (client_load --op incr-id: a new request id each) vs plain ones, tallyd" \
+    "without a data_dir (ids in memory); ratios are named / plain:"
+echo
+table tally-named tally
+echo
+echo "named vs plain increments, tallyd with a data_dir (ids in memory and in its answer log):"
+echo
+table tally-log-named tally-log
