@@ -22,12 +22,12 @@
 //! on, and their answers are remembered in memory only.
 
 use crate::checksummed;
-use crate::lanelog::{sync_dir, write_synced, LogError};
+use crate::lanelog::{read_whole, replace_by_copy, sync_dir, LogError};
 use crate::recent::{Answered, RECENT_IDS_MAX};
 use serde::{Deserialize, Serialize};
 use std::collections::VecDeque;
 use std::fs::{File, OpenOptions};
-use std::io::{Read, Write};
+use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
@@ -166,16 +166,8 @@ impl AnswerLog {
         for answered in &self.answered {
             encode(answered, &mut body);
         }
-        let tmp = self.path.with_extension("compact");
         let dir = self.path.parent().unwrap_or(Path::new("."));
-        let replaced = write_synced(&tmp, &body)
-            .and_then(|()| {
-                std::fs::rename(&tmp, &self.path).map_err(|source| LogError::Io {
-                    path: self.path.clone(),
-                    source,
-                })
-            })
-            .and_then(|()| sync_dir(dir));
+        let replaced = replace_by_copy(&self.path, &body).and_then(|()| sync_dir(dir));
         let reopened = replaced.and_then(|()| {
             OpenOptions::new()
                 .append(true)
@@ -192,7 +184,6 @@ impl AnswerLog {
                 self.compact_at = COMPACT_BYTES.max(2 * self.written);
             }
             Err(err) => {
-                let _ = std::fs::remove_file(&tmp);
                 self.failed = true;
                 eprintln!("tallyd: warning: {err}; {STOPPED}");
             }
@@ -259,13 +250,7 @@ fn file_generation(path: &Path) -> Option<(u64, &str)> {
 /// The answers in the file at `path`, in order: up to a torn tail, skipping a record that
 /// checks but does not decode.
 fn replay(path: &Path) -> Result<Vec<AnsweredId>, LogError> {
-    let mut bytes = Vec::new();
-    File::open(path)
-        .and_then(|mut file| file.read_to_end(&mut bytes))
-        .map_err(|source| LogError::Io {
-            path: path.to_owned(),
-            source,
-        })?;
+    let bytes = read_whole(path)?;
     let mut answers = VecDeque::new();
     let mut at = 0;
     while let Some((body, next)) = checksummed::read_body(&bytes, at) {
@@ -291,12 +276,7 @@ fn rewrite(path: &Path, answers: &[AnsweredId]) -> Result<(), LogError> {
     for answered in answers {
         encode(answered, &mut body);
     }
-    let tmp = path.with_extension("compact");
-    write_synced(&tmp, &body)?;
-    std::fs::rename(&tmp, path).map_err(|source| LogError::Io {
-        path: path.to_owned(),
-        source,
-    })
+    replace_by_copy(path, &body)
 }
 
 fn encode((id, answered, window): &AnsweredId, out: &mut Vec<u8>) {

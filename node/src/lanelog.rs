@@ -437,15 +437,7 @@ impl LaneLog {
                 encode(key, lane.incr, lane.decr, &mut body);
             }
         });
-        let tmp = self.path.with_extension("compact");
-        let replaced = write_synced(&tmp, &body).and_then(|()| {
-            std::fs::rename(&tmp, &self.path).map_err(|source| LogError::Io {
-                path: self.path.clone(),
-                source,
-            })
-        });
-        if let Err(err) = replaced {
-            let _ = std::fs::remove_file(&tmp);
+        if let Err(err) = replace_by_copy(&self.path, &body) {
             self.compact_at = self.written.saturating_add(COMPACT_BYTES);
             return Err(err);
         }
@@ -510,13 +502,7 @@ fn encode(key: &Key, incr: u64, decr: u64, out: &mut Vec<u8>) {
 
 /// The own lanes a log adds up to, and whether it had a torn tail (1) or not (0).
 fn replay(path: &Path) -> Result<(Vec<(Key, Lane)>, usize), LogError> {
-    let mut bytes = Vec::new();
-    File::open(path)
-        .and_then(|mut file| file.read_to_end(&mut bytes))
-        .map_err(|source| LogError::Io {
-            path: path.to_owned(),
-            source,
-        })?;
+    let bytes = read_whole(path)?;
     let mut lanes: std::collections::HashMap<Key, Lane> = std::collections::HashMap::new();
     let (records, valid) = checksummed::read_all::<Record>(&bytes);
     // Zeros after the records are the allocation ahead.
@@ -576,12 +562,37 @@ fn rewrite(path: &Path, lanes: &[(Key, Lane)]) -> Result<(), LogError> {
     for (key, lane) in lanes {
         encode(key, lane.incr, lane.decr, &mut body);
     }
+    replace_by_copy(path, &body)
+}
+
+/// Replaces the file at `path` with `body`: written and synced beside it as
+/// `<name>.compact`, then renamed over it (the directory is not synced: the caller syncs
+/// it before anything depends on the rename). A copy cut off by a failure is removed; one
+/// cut off by a crash is left for the next start to remove, the file still whole.
+pub(crate) fn replace_by_copy(path: &Path, body: &[u8]) -> Result<(), LogError> {
     let tmp = path.with_extension("compact");
-    write_synced(&tmp, &body)?;
-    std::fs::rename(&tmp, path).map_err(|source| LogError::Io {
-        path: path.to_owned(),
-        source,
-    })
+    let replaced = write_synced(&tmp, body).and_then(|()| {
+        std::fs::rename(&tmp, path).map_err(|source| LogError::Io {
+            path: path.to_owned(),
+            source,
+        })
+    });
+    if replaced.is_err() {
+        let _ = std::fs::remove_file(&tmp);
+    }
+    replaced
+}
+
+/// The whole file at `path`.
+pub(crate) fn read_whole(path: &Path) -> Result<Vec<u8>, LogError> {
+    let mut bytes = Vec::new();
+    File::open(path)
+        .and_then(|mut file| file.read_to_end(&mut bytes))
+        .map_err(|source| LogError::Io {
+            path: path.to_owned(),
+            source,
+        })?;
+    Ok(bytes)
 }
 
 /// Checks that `dir` belongs to `node`, by the id in its `node` file, or writes that file
