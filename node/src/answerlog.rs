@@ -203,10 +203,11 @@ const STOPPED: &str = "answers under request ids are remembered in memory only f
                        of this life (a retry sent to the next life counts again)";
 
 /// The newest [`RECENT_IDS_MAX`] answers in windows live at `now_unix_secs` over the earlier
-/// lives' files in `dir`, oldest first. Each file is rewritten with the answers it keeps,
-/// or removed if it keeps none; a rewrite cut off by a crash is removed first (its file is
-/// whole).
-pub fn recover(dir: &Path, now_unix_secs: u64) -> Result<Vec<AnsweredId>, LogError> {
+/// lives' files in `dir`, oldest first, and the newest generation of a file kept (0 if
+/// none), which the next life's generation must pass. Each file is rewritten with the
+/// answers it keeps, or removed if it keeps none; a rewrite cut off by a crash is removed
+/// first (its file is whole).
+pub fn recover(dir: &Path, now_unix_secs: u64) -> Result<(Vec<AnsweredId>, u64), LogError> {
     let io = |path: &Path| {
         let path = path.to_owned();
         move |source| LogError::Io { path, source }
@@ -221,9 +222,9 @@ pub fn recover(dir: &Path, now_unix_secs: u64) -> Result<Vec<AnsweredId>, LogErr
         }
     }
     lives.sort_unstable_by_key(|(generation, _)| std::cmp::Reverse(*generation));
-    let mut kept = Vec::new();
+    let (mut kept, mut newest_kept) = (Vec::new(), 0);
     let mut room = RECENT_IDS_MAX;
-    for (_, path) in lives {
+    for (generation, path) in lives {
         let live: Vec<AnsweredId> = replay(&path)?
             .into_iter()
             .filter(|(_, _, window)| window.is_live(now_unix_secs))
@@ -235,9 +236,10 @@ pub fn recover(dir: &Path, now_unix_secs: u64) -> Result<Vec<AnsweredId>, LogErr
         } else {
             rewrite(&path, &keep)?;
             kept.push(keep);
+            newest_kept = newest_kept.max(generation);
         }
     }
-    Ok(kept.into_iter().rev().flatten().collect())
+    Ok((kept.into_iter().rev().flatten().collect(), newest_kept))
 }
 
 /// The generation and the extension of an `answers-<generation>.<extension>` file.
@@ -348,9 +350,9 @@ mod tests {
         life(&dir, 2, (10..20).map(|seq| answer(seq, live())));
         life(&dir, 3, [answer(20, over)]);
         life(&dir, 4, (21..21 + max - 5).map(|seq| answer(seq, live())));
-        let recovered = recover(&dir, NOW).unwrap();
+        let (recovered, newest) = recover(&dir, NOW).unwrap();
         let expected: Vec<u64> = (15..20).chain(21..21 + max - 5).collect();
-        assert_eq!(seqs(&recovered), expected);
+        assert_eq!((seqs(&recovered), newest), (expected.clone(), 4));
         let files = |generation: u64| dir.join(format!("answers-{generation}.log")).exists();
         assert_eq!(
             [1, 2, 3, 4].map(files),
@@ -358,7 +360,7 @@ mod tests {
             "a life that keeps nothing is removed"
         );
         // Rewritten with what each kept: the next start finds the same.
-        assert_eq!(seqs(&recover(&dir, NOW).unwrap()), expected);
+        assert_eq!(seqs(&recover(&dir, NOW).unwrap().0), expected);
         std::fs::remove_dir_all(dir).unwrap();
     }
 
@@ -374,7 +376,7 @@ mod tests {
         encode(&answer(3, live()), &mut bytes);
         let path = dir.join("answers-5.log");
         std::fs::write(&path, &bytes[..whole + 9]).unwrap();
-        assert_eq!(seqs(&recover(&dir, NOW).unwrap()), [1, 2]);
+        assert_eq!(seqs(&recover(&dir, NOW).unwrap().0), [1, 2]);
         std::fs::remove_dir_all(dir).unwrap();
     }
 

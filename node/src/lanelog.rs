@@ -192,11 +192,12 @@ pub fn open(
             retired.push((ReplicaId::new(node, Generation(old)), live));
         }
     }
+    let (answered, answers_generation_max) = answerlog::recover(dir, now_unix_secs)?;
     // The last start re-published each earlier life's lanes from its generation times
     // 1000 up, one version per lane (`Recovered::republish_floor`): skip past them, a
     // millisecond per thousand lanes, whatever the clock says now. Its generation is the
-    // newest log's, or the file's if that was lost.
-    let previous = last.max(log_generation_max);
+    // newest log's (of lanes or answers), or the file's if that was lost.
+    let previous = last.max(log_generation_max).max(answers_generation_max);
     let generation = previous.saturating_add(2 + lanes_max / 1_000).max(wall_ms);
     if generation > GENERATION_MAX {
         let why = format!(
@@ -206,7 +207,6 @@ pub fn open(
         let source = std::io::Error::new(std::io::ErrorKind::InvalidData, why);
         return Err(io(&generation_file)(source));
     }
-    let answered = answerlog::recover(dir, now_unix_secs)?;
     let generation = Generation(generation);
     replace_synced(dir, "generation", generation.0.to_string().as_bytes())?;
     let recovered = Recovered {
