@@ -221,6 +221,11 @@ pub fn render(sources: &Sources<'_>) -> String {
             load(&transport.connections),
         ),
         (
+            "quic_inbound_waits",
+            "Gossip frames whose reader waited for the gossip task to handle earlier frames",
+            load(&transport.inbound_waits),
+        ),
+        (
             "keys_refused",
             "Writes refused because the store held its maximum of keys",
             load(&metrics.keys_refused),

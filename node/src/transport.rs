@@ -17,7 +17,7 @@ use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 use tally_crdt::NodeId;
-use tokio::sync::{mpsc, OwnedSemaphorePermit, Semaphore};
+use tokio::sync::{mpsc, OwnedSemaphorePermit, Semaphore, TryAcquireError};
 
 /// Frames waiting for one peer's writer; past this they are dropped.
 const PEER_QUEUE_FRAMES: usize = 1_024;
@@ -25,6 +25,12 @@ const PEER_QUEUE_FRAMES: usize = 1_024;
 /// Bytes of frames waiting for one peer's writer; past this they are dropped, so a peer
 /// that stops reading holds at most this much of this node's memory.
 const PEER_QUEUE_BYTES: usize = 4 << 20;
+
+/// Bytes of gossip frames read from peers and not yet handled by the gossip task, over all
+/// peers (or one frame of `frame_bytes_max`, if larger). A reader that would pass it waits,
+/// and stops reading its stream meanwhile, so QUIC's flow control holds its peer back: a
+/// member that sends faster than the gossip merges fills this, not the node's memory.
+const INBOUND_BYTES: usize = 32 << 20;
 
 /// The QUIC error code of a connection closed for a frame that broke the protocol.
 pub const CLOSE_PROTOCOL: u32 = 1;
@@ -44,6 +50,8 @@ pub struct TransportStats {
     pub connections_forged: AtomicU64,
     /// Connections established, either way.
     pub connections: AtomicU64,
+    /// Gossip frames whose reader waited for room among the inbound bytes.
+    pub inbound_waits: AtomicU64,
 }
 
 /// A frame from an authenticated peer.
@@ -55,6 +63,8 @@ pub struct Inbound {
     pub frame: Vec<u8>,
     /// The connection it came on, to close if the frame is forged.
     pub connection: quinn::Connection,
+    // The frame's share of the inbound bytes, given back when this is dropped.
+    _room: OwnedSemaphorePermit,
 }
 
 /// A frame from a peer on one of its sessions (a long-lived bidirectional stream: the
@@ -125,6 +135,8 @@ struct Shared {
     endpoint: quinn::Endpoint,
     connections: Mutex<HashMap<NodeId, quinn::Connection>>,
     inbound: mpsc::Sender<Inbound>,
+    // Permits for the bytes of frames read and not yet handled: `INBOUND_BYTES`.
+    inbound_room: Arc<Semaphore>,
     // Where frames on sessions go, and the most bytes one may have: on the region node
     // only.
     sessions: Option<Sessions>,
@@ -143,6 +155,28 @@ impl Transport {
         stats: Arc<TransportStats>,
         sessions: Option<Sessions>,
     ) -> std::io::Result<(Transport, mpsc::Receiver<Inbound>)> {
+        let inbound_bytes = INBOUND_BYTES.max(frame_bytes_max);
+        Transport::bind_holding(
+            addr,
+            identity,
+            frame_bytes_max,
+            inbound_bytes,
+            stats,
+            sessions,
+        )
+    }
+
+    /// [`Transport::bind`], holding at most `inbound_bytes` of frames read and not yet
+    /// handled (at least one frame's worth).
+    fn bind_holding(
+        addr: SocketAddr,
+        identity: tls::Identity,
+        frame_bytes_max: usize,
+        inbound_bytes: usize,
+        stats: Arc<TransportStats>,
+        sessions: Option<Sessions>,
+    ) -> std::io::Result<(Transport, mpsc::Receiver<Inbound>)> {
+        assert!(inbound_bytes >= frame_bytes_max, "a largest frame must fit");
         let mut endpoint = quinn::Endpoint::server(identity.server, addr)?;
         endpoint.set_default_client_config(identity.client);
         let (inbound, receiver) = mpsc::channel(4_096);
@@ -150,6 +184,7 @@ impl Transport {
             endpoint,
             connections: Mutex::new(HashMap::new()),
             inbound,
+            inbound_room: Arc::new(Semaphore::new(inbound_bytes)),
             sessions,
             frame_bytes_max,
             stats,
@@ -462,17 +497,33 @@ pub enum FrameRead {
 /// Reads one frame: a 4-byte little-endian length, checked against `bytes_max` before
 /// anything is allocated, and that many bytes.
 pub async fn read_frame(stream: &mut quinn::RecvStream, bytes_max: usize) -> FrameRead {
+    match read_len(stream, bytes_max).await {
+        Ok(len) => read_body(stream, len).await,
+        Err(ended) => ended,
+    }
+}
+
+/// Reads a frame's length prefix and checks it against `bytes_max`; `Err` says how the
+/// stream ended instead, or that the length is out of bounds.
+async fn read_len(stream: &mut quinn::RecvStream, bytes_max: usize) -> Result<usize, FrameRead> {
     let mut prefix = [0u8; 4];
     match stream.read_exact(&mut prefix).await {
         Ok(()) => {}
         // Part of a length prefix, then the end: a truncated frame too.
-        Err(quinn::ReadExactError::FinishedEarly(read)) if read > 0 => return FrameRead::Truncated,
-        Err(_) => return FrameRead::End,
+        Err(quinn::ReadExactError::FinishedEarly(read)) if read > 0 => {
+            return Err(FrameRead::Truncated)
+        }
+        Err(_) => return Err(FrameRead::End),
     }
     let len = u32::from_le_bytes(prefix) as usize;
     if len == 0 || len > bytes_max {
-        return FrameRead::OutOfBounds;
+        return Err(FrameRead::OutOfBounds);
     }
+    Ok(len)
+}
+
+/// Reads the `len` bytes of a frame whose prefix was read.
+async fn read_body(stream: &mut quinn::RecvStream, len: usize) -> FrameRead {
     let mut frame = vec![0u8; len];
     match stream.read_exact(&mut frame).await {
         Ok(()) => FrameRead::Frame(frame),
@@ -503,7 +554,11 @@ async fn read_counted(
     stream: &mut quinn::RecvStream,
     bytes_max: usize,
 ) -> FrameRead {
-    let read = read_frame(stream, bytes_max).await;
+    counted(stats, read_frame(stream, bytes_max).await)
+}
+
+/// `read`, counted if it is out of bounds or truncated.
+fn counted(stats: &TransportStats, read: FrameRead) -> FrameRead {
     let counter = match read {
         FrameRead::OutOfBounds => &stats.frames_oversized,
         FrameRead::Truncated => &stats.frames_truncated,
@@ -572,7 +627,9 @@ async fn serve_session(
     }
 }
 
-/// Reads length-prefixed frames from one stream and hands them to the gossip task.
+/// Reads length-prefixed frames from one stream and hands them to the gossip task, each
+/// once there is room for its bytes among the inbound bytes ([`INBOUND_BYTES`]): until
+/// then the stream is not read, so QUIC's flow control holds the peer back.
 async fn read_frames(
     shared: Arc<Shared>,
     node: NodeId,
@@ -580,22 +637,47 @@ async fn read_frames(
     mut stream: quinn::RecvStream,
 ) {
     loop {
-        let frame = match read_counted(&shared.stats, &mut stream, shared.frame_bytes_max).await {
-            FrameRead::Frame(frame) => frame,
-            FrameRead::OutOfBounds => {
-                connection.close(CLOSE_PROTOCOL.into(), b"frame length out of bounds");
+        let len = match read_len(&mut stream, shared.frame_bytes_max).await {
+            Ok(len) => len,
+            Err(ended) => {
+                if let FrameRead::OutOfBounds = counted(&shared.stats, ended) {
+                    connection.close(CLOSE_PROTOCOL.into(), b"frame length out of bounds");
+                }
                 return;
             }
-            FrameRead::End | FrameRead::Truncated => return,
+        };
+        let Some(room) = room(&shared, len).await else {
+            return;
+        };
+        let frame = match counted(&shared.stats, read_body(&mut stream, len).await) {
+            FrameRead::Frame(frame) => frame,
+            FrameRead::Truncated | FrameRead::End | FrameRead::OutOfBounds => return,
         };
         let inbound = Inbound {
             from: node,
             frame,
             connection: connection.clone(),
+            _room: room,
         };
         if shared.inbound.send(inbound).await.is_err() {
             return;
         }
+    }
+}
+
+/// Room for a frame of `len` bytes among the inbound bytes, once the gossip task has
+/// handled enough of the frames before it; a wait is counted.
+async fn room(shared: &Shared, len: usize) -> Option<OwnedSemaphorePermit> {
+    // `len` is at most `frame_bytes_max`, and the permits at least that many.
+    let permits = u32::try_from(len).ok()?;
+    let room = shared.inbound_room.clone();
+    match room.clone().try_acquire_many_owned(permits) {
+        Ok(room) => Some(room),
+        Err(TryAcquireError::NoPermits) => {
+            shared.stats.inbound_waits.fetch_add(1, Ordering::Relaxed);
+            room.acquire_many_owned(permits).await.ok()
+        }
+        Err(TryAcquireError::Closed) => None,
     }
 }
 
@@ -778,14 +860,23 @@ mod tests {
     /// Nodes 1 and 2 bound on loopback, node 2's inbound frames, and their certificates'
     /// directory.
     fn two_nodes(name: &str) -> (Transport, Transport, mpsc::Receiver<Inbound>, PathBuf) {
+        two_nodes_holding(name, INBOUND_BYTES)
+    }
+
+    /// [`two_nodes`], each holding at most `inbound_bytes` of frames not yet handled.
+    fn two_nodes_holding(
+        name: &str,
+        inbound_bytes: usize,
+    ) -> (Transport, Transport, mpsc::Receiver<Inbound>, PathBuf) {
         let dir = std::env::temp_dir().join(format!("tally-{name}-{}", std::process::id()));
         let files = crate::certs::write_cluster(&dir, &[NodeId(1), NodeId(2)]).unwrap();
         let bind = |files, node| {
             let any = "127.0.0.1:0".parse().unwrap();
-            Transport::bind(
+            Transport::bind_holding(
                 any,
                 identity(&dir, files, node),
-                1 << 16,
+                inbound_bytes.min(1 << 16),
+                inbound_bytes,
                 Arc::default(),
                 None,
             )
@@ -794,6 +885,43 @@ mod tests {
         let (one, _) = bind(&files[0], 1);
         let (two, to_two) = bind(&files[1], 2);
         (one, two, to_two, dir)
+    }
+
+    async fn next(inbound: &mut mpsc::Receiver<Inbound>, what: &str) -> Inbound {
+        tokio::time::timeout(Duration::from_secs(5), inbound.recv())
+            .await
+            .unwrap_or_else(|_| panic!("{what} never arrived"))
+            .unwrap()
+    }
+
+    #[tokio::test(flavor = "current_thread")]
+    async fn a_reader_waits_for_the_gossip_to_handle_what_it_holds_and_loses_nothing() {
+        // Room for three frames of 10,000 bytes, not four.
+        let (mut one, two, mut to_two, dir) = two_nodes_holding("inbound", 35_000);
+        let addr = two.local_addr().unwrap().to_string();
+        for i in 0..10u8 {
+            one.send(NodeId(2), &addr, vec![i; 10_000]);
+        }
+        let mut held = Vec::new();
+        for i in 0..3u8 {
+            let inbound = next(&mut to_two, &format!("frame {i}")).await;
+            assert_eq!(inbound.frame, vec![i; 10_000]);
+            held.push(inbound);
+        }
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        assert!(
+            to_two.try_recv().is_err(),
+            "a fourth frame was read while three were held"
+        );
+        assert_eq!(two.shared.stats.inbound_waits.load(Ordering::Relaxed), 1);
+        // The gossip task handles what it holds: the rest come, in order, none lost.
+        drop(held);
+        for i in 3..10u8 {
+            let inbound = next(&mut to_two, &format!("frame {i}")).await;
+            assert_eq!(inbound.frame, vec![i; 10_000]);
+        }
+        assert_eq!(one.shared.stats.frames_dropped.load(Ordering::Relaxed), 0);
+        std::fs::remove_dir_all(dir).unwrap();
     }
 
     #[tokio::test(flavor = "current_thread")]
