@@ -58,9 +58,6 @@ async fn send_frame(connection: &quinn::Connection, frame: &[u8]) {
 #[tokio::test(flavor = "current_thread")]
 async fn peers_without_a_cluster_certificate_are_refused_at_the_handshake() {
     let cluster = Cluster::start(NET, 2);
-    let frames_before = cluster.nodes[0]
-        .metric("tally_gossip_frames_in_total", &[])
-        .unwrap();
 
     // A certificate for node 9 from another CA.
     let other = cluster.dir.join("other-ca");
@@ -97,12 +94,6 @@ async fn peers_without_a_cluster_certificate_are_refused_at_the_handshake() {
     assert!(
         !members.contains("\"node\":9"),
         "node 9 became a member: {members}"
-    );
-    assert!(
-        cluster.nodes[0]
-            .metric("tally_gossip_frames_in_total", &[])
-            .unwrap()
-            >= frames_before
     );
 
     // A node that dials a peer expecting node 2 refuses one whose certificate names

@@ -145,7 +145,18 @@ async fn five_nodes_converge_to_the_sum_of_acknowledged_increments_and_read_thei
 struct Load {
     ledger: Arc<Mutex<Ledger>>,
     stop: tokio::sync::watch::Sender<bool>,
-    tasks: tokio::task::JoinSet<()>,
+    // A writer's task returns `None`; an observer's, what it observed.
+    tasks: tokio::task::JoinSet<Option<Observed>>,
+}
+
+/// What one node's MONO observer checked.
+#[derive(Debug)]
+struct Observed {
+    node: u64,
+    /// Estimates read and checked against the one before.
+    reads: usize,
+    /// The node's lives (generations) it read in.
+    lives: usize,
 }
 
 impl Load {
@@ -178,6 +189,7 @@ impl Load {
                     }
                     i += 1;
                 }
+                None
             });
             // MONO: this node's estimates, read as an observer, never go down within a life.
             let observer = node.client().await;
@@ -185,12 +197,18 @@ impl Load {
             tasks.spawn(async move {
                 let mut seen: BTreeMap<String, i128> = BTreeMap::new();
                 let mut generation = 0;
+                let mut observed = Observed {
+                    node: id,
+                    reads: 0,
+                    lives: 0,
+                };
                 while !*stopped.borrow() {
                     if let Ok(status) = observer.status().await {
                         if status.generation != generation {
                             // A new life of this node is a new observer.
                             generation = status.generation;
                             seen.clear();
+                            observed.lives += 1;
                         }
                         for subject in ["hot".to_owned(), format!("node-{id}")] {
                             if let Ok(read) = observer.get("count", &subject).await {
@@ -201,11 +219,13 @@ impl Load {
                                     "MONO: node {id} read {subject} = {} after {before}",
                                     read.estimate
                                 );
+                                observed.reads += 1;
                             }
                         }
                     }
                     tokio::time::sleep(Duration::from_millis(10)).await;
                 }
+                Some(observed)
             });
         }
         Load {
@@ -215,13 +235,19 @@ impl Load {
         }
     }
 
-    async fn finish(mut self) -> Ledger {
+    /// Stops the load: the ledger, and what each node's observer checked (each checked
+    /// some reads, or MONO was never tested).
+    async fn finish(mut self) -> (Ledger, BTreeMap<u64, Observed>) {
         self.stop.send(true).unwrap();
+        let mut observers = BTreeMap::new();
         while let Some(joined) = self.tasks.join_next().await {
-            joined.expect("a load or observer task failed (MONO?)");
+            if let Some(observed) = joined.expect("a load or observer task failed (MONO?)") {
+                assert!(observed.reads > 0, "MONO was never checked: {observed:?}");
+                observers.insert(observed.node, observed);
+            }
         }
         let ledger = self.ledger.lock().unwrap().clone();
-        ledger
+        (ledger, observers)
     }
 }
 
@@ -236,26 +262,38 @@ async fn kill9_under_load_and_restart(keep_data: bool) {
         paused.lock().unwrap().push(3);
         tokio::time::sleep(Duration::from_millis(200)).await;
     }
+    let generation = cluster.nodes[2].last_generation();
     cluster.node(3).kill9();
     tokio::time::sleep(Duration::from_millis(500)).await;
     cluster.node(3).restart(keep_data);
     paused.lock().unwrap().clear();
     tokio::time::sleep(Duration::from_millis(800)).await;
-    let ledger = load.finish().await;
+    let (ledger, observers) = load.finish().await;
     assert!(
         ledger.ok.values().sum::<i128>() > 100,
         "the load ran: {ledger:?}"
     );
+    assert_eq!(
+        observers[&3].lives, 2,
+        "MONO was checked in both of node 3's lives"
+    );
     cluster.wait_members_alive();
     assert_final(&cluster, &ledger).await;
+    // The log holds every life's start line: the restart's is the last.
     let log = std::fs::read_to_string(&cluster.nodes[2].log).unwrap();
-    assert!(
-        log.contains(if keep_data {
-            "1 earlier lives recovered"
-        } else {
-            "0 earlier lives recovered"
-        }),
-        "{log}"
+    let start = (log.lines().rev())
+        .find(|line| line.contains("earlier lives recovered"))
+        .unwrap();
+    let lives = if keep_data {
+        "; 1 earlier"
+    } else {
+        "; 0 earlier"
+    };
+    assert!(start.contains(lives), "{start}");
+    assert_ne!(
+        cluster.nodes[2].last_generation(),
+        generation,
+        "the restart took a new generation"
     );
 }
 

@@ -699,12 +699,16 @@ async fn a_pipeline_cut_off_by_a_dropped_connection_fails_whole_and_the_next_rec
         .incr("login", "a", 1)
         .incr("login", "b", 1)
         .incr("login", "c", 1);
-    for result in client.send(&pipeline).await.unwrap() {
+    let results = client.send(&pipeline).await.unwrap();
+    assert_eq!(results.len(), 3, "one result per request: {results:?}");
+    for result in results {
         assert!(matches!(result, Err(Error::Disconnected)), "{result:?}");
     }
     pipeline.clear();
     pipeline.incr("login", "a", 1).incr("login", "b", 1);
-    for result in client.send(&pipeline).await.unwrap() {
+    let results = client.send(&pipeline).await.unwrap();
+    assert_eq!(results.len(), 2, "one result per request: {results:?}");
+    for result in results {
         assert_eq!(result.unwrap(), Reply::Counted(estimate(5)));
     }
     server.await.unwrap();

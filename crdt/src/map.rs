@@ -722,6 +722,7 @@ mod tests {
         assert!(!map.keys.is_sparse(), "the expiry compacted the keys");
         assert_index_names_each_lane(&map);
         let delta = map.delta_for(&Digest::default(), usize::MAX, 0);
+        assert_eq!(delta.origins.len(), 2, "both origins' lanes are sent");
         for origin in &delta.origins {
             let sent: Vec<&Key> = origin.lanes.iter().map(|lane| &lane.key).collect();
             assert_eq!(sent.len(), kept.len());

@@ -179,6 +179,23 @@ proptest! {
             prop_assert_eq!(&held, &full);
             prop_assert_eq!(map.digest(), maps[0].digest());
         }
+        // And that full merge is the history: each replica's lane of a key holds exactly
+        // what it wrote there, and no lane holds anything else (a delta applied twice or
+        // out of order added nothing).
+        let mut truth: BTreeMap<(Key, ReplicaId), Lane> = BTreeMap::new();
+        for write in &history {
+            let lane = truth.entry((key(write.key), replica(write.replica))).or_default();
+            if write.decr { lane.decr += write.amount } else { lane.incr += write.amount }
+        }
+        for ((k, r), lane) in &truth {
+            prop_assert_eq!(full.get(k).map(|c| c.lane(*r)).unwrap_or_default(), *lane);
+        }
+        for (k, counter) in &full {
+            for slot in counter.slots() {
+                let written = truth.get(&(k.clone(), slot.replica)).copied().unwrap_or_default();
+                prop_assert_eq!(slot.lane, written, "{} lane {:?}", k, slot.replica);
+            }
+        }
     }
 }
 

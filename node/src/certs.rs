@@ -365,18 +365,15 @@ mod tests {
         let ca = Ca::generate("test").unwrap();
         let (node, _) = ca.issue(NodeId(1)).unwrap();
         let now = (crate::clock::wall().0 / 1_000) as i64;
-        for (pem, span) in [
-            (ca.cert_pem(), CA_VALID_FOR),
-            (node.as_str(), NODE_VALID_FOR),
-        ] {
+        // The promised spans, written out: a day back; ten years for the CA, two for a node.
+        let year = 365 * 86_400;
+        for (pem, span) in [(ca.cert_pem(), 10 * year), (node.as_str(), 2 * year)] {
             let der = CertificateDer::from_pem_slice(pem.as_bytes()).unwrap();
             let (_, cert) = x509_parser::parse_x509_certificate(&der).unwrap();
             let validity = cert.validity();
             let back = now - validity.not_before.timestamp();
             let ahead = validity.not_after.timestamp() - now;
-            let span_back = VALID_FROM_BACK.as_secs() as i64;
-            assert!((span_back - 10..=span_back + 10).contains(&back), "{back}");
-            let span = span.as_secs() as i64;
+            assert!((86_400 - 10..=86_400 + 10).contains(&back), "{back}");
             assert!((span - 10..=span + 10).contains(&ahead), "{ahead}");
         }
     }

@@ -992,12 +992,12 @@ mod tests {
         // Node 2 takes each handshake, then closes the connection at once.
         let two = quinn::Endpoint::server(identity(&dir, &files[1], 2).server, any).unwrap();
         let addr = two.local_addr().unwrap().to_string();
-        let accepted = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+        let accepted = Arc::new(Mutex::new(Vec::new()));
         let counted = accepted.clone();
         tokio::spawn(async move {
             while let Some(incoming) = two.accept().await {
                 if let Ok(connection) = incoming.await {
-                    counted.fetch_add(1, Ordering::Relaxed);
+                    lock(&counted).push(tokio::time::Instant::now());
                     connection.close(1u32.into(), b"no");
                 }
             }
@@ -1007,10 +1007,15 @@ mod tests {
             one.send(NodeId(2), &addr, vec![0; 100]);
             tokio::time::sleep(Duration::from_millis(10)).await;
         }
-        let dials = accepted.load(Ordering::Relaxed);
+        let dials = lock(&accepted).clone();
         // Waits of 50, 100, 200, 400 and then 1,000 ms after each failure fit a handful
-        // of dials in a second.
-        assert!((1..=8).contains(&dials), "{dials} dials in a second");
+        // of dials in a second, further and further apart.
+        assert!((3..=8).contains(&dials.len()), "{dials:?} in a second");
+        let gaps: Vec<Duration> = dials.windows(2).map(|two| two[1] - two[0]).collect();
+        assert!(
+            gaps[gaps.len() - 1] >= gaps[0] * 3 / 2,
+            "the waits between dials grow: {gaps:?}"
+        );
         std::fs::remove_dir_all(dir).unwrap();
     }
 }
