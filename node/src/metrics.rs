@@ -207,8 +207,13 @@ pub fn render(sources: &Sources<'_>) -> String {
         ),
         (
             "quic_handshakes_refused",
-            "Peers refused at the handshake (no or foreign certificate)",
+            "Peers refused at the handshake (no or foreign certificate) or past its deadline",
             load(&transport.handshakes_refused),
+        ),
+        (
+            "quic_handshakes_shed",
+            "Incoming connections refused before their handshake: too many in progress",
+            load(&transport.handshakes_shed),
         ),
         (
             "quic_connections_forged",

@@ -12,7 +12,7 @@
 use crate::certs::server_name;
 use crate::tls;
 use std::collections::HashMap;
-use std::net::SocketAddr;
+use std::net::{IpAddr, SocketAddr};
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -32,6 +32,16 @@ const PEER_QUEUE_BYTES: usize = 4 << 20;
 /// member that sends faster than the gossip merges fills this, not the node's memory.
 const INBOUND_BYTES: usize = 32 << 20;
 
+/// Handshakes served at once; past it an incoming connection is refused, and its peer
+/// dials again after its backoff.
+const HANDSHAKES_MAX: usize = 64;
+
+/// Handshakes served at once from one IP address: one source cannot take every place.
+const HANDSHAKES_PER_ADDRESS_MAX: usize = 4;
+
+/// How long a handshake may take before its place is given back and it is dropped.
+const HANDSHAKE_DEADLINE: Duration = Duration::from_secs(5);
+
 /// The QUIC error code of a connection closed for a frame that broke the protocol.
 pub const CLOSE_PROTOCOL: u32 = 1;
 
@@ -44,8 +54,12 @@ pub struct TransportStats {
     pub frames_oversized: AtomicU64,
     /// Frames cut off by the end of their stream, dropped.
     pub frames_truncated: AtomicU64,
-    /// Incoming handshakes refused (no certificate, another CA, no node id).
+    /// Incoming handshakes refused (no certificate, another CA, no node id) or not
+    /// finished within the deadline.
     pub handshakes_refused: AtomicU64,
+    /// Incoming connections refused before their handshake: too many in progress, in all
+    /// or from their address.
+    pub handshakes_shed: AtomicU64,
     /// Connections closed for a frame claiming another origin than the certificate's.
     pub connections_forged: AtomicU64,
     /// Connections established, either way.
@@ -283,14 +297,34 @@ impl Transport {
 }
 
 /// Accepts peers for as long as the endpoint is open.
+///
+/// A source that has not shown it receives at its address is sent a retry first, which
+/// costs this node no key exchange and holds no state: a flood of initial packets from
+/// spoofed addresses never becomes a handshake. Handshakes in progress are bounded, in all
+/// and per address, and each has a deadline, so a peer that stalls its handshakes holds
+/// only a few places, and each for a while.
 async fn accept(shared: Arc<Shared>) {
+    let handshakes = Handshakes::default();
     while let Some(incoming) = shared.endpoint.accept().await {
+        if !incoming.remote_address_validated() {
+            // Always allowed for an unvalidated address; the peer's endpoint retries.
+            let _ = incoming.retry();
+            continue;
+        }
+        let Some(place) = handshakes.admit(incoming.remote_address().ip()) else {
+            shared.stats.handshakes_shed.fetch_add(1, Ordering::Relaxed);
+            incoming.refuse();
+            continue;
+        };
         let shared = shared.clone();
         tokio::spawn(async move {
-            let connection = match incoming.await {
-                Ok(connection) => connection,
-                Err(_) => {
-                    // Bad certificate, another CA, none at all, or a broken handshake.
+            let handshake = tokio::time::timeout(HANDSHAKE_DEADLINE, incoming).await;
+            drop(place);
+            let connection = match handshake {
+                Ok(Ok(connection)) => connection,
+                Ok(Err(_)) | Err(_) => {
+                    // Bad certificate, another CA, none at all, a broken handshake, or
+                    // one past its deadline.
                     shared
                         .stats
                         .handshakes_refused
@@ -312,6 +346,47 @@ async fn accept(shared: Arc<Shared>) {
             adopt(&shared, node, &connection);
             read_streams(shared, node, connection).await;
         });
+    }
+}
+
+/// The handshakes in progress, by source address.
+#[derive(Debug, Default, Clone)]
+struct Handshakes(Arc<Mutex<HashMap<IpAddr, usize>>>);
+
+/// A handshake's place among those in progress, given back when dropped.
+#[derive(Debug)]
+struct Place {
+    handshakes: Handshakes,
+    from: IpAddr,
+}
+
+impl Handshakes {
+    /// A place for a handshake from `from`, if fewer than [`HANDSHAKES_MAX`] are in
+    /// progress and fewer than [`HANDSHAKES_PER_ADDRESS_MAX`] from `from`.
+    fn admit(&self, from: IpAddr) -> Option<Place> {
+        let mut places = lock(&self.0);
+        let total: usize = places.values().sum();
+        let mine = places.get(&from).copied().unwrap_or(0);
+        if total >= HANDSHAKES_MAX || mine >= HANDSHAKES_PER_ADDRESS_MAX {
+            return None;
+        }
+        *places.entry(from).or_default() += 1;
+        Some(Place {
+            handshakes: self.clone(),
+            from,
+        })
+    }
+}
+
+impl Drop for Place {
+    fn drop(&mut self) {
+        let mut places = lock(&self.handshakes.0);
+        if let Some(held) = places.get_mut(&self.from) {
+            *held -= 1;
+            if *held == 0 {
+                places.remove(&self.from);
+            }
+        }
     }
 }
 
@@ -892,6 +967,25 @@ mod tests {
             .await
             .unwrap_or_else(|_| panic!("{what} never arrived"))
             .unwrap()
+    }
+
+    #[test]
+    fn handshakes_in_progress_are_bounded_per_address_and_in_all_and_given_back() {
+        let handshakes = Handshakes::default();
+        let address = |i: usize| IpAddr::from([10, 0, (i / 256) as u8, (i % 256) as u8]);
+        let mine: Vec<Place> = (0..HANDSHAKES_PER_ADDRESS_MAX)
+            .map(|_| handshakes.admit(address(0)).expect("a place"))
+            .collect();
+        assert!(
+            handshakes.admit(address(0)).is_none(),
+            "one address, one more"
+        );
+        let mut others: Vec<Place> = (1..).map_while(|i| handshakes.admit(address(i))).collect();
+        assert_eq!(mine.len() + others.len(), HANDSHAKES_MAX);
+        drop(mine);
+        assert!(handshakes.admit(address(0)).is_some(), "places given back");
+        others.clear();
+        assert!(lock(&handshakes.0).is_empty(), "no address is left behind");
     }
 
     #[tokio::test(flavor = "current_thread")]
