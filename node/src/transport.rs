@@ -26,21 +26,35 @@ const PEER_QUEUE_FRAMES: usize = 1_024;
 /// that stops reading holds at most this much of this node's memory.
 const PEER_QUEUE_BYTES: usize = 4 << 20;
 
-/// Bytes of gossip frames read from peers and not yet handled by the gossip task, over all
-/// peers (or one frame of `frame_bytes_max`, if larger). A reader that would pass it waits,
-/// and stops reading its stream meanwhile, so QUIC's flow control holds its peer back: a
-/// member that sends faster than the gossip merges fills this, not the node's memory.
-const INBOUND_BYTES: usize = 32 << 20;
+/// What the endpoint holds for its peers at most.
+#[derive(Debug, Clone, Copy)]
+struct Limits {
+    /// Bytes of gossip frames read from peers and not yet handled by the gossip task, over
+    /// all peers (at least one frame of `frame_bytes_max`). A reader that would pass it
+    /// waits, and stops reading its stream meanwhile, so QUIC's flow control holds its peer
+    /// back (whose queue for this node then fills and drops): a member that sends faster
+    /// than the gossip merges fills this rather than a queue without a bound in bytes.
+    /// QUIC's receive windows (4 MiB a connection) come on top.
+    inbound_bytes: usize,
+    /// Handshakes served at once; past it an incoming connection is refused, and its peer
+    /// dials again after its backoff.
+    handshakes: usize,
+    /// Handshakes served at once from one IP address, loopback excepted (nodes sharing a
+    /// machine): one source cannot take every place.
+    handshakes_per_address: usize,
+    /// How long a handshake may take before its place is given back and it is dropped.
+    handshake_deadline: Duration,
+}
 
-/// Handshakes served at once; past it an incoming connection is refused, and its peer
-/// dials again after its backoff.
-const HANDSHAKES_MAX: usize = 64;
-
-/// Handshakes served at once from one IP address: one source cannot take every place.
-const HANDSHAKES_PER_ADDRESS_MAX: usize = 4;
-
-/// How long a handshake may take before its place is given back and it is dropped.
-const HANDSHAKE_DEADLINE: Duration = Duration::from_secs(5);
+impl Limits {
+    /// A node's.
+    const NODE: Limits = Limits {
+        inbound_bytes: 32 << 20,
+        handshakes: 64,
+        handshakes_per_address: 4,
+        handshake_deadline: Duration::from_secs(5),
+    };
+}
 
 /// The QUIC error code of a connection closed for a frame that broke the protocol.
 pub const CLOSE_PROTOCOL: u32 = 1;
@@ -149,8 +163,9 @@ struct Shared {
     endpoint: quinn::Endpoint,
     connections: Mutex<HashMap<NodeId, quinn::Connection>>,
     inbound: mpsc::Sender<Inbound>,
-    // Permits for the bytes of frames read and not yet handled: `INBOUND_BYTES`.
+    // Permits for the bytes of frames read and not yet handled: `Limits::inbound_bytes`.
     inbound_room: Arc<Semaphore>,
+    limits: Limits,
     // Where frames on sessions go, and the most bytes one may have: on the region node
     // only.
     sessions: Option<Sessions>,
@@ -169,28 +184,26 @@ impl Transport {
         stats: Arc<TransportStats>,
         sessions: Option<Sessions>,
     ) -> std::io::Result<(Transport, mpsc::Receiver<Inbound>)> {
-        let inbound_bytes = INBOUND_BYTES.max(frame_bytes_max);
-        Transport::bind_holding(
-            addr,
-            identity,
-            frame_bytes_max,
-            inbound_bytes,
-            stats,
-            sessions,
-        )
+        let limits = Limits {
+            inbound_bytes: Limits::NODE.inbound_bytes.max(frame_bytes_max),
+            ..Limits::NODE
+        };
+        Transport::bind_within(addr, identity, frame_bytes_max, limits, stats, sessions)
     }
 
-    /// [`Transport::bind`], holding at most `inbound_bytes` of frames read and not yet
-    /// handled (at least one frame's worth).
-    fn bind_holding(
+    /// [`Transport::bind`], within `limits`.
+    fn bind_within(
         addr: SocketAddr,
         identity: tls::Identity,
         frame_bytes_max: usize,
-        inbound_bytes: usize,
+        limits: Limits,
         stats: Arc<TransportStats>,
         sessions: Option<Sessions>,
     ) -> std::io::Result<(Transport, mpsc::Receiver<Inbound>)> {
-        assert!(inbound_bytes >= frame_bytes_max, "a largest frame must fit");
+        assert!(
+            limits.inbound_bytes >= frame_bytes_max,
+            "a largest frame must fit"
+        );
         let mut endpoint = quinn::Endpoint::server(identity.server, addr)?;
         endpoint.set_default_client_config(identity.client);
         let (inbound, receiver) = mpsc::channel(4_096);
@@ -198,7 +211,8 @@ impl Transport {
             endpoint,
             connections: Mutex::new(HashMap::new()),
             inbound,
-            inbound_room: Arc::new(Semaphore::new(inbound_bytes)),
+            inbound_room: Arc::new(Semaphore::new(limits.inbound_bytes)),
+            limits,
             sessions,
             frame_bytes_max,
             stats,
@@ -304,7 +318,7 @@ impl Transport {
 /// and per address, and each has a deadline, so a peer that stalls its handshakes holds
 /// only a few places, and each for a while.
 async fn accept(shared: Arc<Shared>) {
-    let handshakes = Handshakes::default();
+    let handshakes = Handshakes::within(shared.limits);
     while let Some(incoming) = shared.endpoint.accept().await {
         if !incoming.remote_address_validated() {
             // Always allowed for an unvalidated address; the peer's endpoint retries.
@@ -318,7 +332,8 @@ async fn accept(shared: Arc<Shared>) {
         };
         let shared = shared.clone();
         tokio::spawn(async move {
-            let handshake = tokio::time::timeout(HANDSHAKE_DEADLINE, incoming).await;
+            let deadline = shared.limits.handshake_deadline;
+            let handshake = tokio::time::timeout(deadline, incoming).await;
             drop(place);
             let connection = match handshake {
                 Ok(Ok(connection)) => connection,
@@ -350,8 +365,11 @@ async fn accept(shared: Arc<Shared>) {
 }
 
 /// The handshakes in progress, by source address.
-#[derive(Debug, Default, Clone)]
-struct Handshakes(Arc<Mutex<HashMap<IpAddr, usize>>>);
+#[derive(Debug, Clone)]
+struct Handshakes {
+    places: Arc<Mutex<HashMap<IpAddr, usize>>>,
+    limits: Limits,
+}
 
 /// A handshake's place among those in progress, given back when dropped.
 #[derive(Debug)]
@@ -361,13 +379,26 @@ struct Place {
 }
 
 impl Handshakes {
-    /// A place for a handshake from `from`, if fewer than [`HANDSHAKES_MAX`] are in
-    /// progress and fewer than [`HANDSHAKES_PER_ADDRESS_MAX`] from `from`.
+    fn within(limits: Limits) -> Handshakes {
+        Handshakes {
+            places: Arc::default(),
+            limits,
+        }
+    }
+
+    /// A place for a handshake from `from`, if fewer than `limits.handshakes` are in
+    /// progress, and fewer than `limits.handshakes_per_address` from `from` unless it is
+    /// a loopback address.
     fn admit(&self, from: IpAddr) -> Option<Place> {
-        let mut places = lock(&self.0);
+        let mut places = lock(&self.places);
         let total: usize = places.values().sum();
         let mine = places.get(&from).copied().unwrap_or(0);
-        if total >= HANDSHAKES_MAX || mine >= HANDSHAKES_PER_ADDRESS_MAX {
+        let per_address = if from.is_loopback() {
+            usize::MAX
+        } else {
+            self.limits.handshakes_per_address
+        };
+        if total >= self.limits.handshakes || mine >= per_address {
             return None;
         }
         *places.entry(from).or_default() += 1;
@@ -380,7 +411,7 @@ impl Handshakes {
 
 impl Drop for Place {
     fn drop(&mut self) {
-        let mut places = lock(&self.handshakes.0);
+        let mut places = lock(&self.handshakes.places);
         if let Some(held) = places.get_mut(&self.from) {
             *held -= 1;
             if *held == 0 {
@@ -703,7 +734,7 @@ async fn serve_session(
 }
 
 /// Reads length-prefixed frames from one stream and hands them to the gossip task, each
-/// once there is room for its bytes among the inbound bytes ([`INBOUND_BYTES`]): until
+/// once there is room for its bytes among the inbound bytes (`Limits::inbound_bytes`): until
 /// then the stream is not read, so QUIC's flow control holds the peer back.
 async fn read_frames(
     shared: Arc<Shared>,
@@ -935,23 +966,23 @@ mod tests {
     /// Nodes 1 and 2 bound on loopback, node 2's inbound frames, and their certificates'
     /// directory.
     fn two_nodes(name: &str) -> (Transport, Transport, mpsc::Receiver<Inbound>, PathBuf) {
-        two_nodes_holding(name, INBOUND_BYTES)
+        two_nodes_within(name, Limits::NODE)
     }
 
-    /// [`two_nodes`], each holding at most `inbound_bytes` of frames not yet handled.
-    fn two_nodes_holding(
+    /// [`two_nodes`], each within `limits`.
+    fn two_nodes_within(
         name: &str,
-        inbound_bytes: usize,
+        limits: Limits,
     ) -> (Transport, Transport, mpsc::Receiver<Inbound>, PathBuf) {
         let dir = std::env::temp_dir().join(format!("tally-{name}-{}", std::process::id()));
         let files = crate::certs::write_cluster(&dir, &[NodeId(1), NodeId(2)]).unwrap();
         let bind = |files, node| {
             let any = "127.0.0.1:0".parse().unwrap();
-            Transport::bind_holding(
+            Transport::bind_within(
                 any,
                 identity(&dir, files, node),
-                inbound_bytes.min(1 << 16),
-                inbound_bytes,
+                limits.inbound_bytes.min(1 << 16),
+                limits,
                 Arc::default(),
                 None,
             )
@@ -969,11 +1000,83 @@ mod tests {
             .unwrap()
     }
 
+    /// A QUIC client presenting `cert` and `key` (PEM texts), trusting `ca`; no checks of
+    /// its own on the certificate, as a peer's own build might make none.
+    fn client_with(ca: &Path, cert: &str, key: &str) -> quinn::Endpoint {
+        use rustls::pki_types::pem::PemObject;
+        use rustls::pki_types::{CertificateDer, PrivateKeyDer};
+        let mut roots = rustls::RootCertStore::empty();
+        for cert in CertificateDer::pem_file_iter(ca).unwrap() {
+            roots.add(cert.unwrap()).unwrap();
+        }
+        let chain = CertificateDer::pem_slice_iter(cert.as_bytes())
+            .map(Result::unwrap)
+            .collect();
+        let key = PrivateKeyDer::from_pem_slice(key.as_bytes()).unwrap();
+        let provider = Arc::new(rustls::crypto::ring::default_provider());
+        let mut config = rustls::ClientConfig::builder_with_provider(provider)
+            .with_protocol_versions(&[&rustls::version::TLS13])
+            .unwrap()
+            .with_root_certificates(roots)
+            .with_client_auth_cert(chain, key)
+            .unwrap();
+        config.alpn_protocols = vec![tls::ALPN.to_vec()];
+        let config = quinn::crypto::rustls::QuicClientConfig::try_from(config).unwrap();
+        let mut endpoint = quinn::Endpoint::client("127.0.0.1:0".parse().unwrap()).unwrap();
+        endpoint.set_default_client_config(quinn::ClientConfig::new(Arc::new(config)));
+        endpoint
+    }
+
+    #[tokio::test(flavor = "current_thread")]
+    async fn a_peer_whose_certificate_has_expired_is_refused_at_the_handshake() {
+        let (_one, two, _to_two, dir) = two_nodes("expired");
+        let ca = crate::certs::Ca::load_or_create(&dir).unwrap();
+        let now = (crate::clock::wall().0 / 1_000) as i64;
+        let at = |secs: i64| time::OffsetDateTime::from_unix_timestamp(secs).unwrap();
+        let stats = two.shared.stats.clone();
+        let connect = |(cert, key): (String, String)| {
+            let client = client_with(&dir.join("ca.pem"), &cert, &key);
+            let addr = two.local_addr().unwrap();
+            let stats = stats.clone();
+            async move {
+                // A client's handshake is done once it has sent its certificate; the
+                // server's verdict on it comes after.
+                let connecting = client.connect(addr, &server_name(NodeId(2))).unwrap();
+                let _ = tokio::time::timeout(Duration::from_secs(5), connecting).await;
+                let ended = |stats: &TransportStats| {
+                    stats.handshakes_refused.load(Ordering::Relaxed)
+                        + stats.connections.load(Ordering::Relaxed)
+                };
+                for _ in 0..500 {
+                    if ended(&stats) > 0 {
+                        break;
+                    }
+                    tokio::time::sleep(Duration::from_millis(10)).await;
+                }
+                let refused = stats.handshakes_refused.swap(0, Ordering::Relaxed);
+                let taken = stats.connections.swap(0, Ordering::Relaxed);
+                (refused, taken)
+            }
+        };
+        // From the cluster's own CA, for node 1, but ended an hour ago.
+        let expired = ca
+            .issue_valid(NodeId(1), at(now - 7_200), at(now - 3_600))
+            .unwrap();
+        assert_eq!(connect(expired).await, (1, 0), "an expired certificate");
+        // The same client with a certificate valid now is taken: only the dates differed.
+        let valid = ca
+            .issue_valid(NodeId(1), at(now - 60), at(now + 3_600))
+            .unwrap();
+        assert_eq!(connect(valid).await, (0, 1), "a valid certificate");
+        std::fs::remove_dir_all(dir).unwrap();
+    }
+
     #[test]
     fn handshakes_in_progress_are_bounded_per_address_and_in_all_and_given_back() {
-        let handshakes = Handshakes::default();
+        let limits = Limits::NODE;
+        let handshakes = Handshakes::within(limits);
         let address = |i: usize| IpAddr::from([10, 0, (i / 256) as u8, (i % 256) as u8]);
-        let mine: Vec<Place> = (0..HANDSHAKES_PER_ADDRESS_MAX)
+        let mine: Vec<Place> = (0..limits.handshakes_per_address)
             .map(|_| handshakes.admit(address(0)).expect("a place"))
             .collect();
         assert!(
@@ -981,17 +1084,138 @@ mod tests {
             "one address, one more"
         );
         let mut others: Vec<Place> = (1..).map_while(|i| handshakes.admit(address(i))).collect();
-        assert_eq!(mine.len() + others.len(), HANDSHAKES_MAX);
+        assert_eq!(mine.len() + others.len(), limits.handshakes);
         drop(mine);
         assert!(handshakes.admit(address(0)).is_some(), "places given back");
         others.clear();
-        assert!(lock(&handshakes.0).is_empty(), "no address is left behind");
+        assert!(
+            lock(&handshakes.places).is_empty(),
+            "no address is left behind"
+        );
+        // Nodes sharing a machine are not held to one address's places.
+        let local = IpAddr::from([127, 0, 0, 1]);
+        let locals: Vec<Place> = (0..limits.handshakes)
+            .map_while(|_| handshakes.admit(local))
+            .collect();
+        assert_eq!(locals.len(), limits.handshakes);
+    }
+
+    #[tokio::test(flavor = "current_thread")]
+    async fn a_handshake_past_the_places_is_shed_and_one_past_its_deadline_refused() {
+        let no_places = Limits {
+            handshakes: 0,
+            ..Limits::NODE
+        };
+        let (mut one, two, _to_two, dir) = two_nodes_within("shed", no_places);
+        let addr = two.local_addr().unwrap().to_string();
+        one.send(NodeId(2), &addr, vec![1; 100]);
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        let shed = two.shared.stats.handshakes_shed.load(Ordering::Relaxed);
+        assert!(shed >= 1, "shed {shed}");
+        assert_eq!(two.shared.stats.connections.load(Ordering::Relaxed), 0);
+        std::fs::remove_dir_all(dir).unwrap();
+
+        // A peer that stalls inside its handshake (here, on its own thread, checking the
+        // server's certificate for two seconds) holds its place only until the deadline.
+        let short = Limits {
+            handshake_deadline: Duration::from_millis(200),
+            ..Limits::NODE
+        };
+        let (_one, two, _to_two, dir) = two_nodes_within("deadline", short);
+        let addr = two.local_addr().unwrap();
+        let files = crate::certs::write_cluster(&dir, &[NodeId(1)]).unwrap();
+        let stalling = std::thread::spawn(move || {
+            let runtime = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+                .unwrap();
+            runtime.block_on(async {
+                let client = stalling_client(&files[0]);
+                let connecting = client.connect(addr, &server_name(NodeId(2))).unwrap();
+                let _ = tokio::time::timeout(Duration::from_secs(5), connecting).await;
+            });
+        });
+        tokio::time::sleep(Duration::from_millis(1_000)).await;
+        let stats = &two.shared.stats;
+        assert_eq!(stats.handshakes_refused.load(Ordering::Relaxed), 1);
+        assert_eq!(stats.handshakes_shed.load(Ordering::Relaxed), 0);
+        assert_eq!(stats.connections.load(Ordering::Relaxed), 0);
+        stalling.join().unwrap();
+        std::fs::remove_dir_all(dir).unwrap();
+    }
+
+    /// A QUIC client for node 1 that takes two seconds over the server's certificate, and
+    /// then takes any.
+    fn stalling_client(files: &crate::certs::NodeFiles) -> quinn::Endpoint {
+        use rustls::client::danger::ServerCertVerifier;
+        use rustls::client::danger::{HandshakeSignatureValid, ServerCertVerified};
+        use rustls::pki_types::pem::PemObject;
+        use rustls::pki_types::{CertificateDer, PrivateKeyDer, ServerName, UnixTime};
+        use rustls::{DigitallySignedStruct, SignatureScheme};
+
+        #[derive(Debug)]
+        struct Stalling(Arc<rustls::crypto::CryptoProvider>);
+        impl ServerCertVerifier for Stalling {
+            fn verify_server_cert(
+                &self,
+                _: &CertificateDer<'_>,
+                _: &[CertificateDer<'_>],
+                _: &ServerName<'_>,
+                _: &[u8],
+                _: UnixTime,
+            ) -> Result<ServerCertVerified, rustls::Error> {
+                std::thread::sleep(Duration::from_secs(2));
+                Ok(ServerCertVerified::assertion())
+            }
+            fn verify_tls12_signature(
+                &self,
+                _: &[u8],
+                _: &CertificateDer<'_>,
+                _: &DigitallySignedStruct,
+            ) -> Result<HandshakeSignatureValid, rustls::Error> {
+                Ok(HandshakeSignatureValid::assertion())
+            }
+            fn verify_tls13_signature(
+                &self,
+                _: &[u8],
+                _: &CertificateDer<'_>,
+                _: &DigitallySignedStruct,
+            ) -> Result<HandshakeSignatureValid, rustls::Error> {
+                Ok(HandshakeSignatureValid::assertion())
+            }
+            fn supported_verify_schemes(&self) -> Vec<SignatureScheme> {
+                self.0.signature_verification_algorithms.supported_schemes()
+            }
+        }
+
+        let provider = Arc::new(rustls::crypto::ring::default_provider());
+        let chain = CertificateDer::pem_file_iter(&files.cert)
+            .unwrap()
+            .map(Result::unwrap)
+            .collect();
+        let key = PrivateKeyDer::from_pem_file(&files.key).unwrap();
+        let mut config = rustls::ClientConfig::builder_with_provider(provider.clone())
+            .with_protocol_versions(&[&rustls::version::TLS13])
+            .unwrap()
+            .dangerous()
+            .with_custom_certificate_verifier(Arc::new(Stalling(provider)))
+            .with_client_auth_cert(chain, key)
+            .unwrap();
+        config.alpn_protocols = vec![tls::ALPN.to_vec()];
+        let config = quinn::crypto::rustls::QuicClientConfig::try_from(config).unwrap();
+        let mut endpoint = quinn::Endpoint::client("127.0.0.1:0".parse().unwrap()).unwrap();
+        endpoint.set_default_client_config(quinn::ClientConfig::new(Arc::new(config)));
+        endpoint
     }
 
     #[tokio::test(flavor = "current_thread")]
     async fn a_reader_waits_for_the_gossip_to_handle_what_it_holds_and_loses_nothing() {
         // Room for three frames of 10,000 bytes, not four.
-        let (mut one, two, mut to_two, dir) = two_nodes_holding("inbound", 35_000);
+        let limits = Limits {
+            inbound_bytes: 35_000,
+            ..Limits::NODE
+        };
+        let (mut one, two, mut to_two, dir) = two_nodes_within("inbound", limits);
         let addr = two.local_addr().unwrap().to_string();
         for i in 0..10u8 {
             one.send(NodeId(2), &addr, vec![i; 10_000]);
