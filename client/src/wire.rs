@@ -294,7 +294,9 @@ pub struct Decision {
     /// the limit less the estimate, or in isolated mode this node's share less its own
     /// count.
     pub remaining: u64,
-    /// Milliseconds until the window ends and the count starts again.
+    /// Milliseconds until the window ends and its count starts again. Under a sliding rule
+    /// the window that ended still weighs, less and less, through the next one: a check
+    /// refused now may be refused again then.
     pub reset_after_ms: u64,
     /// Which way answered.
     pub mode: Mode,

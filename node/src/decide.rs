@@ -253,12 +253,7 @@ impl Context<'_> {
         let freshness = self.view.freshness(self.now);
         let connected = freshness.staleness <= Duration::from_millis(rule.stale_after_ms);
         let current = self.store.estimate(key);
-        // An isolated decision counts the current window only, and reports what it counts.
-        let previous = if connected {
-            self.previous_window_part(rule, key)
-        } else {
-            0
-        };
+        let previous = self.previous_window_part(rule, key, |key| self.store.estimate(key));
         let cost_i = i128::from(cost);
         let (mode, allowed, bound, room) = if connected {
             let room = i128::from(rule.limit) - (current + previous);
@@ -268,11 +263,13 @@ impl Context<'_> {
             let locations = rule.locations.unwrap_or(freshness.locations as u64).max(1);
             let share = (rule.limit / locations).saturating_add(rule.slack);
             // This location's count: its lives before a restart admitted under the share
-            // too, and they are still counted in the window.
-            let own = self.store.own(key).value() + self.view.other_lives(key);
+            // too, and they are still counted in the window. A sliding rule weighs this
+            // location's previous window as a connected decision weighs everyone's.
+            let own_in = |key: KeyRef<'_>| self.store.own(key).value() + self.view.other_lives(key);
+            let own = own_in(key) + self.previous_window_part(rule, key, own_in);
             let room = i128::from(share) - own;
             let unseen = self.view.remote_rate(key) * rule.stale_after_ms as f64 / 1_000.0;
-            let others = (current - own).max(0) as f64 + unseen;
+            let others = (current + previous - own).max(0) as f64 + unseen;
             let beyond_shares = (-room).max(0) as f64 + (others - share as f64).max(0.0);
             let bound = locations as f64 * rule.slack as f64 + beyond_shares;
             (Mode::ApproximateIsolated, cost_i <= room, bound, room)
@@ -297,9 +294,15 @@ impl Context<'_> {
         Ok(self.decision(rule, key, decided, freshness.staleness))
     }
 
-    /// What a `sliding` rule's estimate takes from the previous window: its count weighted
-    /// by the part of it still inside the sliding window, rounded up. 0 for a fixed window.
-    fn previous_window_part(&self, rule: &RuleConfig, key: KeyRef<'_>) -> i128 {
+    /// What a `sliding` rule's estimate takes from the previous window: its count (as
+    /// `count` counts a key) weighted by the part of it still inside the sliding window,
+    /// rounded up. 0 for a fixed window.
+    fn previous_window_part(
+        &self,
+        rule: &RuleConfig,
+        key: KeyRef<'_>,
+        count: impl Fn(KeyRef<'_>) -> i128,
+    ) -> i128 {
         if !rule.sliding {
             return 0;
         }
@@ -310,7 +313,7 @@ impl Context<'_> {
         let len_ms = u64::from(window.len_secs()) * 1_000;
         let elapsed_ms = self.now.0.saturating_sub(window.start_unix_secs() * 1_000);
         let weight = 1.0 - (elapsed_ms.min(len_ms) as f64 / len_ms as f64);
-        (self.store.estimate(key.in_window(previous)) as f64 * weight).ceil() as i128
+        (count(key.in_window(previous)) as f64 * weight).ceil() as i128
     }
 
     /// The decision on `key` under `rule`, as `decided`, on state `staleness` old.
@@ -558,6 +561,33 @@ mod tests {
         let refused = context.check(&rule, key, 40).unwrap();
         assert!(!refused.allowed);
         assert_eq!((refused.estimate, refused.remaining), (65, 35));
+    }
+
+    #[test]
+    fn an_isolated_sliding_rule_weighs_its_own_previous_window_against_its_share() {
+        let rule = RuleConfig {
+            sliding: true,
+            ..rule(20, 0)
+        };
+        let (store, owned) = setup(&rule);
+        let key = KeyRef::from(&owned);
+        let previous = owned.window.previous().unwrap();
+        store
+            .publish_remote(&key.in_window(previous).to_key(), 30)
+            .unwrap();
+        let view = view(Stamp(NOW.0 - 5_000));
+        let mut context = context(&store, &view);
+        context.count(key.in_window(previous), 10, true).unwrap();
+        // Two locations: a share of 10. Half the window has run: half of this location's
+        // 10 in the previous window still weighs, so 5 more are admitted, not 10.
+        let decisions: Vec<Decision> = (0..10)
+            .map(|_| context.check(&rule, key, 1).unwrap())
+            .collect();
+        assert_eq!(decisions.iter().filter(|d| d.allowed).count(), 5);
+        assert_eq!(decisions[0].mode, Mode::ApproximateIsolated);
+        // It reports the weighted estimate it decided on: half of the previous window's
+        // 40 and the one admitted.
+        assert_eq!((decisions[0].estimate, decisions[0].remaining), (20 + 1, 4));
     }
 
     #[test]
