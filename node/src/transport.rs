@@ -1014,12 +1014,17 @@ mod tests {
             .collect();
         let key = PrivateKeyDer::from_pem_slice(key.as_bytes()).unwrap();
         let provider = Arc::new(rustls::crypto::ring::default_provider());
-        let mut config = rustls::ClientConfig::builder_with_provider(provider)
+        let config = rustls::ClientConfig::builder_with_provider(provider)
             .with_protocol_versions(&[&rustls::version::TLS13])
             .unwrap()
             .with_root_certificates(roots)
             .with_client_auth_cert(chain, key)
             .unwrap();
+        quic_client(config)
+    }
+
+    /// A QUIC client endpoint on loopback speaking this protocol with `config`.
+    fn quic_client(mut config: rustls::ClientConfig) -> quinn::Endpoint {
         config.alpn_protocols = vec![tls::ALPN.to_vec()];
         let config = quinn::crypto::rustls::QuicClientConfig::try_from(config).unwrap();
         let mut endpoint = quinn::Endpoint::client("127.0.0.1:0".parse().unwrap()).unwrap();
@@ -1194,18 +1199,14 @@ mod tests {
             .map(Result::unwrap)
             .collect();
         let key = PrivateKeyDer::from_pem_file(&files.key).unwrap();
-        let mut config = rustls::ClientConfig::builder_with_provider(provider.clone())
+        let config = rustls::ClientConfig::builder_with_provider(provider.clone())
             .with_protocol_versions(&[&rustls::version::TLS13])
             .unwrap()
             .dangerous()
             .with_custom_certificate_verifier(Arc::new(Stalling(provider)))
             .with_client_auth_cert(chain, key)
             .unwrap();
-        config.alpn_protocols = vec![tls::ALPN.to_vec()];
-        let config = quinn::crypto::rustls::QuicClientConfig::try_from(config).unwrap();
-        let mut endpoint = quinn::Endpoint::client("127.0.0.1:0".parse().unwrap()).unwrap();
-        endpoint.set_default_client_config(quinn::ClientConfig::new(Arc::new(config)));
-        endpoint
+        quic_client(config)
     }
 
     #[tokio::test(flavor = "current_thread")]
