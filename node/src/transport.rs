@@ -325,7 +325,9 @@ async fn accept(shared: Arc<Shared>) {
             let _ = incoming.retry();
             continue;
         }
-        let Some(place) = handshakes.admit(incoming.remote_address().ip()) else {
+        // An IPv4 peer on a dual-stack socket shows as an IPv4-mapped IPv6 address.
+        let from = incoming.remote_address().ip().to_canonical();
+        let Some(place) = handshakes.admit(from) else {
             shared.stats.handshakes_shed.fetch_add(1, Ordering::Relaxed);
             incoming.refuse();
             continue;
