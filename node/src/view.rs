@@ -55,9 +55,13 @@ pub struct ViewState {
 }
 
 /// A smoothed rate of increments per second, from totals seen at times.
+///
+/// The total is held in a `u64`, saturating: a key's entry is then 48 bytes where an
+/// `i128` made it 64. A key whose remote increments pass `u64::MAX` in one window (no
+/// lane can, but a sum of several) gives no more samples, and its rate decays.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct Rate {
-    total: i128,
+    total: u64,
     at_ms: u64,
     per_sec: f64,
 }
@@ -67,7 +71,7 @@ impl Rate {
     const HALF_LIFE_SECS: f64 = 2.0;
 
     /// A rate starting at `total` at `at_ms`, at `per_sec` until its first sample.
-    pub fn start(total: i128, at_ms: u64, per_sec: f64) -> Rate {
+    pub fn start(total: u64, at_ms: u64, per_sec: f64) -> Rate {
         Rate {
             total,
             at_ms,
@@ -80,7 +84,7 @@ impl Rate {
     const SAMPLE_MS_MIN: u64 = 100;
 
     /// Takes in that the total was `total` at `at_ms`.
-    pub fn observe(&mut self, total: i128, at_ms: u64) {
+    pub fn observe(&mut self, total: u64, at_ms: u64) {
         if at_ms < self.at_ms + Rate::SAMPLE_MS_MIN || total < self.total {
             return;
         }
@@ -229,12 +233,11 @@ impl ViewState {
     /// Takes in `key`'s counter as gossip merged it, at wall time `now_ms`: the other
     /// replicas' increments for its remote rate, and the value of `me`'s other lives.
     pub fn take_in(&mut self, key: &Key, counter: &PnCounter, me: ReplicaId, now_ms: u64) {
-        let remote_incr: i128 = counter
+        let remote_incr = counter
             .slots()
             .iter()
             .filter(|slot| slot.replica != me)
-            .map(|slot| i128::from(slot.lane.incr))
-            .sum();
+            .fold(0u64, |total, slot| total.saturating_add(slot.lane.incr));
         match self.remote_rates.get_mut(key) {
             Some(rate) => rate.observe(remote_incr, now_ms),
             None => {
