@@ -281,6 +281,10 @@ fn counter_map_parts(keys: &[Key], one_lane: Live) {
     let (entries, entries_live) = measure(|| {
         let mut entries = Vec::new();
         for key in keys {
+            // Grown by a quarter when full, as the key table grows it.
+            if entries.len() == entries.capacity() {
+                entries.reserve_exact(entries.len() / 4 + 16);
+            }
             entries.push(Some((key.clone(), PnCounter::new())));
         }
         entries
