@@ -523,7 +523,7 @@ impl Gossip {
         for (entry, before) in delta.origins.iter().zip(before) {
             let held = self.map.watermark(entry.origin).stamp;
             if entry.origin != me && held > before {
-                self.members.heard(entry.origin, now.mono);
+                self.members.heard_stamped(entry.origin, held, now.mono);
                 self.stats
                     .propagation
                     .record(Duration::from_millis(now.wall.0.saturating_sub(held.0)));

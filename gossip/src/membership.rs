@@ -10,7 +10,7 @@ use crate::message::MemberEntry;
 use std::collections::{BTreeMap, BTreeSet};
 use std::hash::{DefaultHasher, Hash, Hasher};
 use std::time::Duration;
-use tally_crdt::{NodeId, ReplicaId};
+use tally_crdt::{NodeId, ReplicaId, Stamp};
 
 /// How a member looks from here.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
@@ -47,6 +47,9 @@ struct Member {
     heard_at: Option<Duration>,
     interval: Duration,
     suspect_since: Option<Duration>,
+    // The newest stamp of its state heard (its wall clock when it made that state), for
+    // its generation in `entry`.
+    stamp: Stamp,
 }
 
 /// The table of members, including this node itself.
@@ -153,7 +156,11 @@ impl Members {
             self.insert(entry, State::Alive);
             return;
         }
-        if let Some(last) = member.heard_at {
+        if member.state == State::Dead {
+            // Back after it was found dead: the silence was not its interval, and taken
+            // into the mean it would hold off the detector for many times that silence.
+            member.interval = self.expected_interval;
+        } else if let Some(last) = member.heard_at {
             let gap = now.saturating_sub(last);
             // An exponentially weighted mean, never below the expected interval, so a
             // burst of fast messages does not make the detector jumpy.
@@ -165,6 +172,24 @@ impl Members {
         if matches!(member.state, State::Suspect | State::Dead) {
             member.state = State::Alive;
             self.pending.push(transition(member));
+        }
+    }
+
+    /// Records that state of `replica` stamped `stamp` (its wall clock when it made it)
+    /// arrived at `now`, from it or relayed: heard as [`Members::heard`] only if the stamp
+    /// is newer than every one heard of that generation before. A node forgets a dead
+    /// member's watermark once its lanes are gone, and a peer that still holds the old
+    /// stamp hands it back: that is no news of the member, and must not bring it back.
+    pub fn heard_stamped(&mut self, replica: ReplicaId, stamp: Stamp, now: Duration) {
+        let known = self.members.get(&replica.node);
+        if known.is_some_and(|m| m.entry.generation == replica.generation && stamp <= m.stamp) {
+            return;
+        }
+        self.heard(replica, now);
+        if let Some(member) = self.members.get_mut(&replica.node) {
+            if member.entry.generation == replica.generation {
+                member.stamp = member.stamp.max(stamp);
+            }
         }
     }
 
@@ -257,6 +282,7 @@ impl Members {
             heard_at: None,
             interval: self.expected_interval,
             suspect_since: None,
+            stamp: Stamp::default(),
         };
         if member.entry.node != self.me {
             self.pending.push(transition(&member));
@@ -295,6 +321,30 @@ mod tests {
     }
 
     const SECOND: Duration = Duration::from_secs(1);
+
+    #[test]
+    fn an_old_stamp_handed_back_does_not_bring_a_dead_member_back_and_a_new_one_does() {
+        let mut members = Members::new(entry(1, 1), SECOND);
+        members.merge(&[entry(2, 1)], &[]);
+        let two = entry(2, 1).replica();
+        for t in 0..5 {
+            members.heard_stamped(two, Stamp(1_000 * u64::from(t)), SECOND * t);
+        }
+        members.check(SECOND * 30, 8.0, SECOND * 10);
+        members.check(SECOND * 41, 8.0, SECOND * 10);
+        assert_eq!(members.state(NodeId(2)), Some(State::Dead));
+        // A peer hands back the stamp this node already had.
+        members.heard_stamped(two, Stamp(4_000), SECOND * 50);
+        assert_eq!(members.state(NodeId(2)), Some(State::Dead), "no news");
+        // News of it: state made after the last this node heard.
+        members.heard_stamped(two, Stamp(45_000), SECOND * 60);
+        assert_eq!(members.state(NodeId(2)), Some(State::Alive));
+        // The silence it came back from is not its interval: silent again, it is suspected
+        // after 18.4 expected intervals, as before the silence (taken into the mean, the
+        // 56 s would have made that about 145 s).
+        members.check(SECOND * 80, 8.0, SECOND * 10);
+        assert_eq!(members.state(NodeId(2)), Some(State::Suspect));
+    }
 
     #[test]
     fn a_silent_member_is_suspected_then_dead_and_alive_again_when_heard() {

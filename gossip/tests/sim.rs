@@ -3,6 +3,7 @@
 #![cfg(feature = "sim")]
 
 use std::time::Duration;
+use tally_gossip::membership::State;
 use tally_gossip::sim::{seeds, Faults, Sim, SimConfig};
 
 const SECOND: Duration = Duration::from_secs(1);
@@ -471,6 +472,40 @@ fn mixed_faults_over_many_seeds_keep_final_and_mono() {
             &mut sim,
             "mixed_faults_over_many_seeds_keep_final_and_mono",
             20 * SECOND,
+        );
+    }
+}
+
+#[test]
+fn a_member_that_crashed_while_a_node_was_cut_off_is_found_dead_there_soon_after_the_heal() {
+    // Node 0 is cut off for 30 s; meanwhile node 4 writes and, at 15 s, crashes for good.
+    // At the heal node 0 hears node 4's newer stamps from the others and takes it as alive
+    // again: the 30 s it could not hear it are not its interval, so node 0 must find it
+    // dead again within a few of the detector's spans, not after minutes (deciding
+    // isolated all that while, on a live member that never sends).
+    for seed in seeds(1_300, 5) {
+        let mut sim = Sim::new(SimConfig::new(5, seed));
+        sim.run_for(SECOND);
+        sim.network().partition(&[0], &[1, 2, 3, 4]);
+        write_for(&mut sim, 5, 15 * SECOND);
+        sim.crash(4, false);
+        sim.run_for(15 * SECOND);
+        sim.network().heal();
+        let gone = sim.replica(4).node;
+        // The last tenth of a second of the minute after the heal that node 0 held node 4
+        // as anything but dead.
+        let mut last_not_dead = 0;
+        for tenth in 1..=600 {
+            sim.run_for(SECOND / 10);
+            if sim.gossip(0).unwrap().members().state(gone) != Some(State::Dead) {
+                last_not_dead = tenth;
+            }
+        }
+        // The simulator's detector: suspected past phi 8 at 100 ms rounds (about 2 s of
+        // silence), dead 2 s later. Without the reset it stayed alive past the minute.
+        assert!(
+            last_not_dead <= 100,
+            "seed {seed}: node 4 not dead at node 0 until {last_not_dead} tenths after the heal"
         );
     }
 }
