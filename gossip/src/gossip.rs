@@ -242,10 +242,16 @@ impl Gossip {
     }
 
     /// Whether a peer's table has been the same as this node's at some point since it
-    /// started. Until then, the table may be one received only in part: live members may
-    /// be missing from it.
+    /// started, with a row for every seed. Until then, the table may be one received only
+    /// in part: live members may be missing from it. A table without a seed is no
+    /// cluster's whole table: two nodes that start cut off from the rest, each the other's
+    /// seed, hold the same table of the two of them.
     pub fn table_matched(&self) -> bool {
         self.table_matched
+    }
+
+    fn knows_every_seed(&self) -> bool {
+        (self.config.seeds.iter()).all(|seed| self.members.state(seed.node).is_some())
     }
 
     /// Per origin held, how old its newest state is at wall time `wall`: the origin's
@@ -424,7 +430,8 @@ impl Gossip {
                 members_hash,
             } => {
                 let digest = self.digest_with_unlisted(digest, unlisted);
-                self.table_matched |= members_hash == self.members.hash();
+                self.table_matched |=
+                    members_hash == self.members.hash() && self.knows_every_seed();
                 let mut reply = Message::Ack {
                     to: envelope.from,
                     delta: Delta::default(),
@@ -1260,6 +1267,45 @@ mod tests {
                 _ => {}
             }
         }
+    }
+
+    #[test]
+    fn two_nodes_cut_off_from_their_other_seeds_do_not_take_their_table_as_matched() {
+        // Nodes 1 and 2 start cut off from node 3: each is the other's seed, and node 3 is
+        // both's. They come to hold the same table, of the two of them.
+        let seeds = |ids: &[u64]| -> Vec<crate::Seed> {
+            (ids.iter())
+                .map(|&id| crate::Seed {
+                    node: NodeId(id),
+                    addr: format!("n{id}"),
+                })
+                .collect()
+        };
+        let start = |id: u64, others: &[u64]| {
+            let mut config = Config::new(node(id).replica(), format!("n{id}"));
+            config.seeds = seeds(others);
+            Gossip::new(config)
+        };
+        let (mut one, mut two) = (start(1, &[2, 3]), start(2, &[1, 3]));
+        for round in 0..10 {
+            let at = now(round * 1_000);
+            one.handle_input(Input::Timeout { now: at });
+            two.handle_input(Input::Timeout { now: at });
+            while deliver(&mut one, &mut two, at) | deliver(&mut two, &mut one, at) {}
+        }
+        assert_eq!(one.members.hash(), two.members.hash(), "the same table");
+        assert!(!one.table_matched() && !two.table_matched());
+        // Node 3's row arrives (node 3 itself is still cut off): the table then holds
+        // every seed, and the next exchange matches it.
+        let three = node(3).members.entries();
+        for gossip in [&mut one, &mut two] {
+            gossip.members.merge(&three, &[]);
+        }
+        let at = now(10_000);
+        one.handle_input(Input::Timeout { now: at });
+        two.handle_input(Input::Timeout { now: at });
+        while deliver(&mut one, &mut two, at) | deliver(&mut two, &mut one, at) {}
+        assert!(one.table_matched() || two.table_matched());
     }
 
     #[test]
