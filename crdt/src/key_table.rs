@@ -186,7 +186,7 @@ impl KeyTable {
 
 /// Appends an empty entry and returns its id. A full vector grows by a quarter, not by
 /// doubling as `Vec::push` would: at most a fifth of its room is left unused rather than
-/// half (an entry is 48 bytes, so 24 a key at worst instead of 48), and a growth copies
+/// half (an entry is 48 bytes, so 12 unused a key held at worst instead of 48), and a growth copies
 /// into 1.25 times the room rather than 2 (amortised, each entry is copied about five
 /// times rather than twice).
 fn push_empty(entries: &mut Vec<Option<Held>>) -> KeyId {
