@@ -367,6 +367,13 @@ impl Gossip {
         self.members
             .check(now.mono, self.config.suspect_phi, self.config.dead_after);
         self.emit_transitions();
+        // A dead member's watermark goes with its last lanes: its row keeps the stamp, so
+        // that a peer handing the stamp back does not bring it back to life, whether or not
+        // this node ever heard it while it had the row (`Members::heard_stamped`).
+        for origin in self.map.origins() {
+            self.members
+                .keep_stamp(origin, self.map.watermark(origin).stamp);
+        }
         let live_at = self.expiry_secs(now);
         let members = &self.members;
         self.map
@@ -1267,6 +1274,59 @@ mod tests {
                 _ => {}
             }
         }
+    }
+
+    #[test]
+    fn a_member_taken_in_as_dead_is_not_brought_back_by_its_stamp_handed_back() {
+        // Node 2 relays origin 9's lane and, in the same message, its row as dead: the lane
+        // is merged before the row arrives, so node 1 never hears 9 while it has the row.
+        let nine = ReplicaId::new(NodeId(9), Generation(1));
+        let lane = tally_crdt::LaneUpdate {
+            key: Key::new(
+                Rule::new("r").unwrap(),
+                Subject::new("s").unwrap(),
+                Window::containing(WALL / 1_000, 1).unwrap(),
+            ),
+            lane: Lane::new(5, 0),
+            version: Version(1),
+        };
+        let mut gossip = node(1);
+        let relay = |at_ms: u64, gossip: &mut Gossip| {
+            let delta = Message::Delta {
+                to: gossip.replica(),
+                delta: Delta {
+                    origins: vec![OriginDelta {
+                        origin: nine,
+                        through: Watermark {
+                            version: Version(1),
+                            stamp: Stamp(WALL),
+                        },
+                        lanes: vec![lane.clone()],
+                    }],
+                },
+                members: vec![MemberEntry {
+                    node: NodeId(9),
+                    generation: Generation(1),
+                    addr: "n9".into(),
+                    left: false,
+                }],
+                dead: vec![NodeId(9)],
+            };
+            gossip.handle_input(Input::Receive {
+                now: now(at_ms),
+                from: NodeId(2),
+                frame: wire::encode(node(2).replica(), &delta),
+            });
+        };
+        relay(0, &mut gossip);
+        assert_eq!(gossip.members.state(NodeId(9)), Some(State::Dead));
+        assert_eq!(gossip.map().watermark(nine).version, Version(1));
+        // The lane's window ends; the map lets the dead origin go, watermark and all.
+        gossip.handle_input(Input::Timeout { now: now(10_000) });
+        assert_eq!(gossip.map().watermark(nine), Watermark::default());
+        // A peer that still holds 9's watermark hands it back: no news of node 9.
+        relay(11_000, &mut gossip);
+        assert_eq!(gossip.members.state(NodeId(9)), Some(State::Dead));
     }
 
     #[test]

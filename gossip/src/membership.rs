@@ -193,6 +193,17 @@ impl Members {
         }
     }
 
+    /// Keeps `stamp` as heard of `replica` (its row's, if it has one of that generation)
+    /// without counting it as hearing it: what the map held of a member before it lets the
+    /// member's watermark go.
+    pub fn keep_stamp(&mut self, replica: ReplicaId, stamp: Stamp) {
+        if let Some(member) = self.members.get_mut(&replica.node) {
+            if member.entry.generation == replica.generation {
+                member.stamp = member.stamp.max(stamp);
+            }
+        }
+    }
+
     /// Re-evaluates every member at `now` against the detector.
     pub fn check(&mut self, now: Duration, suspect_phi: f64, dead_after: Duration) {
         for member in self.members.values_mut() {
