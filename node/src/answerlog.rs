@@ -77,10 +77,7 @@ impl AnswerLog {
             .create_new(true)
             .append(true)
             .open(&path)
-            .map_err(|source| LogError::Io {
-                path: path.clone(),
-                source,
-            })?;
+            .map_err(LogError::io_at(&path))?;
         Ok(AnswerLog {
             path,
             file,
@@ -172,10 +169,7 @@ impl AnswerLog {
             OpenOptions::new()
                 .append(true)
                 .open(&self.path)
-                .map_err(|source| LogError::Io {
-                    path: self.path.clone(),
-                    source,
-                })
+                .map_err(LogError::io_at(&self.path))
         });
         match reopened {
             Ok(file) => {
@@ -208,10 +202,7 @@ const STOPPED: &str = "answers under request ids are remembered in memory only f
 /// answers it keeps, or removed if it keeps none; a rewrite cut off by a crash is removed
 /// first (its file is whole).
 pub fn recover(dir: &Path, now_unix_secs: u64) -> Result<(Vec<AnsweredId>, u64), LogError> {
-    let io = |path: &Path| {
-        let path = path.to_owned();
-        move |source| LogError::Io { path, source }
-    };
+    let io = LogError::io_at;
     let mut lives = Vec::new();
     for entry in std::fs::read_dir(dir).map_err(io(dir))? {
         let path = entry.map_err(io(dir))?.path();

@@ -75,6 +75,16 @@ pub enum LogError {
     Failed(String),
 }
 
+impl LogError {
+    /// Turns a failed file operation on `path` into a [`LogError::Io`] naming it.
+    pub(crate) fn io_at(path: &Path) -> impl Fn(std::io::Error) -> LogError + '_ {
+        move |source| LogError::Io {
+            path: path.to_owned(),
+            source,
+        }
+    }
+}
+
 /// The largest generation a start takes, so that its floor in microseconds
 /// ([`Recovered::republish_floor`]) and the versions above it fit a `u64`: the wall clock in
 /// ms is about 1.8 * 10^12, this is about 9.2 * 10^15.
@@ -135,10 +145,7 @@ pub fn open(
     wall_ms: u64,
     now_unix_secs: u64,
 ) -> Result<(LaneLog, Recovered), LogError> {
-    let io = |path: &Path| {
-        let path = path.to_owned();
-        move |source| LogError::Io { path, source }
-    };
+    let io = LogError::io_at;
     create_dir_durably(dir).map_err(io(dir))?;
     claim(dir, node)?;
     let generation_file = dir.join("generation");
@@ -249,12 +256,9 @@ pub fn open(
 /// and compact the region log under a region still appending to it, whose later
 /// acknowledged checks would go to a file no longer there.
 pub fn lock(dir: &Path) -> Result<File, LogError> {
-    let io = |source| LogError::Io {
-        path: dir.to_owned(),
-        source,
-    };
-    create_dir_durably(dir).map_err(io)?;
-    let handle = File::open(dir).map_err(io)?;
+    let io = LogError::io_at(dir);
+    create_dir_durably(dir).map_err(&io)?;
+    let handle = File::open(dir).map_err(&io)?;
     match handle.try_lock() {
         Ok(()) => Ok(handle),
         Err(std::fs::TryLockError::WouldBlock) => Err(LogError::InUse {
@@ -450,10 +454,7 @@ impl LaneLog {
             OpenOptions::new()
                 .write(true)
                 .open(&self.path)
-                .map_err(|source| LogError::Io {
-                    path: self.path.clone(),
-                    source,
-                })
+                .map_err(LogError::io_at(&self.path))
         });
         self.file = match reopened {
             Ok(file) => file,
@@ -636,12 +637,9 @@ fn replace_synced(dir: &Path, name: &str, bytes: &[u8]) -> Result<(), LogError> 
 
 /// Writes `bytes` to a new file at `path` and syncs it.
 pub(crate) fn write_synced(path: &Path, bytes: &[u8]) -> Result<(), LogError> {
-    let io = |source| LogError::Io {
-        path: path.to_owned(),
-        source,
-    };
-    let mut file = File::create(path).map_err(io)?;
-    file.write_all(bytes).map_err(io)?;
+    let io = LogError::io_at(path);
+    let mut file = File::create(path).map_err(&io)?;
+    file.write_all(bytes).map_err(&io)?;
     file.sync_all().map_err(io)
 }
 
