@@ -800,3 +800,52 @@ async fn a_request_retried_under_its_id_after_its_sidecar_was_killed_and_restart
     );
     assert_eq!(counts(&other).await, (7, 3));
 }
+
+/// TESTING.md T1: a member whose wall clock runs 90 s ahead stamps its state 90 s in the
+/// future. Read against those stamps alone it would look fresh for 90 s after it went
+/// quiet, so its peers would go on deciding connected, without its admissions and under a
+/// bound of none, for as long as its clock is ahead. A stamp counts as no later than its
+/// arrival: paused, the member goes stale at its peers within `stale_after_ms`.
+#[tokio::test(flavor = "current_thread")]
+async fn a_member_whose_clock_runs_ahead_goes_stale_at_its_peers_once_it_stops() {
+    // A paused member would be dead only after a minute: long past the test.
+    let mut cluster = Cluster::start_with(NET, 2, 60_000, false);
+    cluster.node(2).kill9();
+    cluster.node(2).restart_with_clock_ahead(90);
+    let client = cluster.nodes[0].client().await;
+    let mut connected = false;
+    for _ in 0..200 {
+        let decision = client.check("api", "ahead", 1).await.unwrap();
+        if decision.mode == Mode::ApproximateConnected {
+            connected = true;
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert!(
+        connected,
+        "node 1 never saw node 2, its clock ahead, as fresh"
+    );
+
+    cluster.nodes[1].signal("STOP");
+    let mut decisions = 0;
+    let mut isolated = None;
+    for _ in 0..200 {
+        let decision = client.check("api", "ahead", 1).await.unwrap();
+        decisions += 1;
+        if decision.mode == Mode::ApproximateIsolated {
+            isolated = Some(decision);
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    cluster.nodes[1].signal("CONT");
+    // 200 checks 50 ms apart: at least 10 s, against the rule's 600 ms and the 90 s skew.
+    let isolated = isolated.unwrap_or_else(|| {
+        panic!("node 1 still decided connected {decisions} checks after node 2 stopped")
+    });
+    assert!(
+        isolated.staleness_ms >= 600,
+        "isolated on node 2's staleness: {isolated:?}"
+    );
+}

@@ -420,6 +420,7 @@ mod tests {
         view.set_members(
             vec![(NodeId(2), peer, State::Alive)],
             [(peer, peer_stamp)].into(),
+            peer_stamp,
         );
         view
     }

@@ -312,7 +312,7 @@ impl Driver {
             self.clock.mono().saturating_sub(serving_since),
             config.dead_after,
         );
-        view.set_members(rows, stamps);
+        view.set_members(rows, stamps, self.clock.now().wall);
         view.own_held_since = held_since;
         view.gossip = self.gossip.stats().clone();
         view.lanes = map.lanes();

@@ -24,8 +24,11 @@ pub struct View {
 pub struct ViewState {
     // Every other member: its node, current replica and state.
     members: Vec<(NodeId, ReplicaId, State)>,
-    // The newest origin stamp held for each other member's current replica.
+    // The newest origin stamp held for each other member's current replica, as far as
+    // `arrivals` vouches for it.
     stamps: BTreeMap<ReplicaId, Stamp>,
+    // When each stamp in `stamps` arrived.
+    arrivals: Arrivals,
     // What `freshness` needs of `members` and `stamps`, taken when they are set, so a
     // decision reads it in constant time however many members there are.
     summary: Summary,
@@ -52,6 +55,43 @@ pub struct ViewState {
     /// dead and stopped counting it, so it decides as stale as that, isolated once past a
     /// rule's `stale_after_ms`.
     pub own_held_since: Option<Stamp>,
+}
+
+/// When each member's newest stamp first arrived, by this node's wall clock.
+///
+/// A stamp is the origin's own wall clock, so an origin whose clock runs ahead stamps its
+/// state in this node's future: read against its stamp alone, it would look fresh for as
+/// long as its clock is ahead after it went quiet (cut off, paused), and decisions would
+/// go on counting it as connected with none of its admissions in the bound (TESTING.md T1).
+/// A stamp is vouched for as no later than its arrival here. A stamp behind this node's
+/// clock is taken as it is: an origin whose clock runs behind looks staler than it is, the
+/// safe side.
+#[derive(Debug, Default, Clone)]
+struct Arrivals {
+    // Per replica: the newest stamp held, and this node's wall time when it was first held.
+    held: BTreeMap<ReplicaId, (Stamp, Stamp)>,
+}
+
+impl Arrivals {
+    /// `stamps` as far as this node vouches for them at wall time `now`: each no later
+    /// than when it first arrived. Forgets the replicas not in `stamps`.
+    fn vouch(
+        &mut self,
+        stamps: BTreeMap<ReplicaId, Stamp>,
+        now: Stamp,
+    ) -> BTreeMap<ReplicaId, Stamp> {
+        self.held.retain(|replica, _| stamps.contains_key(replica));
+        stamps
+            .into_iter()
+            .map(|(replica, stamp)| {
+                let held = self.held.entry(replica).or_insert((stamp, now));
+                if held.0 != stamp {
+                    *held = (stamp, now);
+                }
+                (replica, stamp.min(held.1))
+            })
+            .collect()
+    }
 }
 
 /// A smoothed rate of increments per second, from totals seen at times.
@@ -166,17 +206,20 @@ impl ViewState {
         &self.members
     }
 
-    /// The newest origin stamp held for each other member's current replica.
+    /// The newest origin stamp held for each other member's current replica, or when it
+    /// arrived here if that was earlier (an origin whose clock runs ahead).
     pub fn stamps(&self) -> &BTreeMap<ReplicaId, Stamp> {
         &self.stamps
     }
 
-    /// Replaces the members and their stamps.
+    /// Replaces the members and their stamps, as held at wall time `now`.
     pub fn set_members(
         &mut self,
         members: Vec<(NodeId, ReplicaId, State)>,
         stamps: BTreeMap<ReplicaId, Stamp>,
+        now: Stamp,
     ) {
+        let stamps = self.arrivals.vouch(stamps, now);
         let mut summary = Summary::default();
         for (_, replica, state) in &members {
             if *state != State::Left {
@@ -198,6 +241,7 @@ impl ViewState {
         ViewState {
             members: self.members.clone(),
             stamps: self.stamps.clone(),
+            arrivals: Arrivals::default(),
             summary: self.summary,
             gossip: self.gossip.clone(),
             lanes: self.lanes,
@@ -380,10 +424,50 @@ mod tests {
                 (replica(4), Stamp(0)),
             ]
             .into(),
+            Stamp(1_000),
         );
         let freshness = state.freshness(Stamp(1_000));
         assert_eq!(freshness.staleness, Duration::from_millis(300));
         assert_eq!((freshness.live, freshness.locations), (2, 4));
+    }
+
+    #[test]
+    fn a_stamp_ahead_of_this_nodes_clock_counts_from_its_arrival() {
+        let ahead = ReplicaId::new(NodeId(2), tally_crdt::Generation(1));
+        let behind = ReplicaId::new(NodeId(3), tally_crdt::Generation(1));
+        let members = vec![
+            (NodeId(2), ahead, State::Alive),
+            (NodeId(3), behind, State::Alive),
+        ];
+        let mut state = ViewState::default();
+        // Node 2's clock runs 90 s ahead, node 3's half a second behind; both stamped just now.
+        let stamps =
+            |now: u64| BTreeMap::from([(ahead, Stamp(now + 90_000)), (behind, Stamp(now - 500))]);
+        state.set_members(members.clone(), stamps(100_000), Stamp(100_000));
+        assert_eq!(
+            state.stamps()[&ahead],
+            Stamp(100_000),
+            "vouched for as of its arrival"
+        );
+        assert_eq!(state.stamps()[&behind], Stamp(99_500), "taken as it is");
+        // Node 3 goes on stamping; node 2 stops. Its stamp held is as old as its arrival.
+        let mut held = stamps(107_000);
+        held.insert(ahead, Stamp(190_000));
+        state.set_members(members.clone(), held, Stamp(107_000));
+        assert_eq!(state.stamps()[&ahead], Stamp(100_000));
+        assert_eq!(
+            state.freshness(Stamp(107_000)).staleness,
+            Duration::from_millis(7_000),
+            "node 2 has been quiet for 7 s, however far ahead its clock"
+        );
+        // A newer stamp from it counts from its own arrival; a member gone is forgotten.
+        state.set_members(
+            members[..1].to_vec(),
+            BTreeMap::from([(ahead, Stamp(200_000))]),
+            Stamp(110_000),
+        );
+        assert_eq!(state.stamps()[&ahead], Stamp(110_000));
+        assert_eq!(state.arrivals.held.len(), 1);
     }
 
     #[test]
