@@ -15,9 +15,10 @@ impl Version {
     /// Before any write.
     pub const ZERO: Version = Version(0);
 
-    /// The version after this one.
+    /// The version after this one; `u64::MAX` stays (no life writes 2^64 times, and a
+    /// peer claiming that version of a node's own replica stops it first).
     pub fn next(self) -> Version {
-        Version(self.0 + 1)
+        Version(self.0.saturating_add(1))
     }
 }
 

@@ -72,6 +72,11 @@ pub struct Applied {
     /// Lane updates left out because their totals passed `lane_rate_max` for each second
     /// of their window so far: the first such of an origin's entry and every later one.
     pub lanes_throttled: usize,
+    /// Lane updates left out because their version already names another key of their
+    /// origin here: the origin wrote two lanes under one version, as a replica id reused
+    /// by a life that lost its state does (or a member forging lanes). The first such of
+    /// an origin's entry and every later one.
+    pub lanes_clashing: usize,
 }
 
 impl CounterMap {
@@ -226,7 +231,15 @@ impl CounterMap {
                 return slot.version;
             }
         }
-        let version = origin.watermark.version.next();
+        // Above every version held of it, lanes taken past a gap included, so that the
+        // new version names this lane alone.
+        let last = origin
+            .by_version
+            .keys()
+            .next_back()
+            .copied()
+            .unwrap_or_default();
+        let version = origin.watermark.version.max(last).next();
         origin.watermark.version = version;
         if let Some(old) = counter.slot(replica) {
             origin.by_version.remove(&old.version);
@@ -415,8 +428,9 @@ impl CounterMap {
     /// delta never makes a lane or a watermark go back.
     ///
     /// An origin's entry is taken only up to its first lane of a key not held while the map
-    /// is at its key cap ([`Applied::lanes_refused`]), or whose totals pass the lane rate
-    /// ([`Applied::lanes_throttled`]): that lane and the rest are left out, and the
+    /// is at its key cap ([`Applied::lanes_refused`]), whose totals pass the lane rate
+    /// ([`Applied::lanes_throttled`]), or whose version names another key of its origin
+    /// ([`Applied::lanes_clashing`]): that lane and the rest are left out, and the
     /// origin's watermark rises only to the version below it, its stamp not at all. So the
     /// map never claims what it left out: peers send it again while it is behind, and its
     /// staleness for the origin rises until expiry makes room or the window grows old
@@ -443,6 +457,13 @@ impl CounterMap {
                 let (lane, window) = (update.lane, update.key.window);
                 if !lane_within_rate(lane, window, self.lane_rate_max, writer_now) {
                     applied.lanes_throttled += left_out.len();
+                    refused_at = lowest();
+                    break;
+                }
+                let named =
+                    (origin.by_version.get(&update.version)).and_then(|&id| self.keys.get(id));
+                if named.is_some_and(|held| held.key != update.key) {
+                    applied.lanes_clashing += left_out.len();
                     refused_at = lowest();
                     break;
                 }
@@ -746,6 +767,58 @@ mod tests {
         assert_index_names_each_lane(&map);
         assert_eq!(map.value(&key(90, 3_600)), 2 + 5);
         assert_eq!(map.value(&key(500, 3_600)), 5);
+    }
+
+    #[test]
+    fn a_lane_whose_version_names_another_key_of_its_origin_is_left_out() {
+        // Replica 1's first life wrote key 0 at versions 1 and 2; a life that lost its state
+        // wrote key 1 at version 2 under the same replica id. A map holding the first
+        // life's lanes takes the second's entry only below the clash.
+        let mut first = CounterMap::new();
+        first.incr(replica(1), &key(0, 60), 1, Stamp(1)).unwrap();
+        first.incr(replica(1), &key(0, 60), 1, Stamp(2)).unwrap();
+        let mut map = CounterMap::new();
+        map.apply(&first.delta_for(&Digest::default(), usize::MAX, 0), NOW);
+        let mut reused = CounterMap::new();
+        reused.incr(replica(1), &key(2, 60), 7, Stamp(3)).unwrap();
+        reused.incr(replica(1), &key(1, 60), 5, Stamp(3)).unwrap();
+        reused.incr(replica(1), &key(3, 60), 9, Stamp(3)).unwrap();
+        let applied = map.apply(&reused.delta_for(&Digest::default(), usize::MAX, 0), NOW);
+        assert_eq!(applied.lanes_clashing, 2, "the clash and the lane after it");
+        assert_eq!(map.value(&key(0, 60)), 2, "the lane named first is kept");
+        assert_eq!(map.value(&key(1, 60)), 0);
+        assert_eq!(
+            map.value(&key(2, 60)),
+            7,
+            "the lane below the clash is taken"
+        );
+        assert_eq!(map.watermark(replica(1)).version, Version(2));
+        assert_index_names_each_lane(&map);
+        // Expiring and compacting around it keeps every index entry on its own key.
+        let later = key(0, 60).window.live_until_unix_secs();
+        assert_eq!(map.expire(later, |_| true), 2);
+        assert_index_names_each_lane(&map);
+    }
+
+    #[test]
+    fn an_own_write_after_a_lane_taken_past_a_gap_takes_a_version_above_it() {
+        // Replica 1's lane of key 0 arrives at version 10, past a gap (its watermark here
+        // stays at 0); a write of that replica here must not take version 1, which would
+        // leave the lane's slot at 10 and two index entries naming it.
+        let mut writer = CounterMap::new();
+        for _ in 0..10 {
+            writer.incr(replica(1), &key(0, 60), 1, Stamp(1)).unwrap();
+        }
+        let entry = writer.delta_for(&Digest::default(), usize::MAX, 0).origins[0].clone();
+        let mut map = CounterMap::new();
+        map.apply_since(Version(9), &entry, NOW);
+        assert_eq!(map.watermark(replica(1)).version, Version::ZERO);
+        assert_eq!(map.top(replica(1)), Version(10));
+        let version = map.incr(replica(1), &key(0, 60), 1, Stamp(2)).unwrap();
+        assert_eq!(version, Version(11));
+        map.incr(replica(1), &key(1, 60), 1, Stamp(2)).unwrap();
+        assert_index_names_each_lane(&map);
+        assert_eq!(map.lanes(), 2);
     }
 
     #[test]

@@ -99,10 +99,11 @@ pub enum Event {
     },
     /// A member changed state.
     Member(Transition),
-    /// A peer holds this node's own replica at a version it never wrote: this replica id
-    /// was used before by a life that lost its state. The node must take a new generation.
+    /// A peer holds a lane of this node's own replica that this life never wrote: at a
+    /// version above its writes, or with totals above its own. This replica id was used
+    /// before by a life that lost its state. The node must take a new generation.
     GenerationReused {
-        /// The version a peer holds.
+        /// The version of the lane a peer holds.
         seen: Version,
         /// The version this node has written.
         written: Version,
@@ -515,7 +516,14 @@ impl Gossip {
             .iter()
             .map(|entry| self.map.watermark(entry.origin).stamp)
             .collect();
-        let own_before = self.map.watermark(me).version;
+        let own_before = self.map.top(me);
+        // No peer can hold a lane of this replica above what this life wrote: a lane that
+        // would raise one is a lane an earlier life wrote under this replica id.
+        let inflated = (delta.origins.iter())
+            .filter(|entry| entry.origin == me)
+            .flat_map(|entry| &entry.lanes)
+            .find(|update| !self.map.lane(&update.key, me).covers(update.lane))
+            .map(|update| update.version);
         let at = AppliedAt {
             live_at_unix_secs: self.expiry_secs(now),
             now_unix_secs: now.wall.0 / 1_000,
@@ -524,15 +532,16 @@ impl Gossip {
             (Some(after), Some(entry)) => self.map.apply_since(after, entry, at),
             _ => self.map.apply(&delta, at),
         };
-        let own_after = self.map.watermark(me).version;
-        if own_after > own_before {
+        let own_after = self.map.top(me);
+        if let Some(seen) = inflated.or((own_after > own_before).then_some(own_after)) {
             self.outbox
                 .push_back(Output::Event(Event::GenerationReused {
-                    seen: own_after,
+                    seen,
                     written: own_before,
                 }));
         }
         self.stats.lanes_refused += applied.lanes_refused as u64;
+        self.stats.lanes_clashing += applied.lanes_clashing as u64;
         self.stats.lanes_throttled += applied.lanes_throttled as u64;
         for (entry, before) in delta.origins.iter().zip(before) {
             let held = self.map.watermark(entry.origin).stamp;
@@ -918,6 +927,66 @@ mod tests {
             from: NodeId(2),
             frame,
         });
+    }
+
+    /// Node 1, having written `mine` once (a lane of 3 at version 1), is sent by node 2
+    /// `lane` of its own replica at `version`, through version 0: the events it reports.
+    fn reuse_events(lane: Lane, version: Version, subject: &str) -> Vec<(Version, Version)> {
+        let mut gossip = node(1);
+        let key = |subject: &str| {
+            Key::new(
+                Rule::new("r").unwrap(),
+                Subject::new(subject).unwrap(),
+                Window::containing(WALL / 1_000, 60).unwrap(),
+            )
+        };
+        gossip.handle_input(Input::LocalLanes {
+            now: now(1),
+            lanes: vec![(key("mine"), Lane::new(3, 0))],
+        });
+        let delta = Message::Delta {
+            to: gossip.replica(),
+            delta: Delta {
+                origins: vec![OriginDelta {
+                    origin: gossip.replica(),
+                    through: Watermark::default(),
+                    lanes: vec![tally_crdt::LaneUpdate {
+                        key: key(subject),
+                        lane,
+                        version,
+                    }],
+                }],
+            },
+            members: Vec::new(),
+            dead: Vec::new(),
+        };
+        receive_from_node_2(&mut gossip, wire::encode(node(2).replica(), &delta));
+        let mut events = Vec::new();
+        loop {
+            match gossip.poll_output() {
+                Output::Event(Event::GenerationReused { seen, written }) => {
+                    events.push((seen, written));
+                }
+                Output::Timeout(_) => return events,
+                _ => {}
+            }
+        }
+    }
+
+    #[test]
+    fn a_lane_of_its_own_replica_that_this_life_never_wrote_reports_the_generation_reused() {
+        // Past a gap: a version above this life's, the watermark not raised by it.
+        assert_eq!(
+            reuse_events(Lane::new(1, 0), Version(5), "other"),
+            [(Version(5), Version(1))]
+        );
+        // At a version it wrote, with totals above its own.
+        assert_eq!(
+            reuse_events(Lane::new(100, 0), Version(1), "mine"),
+            [(Version(1), Version(1))]
+        );
+        // Its own lane handed back as it wrote it: nothing to report.
+        assert_eq!(reuse_events(Lane::new(3, 0), Version(1), "mine"), []);
     }
 
     #[test]

@@ -29,6 +29,9 @@ pub struct Stats {
     /// Lane updates left out because their totals passed the map's rate over their
     /// window's age (`CounterMap::with_lane_rate_max`).
     pub lanes_throttled: u64,
+    /// Lane updates left out because their version named another key of their origin
+    /// here (`Applied::lanes_clashing`).
+    pub lanes_clashing: u64,
     /// Lane updates sent.
     pub lanes_out: u64,
     /// Messages not sent because their frame would have passed `frame_bytes_max`.

@@ -31,11 +31,12 @@ const SYNC_OVERDUE: Duration = Duration::from_secs(1);
 /// Why the gossip task stopped on its own.
 #[derive(Debug, thiserror::Error)]
 pub enum DriverError {
-    /// A peer holds this replica at a version it never wrote: this replica id was used by
-    /// an earlier life that lost its state. Restarting takes a new generation.
-    #[error("generation reused: a peer holds version {seen:?} of this replica, which wrote {written:?}; restart to take a new generation")]
+    /// A peer holds a lane of this replica that this life never wrote (above its versions
+    /// or its totals): this replica id was used by an earlier life that lost its state.
+    /// Restarting takes a new generation.
+    #[error("generation reused: a peer holds a lane of this replica at version {seen:?} that this life, through version {written:?}, never wrote; restart to take a new generation")]
     GenerationReused {
-        /// What the peer holds.
+        /// The version of the lane the peer holds.
         seen: Version,
         /// What this life wrote.
         written: Version,

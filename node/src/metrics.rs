@@ -172,6 +172,12 @@ pub fn render(sources: &Sources<'_>) -> String {
             gossip.lanes_throttled,
         ),
         (
+            "gossip_lanes_clashing",
+            "Lanes received and left out: their version named another key of their origin \
+             here, two lanes written under one replica id and version (a reused generation)",
+            gossip.lanes_clashing,
+        ),
+        (
             "gossip_lanes_refused",
             "Lanes received and left out: they would have added a key past keys_max",
             gossip.lanes_refused,
