@@ -169,7 +169,9 @@ impl Recent {
     /// forgotten one's window is live. `base` stays while this is true: a number of a
     /// window that is over reads as unseen. For an edge's id that is
     /// safe, because the edge fixed the window when it first sent it, and the region
-    /// refuses a check of a window that is over before it asks the ledger. An application's
+    /// refuses a check of a window that is over before it asks the ledger (over by the
+    /// wall clock or by the latest time windows were expired by, so a clock stepped back
+    /// does not make it live again). An application's
     /// retry is given its window afresh by the edge it goes through, so one sent after the
     /// first check's window is over (and forgotten, one window length after its end) is a
     /// new check in its own window.

@@ -90,7 +90,7 @@ impl RegionService {
         store: Arc<LaneStore>,
         lanes: Option<Arc<Mutex<LaneLog>>>,
         retired: &[(ReplicaId, Vec<(Key, Lane)>)],
-        mut expiry: ExpiryClock,
+        expiry: ExpiryClock,
     ) -> Result<(RegionService, Opened), OpenError> {
         let path = dir.join("region.log");
         let io = |source| OpenError {
@@ -100,7 +100,9 @@ impl RegionService {
         crate::lanelog::create_dir_durably(dir).map_err(io)?;
         let (mut storage, entries, torn) = log::open(&path).map_err(io)?;
         let mut ledger = Ledger::replay(&entries);
-        ledger.expire(expiry.now_secs());
+        // By the earlier life's last reading, if the wall clock is behind it now: the
+        // windows it had forgotten stay forgotten.
+        ledger.expire(expiry.high_water_secs());
         ledger.forget_lives_of(store.replica().node.0);
         // Start from a compacted log: the state the entries left, without finished windows.
         let mut compacted = Vec::new();
@@ -317,7 +319,9 @@ impl RegionService {
             }
         };
         // The edge fixes the window, but only one that is live by this node's clock (with
-        // a minute of skew ahead): a window far off would never expire here.
+        // a minute of skew ahead): a window far off would never expire here. Nor one the
+        // ledger may have forgotten already, its counts and ids: live again by a wall clock
+        // stepped back, it would admit its limit twice and count retries again.
         let key = key_in(
             name.clone(),
             &check.subject,
@@ -325,7 +329,9 @@ impl RegionService {
             check.window_secs,
         )
         .filter(|key| {
-            key.window.is_live(now_secs) && key.window.start_unix_secs() <= now_secs + 60
+            key.window.is_live(now_secs)
+                && key.window.start_unix_secs() <= now_secs + 60
+                && key.window.is_live(self.expiry.high_water_secs())
         });
         let Some(key) = key else {
             self.bad_requests.fetch_add(1, Ordering::Relaxed);
@@ -425,15 +431,20 @@ async fn acknowledge(mut batches: mpsc::UnboundedReceiver<Batch>, mut own: OwnLa
 #[cfg(not(tally_loom))]
 mod tests {
     use super::*;
+    use crate::clock::Clock;
     use crate::config::{RuleConfig, RuleMode};
     use crate::region::log::RequestId;
     use tally_crdt::{Generation, NodeId, Window};
 
     fn open(dir: &Path) -> RegionService {
+        open_at(dir, ExpiryClock::start())
+    }
+
+    fn open_at(dir: &Path, expiry: ExpiryClock) -> RegionService {
         let rules = Rules::new(&[RuleConfig::for_test("quota", 1_000, RuleMode::Exact)]).unwrap();
         let replica = ReplicaId::new(NodeId(1), Generation(1));
         let store = Arc::new(LaneStore::new(replica, 1_024));
-        RegionService::open(dir, rules, store, None, &[], ExpiryClock::start())
+        RegionService::open(dir, rules, store, None, &[], expiry)
             .unwrap()
             .0
     }
@@ -444,24 +455,51 @@ mod tests {
         service: &mut RegionService,
         seqs: std::ops::Range<u64>,
     ) -> oneshot::Receiver<Result<(), CommitError>> {
-        let window = Window::containing(clock::wall().0 / 1_000, 3_600).unwrap();
-        let checks: Vec<ExactCheck> = seqs
-            .map(|seq| ExactCheck {
-                id: RequestId {
-                    node: 2,
-                    generation: 1,
-                    seq,
-                },
-                check_id: None,
-                rule: "quota".into(),
-                subject: format!("acct-{}", seq % 7),
-                window_index: window.index(),
-                window_secs: window.len_secs(),
-                cost: 1 + seq % 3,
-            })
-            .collect();
-        let (_, _, records) = service.decide_frame(&checks);
+        let (_, _, records) = service.decide_frame(&checks(seqs));
         service.submit(records)
+    }
+
+    /// Checks from node 2 with sequence numbers `seqs`, on seven accounts, in this hour's
+    /// window by the wall clock.
+    fn checks(seqs: std::ops::Range<u64>) -> Vec<ExactCheck> {
+        let window = Window::containing(clock::wall().0 / 1_000, 3_600).unwrap();
+        seqs.map(|seq| ExactCheck {
+            id: RequestId {
+                node: 2,
+                generation: 1,
+                seq,
+            },
+            check_id: None,
+            rule: "quota".into(),
+            subject: format!("acct-{}", seq % 7),
+            window_index: window.index(),
+            window_secs: window.len_secs(),
+            cost: 1 + seq % 3,
+        })
+        .collect()
+    }
+
+    #[tokio::test]
+    async fn a_window_the_last_life_expired_stays_over_though_the_wall_clock_is_behind_it() {
+        let dir = std::env::temp_dir().join(format!("tally-stepped-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        let mut service = open(&dir);
+        frame(&mut service, 0..20).await.unwrap().unwrap();
+        drop(service);
+        // The last life read its paced clock two hours on (its wall clock was ahead, and
+        // has been stepped back since): this hour's window was over by then, and its
+        // counts and ids may be gone.
+        let mark = tally_crdt::Stamp(clock::wall().0 + 2 * 3_600_000);
+        let mut service = open_at(&dir, ExpiryClock::resume(Clock::start(), Some(mark)));
+        assert!(
+            service.ledger.counts.is_empty(),
+            "the over window forgotten at start"
+        );
+        let (answers, admitted, _) = service.decide_frame(&checks(20..21));
+        assert_eq!(answers, [(20, ExactAnswer::UnknownRule)]);
+        assert!(admitted.is_empty());
+        drop(service);
+        std::fs::remove_dir_all(&dir).unwrap();
     }
 
     #[tokio::test]
