@@ -44,7 +44,8 @@ pub enum Error {
     },
     /// The sidecar sent something this client does not understand: a frame that does not
     /// decode (the connection is closed and every pending request fails with this), or a
-    /// reply of the wrong kind for the request. The outcome is unknown.
+    /// reply of the wrong kind for the request (that call alone fails, and the connection
+    /// stays open: the answer came under its request's id). The outcome is unknown.
     #[error("protocol: {0}")]
     Protocol(String),
     /// The tokio runtime this client connected on has shut down, and with it the tasks
@@ -60,7 +61,10 @@ impl Error {
     /// True for [`Error::Timeout`], [`Error::Disconnected`] and [`Error::Connect`], and for
     /// refusals that name a passing condition ([`Refusal::RegionUnavailable`],
     /// [`Refusal::Storage`]). False for other refusals, for [`Error::Protocol`] and for
-    /// [`Error::RuntimeStopped`]: asking again gets the same answer.
+    /// [`Error::RuntimeStopped`]: asking again gets the same answer. (When the sidecar
+    /// refuses one frame of a connection, every request in flight on it fails with
+    /// `Protocol`, the well-formed ones beside it too: those may have counted, and sent
+    /// again may succeed.)
     ///
     /// Retryable does not mean safe to retry. After a `Timeout` or a `Disconnected` the
     /// first request may have been applied, and after a refusal `RegionUnavailable` or

@@ -248,7 +248,8 @@ pub fn render(sources: &Sources<'_>) -> String {
         ),
         (
             "client_connections_refused",
-            "Client connections refused at the connection limit",
+            "Client connections refused at the connection limit, or that failed to be \
+             accepted (out of file descriptors, say)",
             load(&metrics.client_connections_refused),
         ),
         (

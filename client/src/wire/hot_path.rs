@@ -325,8 +325,11 @@ impl<'a> Reader<'a> {
     }
 
     fn u64(&mut self) -> Option<u64> {
-        // bincode refuses the 128-bit form for a u64; so does `try_from`, for the
-        // fallback to refuse.
+        // bincode refuses the 128-bit form for a u64 (a length included), whatever its
+        // value: so does this, for the fallback to refuse.
+        if self.rest.first() == Some(&U128_BYTE) {
+            return None;
+        }
         u64::try_from(self.u128()?).ok()
     }
 
@@ -588,6 +591,59 @@ mod tests {
         assert_eq!(Reader::new(&body).and_then(Reader::request), None);
         assert_eq!(decode_request(&body), Ok(request));
         assert_eq!(decode_body::<Request>(&body), Ok(request.to_request()));
+    }
+
+    #[test]
+    fn a_u64_in_the_128_bit_form_is_refused_as_bincode_refuses_it() {
+        let long = |value: u8| [&[U128_BYTE, value][..], &[0; 15]].concat();
+        // Status with id 1; an increment with id 5, amount 1, rule "r", subject "s".
+        let status = [&[CLIENT_WIRE_VERSION][..], &long(1), &[4]].concat();
+        let incr = |id: &[u8], amount: &[u8], rule_len: &[u8]| {
+            [
+                &[CLIENT_WIRE_VERSION][..],
+                id,
+                &[0],
+                rule_len,
+                b"r",
+                &[1],
+                b"s",
+                amount,
+                &[0],
+            ]
+            .concat()
+        };
+        let bodies = [
+            status,
+            incr(&long(5), &[1], &[1]),
+            incr(&[5], &long(1), &[1]),
+            incr(&[5], &[1], &long(1)),
+        ];
+        assert!(
+            decode_request(&incr(&[5], &[1], &[1])).is_ok(),
+            "the short forms"
+        );
+        for body in bodies {
+            let expected = decode_body::<Request>(&body);
+            assert!(expected.is_err(), "bincode takes {body:?}: {expected:?}");
+            assert_eq!(Reader::new(&body).and_then(Reader::request), None);
+            assert_eq!(
+                decode_request(&body).map(|request| request.to_request()),
+                expected
+            );
+        }
+        // The same form of a response's id.
+        let response = Response {
+            id: 5,
+            result: Ok(Reply::Counted(Estimate {
+                estimate: 1,
+                window: 2,
+                staleness_ms: 3,
+            })),
+        };
+        let body = bincode_frame(&response)[4..].to_vec();
+        let long_id = [&body[..1], &long(5), &body[2..]].concat();
+        assert!(decode_body::<Response>(&long_id).is_err());
+        assert_eq!(decode_response(&long_id), decode_body::<Response>(&long_id));
     }
 
     #[test]
