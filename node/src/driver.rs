@@ -262,7 +262,9 @@ impl Driver {
     /// Publishes the remote sums of `keys` to the store, and takes their counters into the
     /// view.
     fn publish(&mut self, me: ReplicaId, keys: &[Key]) {
-        let now_ms = self.clock.now().wall.0;
+        // Rates are timed on the monotonic clock: by a wall clock stepped back an hour, no
+        // sample would be far enough from the last for an hour, and the rates would stand.
+        let now_ms = self.clock.mono().as_millis() as u64;
         let mut view = self.view.lock();
         for key in keys {
             let Some(counter) = self.gossip.map().counter(key) else {

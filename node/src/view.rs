@@ -274,7 +274,7 @@ impl ViewState {
         }
     }
 
-    /// Takes in `key`'s counter as gossip merged it, at wall time `now_ms`: the other
+    /// Takes in `key`'s counter as gossip merged it, at monotonic time `now_ms`: the other
     /// replicas' increments for its remote rate, and the value of `me`'s other lives.
     pub fn take_in(&mut self, key: &Key, counter: &PnCounter, me: ReplicaId, now_ms: u64) {
         let remote_incr = counter
