@@ -1,11 +1,11 @@
-//! The record format of both durable logs (the lane log and the region log):
-//! `[len u32 LE][crc32 u32 LE][bincode body]`, decoded with a limit.
+//! The record format of the durable logs (the lane log, the region log, and the answers
+//! log): `[len u32 LE][crc32 u32 LE][bincode body]`, decoded with a limit.
 //!
 //! A reader stops at the first record that is short, of length 0, longer than
 //! [`RECORD_BYTES_MAX`], or fails its checksum: a crash can tear only the tail, so what
-//! comes before is whole. No record is empty, so a length of 0 is the end: both logs are
-//! allocated ahead with zeros ([`write_zeros`]), and `[len 0][crc 0]` would check (the
-//! crc32 of no bytes is 0).
+//! comes before is whole. No record is empty, so a length of 0 is the end: the lane log
+//! and the region log are allocated ahead with zeros ([`write_zeros`]), and
+//! `[len 0][crc 0]` would check (the crc32 of no bytes is 0).
 
 use serde::de::DeserializeOwned;
 use serde::Serialize;

@@ -202,9 +202,11 @@ impl LaneStore {
     ///
     /// Removal is for windows that are over. A key written again after its removal starts
     /// a new lane from zero, which peers holding the old totals ignore until it passes them
-    /// (a merge keeps the larger total), so the node refuses writes to windows that are no
-    /// longer live. A write racing the removal is not lost to the store: it lands either
-    /// before it (and the key stays) or in the key's new slot.
+    /// (a merge keeps the larger total). The node writes only in the window of its wall
+    /// clock, which windows are expired behind, so that happens only once the wall clock
+    /// steps back past a window's life (a gap, ARCHITECTURE.md). A write racing the removal
+    /// is not lost to the store: it lands either before it (and the key stays) or in the
+    /// key's new slot.
     pub fn remove(&self, key: &Key) -> bool {
         let guard = self.slots.guard();
         self.unlink(key, Slot::retire, &guard)
