@@ -293,7 +293,8 @@ const MAGIC_BEFORE_FLOOR_KEPT: &[u8; 8] = b"tallyRL\x02";
 /// Opens (or creates) the log at `path`: returns its storage for appending and the
 /// entries it holds, and how many bytes of torn tail it dropped (from the log's end to the
 /// last byte that was not zero; the file is truncated at the end if there were any). A
-/// compaction's file that was never renamed over the log is removed. A file that does not
+/// compaction's file that was never renamed over the log is removed. A file that is empty,
+/// a prefix of [`MAGIC`] or at most its length of zeros is a new log. A file that does not
 /// start with [`MAGIC`] (or the format before it), or that holds more than
 /// [`TORN_BYTES_MAX`] bytes after a damaged entry, is refused with `InvalidData`, and left
 /// as it is.
@@ -310,8 +311,11 @@ pub fn open(path: &Path) -> std::io::Result<(FileStorage, Vec<Entry>, u64)> {
         .open(path)?;
     let mut bytes = Vec::new();
     file.read_to_end(&mut bytes)?;
-    let (entries, end, torn) = if bytes.len() < MAGIC.len() && MAGIC.starts_with(&bytes) {
-        // New, or cut off while its first bytes were written.
+    let cut_off = bytes.len() < MAGIC.len() && MAGIC.starts_with(&bytes);
+    let never_synced = bytes.len() <= MAGIC.len() && bytes.iter().all(|&byte| byte == 0);
+    let (entries, end, torn) = if cut_off || never_synced {
+        // New, or cut off while its first bytes were written, or a crash kept the new
+        // file's size but not its bytes (nothing is appended before `MAGIC` is synced).
         file.set_len(0)?;
         file.write_all_at(MAGIC, 0)?;
         file.sync_all()?;
@@ -711,6 +715,19 @@ mod tests {
         // The next group fits without an allocation of its own.
         commit(&mut storage, &[3; 60]);
         assert_eq!((storage.end, storage.allocated, file_len()), (98, 128, 128));
+        std::fs::remove_dir_all(dir).unwrap();
+    }
+
+    #[test]
+    fn a_new_log_whose_size_outlived_a_crash_but_not_its_bytes_starts_anew() {
+        let dir = temp_dir("region-zeros");
+        let path = dir.join("region.log");
+        for len in [3, MAGIC.len()] {
+            std::fs::write(&path, vec![0; len]).unwrap();
+            let (_, entries, _) = open(&path).unwrap();
+            assert!(entries.is_empty());
+            assert_eq!(std::fs::read(&path).unwrap(), MAGIC, "{len} zeros");
+        }
         std::fs::remove_dir_all(dir).unwrap();
     }
 
