@@ -167,6 +167,9 @@ proptest! {
             assert_monotone(&before, &maps[target.to_owned()])?;
         }
         sync_until_quiet(&mut maps, budgets[0]);
+        for map in &maps {
+            assert_indexed(map)?;
+        }
 
         let mut full: BTreeMap<Key, PnCounter> = BTreeMap::new();
         for map in &maps {
@@ -232,6 +235,7 @@ proptest! {
             let delta = maps[0].delta_for(&maps[to].digest(), budget, step);
             maps[to].apply(&delta, NOW);
             prop_assert!(maps[0].len() <= keys_max);
+            assert_indexed(&maps[0])?;
             for (_, counter) in maps[0].iter() {
                 for slot in counter.slots() {
                     prop_assert!(u128::from(slot.lane.incr) + u128::from(slot.lane.decr) <= u128::from(rate));
@@ -304,6 +308,7 @@ proptest! {
                 .collect();
             prop_assert_eq!(map.lanes(), kept.len(), "one version-index entry per lane");
             prop_assert_eq!(snapshot_lanes(map), kept);
+            assert_indexed(map)?;
         }
         written.retain(|k, _| k.window.is_live(later));
         for (step, write) in after.iter().enumerate() {
@@ -316,6 +321,7 @@ proptest! {
         }
         sync_until_quiet_at(&mut maps, budget, later);
         for map in &maps {
+            assert_indexed(map)?;
             let values: BTreeMap<Key, i128> = map
                 .iter()
                 .map(|(k, c)| (k.clone(), c.value()))
@@ -400,6 +406,33 @@ fn snapshot_lanes(map: &CounterMap) -> Lanes {
                 .map(move |s| ((k.clone(), s.replica), s.lane))
         })
         .collect()
+}
+
+/// Every lane `map` holds is indexed under its origin at its own version, once: a full
+/// delta (which reads the origins' version indexes) names each lane held, at the version
+/// its slot holds, and nothing else. (`delta_for` panics on an index entry naming a key
+/// not held.)
+fn assert_indexed(map: &CounterMap) -> Result<(), TestCaseError> {
+    let mut indexed = Lanes::new();
+    for entry in map.delta_for(&Digest::default(), usize::MAX, 0).origins {
+        for update in entry.lanes {
+            let slot = map
+                .counter(&update.key)
+                .and_then(|c| c.slot(entry.origin).copied());
+            prop_assert_eq!(
+                slot.map(|s| s.version),
+                Some(update.version),
+                "{} {:?}",
+                update.key,
+                entry.origin
+            );
+            prop_assert!(indexed
+                .insert((update.key, entry.origin), update.lane)
+                .is_none());
+        }
+    }
+    prop_assert_eq!(indexed, snapshot_lanes(map));
+    Ok(())
 }
 
 fn assert_monotone(before: &Lanes, after: &CounterMap) -> Result<(), TestCaseError> {
