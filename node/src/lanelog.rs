@@ -502,16 +502,30 @@ fn encode(key: &Key, incr: u64, decr: u64, out: &mut Vec<u8>) {
 }
 
 /// The own lanes a log adds up to, and whether it had a torn tail (1) or not (0).
+///
+/// The records end at the first that is short or fails its checksum: a crash tears only
+/// the tail. A record that checks but does not decode, or names a key this build refuses,
+/// was written whole (by another build, or a fault past a crash): dropped, or read as the
+/// end, its totals and the records after it would be re-published below what peers hold,
+/// and nothing would lift them again. So it stops the start, naming the file.
 fn replay(path: &Path) -> Result<(Vec<(Key, Lane)>, usize), LogError> {
     let bytes = read_whole(path)?;
     let mut lanes: std::collections::HashMap<Key, Lane> = std::collections::HashMap::new();
-    let (records, valid) = checksummed::read_all::<Record>(&bytes);
-    // Zeros after the records are the allocation ahead.
-    let torn = usize::from(bytes[valid..].iter().any(|&byte| byte != 0));
-    for record in records {
-        let Some(key) = key_of(&record) else {
-            continue;
+    let mut at = 0;
+    while let Some((body, next)) = checksummed::read_body(&bytes, at) {
+        let whole =
+            checksummed::decode::<Record>(body).and_then(|record| Some((key_of(&record)?, record)));
+        let Some((key, record)) = whole else {
+            let why = format!(
+                "the record at byte {at} checks but is not a lane of a valid key: a log of \
+                 another build, or damaged after it was written; not started, so as not to \
+                 re-publish this life's lanes below what peers hold. Move the data \
+                 directory away to start afresh (a new generation: peers keep what they hold)"
+            );
+            let source = std::io::Error::new(std::io::ErrorKind::InvalidData, why);
+            return Err(LogError::io_at(path)(source));
         };
+        at = next;
         let lane = lanes.entry(key).or_default();
         // A lane that would pass u64::MAX was refused when written, so sums fit; saturate
         // rather than trust a file.
@@ -520,6 +534,8 @@ fn replay(path: &Path) -> Result<(Vec<(Key, Lane)>, usize), LogError> {
             lane.decr.saturating_add(record.decr),
         );
     }
+    // Zeros after the records are the allocation ahead.
+    let torn = usize::from(bytes[at..].iter().any(|&byte| byte != 0));
     Ok((lanes.into_iter().collect(), torn))
 }
 
@@ -907,6 +923,37 @@ mod tests {
         std::fs::write(&path, &flipped).unwrap();
         let (lanes, torn) = replay(&path).unwrap();
         assert_eq!((lanes[0].1.incr, torn), (1, 1));
+        std::fs::remove_dir_all(dir).unwrap();
+    }
+
+    #[test]
+    fn a_record_that_checks_but_is_no_lane_of_a_valid_key_stops_the_start() {
+        let dir = dir("alien");
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("lanes-1.log");
+        let mut good = Vec::new();
+        encode(&key("a"), 1, 0, &mut good);
+        let invalid_key = Record {
+            rule: String::new(),
+            subject: "s".into(),
+            window_index: 1,
+            window_secs: 60,
+            incr: 1,
+            decr: 0,
+        };
+        let mut bad_key = Vec::new();
+        checksummed::append(&invalid_key, &mut bad_key);
+        let mut other_kind = Vec::new();
+        checksummed::append(&(7u8, "not a record"), &mut other_kind);
+        for alien in [bad_key, other_kind] {
+            let mut bytes = good.clone();
+            bytes.extend(&alien);
+            encode(&key("a"), 2, 0, &mut bytes);
+            std::fs::write(&path, &bytes).unwrap();
+            let err = replay(&path).unwrap_err().to_string();
+            assert!(err.contains("lanes-1.log"), "{err}");
+            assert!(err.contains(&format!("at byte {}", good.len())), "{err}");
+        }
         std::fs::remove_dir_all(dir).unwrap();
     }
 
