@@ -238,7 +238,7 @@ pub async fn run(config: Config, shutdown: impl Future<Output = ()>) -> Result<(
     );
     let metrics = Arc::new(Metrics::default());
     let (stop, stopped) = watch::channel(false);
-    let driver = Driver {
+    let mut driver = Driver {
         gossip: Gossip::with_state(gossip_config, map).with_expiry(expiry.paced()),
         transport,
         inbound,
@@ -299,6 +299,7 @@ pub async fn run(config: Config, shutdown: impl Future<Output = ()>) -> Result<(
         forward: forward_stats,
         region: region_stats,
     });
+    driver.publish_restored();
     let client_task = tokio::spawn(listener::serve(
         service.clone(),
         tcp,

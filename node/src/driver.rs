@@ -85,7 +85,6 @@ impl Driver {
     pub async fn run(mut self) -> Result<(), DriverError> {
         let me = self.gossip.replica();
         let serving_since = self.clock.mono();
-        self.publish_all(me);
         let protocol = tokio::time::sleep(Duration::ZERO);
         tokio::pin!(protocol);
         let mut collect = tokio::time::interval(self.collect_every);
@@ -248,8 +247,11 @@ impl Driver {
         }
     }
 
-    /// Publishes every key's remote sum: at start, for lanes restored from the log.
-    fn publish_all(&mut self, me: ReplicaId) {
+    /// Publishes every key's remote sum to the store and the view: at start, before the
+    /// client listener answers anything, for the lanes restored from the logs (the node's
+    /// earlier lives), so that no answer misses them.
+    pub fn publish_restored(&mut self) {
+        let me = self.gossip.replica();
         let keys: Vec<Key> = self
             .gossip
             .map()
