@@ -232,6 +232,11 @@ pub fn render(sources: &Sources<'_>) -> String {
             load(&transport.connections),
         ),
         (
+            "quic_connections_over_cap",
+            "Connections closed because their member opened more than 4 here: its oldest",
+            load(&transport.connections_over_cap),
+        ),
+        (
             "quic_inbound_waits",
             "Gossip frames whose reader waited for the gossip task to handle earlier frames",
             load(&transport.inbound_waits),

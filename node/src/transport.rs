@@ -11,7 +11,7 @@
 
 use crate::certs::server_name;
 use crate::tls;
-use std::collections::HashMap;
+use std::collections::{HashMap, VecDeque};
 use std::net::{IpAddr, SocketAddr};
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
@@ -44,6 +44,12 @@ struct Limits {
     handshakes_per_address: usize,
     /// How long a handshake may take before its place is given back and it is dropped.
     handshake_deadline: Duration,
+    /// Connections from one member (by the node id its certificate names) kept open; a
+    /// new one past it closes that member's oldest, so a member that dials without end
+    /// holds at most this many here, each with its receive windows. An honest member has
+    /// one, and a second for a while after a restart or when two nodes dial each other
+    /// at once.
+    connections_per_member: usize,
 }
 
 impl Limits {
@@ -53,11 +59,16 @@ impl Limits {
         handshakes: 64,
         handshakes_per_address: 4,
         handshake_deadline: Duration::from_secs(5),
+        connections_per_member: 4,
     };
 }
 
 /// The QUIC error code of a connection closed for a frame that broke the protocol.
 pub const CLOSE_PROTOCOL: u32 = 1;
+
+/// The QUIC error code of a member's oldest connection, closed when it opened more than
+/// the node keeps.
+const CLOSE_OVER_CAP: u32 = 2;
 
 /// Counters of what the transport refused or dropped. Read by the metrics.
 #[derive(Debug, Default)]
@@ -78,6 +89,9 @@ pub struct TransportStats {
     pub connections_forged: AtomicU64,
     /// Connections established, either way.
     pub connections: AtomicU64,
+    /// Connections from a member closed because it opened more than the node keeps
+    /// (`Limits::connections_per_member`): its oldest.
+    pub connections_over_cap: AtomicU64,
     /// Gossip frames whose reader waited for room among the inbound bytes.
     pub inbound_waits: AtomicU64,
 }
@@ -162,6 +176,8 @@ struct Writer {
 struct Shared {
     endpoint: quinn::Endpoint,
     connections: Mutex<HashMap<NodeId, quinn::Connection>>,
+    // Per member, the connections it opened here that are still open, oldest first.
+    accepted: Mutex<HashMap<NodeId, VecDeque<quinn::Connection>>>,
     inbound: mpsc::Sender<Inbound>,
     // Permits for the bytes of frames read and not yet handled: `Limits::inbound_bytes`.
     inbound_room: Arc<Semaphore>,
@@ -210,6 +226,7 @@ impl Transport {
         let shared = Arc::new(Shared {
             endpoint,
             connections: Mutex::new(HashMap::new()),
+            accepted: Mutex::new(HashMap::new()),
             inbound,
             inbound_room: Arc::new(Semaphore::new(limits.inbound_bytes)),
             limits,
@@ -360,6 +377,7 @@ async fn accept(shared: Arc<Shared>) {
                     return;
                 }
             };
+            keep_accepted(&shared, node, &connection);
             adopt(&shared, node, &connection);
             read_streams(shared, node, connection).await;
         });
@@ -420,6 +438,28 @@ impl Drop for Place {
                 places.remove(&self.from);
             }
         }
+    }
+}
+
+/// Keeps `connection` among those `node` opened here, closing the oldest past
+/// `Limits::connections_per_member`.
+fn keep_accepted(shared: &Shared, node: NodeId, connection: &quinn::Connection) {
+    let mut accepted = lock(&shared.accepted);
+    let open = accepted.entry(node).or_default();
+    open.retain(|open| open.close_reason().is_none());
+    open.push_back(connection.clone());
+    while open.len() > shared.limits.connections_per_member {
+        let Some(oldest) = open.pop_front() else {
+            break;
+        };
+        shared
+            .stats
+            .connections_over_cap
+            .fetch_add(1, Ordering::Relaxed);
+        oldest.close(
+            CLOSE_OVER_CAP.into(),
+            b"more connections from this member than kept",
+        );
     }
 }
 
@@ -1148,6 +1188,49 @@ mod tests {
         assert_eq!(stats.handshakes_shed.load(Ordering::Relaxed), 0);
         assert_eq!(stats.connections.load(Ordering::Relaxed), 0);
         stalling.join().unwrap();
+        std::fs::remove_dir_all(dir).unwrap();
+    }
+
+    #[tokio::test(flavor = "current_thread")]
+    async fn a_member_keeps_its_cap_of_connections_open_and_its_oldest_are_closed() {
+        let two_kept = Limits {
+            connections_per_member: 2,
+            ..Limits::NODE
+        };
+        let (_one, two, _to_two, dir) = two_nodes_within("over-cap", two_kept);
+        let addr = two.local_addr().unwrap();
+        let files = crate::certs::write_cluster(&dir, &[NodeId(1)]).unwrap();
+        let read = |path: &Path| std::fs::read_to_string(path).unwrap();
+        let member = client_with(
+            &dir.join("ca.pem"),
+            &read(&files[0].cert),
+            &read(&files[0].key),
+        );
+        let stats = two.shared.stats.clone();
+        let mut connections = Vec::new();
+        for opened in 1..=5 {
+            let connecting = member.connect(addr, &server_name(NodeId(2))).unwrap();
+            connections.push(connecting.await.unwrap());
+            for _ in 0..500 {
+                if stats.connections.load(Ordering::Relaxed) == opened {
+                    break;
+                }
+                tokio::time::sleep(Duration::from_millis(10)).await;
+            }
+            assert_eq!(stats.connections.load(Ordering::Relaxed), opened);
+        }
+        for oldest in &connections[..3] {
+            let closed = tokio::time::timeout(Duration::from_secs(5), oldest.closed()).await;
+            let Ok(quinn::ConnectionError::ApplicationClosed(close)) = closed else {
+                panic!("an old connection still open, or closed otherwise: {closed:?}");
+            };
+            assert_eq!(close.error_code, CLOSE_OVER_CAP.into());
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        for newest in &connections[3..] {
+            assert_eq!(newest.close_reason(), None, "the two newest stay open");
+        }
+        assert_eq!(stats.connections_over_cap.load(Ordering::Relaxed), 3);
         std::fs::remove_dir_all(dir).unwrap();
     }
 
