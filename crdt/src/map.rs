@@ -576,14 +576,18 @@ impl From<u64> for AppliedAt {
     }
 }
 
-/// Whether `lane`'s totals add up to at most `per_sec` for each second `window` has run at
-/// `now_unix_secs`, the first included (always, at `per_sec` `u64::MAX`): the rule a node
-/// holds its own writes to, so that its peers take them, and that
-/// [`CounterMap::with_lane_rate_max`] holds peers' lanes to, allowing for skew.
+/// Whether `window` has started by `now_unix_secs` and `lane`'s totals add up to at most
+/// `per_sec` for each second it has run, the first included (always, at `per_sec`
+/// `u64::MAX`): the rule a node holds its own writes to, so that its peers take them, and
+/// that [`CounterMap::with_lane_rate_max`] holds peers' lanes to, allowing for skew. A
+/// window that has not started holds nothing, however small: no writer's clock is in it,
+/// and held, a lane of a window far ahead would never expire.
 pub fn lane_within_rate(lane: Lane, window: Window, per_sec: u64, now_unix_secs: u64) -> bool {
-    let secs = (now_unix_secs.saturating_sub(window.start_unix_secs())).saturating_add(1);
+    let start = window.start_unix_secs();
+    let secs = (now_unix_secs.saturating_sub(start)).saturating_add(1);
     let claimed = u128::from(lane.incr) + u128::from(lane.decr);
-    per_sec == u64::MAX || claimed <= u128::from(per_sec) * u128::from(secs)
+    per_sec == u64::MAX
+        || (start <= now_unix_secs && claimed <= u128::from(per_sec) * u128::from(secs))
 }
 
 #[cfg(test)]
@@ -1021,6 +1025,32 @@ mod tests {
             let applied = peer.apply(&origin.delta_for(&peer.digest(), usize::MAX, 0), start);
             assert_eq!(applied.lanes_throttled, usize::from(!taken), "{amount}");
             assert_eq!(peer.value(&key) != 0, taken, "{amount}");
+        }
+    }
+
+    #[test]
+    fn a_lane_of_a_window_that_starts_past_the_skew_allowed_waits_however_small() {
+        let key = key(0, 60);
+        let start = key.window.start_unix_secs();
+        let mut origin = CounterMap::new();
+        origin.incr(replica(1), &key, 1, Stamp(9)).unwrap();
+        let delta = origin.delta_for(&Digest::default(), usize::MAX, 0);
+        for (behind, taken) in [
+            (LANE_RATE_SKEW_SECS + 1, false),
+            (LANE_RATE_SKEW_SECS, true),
+        ] {
+            let mut peer = CounterMap::new().with_lane_rate_max(100);
+            let applied = peer.apply(&delta, start - behind);
+            assert_eq!(
+                applied.lanes_throttled,
+                usize::from(!taken),
+                "{behind} s behind"
+            );
+            assert_eq!(peer.value(&key), i128::from(taken), "{behind} s behind");
+            assert_eq!(
+                peer.watermark(replica(1)).version,
+                Version(u64::from(taken))
+            );
         }
     }
 
