@@ -96,8 +96,6 @@ pub fn boot() -> Option<Boot> {
 pub struct ExpiryClock {
     clock: Clock,
     paced: PacedWall,
-    // The latest reading given, or the earlier life's it resumed from if later.
-    high_water: Stamp,
 }
 
 impl ExpiryClock {
@@ -114,28 +112,12 @@ impl ExpiryClock {
             Some(mark) => PacedWall::resume(now, mark),
             None => PacedWall::new(now),
         };
-        let mut expiry = ExpiryClock {
-            clock,
-            paced,
-            high_water: mark.unwrap_or_default(),
-        };
-        expiry.now();
-        expiry
+        ExpiryClock { clock, paced }
     }
 
     /// The paced wall time now.
     pub fn now(&mut self) -> Stamp {
-        let now = self.paced.at(self.clock.now());
-        self.high_water = self.high_water.max(now);
-        now
-    }
-
-    /// The latest time windows may have been expired by, in seconds since the unix epoch:
-    /// the latest reading of this clock (of this copy), or of the earlier life's it
-    /// resumed from. A window over by then may have been forgotten, so it stays over
-    /// when the wall clock steps back, or a restart finds it behind the last life's.
-    pub fn high_water_secs(&self) -> u64 {
-        self.high_water.0 / 1_000
+        self.paced.at(self.clock.now())
     }
 
     /// The paced wall time now, in seconds since the unix epoch.

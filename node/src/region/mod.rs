@@ -38,6 +38,25 @@ pub struct Ledger {
     seen: HashMap<(u64, u64), Recent, KeyHasher>,
 }
 
+/// Per window length, the newest window whose counts a ledger has forgotten, and every
+/// one before it: over for good, whatever the wall clock says once it steps back.
+#[derive(Debug, Default, Clone)]
+pub struct Forgotten {
+    through: HashMap<u32, u64>,
+}
+
+impl Forgotten {
+    fn add(&mut self, window: Window) {
+        let through = self.through.entry(window.len_secs()).or_default();
+        *through = (*through).max(window.index());
+    }
+
+    /// Whether `window`, or a later one of its length, has had its counts forgotten.
+    pub fn covers(&self, window: Window) -> bool {
+        (self.through.get(&window.len_secs())).is_some_and(|&through| window.index() <= through)
+    }
+}
+
 /// How many request ids of one edge life the ledger answers retries of: the last this
 /// many sequence numbers. An edge retries only within its rule's timeout, and numbers its
 /// requests in order, so its retries are of recent ids; this bounds the memory of a window
@@ -170,8 +189,8 @@ impl Recent {
     /// window that is over reads as unseen. For an edge's id that is
     /// safe, because the edge fixed the window when it first sent it, and the region
     /// refuses a check of a window that is over before it asks the ledger (over by the
-    /// wall clock or by the latest time windows were expired by, so a clock stepped back
-    /// does not make it live again). An application's
+    /// wall clock, or [`Forgotten`], so that a clock stepped back does not make it live
+    /// again; but for a restart behind the last life's expiry). An application's
     /// retry is given its window afresh by the edge it goes through, so one sent after the
     /// first check's window is over (and forgotten, one window length after its end) is a
     /// new check in its own window.
@@ -415,10 +434,16 @@ impl Ledger {
         self.counts.iter().map(|(key, count)| (key, *count))
     }
 
-    /// Forgets windows that are over at `now_unix_secs`, and their request ids.
-    pub fn expire(&mut self, now_unix_secs: u64) {
-        self.counts
-            .retain(|key, _| key.window.is_live(now_unix_secs));
+    /// Forgets windows that are over at `now_unix_secs`, and their request ids. Adds to
+    /// `forgotten`, per window length, the newest window whose counts it forgot.
+    pub fn expire(&mut self, now_unix_secs: u64, forgotten: &mut Forgotten) {
+        self.counts.retain(|key, _| {
+            let live = key.window.is_live(now_unix_secs);
+            if !live {
+                forgotten.add(key.window);
+            }
+            live
+        });
         self.seen.retain(|_, recent| recent.expire(now_unix_secs));
     }
 
@@ -653,12 +678,12 @@ mod tests {
             ledger.decide(&named(1, app_seq), &short, u64::MAX);
         }
         let after_short = short.window.live_until_unix_secs();
-        ledger.expire(after_short);
+        ledger.expire(after_short, &mut Forgotten::default());
         assert_eq!(ledger.count(&short), 0, "the short window is collected");
         let mut entries = Vec::new();
         ledger.snapshot(&mut entries);
         let mut replayed = Ledger::replay(&log::replay(&entries).0);
-        replayed.expire(after_short);
+        replayed.expire(after_short, &mut Forgotten::default());
         for ledger in [&mut ledger, &mut replayed] {
             assert_eq!(
                 ledger.decide(&named(1, 0), &long, u64::MAX),
@@ -666,7 +691,10 @@ mod tests {
                 "a retry of the first check is never decided again while its window lives"
             );
             assert_eq!(ledger.count(&long), 1);
-            ledger.expire(long.window.live_until_unix_secs());
+            ledger.expire(
+                long.window.live_until_unix_secs(),
+                &mut Forgotten::default(),
+            );
             assert!(ledger.seen.is_empty(), "then the session is let go");
         }
     }
@@ -747,15 +775,21 @@ mod tests {
         }
         assert!(matches!(decide(&mut ledger, 5, 1, 100), Decided::New(_)));
         let end = key().window.start_unix_secs() + 3_600;
-        ledger.expire(end - 1);
+        ledger.expire(end - 1, &mut Forgotten::default());
         assert_eq!(ledger.count(&key()), 4, "a live window is kept");
         assert!(matches!(decide(&mut ledger, 1, 1, 100), Decided::Repeat(_)));
         // A number skipped below a decided one is still new after an expiry.
         assert!(matches!(decide(&mut ledger, 4, 1, 100), Decided::New(_)));
-        // One window length after it ends, nothing of it is held.
-        ledger.expire(end + 3_600);
+        // One window length after it ends, nothing of it is held, and it stays over.
+        let mut forgotten = Forgotten::default();
+        ledger.expire(end + 3_600, &mut forgotten);
         assert_eq!(ledger.count(&key()), 0);
         assert!(ledger.seen.is_empty());
+        let window = key().window;
+        assert!(forgotten.covers(window));
+        assert!(forgotten.covers(Window::new(window.index() - 1, 3_600).unwrap()));
+        assert!(!forgotten.covers(Window::new(window.index() + 1, 3_600).unwrap()));
+        assert!(!forgotten.covers(Window::new(window.index(), 60).unwrap()));
     }
 
     #[test]

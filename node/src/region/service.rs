@@ -13,7 +13,7 @@ use super::committer::{CommitError, Committer};
 use super::log::{self, Entry, Record, Storage};
 use super::own_lanes::OwnLanes;
 use super::wire::{self, Answered};
-use super::{key_in, Decided, ExactAnswer, ExactCheck, Ledger};
+use super::{key_in, Decided, ExactAnswer, ExactCheck, Forgotten, Ledger};
 use crate::clock::{self, ExpiryClock};
 use crate::config::RuleMode;
 use crate::decide::Rules;
@@ -49,6 +49,9 @@ pub struct RegionService {
     owed: Arc<AtomicU64>,
     // What the ledger's windows end by.
     expiry: ExpiryClock,
+    // The windows whose counts the ledger forgot: refused, though a wall clock stepped
+    // back would read them as live.
+    forgotten: Forgotten,
     /// Forwarded checks that named no exact rule here or no live window, and frames that
     /// did not decode or asked under another node's ids.
     pub bad_requests: Arc<AtomicU64>,
@@ -90,7 +93,7 @@ impl RegionService {
         store: Arc<LaneStore>,
         lanes: Option<Arc<Mutex<LaneLog>>>,
         retired: &[(ReplicaId, Vec<(Key, Lane)>)],
-        expiry: ExpiryClock,
+        mut expiry: ExpiryClock,
     ) -> Result<(RegionService, Opened), OpenError> {
         let path = dir.join("region.log");
         let io = |source| OpenError {
@@ -100,9 +103,8 @@ impl RegionService {
         crate::lanelog::create_dir_durably(dir).map_err(io)?;
         let (mut storage, entries, torn) = log::open(&path).map_err(io)?;
         let mut ledger = Ledger::replay(&entries);
-        // By the earlier life's last reading, if the wall clock is behind it now: the
-        // windows it had forgotten stay forgotten.
-        ledger.expire(expiry.high_water_secs());
+        let mut forgotten = Forgotten::default();
+        ledger.expire(expiry.now_secs(), &mut forgotten);
         ledger.forget_lives_of(store.replica().node.0);
         // Start from a compacted log: the state the entries left, without finished windows.
         let mut compacted = Vec::new();
@@ -143,6 +145,7 @@ impl RegionService {
             own: Some(own),
             owed,
             expiry,
+            forgotten,
             bad_requests: Arc::new(AtomicU64::new(0)),
         };
         Ok((service, opened))
@@ -185,7 +188,7 @@ impl RegionService {
                 }
                 _ = stop.wait_for(|stop| *stop) => break,
                 _ = expire.tick() => {
-                    self.ledger.expire(self.expiry.now_secs());
+                    self.ledger.expire(self.expiry.now_secs(), &mut self.forgotten);
                     if snapshot.is_none() {
                         snapshot = self.start_compaction_if_due();
                     }
@@ -331,7 +334,7 @@ impl RegionService {
         .filter(|key| {
             key.window.is_live(now_secs)
                 && key.window.start_unix_secs() <= now_secs + 60
-                && key.window.is_live(self.expiry.high_water_secs())
+                && !self.forgotten.covers(key.window)
         });
         let Some(key) = key else {
             self.bad_requests.fetch_add(1, Ordering::Relaxed);
@@ -431,20 +434,15 @@ async fn acknowledge(mut batches: mpsc::UnboundedReceiver<Batch>, mut own: OwnLa
 #[cfg(not(tally_loom))]
 mod tests {
     use super::*;
-    use crate::clock::Clock;
     use crate::config::{RuleConfig, RuleMode};
     use crate::region::log::RequestId;
     use tally_crdt::{Generation, NodeId, Window};
 
     fn open(dir: &Path) -> RegionService {
-        open_at(dir, ExpiryClock::start())
-    }
-
-    fn open_at(dir: &Path, expiry: ExpiryClock) -> RegionService {
         let rules = Rules::new(&[RuleConfig::for_test("quota", 1_000, RuleMode::Exact)]).unwrap();
         let replica = ReplicaId::new(NodeId(1), Generation(1));
         let store = Arc::new(LaneStore::new(replica, 1_024));
-        RegionService::open(dir, rules, store, None, &[], expiry)
+        RegionService::open(dir, rules, store, None, &[], ExpiryClock::start())
             .unwrap()
             .0
     }
@@ -480,23 +478,21 @@ mod tests {
     }
 
     #[tokio::test]
-    async fn a_window_the_last_life_expired_stays_over_though_the_wall_clock_is_behind_it() {
+    async fn a_window_whose_counts_were_forgotten_stays_over_though_the_wall_clock_steps_back() {
         let dir = std::env::temp_dir().join(format!("tally-stepped-{}", std::process::id()));
         let _ = std::fs::remove_dir_all(&dir);
         let mut service = open(&dir);
         frame(&mut service, 0..20).await.unwrap().unwrap();
-        drop(service);
-        // The last life read its paced clock two hours on (its wall clock was ahead, and
-        // has been stepped back since): this hour's window was over by then, and its
-        // counts and ids may be gone.
-        let mark = tally_crdt::Stamp(clock::wall().0 + 2 * 3_600_000);
-        let mut service = open_at(&dir, ExpiryClock::resume(Clock::start(), Some(mark)));
-        assert!(
-            service.ledger.counts.is_empty(),
-            "the over window forgotten at start"
-        );
+        // Expired by a wall clock two hours ahead, since stepped back: this hour's window
+        // was over then, and its counts and ids are gone.
+        let ahead = clock::wall().0 / 1_000 + 2 * 3_600;
+        service.ledger.expire(ahead, &mut service.forgotten);
+        assert!(service.ledger.counts.is_empty());
+        // A new check and a retry of a decided one: neither is decided afresh.
         let (answers, admitted, _) = service.decide_frame(&checks(20..21));
         assert_eq!(answers, [(20, ExactAnswer::UnknownRule)]);
+        let (answers, _, _) = service.decide_frame(&checks(3..4));
+        assert_eq!(answers, [(3, ExactAnswer::UnknownRule)]);
         assert!(admitted.is_empty());
         drop(service);
         std::fs::remove_dir_all(&dir).unwrap();
