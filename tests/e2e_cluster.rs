@@ -812,6 +812,14 @@ async fn a_member_whose_clock_runs_ahead_goes_stale_at_its_peers_once_it_stops()
     let mut cluster = Cluster::start_with(NET, 2, 60_000, false);
     cluster.node(2).kill9();
     cluster.node(2).restart_with_clock_ahead(90);
+    // Node 1 must decide on the life ahead, not on its last stamps of the life before.
+    let generation = format!("\"generation\":{}", cluster.nodes[1].last_generation());
+    cluster::eventually(
+        Duration::from_secs(10),
+        "node 1 to hold node 2's life ahead",
+        || (cluster.nodes[0].http("/status")).is_some_and(|status| status.contains(&generation)),
+    )
+    .await;
     let client = cluster.nodes[0].client().await;
     let mut connected = false;
     for _ in 0..200 {

@@ -517,17 +517,20 @@ impl Gossip {
             .map(|entry| self.map.watermark(entry.origin).stamp)
             .collect();
         let own_before = self.map.top(me);
-        // No peer can hold a lane of this replica above what this life wrote: a lane that
-        // would raise one is a lane an earlier life wrote under this replica id.
-        let inflated = (delta.origins.iter())
-            .filter(|entry| entry.origin == me)
-            .flat_map(|entry| &entry.lanes)
-            .find(|update| !self.map.lane(&update.key, me).covers(update.lane))
-            .map(|update| update.version);
         let at = AppliedAt {
             live_at_unix_secs: self.expiry_secs(now),
             now_unix_secs: now.wall.0 / 1_000,
         };
+        // No peer can hold a lane of this replica above what this life wrote: a lane that
+        // would raise one is a lane an earlier life wrote under this replica id. (A lane of
+        // a window expired here is not held to compare, and is not taken: a peer may
+        // hand back this node's own lane after its window ended here.)
+        let inflated = (delta.origins.iter())
+            .filter(|entry| entry.origin == me)
+            .flat_map(|entry| &entry.lanes)
+            .filter(|update| update.key.window.is_live(at.live_at_unix_secs))
+            .find(|update| !self.map.lane(&update.key, me).covers(update.lane))
+            .map(|update| update.version);
         let applied = match (after, delta.origins.first()) {
             (Some(after), Some(entry)) => self.map.apply_since(after, entry, at),
             _ => self.map.apply(&delta, at),
@@ -930,19 +933,25 @@ mod tests {
     }
 
     /// Node 1, having written `mine` once (a lane of 3 at version 1), is sent by node 2
-    /// `lane` of its own replica at `version`, through version 0: the events it reports.
-    fn reuse_events(lane: Lane, version: Version, subject: &str) -> Vec<(Version, Version)> {
+    /// `lane` of its own replica at `version`, through version 0, in the window of
+    /// `ago_secs` before now: the events it reports.
+    fn reuse_events(
+        lane: Lane,
+        version: Version,
+        subject: &str,
+        ago_secs: u64,
+    ) -> Vec<(Version, Version)> {
         let mut gossip = node(1);
-        let key = |subject: &str| {
+        let key = |subject: &str, ago_secs| {
             Key::new(
                 Rule::new("r").unwrap(),
                 Subject::new(subject).unwrap(),
-                Window::containing(WALL / 1_000, 60).unwrap(),
+                Window::containing(WALL / 1_000 - ago_secs, 60).unwrap(),
             )
         };
         gossip.handle_input(Input::LocalLanes {
             now: now(1),
-            lanes: vec![(key("mine"), Lane::new(3, 0))],
+            lanes: vec![(key("mine", 0), Lane::new(3, 0))],
         });
         let delta = Message::Delta {
             to: gossip.replica(),
@@ -951,7 +960,7 @@ mod tests {
                     origin: gossip.replica(),
                     through: Watermark::default(),
                     lanes: vec![tally_crdt::LaneUpdate {
-                        key: key(subject),
+                        key: key(subject, ago_secs),
                         lane,
                         version,
                     }],
@@ -977,16 +986,19 @@ mod tests {
     fn a_lane_of_its_own_replica_that_this_life_never_wrote_reports_the_generation_reused() {
         // Past a gap: a version above this life's, the watermark not raised by it.
         assert_eq!(
-            reuse_events(Lane::new(1, 0), Version(5), "other"),
+            reuse_events(Lane::new(1, 0), Version(5), "other", 0),
             [(Version(5), Version(1))]
         );
         // At a version it wrote, with totals above its own.
         assert_eq!(
-            reuse_events(Lane::new(100, 0), Version(1), "mine"),
+            reuse_events(Lane::new(100, 0), Version(1), "mine", 0),
             [(Version(1), Version(1))]
         );
         // Its own lane handed back as it wrote it: nothing to report.
-        assert_eq!(reuse_events(Lane::new(3, 0), Version(1), "mine"), []);
+        assert_eq!(reuse_events(Lane::new(3, 0), Version(1), "mine", 0), []);
+        // Nor a lane of a window over here (its own, handed back late): not held to
+        // compare, and not taken.
+        assert_eq!(reuse_events(Lane::new(3, 0), Version(1), "old", 3_600), []);
     }
 
     #[test]

@@ -239,6 +239,10 @@ fn a_restart_that_reuses_its_lost_lane_is_caught_by_final() {
         sim.violations().iter().any(|v| v.starts_with("FINAL")),
         "the checker must see increments swallowed by a reused lane"
     );
+    assert!(
+        sim.violations().iter().any(|v| v.starts_with("GENERATION")),
+        "the restarted node must find its replica id used before"
+    );
 }
 
 #[test]

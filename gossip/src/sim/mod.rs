@@ -18,7 +18,7 @@ mod network;
 pub use network::Faults;
 
 use crate::membership::State;
-use crate::{Config, Gossip, Input, MessageBytes, Now, Output, Seed};
+use crate::{Config, Event, Gossip, Input, MessageBytes, Now, Output, Seed};
 use network::Network;
 use std::collections::BTreeMap;
 use std::time::Duration;
@@ -599,6 +599,15 @@ impl Sim {
             match gossip.poll_output() {
                 Output::Send { to, frame, .. } => {
                     self.network.send(index, to.0 as usize, frame, self.time);
+                }
+                // A live node reports this only when its replica id was used by a life
+                // that lost its state; a real node stops on it.
+                Output::Event(Event::GenerationReused { seen, written }) => {
+                    self.violations.push(format!(
+                        "GENERATION: node {index} found a lane of its own it never wrote \
+                         ({seen:?}, wrote through {written:?}) at {:?}",
+                        self.time
+                    ));
                 }
                 Output::Event(_) => {}
                 Output::Timeout(at) => {
