@@ -260,6 +260,22 @@ impl Config {
         if self.node_id == 0 {
             return Err(bad("node_id".into(), "must be at least 1".into()));
         }
+        // Nothing on these ports asks who is calling: an application could count, check
+        // and spend any quota, and anyone could read the node's state.
+        for (key, addr) in [
+            ("listen_client", self.listen_client),
+            ("listen_http", self.listen_http),
+        ] {
+            if !addr.ip().is_loopback() {
+                return Err(bad(
+                    key.into(),
+                    format!(
+                        "{addr} is not a loopback address: this port has no authentication, \
+                         so it serves only this machine (127.0.0.0/8 or ::1)"
+                    ),
+                ));
+            }
+        }
         positive(self.keys_max as u64, "keys_max").map_err(|why| bad("keys_max".into(), why))?;
         positive(self.lane_rate_max_per_sec, "lane_rate_max_per_sec")
             .map_err(|why| bad("lane_rate_max_per_sec".into(), why))?;
@@ -590,6 +606,14 @@ window_secs = 60
                 ),
                 "region.node",
             ),
+            (
+                GOOD.replace("127.0.0.1:7101", "0.0.0.0:7101"),
+                "listen_client",
+            ),
+            (
+                GOOD.replace("127.0.0.1:7201", "10.0.0.5:7201"),
+                "listen_http",
+            ),
         ];
         for (text, key) in cases {
             let err = parse(&text).unwrap_err().to_string();
@@ -600,5 +624,9 @@ window_secs = 60
         }
         let at_the_limit = GOOD.replace("window_secs = 60", "window_secs = 60\nslack = 100");
         assert!(parse(&at_the_limit).is_ok());
+        let other_loopbacks = GOOD
+            .replace("127.0.0.1:7101", "127.3.2.1:7101")
+            .replace("127.0.0.1:7201", "[::1]:7201");
+        assert!(parse(&other_loopbacks).is_ok());
     }
 }

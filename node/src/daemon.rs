@@ -258,8 +258,12 @@ pub async fn run(config: Config, shutdown: impl Future<Output = ()>) -> Result<(
         .map_err(bind("client", config.listen_client.to_string()))?;
     let unix = match &config.client_socket {
         Some(path) => {
-            // A socket file left by an earlier life would make the bind fail.
-            let _ = std::fs::remove_file(path);
+            // A socket file left by an earlier life would make the bind fail. Anything
+            // else at the path (a file, or a socket another process serves) is left, and
+            // the bind fails naming it.
+            if is_stale_socket(path) {
+                let _ = std::fs::remove_file(path);
+            }
             Some(
                 UnixListener::bind(path)
                     .map_err(bind("client socket", path.display().to_string()))?,
@@ -351,5 +355,34 @@ pub async fn run(config: Config, shutdown: impl Future<Output = ()>) -> Result<(
     match result {
         Ok(result) => result.map_err(DaemonError::from),
         Err(join) => std::panic::resume_unwind(join.into_panic()),
+    }
+}
+
+/// Whether `path` is a Unix socket that no process serves: one an earlier life left.
+fn is_stale_socket(path: &std::path::Path) -> bool {
+    use std::os::unix::fs::FileTypeExt;
+    let is_socket = std::fs::symlink_metadata(path).is_ok_and(|meta| meta.file_type().is_socket());
+    is_socket && std::os::unix::net::UnixStream::connect(path).is_err()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn only_a_socket_no_process_serves_is_taken_for_an_earlier_lifes() {
+        let dir = std::env::temp_dir().join(format!("tally-socket-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        let file = dir.join("node");
+        std::fs::write(&file, "1").unwrap();
+        assert!(!is_stale_socket(&file), "a file is not a socket");
+        assert!(!is_stale_socket(&dir.join("none")));
+        let path = dir.join("client.sock");
+        let served = std::os::unix::net::UnixListener::bind(&path).unwrap();
+        assert!(!is_stale_socket(&path), "another process serves it");
+        drop(served);
+        assert!(is_stale_socket(&path), "left behind");
+        std::fs::remove_dir_all(&dir).unwrap();
     }
 }
