@@ -1195,22 +1195,39 @@ mod loom_models {
         builder
     }
 
+    /// How a writer adds `amount` to a slot's increments (`true`) or decrements: as built,
+    /// or a negative control's broken writer.
+    type Add = fn(&Slot, bool, u64) -> Result<Written, Overflow>;
+
+    fn add_as_built(slot: &Slot, incr: bool, amount: u64) -> Result<Written, Overflow> {
+        if incr {
+            slot.incr(amount)
+        } else {
+            slot.decr(amount)
+        }
+    }
+
     /// Two writers (one writes twice) race a collection; a last collection runs after they
     /// join. Every collected lane covers the one before it, and the last one holds every
     /// write.
     fn check_no_write_is_lost(take: fn(&Slot) -> Lane) {
+        check_no_write_is_lost_by(add_as_built, take);
+    }
+
+    /// [`check_no_write_is_lost`], the writers adding with `add`.
+    fn check_no_write_is_lost_by(add: Add, take: fn(&Slot) -> Lane) {
         bounded().check(move || {
             let key = Arc::new(OneKey::new());
             let incrementer = {
                 let key = key.clone();
                 thread::spawn(move || {
-                    key.write(key.slot.incr(1));
-                    key.write(key.slot.incr(2));
+                    key.write(add(&key.slot, true, 1));
+                    key.write(add(&key.slot, true, 2));
                 })
             };
             let decrementer = {
                 let key = key.clone();
-                thread::spawn(move || key.write(key.slot.decr(4)))
+                thread::spawn(move || key.write(add(&key.slot, false, 4)))
             };
             let mut lanes = Vec::new();
             key.collect(take, &mut lanes);
@@ -1260,6 +1277,49 @@ mod loom_models {
             slot.word.fetch_and(!DIRTY, Ordering::Relaxed);
             slot.own()
         });
+    }
+
+    /// A writer's answer after it set the flag and got back `word`.
+    fn counted(slot: &Slot, word: u64) -> Result<Written, Overflow> {
+        Ok(Written::Counted {
+            lane: slot.own(),
+            remote: Remote::in_word(word),
+            queue: word & DIRTY == 0,
+        })
+    }
+
+    /// Negative control: a writer that sets the flag before it adds. A collector that
+    /// clears the flag and reads the totals in between misses the add, and the writer,
+    /// having found the flag set, does not queue the key again.
+    #[test]
+    #[should_panic(expected = "lost an increment")]
+    fn a_writer_that_flags_before_it_adds_loses_an_increment() {
+        check_no_write_is_lost_by(
+            |slot, incr, amount| {
+                let word = slot.word.fetch_or(DIRTY, Ordering::Release);
+                let total = if incr { &slot.incr } else { &slot.decr };
+                total.fetch_add(amount, Ordering::Relaxed);
+                counted(slot, word)
+            },
+            Slot::take,
+        );
+    }
+
+    /// Negative control: a writer that sets the flag with `Relaxed` instead of `Release`.
+    /// A collector that clears the flag after it no longer sees the add before it, so it
+    /// may read the totals from before the add, and the key is not queued again.
+    #[test]
+    #[should_panic(expected = "lost an increment")]
+    fn a_writer_that_flags_with_relaxed_loses_an_increment() {
+        check_no_write_is_lost_by(
+            |slot, incr, amount| {
+                let total = if incr { &slot.incr } else { &slot.decr };
+                total.fetch_add(amount, Ordering::Relaxed);
+                let word = slot.word.fetch_or(DIRTY, Ordering::Relaxed);
+                counted(slot, word)
+            },
+            Slot::take,
+        );
     }
 
     /// A sum too large for a slot, and one that fits: the publisher in
