@@ -70,8 +70,13 @@ fn window_left(now_ms: u64, len_ms: u64) -> Duration {
 }
 
 pub fn run(args: &DemoArgs) -> anyhow::Result<()> {
-    if !(1..=100).contains(&args.edges) || args.duration == 0 || args.rate < 10 {
-        bail!("demo: --edges must be 1 to 100, --duration at least 1, --rate at least 10");
+    // A run must fit in one of the rules' windows, with room to wait for the next.
+    let duration_max = WINDOW_SECS / 2;
+    if !(1..=100).contains(&args.edges)
+        || !(1..=duration_max).contains(&args.duration)
+        || args.rate < 10
+    {
+        bail!("demo: --edges must be 1 to 100, --duration 1 to {duration_max}, --rate at least 10");
     }
     Ports::pick(args.edges + 1)?;
     let runtime = tokio::runtime::Builder::new_current_thread()
@@ -148,9 +153,11 @@ impl Ports {
 }
 
 fn rules(hot_limit: u64, quota_limit: u64) -> String {
+    // A slack above the limit is refused.
+    let slack = hot_limit.min(5);
     format!(
         "[[rules]]\nname = \"req\"\nlimit = 1000000000000\nwindow_secs = {WINDOW_SECS}\n\n\
-         [[rules]]\nname = \"api\"\nlimit = {hot_limit}\nwindow_secs = {WINDOW_SECS}\nstale_after_ms = 1500\nslack = 5\n\n\
+         [[rules]]\nname = \"api\"\nlimit = {hot_limit}\nwindow_secs = {WINDOW_SECS}\nstale_after_ms = 1500\nslack = {slack}\n\n\
          [[rules]]\nname = \"quota\"\nlimit = {quota_limit}\nwindow_secs = {WINDOW_SECS}\nmode = \"exact\"\nregion_timeout_ms = 500\n"
     )
 }
@@ -212,9 +219,10 @@ async fn demo(args: &DemoArgs, cluster: &mut DemoCluster) -> anyhow::Result<()> 
         .collect();
     // A quarter of the rate goes to the hot subject; its limit is reached halfway.
     let hot_rate = (args.rate / 4).max(1);
-    let hot_limit = hot_rate * args.duration / 2;
+    let hot_limit = (hot_rate * args.duration / 2).max(1);
     let exact_rate = (args.rate / 10).max(1);
-    let quota_limit = exact_rate * args.duration / 2;
+    // At least 1: a rule's limit of 0 is refused, and every node would stop at start.
+    let quota_limit = (exact_rate * args.duration / 2).max(1);
 
     println!(
         "tally demo: 1 region + {} edges on loopback, {} s at {} requests/s",
