@@ -99,6 +99,29 @@ struct DemoCluster {
     children: Vec<(u64, Child)>,
 }
 
+impl DemoCluster {
+    /// The last lines of the log of every node that has exited, for an error message.
+    fn stopped_nodes(&mut self) -> String {
+        let mut said = Vec::new();
+        for (id, child) in &mut self.children {
+            if let Ok(Some(status)) = child.try_wait() {
+                let log = std::fs::read_to_string(self.dir.join(format!("node-{id}.log")))
+                    .unwrap_or_default();
+                // What it said, without the backtrace `RUST_BACKTRACE` adds.
+                let said_last = log.split("\nStack backtrace:").next().unwrap_or_default();
+                let last: Vec<&str> = said_last.lines().rev().take(3).collect();
+                let last: Vec<&str> = last.into_iter().rev().collect();
+                said.push(format!("node {id} exited ({status}): {}", last.join(" | ")));
+            }
+        }
+        if said.is_empty() {
+            "no node exited".to_owned()
+        } else {
+            said.join("\n")
+        }
+    }
+}
+
 impl Drop for DemoCluster {
     fn drop(&mut self) {
         for (_, child) in &mut self.children {
@@ -251,7 +274,11 @@ async fn demo(args: &DemoArgs, cluster: &mut DemoCluster) -> anyhow::Result<()> 
         println!("  started node {id} ({role}): client {}", Ports::client(id));
     }
     print!("  waiting for every node to see the others ...");
-    let clients = connect_all(&nodes).await?;
+    let clients = match connect_all(&nodes).await {
+        Ok(clients) => clients,
+        // The logs go with the cluster's directory: show why a node stopped first.
+        Err(err) => return Err(err.context(cluster.stopped_nodes())),
+    };
     wait_for_members(&nodes, nodes.len() - 1).await?;
     println!(" done");
     wait_for_a_window_to_hold(Duration::from_secs(args.duration) + SETTLE * 4).await;
