@@ -593,6 +593,23 @@ mod tests {
         assert_eq!(decode_body::<Request>(&body), Ok(request.to_request()));
     }
 
+    /// A `Counted` answer to request 5.
+    fn counted_response() -> Response {
+        Response {
+            id: 5,
+            result: Ok(Reply::Counted(Estimate {
+                estimate: 1,
+                window: 2,
+                staleness_ms: 3,
+            })),
+        }
+    }
+
+    /// [`counted_response`]'s body, as bincode encodes it.
+    fn counted_body() -> Vec<u8> {
+        bincode_frame(&counted_response())[4..].to_vec()
+    }
+
     #[test]
     fn a_u64_in_the_128_bit_form_is_refused_as_bincode_refuses_it() {
         let long = |value: u8| [&[U128_BYTE, value][..], &[0; 15]].concat();
@@ -632,15 +649,7 @@ mod tests {
             );
         }
         // The same form of a response's id.
-        let response = Response {
-            id: 5,
-            result: Ok(Reply::Counted(Estimate {
-                estimate: 1,
-                window: 2,
-                staleness_ms: 3,
-            })),
-        };
-        let body = bincode_frame(&response)[4..].to_vec();
+        let body = counted_body();
         let long_id = [&body[..1], &long(5), &body[2..]].concat();
         assert!(decode_body::<Response>(&long_id).is_err());
         assert_eq!(decode_response(&long_id), decode_body::<Response>(&long_id));
@@ -746,15 +755,8 @@ mod tests {
 
     #[test]
     fn unusual_forms_and_bad_bodies_get_bincode_s_answer() {
-        let response = Response {
-            id: 5,
-            result: Ok(Reply::Counted(Estimate {
-                estimate: 1,
-                window: 2,
-                staleness_ms: 3,
-            })),
-        };
-        let body = bincode_frame(&response)[4..].to_vec();
+        let response = counted_response();
+        let body = counted_body();
         // The id 5 in the 3-byte form: bincode reads it, and so does this decoder.
         let mut long_id = vec![body[0], U16_BYTE, 5, 0];
         long_id.extend(&body[2..]);
