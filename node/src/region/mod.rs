@@ -29,14 +29,37 @@ pub use wire::{ExactAnswer, ExactCheck, Outcome};
 /// The authoritative counts of exact rules, and the outcomes of each edge life's and
 /// application session's most recent request ids. Pure state: the committer makes it
 /// durable.
-#[derive(Debug, Default, Clone, PartialEq, Eq)]
+#[derive(Debug, Default, Clone)]
 pub struct Ledger {
     // Invariant: a count never decreases within its window.
     counts: HashMap<Key, u64, KeyHasher>,
     // Per edge life (node, generation), the outcomes of its last `RECENT_IDS` requests; per
     // application session (`CLIENT_NODE`, session), of its last `RECENT_CLIENT_IDS`.
     seen: HashMap<(u64, u64), Recent, KeyHasher>,
+    // Per edge node, the generations of its lives decided for since this ledger was
+    // built, in the order they first were: at most `LIVES_PER_NODE`.
+    lives: HashMap<u64, VecDeque<u64>, KeyHasher>,
 }
+
+/// Two ledgers are equal when they decide alike: the same counts and the same outcomes
+/// held. (`lives` follows the order decisions came in, which a replayed snapshot does not
+/// keep.)
+impl PartialEq for Ledger {
+    fn eq(&self, other: &Ledger) -> bool {
+        self.counts == other.counts && self.seen == other.seen
+    }
+}
+
+impl Eq for Ledger {}
+
+/// The most lives of one edge node whose outcomes the ledger holds at once, counting those
+/// decided for since it was built: a newer one makes it forget the outcomes of the first,
+/// keeping only its floor (its numbers are then `Forgotten`, never decided again). A
+/// node runs one life at a time, so the lives before its last few are gone and retry
+/// nothing. Each may hold a ring of up to `RECENT_IDS` outcomes (about 1.5 MiB), so an
+/// edge that names ever new generations would otherwise make the region hold a ring
+/// for each.
+pub const LIVES_PER_NODE: usize = 4;
 
 /// Per window length, the newest window whose counts a ledger has forgotten, and every
 /// one before it: over for good, whatever the wall clock says once it steps back.
@@ -181,6 +204,15 @@ impl Recent {
                 self.base = floor;
             }
             Outcomes::Sparse(_) => {}
+        }
+    }
+
+    /// Forgets every outcome, and frees their room: every number is `Forgotten` from now
+    /// on, while the floor is kept (until the last outcome's window ends).
+    fn forget_all(&mut self) {
+        self.forget_below(u64::MAX);
+        if let Outcomes::Dense(slots) = &mut self.outcomes {
+            *slots = VecDeque::new();
         }
     }
 
@@ -355,6 +387,7 @@ impl Ledger {
     pub fn forget_lives_of(&mut self, node: u64) {
         debug_assert_ne!(node, log::CLIENT_NODE);
         self.seen.retain(|&(seen, _), _| seen != node);
+        self.lives.remove(&node);
     }
 
     /// Appends to `out` the entries of this ledger's state: every key's count, and per edge
@@ -445,6 +478,11 @@ impl Ledger {
             live
         });
         self.seen.retain(|_, recent| recent.expire(now_unix_secs));
+        let seen = &self.seen;
+        self.lives.retain(|&node, lives| {
+            lives.retain(|&generation| seen.contains_key(&(node, generation)));
+            !lives.is_empty()
+        });
     }
 
     fn apply(&mut self, id: RequestId, key: &Key, cost: u64, allowed: bool) -> Outcome {
@@ -459,11 +497,34 @@ impl Ledger {
             allowed,
             count: *count,
         };
-        self.seen
-            .entry((id.node, id.generation))
-            .or_insert_with(|| Recent::new(id.node))
-            .insert(id.seq, outcome, key.window);
+        let life = (id.node, id.generation);
+        match self.seen.get_mut(&life) {
+            Some(recent) => recent.insert(id.seq, outcome, key.window),
+            None => {
+                self.begin_life(id.node, id.generation);
+                let mut recent = Recent::new(id.node);
+                recent.insert(id.seq, outcome, key.window);
+                self.seen.insert(life, recent);
+            }
+        }
         outcome
+    }
+
+    /// Notes a new life of `node`, forgetting the outcomes of its first noted life past
+    /// `LIVES_PER_NODE`. Application sessions are not lives: each holds its own bounded
+    /// outcomes.
+    fn begin_life(&mut self, node: u64, generation: u64) {
+        if node == log::CLIENT_NODE {
+            return;
+        }
+        let lives = self.lives.entry(node).or_default();
+        lives.push_back(generation);
+        if lives.len() > LIVES_PER_NODE {
+            let first = lives.pop_front();
+            if let Some(recent) = first.and_then(|first| self.seen.get_mut(&(node, first))) {
+                recent.forget_all();
+            }
+        }
     }
 }
 
@@ -520,6 +581,62 @@ mod tests {
 
     fn decide(ledger: &mut Ledger, seq: u64, cost: u64, limit: u64) -> Decided {
         ledger.decide(&check(seq, cost), &key(), limit)
+    }
+
+    #[test]
+    fn an_edge_node_holds_its_last_lives_outcomes_and_forgets_its_first_ones_numbers() {
+        let in_life = |generation, seq| ExactCheck {
+            id: RequestId {
+                node: 2,
+                generation,
+                seq,
+            },
+            ..check(seq, 1)
+        };
+        let mut ledger = Ledger::default();
+        // Ten lives of node 2, each deciding its number 65,535: a ring of 65,536 each.
+        for generation in 1..=10 {
+            let decided = ledger.decide(&in_life(generation, 65_535), &key(), u64::MAX);
+            assert!(matches!(decided, Decided::New(_)), "{decided:?}");
+        }
+        let ring_slots = |ledger: &Ledger| -> usize {
+            (ledger.seen.values())
+                .map(|recent| match &recent.outcomes {
+                    Outcomes::Dense(slots) => slots.len(),
+                    Outcomes::Sparse(held) => held.len(),
+                })
+                .sum()
+        };
+        assert_eq!(ring_slots(&ledger), LIVES_PER_NODE * 65_536);
+        // The first lives' numbers are forgotten, never decided again; the last ones'
+        // outcomes are kept.
+        for (generation, seq) in [(1, 65_535), (1, 7), (6, 0)] {
+            let decided = ledger.decide(&in_life(generation, seq), &key(), u64::MAX);
+            assert_eq!(
+                decided,
+                Decided::Forgotten,
+                "life {generation}, number {seq}"
+            );
+        }
+        let again = ledger.decide(&in_life(10, 65_535), &key(), u64::MAX);
+        assert!(matches!(again, Decided::Repeat(_)), "{again:?}");
+        assert_eq!(ledger.count(&key()), 10, "each counted once");
+        // A snapshot keeps the first lives' floors.
+        let mut entries = Vec::new();
+        ledger.snapshot(&mut entries);
+        let mut replayed = Ledger::replay(&log::replay(&entries).0);
+        assert_eq!(replayed, ledger);
+        let decided = replayed.decide(&in_life(2, 3), &key(), u64::MAX);
+        assert_eq!(decided, Decided::Forgotten);
+        // Application sessions are not lives: each keeps its own.
+        for session in 1..=10 {
+            let decided = ledger.decide(&named(session, 1), &key(), u64::MAX);
+            assert!(matches!(decided, Decided::New(_)), "{decided:?}");
+        }
+        for session in 1..=10 {
+            let again = ledger.decide(&named(session, 1), &key(), u64::MAX);
+            assert!(matches!(again, Decided::Repeat(_)), "{again:?}");
+        }
     }
 
     #[test]
