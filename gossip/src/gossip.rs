@@ -138,6 +138,10 @@ pub struct Gossip {
     // The wall clock that windows end by; `None` until the first input with a time, unless
     // resumed (`with_expiry`).
     expiry: Option<PacedWall>,
+    // The latest wall clock of any input: what a peer's lane is held to the rate by, so
+    // that a clock stepped back does not hold back every lane of the windows it stepped
+    // back over (each would look as if it had not started).
+    wall_latest: Stamp,
 }
 
 impl Gossip {
@@ -175,6 +179,7 @@ impl Gossip {
             rounds: 0,
             members_next: BTreeMap::new(),
             expiry: None,
+            wall_latest: Stamp::default(),
             table_matched: false,
             config,
         }
@@ -517,9 +522,10 @@ impl Gossip {
             .map(|entry| self.map.watermark(entry.origin).stamp)
             .collect();
         let own_before = self.map.top(me);
+        self.wall_latest = self.wall_latest.max(now.wall);
         let at = AppliedAt {
             live_at_unix_secs: self.expiry_secs(now),
-            now_unix_secs: now.wall.0 / 1_000,
+            now_unix_secs: self.wall_latest.0 / 1_000,
         };
         // No peer can hold a lane of this replica above what this life wrote: a lane that
         // would raise one is a lane an earlier life wrote under this replica id. (A lane of
@@ -980,6 +986,41 @@ mod tests {
                 _ => {}
             }
         }
+    }
+
+    #[test]
+    fn a_clock_stepped_back_an_hour_still_takes_peers_lanes_of_the_current_window() {
+        let config = Config::new(ReplicaId::new(NodeId(1), Generation(1)), "n1".to_owned());
+        let mut gossip = Gossip::with_state(config, CounterMap::new().with_lane_rate_max(1_000));
+        let peer = node(2).replica();
+        let key = Key::new(
+            Rule::new("r").unwrap(),
+            Subject::new("s").unwrap(),
+            Window::containing(WALL / 1_000, 60).unwrap(),
+        );
+        let push = |version: u64, incr: u64| {
+            let lane = tally_crdt::LaneUpdate {
+                key: key.clone(),
+                lane: Lane::new(incr, 0),
+                version: Version(version),
+            };
+            push_of(peer, Version(version), Stamp(WALL), vec![lane])
+        };
+        receive_from_node_2(&mut gossip, push(1, 5));
+        assert_eq!(gossip.map().value(&key), 5);
+        // The wall clock steps back an hour: the window the peer writes in now looks an
+        // hour ahead, and a lane of it is still its peer's, taken.
+        let stepped_back = Now {
+            mono: Duration::from_millis(2),
+            wall: Stamp(WALL - 3_600_000),
+        };
+        gossip.handle_input(Input::Receive {
+            now: stepped_back,
+            from: NodeId(2),
+            frame: push(2, 9),
+        });
+        assert_eq!(gossip.map().value(&key), 9);
+        assert_eq!(gossip.stats().lanes_throttled, 0);
     }
 
     #[test]

@@ -358,11 +358,15 @@ pub async fn run(config: Config, shutdown: impl Future<Output = ()>) -> Result<(
     }
 }
 
-/// Whether `path` is a Unix socket that no process serves: one an earlier life left.
+/// Whether `path` is a Unix socket that no process serves: one an earlier life left. Only
+/// a refused connection says so; any other error (no permission, another kind of socket)
+/// leaves the path alone.
 fn is_stale_socket(path: &std::path::Path) -> bool {
     use std::os::unix::fs::FileTypeExt;
     let is_socket = std::fs::symlink_metadata(path).is_ok_and(|meta| meta.file_type().is_socket());
-    is_socket && std::os::unix::net::UnixStream::connect(path).is_err()
+    is_socket
+        && std::os::unix::net::UnixStream::connect(path)
+            .is_err_and(|err| err.kind() == std::io::ErrorKind::ConnectionRefused)
 }
 
 #[cfg(test)]

@@ -146,6 +146,10 @@ impl Recent {
     }
 
     fn get(&self, seq: u64) -> Held {
+        if self.base == u64::MAX {
+            // Forgotten whole (`forget_all`): every number, `u64::MAX` included.
+            return Held::Forgotten;
+        }
         let Some(offset) = seq.checked_sub(self.base) else {
             return Held::Forgotten;
         };
@@ -212,6 +216,10 @@ impl Recent {
     fn forget_all(&mut self) {
         self.forget_below(u64::MAX);
         if let Outcomes::Dense(slots) = &mut self.outcomes {
+            // Number `u64::MAX`'s, which `forget_below` keeps.
+            for (_, window) in slots.drain(..).flatten() {
+                self.floor_until = self.floor_until.max(window.live_until_unix_secs());
+            }
             *slots = VecDeque::new();
         }
     }
@@ -312,7 +320,33 @@ impl Ledger {
         for entry in entries {
             ledger.replay_one(entry);
         }
+        ledger.note_lives_held();
         ledger
+    }
+
+    /// Notes every edge life whose outcomes are held, per node by generation (a node's
+    /// lives take rising generations), and forgets all but each node's last
+    /// `LIVES_PER_NODE`: the cap holds across the region's restarts, whatever order the
+    /// lives came in.
+    fn note_lives_held(&mut self) {
+        let mut by_node: BTreeMap<u64, Vec<u64>> = BTreeMap::new();
+        for (&(node, generation), recent) in &self.seen {
+            if node != log::CLIENT_NODE && recent.base != u64::MAX {
+                by_node.entry(node).or_default().push(generation);
+            }
+        }
+        self.lives.clear();
+        for (node, mut generations) in by_node {
+            generations.sort_unstable();
+            let first_kept = generations.len().saturating_sub(LIVES_PER_NODE);
+            for generation in &generations[..first_kept] {
+                if let Some(recent) = self.seen.get_mut(&(node, *generation)) {
+                    recent.forget_all();
+                }
+            }
+            self.lives
+                .insert(node, generations[first_kept..].iter().copied().collect());
+        }
     }
 
     fn replay_one(&mut self, entry: &Entry) {
@@ -628,6 +662,27 @@ mod tests {
         assert_eq!(replayed, ledger);
         let decided = replayed.decide(&in_life(2, 3), &key(), u64::MAX);
         assert_eq!(decided, Decided::Forgotten);
+        // A forgotten life's every number, the last one too.
+        let decided = replayed.decide(&in_life(1, u64::MAX), &key(), u64::MAX);
+        assert_eq!(decided, Decided::Forgotten);
+        // Lives restored from a snapshot count too: of six, the first two are forgotten.
+        let outcome = |generation| Entry::Outcome {
+            id: RequestId {
+                node: 3,
+                generation,
+                seq: 0,
+            },
+            allowed: true,
+            count: 1,
+            window_index: 500_000,
+            window_secs: 3_600,
+        };
+        let restored = Ledger::replay(&(1..=6).map(outcome).collect::<Vec<_>>());
+        let held = |generation| restored.seen[&(3, generation)].get(0);
+        for generation in 1..=6 {
+            let forgotten = matches!(held(generation), Held::Forgotten);
+            assert_eq!(forgotten, generation <= 2, "life {generation}");
+        }
         // Application sessions are not lives: each keeps its own.
         for session in 1..=10 {
             let decided = ledger.decide(&named(session, 1), &key(), u64::MAX);

@@ -322,7 +322,8 @@ impl RegionService {
             }
         };
         // The edge fixes the window, but only one that is live by this node's clock (with
-        // a minute of skew ahead): a window far off would never expire here. Nor one the
+        // the skew allowed ahead, as for a lane): a window far off would never expire here,
+        // and an edge whose clock is within that skew has its window taken. Nor one the
         // ledger may have forgotten already, its counts and ids: live again by a wall clock
         // stepped back, it would admit its limit twice and count retries again.
         let key = key_in(
@@ -333,7 +334,7 @@ impl RegionService {
         )
         .filter(|key| {
             key.window.is_live(now_secs)
-                && key.window.start_unix_secs() <= now_secs + 60
+                && key.window.start_unix_secs() <= now_secs + tally_crdt::LANE_RATE_SKEW_SECS
                 && !self.forgotten.covers(key.window)
         });
         let Some(key) = key else {
