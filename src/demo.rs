@@ -88,9 +88,29 @@ pub fn run(args: &DemoArgs) -> anyhow::Result<()> {
         dir: dir.clone(),
         children: Vec::new(),
     };
-    let result = runtime.block_on(demo(args, &mut cluster));
+    // Stopped by Ctrl-C or SIGTERM, the demo still stops its nodes and removes its
+    // directory (the cluster CA's key with it): the cluster is dropped either way.
+    let result = runtime.block_on(async {
+        tokio::select! {
+            result = demo(args, &mut cluster) => result,
+            signal = stop_signal() => Err(anyhow::anyhow!("demo: stopped by {}", signal?)),
+        }
+    });
     drop(cluster);
     result
+}
+
+/// Waits for Ctrl-C or SIGTERM, and names which came.
+async fn stop_signal() -> anyhow::Result<&'static str> {
+    use tokio::signal::unix::{signal, SignalKind};
+    let mut terminate = signal(SignalKind::terminate()).context("SIGTERM handler")?;
+    tokio::select! {
+        interrupted = tokio::signal::ctrl_c() => {
+            interrupted.context("Ctrl-C handler")?;
+            Ok("Ctrl-C")
+        }
+        _ = terminate.recv() => Ok("SIGTERM"),
+    }
 }
 
 /// The nodes the demo started; dropping it stops them and removes the directory.
