@@ -242,12 +242,49 @@ impl Config {
 
     /// Parses and checks `text`, naming `file` in errors.
     pub fn parse(text: &str, file: &Path) -> Result<Config, ConfigError> {
-        let config: Config = toml::from_str(text).map_err(|err| ConfigError::Parse {
+        let parse_error = |err: toml::de::Error| ConfigError::Parse {
             file: file.to_owned(),
             message: err.to_string().trim_end().replace('\n', " "),
-        })?;
+        };
+        let config: Config = toml::from_str(text).map_err(parse_error)?;
+        let table: toml::Table = toml::from_str(text).map_err(parse_error)?;
+        config.check_exact_keys_on_exact_rules(&table, file)?;
         config.check(file)?;
         Ok(config)
+    }
+
+    /// Refuses a key only an exact rule reads, written on an approximate one: most likely
+    /// a promise whose `mode = "exact"` was left out, which would then be decided
+    /// approximately, at every edge on its own.
+    fn check_exact_keys_on_exact_rules(
+        &self,
+        table: &toml::Table,
+        file: &Path,
+    ) -> Result<(), ConfigError> {
+        let written = table.get("rules").and_then(toml::Value::as_array);
+        for (i, (rule, written)) in self
+            .rules
+            .iter()
+            .zip(written.into_iter().flatten())
+            .enumerate()
+        {
+            if rule.mode == RuleMode::Exact {
+                continue;
+            }
+            for key in ["region_timeout_ms", "on_region_unavailable"] {
+                if written.get(key).is_some() {
+                    return Err(ConfigError::Value {
+                        file: file.to_owned(),
+                        key: format!("rules[{i}].{key}"),
+                        why: "only an exact rule asks the region, and this rule is \
+                              approximate: add mode = \"exact\" if it is a promise, or remove \
+                              the key"
+                            .into(),
+                    });
+                }
+            }
+        }
+        Ok(())
     }
 
     /// Checks every value against its bounds; `file` names where they came from.
@@ -578,6 +615,19 @@ window_secs = 60
     }
 
     #[test]
+    fn the_readmes_example_config_is_taken() {
+        let readme = include_str!("../../README.md");
+        let start = readme
+            .find("```toml\n# node-1.toml")
+            .expect("the example in README.md");
+        let example = &readme[start + "```toml\n".len()..];
+        let example = &example[..example.find("```").expect("the example's end")];
+        let config = parse(example).unwrap_or_else(|err| panic!("README.md's example: {err}"));
+        assert_eq!(config.node_id, 1);
+        assert!(config.rules.iter().any(|rule| rule.mode == RuleMode::Exact));
+    }
+
+    #[test]
     fn values_that_would_break_the_node_later_are_refused_by_name() {
         let cases = [
             (GOOD.replace("node = 2", "node = 0"), "seeds[0].node"),
@@ -609,6 +659,20 @@ window_secs = 60
             (
                 GOOD.replace("127.0.0.1:7101", "0.0.0.0:7101"),
                 "listen_client",
+            ),
+            (
+                GOOD.replace(
+                    "window_secs = 60",
+                    "window_secs = 60\non_region_unavailable = \"deny\"",
+                ),
+                "rules[0].on_region_unavailable",
+            ),
+            (
+                GOOD.replace(
+                    "window_secs = 60",
+                    "window_secs = 60\nmode = \"approximate\"\nregion_timeout_ms = 100",
+                ),
+                "rules[0].region_timeout_ms",
             ),
             (
                 GOOD.replace("127.0.0.1:7201", "10.0.0.5:7201"),
