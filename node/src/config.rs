@@ -405,6 +405,17 @@ impl Config {
                     format!("{} is outside 1..={WINDOW_SECS_MAX}", rule.window_secs),
                 ));
             }
+            if rule.stale_after_ms >= self.dead_after_ms {
+                return Err(bad(
+                    key("stale_after_ms"),
+                    format!(
+                        "{} must be below dead_after_ms ({}): a member cut off is declared \
+                         dead after its suspicion and dead_after_ms, and a dead member no \
+                         longer makes checks isolated, so the rule might never turn isolated",
+                        rule.stale_after_ms, self.dead_after_ms
+                    ),
+                ));
+            }
             if rule.stale_after_ms <= self.gossip_interval_ms {
                 return Err(bad(
                     key("stale_after_ms"),
@@ -659,6 +670,10 @@ window_secs = 60
             (
                 GOOD.replace("127.0.0.1:7101", "0.0.0.0:7101"),
                 "listen_client",
+            ),
+            (
+                GOOD.replace("node_id = 1", "node_id = 1\ndead_after_ms = 3000"),
+                "rules[0].stale_after_ms",
             ),
             (
                 GOOD.replace(

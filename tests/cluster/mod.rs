@@ -32,11 +32,13 @@ pub const RULES: &str = r#"
 name = "count"
 limit = 1000000000
 window_secs = 604800
+stale_after_ms = 1000
 
 [[rules]]
 name = "brief-count"
 limit = 1000000000
 window_secs = 120
+stale_after_ms = 1000
 
 [[rules]]
 name = "api"
@@ -56,6 +58,7 @@ limit = 500
 window_secs = 604800
 mode = "exact"
 region_timeout_ms = 300
+stale_after_ms = 1000
 
 [[rules]]
 name = "paid"
@@ -63,6 +66,7 @@ limit = 500
 window_secs = 604800
 mode = "exact"
 region_timeout_ms = 300
+stale_after_ms = 1000
 on_region_unavailable = "allow"
 
 [[rules]]
@@ -71,6 +75,7 @@ limit = 500
 window_secs = 120
 mode = "exact"
 region_timeout_ms = 300
+stale_after_ms = 1000
 "#;
 
 static CLUSTERS: AtomicU8 = AtomicU8::new(1);
