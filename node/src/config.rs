@@ -248,7 +248,7 @@ impl Config {
         };
         let config: Config = toml::from_str(text).map_err(parse_error)?;
         let table: toml::Table = toml::from_str(text).map_err(parse_error)?;
-        config.check_exact_keys_on_exact_rules(&table, file)?;
+        config.check_exact_only_keys(&table, file)?;
         config.check(file)?;
         Ok(config)
     }
@@ -256,11 +256,7 @@ impl Config {
     /// Refuses a key only an exact rule reads, written on an approximate one: most likely
     /// a promise whose `mode = "exact"` was left out, which would then be decided
     /// approximately, at every edge on its own.
-    fn check_exact_keys_on_exact_rules(
-        &self,
-        table: &toml::Table,
-        file: &Path,
-    ) -> Result<(), ConfigError> {
+    fn check_exact_only_keys(&self, table: &toml::Table, file: &Path) -> Result<(), ConfigError> {
         let written = table.get("rules").and_then(toml::Value::as_array);
         for (i, (rule, written)) in self
             .rules
