@@ -4,7 +4,7 @@
 use crate::config::{Config, ConfigError, SeedConfig};
 use crate::daemon::{self, DaemonError};
 use std::net::SocketAddr;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 
 /// `tallyd`'s arguments.
 #[derive(Debug, Clone, clap::Args)]
@@ -60,7 +60,10 @@ impl DaemonArgs {
             config.data_dir = self.data_dir.clone();
         }
         config.seeds.extend(self.seeds.iter().cloned());
-        config.check(Path::new("flags"))?;
+        // The file alone was checked as it loaded: what is wrong now is the file with the
+        // flags (a seed added past the file's own is `seeds[<its count> + i]`).
+        let with_flags = format!("{} with flags", self.config.display());
+        config.check(&PathBuf::from(with_flags))?;
         Ok(config)
     }
 }
@@ -102,5 +105,42 @@ async fn shutdown_signal() {
         Err(_) => {
             let _ = tokio::signal::ctrl_c().await;
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_value_the_flags_make_wrong_is_refused_naming_the_file_with_the_flags() {
+        let dir = std::env::temp_dir().join(format!("tally-cli-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let file = dir.join("node-1.toml");
+        std::fs::write(
+            &file,
+            "node_id = 1\n\
+             listen_gossip = \"127.0.0.1:7001\"\n\
+             listen_client = \"127.0.0.1:7101\"\n\
+             listen_http = \"127.0.0.1:7201\"\n\
+             seeds = [{ node = 2, addr = \"127.0.0.1:7002\" }]\n\
+             tls = { ca = \"ca.pem\", cert = \"node-1.pem\", key = \"node-1.key\" }\n",
+        )
+        .unwrap();
+        let args = DaemonArgs {
+            config: file,
+            node_id: Some(2),
+            listen_gossip: None,
+            listen_client: None,
+            listen_http: None,
+            data_dir: None,
+            seeds: Vec::new(),
+        };
+        let err = args.config().unwrap_err().to_string();
+        assert!(
+            err.contains("node-1.toml with flags") && err.contains("seeds[0].node"),
+            "{err}"
+        );
+        std::fs::remove_dir_all(dir).unwrap();
     }
 }
