@@ -582,7 +582,8 @@ mod tests {
     use super::*;
     use tally_client::wire::CheckId;
 
-    fn check(seq: u64, cost: u64) -> ExactCheck {
+    /// A check of `cost` on `acct-1` from node 2's life 1, numbered `seq`.
+    pub(super) fn check(seq: u64, cost: u64) -> ExactCheck {
         ExactCheck {
             id: RequestId {
                 node: 2,

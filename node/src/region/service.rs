@@ -436,7 +436,6 @@ async fn acknowledge(mut batches: mpsc::UnboundedReceiver<Batch>, mut own: OwnLa
 mod tests {
     use super::*;
     use crate::config::{RuleConfig, RuleMode};
-    use crate::region::log::RequestId;
     use tally_crdt::{Generation, NodeId, Window};
 
     fn open(dir: &Path) -> RegionService {
@@ -463,17 +462,10 @@ mod tests {
     fn checks(seqs: std::ops::Range<u64>) -> Vec<ExactCheck> {
         let window = Window::containing(clock::wall().0 / 1_000, 3_600).unwrap();
         seqs.map(|seq| ExactCheck {
-            id: RequestId {
-                node: 2,
-                generation: 1,
-                seq,
-            },
-            check_id: None,
-            rule: "quota".into(),
             subject: format!("acct-{}", seq % 7),
             window_index: window.index(),
             window_secs: window.len_secs(),
-            cost: 1 + seq % 3,
+            ..super::super::tests::check(seq, 1 + seq % 3)
         })
         .collect()
     }
