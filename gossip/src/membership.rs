@@ -186,11 +186,7 @@ impl Members {
             return;
         }
         self.heard(replica, now);
-        if let Some(member) = self.members.get_mut(&replica.node) {
-            if member.entry.generation == replica.generation {
-                member.stamp = member.stamp.max(stamp);
-            }
-        }
+        self.keep_stamp(replica, stamp);
     }
 
     /// Keeps `stamp` as heard of `replica` (its row's, if it has one of that generation)
