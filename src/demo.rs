@@ -97,24 +97,13 @@ pub fn run(args: &DemoArgs) -> anyhow::Result<()> {
     let result = runtime.block_on(async {
         tokio::select! {
             result = demo(args, &mut cluster) => result,
-            signal = stop_signal() => Err(anyhow::anyhow!("demo: stopped by {}", signal?)),
+            () = tally_node::cli::shutdown_signal() => {
+                Err(anyhow::anyhow!("demo: stopped by Ctrl-C or SIGTERM"))
+            }
         }
     });
     drop(cluster);
     result
-}
-
-/// Waits for Ctrl-C or SIGTERM, and names which came.
-async fn stop_signal() -> anyhow::Result<&'static str> {
-    use tokio::signal::unix::{signal, SignalKind};
-    let mut terminate = signal(SignalKind::terminate()).context("SIGTERM handler")?;
-    tokio::select! {
-        interrupted = tokio::signal::ctrl_c() => {
-            interrupted.context("Ctrl-C handler")?;
-            Ok("Ctrl-C")
-        }
-        _ = terminate.recv() => Ok("SIGTERM"),
-    }
 }
 
 /// The nodes the demo started; dropping it stops them and removes the directory.

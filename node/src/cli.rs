@@ -93,7 +93,8 @@ fn parse_seed(text: &str) -> Result<SeedConfig, String> {
     })
 }
 
-async fn shutdown_signal() {
+/// Returns at the first Ctrl-C (SIGINT) or SIGTERM: when a node, or the demo, should stop.
+pub async fn shutdown_signal() {
     use tokio::signal::unix::{signal, SignalKind};
     match signal(SignalKind::terminate()) {
         Ok(mut terminate) => {
