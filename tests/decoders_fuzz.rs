@@ -1,7 +1,7 @@
 //! Every decoder of untrusted bytes, fed arbitrary bytes and mutations of valid frames
 //! (TESTING.md S8, S9, S10): each returns a value or a typed error, and never panics.
 //! Allocation is bounded by the decoders' limits (bincode's `with_limit`), which the
-//! length prefixes of 2^64 - 1 below exercise.
+//! lengths of 2^64 - 1 below run into.
 
 #![allow(
     clippy::unwrap_used,
@@ -128,17 +128,72 @@ fn the_seeds_are_valid_frames() {
     assert_eq!(region_log::replay(frame("log")).0.len(), 2);
 }
 
+/// `frame` with the length before the first `marker` (a string of fewer than 251 bytes, so
+/// that its length takes one byte) replaced by bincode's 9-byte varint of `len`.
+fn claiming(frame: &[u8], marker: &[u8], len: u64) -> Vec<u8> {
+    let at = frame
+        .windows(marker.len())
+        .position(|window| window == marker)
+        .unwrap();
+    assert_eq!(
+        usize::from(frame[at - 1]),
+        marker.len(),
+        "the marker's length"
+    );
+    let mut claiming = frame[..at - 1].to_vec();
+    claiming.push(0xfd);
+    claiming.extend_from_slice(&len.to_le_bytes());
+    claiming.extend_from_slice(&frame[at..]);
+    claiming
+}
+
+/// Whether a decoder's error text is bincode's limit refusal.
+fn over_the_limit(why: &str) -> bool {
+    why.contains("LimitExceeded")
+}
+
 #[test]
-fn length_prefixes_of_two_to_the_64_are_refused_without_allocating() {
-    // A version byte, then a varint length of u64::MAX (tag 0xff, 8 bytes): any decoder
-    // that allocated what it claims would abort.
-    for version in 0..=3u8 {
-        let mut bytes = vec![version, 0xff];
-        bytes.extend_from_slice(&u64::MAX.to_le_bytes());
-        bytes.extend_from_slice(&[0xff; 16]);
-        decode_all(&bytes);
-        assert!(region_wire::decode_checks(&bytes).is_none());
-        assert!(client_wire::decode_body::<Request>(&bytes).is_err());
+fn lengths_of_a_tebibyte_and_of_two_to_the_64_are_refused_by_the_decoders_limits() {
+    // Each frame is valid as built, and is refused once one of its lengths claims 2^40
+    // bytes (over every limit, where a decoder without one would read on to the frame's
+    // end) or 2^64 - 1: by bincode's limit, where the decoder's error shows why.
+    let seeds = seeds();
+    let frame = |name: &str| seeds.iter().find(|(n, _)| *n == name).unwrap().1.clone();
+    for len in [1 << 40, u64::MAX] {
+        let gossip = claiming(&frame("gossip"), b"127.0.0.1:7000", len);
+        match gossip_wire::decode(&gossip, gossip_wire::FRAME_BYTES_LIMIT) {
+            Err(gossip_wire::DecodeError::Body(why)) => assert!(over_the_limit(&why), "{why}"),
+            other => panic!("a member address of {len} bytes: {other:?}"),
+        }
+
+        let request = claiming(&frame("request"), b"user-1", len);
+        match client_wire::decode_body::<Request>(&request) {
+            Err(client_wire::FrameError::Body(why)) => assert!(over_the_limit(&why), "{why}"),
+            other => panic!("a subject of {len} bytes: {other:?}"),
+        }
+        assert!(client_wire::decode_request(&request).is_err());
+
+        // The region's decoders say only whether a frame decoded.
+        let checks = claiming(&frame("checks"), b"acct", len);
+        assert!(region_wire::decode_checks(&checks).is_none());
+        let mut checks = frame("checks");
+        assert_eq!(checks[1], 2, "the count of checks follows the version byte");
+        checks.splice(1..2, [0xfd].into_iter().chain(len.to_le_bytes()));
+        assert!(region_wire::decode_checks(&checks).is_none());
+        let storage = region_wire::encode_answers(&[(1, ExactAnswer::Storage("disk full".into()))]);
+        assert_eq!(region_wire::decode_answers(&storage[4..]).unwrap().len(), 1);
+        let storage = claiming(&storage[4..], b"disk full", len);
+        assert!(region_wire::decode_answers(&storage).is_none());
+
+        // A log record whose checksum covers the claim: refused by the record's decoder.
+        let log = frame("log");
+        let first_len = u32::from_le_bytes(log[..4].try_into().unwrap()) as usize;
+        let body = claiming(&log[8..8 + first_len], b"acct", len);
+        let mut record = (body.len() as u32).to_le_bytes().to_vec();
+        record.extend_from_slice(&crc32fast::hash(&body).to_le_bytes());
+        record.extend_from_slice(&body);
+        assert_eq!(region_log::replay(&log[..8 + first_len]).0.len(), 1);
+        assert_eq!(region_log::replay(&record), (Vec::new(), 0));
     }
 }
 
