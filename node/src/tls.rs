@@ -73,6 +73,36 @@ pub struct Identity {
 /// Loads the node's certificate files and builds both QUIC configurations. Refuses a
 /// certificate that does not name `node`.
 pub fn identity(files: &TlsConfig, node: NodeId) -> Result<Identity, TlsError> {
+    let Tls {
+        server,
+        client,
+        expires_unix_secs,
+    } = tls(files, node)?;
+    let server = quinn::crypto::rustls::QuicServerConfig::try_from(server)
+        .map_err(|err| TlsError::Config(err.to_string()))?;
+    let mut server = quinn::ServerConfig::with_crypto(Arc::new(server));
+    server.transport_config(transport());
+    let client = quinn::crypto::rustls::QuicClientConfig::try_from(client)
+        .map_err(|err| TlsError::Config(err.to_string()))?;
+    let mut client = quinn::ClientConfig::new(Arc::new(client));
+    client.transport_config(transport());
+    Ok(Identity {
+        server,
+        client,
+        expires_unix_secs,
+    })
+}
+
+/// The TLS half of an [`Identity`].
+struct Tls {
+    server: rustls::ServerConfig,
+    client: rustls::ClientConfig,
+    expires_unix_secs: i64,
+}
+
+/// Loads the node's certificate files and builds both TLS configurations: TLS 1.3 only,
+/// peers verified against the cluster CA both ways, no session resumption.
+fn tls(files: &TlsConfig, node: NodeId) -> Result<Tls, TlsError> {
     let ca = certs(&files.ca)?;
     let chain = certs(&files.cert)?;
     let key = PrivateKeyDer::from_pem_file(&files.key).map_err(|err| TlsError::File {
@@ -126,10 +156,6 @@ pub fn identity(files: &TlsConfig, node: NodeId) -> Result<Identity, TlsError> {
         .map_err(config_err)?;
     server.alpn_protocols = vec![ALPN.to_vec()];
     no_resumption(&mut server);
-    let server = quinn::crypto::rustls::QuicServerConfig::try_from(server)
-        .map_err(|err| TlsError::Config(err.to_string()))?;
-    let mut server = quinn::ServerConfig::with_crypto(Arc::new(server));
-    server.transport_config(transport());
 
     let mut client = rustls::ClientConfig::builder_with_provider(provider)
         .with_protocol_versions(&[&rustls::version::TLS13])
@@ -139,11 +165,7 @@ pub fn identity(files: &TlsConfig, node: NodeId) -> Result<Identity, TlsError> {
         .map_err(config_err)?;
     client.alpn_protocols = vec![ALPN.to_vec()];
     client.resumption = rustls::client::Resumption::disabled();
-    let client = quinn::crypto::rustls::QuicClientConfig::try_from(client)
-        .map_err(|err| TlsError::Config(err.to_string()))?;
-    let mut client = quinn::ClientConfig::new(Arc::new(client));
-    client.transport_config(transport());
-    Ok(Identity {
+    Ok(Tls {
         server,
         client,
         expires_unix_secs,
@@ -317,17 +339,26 @@ mod tests {
 
     #[test]
     fn session_resumption_is_off_so_every_handshake_verifies_the_certificate() {
-        let mut server = rustls::ServerConfig::builder_with_provider(Arc::new(
-            rustls::crypto::ring::default_provider(),
-        ))
-        .with_protocol_versions(&[&rustls::version::TLS13])
-        .unwrap()
-        .with_no_client_auth()
-        .with_cert_resolver(Arc::new(rustls::server::ResolvesServerCertUsingSni::new()));
-        assert!(server.send_tls13_tickets > 0 && server.session_storage.can_cache());
-        no_resumption(&mut server);
-        assert_eq!(server.send_tls13_tickets, 0, "no tickets");
-        assert!(!server.session_storage.can_cache(), "no session cache");
+        let dir = std::env::temp_dir().join(format!("tally-tls-resume-{}", std::process::id()));
+        let files = crate::certs::write_cluster(&dir, &[NodeId(2)]).unwrap();
+        let config = TlsConfig {
+            ca: files[0].ca.clone(),
+            cert: files[0].cert.clone(),
+            key: files[0].key.clone(),
+        };
+        let Tls { server, client, .. } = tls(&config, NodeId(2)).unwrap();
+        assert_eq!(server.send_tls13_tickets, 0, "the server sends no tickets");
+        assert!(!server.session_storage.can_cache(), "nor caches sessions");
+        // rustls shows no more of a client's resumption than its Debug form.
+        let resumption = |resumption: &rustls::client::Resumption| format!("{resumption:?}");
+        let no_store = "NoClientSessionStorage";
+        assert!(!resumption(&rustls::client::Resumption::default()).contains(no_store));
+        assert!(
+            resumption(&client.resumption).contains(no_store),
+            "the client keeps no sessions: {:?}",
+            client.resumption
+        );
+        std::fs::remove_dir_all(&dir).unwrap();
     }
 
     #[test]
