@@ -485,10 +485,10 @@ impl Gossip {
                 // every other origin it holds as far as my Syn said, so none is sent.
                 let listed = |origin| digest.origins.contains_key(&origin);
                 self.fill_delta(&mut reply, &digest, listed);
-                if matches!(&reply, Message::Delta { delta, .. } if delta.is_empty()) && !differed {
-                    return;
+                let nothing = matches!(&reply, Message::Delta { delta, .. } if delta.is_empty());
+                if differed || !nothing {
+                    self.send(from, &reply);
                 }
-                self.send(from, &reply);
             }
             Message::Delta {
                 delta,
@@ -1449,6 +1449,128 @@ mod tests {
         // A peer that still holds 9's watermark hands it back: no news of node 9.
         relay(11_000, &mut gossip);
         assert_eq!(gossip.members.state(NodeId(9)), Some(State::Dead));
+    }
+
+    #[test]
+    fn a_member_taken_in_as_dead_stays_dead_on_its_old_state_relayed_later_until_news_of_it() {
+        // Node 2's table says node 9 is dead; 9's lanes come later, in another message (a
+        // cut Ack, or another peer's): old state of a dead member, not news of it.
+        let nine = ReplicaId::new(NodeId(9), Generation(1));
+        let key = Key::new(
+            Rule::new("r").unwrap(),
+            Subject::new("s").unwrap(),
+            Window::containing(WALL / 1_000, 60).unwrap(),
+        );
+        let mut gossip = node(1);
+        let receive = |at_ms: u64, delta: Delta, members: Vec<MemberEntry>, gossip: &mut Gossip| {
+            let dead = members.iter().map(|member| member.node).collect();
+            let message = Message::Delta {
+                to: gossip.replica(),
+                delta,
+                members,
+                dead,
+            };
+            gossip.handle_input(Input::Receive {
+                now: now(at_ms),
+                from: NodeId(2),
+                frame: wire::encode(node(2).replica(), &message),
+            });
+        };
+        let state_of_nine = |version: u64, stamp: u64| Delta {
+            origins: vec![OriginDelta {
+                origin: nine,
+                through: Watermark {
+                    version: Version(version),
+                    stamp: Stamp(stamp),
+                },
+                lanes: vec![tally_crdt::LaneUpdate {
+                    key: key.clone(),
+                    lane: Lane::new(version, 0),
+                    version: Version(version),
+                }],
+            }],
+        };
+        let row = MemberEntry {
+            node: NodeId(9),
+            generation: Generation(1),
+            addr: "n9".into(),
+            left: false,
+        };
+        receive(0, Delta::default(), vec![row], &mut gossip);
+        assert_eq!(gossip.members.state(NodeId(9)), Some(State::Dead));
+        receive(
+            100,
+            state_of_nine(1, WALL - 60_000),
+            Vec::new(),
+            &mut gossip,
+        );
+        assert_eq!(
+            gossip.map().watermark(nine).version,
+            Version(1),
+            "its lanes are taken"
+        );
+        assert_eq!(gossip.members.state(NodeId(9)), Some(State::Dead));
+        // State newer than any held of it is news: node 9 is back.
+        receive(200, state_of_nine(2, WALL), Vec::new(), &mut gossip);
+        assert_eq!(gossip.members.state(NodeId(9)), Some(State::Alive));
+    }
+
+    #[test]
+    fn a_dead_member_heard_in_an_ack_that_needs_no_answer_is_reported_alive_at_once() {
+        let mut gossip = node(1);
+        let two = node(2).replica();
+        let receive = |at_ms: u64, message: Message, gossip: &mut Gossip| {
+            gossip.handle_input(Input::Receive {
+                now: now(at_ms),
+                from: NodeId(2),
+                frame: wire::encode(two, &message),
+            });
+        };
+        let row = MemberEntry {
+            node: NodeId(2),
+            generation: two.generation,
+            addr: "n2".into(),
+            left: false,
+        };
+        receive(
+            0,
+            Message::Members {
+                members: vec![row.clone()],
+            },
+            &mut gossip,
+        );
+        for at_ms in [0, 30_000, 45_000, 60_000] {
+            gossip.handle_input(Input::Timeout { now: now(at_ms) });
+        }
+        assert_eq!(gossip.members.state(NodeId(2)), Some(State::Dead));
+        while !matches!(gossip.poll_output(), Output::Timeout(_)) {}
+        // Node 2 answers a Syn with nothing to send, and nothing to ask for.
+        receive(
+            61_000,
+            Message::Ack {
+                to: gossip.replica(),
+                delta: Delta::default(),
+                digest: Digest::default(),
+                members: Vec::new(),
+                dead: Vec::new(),
+            },
+            &mut gossip,
+        );
+        assert_eq!(gossip.members.state(NodeId(2)), Some(State::Alive));
+        let mut alive = false;
+        loop {
+            match gossip.poll_output() {
+                Output::Timeout(_) => break,
+                Output::Event(Event::Member(transition)) => {
+                    alive |= transition.node == NodeId(2) && transition.state == State::Alive;
+                }
+                _ => {}
+            }
+        }
+        assert!(
+            alive,
+            "the transition is reported with the frame that made it"
+        );
     }
 
     #[test]

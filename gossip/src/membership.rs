@@ -8,7 +8,6 @@
 
 use crate::message::MemberEntry;
 use std::collections::{BTreeMap, BTreeSet};
-use std::hash::{DefaultHasher, Hash, Hasher};
 use std::time::Duration;
 use tally_crdt::{NodeId, ReplicaId, Stamp};
 
@@ -75,13 +74,27 @@ impl Members {
         members
     }
 
-    /// A hash of every row, so two nodes can tell cheaply whether their tables differ.
+    /// A hash of every row, so two nodes can tell cheaply whether their tables differ:
+    /// FNV-1a (64-bit) over each row's node and generation (little-endian), address length
+    /// and bytes, and `left`, in node order. Its algorithm is fixed, so nodes built by
+    /// different toolchains agree (std's `DefaultHasher` promises no such thing, and two
+    /// nodes whose hashes never matched would send tables in every exchange).
     pub fn hash(&self) -> u64 {
-        let mut hasher = DefaultHasher::new();
+        let mut hash = FNV_OFFSET_BASIS;
         for member in self.members.values() {
-            member.entry.hash(&mut hasher);
+            let MemberEntry {
+                node,
+                generation,
+                addr,
+                left,
+            } = &member.entry;
+            hash = fnv1a(hash, &node.0.to_le_bytes());
+            hash = fnv1a(hash, &generation.0.to_le_bytes());
+            hash = fnv1a(hash, &(addr.len() as u64).to_le_bytes());
+            hash = fnv1a(hash, addr.as_bytes());
+            hash = fnv1a(hash, &[u8::from(*left)]);
         }
-        hasher.finish()
+        hash
     }
 
     /// This node's own row.
@@ -161,7 +174,12 @@ impl Members {
             // into the mean it would hold off the detector for many times that silence.
             member.interval = self.expected_interval;
         } else if let Some(last) = member.heard_at {
-            let gap = now.saturating_sub(last);
+            // One gap counts as at most twice the mean: a member back from a pause long
+            // enough to be suspected would otherwise hold off the detector for several
+            // times that pause once it is silent for good (a 25 s pause made the mean 4 s,
+            // and its suspicion 74 s away). A member that is slower for good still moves
+            // the mean up, by at most an eighth each time it is heard.
+            let gap = now.saturating_sub(last).min(member.interval * 2);
             // An exponentially weighted mean, never below the expected interval, so a
             // burst of fast messages does not make the detector jumpy.
             member.interval = (member.interval * 7 + gap) / 8;
@@ -180,10 +198,19 @@ impl Members {
     /// is newer than every one heard of that generation before. A node forgets a dead
     /// member's watermark once its lanes are gone, and a peer that still holds the old
     /// stamp hands it back: that is no news of the member, and must not bring it back.
+    ///
+    /// A row taken in as dead from a peer's table ([`Members::merge`]) and never heard has
+    /// no stamp to tell news from its old state relayed: its first stamp is kept as that
+    /// reference, and only a newer one (or a frame from the member) brings it back.
     pub fn heard_stamped(&mut self, replica: ReplicaId, stamp: Stamp, now: Duration) {
-        let known = self.members.get(&replica.node);
-        if known.is_some_and(|m| m.entry.generation == replica.generation && stamp <= m.stamp) {
-            return;
+        if let Some(member) = (self.members.get(&replica.node))
+            .filter(|member| member.entry.generation == replica.generation)
+        {
+            let taken_in_dead = member.state == State::Dead && member.heard_at.is_none();
+            if stamp <= member.stamp || taken_in_dead && member.stamp == Stamp::default() {
+                self.keep_stamp(replica, stamp);
+                return;
+            }
         }
         self.heard(replica, now);
         self.keep_stamp(replica, stamp);
@@ -298,6 +325,16 @@ impl Members {
     }
 }
 
+const FNV_OFFSET_BASIS: u64 = 0xcbf2_9ce4_8422_2325;
+
+/// FNV-1a, 64-bit: `hash` carried on over `bytes`.
+fn fnv1a(hash: u64, bytes: &[u8]) -> u64 {
+    const PRIME: u64 = 0x0100_0000_01b3;
+    (bytes.iter()).fold(hash, |hash, &byte| {
+        (hash ^ u64::from(byte)).wrapping_mul(PRIME)
+    })
+}
+
 /// phi for an exponential model of arrival gaps: `-log10(P(gap > silence))`.
 fn phi(silence: Duration, mean: Duration) -> f64 {
     let mean = mean.as_secs_f64().max(1e-6);
@@ -371,6 +408,41 @@ mod tests {
         assert_eq!(members.state(NodeId(2)), Some(State::Alive));
         let states: Vec<State> = members.take_transitions().iter().map(|t| t.state).collect();
         assert_eq!(states, [State::Suspect, State::Dead, State::Alive]);
+    }
+
+    #[test]
+    fn a_member_back_from_a_pause_it_was_suspected_in_is_suspected_as_soon_once_silent_again() {
+        let mut members = Members::new(entry(1, 1), SECOND);
+        members.merge(&[entry(2, 1)], &[]);
+        let two = entry(2, 1).replica();
+        for t in 0..5 {
+            members.heard(two, SECOND * t);
+        }
+        members.check(SECOND * 25, 8.0, SECOND * 10);
+        assert_eq!(members.state(NodeId(2)), Some(State::Suspect));
+        members.heard(two, SECOND * 29);
+        assert_eq!(members.state(NodeId(2)), Some(State::Alive));
+        // 18.4 expected intervals, and an eighth more for the pause: 21 s after it was last
+        // heard, not the 74 s that the 25 s gap taken whole into the mean would make it.
+        members.check(SECOND * 49, 8.0, SECOND * 10);
+        assert_eq!(members.state(NodeId(2)), Some(State::Alive));
+        members.check(SECOND * 50, 8.0, SECOND * 10);
+        assert_eq!(members.state(NodeId(2)), Some(State::Suspect));
+    }
+
+    #[test]
+    fn the_table_hash_is_fnv_1a_as_specified() {
+        // The specification's test vectors (draft-eastlake-fnv).
+        assert_eq!(fnv1a(FNV_OFFSET_BASIS, b""), 0xcbf2_9ce4_8422_2325);
+        assert_eq!(fnv1a(FNV_OFFSET_BASIS, b"a"), 0xaf63_dc4c_8601_ec8c);
+        assert_eq!(fnv1a(FNV_OFFSET_BASIS, b"foobar"), 0x8594_4171_f739_67e8);
+        let members = Members::new(entry(1, 1), SECOND);
+        let mut row = 1u64.to_le_bytes().to_vec();
+        row.extend_from_slice(&1u64.to_le_bytes());
+        row.extend_from_slice(&(entry(1, 1).addr.len() as u64).to_le_bytes());
+        row.extend_from_slice(entry(1, 1).addr.as_bytes());
+        row.push(0);
+        assert_eq!(members.hash(), fnv1a(FNV_OFFSET_BASIS, &row));
     }
 
     #[test]
