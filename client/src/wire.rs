@@ -429,7 +429,7 @@ pub fn encode_frame<T: Serialize>(message: &T, out: &mut Vec<u8>) {
     // Every request and response is built from bounded fields (rule and subject names are
     // checked before use, errors are short), far below the encoding limit.
     bincode::serde::encode_into_std_write(message, out, CONFIG)
-        .expect("invariant: client messages are built under CLIENT_FRAME_BYTES_MAX");
+        .expect("invariant: bincode encodes a message's plain data into a Vec");
     let len = out.len() - start - 4;
     out[start..start + 4].copy_from_slice(&(len as u32).to_le_bytes());
 }

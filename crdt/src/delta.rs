@@ -104,9 +104,10 @@ impl Delta {
 pub(crate) mod size {
     use crate::{Key, RULE_BYTES_MAX, SUBJECT_BYTES_MAX};
 
-    /// An origin header: replica id, `through` version and stamp, and the count prefixes
-    /// of its lanes and holes.
-    pub const ORIGIN_HEADER: usize = 9 + 9 + 9 + 9 + 9 + 9;
+    /// An origin header: replica id (node and generation), `through` version and stamp,
+    /// the base its lanes' versions count up from, and the count prefixes of its lanes and
+    /// holes.
+    pub const ORIGIN_HEADER: usize = 9 + 9 + 9 + 9 + 9 + 9 + 9;
     /// The delta's own header: the count prefixes of its scopes and origins.
     pub const DELTA_HEADER: usize = 9 + 9;
 

@@ -84,10 +84,11 @@ const CONFIG: bincode::config::Configuration<
 pub fn encode(from: ReplicaId, message: &Message) -> Vec<u8> {
     let frame = Frame::new(from, message);
     let mut bytes = vec![WIRE_VERSION];
-    // Encoding into a Vec only fails past the configured limit, which no frame this
-    // node builds can reach: deltas are cut to `frame_bytes_max`, itself far below it.
+    // bincode checks its limit only when decoding, and encoding plain data into a Vec
+    // cannot fail. Deltas are cut to `frame_bytes_max`, and a frame over it is not sent
+    // (`frames_oversize`).
     bincode::serde::encode_into_std_write(&frame, &mut bytes, CONFIG)
-        .expect("invariant: frames are built under FRAME_BYTES_LIMIT");
+        .expect("invariant: bincode encodes a frame's plain data into a Vec");
     bytes
 }
 

@@ -25,10 +25,17 @@ const CONFIG: bincode::config::Configuration<
 pub fn append<T: Serialize>(record: &T, out: &mut Vec<u8>) {
     let start = out.len();
     out.extend_from_slice(&[0; 8]);
-    // Records hold a key (rule and subject bounded by tally_crdt's limits) and numbers.
     bincode::serde::encode_into_std_write(record, out, CONFIG)
-        .expect("invariant: a record of a valid key is far below RECORD_BYTES_MAX");
+        .expect("invariant: bincode encodes a record's plain data into a Vec");
     let body = &out[start + 8..];
+    // bincode checks its limit only when decoding, and a reader takes a longer record for
+    // a torn tail, dropping it and every record after it: stop rather than write one.
+    // Records hold a key (rule and subject within tally_crdt's bounds) and numbers.
+    assert!(
+        body.len() <= RECORD_BYTES_MAX,
+        "invariant: a record of a valid key is far below RECORD_BYTES_MAX: {} bytes",
+        body.len()
+    );
     let len = (body.len() as u32).to_le_bytes();
     let crc = crc32fast::hash(body).to_le_bytes();
     out[start..start + 4].copy_from_slice(&len);

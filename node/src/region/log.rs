@@ -416,6 +416,40 @@ pub fn replay(bytes: &[u8]) -> (Vec<Entry>, usize) {
 mod tests {
     use super::*;
 
+    #[test]
+    fn the_largest_entries_of_the_longest_names_read_back() {
+        let rule = "r".repeat(tally_crdt::RULE_BYTES_MAX);
+        let subject = "s".repeat(tally_crdt::SUBJECT_BYTES_MAX);
+        let id = RequestId {
+            node: u64::MAX,
+            generation: u64::MAX,
+            seq: u64::MAX,
+        };
+        let largest = [
+            Entry::Decided(Record {
+                id,
+                rule: rule.clone(),
+                subject: subject.clone(),
+                window_index: u64::MAX,
+                window_secs: u32::MAX,
+                cost: u64::MAX,
+                allowed: true,
+            }),
+            Entry::Count {
+                rule,
+                subject,
+                window_index: u64::MAX,
+                window_secs: u32::MAX,
+                count: u64::MAX,
+            },
+        ];
+        let mut bytes = Vec::new();
+        for entry in &largest {
+            encode(entry, &mut bytes);
+        }
+        assert_eq!(replay(&bytes), (largest.to_vec(), bytes.len()));
+    }
+
     /// Entries of every kind, in turn.
     fn entry(seq: u64) -> Entry {
         let id = RequestId {

@@ -170,7 +170,7 @@ pub fn decode_answers(body: &[u8]) -> Option<Vec<Answered>> {
 fn encode_frame<T: Serialize>(message: &T) -> Vec<u8> {
     let mut frame = vec![0, 0, 0, 0, REGION_WIRE_VERSION];
     bincode::serde::encode_into_std_write(message, &mut frame, CONFIG)
-        .expect("invariant: a frame of bounded checks or answers is below the limit");
+        .expect("invariant: bincode encodes plain checks or answers into a Vec");
     let len = u32::try_from(frame.len() - 4).expect("invariant: frames are below 4 GiB");
     frame[..4].copy_from_slice(&len.to_le_bytes());
     frame
