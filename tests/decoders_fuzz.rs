@@ -206,6 +206,20 @@ proptest! {
     }
 
     #[test]
+    fn arbitrary_bodies_after_a_decoders_version_never_panic_a_decoder(
+        version in prop::sample::select(vec![
+            gossip_wire::WIRE_VERSION,
+            client_wire::CLIENT_WIRE_VERSION,
+            region_wire::REGION_WIRE_VERSION,
+        ]),
+        body in vec(any::<u8>(), 0..512),
+    ) {
+        let mut bytes = vec![version];
+        bytes.extend_from_slice(&body);
+        decode_all(&bytes);
+    }
+
+    #[test]
     fn mutated_frames_never_panic_a_decoder(
         which in 0..5usize,
         flips in vec((any::<prop::sample::Index>(), any::<u8>()), 1..4),

@@ -96,8 +96,10 @@ async fn peers_without_a_cluster_certificate_are_refused_at_the_handshake() {
         "node 9 became a member: {members}"
     );
 
-    // A node that dials a peer expecting node 2 refuses one whose certificate names
-    // another node: rustls checks the name.
+    // The cluster's certificates name one node each: a dialer expecting node 2 (here a
+    // rustls client with the node's name check, the check the node's own dialer makes
+    // through `certs::server_name`) refuses node 1's. The node's dialer itself is not
+    // driven to a wrong peer here.
     let cluster_client = cluster.member_client(1);
     let connecting = cluster_client
         .connect(cluster.nodes[0].gossip_addr(), "node-2.tally")

@@ -270,7 +270,7 @@ async fn kill9_under_load_and_restart(keep_data: bool) {
     tokio::time::sleep(Duration::from_millis(800)).await;
     let (ledger, observers) = load.finish().await;
     assert!(
-        ledger.ok.values().sum::<i128>() > 100,
+        ledger.ok.values().sum::<i128>() > 0,
         "the load ran: {ledger:?}"
     );
     assert_eq!(
@@ -472,7 +472,8 @@ async fn a_node_whose_lane_log_sync_hangs_stops_vouching_for_the_writes_it_holds
 async fn a_node_stopped_under_load_hands_every_write_it_acknowledged_to_its_peers_and_leaves() {
     let mut cluster = Cluster::start(NET, 3);
     let ledger = Arc::new(Mutex::new(Ledger::default()));
-    for stop in 0..4 {
+    let mut acked_before = 0;
+    for _ in 0..4 {
         let client = cluster.nodes[2].client().await;
         let load = tokio::spawn({
             let ledger = ledger.clone();
@@ -498,10 +499,9 @@ async fn a_node_stopped_under_load_hands_every_write_it_acknowledged_to_its_peer
             .await;
         }
         let ledger = ledger.lock().unwrap().clone();
-        assert!(
-            ledger.ok.values().sum::<i128>() > 100 * (stop + 1),
-            "the load ran: {ledger:?}"
-        );
+        let acked = ledger.ok.values().sum::<i128>();
+        assert!(acked > acked_before, "the load ran this cycle: {ledger:?}");
+        acked_before = acked;
         assert_final(&cluster, &ledger).await;
         cluster.node(3).restart(false);
         cluster.wait_members_alive();
@@ -532,6 +532,8 @@ async fn metrics_parse_and_show_staleness_rising_for_a_killed_peer() {
             .metric("tally_origin_staleness_seconds", &[("node", "3")])
             .unwrap()
     };
+    // A member's row arrives (alive) before its first heartbeat: wait for fresh state.
+    cluster.wait_fresh(Duration::from_secs(1));
     assert!(staleness(&cluster) < 1.0);
     cluster.node(3).kill9();
     std::thread::sleep(Duration::from_millis(600));

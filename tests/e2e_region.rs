@@ -126,8 +126,14 @@ async fn region_kill9_at_random_moments_loses_no_acknowledged_check_and_never_pa
         cluster.node(1).kill9();
         tokio::time::sleep(Duration::from_millis(50 + next() % 100)).await;
         cluster.node(1).restart(true);
-        // Long enough after the restart for the load to reach the limit.
-        tokio::time::sleep(Duration::from_millis(500)).await;
+        // The load runs until the subject reaches the limit (or 10 s, however slow the
+        // machine: a cycle whose region stays unavailable does not reach it).
+        for _ in 0..200 {
+            if region_count(&edges[0], &subject).await + 3 > LIMIT {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
         stop.send(true).unwrap();
         while let Some(joined) = load.join_next().await {
             joined.unwrap();
@@ -930,9 +936,27 @@ async fn a_fallback_for_a_check_the_region_admitted_late_is_taken_back() {
         || cluster.nodes[1].metric("tally_fallbacks_taken_back_total", &[]) == Some(1.0),
     )
     .await;
-    // The region's lane reaches the edge's estimates within a few gossip intervals: an
-    // earlier read tells nothing (1 + 2 without the take-back, 1 with it).
-    tokio::time::sleep(Duration::from_millis(500)).await;
+    // Read once each node holds state of the other stamped after the take-back, which its
+    // watermark covers with the region's decision and the edge's take-back, both written
+    // before it: an earlier read tells nothing (at the edge, 1 + 2 without the take-back
+    // and 1 with it until the region's lane arrives; at the region, 3 + 2 with it until
+    // the edge's take-back arrives).
+    let taken_back = tokio::time::Instant::now();
+    cluster::eventually(
+        Duration::from_secs(10),
+        "each node to hold state of the other newer than the take-back",
+        || {
+            let since = taken_back.elapsed().as_secs_f64();
+            let holds_fresh = |at: &cluster::Node, of: &cluster::Node| {
+                let of = of.id.to_string();
+                at.metric("tally_origin_staleness_seconds", &[("node", of.as_str())])
+                    .is_some_and(|age| age < since)
+            };
+            holds_fresh(&cluster.nodes[0], &cluster.nodes[1])
+                && holds_fresh(&cluster.nodes[1], &cluster.nodes[0])
+        },
+    )
+    .await;
     for node in &cluster.nodes {
         let estimate = node
             .client()

@@ -281,7 +281,9 @@ mod tests {
     fn a_reseeded_table_finds_every_key_under_its_old_id() {
         let mut table = KeyTable::with_seed(1);
         let ids: Vec<KeyId> = (0..50).map(|s| table.entry(&key(s)).0).collect();
+        let hash_before = table.hasher.hash_one(&key(0));
         table.reseed(2);
+        assert_ne!(table.hasher.hash_one(&key(0)), hash_before, "hashed anew");
         for (s, id) in ids.iter().enumerate() {
             assert_eq!(table.id(&key(s)), Some(*id));
         }

@@ -505,6 +505,10 @@ fn a_member_that_crashed_while_a_node_was_cut_off_is_found_dead_there_soon_after
                 last_not_dead = tenth;
             }
         }
+        assert!(
+            last_not_dead > 0,
+            "seed {seed}: node 0 never took node 4 back at the heal: the case is not met"
+        );
         // The simulator's detector: suspected past phi 8 at 100 ms rounds (about 2 s of
         // silence), dead 2 s later. Without the reset it stayed alive past the minute.
         assert!(
