@@ -307,14 +307,17 @@ impl ViewState {
     }
 
     /// The other replicas' increment rate on `key`, per second (0 if never seen rising).
+    /// Until a remote lane of `key` is merged, its rate in the window before: at a window's
+    /// start, other nodes' first admissions in it are unseen while a steady rate goes on.
     pub fn remote_rate(&self, key: KeyRef<'_>) -> f64 {
         if self.remote_rates.is_empty() {
             // Alone, or no remote increments yet: no look-up, and no owned key built for it.
             return 0.0;
         }
-        self.remote_rates
-            .get(&key.to_key())
-            .map_or(0.0, Rate::per_sec)
+        let rate = |key: KeyRef<'_>| self.remote_rates.get(&key.to_key()).map(Rate::per_sec);
+        rate(key)
+            .or_else(|| rate(key.in_window(key.window().previous()?)))
+            .unwrap_or(0.0)
     }
 
     /// The value of this node's lanes of its other lives on `key` (0 if none is held).
@@ -384,6 +387,8 @@ mod tests {
         counter.incr(peer, 200).unwrap();
         state.take_in(&key(1), &counter, me, 1_000);
         assert_eq!(state.remote_rate(KeyRef::from(&key(1))), 200.0);
+        // Before any lane of the new window is merged, too.
+        assert_eq!(state.remote_rate(KeyRef::from(&key(2))), 200.0);
         let fresh = PnCounter::new();
         state.take_in(&key(2), &fresh, me, 60_000);
         assert_eq!(state.remote_rate(KeyRef::from(&key(2))), 200.0);
