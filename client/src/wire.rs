@@ -292,7 +292,7 @@ pub struct Decision {
     pub limit: u64,
     /// How much more the rule that decided admits, as this node sees it (0 when over):
     /// the limit less the estimate, or in isolated mode this node's share less its own
-    /// count.
+    /// count; for a `RegionFallback`, `u64::MAX` from an `allow` and 0 from a `deny`.
     pub remaining: u64,
     /// Milliseconds until the window ends and its count starts again. Under a sliding rule
     /// the window that ended still weighs, less and less, through the next one: a check

@@ -81,13 +81,14 @@ struct Verdict {
 
 impl Verdict {
     /// The rule's `on_region_unavailable` answered, on this node's `estimate`. An `allow`
-    /// admits whatever the count: no bound holds its overshoot.
+    /// admits whatever the count: no bound holds its overshoot, and nothing is left
+    /// unadmitted (`remaining` is `u64::MAX`); a `deny` admits nothing (`remaining` 0).
     fn fallback(rule: &RuleConfig, allowed: bool, estimate: i128) -> Verdict {
         let unbounded = rule.on_region_unavailable == OnRegionUnavailable::Allow;
         Verdict {
             allowed,
             estimate,
-            room: i128::from(rule.limit) - estimate,
+            room: if unbounded { i128::from(u64::MAX) } else { 0 },
             mode: Mode::RegionFallback,
             bound: if unbounded { f64::INFINITY } else { 0.0 },
         }
@@ -208,7 +209,9 @@ impl Context<'_> {
 
     /// Answers an exact check the region could not (`unavailable`), as the rule's
     /// `on_region_unavailable` says: the error itself, an approximate decision, or a
-    /// flat allow (counted here) or deny.
+    /// flat allow (counted here) or deny. A fallback that cannot count here (the key cap,
+    /// the lane's rate) answers `unavailable`, saying why: the check was forwarded and may
+    /// have been counted at the region, which no other refusal allows for.
     pub fn fallback(
         &mut self,
         rule: &RuleConfig,
@@ -216,10 +219,22 @@ impl Context<'_> {
         cost: u64,
         unavailable: Refusal,
     ) -> Result<Decision, Refusal> {
+        let not_here = |refusal: Refusal| match unavailable.clone() {
+            Refusal::RegionUnavailable { rule, why } => Refusal::RegionUnavailable {
+                rule,
+                why: format!("{why}; its fallback could not count here: {refusal}"),
+            },
+            other => other,
+        };
         let (allowed, estimate) = match rule.on_region_unavailable {
             OnRegionUnavailable::Error => return Err(unavailable),
-            OnRegionUnavailable::Approximate => return self.check(rule, key, cost),
-            OnRegionUnavailable::Allow => (true, self.write(key, cost, true, "cost")?.estimate),
+            OnRegionUnavailable::Approximate => {
+                return self.check(rule, key, cost).map_err(not_here)
+            }
+            OnRegionUnavailable::Allow => {
+                let written = self.write(key, cost, true, "cost").map_err(not_here)?;
+                (true, written.estimate)
+            }
             OnRegionUnavailable::Deny => (false, self.store.estimate(key)),
         };
         let staleness = self.staleness();
@@ -620,9 +635,15 @@ mod tests {
             f64::INFINITY,
             "an allow admits past any bound"
         );
+        assert_eq!(decision.remaining, u64::MAX, "it admits whatever the count");
+        // At the key cap the fallback cannot count: the answer stays the region's
+        // unavailability (the check may have been counted there), saying why.
         let new = key(rules.get("api").unwrap(), "new", NOW).unwrap();
         let refused = context.fallback(&rule, new, 1, unavailable);
-        assert_eq!(refused, Err(Refusal::KeysFull { keys_max: 1 }));
+        let Err(Refusal::RegionUnavailable { why, .. }) = refused else {
+            panic!("the key cap hid the region's unavailability: {refused:?}");
+        };
+        assert!(why.starts_with("cut off; ") && why.contains("key"), "{why}");
         assert_eq!(keys_refused.load(Ordering::Relaxed), 1);
     }
 
@@ -681,8 +702,8 @@ mod tests {
             .fallback(&rule, key, 1, unavailable.clone())
             .unwrap();
         assert_eq!(
-            (decision.allowed, decision.mode),
-            (false, Mode::RegionFallback)
+            (decision.allowed, decision.mode, decision.remaining),
+            (false, Mode::RegionFallback, 0)
         );
         rule.on_region_unavailable = OnRegionUnavailable::Approximate;
         let decision = context.fallback(&rule, key, 1, unavailable).unwrap();
