@@ -769,7 +769,15 @@ async fn carry<T>(region: &Region, session: Session, held: &mut Held<T>) -> Carr
                 answered_any = true;
                 held.answer_frame(frame);
             }
-            Carrying::Deadline => held.expire(held.clock.mono()),
+            Carrying::Deadline => {
+                // `select!` polls its branches in random order: answers that came in with
+                // the deadline are taken first, not given up on as unavailable.
+                while let Ok(frame) = answered.try_recv() {
+                    answered_any = true;
+                    held.answer_frame(frame);
+                }
+                held.expire(held.clock.mono());
+            }
             Carrying::Purge => held.purge(),
         }
     };

@@ -520,17 +520,16 @@ impl Ledger {
     }
 
     fn apply(&mut self, id: RequestId, key: &Key, cost: u64, allowed: bool) -> Outcome {
-        let count = match self.counts.get_mut(key) {
-            Some(count) => count,
-            None => self.counts.entry(key.clone()).or_default(),
+        // A denied check holds no key: its count is what it was, 0 if none.
+        let count = match (allowed, self.counts.get_mut(key)) {
+            (true, Some(count)) => {
+                *count = count.saturating_add(cost);
+                *count
+            }
+            (true, None) => *self.counts.entry(key.clone()).or_insert(cost),
+            (false, held) => held.map_or(0, |count| *count),
         };
-        if allowed {
-            *count = count.saturating_add(cost);
-        }
-        let outcome = Outcome {
-            allowed,
-            count: *count,
-        };
+        let outcome = Outcome { allowed, count };
         let life = (id.node, id.generation);
         match self.seen.get_mut(&life) {
             Some(recent) => recent.insert(id.seq, outcome, key.window),
@@ -616,6 +615,35 @@ mod tests {
 
     fn decide(ledger: &mut Ledger, seq: u64, cost: u64, limit: u64) -> Decided {
         ledger.decide(&check(seq, cost), &key(), limit)
+    }
+
+    #[test]
+    fn a_denied_check_of_a_new_key_holds_no_key() {
+        let mut ledger = Ledger::default();
+        let over = decide(&mut ledger, 1, 11, 10);
+        assert!(matches!(
+            over,
+            Decided::New(Outcome {
+                allowed: false,
+                count: 0
+            })
+        ));
+        assert_eq!(ledger.counts().count(), 0, "a denied check adds no key");
+        assert!(matches!(
+            decide(&mut ledger, 2, 4, 10),
+            Decided::New(Outcome {
+                allowed: true,
+                count: 4
+            })
+        ));
+        assert!(matches!(
+            decide(&mut ledger, 3, 7, 10),
+            Decided::New(Outcome {
+                allowed: false,
+                count: 4
+            })
+        ));
+        assert_eq!(ledger.counts().collect::<Vec<_>>(), vec![(&key(), 4)]);
     }
 
     #[test]
