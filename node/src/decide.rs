@@ -435,7 +435,10 @@ mod tests {
         view.set_members(
             vec![(NodeId(2), peer, State::Alive)],
             [(peer, peer_stamp)].into(),
-            peer_stamp,
+            tally_gossip::Now {
+                mono: Duration::from_millis(peer_stamp.0),
+                wall: peer_stamp,
+            },
         );
         view
     }

@@ -103,7 +103,7 @@ impl Driver {
             // `SYNC_OVERDUE` (or a gossip interval, if longer) its protocol waits with them
             // (no rounds, so no heartbeats), so that peers see it go stale rather than fresh
             // without its writes.
-            let held = self.held_since();
+            let held = self.held_for();
             self.refresh_view(me, serving_since, held);
             tokio::select! {
                 inbound = self.inbound.recv() => {
@@ -120,7 +120,7 @@ impl Driver {
                 }
                 // Checked again: the sync may have become overdue while the loop slept.
                 () = &mut protocol, if held.is_none() => {
-                    if self.held_since().is_none() {
+                    if self.held_for().is_none() {
                         self.gossip.handle_input(Input::Timeout { now: self.clock.now() });
                     }
                 }
@@ -163,8 +163,9 @@ impl Driver {
         }
     }
 
-    /// If the lane log's sync is overdue, when the lanes it holds back were collected.
-    fn held_since(&self) -> Option<tally_crdt::Stamp> {
+    /// If the lane log's sync is overdue, how long ago the lanes it holds back were
+    /// collected.
+    fn held_for(&self) -> Option<Duration> {
         let limit = SYNC_OVERDUE.max(self.gossip.config().gossip_interval);
         self.handoff.overdue(self.clock.mono(), limit)
     }
@@ -288,14 +289,9 @@ impl Driver {
         }
     }
 
-    /// `serving_since`: when the node began serving, on the monotonic clock; `held_since`:
-    /// when the lanes an overdue lane-log sync holds back were collected.
-    fn refresh_view(
-        &mut self,
-        me: ReplicaId,
-        serving_since: Duration,
-        held_since: Option<tally_crdt::Stamp>,
-    ) {
+    /// `serving_since`: when the node began serving, on the monotonic clock; `held_for`:
+    /// how long ago the lanes an overdue lane-log sync holds back were collected.
+    fn refresh_view(&mut self, me: ReplicaId, serving_since: Duration, held_for: Option<Duration>) {
         let map = self.gossip.map();
         let members = self.gossip.members();
         let all = [State::Alive, State::Suspect, State::Dead, State::Left];
@@ -317,8 +313,8 @@ impl Driver {
             self.clock.mono().saturating_sub(serving_since),
             config.dead_after,
         );
-        view.set_members(rows, stamps, self.clock.now().wall);
-        view.own_held_since = held_since;
+        view.set_members(rows, stamps, self.clock.now());
+        view.own_held_for = held_for;
         view.gossip = self.gossip.stats().clone();
         view.lanes = map.lanes();
         view.keys = map.len();

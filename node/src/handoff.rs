@@ -24,7 +24,7 @@
 use crate::lanelog::{LaneLog, LogError};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
-use tally_crdt::{Key, Lane, Stamp};
+use tally_crdt::{Key, Lane};
 use tally_gossip::Now;
 use tokio::task::JoinHandle;
 
@@ -56,12 +56,13 @@ impl Handoff {
         self.syncing.is_some()
     }
 
-    /// If the sync in flight began more than `limit` before `now` (monotonic), the wall
-    /// time of its lanes' collection: the disk is not answering, and no peer has this
+    /// If the sync in flight began more than `limit` before `now` (monotonic), how long
+    /// ago its lanes were collected: the disk is not answering, and no peer has this
     /// node's writes since then.
-    pub fn overdue(&self, now: Duration, limit: Duration) -> Option<Stamp> {
+    pub fn overdue(&self, now: Duration, limit: Duration) -> Option<Duration> {
         let (collected, _) = &self.syncing.as_ref()?.lanes;
-        (now.saturating_sub(collected.mono) > limit).then_some(collected.wall)
+        let held_for = now.saturating_sub(collected.mono);
+        (held_for > limit).then_some(held_for)
     }
 
     /// Takes lanes collected at `now`, while no sync is in flight. Returns them at once
@@ -126,7 +127,7 @@ mod tests {
     fn collected(at_ms: u64, lanes: &[(&str, u64)]) -> Collected {
         let now = Now {
             mono: Duration::from_millis(at_ms),
-            wall: Stamp(NOW * 1_000 + at_ms),
+            wall: tally_crdt::Stamp(NOW * 1_000 + at_ms),
         };
         let lanes = lanes
             .iter()
@@ -182,8 +183,7 @@ mod tests {
         );
         assert_eq!(handoff.collected(collected(1_000, &[("a", 1)])), None);
         assert_eq!(handoff.overdue(at(2_000), second), None);
-        let since = Stamp(NOW * 1_000 + 1_000);
-        assert_eq!(handoff.overdue(at(2_001), second), Some(since));
+        assert_eq!(handoff.overdue(at(2_001), second), Some(at(1_001)));
         handoff.synced().await.unwrap();
         assert_eq!(handoff.overdue(at(2_001), second), None);
     }

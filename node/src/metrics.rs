@@ -546,7 +546,10 @@ mod tests {
                 (NodeId(3), replica(3), State::Left),
             ],
             std::collections::BTreeMap::new(),
-            Stamp(0),
+            tally_gossip::Now {
+                mono: std::time::Duration::ZERO,
+                wall: Stamp(0),
+            },
         );
         let store = LaneStore::new(replica(1), 8);
         let text = render(&Sources {

@@ -11,7 +11,7 @@ use std::sync::{Mutex, MutexGuard};
 use std::time::Duration;
 use tally_crdt::{Key, KeyRef, NodeId, PnCounter, ReplicaId, Stamp};
 use tally_gossip::membership::State;
-use tally_gossip::{Seed, Stats};
+use tally_gossip::{Now, Seed, Stats};
 
 /// The shared view; see the module docs.
 #[derive(Debug, Default)]
@@ -50,14 +50,14 @@ pub struct ViewState {
     /// other generations: the lives before a restart), where it is not zero. An isolated
     /// decision counts them as this node's own.
     pub other_lives: HashMap<Key, i128>,
-    /// Once the lane log's sync is overdue (`handoff`), when the writes it holds back were
-    /// collected: no peer has this node's writes since, and a peer may have declared it
-    /// dead and stopped counting it, so it decides as stale as that, isolated once past a
-    /// rule's `stale_after_ms`.
-    pub own_held_since: Option<Stamp>,
+    /// Once the lane log's sync is overdue (`handoff`), how long before the members were
+    /// last set (monotonic) the writes it holds back were collected: no peer has this
+    /// node's writes since, and a peer may have declared it dead and stopped counting it,
+    /// so it decides as stale as that, isolated once past a rule's `stale_after_ms`.
+    pub own_held_for: Option<Duration>,
 }
 
-/// When each member's newest stamp first arrived, by this node's wall clock.
+/// When each member's newest stamp first arrived, by this node's clocks.
 ///
 /// A stamp is the origin's own wall clock, so an origin whose clock runs ahead stamps its
 /// state in this node's future: read against its stamp alone, it would look fresh for as
@@ -66,20 +66,24 @@ pub struct ViewState {
 /// A stamp is vouched for as no later than its arrival here. A stamp behind this node's
 /// clock is taken as it is: an origin whose clock runs behind looks staler than it is, the
 /// safe side.
+///
+/// A stamp's age is its lag behind this node's wall clock when it arrived, plus the time
+/// since on the monotonic clock: read on the wall clock alone, a step back of this node's
+/// clock would make a member that went quiet look fresh for as long as the step (T2).
 #[derive(Debug, Default, Clone)]
 struct Arrivals {
-    // Per replica: the newest stamp held, and this node's wall time when it was first held.
-    held: BTreeMap<ReplicaId, (Stamp, Stamp)>,
+    // Per replica: the newest stamp held, and this node's clocks when it was first held.
+    held: BTreeMap<ReplicaId, (Stamp, Now)>,
 }
 
 impl Arrivals {
-    /// `stamps` as far as this node vouches for them at wall time `now`: each no later
-    /// than when it first arrived. Forgets the replicas not in `stamps`.
+    /// `stamps` as far as this node vouches for them at `now`, each no later than when it
+    /// first arrived, with its age at `now`. Forgets the replicas not in `stamps`.
     fn vouch(
         &mut self,
         stamps: BTreeMap<ReplicaId, Stamp>,
-        now: Stamp,
-    ) -> BTreeMap<ReplicaId, Stamp> {
+        now: Now,
+    ) -> BTreeMap<ReplicaId, (Stamp, Duration)> {
         self.held.retain(|replica, _| stamps.contains_key(replica));
         stamps
             .into_iter()
@@ -88,7 +92,10 @@ impl Arrivals {
                 if held.0 != stamp {
                     *held = (stamp, now);
                 }
-                (replica, stamp.min(held.1))
+                let arrived = held.1;
+                let lag = Duration::from_millis(arrived.wall.0.saturating_sub(stamp.0));
+                let age = lag + now.mono.saturating_sub(arrived.mono);
+                (replica, (stamp.min(arrived.wall), age))
             })
             .collect()
     }
@@ -192,8 +199,11 @@ impl View {
 /// The members as [`ViewState::freshness`] reads them.
 #[derive(Debug, Default, Clone, Copy)]
 struct Summary {
-    /// The oldest stamp of a live (alive or suspect) member, 0 for one with none held.
-    oldest_live: Option<Stamp>,
+    /// The wall time they were set at: ages below grow from it.
+    at: Stamp,
+    /// The age of the oldest stamp of a live (alive or suspect) member then, since the
+    /// epoch for one with none held.
+    oldest_live: Option<Duration>,
     /// Live members.
     live: usize,
     /// Members that have not left.
@@ -212,25 +222,32 @@ impl ViewState {
         &self.stamps
     }
 
-    /// Replaces the members and their stamps, as held at wall time `now`.
+    /// Replaces the members and their stamps, as held at `now`.
     pub fn set_members(
         &mut self,
         members: Vec<(NodeId, ReplicaId, State)>,
         stamps: BTreeMap<ReplicaId, Stamp>,
-        now: Stamp,
+        now: Now,
     ) {
-        let stamps = self.arrivals.vouch(stamps, now);
-        let mut summary = Summary::default();
+        let vouched = self.arrivals.vouch(stamps, now);
+        let mut summary = Summary {
+            at: now.wall,
+            ..Summary::default()
+        };
         for (_, replica, state) in &members {
             if *state != State::Left {
                 summary.located += 1;
             }
             if matches!(state, State::Alive | State::Suspect) {
                 summary.live += 1;
-                let stamp = stamps.get(replica).copied().unwrap_or(Stamp(0));
-                summary.oldest_live = Some(summary.oldest_live.map_or(stamp, |o| o.min(stamp)));
+                let never = Duration::from_millis(now.wall.0);
+                let age = vouched.get(replica).map_or(never, |&(_, age)| age);
+                summary.oldest_live = Some(summary.oldest_live.map_or(age, |o| o.max(age)));
             }
         }
+        let stamps = (vouched.into_iter())
+            .map(|(replica, (stamp, _))| (replica, stamp))
+            .collect();
         (self.members, self.stamps, self.summary) = (members, stamps, summary);
     }
 
@@ -249,7 +266,7 @@ impl ViewState {
             unheard_seeds: self.unheard_seeds,
             remote_rates: HashMap::new(),
             other_lives: HashMap::new(),
-            own_held_since: self.own_held_since,
+            own_held_for: self.own_held_for,
         }
     }
 
@@ -261,11 +278,15 @@ impl ViewState {
         } else {
             Duration::ZERO
         };
+        // Ages taken when the members were set (a gossip step ago at most), and the time
+        // since by the wall clock: a step back of it stops their growth only until the
+        // next step, never takes them back.
+        let since_set = Duration::from_millis(now.0.saturating_sub(self.summary.at.0));
         if let Some(oldest) = self.summary.oldest_live {
-            staleness = staleness.max(Duration::from_millis(now.0.saturating_sub(oldest.0)));
+            staleness = staleness.max(oldest + since_set);
         }
-        if let Some(since) = self.own_held_since {
-            staleness = staleness.max(Duration::from_millis(now.0.saturating_sub(since.0)));
+        if let Some(held) = self.own_held_for {
+            staleness = staleness.max(held + since_set);
         }
         Freshness {
             staleness,
@@ -314,10 +335,15 @@ impl ViewState {
             // Alone, or no remote increments yet: no look-up, and no owned key built for it.
             return 0.0;
         }
-        let rate = |key: KeyRef<'_>| self.remote_rates.get(&key.to_key()).map(Rate::per_sec);
-        rate(key)
-            .or_else(|| rate(key.in_window(key.window().previous()?)))
-            .unwrap_or(0.0)
+        let mut owned = key.to_key();
+        if let Some(rate) = self.remote_rates.get(&owned) {
+            return rate.per_sec();
+        }
+        let Some(previous) = owned.window.previous() else {
+            return 0.0;
+        };
+        owned.window = previous;
+        self.remote_rates.get(&owned).map_or(0.0, Rate::per_sec)
     }
 
     /// The value of this node's lanes of its other lives on `key` (0 if none is held).
@@ -412,6 +438,14 @@ mod tests {
         assert!((rate.per_sec() - 50.0).abs() < 1e-9, "{}", rate.per_sec());
     }
 
+    /// Both clocks at `ms`, as a node whose wall clock has not stepped.
+    fn at(ms: u64) -> Now {
+        Now {
+            mono: Duration::from_millis(ms),
+            wall: Stamp(ms),
+        }
+    }
+
     #[test]
     fn the_stalest_live_member_sets_the_freshness() {
         let replica = |n| ReplicaId::new(NodeId(n), tally_crdt::Generation(1));
@@ -429,7 +463,7 @@ mod tests {
                 (replica(4), Stamp(0)),
             ]
             .into(),
-            Stamp(1_000),
+            at(1_000),
         );
         let freshness = state.freshness(Stamp(1_000));
         assert_eq!(freshness.staleness, Duration::from_millis(300));
@@ -448,7 +482,7 @@ mod tests {
         // Node 2's clock runs 90 s ahead, node 3's half a second behind; both stamped just now.
         let stamps =
             |now: u64| BTreeMap::from([(ahead, Stamp(now + 90_000)), (behind, Stamp(now - 500))]);
-        state.set_members(members.clone(), stamps(100_000), Stamp(100_000));
+        state.set_members(members.clone(), stamps(100_000), at(100_000));
         assert_eq!(
             state.stamps()[&ahead],
             Stamp(100_000),
@@ -458,7 +492,7 @@ mod tests {
         // Node 3 goes on stamping; node 2 stops. Its stamp held is as old as its arrival.
         let mut held = stamps(107_000);
         held.insert(ahead, Stamp(190_000));
-        state.set_members(members.clone(), held, Stamp(107_000));
+        state.set_members(members.clone(), held, at(107_000));
         assert_eq!(state.stamps()[&ahead], Stamp(100_000));
         assert_eq!(
             state.freshness(Stamp(107_000)).staleness,
@@ -469,20 +503,53 @@ mod tests {
         state.set_members(
             members[..1].to_vec(),
             BTreeMap::from([(ahead, Stamp(200_000))]),
-            Stamp(110_000),
+            at(110_000),
         );
         assert_eq!(state.stamps()[&ahead], Stamp(110_000));
         assert_eq!(state.arrivals.held.len(), 1);
     }
 
     #[test]
-    fn own_writes_held_back_by_an_overdue_sync_count_as_staleness() {
-        let held = ViewState {
-            own_held_since: Some(Stamp(400)),
-            ..ViewState::default()
+    fn a_member_gone_quiet_stays_stale_when_this_nodes_wall_clock_steps_back() {
+        let peer = ReplicaId::new(NodeId(2), tally_crdt::Generation(1));
+        let members = vec![(NodeId(2), peer, State::Alive)];
+        let mut state = ViewState::default();
+        let stamp = BTreeMap::from([(peer, Stamp(9_999_500))]);
+        state.set_members(members.clone(), stamp.clone(), at(10_000_000));
+        assert_eq!(
+            state.freshness(Stamp(10_000_000)).staleness,
+            Duration::from_millis(500)
+        );
+        // The peer goes quiet; 7 s later this node's wall clock steps back an hour.
+        let stepped = Stamp(10_007_000 - 3_600_000);
+        let now = Now {
+            mono: Duration::from_millis(10_007_000),
+            wall: stepped,
         };
-        let freshness = held.freshness(Stamp(1_000));
-        assert_eq!(freshness.staleness, Duration::from_millis(600));
+        state.set_members(members, stamp, now);
+        assert_eq!(
+            state.freshness(stepped).staleness,
+            Duration::from_millis(7_500),
+            "7 s quiet and half a second behind when it arrived, whatever the wall clock says"
+        );
+        assert_eq!(
+            state.freshness(Stamp(stepped.0 + 1_000)).staleness,
+            Duration::from_millis(8_500),
+            "and it grows on between steps"
+        );
+    }
+
+    #[test]
+    fn own_writes_held_back_by_an_overdue_sync_count_as_staleness() {
+        let mut held = ViewState::default();
+        held.set_members(Vec::new(), BTreeMap::new(), at(1_000));
+        held.own_held_for = Some(Duration::from_millis(600));
+        assert_eq!(
+            held.freshness(Stamp(1_000)).staleness,
+            Duration::from_millis(600)
+        );
+        let freshness = held.freshness(Stamp(1_200));
+        assert_eq!(freshness.staleness, Duration::from_millis(800));
         assert_eq!((freshness.live, freshness.locations), (0, 1));
     }
 
