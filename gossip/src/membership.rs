@@ -199,15 +199,16 @@ impl Members {
     /// member's watermark once its lanes are gone, and a peer that still holds the old
     /// stamp hands it back: that is no news of the member, and must not bring it back.
     ///
-    /// A row taken in as dead from a peer's table ([`Members::merge`]) and never heard has
-    /// no stamp to tell news from its old state relayed: its first stamp is kept as that
-    /// reference, and only a newer one (or a frame from the member) brings it back.
+    /// A dead row with no stamp (taken in as dead from a peer's table by
+    /// [`Members::merge`], or found dead before any of its state arrived) has nothing to
+    /// tell news from its old state relayed: its first stamp is kept as that reference,
+    /// and only a newer one (or a frame from the member) brings it back.
     pub fn heard_stamped(&mut self, replica: ReplicaId, stamp: Stamp, now: Duration) {
         if let Some(member) = (self.members.get(&replica.node))
             .filter(|member| member.entry.generation == replica.generation)
         {
-            let taken_in_dead = member.state == State::Dead && member.heard_at.is_none();
-            if stamp <= member.stamp || taken_in_dead && member.stamp == Stamp::default() {
+            let unstamped_dead = member.state == State::Dead && member.stamp == Stamp::default();
+            if stamp <= member.stamp || unstamped_dead {
                 self.keep_stamp(replica, stamp);
                 return;
             }
