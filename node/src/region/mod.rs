@@ -234,8 +234,17 @@ impl Recent {
     /// retry is given its window afresh by the edge it goes through, so one sent after the
     /// first check's window is over (and forgotten, one window length after its end) is a
     /// new check in its own window.
-    fn expire(&mut self, now_unix_secs: u64) -> bool {
-        let live = |(_, window): &(Outcome, Window)| window.is_live(now_unix_secs);
+    ///
+    /// Adds the windows of the outcomes it forgets to `forgotten`: a window whose checks
+    /// were all denied holds no count to record it.
+    fn expire(&mut self, now_unix_secs: u64, forgotten: &mut Forgotten) -> bool {
+        let mut live = |(_, window): &(Outcome, Window)| {
+            let live = window.is_live(now_unix_secs);
+            if !live {
+                forgotten.add(*window);
+            }
+            live
+        };
         let floor_live = now_unix_secs < self.floor_until;
         let held_any = match &mut self.outcomes {
             Outcomes::Dense(outcomes) => {
@@ -511,7 +520,8 @@ impl Ledger {
             }
             live
         });
-        self.seen.retain(|_, recent| recent.expire(now_unix_secs));
+        self.seen
+            .retain(|_, recent| recent.expire(now_unix_secs, forgotten));
         let seen = &self.seen;
         self.lives.retain(|&node, lives| {
             lives.retain(|&generation| seen.contains_key(&(node, generation)));
@@ -644,6 +654,19 @@ mod tests {
             })
         ));
         assert_eq!(ledger.counts().collect::<Vec<_>>(), vec![(&key(), 4)]);
+    }
+
+    #[test]
+    fn a_window_whose_checks_were_all_denied_is_forgotten_when_it_ends() {
+        let mut ledger = Ledger::default();
+        let over = decide(&mut ledger, 1, 11, 10);
+        assert!(matches!(over, Decided::New(Outcome { allowed: false, .. })));
+        let mut forgotten = Forgotten::default();
+        ledger.expire((500_000 + 10) * 3_600, &mut forgotten);
+        assert!(
+            forgotten.covers(key().window),
+            "no count recorded it, its outcome does"
+        );
     }
 
     #[test]
