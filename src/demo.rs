@@ -515,7 +515,10 @@ async fn wait_for_members(nodes: &[u64], others: usize) -> anyhow::Result<()> {
             let status = http_get(&Ports::http(id), "/status")
                 .await
                 .unwrap_or_default();
-            all &= status.matches("\"state\":\"alive\"").count() == others;
+            // A member's row arrives (alive) before its first heartbeat, and until that
+            // heartbeat the node decides its approximate rules isolated: wait for both.
+            all &= status.matches("\"state\":\"alive\"").count() == others
+                && all_fresh(&status, FRESH_MS);
         }
         if all {
             return Ok(());
@@ -523,6 +526,25 @@ async fn wait_for_members(nodes: &[u64], others: usize) -> anyhow::Result<()> {
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
     bail!("the nodes did not all see each other within 20 s")
+}
+
+/// How fresh every member must be, in `/status`, before the workload starts.
+const FRESH_MS: u64 = 1_000;
+
+/// Whether every `staleness_ms` in a `/status` body is below `fresh_ms` (and there is one).
+fn all_fresh(status: &str, fresh_ms: u64) -> bool {
+    let staleness = status.split("\"staleness_ms\":").skip(1).map(|rest| {
+        let digits = rest.split(|c: char| !c.is_ascii_digit()).next();
+        digits.and_then(|digits| digits.parse::<u64>().ok())
+    });
+    let mut any = false;
+    for ms in staleness {
+        any = true;
+        if ms.is_none_or(|ms| ms >= fresh_ms) {
+            return false;
+        }
+    }
+    any
 }
 
 /// The p99 of the propagation delay over every node's histogram: the upper bound of the
@@ -575,6 +597,15 @@ async fn http_get(addr: &str, path: &str) -> Option<String> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_status_is_fresh_when_every_staleness_is_below_the_mark() {
+        let fresh = r#"{"members":[{"node":2,"staleness_ms":12},{"node":3,"staleness_ms":40}],"staleness_ms":40}"#;
+        assert!(all_fresh(fresh, 1_000));
+        let unheard = fresh.replace("\"staleness_ms\":40}]", "\"staleness_ms\":1796206236457}]");
+        assert!(!all_fresh(&unheard, 1_000));
+        assert!(!all_fresh("", 1_000), "no status");
+    }
 
     #[test]
     fn the_time_left_of_a_window_runs_to_its_end() {
