@@ -97,6 +97,16 @@ impl NodeFiles {
             key: dir.join(format!("node-{}.key", node.0)),
         }
     }
+
+    /// The files as a node's config names them.
+    #[cfg(test)]
+    pub(crate) fn tls_config(&self) -> crate::config::TlsConfig {
+        crate::config::TlsConfig {
+            ca: self.ca.clone(),
+            cert: self.cert.clone(),
+            key: self.key.clone(),
+        }
+    }
 }
 
 /// A cluster CA able to sign node certificates.

@@ -1148,12 +1148,7 @@ mod tests {
         let dir =
             std::env::temp_dir().join(format!("tally-listener-{}-{call}", std::process::id()));
         let files = crate::certs::write_cluster(&dir, &[tally_crdt::NodeId(1)]).unwrap();
-        let files = crate::config::TlsConfig {
-            ca: files[0].ca.clone(),
-            cert: files[0].cert.clone(),
-            key: files[0].key.clone(),
-        };
-        let identity = crate::tls::identity(&files, tally_crdt::NodeId(1)).unwrap();
+        let identity = crate::tls::identity(&files[0].tls_config(), tally_crdt::NodeId(1)).unwrap();
         let _ = std::fs::remove_dir_all(&dir);
         let stats = Arc::new(crate::transport::TransportStats::default());
         let local = std::net::SocketAddr::from(([127, 0, 0, 1], 0));

@@ -341,11 +341,7 @@ mod tests {
     fn session_resumption_is_off_so_every_handshake_verifies_the_certificate() {
         let dir = std::env::temp_dir().join(format!("tally-tls-resume-{}", std::process::id()));
         let files = crate::certs::write_cluster(&dir, &[NodeId(2)]).unwrap();
-        let config = TlsConfig {
-            ca: files[0].ca.clone(),
-            cert: files[0].cert.clone(),
-            key: files[0].key.clone(),
-        };
+        let config = files[0].tls_config();
         let Tls { server, client, .. } = tls(&config, NodeId(2)).unwrap();
         assert_eq!(server.send_tls13_tickets, 0, "the server sends no tickets");
         assert!(!server.session_storage.can_cache(), "nor caches sessions");
@@ -366,11 +362,7 @@ mod tests {
         let dir = std::env::temp_dir().join(format!("tally-tls-dates-{}", std::process::id()));
         let files = crate::certs::write_cluster(&dir, &[NodeId(2)]).unwrap();
         let ca = crate::certs::Ca::load_or_create(&dir).unwrap();
-        let config = TlsConfig {
-            ca: files[0].ca.clone(),
-            cert: files[0].cert.clone(),
-            key: files[0].key.clone(),
-        };
+        let config = files[0].tls_config();
         let expires = identity(&config, NodeId(2)).unwrap().expires_unix_secs;
         let now = (crate::clock::wall().0 / 1_000) as i64;
         assert!(expires > now + 700 * 86_400, "two years ahead: {expires}");
@@ -392,11 +384,7 @@ mod tests {
     fn a_certificate_for_another_node_is_refused_at_start() {
         let dir = std::env::temp_dir().join(format!("tally-tls-{}", std::process::id()));
         let files = crate::certs::write_cluster(&dir, &[NodeId(2)]).unwrap();
-        let config = TlsConfig {
-            ca: files[0].ca.clone(),
-            cert: files[0].cert.clone(),
-            key: files[0].key.clone(),
-        };
+        let config = files[0].tls_config();
         assert!(identity(&config, NodeId(2)).is_ok());
         let err = identity(&config, NodeId(3)).err().unwrap().to_string();
         assert!(

@@ -993,16 +993,11 @@ fn lock<T>(mutex: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::config::TlsConfig;
     use std::path::{Path, PathBuf};
 
     fn identity(dir: &Path, files: &crate::certs::NodeFiles, node: u64) -> tls::Identity {
-        let config = TlsConfig {
-            ca: files.ca.clone(),
-            cert: files.cert.clone(),
-            key: files.key.clone(),
-        };
-        tls::identity(&config, NodeId(node)).unwrap_or_else(|err| panic!("{dir:?}: {err}"))
+        tls::identity(&files.tls_config(), NodeId(node))
+            .unwrap_or_else(|err| panic!("{dir:?}: {err}"))
     }
 
     /// Nodes 1 and 2 bound on loopback, node 2's inbound frames, and their certificates'
@@ -1227,13 +1222,10 @@ mod tests {
         for opened in 1..=5 {
             let connecting = member.connect(addr, &server_name(NodeId(2))).unwrap();
             connections.push(connecting.await.unwrap());
-            for _ in 0..500 {
-                if stats.connections.load(Ordering::Relaxed) == opened {
-                    break;
-                }
-                tokio::time::sleep(Duration::from_millis(10)).await;
-            }
-            assert_eq!(stats.connections.load(Ordering::Relaxed), opened);
+            until("the connection taken", || {
+                stats.connections.load(Ordering::Relaxed) == opened
+            })
+            .await;
         }
         for oldest in &connections[..3] {
             let closed = tokio::time::timeout(Duration::from_secs(5), oldest.closed()).await;

@@ -307,11 +307,9 @@ impl ViewState {
             Some(rate) => rate.observe(remote_incr, now_ms),
             None => {
                 // A key's first sample in a window comes 100 ms in at the soonest: until
-                // then its rate in the window before is the best guess, rather than none.
-                let before = (key.window.previous())
-                    .map(|previous| KeyRef::from(key).in_window(previous).to_key())
-                    .and_then(|previous| self.remote_rates.get(&previous))
-                    .map_or(0.0, Rate::per_sec);
+                // then its rate in the window before is the best guess, rather than none
+                // (what `remote_rate` reads of a key it holds no rate of).
+                let before = self.remote_rate(KeyRef::from(key));
                 let rate = Rate::start(remote_incr, now_ms, before);
                 self.remote_rates.insert(key.clone(), rate);
             }
