@@ -16,6 +16,7 @@ use crate::region::forward::{ForwardStats, Forwarder};
 use crate::region::service::{OpenError, RegionService};
 use crate::region::wire::REGION_FRAME_BYTES_MAX;
 use crate::store::LaneStore;
+use crate::tasks;
 use crate::tls::{self, TlsError};
 use crate::transport::{Sessions, Transport, TransportStats};
 use crate::view::{unheard_seeds, View};
@@ -61,6 +62,10 @@ pub enum DaemonError {
     /// The gossip task stopped on a fatal event.
     #[error(transparent)]
     Driver(#[from] DriverError),
+    /// One of the node's long-lived tasks ended while the node ran ([`tasks`]); the node
+    /// stopped, as it does when asked to.
+    #[error("the {0} task ended while the node ran (a panic, if it was one, is printed above); the node stopped")]
+    TaskEnded(&'static str),
 }
 
 /// How often the gossip task collects written lanes while writes come. Without a data dir,
@@ -207,6 +212,8 @@ pub async fn run(config: Config, shutdown: impl Future<Output = ()>) -> Result<(
     gossip_config.dead_after = std::time::Duration::from_millis(config.dead_after_ms);
     gossip_config.rng_seed = clock::entropy_seed();
 
+    // The node's long-lived tasks: the first to end stops the node.
+    let (watcher, mut ended) = tasks::watch();
     let forward_stats = Arc::new(ForwardStats::default());
     let (late, mut late_admitted) = tokio::sync::mpsc::unbounded_channel();
     let forwarder = match (own_sessions, &config.region) {
@@ -304,25 +311,27 @@ pub async fn run(config: Config, shutdown: impl Future<Output = ()>) -> Result<(
         region: region_stats,
     });
     driver.publish_restored();
-    let client_task = tokio::spawn(listener::serve(
-        service.clone(),
-        tcp,
-        unix,
-        config.client_connections_max,
-    ));
-    let http_task = tokio::spawn(http::serve(endpoints, http_listener));
+    let client_task = watcher.spawn(
+        "client listener",
+        listener::serve(service.clone(), tcp, unix, config.client_connections_max),
+    );
+    let http_task = watcher.spawn("http", http::serve(endpoints, http_listener));
     // The fallbacks counted for exact checks the region admitted after all, taken back.
-    let late_task = tokio::spawn({
+    // The forwarder's session task holds the only sender, so this task ends when that one
+    // does, which it so watches too; a node without a forwarder has neither.
+    let late_task = service.forwarder.is_some().then(|| {
         let service = service.clone();
-        async move {
+        watcher.spawn("region forwarder", async move {
             while let Some(seqs) = late_admitted.recv().await {
                 service.late_admissions(&seqs);
             }
-        }
+        })
     });
     let (region_stop, region_stopped) = watch::channel(false);
-    let mut region_task =
-        region.map(|(service, requests)| tokio::spawn(service.serve(requests, region_stopped)));
+    let mut region_task = region.map(|(service, requests)| {
+        let serving = service.serve(requests, region_stopped, watcher.clone());
+        watcher.spawn("region", serving)
+    });
     eprintln!(
         "tallyd: node {} serving: gossip {gossip_addr}, client {}, http {}",
         node.0, config.listen_client, config.listen_http
@@ -330,13 +339,26 @@ pub async fn run(config: Config, shutdown: impl Future<Output = ()>) -> Result<(
 
     let mut driver_task = tokio::spawn(driver.run());
     tokio::pin!(shutdown);
-    let result = tokio::select! {
-        result = &mut driver_task => result,
-        () = &mut shutdown => {
+    // The node stops when its gossip task ends, when it is asked to, or when another of
+    // its tasks ends.
+    let mut task_ended = None;
+    let driver_ended = tokio::select! {
+        result = &mut driver_task => Some(result),
+        () = &mut shutdown => None,
+        task = ended.first() => {
+            task_ended = Some(task);
+            None
+        }
+    };
+    let result = match driver_ended {
+        Some(result) => result,
+        None => {
             // Stop answering first, and on the region stop deciding and count what it
             // decided in its lanes, so the driver's last push carries every acknowledged
             // write and admission; then leave.
-            service.closing.store(true, std::sync::atomic::Ordering::Relaxed);
+            service
+                .closing
+                .store(true, std::sync::atomic::Ordering::Relaxed);
             client_task.abort();
             if let Some(region_task) = region_task.as_mut() {
                 let _ = region_stop.send(true);
@@ -348,12 +370,15 @@ pub async fn run(config: Config, shutdown: impl Future<Output = ()>) -> Result<(
     };
     client_task.abort();
     http_task.abort();
-    late_task.abort();
+    if let Some(late_task) = late_task {
+        late_task.abort();
+    }
     if let Some(region_task) = region_task {
         region_task.abort();
     }
     match result {
-        Ok(result) => result.map_err(DaemonError::from),
+        Ok(Err(driver)) => Err(DaemonError::from(driver)),
+        Ok(Ok(())) => task_ended.map_or(Ok(()), |task| Err(DaemonError::TaskEnded(task))),
         Err(join) => std::panic::resume_unwind(join.into_panic()),
     }
 }

@@ -52,6 +52,7 @@ pub mod recent;
 pub mod region;
 pub mod store;
 mod sync;
+pub mod tasks;
 pub mod tls;
 pub mod transport;
 pub mod view;

@@ -19,6 +19,7 @@ use crate::config::RuleMode;
 use crate::decide::Rules;
 use crate::lanelog::LaneLog;
 use crate::store::LaneStore;
+use crate::tasks::Watch;
 use crate::transport::{Reply, SessionFrame};
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
@@ -166,17 +167,21 @@ impl RegionService {
     /// Then it decides nothing more, and returns once every frame it decided is answered
     /// and its admissions are counted in the region's own lanes (or refused), so that a
     /// stopping node's last push carries them.
+    ///
+    /// The task that answers frames once durable is spawned on `watcher`: should it end
+    /// first, the node stops.
     pub async fn serve(
         mut self,
         mut frames: mpsc::Receiver<SessionFrame>,
         mut stop: watch::Receiver<bool>,
+        watcher: Watch,
     ) {
         let (batches, decided) = mpsc::unbounded_channel();
         let own = self
             .own
             .take()
             .expect("invariant: a service is served once");
-        let acknowledging = tokio::spawn(acknowledge(decided, own));
+        let acknowledging = watcher.spawn("region acknowledgements", acknowledge(decided, own));
         let mut expire = tokio::time::interval(Duration::from_secs(1));
         // A compaction's snapshot, being encoded.
         let mut snapshot: Option<oneshot::Receiver<Vec<u8>>> = None;

@@ -1,0 +1,96 @@
+//! The node's long-lived tasks, watched. Each serves one part of the node (the client
+//! listener, the HTTP endpoints, the region's deciding and acknowledging, the exact
+//! checks' sessions to the region) and is meant to run as long as the node: one that ends
+//! while the node runs, by returning or by a panic, stops the node with an error naming it
+//! ([`crate::daemon::DaemonError::TaskEnded`]), instead of leaving a node that gossips on
+//! while that part no longer answers. Its supervisor restarts it.
+
+use std::future::Future;
+use tokio::sync::mpsc;
+use tokio::task::JoinHandle;
+
+/// Spawns watched tasks; the [`Ended`] it came with hears of each one's end.
+#[derive(Debug, Clone)]
+pub struct Watch(mpsc::UnboundedSender<&'static str>);
+
+/// Hears of watched tasks' ends, by name.
+#[derive(Debug)]
+pub struct Ended(mpsc::UnboundedReceiver<&'static str>);
+
+/// A watch and what hears it.
+pub fn watch() -> (Watch, Ended) {
+    let (sender, receiver) = mpsc::unbounded_channel();
+    (Watch(sender), Ended(receiver))
+}
+
+impl Watch {
+    /// Spawns `task`; `name`'s end is reported however the task ends: it returns, panics,
+    /// or is aborted (a node that stops aborts its tasks, and no longer listens by then).
+    pub fn spawn<F>(&self, name: &'static str, task: F) -> JoinHandle<F::Output>
+    where
+        F: Future + Send + 'static,
+        F::Output: Send + 'static,
+    {
+        let reports = ReportsEnd {
+            name,
+            to: self.0.clone(),
+        };
+        tokio::spawn(async move {
+            let _reports = reports;
+            task.await
+        })
+    }
+}
+
+impl Ended {
+    /// The name of the first watched task to end, once one has. Pending for good while
+    /// none has and a [`Watch`] is held.
+    pub async fn first(&mut self) -> &'static str {
+        match self.0.recv().await {
+            Some(name) => name,
+            None => std::future::pending().await,
+        }
+    }
+}
+
+/// Reports its task's end when dropped: after the task's future returns, or while a
+/// panic unwinds out of it, or when the task is aborted.
+struct ReportsEnd {
+    name: &'static str,
+    to: mpsc::UnboundedSender<&'static str>,
+}
+
+impl Drop for ReportsEnd {
+    fn drop(&mut self) {
+        let _ = self.to.send(self.name);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::time::Duration;
+
+    #[tokio::test]
+    async fn a_task_that_panics_or_returns_is_reported_by_name_and_one_still_running_is_not() {
+        let (watch, mut ended) = watch();
+        let running = watch.spawn("running", std::future::pending::<()>());
+        let panicked = watch.spawn("panics", async { panic!("a watched task panics") });
+        assert!(panicked.await.unwrap_err().is_panic());
+        assert_eq!(ended.first().await, "panics");
+        watch.spawn("returns", async {}).await.unwrap();
+        assert_eq!(ended.first().await, "returns");
+        let none = tokio::time::timeout(Duration::from_millis(50), ended.first()).await;
+        assert!(none.is_err(), "a task still running was reported: {none:?}");
+        running.abort();
+        assert_eq!(ended.first().await, "running");
+    }
+
+    #[tokio::test]
+    async fn with_no_watch_left_and_nothing_ended_first_stays_pending() {
+        let (watch, mut ended) = watch();
+        drop(watch);
+        let none = tokio::time::timeout(Duration::from_millis(50), ended.first()).await;
+        assert!(none.is_err());
+    }
+}
