@@ -248,6 +248,55 @@ async fn a_region_cut_off_fails_exact_checks_within_the_timeout_while_approximat
     assert!(metric >= 20.0, "region_unavailable: {metric}");
 }
 
+#[tokio::test(flavor = "current_thread")]
+async fn a_region_at_its_key_cap_refuses_new_keys_checks_with_keys_full_and_decides_held_ones() {
+    let mut cluster = Cluster::start_with(NET, 2, 2_000, true);
+    // The region again, with room for two keys in its ledger.
+    cluster.node(1).kill9();
+    let config = std::fs::read_to_string(&cluster.nodes[0].config).unwrap();
+    std::fs::write(&cluster.nodes[0].config, format!("keys_max = 2\n{config}")).unwrap();
+    cluster.node(1).restart(false);
+    cluster.wait_members_alive();
+    let edge = cluster.nodes[1].client().await;
+    let admitted = |subject: &'static str| {
+        let edge = &edge;
+        async move {
+            for _ in 0..200 {
+                match edge.check("quota", subject, 1).await {
+                    Ok(decision) => return decision,
+                    Err(Error::Refused(Refusal::RegionUnavailable { .. })) => {
+                        tokio::time::sleep(Duration::from_millis(50)).await;
+                    }
+                    Err(other) => panic!("a check of {subject} failed: {other}"),
+                }
+            }
+            panic!("the region never answered for {subject}")
+        }
+    };
+    for subject in ["held-1", "held-2"] {
+        let decision = admitted(subject).await;
+        assert_eq!((decision.mode, decision.allowed), (Mode::Exact, true));
+    }
+    let refused = edge.check("quota", "new", 1).await.unwrap_err();
+    assert!(
+        matches!(refused, Error::Refused(Refusal::KeysFull { keys_max: 2 })),
+        "{refused:?}"
+    );
+    assert!(!refused.is_retryable());
+    // A denied check holds no key, so it is decided; a held key is counted as ever.
+    let denied = edge.check("quota", "new", LIMIT + 1).await.unwrap();
+    assert_eq!(
+        (denied.mode, denied.allowed, denied.estimate),
+        (Mode::Exact, false, 0)
+    );
+    let again = admitted("held-1").await;
+    assert_eq!((again.allowed, again.estimate), (true, 2));
+    assert_eq!(
+        cluster.nodes[0].metric("tally_region_keys_refused_total", &[]),
+        Some(1.0)
+    );
+}
+
 /// A cluster of the region and edge 2; a QUIC connection to the region with edge 2's
 /// certificate, to speak the region protocol by hand; a client of edge 2; and checks of
 /// cost 5 on `subject` in the current window, by request node and sequence number.

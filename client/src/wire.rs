@@ -346,10 +346,14 @@ pub enum Refusal {
     /// The write would take a lane past `u64::MAX`; lanes never wrap.
     #[error("amount: the lane would overflow u64; nothing counted")]
     Overflow,
-    /// The sidecar holds its configured maximum of live keys.
-    #[error("keys: the sidecar holds its maximum of {keys_max} keys; nothing counted")]
+    /// The sidecar holds its configured maximum of live keys; or, for an exact rule, the
+    /// region holds its maximum in its ledger and the check would add one.
+    #[error(
+        "keys: the sidecar (or, for an exact rule, the region) holds its maximum of \
+         {keys_max} keys; nothing counted"
+    )]
     KeysFull {
-        /// The configured maximum.
+        /// The configured maximum (the sidecar's, or the region's).
         keys_max: u64,
     },
     /// The rule is exact and the region did not answer in time. It may still decide and

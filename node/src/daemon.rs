@@ -161,6 +161,7 @@ pub async fn run(config: Config, shutdown: impl Future<Output = ()>) -> Result<(
         (Role::Region, Some(dir)) => {
             let (service, opened) = RegionService::open(
                 dir,
+                config.keys_max,
                 rules.clone(),
                 store.clone(),
                 log.clone(),
@@ -185,6 +186,7 @@ pub async fn run(config: Config, shutdown: impl Future<Output = ()>) -> Result<(
     let region_stats = region.as_ref().map(|(service, _)| RegionStats {
         commit: service.commit_stats(),
         bad_requests: service.bad_requests.clone(),
+        keys_refused: service.keys_refused.clone(),
         lanes_owed: service.lanes_owed(),
     });
     let bind =

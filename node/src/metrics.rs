@@ -97,6 +97,8 @@ pub struct RegionStats {
     pub commit: Arc<CommitStats>,
     /// Forwarded checks refused as malformed or for no exact rule.
     pub bad_requests: Arc<AtomicU64>,
+    /// Forwarded checks not decided because the ledger holds its maximum of keys.
+    pub keys_refused: Arc<AtomicU64>,
     /// Admitted costs the region's own lanes lack for want of room in the lane log.
     pub lanes_owed: Arc<AtomicU64>,
 }
@@ -343,6 +345,11 @@ pub fn render(sources: &Sources<'_>) -> String {
                 "region_bad_requests",
                 "Forwarded checks naming no exact rule or live window here, and frames of checks refused whole",
                 load(&region.bad_requests),
+            ),
+            (
+                "region_keys_refused",
+                "Forwarded checks not decided because the region's ledger holds its maximum of keys",
+                load(&region.keys_refused),
             ),
         ];
         for (name, help, value) in pairs {

@@ -522,6 +522,7 @@ impl<T> Held<T> {
             ExactAnswer::Forgotten => Err(Refusal::Forgotten {
                 rule: pending.rule(),
             }),
+            ExactAnswer::KeysFull { keys_max } => Err(Refusal::KeysFull { keys_max }),
             ExactAnswer::Storage(why) => {
                 self.stats.storage_errors.fetch_add(1, Ordering::Relaxed);
                 Err(Refusal::Storage {

@@ -29,7 +29,7 @@ pub use wire::{ExactAnswer, ExactCheck, Outcome};
 /// The authoritative counts of exact rules, and the outcomes of each edge life's and
 /// application session's most recent request ids. Pure state: the committer makes it
 /// durable.
-#[derive(Debug, Default, Clone)]
+#[derive(Debug, Clone)]
 pub struct Ledger {
     // Invariant: a count never decreases within its window.
     counts: HashMap<Key, u64, KeyHasher>,
@@ -39,6 +39,20 @@ pub struct Ledger {
     // Per edge node, the generations of its lives decided for since this ledger was
     // built, in the order they first were: at most `LIVES_PER_NODE`.
     lives: HashMap<u64, VecDeque<u64>, KeyHasher>,
+    // The most keys `counts` holds: a check that would add one past it is not decided.
+    keys_max: usize,
+}
+
+impl Default for Ledger {
+    /// An empty ledger that holds any number of keys.
+    fn default() -> Ledger {
+        Ledger {
+            counts: HashMap::default(),
+            seen: HashMap::default(),
+            lives: HashMap::default(),
+            keys_max: usize::MAX,
+        }
+    }
 }
 
 /// Two ledgers are equal when they decide alike: the same counts and the same outcomes
@@ -319,6 +333,9 @@ pub enum Decided {
     /// [`RECENT_CLIENT_IDS`] of its application session): its
     /// outcome is forgotten, and it is not decided again (that could count it twice).
     Forgotten,
+    /// A check that would admit a key the ledger does not hold while it holds its maximum
+    /// of keys: not decided, nothing to log (a retry once there is room is decided then).
+    KeysFull,
 }
 
 impl Ledger {
@@ -483,7 +500,10 @@ impl Ledger {
     }
 
     /// Decides `check` on `key` (its key) under `limit`: admits iff the count plus the cost
-    /// stays within the limit. A request id seen before gets its first outcome.
+    /// stays within the limit. A request id seen before gets its first outcome. An
+    /// admission of a key not held, while the ledger holds its maximum of keys
+    /// ([`Ledger::hold_at_most`]), is not decided (a denial holds no key, so it is decided
+    /// as ever).
     pub fn decide(&mut self, check: &ExactCheck, key: &Key, limit: u64) -> Decided {
         let id = check.dedupe_id();
         if let Some(recent) = self.seen.get(&(id.node, id.generation)) {
@@ -493,11 +513,21 @@ impl Ledger {
                 Held::Forgotten => return Decided::Forgotten,
             }
         }
-        let count = self.count(key);
-        let allowed = count
+        let held = self.counts.get(key).copied();
+        let allowed = (held.unwrap_or(0))
             .checked_add(check.cost)
             .is_some_and(|after| after <= limit);
+        if allowed && held.is_none() && self.counts.len() >= self.keys_max {
+            return Decided::KeysFull;
+        }
         Decided::New(self.apply(id, key, check.cost, allowed))
+    }
+
+    /// Holds at most `keys_max` keys from now on: an admission that would add one past it
+    /// is not decided ([`Decided::KeysFull`]). Keys already held stay (a replayed log's
+    /// are durable decisions, whatever the cap was when they were made).
+    pub fn hold_at_most(&mut self, keys_max: usize) {
+        self.keys_max = keys_max;
     }
 
     /// The count of `key`.
@@ -657,6 +687,59 @@ mod tests {
     }
 
     #[test]
+    fn at_its_key_cap_the_ledger_decides_no_admission_of_a_new_key_until_a_window_ends() {
+        let mut ledger = Ledger::default();
+        ledger.hold_at_most(2);
+        let on = |seq: u64, subject: &str, window_index: u64, cost: u64| {
+            let check = ExactCheck {
+                subject: subject.into(),
+                window_index,
+                ..check(seq, cost)
+            };
+            let key = key_of("quota", subject, window_index, 3_600).unwrap();
+            (check, key)
+        };
+        let mut decide_on = |seq, subject, window_index, cost| {
+            let (check, key) = on(seq, subject, window_index, cost);
+            ledger.decide(&check, &key, 10)
+        };
+        let admitted = |count| {
+            Decided::New(Outcome {
+                allowed: true,
+                count,
+            })
+        };
+        assert_eq!(decide_on(0, "acct-1", 500_000, 1), admitted(1));
+        assert_eq!(decide_on(1, "acct-2", 500_000, 1), admitted(1));
+        assert_eq!(decide_on(2, "acct-3", 500_000, 1), Decided::KeysFull);
+        // A key held is decided as ever, and so is a retry, and a denial of a new key,
+        // which holds none.
+        assert_eq!(decide_on(3, "acct-1", 500_000, 1), admitted(2));
+        assert_eq!(
+            decide_on(0, "acct-1", 500_000, 1),
+            Decided::Repeat(Outcome {
+                allowed: true,
+                count: 1
+            })
+        );
+        assert_eq!(
+            decide_on(4, "acct-3", 500_000, 11),
+            Decided::New(Outcome {
+                allowed: false,
+                count: 0
+            })
+        );
+        // The refused check was not decided: sent again, it is refused again, not
+        // `Forgotten` nor a repeat.
+        assert_eq!(decide_on(2, "acct-3", 500_000, 1), Decided::KeysFull);
+        assert_eq!(ledger.counts().count(), 2);
+        // Once their window is over, its keys make room.
+        ledger.expire((500_000 + 2) * 3_600, &mut Forgotten::default());
+        let (check, key) = on(5, "acct-3", 500_002, 1);
+        assert_eq!(ledger.decide(&check, &key, 10), admitted(1));
+    }
+
+    #[test]
     fn a_window_whose_checks_were_all_denied_is_forgotten_when_it_ends() {
         let mut ledger = Ledger::default();
         let over = decide(&mut ledger, 1, 11, 10);
@@ -752,7 +835,7 @@ mod tests {
         let allowed: Vec<bool> = (0..6)
             .map(|seq| match decide(&mut ledger, seq, 2, 7) {
                 Decided::New(outcome) => outcome.allowed,
-                Decided::Repeat(_) | Decided::Forgotten => panic!("a new id is decided anew"),
+                other => panic!("a new id is decided anew: {other:?}"),
             })
             .collect();
         assert_eq!(allowed, [true, true, true, false, false, false]);

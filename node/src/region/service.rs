@@ -56,6 +56,10 @@ pub struct RegionService {
     /// Forwarded checks that named no exact rule here or no live window, and frames that
     /// did not decode or asked under another node's ids.
     pub bad_requests: Arc<AtomicU64>,
+    // The most keys the ledger holds.
+    keys_max: usize,
+    /// Checks not decided because they would have added a key past `keys_max`.
+    pub keys_refused: Arc<AtomicU64>,
 }
 
 /// Why the region log could not be opened.
@@ -88,8 +92,11 @@ impl RegionService {
     /// it is durable, so a crash in between leaves the ledger above what this node's earlier
     /// lives (`retired`, from their lane logs) hold for that key; the difference goes into
     /// this life's lane, so the edges' estimates of exact keys match the ledger again.
+    ///
+    /// The ledger holds at most `keys_max` keys (`Ledger::hold_at_most`) once replayed.
     pub fn open(
         dir: &Path,
+        keys_max: usize,
         rules: Rules,
         store: Arc<LaneStore>,
         lanes: Option<Arc<Mutex<LaneLog>>>,
@@ -104,6 +111,7 @@ impl RegionService {
         crate::lanelog::create_dir_durably(dir).map_err(io)?;
         let (mut storage, entries, torn) = log::open(&path).map_err(io)?;
         let mut ledger = Ledger::replay(&entries);
+        ledger.hold_at_most(keys_max);
         let mut forgotten = Forgotten::default();
         ledger.expire(expiry.now_secs(), &mut forgotten);
         ledger.forget_lives_of(store.replica().node.0);
@@ -148,6 +156,8 @@ impl RegionService {
             expiry,
             forgotten,
             bad_requests: Arc::new(AtomicU64::new(0)),
+            keys_max,
+            keys_refused: Arc::new(AtomicU64::new(0)),
         };
         Ok((service, opened))
     }
@@ -360,6 +370,12 @@ impl RegionService {
             // committer completes in order).
             Decided::Repeat(outcome) => ExactAnswer::Decided(outcome),
             Decided::Forgotten => ExactAnswer::Forgotten,
+            Decided::KeysFull => {
+                self.keys_refused.fetch_add(1, Ordering::Relaxed);
+                ExactAnswer::KeysFull {
+                    keys_max: self.keys_max as u64,
+                }
+            }
         }
     }
 }
@@ -447,9 +463,17 @@ mod tests {
         let rules = Rules::new(&[RuleConfig::for_test("quota", 1_000, RuleMode::Exact)]).unwrap();
         let replica = ReplicaId::new(NodeId(1), Generation(1));
         let store = Arc::new(LaneStore::new(replica, 1_024));
-        RegionService::open(dir, rules, store, None, &[], ExpiryClock::start())
-            .unwrap()
-            .0
+        RegionService::open(
+            dir,
+            usize::MAX,
+            rules,
+            store,
+            None,
+            &[],
+            ExpiryClock::start(),
+        )
+        .unwrap()
+        .0
     }
 
     /// Decides a frame of checks from node 2 with sequence numbers `seqs`, on seven

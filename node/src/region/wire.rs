@@ -119,6 +119,13 @@ pub enum ExactAnswer {
     /// was decided once (or its number skipped, never to be decided) and is not decided
     /// again.
     Forgotten,
+    /// The check would add a key to the region's ledger, which holds its maximum of keys
+    /// (the region's `keys_max`): not decided, nothing counted. Sent again once windows
+    /// have ended and made room, it is decided then.
+    KeysFull {
+        /// The region's maximum.
+        keys_max: u64,
+    },
 }
 
 /// A decision on the authoritative count.
