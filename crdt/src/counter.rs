@@ -1,6 +1,6 @@
 //! The PN-counter: one lane per replica, merged lane by lane.
 
-use crate::{Lane, Overflow, ReplicaId, Version};
+use crate::{Lane, NodeId, Overflow, ReplicaId, Version};
 use serde::{Deserialize, Serialize};
 
 /// A lane as held in a counter: whose it is, its totals, and the version its writer
@@ -51,6 +51,19 @@ impl PnCounter {
             .iter()
             .filter(|slot| slot.replica.node == replica.node && slot.replica != replica)
             .map(|slot| slot.lane.value())
+            .sum()
+    }
+
+    /// How far below zero the nodes other than `node` are, summed over those whose lanes
+    /// (of every life) net below zero: what counting each such node at no less than zero
+    /// adds to the value of their lanes. 0 when none is below zero.
+    pub fn below_zero_of_nodes_but(&self, node: NodeId) -> i128 {
+        // Slots are sorted by replica, so each node's lives are next to each other.
+        self.slots
+            .chunk_by(|a, b| a.replica.node == b.replica.node)
+            .filter(|lives| lives[0].replica.node != node)
+            .map(|lives| -lives.iter().map(|slot| slot.lane.value()).sum::<i128>())
+            .filter(|&below| below > 0)
             .sum()
     }
 
@@ -153,7 +166,7 @@ impl PnCounter {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::{Generation, NodeId};
+    use crate::Generation;
 
     fn replica(node: u64) -> ReplicaId {
         ReplicaId::new(NodeId(node), Generation(1))
@@ -167,6 +180,26 @@ mod tests {
         counter.decr(replica(3), 5).unwrap();
         assert_eq!(counter.value(), 2 * i128::from(u64::MAX) - 5);
         assert_eq!(counter.value_without(replica(1)), i128::from(u64::MAX) - 5);
+    }
+
+    #[test]
+    fn below_zero_counts_each_other_node_over_all_its_lives_and_only_those_below_zero() {
+        let life = |node, generation| ReplicaId::new(NodeId(node), Generation(generation));
+        let mut counter = PnCounter::new();
+        // Node 1 is below zero, but it is the one asking.
+        counter.decr(life(1, 1), 7).unwrap();
+        // Node 2: -10 in one life, +4 in the next: -6 in all.
+        counter.decr(life(2, 1), 10).unwrap();
+        counter.incr(life(2, 2), 4).unwrap();
+        // Node 3: -3 in one life, +5 in the next: above zero in all.
+        counter.decr(life(3, 1), 3).unwrap();
+        counter.incr(life(3, 2), 5).unwrap();
+        // Node 4: -1.
+        counter.incr(life(4, 1), 2).unwrap();
+        counter.decr(life(4, 1), 3).unwrap();
+        assert_eq!(counter.below_zero_of_nodes_but(NodeId(1)), 6 + 1);
+        assert_eq!(counter.below_zero_of_nodes_but(NodeId(2)), 7 + 1);
+        assert_eq!(PnCounter::new().below_zero_of_nodes_but(NodeId(1)), 0);
     }
 
     #[test]

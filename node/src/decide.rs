@@ -19,7 +19,9 @@
 //!   held beyond its share when it turned isolated. This node's own excess is exact. The
 //!   others' is at most their count less one share, however it is split among them
 //!   (BRIEF.md's case: one location admitted the whole limit while connected): their
-//!   count as last merged here, plus what they may have admitted unseen in the
+//!   count as last merged here, each location's at no less than zero (one below zero,
+//!   from releases counted in a later window than their acquires, would hide another's
+//!   excess in the sum), plus what they may have admitted unseen in the
 //!   `stale_after` before this node turned isolated (their rate times `stale_after`).
 //!
 //! A decision's `remaining` is what the rule that decided would still admit: the limit
@@ -286,7 +288,11 @@ impl Context<'_> {
             let own = own_in(key) + self.previous_window_part(rule, key, own_in);
             let room = i128::from(share) - own;
             let unseen = self.view.remote_rate(key) * rule.stale_after_ms as f64 / 1_000.0;
-            let others = (current + previous - own).max(0) as f64 + unseen;
+            // Each other location counts at no less than zero: one below it would hide
+            // another's excess in the sum.
+            let below_zero = |key: KeyRef<'_>| self.view.below_zero(key);
+            let below_zero = below_zero(key) + self.previous_window_part(rule, key, below_zero);
+            let others = (current + previous - own + below_zero).max(0) as f64 + unseen;
             let beyond_shares = (-room).max(0) as f64 + (others - share as f64).max(0.0);
             let bound = locations as f64 * rule.slack as f64 + beyond_shares;
             (Mode::ApproximateIsolated, cost_i <= room, bound, room)
@@ -560,6 +566,33 @@ mod tests {
         // the others' 100 less one share.
         assert!(decisions.iter().all(|d| d.bound == 75.0), "{decisions:?}");
         assert_eq!((decisions[0].estimate, decisions[0].remaining), (101, 24));
+    }
+
+    #[test]
+    fn an_isolated_bound_counts_each_other_location_at_no_less_than_zero() {
+        // Three locations, a share of 100 each. Node 2 has released more than it took
+        // this window (-50), node 3 has admitted 250 while connected. Node 2 may admit 150
+        // more on its own count and this node 100, so the window can end at 450: 150 past
+        // the limit, all of it node 3's excess. Netted, the others' 200 would say 100.
+        let rule = RuleConfig {
+            locations: Some(3),
+            ..rule(300, 0)
+        };
+        let (store, owned) = setup(&rule);
+        let key = KeyRef::from(&owned);
+        let replica = |node| ReplicaId::new(NodeId(node), Generation(1));
+        let mut counter = tally_crdt::PnCounter::new();
+        counter.incr(replica(2), 10).unwrap();
+        counter.decr(replica(2), 60).unwrap();
+        counter.incr(replica(3), 250).unwrap();
+        store.publish_remote(&owned, 200).unwrap();
+        let mut view = view(Stamp(NOW.0 - 5_000));
+        view.take_in(&owned, &counter, replica(1), 0);
+        let mut context = context(&store, &view);
+        let decision = context.check(&rule, key, 1).unwrap();
+        assert_eq!(decision.mode, Mode::ApproximateIsolated);
+        assert!(decision.allowed);
+        assert_eq!(decision.bound, 150.0, "{decision:?}");
     }
 
     #[test]

@@ -149,6 +149,7 @@ impl Driver {
                     let mut view = self.view.lock();
                     view.remote_rates.retain(|key, _| key.window.is_live(now_secs));
                     view.other_lives.retain(|key, _| key.window.is_live(now_secs));
+                    view.below_zero.retain(|key, _| key.window.is_live(now_secs));
                 }
                 _ = self.shutdown.changed() => {
                     self.last_lanes(&mut lanes).await;

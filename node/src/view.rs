@@ -50,6 +50,12 @@ pub struct ViewState {
     /// other generations: the lives before a restart), where it is not zero. An isolated
     /// decision counts them as this node's own.
     pub other_lives: HashMap<Key, i128>,
+    /// Per key, how far below zero the other nodes whose count is below zero are, summed
+    /// (`PnCounter::below_zero_of_nodes_but`), where it is not zero: a node's count is
+    /// below zero when releases are counted in a later window than their acquires. An
+    /// isolated decision adds it to the other nodes' count, so that each counts at no less
+    /// than zero and none hides another's excess.
+    pub below_zero: HashMap<Key, i128>,
     /// Once the lane log's sync is overdue (`handoff`), how long before the members were
     /// last set (monotonic) the writes it holds back were collected: no peer has this
     /// node's writes since, and a peer may have declared it dead and stopped counting it,
@@ -266,6 +272,7 @@ impl ViewState {
             unheard_seeds: self.unheard_seeds,
             remote_rates: HashMap::new(),
             other_lives: HashMap::new(),
+            below_zero: HashMap::new(),
             own_held_for: self.own_held_for,
         }
     }
@@ -296,7 +303,8 @@ impl ViewState {
     }
 
     /// Takes in `key`'s counter as gossip merged it, at monotonic time `now_ms`: the other
-    /// replicas' increments for its remote rate, and the value of `me`'s other lives.
+    /// replicas' increments for its remote rate, the value of `me`'s other lives, and how
+    /// far below zero the other nodes are.
     pub fn take_in(&mut self, key: &Key, counter: &PnCounter, me: ReplicaId, now_ms: u64) {
         let remote_incr = counter
             .slots()
@@ -321,6 +329,15 @@ impl ViewState {
             }
             value => {
                 self.other_lives.insert(key.clone(), value);
+            }
+        }
+        match counter.below_zero_of_nodes_but(me.node) {
+            0 if self.below_zero.is_empty() => {}
+            0 => {
+                self.below_zero.remove(key);
+            }
+            below => {
+                self.below_zero.insert(key.clone(), below);
             }
         }
     }
@@ -351,6 +368,14 @@ impl ViewState {
             return 0;
         }
         self.other_lives.get(&key.to_key()).copied().unwrap_or(0)
+    }
+
+    /// How far below zero the other nodes below zero on `key` are, summed (0 if none is).
+    pub fn below_zero(&self, key: KeyRef<'_>) -> i128 {
+        if self.below_zero.is_empty() {
+            return 0;
+        }
+        self.below_zero.get(&key.to_key()).copied().unwrap_or(0)
     }
 }
 
