@@ -17,6 +17,36 @@ pub struct Envelope {
     pub message: Message,
 }
 
+/// The origins a [`Message::Syn`]'s digest speaks for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Cover {
+    /// Every origin: one the digest does not list is held at `(version 0, unlisted)`.
+    All,
+    /// Only the origins from `from` on, up to `until` (not included; to the last if
+    /// `None`): a digest too large for one frame goes in parts, a part a round, each from
+    /// where the last ended. The receiver reads the origins of the part as it reads a whole
+    /// digest's, and leaves every other origin out of its answer: it knows nothing of
+    /// what the sender holds of them.
+    Part {
+        /// The first origin of the part.
+        from: ReplicaId,
+        /// The first origin past it, if any.
+        until: Option<ReplicaId>,
+    },
+}
+
+impl Cover {
+    /// Whether the digest speaks for `origin`.
+    pub fn contains(self, origin: ReplicaId) -> bool {
+        match self {
+            Cover::All => true,
+            Cover::Part { from, until } => {
+                from <= origin && until.is_none_or(|until| origin < until)
+            }
+        }
+    }
+}
+
 /// What one frame says.
 #[derive(Debug, Clone, PartialEq)]
 pub enum Message {
@@ -37,6 +67,9 @@ pub enum Message {
         unlisted: Stamp,
         /// [`crate::membership::Members::hash`] of my table.
         members_hash: u64,
+        /// The origins the digest speaks for: all of them, or, when my digest does not fit
+        /// in one frame, a part (see [`Cover`]).
+        covers: Cover,
     },
     /// Second leg: what you lack, what I hold, and a part of my table if our hashes differ.
     Ack {

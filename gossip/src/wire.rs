@@ -21,7 +21,7 @@
 //! - A push is always of the sender's own lanes, so it does not name their origin; a push
 //!   of nothing new, the heartbeat, is just its version.
 
-use crate::message::{Envelope, MemberEntry, Message, ADDR_BYTES_MAX};
+use crate::message::{Cover, Envelope, MemberEntry, Message, ADDR_BYTES_MAX};
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
 use tally_crdt::{
@@ -219,6 +219,16 @@ enum Body {
     Members {
         members: Vec<MemberEntry>,
     },
+    /// A Syn whose digest covers a part of the origins ([`Cover::Part`]). A variant of its
+    /// own, last, so a whole Syn encodes as before: a node of an earlier build of this wire
+    /// version refuses only these, which it could not have sent at all.
+    SynPart {
+        digest: Vec<DigestEntry>,
+        unlisted_back: u64,
+        members_hash: u64,
+        from: Replica,
+        until: Option<Replica>,
+    },
 }
 
 /// One origin of a digest.
@@ -314,10 +324,23 @@ impl Frame {
                 digest,
                 unlisted,
                 members_hash,
+                covers: Cover::All,
             } => Body::Syn {
                 digest: digest_entries(digest, newest),
                 unlisted_back: newest.0 - unlisted.0,
                 members_hash: *members_hash,
+            },
+            Message::Syn {
+                digest,
+                unlisted,
+                members_hash,
+                covers: Cover::Part { from, until },
+            } => Body::SynPart {
+                digest: digest_entries(digest, newest),
+                unlisted_back: newest.0 - unlisted.0,
+                members_hash: *members_hash,
+                from: Replica::new(*from, newest),
+                until: until.map(|until| Replica::new(until, newest)),
             },
             Message::Ack {
                 to,
@@ -384,7 +407,36 @@ impl Frame {
                 digest: digest_from(digest, newest)?,
                 unlisted: stamp_from(newest, unlisted_back)?,
                 members_hash,
+                covers: Cover::All,
             },
+            Body::SynPart {
+                digest,
+                unlisted_back,
+                members_hash,
+                from,
+                until,
+            } => {
+                let (from, until) = (from.id(newest), until.map(|until| until.id(newest)));
+                let digest = digest_from(digest, newest)?;
+                let covers = Cover::Part { from, until };
+                if until.is_some_and(|until| until <= from)
+                    || digest
+                        .origins
+                        .keys()
+                        .any(|&origin| !covers.contains(origin))
+                {
+                    return Err(field(
+                        "digest",
+                        format!("a part from {from} until {until:?} lists origins outside it"),
+                    ));
+                }
+                Message::Syn {
+                    digest,
+                    unlisted: stamp_from(newest, unlisted_back)?,
+                    members_hash,
+                    covers,
+                }
+            }
             Body::Ack {
                 to,
                 delta,
@@ -853,16 +905,37 @@ mod tests {
                 digest: digest(),
                 unlisted: Stamp(WALL - 100),
                 members_hash: u64::MAX,
+                covers: Cover::All,
             },
             Message::Syn {
                 digest: Digest::default(),
                 unlisted: Stamp(0),
                 members_hash: 42,
+                covers: Cover::All,
             },
             Message::Syn {
                 digest: Digest::default(),
                 unlisted: Stamp(WALL),
                 members_hash: 42,
+                covers: Cover::All,
+            },
+            Message::Syn {
+                digest: digest(),
+                unlisted: Stamp(WALL - 100),
+                members_hash: 7,
+                covers: Cover::Part {
+                    from: ReplicaId::new(NodeId(0), Generation(0)),
+                    until: Some(replica(301)),
+                },
+            },
+            Message::Syn {
+                digest: Digest::default(),
+                unlisted: Stamp(0),
+                members_hash: 7,
+                covers: Cover::Part {
+                    from: replica(12),
+                    until: None,
+                },
             },
             Message::Ack {
                 to: replica(5),
@@ -1037,6 +1110,25 @@ mod tests {
         assert_eq!(refused_field(&frame), "lanes.scope");
         let frame = edited_push(|body| push_lanes(body).lanes[0].scope = u64::MAX);
         assert_eq!(refused_field(&frame), "lanes.scope");
+    }
+
+    #[test]
+    fn a_syn_part_listing_an_origin_outside_it_or_ending_where_it_starts_is_a_field_error() {
+        // `digest()` lists replicas of nodes 1 and 300.
+        let parts = [
+            (replica(2), None),
+            (ReplicaId::new(NodeId(0), Generation(0)), Some(replica(300))),
+            (replica(1), Some(replica(1))),
+        ];
+        for (from, until) in parts {
+            let syn = Message::Syn {
+                digest: digest(),
+                unlisted: Stamp(0),
+                members_hash: 0,
+                covers: Cover::Part { from, until },
+            };
+            assert_eq!(refused_field(&encode(replica(3), &syn)), "digest");
+        }
     }
 
     #[test]
