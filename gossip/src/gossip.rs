@@ -646,10 +646,10 @@ impl Gossip {
 
     /// The round's Syn of `digest`: whole if it fits in a frame. Else a part of it a
     /// round, each from where the last ended (wrapping to the first origin after the
-    /// last), of as many origins as half a frame holds: the Ack answering it lists at most
-    /// as many, beside a part of the table and a delta. Before parts, a digest too large
-    /// went unsent, and anti-entropy and the exchange of tables stopped (past about 3,800
-    /// origins at the default 64 KiB).
+    /// last), of as many origins as half a frame holds, which leaves room for the other
+    /// half in an Ack (its digest is cut to half a frame too: `wanted_from`). Before parts,
+    /// a digest too large went unsent, and anti-entropy and the exchange of tables stopped
+    /// (past about 3,800 origins at the default 64 KiB).
     fn syn_in_parts(&mut self, digest: Digest, unlisted: Stamp) -> Message {
         let me = self.config.replica;
         let members_hash = self.members.hash();
@@ -712,14 +712,29 @@ impl Gossip {
     }
 
     /// The digest an Ack carries: my watermark for each origin of which a Syn's digest
-    /// `theirs` shows something I lack, which is all its sender needs to answer.
+    /// `theirs` shows something I lack, which is all its sender needs to answer; at most
+    /// as many as half a frame holds, from a place that moves each round. The Syn's sender
+    /// answers only the origins listed, so one left out keeps its watermark here until a
+    /// later Ack lists it. (A node that starts lacks every origin a peer holds: unbounded,
+    /// that Ack would not fit in a frame past a few thousand origins, and the node would
+    /// not join.)
     fn wanted_from(&self, theirs: &Digest) -> Digest {
-        let origins = theirs
+        let wanted: Vec<(ReplicaId, Watermark)> = theirs
             .origins
             .iter()
             .map(|(&origin, &offer)| (origin, offer, self.map.watermark(origin)))
             .filter(|&(_, offer, mine)| lacks(mine, offer, self.stamp_slack()))
             .map(|(origin, _, mine)| (origin, mine))
+            .collect();
+        let most = self.config.frame_bytes_max / 2 / wire::DIGEST_ENTRY_BYTES_MAX;
+        let start = if wanted.len() > most {
+            self.rounds as usize % wanted.len()
+        } else {
+            0
+        };
+        let origins = (wanted.iter().cycle().skip(start))
+            .take(most.min(wanted.len()))
+            .copied()
             .collect();
         Digest { origins }
     }
@@ -1265,9 +1280,10 @@ mod tests {
     }
 
     #[test]
-    fn an_answer_too_large_for_a_frame_is_dropped_and_counted_never_a_panic() {
-        // A member's Syn lists 14,000 made-up origins, about 4 bytes each; the Ack asking
-        // for all of them takes more bytes each (its stamps are far from its newest).
+    fn an_ack_lacking_more_origins_than_a_frame_holds_asks_for_half_a_frames_worth() {
+        // A member's Syn lists 14,000 made-up origins, about 4 bytes each; an Ack asking
+        // for all of them would take more bytes each (its stamps are far from its newest)
+        // and not fit: until session 22 it was dropped, counted as oversize.
         let mut gossip = node(2);
         let origins = (10..14_010)
             .map(|id| {
@@ -1295,17 +1311,26 @@ mod tests {
             from: NodeId(1),
             frame,
         });
-        loop {
+        let asked = loop {
             match gossip.poll_output() {
-                Output::Send { to, .. } => assert_ne!(to, NodeId(1), "an Ack past the limit went"),
-                Output::Timeout(_) => break,
+                Output::Send {
+                    to: NodeId(1),
+                    frame,
+                    ..
+                } => {
+                    assert!(frame.len() <= gossip.config.frame_bytes_max);
+                    match wire::decode(&frame, 1 << 20).unwrap().message {
+                        Message::Ack { digest, .. } => break digest.origins.len(),
+                        other => panic!("not an Ack: {other:?}"),
+                    }
+                }
+                Output::Timeout(_) => panic!("no Ack"),
                 _ => {}
             }
-        }
-        assert_eq!(gossip.stats().frames_oversize, 1);
-        // And the node goes on answering.
-        let ack = ack_to_syn(&mut gossip, Digest::default(), 2);
-        assert!(matches!(ack, Message::Ack { .. }));
+        };
+        let most = gossip.config.frame_bytes_max / 2 / wire::DIGEST_ENTRY_BYTES_MAX;
+        assert_eq!(asked, most);
+        assert_eq!(gossip.stats().frames_oversize, 0);
     }
 
     #[test]
@@ -1767,11 +1792,8 @@ mod tests {
         while deliver(to, from, at) | deliver(from, to, at) {}
     }
 
-    #[test]
-    fn a_digest_too_large_for_a_frame_goes_in_parts_and_anti_entropy_still_repairs_every_origin() {
-        // Two members hold the same 1,000 origins at the smallest frame, where a digest
-        // holds about 150: whole, neither Syn fits. Node 1 then takes newer lanes of every
-        // 50th origin, which no push brings node 2.
+    /// Two members at the smallest frame, where a digest holds about 150 origins.
+    fn two_small_members() -> (Gossip, Gossip) {
         let small = |id: u64| {
             let mut config = Config::new(node(id).replica(), format!("n{id}"));
             config.frame_bytes_max = Config::FRAME_BYTES_MIN;
@@ -1780,14 +1802,24 @@ mod tests {
         let (mut a, mut b) = (small(1), small(2));
         a.members.merge(&[b.members.me()], &[]);
         b.members.merge(&[a.members.me()], &[]);
-        let origin = |id: u64| ReplicaId::new(NodeId(id), Generation(WALL - 1_000));
-        let delta = |ids: &mut dyn Iterator<Item = u64>, version: u64| Delta {
+        (a, b)
+    }
+
+    /// The replica of made-up origin `id`.
+    fn made_up(id: u64) -> ReplicaId {
+        ReplicaId::new(NodeId(id), Generation(WALL - 1_000))
+    }
+
+    /// One lane at `version` of each made-up origin of `ids`, through that version, at
+    /// `stamp`.
+    fn made_up_lanes(ids: impl Iterator<Item = u64>, version: u64, stamp: Stamp) -> Delta {
+        Delta {
             origins: ids
                 .map(|id| OriginDelta {
-                    origin: origin(id),
+                    origin: made_up(id),
                     through: Watermark {
                         version: Version(version),
-                        stamp: Stamp(WALL),
+                        stamp,
                     },
                     lanes: vec![tally_crdt::LaneUpdate {
                         key: Key::new(
@@ -1800,39 +1832,69 @@ mod tests {
                     }],
                 })
                 .collect(),
-        };
-        let all = delta(&mut (10..1_010), 1);
-        for node in [&mut a, &mut b] {
-            node.map.apply(&all, WALL / 1_000);
         }
-        a.map
-            .apply(&delta(&mut (10..1_010).step_by(50), 2), WALL / 1_000);
-        let whole = a.syn_in_parts(a.map.digest(), Stamp(0));
+    }
+
+    /// Rounds of both members until `b` holds every made-up origin of 10..1_010 as `a`
+    /// does (at most 60): how many it took.
+    fn rounds_until_b_holds_what_a_does(a: &mut Gossip, b: &mut Gossip) -> u64 {
+        let behind = |a: &Gossip, b: &Gossip| {
+            (10..1_010)
+                .filter(|&id| b.map.watermark(made_up(id)) != a.map.watermark(made_up(id)))
+                .count()
+        };
+        let mut rounds = 0;
+        while behind(a, b) > 0 && rounds < 60 {
+            let at = now(rounds * 1_000);
+            a.handle_input(Input::Timeout { now: at });
+            b.handle_input(Input::Timeout { now: at });
+            while deliver(a, b, at) | deliver(b, a, at) {}
+            rounds += 1;
+        }
+        assert_eq!(behind(a, b), 0, "after {rounds} rounds");
+        assert_eq!(a.stats().frames_oversize + b.stats().frames_oversize, 0);
+        rounds
+    }
+
+    #[test]
+    fn a_digest_too_large_for_a_frame_goes_in_parts_and_anti_entropy_still_repairs_every_origin() {
+        // Both hold the same 1,000 origins: whole, neither Syn fits. Node 1 then takes
+        // newer lanes of every 50th origin, which no push brings node 2.
+        let (mut a, mut b) = two_small_members();
+        for node in [&mut a, &mut b] {
+            node.map
+                .apply(&made_up_lanes(10..1_010, 1, Stamp(WALL)), WALL / 1_000);
+        }
+        a.map.apply(
+            &made_up_lanes((10..1_010).step_by(50), 2, Stamp(WALL)),
+            WALL / 1_000,
+        );
+        let syn = a.syn_in_parts(a.map.digest(), Stamp(0));
         assert!(matches!(
-            whole,
+            syn,
             Message::Syn {
                 covers: Cover::Part { .. },
                 ..
             }
         ));
-
-        let behind = |a: &Gossip, b: &Gossip| {
-            (10..1_010)
-                .filter(|&id| b.map.watermark(origin(id)) != a.map.watermark(origin(id)))
-                .count()
-        };
-        assert_eq!(behind(&a, &b), 20);
-        let mut rounds = 0;
-        while behind(&a, &b) > 0 && rounds < 60 {
-            let at = now(rounds * 1_000);
-            a.handle_input(Input::Timeout { now: at });
-            b.handle_input(Input::Timeout { now: at });
-            while deliver(&mut a, &mut b, at) | deliver(&mut b, &mut a, at) {}
-            rounds += 1;
-        }
-        assert_eq!(behind(&a, &b), 0, "after {rounds} rounds");
+        a.syn_from = FIRST_ORIGIN;
+        let rounds = rounds_until_b_holds_what_a_does(&mut a, &mut b);
         assert!(rounds > 2, "in parts: {rounds} rounds");
-        assert_eq!(a.stats().frames_oversize + b.stats().frames_oversize, 0);
+    }
+
+    #[test]
+    fn a_node_that_starts_beside_a_peer_holding_many_origins_asks_for_them_a_part_at_a_time() {
+        // Node 2 holds nothing, so its Syn is small and whole, and implies it holds each
+        // origin it does not list at a stamp of two rounds ago. Node 1's stamps of its
+        // 1,000 origins are older (retired lives', say): it lacks each, and its Ack asks
+        // for as many as half a frame holds (all of them would not fit), a part a round.
+        let (mut a, mut b) = two_small_members();
+        a.map.apply(
+            &made_up_lanes(10..1_010, 1, Stamp(WALL - 10_000)),
+            WALL / 1_000,
+        );
+        let rounds = rounds_until_b_holds_what_a_does(&mut a, &mut b);
+        assert!(rounds > 1, "{rounds} rounds");
     }
 
     #[test]

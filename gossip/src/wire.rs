@@ -92,6 +92,10 @@ pub fn encode(from: ReplicaId, message: &Message) -> Vec<u8> {
     bytes
 }
 
+/// The most bytes one origin of a digest takes in a frame: its node gap, age, version and
+/// stamp, each a varint of at most 9 bytes.
+pub const DIGEST_ENTRY_BYTES_MAX: usize = 4 * 9;
+
 /// The bytes `member` takes in a frame: its node id and generation, its address after its
 /// length, and its `left` flag.
 pub fn member_bytes(member: &MemberEntry) -> usize {

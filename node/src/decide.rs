@@ -596,6 +596,33 @@ mod tests {
     }
 
     #[test]
+    fn an_isolated_sliding_rule_counts_each_other_location_at_no_less_than_zero_in_the_window_before(
+    ) {
+        // As above, in the window before, half of which still weighs: node 2 at -100
+        // there, node 3 at 400, so node 3's sliding count is 200, 100 past its share.
+        // Netted, the others' 150 would say 50.
+        let rule = RuleConfig {
+            locations: Some(3),
+            sliding: true,
+            ..rule(300, 0)
+        };
+        let (store, owned) = setup(&rule);
+        let key = KeyRef::from(&owned);
+        let previous = key.in_window(owned.window.previous().unwrap()).to_key();
+        let replica = |node| ReplicaId::new(NodeId(node), Generation(1));
+        let mut counter = tally_crdt::PnCounter::new();
+        counter.decr(replica(2), 100).unwrap();
+        counter.incr(replica(3), 400).unwrap();
+        store.publish_remote(&previous, 300).unwrap();
+        let mut view = view(Stamp(NOW.0 - 5_000));
+        view.take_in(&previous, &counter, replica(1), 0);
+        let mut context = context(&store, &view);
+        let decision = context.check(&rule, key, 1).unwrap();
+        assert_eq!(decision.mode, Mode::ApproximateIsolated);
+        assert_eq!(decision.bound, 100.0, "{decision:?}");
+    }
+
+    #[test]
     fn a_sliding_rule_reports_the_weighted_estimate_it_decided_on_and_its_room() {
         let rule = RuleConfig {
             sliding: true,

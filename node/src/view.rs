@@ -1,6 +1,6 @@
 //! What the gossip task shows the rest of the node: members, the freshest stamp held per
-//! origin, per key the remote admission rate and the value of this node's other lives'
-//! lanes, and the gossip counters.
+//! origin, per key the remote admission rate, the value of this node's other lives' lanes
+//! and how far below zero other nodes are, and the gossip counters.
 //!
 //! The gossip task owns the [`tally_gossip::Gossip`] and refreshes this after each batch of
 //! inputs; the client listener reads it for decisions, the HTTP server for metrics. It is a
@@ -417,6 +417,31 @@ mod tests {
         state.take_in(&key, &counter, life(2), 0);
         assert_eq!(state.other_lives(KeyRef::from(&key)), 0);
         assert!(state.other_lives.is_empty());
+    }
+
+    #[test]
+    fn a_counter_taken_in_keeps_how_far_below_zero_other_nodes_are_while_one_is() {
+        let life = |node, generation| ReplicaId::new(NodeId(node), Generation(generation));
+        let key = Key::new(
+            tally_crdt::Rule::new("api").unwrap(),
+            tally_crdt::Subject::new("user-1").unwrap(),
+            Window::new(1, 60).unwrap(),
+        );
+        let mut state = ViewState::default();
+        let mut counter = PnCounter::new();
+        // This node below zero counts for nothing here: it is in its own count.
+        counter.decr(life(1, 1), 5).unwrap();
+        counter.incr(life(2, 1), 3).unwrap();
+        state.take_in(&key, &counter, life(1, 2), 0);
+        assert!(state.below_zero.is_empty());
+        counter.decr(life(2, 1), 10).unwrap();
+        state.take_in(&key, &counter, life(1, 2), 0);
+        assert_eq!(state.below_zero(KeyRef::from(&key)), 7);
+        // Node 2's next life brings it back to zero.
+        counter.incr(life(2, 2), 7).unwrap();
+        state.take_in(&key, &counter, life(1, 2), 0);
+        assert_eq!(state.below_zero(KeyRef::from(&key)), 0);
+        assert!(state.below_zero.is_empty());
     }
 
     #[test]
