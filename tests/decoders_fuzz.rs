@@ -118,7 +118,7 @@ fn the_seeds_are_valid_frames() {
     assert!(client_wire::decode_body::<Request>(frame("request")).is_ok());
     assert!(client_wire::decode_request(frame("request")).is_ok());
     assert_eq!(
-        region_wire::decode_checks(frame("checks")).unwrap().len(),
+        region_wire::decode_checks(frame("checks")).unwrap().1.len(),
         2
     );
     assert_eq!(

@@ -348,6 +348,7 @@ pub async fn run(config: Config, shutdown: impl Future<Output = ()>) -> Result<(
         result = &mut driver_task => Some(result),
         () = &mut shutdown => None,
         task = ended.first() => {
+            eprintln!("tallyd: the {task} task ended while the node ran; stopping");
             task_ended = Some(task);
             None
         }

@@ -636,6 +636,7 @@ fn id_reused(first: &Answered, this: &str) -> Refusal {
 }
 
 /// Serves applications on `tcp` and, if given, `unix`, at most `connections_max` at once.
+/// Both accept loops run in this one future, so whoever aborts it stops both.
 pub async fn serve(
     service: Arc<Service>,
     tcp: TcpListener,
@@ -643,27 +644,31 @@ pub async fn serve(
     connections_max: usize,
 ) {
     let permits = Arc::new(Semaphore::new(connections_max));
-    if let Some(unix) = unix {
-        let (service, permits) = (service.clone(), permits.clone());
-        tokio::spawn(async move {
-            loop {
-                match unix.accept().await {
-                    Ok((stream, _)) => spawn_connection(&service, &permits, stream),
-                    Err(_) => accept_failed(&service).await,
+    let on_tcp = async {
+        loop {
+            match tcp.accept().await {
+                Ok((stream, _)) => {
+                    // Requests are small and pipelined; Nagle's delay would only hold
+                    // answers.
+                    let _ = stream.set_nodelay(true);
+                    spawn_connection(&service, &permits, stream);
                 }
+                Err(_) => accept_failed(&service).await,
             }
-        });
-    }
-    loop {
-        match tcp.accept().await {
-            Ok((stream, _)) => {
-                // Requests are small and pipelined; Nagle's delay would only hold answers.
-                let _ = stream.set_nodelay(true);
-                spawn_connection(&service, &permits, stream);
-            }
-            Err(_) => accept_failed(&service).await,
         }
-    }
+    };
+    let Some(unix) = unix else {
+        return on_tcp.await;
+    };
+    let on_unix = async {
+        loop {
+            match unix.accept().await {
+                Ok((stream, _)) => spawn_connection(&service, &permits, stream),
+                Err(_) => accept_failed(&service).await,
+            }
+        }
+    };
+    tokio::join!(on_tcp, on_unix);
 }
 
 /// An accept failed (out of file descriptors, say): count it and wait a moment, so the
@@ -1428,6 +1433,37 @@ mod tests {
             &responses[1].result,
             Err(Refusal::RegionUnavailable { rule, .. }) if rule == "quota"
         ));
+    }
+
+    #[tokio::test]
+    async fn both_listeners_serve_and_both_stop_with_the_serving_task() {
+        let tcp = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let tcp_addr = tcp.local_addr().unwrap();
+        let path = std::env::temp_dir().join(format!(
+            "tally-listener-{}-{}.sock",
+            std::process::id(),
+            clock::wall_micros()
+        ));
+        let unix = UnixListener::bind(&path).unwrap();
+        let serving = tokio::spawn(serve(Arc::new(service(10)), tcp, Some(unix), 4));
+        let endpoints = [
+            tally_client::Endpoint::Tcp(tcp_addr),
+            tally_client::Endpoint::Unix(path.clone()),
+        ];
+        for (i, endpoint) in endpoints.into_iter().enumerate() {
+            let client = tally_client::Client::connect(endpoint, Default::default())
+                .await
+                .unwrap();
+            let counted = client.incr("count", "both", 1).await.unwrap();
+            assert_eq!(counted.estimate, i as i128 + 1);
+        }
+        serving.abort();
+        assert!(serving.await.unwrap_err().is_cancelled());
+        // Neither accept loop outlives the task: before session 22 the Unix socket's ran
+        // in a task of its own and went on accepting.
+        assert!(tokio::net::UnixStream::connect(&path).await.is_err());
+        assert!(tokio::net::TcpStream::connect(tcp_addr).await.is_err());
+        let _ = std::fs::remove_file(&path);
     }
 
     #[test]

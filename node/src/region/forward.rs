@@ -75,8 +75,9 @@ pub struct Forwarded<T> {
     pub late_seq: Option<u64>,
     /// The region's durable outcome; else `RegionUnavailable` (no answer in time, a region
     /// without the rule, a stopped forwarder), `Forgotten` (a retry of an id the region no
-    /// longer remembers: decided once, never again), or `Storage` (the region could not
-    /// make the decision durable).
+    /// longer remembers: decided once, never again), `Storage` (the region could not
+    /// make the decision durable), or `KeysFull` (the region's ledger holds its maximum of
+    /// keys and the check would add one: not decided).
     pub result: Result<Outcome, Refusal>,
 }
 
@@ -1001,6 +1002,7 @@ mod tests {
     fn frame_seqs(frame: &[u8]) -> Vec<u64> {
         wire::decode_checks(&frame[4..])
             .expect("a frame of checks")
+            .1
             .iter()
             .map(|check| check.id.seq)
             .collect()

@@ -271,7 +271,7 @@ impl RegionService {
     /// asks under another node's ids, is refused whole: nothing of it is decided.
     fn handle(&mut self, frame: SessionFrame, batches: &mpsc::UnboundedSender<Batch>) {
         let SessionFrame { from, body, reply } = frame;
-        let Some(checks) = wire::decode_checks(&body) else {
+        let Some((version, checks)) = wire::decode_checks(&body) else {
             self.bad_requests.fetch_add(1, Ordering::Relaxed);
             reply.refuse();
             return;
@@ -286,6 +286,7 @@ impl RegionService {
         let (answers, admitted, records) = self.decide_frame(&checks);
         let _ = batches.send(Batch {
             durable: self.submit(records),
+            version,
             answers,
             admitted,
             reply,
@@ -406,6 +407,8 @@ struct Records {
 /// One frame's decisions, waiting for their records to be durable.
 struct Batch {
     durable: oneshot::Receiver<Result<(), CommitError>>,
+    // The version of the frame of checks, which its answers go in.
+    version: u8,
     answers: Vec<Answered>,
     admitted: Vec<(Key, u64)>,
     reply: Reply,
@@ -447,7 +450,9 @@ async fn acknowledge(mut batches: mpsc::UnboundedReceiver<Batch>, mut own: OwnLa
                 }
             }
         }
-        batch.reply.send(wire::encode_answers(&batch.answers));
+        batch
+            .reply
+            .send(wire::encode_answers_in(batch.version, &batch.answers));
     }
 }
 

@@ -13,7 +13,14 @@ use tally_client::wire::CheckId;
 use tally_crdt::{RULE_BYTES_MAX, SUBJECT_BYTES_MAX};
 
 /// The region protocol version this build speaks: the first byte of every frame's body.
-pub const REGION_WIRE_VERSION: u8 = 3;
+/// Version 4 (session 22) added the answer [`ExactAnswer::KeysFull`].
+pub const REGION_WIRE_VERSION: u8 = 4;
+
+/// The earliest version of a frame of checks the region takes: an edge of an earlier build
+/// speaks it during an upgrade. Checks encode alike in both; the region answers each frame
+/// in its version, a version 3 frame without [`ExactAnswer::KeysFull`], which that edge
+/// could not decode ([`encode_answers_in`]).
+pub const REGION_WIRE_VERSION_MIN: u8 = 3;
 
 /// The most checks an edge puts in one frame.
 pub const CHECKS_PER_FRAME_MAX: usize = 512;
@@ -155,27 +162,55 @@ impl ExactAnswer {
 /// A frame of checks, length prefix included.
 pub fn encode_checks(checks: &[CheckRef<'_>]) -> Vec<u8> {
     debug_assert!(checks.len() <= CHECKS_PER_FRAME_MAX);
-    encode_frame(&checks)
+    encode_frame(REGION_WIRE_VERSION, &checks)
 }
 
 /// A frame of answers, length prefix included.
 pub fn encode_answers(answers: &[Answered]) -> Vec<u8> {
-    encode_frame(&answers)
+    encode_frame(REGION_WIRE_VERSION, &answers)
 }
 
-/// Decodes a frame's body (after its length prefix) of checks: `None` for another
-/// version, more than [`CHECKS_PER_FRAME_MAX`] checks, a bad body, or trailing bytes.
-pub fn decode_checks(body: &[u8]) -> Option<Vec<ExactCheck>> {
-    decode_body::<Vec<ExactCheck>>(body).filter(|checks| checks.len() <= CHECKS_PER_FRAME_MAX)
+/// A frame of answers in `version`, that of the frame of checks it answers: in version 3 a
+/// `KeysFull` answer goes as `Storage` naming the cap, which an edge of that version
+/// decodes (retryable, and no fallback of a rule answers it instead).
+pub fn encode_answers_in(version: u8, answers: &[Answered]) -> Vec<u8> {
+    if version >= 4 {
+        return encode_answers(answers);
+    }
+    let answers: Vec<Answered> = (answers.iter().cloned())
+        .map(|(seq, answer)| match answer {
+            ExactAnswer::KeysFull { keys_max } => (
+                seq,
+                ExactAnswer::storage(&format!(
+                    "the region holds its maximum of {keys_max} keys; nothing counted"
+                )),
+            ),
+            answer => (seq, answer),
+        })
+        .collect();
+    encode_frame(version, &answers)
 }
 
-/// Decodes a frame's body of answers, as [`decode_checks`] does.
+/// Decodes a frame's body (after its length prefix) of checks, of a version from
+/// [`REGION_WIRE_VERSION_MIN`] to this build's: the version and the checks. `None` for
+/// another version, more than [`CHECKS_PER_FRAME_MAX`] checks, a bad body, or trailing
+/// bytes.
+pub fn decode_checks(body: &[u8]) -> Option<(u8, Vec<ExactCheck>)> {
+    let (&version, _) = body.split_first()?;
+    let versions = REGION_WIRE_VERSION_MIN..=REGION_WIRE_VERSION;
+    decode_body::<Vec<ExactCheck>>(body, versions)
+        .filter(|checks| checks.len() <= CHECKS_PER_FRAME_MAX)
+        .map(|checks| (version, checks))
+}
+
+/// Decodes a frame's body of answers, as [`decode_checks`] does, of this build's version
+/// only.
 pub fn decode_answers(body: &[u8]) -> Option<Vec<Answered>> {
-    decode_body::<Vec<Answered>>(body)
+    decode_body::<Vec<Answered>>(body, REGION_WIRE_VERSION..=REGION_WIRE_VERSION)
 }
 
-fn encode_frame<T: Serialize>(message: &T) -> Vec<u8> {
-    let mut frame = vec![0, 0, 0, 0, REGION_WIRE_VERSION];
+fn encode_frame<T: Serialize>(version: u8, message: &T) -> Vec<u8> {
+    let mut frame = vec![0, 0, 0, 0, version];
     bincode::serde::encode_into_std_write(message, &mut frame, CONFIG)
         .expect("invariant: bincode encodes plain checks or answers into a Vec");
     let len = u32::try_from(frame.len() - 4).expect("invariant: frames are below 4 GiB");
@@ -183,9 +218,12 @@ fn encode_frame<T: Serialize>(message: &T) -> Vec<u8> {
     frame
 }
 
-fn decode_body<T: serde::de::DeserializeOwned>(body: &[u8]) -> Option<T> {
+fn decode_body<T: serde::de::DeserializeOwned>(
+    body: &[u8],
+    versions: std::ops::RangeInclusive<u8>,
+) -> Option<T> {
     let (&version, rest) = body.split_first()?;
-    if version != REGION_WIRE_VERSION || body.len() > REGION_FRAME_BYTES_MAX {
+    if !versions.contains(&version) || body.len() > REGION_FRAME_BYTES_MAX {
         return None;
     }
     let (message, read) = bincode::serde::decode_from_slice(rest, CONFIG).ok()?;
@@ -228,7 +266,10 @@ mod tests {
             .collect();
         let frame = encode_checks(&checks.iter().map(ExactCheck::as_ref).collect::<Vec<_>>());
         assert!(frame.len() <= REGION_FRAME_BYTES_MAX);
-        assert_eq!(decode_checks(body(&frame)), Some(checks));
+        assert_eq!(
+            decode_checks(body(&frame)),
+            Some((REGION_WIRE_VERSION, checks))
+        );
     }
 
     #[test]
@@ -247,13 +288,51 @@ mod tests {
     }
 
     #[test]
+    fn an_edge_of_version_3_is_answered_in_version_3_its_keys_full_as_storage() {
+        let frame = encode_checks(&[check(1, "a").as_ref()]);
+        let mut earlier = body(&frame).to_vec();
+        earlier[0] = 3;
+        assert_eq!(decode_checks(&earlier), Some((3, vec![check(1, "a")])));
+        let answers = [
+            (1, ExactAnswer::KeysFull { keys_max: 9 }),
+            (2, ExactAnswer::Forgotten),
+        ];
+        let in_3 = encode_answers_in(3, &answers);
+        assert_eq!(body(&in_3)[0], 3);
+        assert_eq!(
+            decode_answers(body(&in_3)),
+            None,
+            "not this build's version"
+        );
+        let mut as_4 = body(&in_3).to_vec();
+        as_4[0] = REGION_WIRE_VERSION;
+        assert_eq!(
+            decode_answers(&as_4),
+            Some(vec![
+                (
+                    1,
+                    ExactAnswer::Storage(
+                        "the region holds its maximum of 9 keys; nothing counted".into()
+                    )
+                ),
+                (2, ExactAnswer::Forgotten),
+            ]),
+            "version 3's variants encode alike in 4"
+        );
+        let in_4 = encode_answers_in(REGION_WIRE_VERSION, &answers);
+        assert_eq!(decode_answers(body(&in_4)), Some(answers.to_vec()));
+    }
+
+    #[test]
     fn bad_frames_are_refused() {
         let frame = encode_checks(&[check(1, "a").as_ref()]);
         let good = body(&frame);
         assert!(decode_checks(good).is_some());
-        let mut other_version = good.to_vec();
-        other_version[0] = REGION_WIRE_VERSION + 1;
-        assert_eq!(decode_checks(&other_version), None, "another version");
+        for version in [REGION_WIRE_VERSION_MIN - 1, REGION_WIRE_VERSION + 1] {
+            let mut other_version = good.to_vec();
+            other_version[0] = version;
+            assert_eq!(decode_checks(&other_version), None, "version {version}");
+        }
         let mut trailing = good.to_vec();
         trailing.push(0);
         assert_eq!(decode_checks(&trailing), None, "trailing bytes");
