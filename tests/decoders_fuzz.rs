@@ -211,6 +211,7 @@ proptest! {
             gossip_wire::WIRE_VERSION,
             client_wire::CLIENT_WIRE_VERSION,
             region_wire::REGION_WIRE_VERSION,
+            region_wire::REGION_WIRE_VERSION_MIN,
         ]),
         body in vec(any::<u8>(), 0..512),
     ) {

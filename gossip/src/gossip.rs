@@ -144,6 +144,9 @@ pub struct Gossip {
     // Where the next Syn's digest starts, while the digest is too large for one frame
     // and goes in parts.
     syn_from: ReplicaId,
+    // Where the next Ack's digest starts, while what this node lacks of a Syn's digest is
+    // more than half a frame holds.
+    ack_from: ReplicaId,
     // The wall clock that windows end by; `None` until the first input with a time, unless
     // resumed (`with_expiry`).
     expiry: Option<PacedWall>,
@@ -188,6 +191,7 @@ impl Gossip {
             rounds: 0,
             members_next: BTreeMap::new(),
             syn_from: FIRST_ORIGIN,
+            ack_from: FIRST_ORIGIN,
             expiry: None,
             wall_latest: Stamp::default(),
             table_matched: false,
@@ -488,8 +492,8 @@ impl Gossip {
                 if differed {
                     self.fill_members(&mut reply, from);
                 }
-                // The Ack's digest lists only the origins its sender lacks something of;
-                // every other origin it holds as far as my Syn said, so none is sent.
+                // The Ack's digest lists only the origins its sender lacks something of (or
+                // a part of them, `wanted_from`); none other is sent.
                 let listed = |origin| digest.origins.contains_key(&origin);
                 self.fill_delta(&mut reply, &digest, listed);
                 let nothing = matches!(&reply, Message::Delta { delta, .. } if delta.is_empty());
@@ -713,12 +717,13 @@ impl Gossip {
 
     /// The digest an Ack carries: my watermark for each origin of which a Syn's digest
     /// `theirs` shows something I lack, which is all its sender needs to answer; at most
-    /// as many as half a frame holds, from a place that moves each round. The Syn's sender
-    /// answers only the origins listed, so one left out keeps its watermark here until a
-    /// later Ack lists it. (A node that starts lacks every origin a peer holds: unbounded,
-    /// that Ack would not fit in a frame past a few thousand origins, and the node would
-    /// not join.)
-    fn wanted_from(&self, theirs: &Digest) -> Digest {
+    /// as many as half a frame holds, each Ack's from the origin after the last one the
+    /// Ack before it listed. The Syn's sender answers only the origins listed, so one left
+    /// out keeps its watermark here until a later Ack lists it. (Either side of a node that
+    /// starts can lack thousands: the node every origin its peer holds, and the peer the
+    /// stamps its small Syn implies. Unbounded, that Ack would not fit in a frame past a
+    /// few thousand origins, and was not sent.)
+    fn wanted_from(&mut self, theirs: &Digest) -> Digest {
         let wanted: Vec<(ReplicaId, Watermark)> = theirs
             .origins
             .iter()
@@ -727,15 +732,15 @@ impl Gossip {
             .map(|(origin, _, mine)| (origin, mine))
             .collect();
         let most = self.config.frame_bytes_max / 2 / wire::DIGEST_ENTRY_BYTES_MAX;
-        let start = if wanted.len() > most {
-            self.rounds as usize % wanted.len()
-        } else {
-            0
-        };
-        let origins = (wanted.iter().cycle().skip(start))
-            .take(most.min(wanted.len()))
-            .copied()
-            .collect();
+        if wanted.len() <= most {
+            return Digest {
+                origins: wanted.into_iter().collect(),
+            };
+        }
+        let start = wanted.partition_point(|&(origin, _)| origin < self.ack_from);
+        let listed = (wanted.iter().cycle().skip(start)).take(most);
+        let origins = listed.copied().collect();
+        self.ack_from = wanted[(start + most) % wanted.len()].0;
         Digest { origins }
     }
 
@@ -900,9 +905,8 @@ impl Gossip {
         }
         let frame = wire::encode(self.config.replica, message);
         if frame.len() > self.config.frame_bytes_max {
-            // Deltas and pushes are cut to fit, so only the rest of a message can pass the
-            // limit: an Ack asking for every origin of a digest a member padded with
-            // made-up ones, say. A peer would refuse the frame; it is not sent.
+            // Deltas, pushes, digests and parts of the table are cut to fit, so no path to
+            // this is known: a guard. A peer would refuse the frame; it is not sent.
             self.stats.frames_oversize += 1;
             return;
         }
@@ -1283,7 +1287,8 @@ mod tests {
     fn an_ack_lacking_more_origins_than_a_frame_holds_asks_for_half_a_frames_worth() {
         // A member's Syn lists 14,000 made-up origins, about 4 bytes each; an Ack asking
         // for all of them would take more bytes each (its stamps are far from its newest)
-        // and not fit: until session 22 it was dropped, counted as oversize.
+        // and not fit: until session 22 it was dropped, counted as oversize. Each Ack asks
+        // for the next part, so the Syn sent again gets them all asked for in turn.
         let mut gossip = node(2);
         let origins = (10..14_010)
             .map(|id| {
@@ -1306,30 +1311,47 @@ mod tests {
             frame.len() <= gossip.config.frame_bytes_max,
             "the Syn itself fits"
         );
-        gossip.handle_input(Input::Receive {
-            now: now(1),
-            from: NodeId(1),
-            frame,
-        });
-        let asked = loop {
-            match gossip.poll_output() {
-                Output::Send {
-                    to: NodeId(1),
-                    frame,
-                    ..
-                } => {
-                    assert!(frame.len() <= gossip.config.frame_bytes_max);
-                    match wire::decode(&frame, 1 << 20).unwrap().message {
-                        Message::Ack { digest, .. } => break digest.origins.len(),
-                        other => panic!("not an Ack: {other:?}"),
+        let mut ask = || {
+            gossip.handle_input(Input::Receive {
+                now: now(1),
+                from: NodeId(1),
+                frame: frame.clone(),
+            });
+            loop {
+                match gossip.poll_output() {
+                    Output::Send {
+                        to: NodeId(1),
+                        frame,
+                        ..
+                    } => {
+                        assert!(frame.len() <= gossip.config.frame_bytes_max);
+                        match wire::decode(&frame, 1 << 20).unwrap().message {
+                            Message::Ack { digest, .. } => break digest,
+                            other => panic!("not an Ack: {other:?}"),
+                        }
                     }
+                    Output::Timeout(_) => panic!("no Ack"),
+                    _ => {}
                 }
-                Output::Timeout(_) => panic!("no Ack"),
-                _ => {}
             }
         };
-        let most = gossip.config.frame_bytes_max / 2 / wire::DIGEST_ENTRY_BYTES_MAX;
-        assert_eq!(asked, most);
+        let most =
+            Config::new(node(2).replica(), "n2").frame_bytes_max / 2 / wire::DIGEST_ENTRY_BYTES_MAX;
+        let mut asked = BTreeMap::new();
+        for _ in 0..14_000_usize.div_ceil(most) {
+            let digest = ask();
+            assert_eq!(digest.origins.len(), most);
+            for origin in digest.origins.into_keys() {
+                *asked.entry(origin).or_insert(0) += 1;
+            }
+        }
+        assert_eq!(asked.len(), 14_000, "every origin asked for in turn");
+        let twice = asked.values().filter(|&&times| times > 1).count();
+        assert_eq!(
+            twice,
+            most * 14_000_usize.div_ceil(most) - 14_000,
+            "only the last part wraps"
+        );
         assert_eq!(gossip.stats().frames_oversize, 0);
     }
 
@@ -1883,7 +1905,7 @@ mod tests {
     }
 
     #[test]
-    fn a_node_that_starts_beside_a_peer_holding_many_origins_asks_for_them_a_part_at_a_time() {
+    fn a_peer_lacking_the_stamps_a_starting_nodes_syn_implies_asks_for_them_a_part_at_a_time() {
         // Node 2 holds nothing, so its Syn is small and whole, and implies it holds each
         // origin it does not list at a stamp of two rounds ago. Node 1's stamps of its
         // 1,000 origins are older (retired lives', say): it lacks each, and its Ack asks
