@@ -384,15 +384,20 @@ mod tests {
     use super::*;
     use tally_crdt::{Generation, Window};
 
+    /// `api`'s key of `user-1` in its second minute.
+    fn user_1() -> Key {
+        Key::new(
+            tally_crdt::Rule::new("api").unwrap(),
+            tally_crdt::Subject::new("user-1").unwrap(),
+            Window::new(1, 60).unwrap(),
+        )
+    }
+
     #[test]
     fn a_counter_taken_in_gives_the_value_of_this_nodes_other_lives_while_it_has_one() {
         let life = |generation| ReplicaId::new(NodeId(1), Generation(generation));
         let peer = ReplicaId::new(NodeId(2), Generation(1));
-        let key = Key::new(
-            tally_crdt::Rule::new("api").unwrap(),
-            tally_crdt::Subject::new("user-1").unwrap(),
-            Window::new(1, 60).unwrap(),
-        );
+        let key = user_1();
         let mut state = ViewState::default();
         let mut counter = PnCounter::new();
         counter.incr(life(2), 9).unwrap();
@@ -422,11 +427,7 @@ mod tests {
     #[test]
     fn a_counter_taken_in_keeps_how_far_below_zero_other_nodes_are_while_one_is() {
         let life = |node, generation| ReplicaId::new(NodeId(node), Generation(generation));
-        let key = Key::new(
-            tally_crdt::Rule::new("api").unwrap(),
-            tally_crdt::Subject::new("user-1").unwrap(),
-            Window::new(1, 60).unwrap(),
-        );
+        let key = user_1();
         let mut state = ViewState::default();
         let mut counter = PnCounter::new();
         // This node below zero counts for nothing here: it is in its own count.
