@@ -6,7 +6,7 @@ use crate::stats::Stats;
 use crate::wire;
 use crate::{Config, PacedWall};
 use rand::seq::SliceRandom;
-use rand::SeedableRng;
+use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use std::collections::{BTreeMap, VecDeque};
 use std::time::Duration;
@@ -145,7 +145,7 @@ pub struct Gossip {
     // and goes in parts.
     syn_from: ReplicaId,
     // Where the next Ack's digest starts, while what this node lacks of a Syn's digest is
-    // more than half a frame holds.
+    // more than half a frame holds: after the last origin the Ack before it listed.
     ack_from: ReplicaId,
     // The wall clock that windows end by; `None` until the first input with a time, unless
     // resumed (`with_expiry`).
@@ -651,9 +651,9 @@ impl Gossip {
     /// The round's Syn of `digest`: whole if it fits in a frame. Else a part of it a
     /// round, each from where the last ended (wrapping to the first origin after the
     /// last), of as many origins as half a frame holds, which leaves room for the other
-    /// half in an Ack (its digest is cut to half a frame too: `wanted_from`). Before parts,
-    /// a digest too large went unsent, and anti-entropy and the exchange of tables stopped
-    /// (past about 3,800 origins at the default 64 KiB).
+    /// half in an Ack (its digest is cut to half a frame too: `wanted_from`). Unsent, a
+    /// digest too large would stop anti-entropy and the exchange of tables (past about
+    /// 3,800 origins at the default 64 KiB).
     fn syn_in_parts(&mut self, digest: Digest, unlisted: Stamp) -> Message {
         let me = self.config.replica;
         let members_hash = self.members.hash();
@@ -680,12 +680,11 @@ impl Gossip {
             FIRST_ORIGIN
         };
         loop {
-            let mut after = digest
+            let until = digest
                 .origins
                 .range(from..)
-                .skip(take)
+                .nth(take)
                 .map(|(&origin, _)| origin);
-            let until = after.next();
             let origins = digest
                 .origins
                 .range(from..)
@@ -717,12 +716,14 @@ impl Gossip {
 
     /// The digest an Ack carries: my watermark for each origin of which a Syn's digest
     /// `theirs` shows something I lack, which is all its sender needs to answer; at most
-    /// as many as half a frame holds, each Ack's from the origin after the last one the
-    /// Ack before it listed. The Syn's sender answers only the origins listed, so one left
-    /// out keeps its watermark here until a later Ack lists it. (Either side of a node that
-    /// starts can lack thousands: the node every origin its peer holds, and the peer the
-    /// stamps its small Syn implies. Unbounded, that Ack would not fit in a frame past a
-    /// few thousand origins, and was not sent.)
+    /// as many as half a frame holds (either side of a node that starts can lack
+    /// thousands: the node every origin its peer holds, and the peer the stamps its small
+    /// Syn implies), in replica order from after the last origin the Ack before listed,
+    /// or from a random place if that is outside what this Syn shows lacking (the Ack
+    /// before answered another part). The Syn's sender answers only the origins listed, so
+    /// one left out keeps its watermark here until a later Ack lists it; the place moves
+    /// on whether or not the origins listed are answered, so origins never answered (a
+    /// stamp the sender only implies) do not hold back the ones after them.
     fn wanted_from(&mut self, theirs: &Digest) -> Digest {
         let wanted: Vec<(ReplicaId, Watermark)> = theirs
             .origins
@@ -737,7 +738,12 @@ impl Gossip {
                 origins: wanted.into_iter().collect(),
             };
         }
-        let start = wanted.partition_point(|&(origin, _)| origin < self.ack_from);
+        let (first, last) = (wanted[0].0, wanted[wanted.len() - 1].0);
+        let start = if (first..=last).contains(&self.ack_from) {
+            wanted.partition_point(|&(origin, _)| origin < self.ack_from)
+        } else {
+            self.rng.gen_range(0..wanted.len())
+        };
         let listed = (wanted.iter().cycle().skip(start)).take(most);
         let origins = listed.copied().collect();
         self.ack_from = wanted[(start + most) % wanted.len()].0;
@@ -956,6 +962,7 @@ fn lacks(held: Watermark, offer: Watermark, slack: Duration) -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::collections::BTreeSet;
     use tally_crdt::{Generation, OriginDelta, Rule, Subject, Window};
 
     const WALL: u64 = 1_767_225_600_000;
@@ -1164,11 +1171,16 @@ mod tests {
 
     /// Feeds `gossip` a Syn from node 1 carrying `digest` and returns its Ack.
     fn ack_to_syn(gossip: &mut Gossip, digest: Digest, at_ms: u64) -> Message {
+        ack_to_part(gossip, digest, Cover::All, at_ms)
+    }
+
+    /// [`ack_to_syn`] for a Syn whose digest `covers` the origins given.
+    fn ack_to_part(gossip: &mut Gossip, digest: Digest, covers: Cover, at_ms: u64) -> Message {
         let syn = Message::Syn {
             digest,
             unlisted: Stamp(0),
             members_hash: 0,
-            covers: Cover::All,
+            covers,
         };
         gossip.handle_input(Input::Receive {
             now: now(at_ms),
@@ -1287,8 +1299,9 @@ mod tests {
     fn an_ack_lacking_more_origins_than_a_frame_holds_asks_for_half_a_frames_worth() {
         // A member's Syn lists 14,000 made-up origins, about 4 bytes each; an Ack asking
         // for all of them would take more bytes each (its stamps are far from its newest)
-        // and not fit: until session 22 it was dropped, counted as oversize. Each Ack asks
-        // for the next part, so the Syn sent again gets them all asked for in turn.
+        // and not fit. Each Ack asks for as many as half a frame holds, from after the last
+        // one the Ack before asked for, so the Syn sent again gets every one asked for in
+        // turn.
         let mut gossip = node(2);
         let origins: BTreeMap<ReplicaId, Watermark> = (10..14_010)
             .map(|id| {
@@ -1301,8 +1314,10 @@ mod tests {
             })
             .collect();
         let most = gossip.config.frame_bytes_max / 2 / wire::DIGEST_ENTRY_BYTES_MAX;
-        let mut asked = BTreeMap::new();
-        for _ in 0..14_000_usize.div_ceil(most) {
+        let mut asked = BTreeSet::new();
+        let mut acks = 0;
+        // The first from a random place, so one more than the parts it takes.
+        while asked.len() < 14_000 && acks <= 14_000_usize.div_ceil(most) {
             let digest = Digest {
                 origins: origins.clone(),
             };
@@ -1310,19 +1325,59 @@ mod tests {
                 panic!("not an Ack");
             };
             assert_eq!(digest.origins.len(), most);
-            for origin in digest.origins.into_keys() {
-                *asked.entry(origin).or_insert(0) += 1;
-            }
+            asked.extend(digest.origins.into_keys());
+            acks += 1;
         }
-        assert_eq!(asked.len(), 14_000, "every origin asked for in turn");
-        let twice = asked.values().filter(|&&times| times > 1).count();
         assert_eq!(
-            twice,
-            most * 14_000_usize.div_ceil(most) - 14_000,
-            "only the last part wraps"
+            asked.len(),
+            14_000,
+            "every origin asked for, in {acks} Acks"
         );
         // Every Ack was sent: none passed the frame.
         assert_eq!(gossip.stats().frames_oversize, 0);
+    }
+
+    #[test]
+    fn acks_to_a_syn_in_two_parts_ask_for_more_of_each_part_than_its_first_half_frame() {
+        // Each part shows more lacking than an Ack lists. Answering the other part moves
+        // the place past this one, so an Ack to it starts from a random place, not always
+        // from its first origin: origins never answered there (a stamp its sender only
+        // implies) would otherwise hold back the rest of the part for good.
+        let mut gossip = node(2);
+        let offer = Watermark {
+            version: Version(1),
+            stamp: Stamp(WALL),
+        };
+        let part = |ids: std::ops::Range<u64>| Digest {
+            origins: ids
+                .map(|id| (ReplicaId::new(NodeId(id), Generation(WALL)), offer))
+                .collect(),
+        };
+        let replica = |id| ReplicaId::new(NodeId(id), Generation(0));
+        let first = Cover::Part {
+            from: replica(0),
+            until: Some(replica(5_000)),
+        };
+        let second = Cover::Part {
+            from: replica(5_000),
+            until: None,
+        };
+        let mut asked_in_first = BTreeSet::new();
+        for round in 0..8 {
+            let Message::Ack { digest, .. } =
+                ack_to_part(&mut gossip, part(10..5_000), first, round)
+            else {
+                panic!("not an Ack");
+            };
+            asked_in_first.extend(digest.origins.into_keys());
+            ack_to_part(&mut gossip, part(5_000..10_000), second, round);
+        }
+        let most = gossip.config.frame_bytes_max / 2 / wire::DIGEST_ENTRY_BYTES_MAX;
+        assert!(
+            asked_in_first.len() > 2 * most,
+            "{} origins of the first part asked for",
+            asked_in_first.len()
+        );
     }
 
     #[test]

@@ -28,7 +28,8 @@ pub enum Cover {
     /// digest's, and leaves every other origin out of its answer: it knows nothing of
     /// what the sender holds of them.
     Part {
-        /// The first origin of the part.
+        /// Where the span starts: where the last part ended (or the least replica id), at
+        /// or before the part's first origin.
         from: ReplicaId,
         /// The first origin past it, if any.
         until: Option<ReplicaId>,

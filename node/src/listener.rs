@@ -1459,8 +1459,8 @@ mod tests {
         }
         serving.abort();
         assert!(serving.await.unwrap_err().is_cancelled());
-        // Neither accept loop outlives the task: before session 22 the Unix socket's ran
-        // in a task of its own and went on accepting.
+        // Neither accept loop outlives the task: an accept loop in a task of its own would
+        // go on accepting.
         assert!(tokio::net::UnixStream::connect(&path).await.is_err());
         assert!(tokio::net::TcpStream::connect(tcp_addr).await.is_err());
         let _ = std::fs::remove_file(&path);

@@ -3,7 +3,7 @@
 //! checks' sessions to the region) and is meant to run as long as the node: one that ends
 //! while the node runs, by returning or by a panic, stops the node with an error naming it
 //! ([`crate::daemon::DaemonError::TaskEnded`]), instead of leaving a node that gossips on
-//! while that part no longer answers. Its supervisor restarts it.
+//! while that part no longer answers. The node's supervisor restarts the node.
 
 use std::future::Future;
 use tokio::sync::mpsc;
@@ -43,8 +43,8 @@ impl Watch {
 }
 
 impl Ended {
-    /// The name of the first watched task to end, once one has. Pending for good while
-    /// none has and a [`Watch`] is held.
+    /// The name of the first watched task to end (of those not yet reported): pending
+    /// until one ends.
     pub async fn first(&mut self) -> &'static str {
         match self.0.recv().await {
             Some(name) => name,

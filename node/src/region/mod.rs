@@ -55,9 +55,9 @@ impl Default for Ledger {
     }
 }
 
-/// Two ledgers are equal when they decide alike: the same counts and the same outcomes
-/// held. (`lives` follows the order decisions came in, which a replayed snapshot does not
-/// keep.)
+/// Two ledgers are equal when they hold alike: the same counts and the same outcomes.
+/// (`lives` follows the order decisions came in, which a replayed snapshot does not keep;
+/// the key cap is configuration, set after a replay.)
 impl PartialEq for Ledger {
     fn eq(&self, other: &Ledger) -> bool {
         self.counts == other.counts && self.seen == other.seen

@@ -13,7 +13,7 @@ use tally_client::wire::CheckId;
 use tally_crdt::{RULE_BYTES_MAX, SUBJECT_BYTES_MAX};
 
 /// The region protocol version this build speaks: the first byte of every frame's body.
-/// Version 4 (session 22) added the answer [`ExactAnswer::KeysFull`].
+/// Version 4 added the answer [`ExactAnswer::KeysFull`].
 pub const REGION_WIRE_VERSION: u8 = 4;
 
 /// The earliest version of a frame of checks the region takes: an edge of an earlier build
