@@ -188,6 +188,7 @@ pub async fn run(config: Config, shutdown: impl Future<Output = ()>) -> Result<(
         bad_requests: service.bad_requests.clone(),
         keys_refused: service.keys_refused.clone(),
         lanes_owed: service.lanes_owed(),
+        lanes_refused: service.lanes_refused(),
     });
     let bind =
         |what: &'static str, addr: String| move |source| DaemonError::Bind { what, addr, source };

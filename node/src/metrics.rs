@@ -101,6 +101,9 @@ pub struct RegionStats {
     pub keys_refused: Arc<AtomicU64>,
     /// Admitted costs the region's own lanes lack for want of room in the lane log.
     pub lanes_owed: Arc<AtomicU64>,
+    /// Admitted costs the region's own lanes never count: the lane store's key cap refused
+    /// them.
+    pub lanes_refused: Arc<AtomicU64>,
 }
 
 /// Renders every metric in the Prometheus text format.
@@ -345,6 +348,11 @@ pub fn render(sources: &Sources<'_>) -> String {
                 "region_bad_requests",
                 "Forwarded checks naming no exact rule or live window here, and frames of checks refused whole",
                 load(&region.bad_requests),
+            ),
+            (
+                "region_lanes_refused",
+                "Admitted costs the region's own lanes never count, refused by the lane store's key cap",
+                load(&region.lanes_refused),
             ),
             (
                 "region_keys_refused",

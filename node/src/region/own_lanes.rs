@@ -6,7 +6,8 @@
 //! An admission is durable in the region log before it gets here, and its decision stands
 //! whatever happens here. One the lane log has no room for (a full disk) is owed: kept per
 //! key and counted in, before any later one, once the log has room again, so the edges'
-//! estimates catch up without a restart. One past the lane store's key cap is not counted.
+//! estimates catch up without a restart. One past the lane store's key cap is not counted,
+//! and its cost is counted as refused instead, for the metric.
 
 use crate::clock;
 use crate::lanelog::{LaneLog, LogError};
@@ -26,6 +27,8 @@ pub struct OwnLanes {
     owed: HashMap<Key, u64>,
     // The sum of `owed`, for the metric.
     owed_total: Arc<AtomicU64>,
+    // Admitted costs the lane store refused (its key cap): never counted in these lanes.
+    refused: Arc<AtomicU64>,
     // What an owed cost's window ends by (see `clock::ExpiryClock`).
     expiry: clock::ExpiryClock,
 }
@@ -43,6 +46,7 @@ impl OwnLanes {
             log,
             owed: HashMap::new(),
             owed_total: Arc::new(AtomicU64::new(0)),
+            refused: Arc::new(AtomicU64::new(0)),
             expiry,
         }
     }
@@ -50,6 +54,12 @@ impl OwnLanes {
     /// The costs admitted but not yet counted because the lane log refused their records.
     pub fn owed_total(&self) -> Arc<AtomicU64> {
         self.owed_total.clone()
+    }
+
+    /// The admitted costs the lane store refused for its key cap, never counted here: the
+    /// edges' estimates of those exact keys lack them for their windows.
+    pub fn refused_total(&self) -> Arc<AtomicU64> {
+        self.refused.clone()
     }
 
     /// Whether any admission waits for room in the lane log.
@@ -63,13 +73,17 @@ impl OwnLanes {
     pub fn count(&mut self, admitted: &[(Key, u64)]) {
         let Some(log) = &self.log else {
             for (key, cost) in admitted {
-                let _ = self.store.incr(key, *cost);
+                if self.store.incr(key, *cost).is_err() {
+                    self.refused.fetch_add(*cost, Ordering::Relaxed);
+                }
             }
             return;
         };
         let mut log = log.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
         for (key, cost) in admitted {
-            if self.owed.is_empty() && count_in(&mut log, &self.store, key, *cost).is_ok() {
+            if self.owed.is_empty()
+                && count_in(&mut log, &self.store, key, *cost, &self.refused).is_ok()
+            {
                 continue;
             }
             let sum = self.owed.entry(key.clone()).or_default();
@@ -94,7 +108,8 @@ impl OwnLanes {
                 return true;
             }
             // A cost owed to a window that is over is dropped: its lanes are gone everywhere.
-            if key.window.is_live(now_secs) && count_in(&mut log, &self.store, key, *cost).is_err()
+            if key.window.is_live(now_secs)
+                && count_in(&mut log, &self.store, key, *cost, &self.refused).is_err()
             {
                 room = false;
                 return true;
@@ -108,11 +123,19 @@ impl OwnLanes {
 }
 
 /// Logs `cost` on `key` and counts it in the store; a record the store then refuses (its
-/// key cap) is undone. An error if the lane log refused the record: nothing is counted.
-fn count_in(log: &mut LaneLog, store: &LaneStore, key: &Key, cost: u64) -> Result<(), LogError> {
+/// key cap) is undone, and its cost added to `refused`. An error if the lane log refused
+/// the record: nothing is counted.
+fn count_in(
+    log: &mut LaneLog,
+    store: &LaneStore,
+    key: &Key,
+    cost: u64,
+    refused: &AtomicU64,
+) -> Result<(), LogError> {
     let mark = log.append(key, cost, 0)?;
     if store.incr(key, cost).is_err() {
         log.undo(mark);
+        refused.fetch_add(cost, Ordering::Relaxed);
     }
     Ok(())
 }
@@ -136,12 +159,17 @@ mod tests {
 
     impl Region {
         fn open(name: &str) -> Region {
+            Region::holding(name, 16)
+        }
+
+        /// A region whose lane store holds at most `keys_max` keys.
+        fn holding(name: &str, keys_max: usize) -> Region {
             let now = clock::wall().0;
             let dir = std::env::temp_dir()
                 .join(format!("tally-region-{name}-{}-{now}", std::process::id()));
             let (log, recovered) = crate::lanelog::open(&dir, NodeId(1), now, now / 1_000).unwrap();
             let replica = ReplicaId::new(NodeId(1), recovered.generation);
-            let store = Arc::new(LaneStore::new(replica, 16));
+            let store = Arc::new(LaneStore::new(replica, keys_max));
             let log = Arc::new(Mutex::new(log));
             let lanes = OwnLanes::new(
                 store.clone(),
@@ -195,6 +223,17 @@ mod tests {
         );
         drop(log);
         assert_eq!(region.reopen(), vec![(key, Lane::new(9, 0))]);
+    }
+
+    #[test]
+    fn an_admission_the_lane_store_has_no_key_for_is_counted_as_refused_and_not_logged() {
+        let mut region = Region::holding("refused", 1);
+        let refused = region.lanes.refused_total();
+        let (a, b) = (region.key("a"), region.key("b"));
+        region.lanes.count(&[(a.clone(), 2), (b.clone(), 3)]);
+        assert_eq!(refused.load(Ordering::Relaxed), 3);
+        assert_eq!(region.store.own(&b).incr, 0);
+        assert_eq!(region.reopen(), vec![(a, Lane::new(2, 0))]);
     }
 
     #[test]

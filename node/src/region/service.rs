@@ -48,6 +48,8 @@ pub struct RegionService {
     own: Option<OwnLanes>,
     // The costs admitted that `own` lacks for want of room in the lane log.
     owed: Arc<AtomicU64>,
+    // The costs admitted that `own`'s lane store refused for its key cap.
+    lanes_refused: Arc<AtomicU64>,
     // What the ledger's windows end by.
     expiry: ExpiryClock,
     // The windows whose counts the ledger forgot: refused, though a wall clock stepped
@@ -121,6 +123,7 @@ impl RegionService {
         storage.replace(&compacted).map_err(io)?;
         let mut own = OwnLanes::new(store, lanes, expiry);
         let owed = own.owed_total();
+        let lanes_refused = own.refused_total();
         let mut held: HashMap<&Key, u64> = HashMap::new();
         for (_, retired_lanes) in retired {
             for (key, lane) in retired_lanes {
@@ -153,6 +156,7 @@ impl RegionService {
             rules,
             own: Some(own),
             owed,
+            lanes_refused,
             expiry,
             forgotten,
             bad_requests: Arc::new(AtomicU64::new(0)),
@@ -171,6 +175,12 @@ impl RegionService {
     /// log, to be counted in once it has.
     pub fn lanes_owed(&self) -> Arc<AtomicU64> {
         self.owed.clone()
+    }
+
+    /// The costs admitted that the region's own lanes never count, refused by the lane
+    /// store's key cap.
+    pub fn lanes_refused(&self) -> Arc<AtomicU64> {
+        self.lanes_refused.clone()
     }
 
     /// Serves frames of forwarded checks until the channel closes or `stop` turns true.
