@@ -343,18 +343,25 @@ impl Ledger {
     /// region never logs one).
     pub fn replay(entries: &[Entry]) -> Ledger {
         let mut ledger = Ledger::default();
-        for entry in entries {
+        // Each life's first entry: the order the lives came in (a snapshot writes each
+        // node's in that order, `Ledger::snapshot`).
+        let mut first_entry: HashMap<(u64, u64), usize, KeyHasher> = HashMap::default();
+        for (at, entry) in entries.iter().enumerate() {
+            if let Some(life) = life_of(entry) {
+                first_entry.entry(life).or_insert(at);
+            }
             ledger.replay_one(entry);
         }
-        ledger.note_lives_held();
+        ledger.note_lives_held(&first_entry);
         ledger
     }
 
-    /// Notes every edge life whose outcomes are held, per node by generation (a node's
-    /// lives take rising generations), and forgets all but each node's last
-    /// `LIVES_PER_NODE`: the cap holds across the region's restarts, whatever order the
-    /// lives came in.
-    fn note_lives_held(&mut self) {
+    /// Notes every edge life whose outcomes are held, per node in the order the lives
+    /// came in (by `first_entry`: a generation says nothing of it, since a node without
+    /// a data directory takes its wall clock's, which may have stepped back), and forgets
+    /// all but each node's last `LIVES_PER_NODE`, as deciding does: the cap holds across
+    /// the region's restarts.
+    fn note_lives_held(&mut self, first_entry: &HashMap<(u64, u64), usize, KeyHasher>) {
         let mut by_node: BTreeMap<u64, Vec<u64>> = BTreeMap::new();
         for (&(node, generation), recent) in &self.seen {
             if node != log::CLIENT_NODE && recent.base != u64::MAX {
@@ -363,7 +370,9 @@ impl Ledger {
         }
         self.lives.clear();
         for (node, mut generations) in by_node {
-            generations.sort_unstable();
+            generations.sort_unstable_by_key(|&generation| {
+                (first_entry.get(&(node, generation)).copied(), generation)
+            });
             let first_kept = generations.len().saturating_sub(LIVES_PER_NODE);
             for generation in &generations[..first_kept] {
                 if let Some(recent) = self.seen.get_mut(&(node, *generation)) {
@@ -468,7 +477,17 @@ impl Ledger {
                 count: *count,
             });
         }
-        for (&(node, generation), recent) in &self.seen {
+        // Each node's lives in the order they came in, so a replay forgets the same ones
+        // as deciding goes on to (`Ledger::replay`).
+        let came_in = |node: u64, generation: u64| {
+            (self.lives.get(&node))
+                .and_then(|lives| lives.iter().position(|&g| g == generation))
+                .map_or(0, |at| at + 1)
+        };
+        let mut lives: Vec<(u64, u64)> = self.seen.keys().copied().collect();
+        lives.sort_unstable_by_key(|&(node, generation)| (node, came_in(node, generation)));
+        for (node, generation) in lives {
+            let recent = &self.seen[&(node, generation)];
             put(Entry::Floor {
                 node,
                 generation,
@@ -598,6 +617,21 @@ impl Ledger {
                 recent.forget_all();
             }
         }
+    }
+}
+
+/// The life (node, generation) a log entry is of, if it is of one.
+fn life_of(entry: &Entry) -> Option<(u64, u64)> {
+    match entry {
+        Entry::Decided(record) => Some((record.id.node, record.id.generation)),
+        Entry::Floor {
+            node, generation, ..
+        }
+        | Entry::FloorKept {
+            node, generation, ..
+        } => Some((*node, *generation)),
+        Entry::Outcome { id, .. } => Some((id.node, id.generation)),
+        Entry::Count { .. } => None,
     }
 }
 
@@ -1116,6 +1150,46 @@ mod tests {
             decide(&mut replayed, 2, 3, 10),
             Decided::Repeat(_)
         ));
+    }
+
+    #[test]
+    fn a_replay_forgets_the_lives_that_came_in_first_whatever_their_generations() {
+        // Node 2 takes its wall clock's reading as its generation (no data directory),
+        // and its clock steps back before each restart: lives 400, 300, 200 and 100 come
+        // in, in that order, then a snapshot, then life 50. Deciding forgets life 400, the
+        // first to come in; a replay of the snapshot and the record after it forgets the
+        // same one, not life 50, the lowest generation and the one still running.
+        let in_life = |generation, seq| ExactCheck {
+            id: RequestId {
+                node: 2,
+                generation,
+                seq,
+            },
+            ..check(seq, 1)
+        };
+        let mut ledger = Ledger::default();
+        for generation in [400, 300, 200, 100] {
+            let decided = ledger.decide(&in_life(generation, 0), &key(), u64::MAX);
+            assert!(matches!(decided, Decided::New(_)), "{decided:?}");
+        }
+        let mut log = Vec::new();
+        ledger.snapshot(&mut log);
+        let last = in_life(50, 0);
+        let Decided::New(outcome) = ledger.decide(&last, &key(), u64::MAX) else {
+            panic!("life 50's first check is new");
+        };
+        log::encode(
+            &Entry::Decided(log::Record::decided(&last, outcome.allowed)),
+            &mut log,
+        );
+        let mut replayed = Ledger::replay(&log::replay(&log).0);
+        assert_eq!(replayed, ledger);
+        for ledger in [&mut ledger, &mut replayed] {
+            let running = ledger.decide(&in_life(50, 1), &key(), u64::MAX);
+            assert!(matches!(running, Decided::New(_)), "{running:?}");
+            let first = ledger.decide(&in_life(400, 1), &key(), u64::MAX);
+            assert_eq!(first, Decided::Forgotten);
+        }
     }
 
     #[test]
