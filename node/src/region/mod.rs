@@ -56,8 +56,8 @@ impl Default for Ledger {
 }
 
 /// Two ledgers are equal when they hold alike: the same counts and the same outcomes.
-/// (`lives` follows the order decisions came in, which a replayed snapshot does not keep;
-/// the key cap is configuration, set after a replay.)
+/// (`lives` is rebuilt by a replay, in the order the lives came in, which the outcomes
+/// held already show; the key cap is configuration, set after a replay.)
 impl PartialEq for Ledger {
     fn eq(&self, other: &Ledger) -> bool {
         self.counts == other.counts && self.seen == other.seen
@@ -1174,6 +1174,17 @@ mod tests {
         }
         let mut log = Vec::new();
         ledger.snapshot(&mut log);
+        let floors: Vec<u64> = (log::replay(&log).0.iter())
+            .filter_map(|entry| match entry {
+                Entry::Floor {
+                    node: 2,
+                    generation,
+                    ..
+                } => Some(*generation),
+                _ => None,
+            })
+            .collect();
+        assert_eq!(floors, [400, 300, 200, 100], "the snapshot's order");
         let last = in_life(50, 0);
         let Decided::New(outcome) = ledger.decide(&last, &key(), u64::MAX) else {
             panic!("life 50's first check is new");
