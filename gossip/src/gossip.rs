@@ -666,11 +666,9 @@ impl Gossip {
         let count = digest.origins.len();
         let whole = syn(digest, Cover::All);
         let whole_bytes = wire::encode(me, &whole).len();
-        if whole_bytes <= self.config.frame_bytes_max {
-            return whole;
-        }
-        let Message::Syn { digest, .. } = whole else {
-            unreachable!("built as a Syn")
+        let digest = match whole {
+            Message::Syn { digest, .. } if whole_bytes > self.config.frame_bytes_max => digest,
+            whole => return whole,
         };
         let part_bytes_max = self.config.frame_bytes_max / 2;
         let mut take = (part_bytes_max * count / whole_bytes).max(1);

@@ -290,8 +290,9 @@ impl Context<'_> {
             let unseen = self.view.remote_rate(key) * rule.stale_after_ms as f64 / 1_000.0;
             // Each other location counts at no less than zero: one below it would hide
             // another's excess in the sum.
-            let below_zero = |key: KeyRef<'_>| self.view.below_zero(key);
-            let below_zero = below_zero(key) + self.previous_window_part(rule, key, below_zero);
+            let below_zero_in = |key: KeyRef<'_>| self.view.below_zero(key);
+            let below_zero =
+                below_zero_in(key) + self.previous_window_part(rule, key, below_zero_in);
             let others = (current + previous - own + below_zero).max(0) as f64 + unseen;
             let beyond_shares = (-room).max(0) as f64 + (others - share as f64).max(0.0);
             let bound = locations as f64 * rule.slack as f64 + beyond_shares;

@@ -322,24 +322,12 @@ impl ViewState {
                 self.remote_rates.insert(key.clone(), rate);
             }
         }
-        match counter.value_of_other_lives(me) {
-            0 if self.other_lives.is_empty() => {}
-            0 => {
-                self.other_lives.remove(key);
-            }
-            value => {
-                self.other_lives.insert(key.clone(), value);
-            }
-        }
-        match counter.below_zero_of_nodes_but(me.node) {
-            0 if self.below_zero.is_empty() => {}
-            0 => {
-                self.below_zero.remove(key);
-            }
-            below => {
-                self.below_zero.insert(key.clone(), below);
-            }
-        }
+        set_sparse(&mut self.other_lives, key, counter.value_of_other_lives(me));
+        set_sparse(
+            &mut self.below_zero,
+            key,
+            counter.below_zero_of_nodes_but(me.node),
+        );
     }
 
     /// The other replicas' increment rate on `key`, per second (0 if never seen rising).
@@ -363,20 +351,36 @@ impl ViewState {
 
     /// The value of this node's lanes of its other lives on `key` (0 if none is held).
     pub fn other_lives(&self, key: KeyRef<'_>) -> i128 {
-        if self.other_lives.is_empty() {
-            // No restart with lanes still live: no look-up, and no owned key built for it.
-            return 0;
-        }
-        self.other_lives.get(&key.to_key()).copied().unwrap_or(0)
+        sparse_get(&self.other_lives, key)
     }
 
     /// How far below zero the other nodes below zero on `key` are, summed (0 if none is).
     pub fn below_zero(&self, key: KeyRef<'_>) -> i128 {
-        if self.below_zero.is_empty() {
-            return 0;
-        }
-        self.below_zero.get(&key.to_key()).copied().unwrap_or(0)
+        sparse_get(&self.below_zero, key)
     }
+}
+
+/// Sets `key`'s value in a map that holds only values other than 0.
+fn set_sparse(map: &mut HashMap<Key, i128>, key: &Key, value: i128) {
+    match value {
+        0 if map.is_empty() => {}
+        0 => {
+            map.remove(key);
+        }
+        value => {
+            map.insert(key.clone(), value);
+        }
+    }
+}
+
+/// `key`'s value in a map that holds only values other than 0. An empty map (no restart
+/// with lanes still live, no node below zero: the usual case) takes no look-up and builds
+/// no owned key.
+fn sparse_get(map: &HashMap<Key, i128>, key: KeyRef<'_>) -> i128 {
+    if map.is_empty() {
+        return 0;
+    }
+    map.get(&key.to_key()).copied().unwrap_or(0)
 }
 
 #[cfg(test)]

@@ -676,6 +676,18 @@ mod tests {
         key_of("quota", "acct-1", 500_000, 3_600).unwrap()
     }
 
+    /// A check of cost 1 on `acct-1` from node 2's life `generation`, numbered `seq`.
+    fn in_life(generation: u64, seq: u64) -> ExactCheck {
+        ExactCheck {
+            id: RequestId {
+                node: 2,
+                generation,
+                seq,
+            },
+            ..check(seq, 1)
+        }
+    }
+
     /// A check of cost 1 the application named `app_seq` in `session`.
     fn named(session: u64, app_seq: u64) -> ExactCheck {
         ExactCheck {
@@ -788,14 +800,6 @@ mod tests {
 
     #[test]
     fn an_edge_node_holds_its_last_lives_outcomes_and_forgets_its_first_ones_numbers() {
-        let in_life = |generation, seq| ExactCheck {
-            id: RequestId {
-                node: 2,
-                generation,
-                seq,
-            },
-            ..check(seq, 1)
-        };
         let mut ledger = Ledger::default();
         // Ten lives of node 2, each deciding its number 65,535: a ring of 65,536 each.
         for generation in 1..=10 {
@@ -1159,14 +1163,6 @@ mod tests {
         // in, in that order, then a snapshot, then life 50. Deciding forgets life 400, the
         // first to come in; a replay of the snapshot and the record after it forgets the
         // same one, not life 50, the lowest generation and the one still running.
-        let in_life = |generation, seq| ExactCheck {
-            id: RequestId {
-                node: 2,
-                generation,
-                seq,
-            },
-            ..check(seq, 1)
-        };
         let mut ledger = Ledger::default();
         for generation in [400, 300, 200, 100] {
             let decided = ledger.decide(&in_life(generation, 0), &key(), u64::MAX);
