@@ -221,10 +221,10 @@ fn spawn_link<R>(shared: &Arc<Shared>, read: R, write: WriteHalf)
 where
     R: AsyncRead + Unpin + Send + 'static,
 {
-    let link = shared.begin_link(write);
+    let (link, wake_sweeper) = shared.begin_link(write);
     spawn_closing(shared, link, write_requests(Arc::clone(shared), link));
     spawn_closing(shared, link, read_responses(read, Arc::clone(shared), link));
-    spawn_closing(shared, link, sweep(Arc::clone(shared), link));
+    spawn_closing(shared, link, sweep(Arc::clone(shared), link, wake_sweeper));
 }
 
 /// Spawns one of `link`'s tasks on the connection's runtime, holding a [`CloseOnDrop`].
@@ -411,8 +411,6 @@ struct Shared {
     /// The open link's number, or `NO_LINK`: `State::link` while `State::closed` is `None`,
     /// for checks that take no lock.
     open_link: AtomicU64,
-    /// Wakes the sweeper when a call arrives while it is parked, or when its link closes.
-    sweeper: Notify,
     /// How long a call waits for its answer.
     timeout: Duration,
     deadlines: Deadlines,
@@ -453,6 +451,10 @@ struct State {
     next_id_at_tick: u64,
     /// The sweeper is parked, and the next call must wake it.
     sweeper_parked: bool,
+    /// Wakes the open link's sweeper when a call arrives while it is parked, or when its
+    /// link closes. Each link has its own: a sweeper of a closed link that waits on it late
+    /// cannot take a wake-up meant for the next link's.
+    wake_sweeper: Arc<Notify>,
     /// The handle was dropped: no call will come.
     handles_gone: bool,
 }
@@ -505,10 +507,10 @@ impl Shared {
                 epoch: 0,
                 next_id_at_tick: 1,
                 sweeper_parked: false,
+                wake_sweeper: Arc::new(Notify::new()),
                 handles_gone: false,
             }),
             open_link: AtomicU64::new(NO_LINK),
-            sweeper: Notify::new(),
             timeout,
             deadlines: Deadlines::new(timeout),
             runtime,
@@ -521,8 +523,9 @@ impl Shared {
         self.state.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
-    /// Opens the next link, writing to `write`, and returns its number.
-    fn begin_link(&self, write: WriteHalf) -> u64 {
+    /// Opens the next link, writing to `write`, and returns its number and what wakes its
+    /// sweeper.
+    fn begin_link(&self, write: WriteHalf) -> (u64, Arc<Notify>) {
         let mut state = self.lock();
         assert!(
             state.closed.is_some(),
@@ -533,8 +536,9 @@ impl Shared {
         state.closed = None;
         state.write_half = Some(write);
         state.next_id_at_tick = state.in_flight.next_id();
+        state.wake_sweeper = Arc::new(Notify::new());
         self.open_link.store(state.link, Ordering::Release);
-        state.link
+        (state.link, Arc::clone(&state.wake_sweeper))
     }
 
     /// Encodes `ops` (at least one) into the outbox under consecutive ids and registers
@@ -551,7 +555,8 @@ impl Shared {
         }
         let since = *since.get_or_insert(state.epoch);
         // A call waits for its timeout (or for room) only while the sweeper ticks.
-        let sweeper = std::mem::take(&mut state.sweeper_parked);
+        let sweeper =
+            std::mem::take(&mut state.sweeper_parked).then(|| Arc::clone(&state.wake_sweeper));
         let (sent, writer) = if state.has_room() {
             let first_id = state.in_flight.next_id();
             let was_empty = state.queued.is_empty();
@@ -586,8 +591,8 @@ impl Shared {
         if let Some(writer) = writer {
             writer.wake();
         }
-        if sweeper {
-            self.sweeper.notify_one();
+        if let Some(sweeper) = sweeper {
+            sweeper.notify_one();
         }
         sent
     }
@@ -768,7 +773,7 @@ impl Shared {
     fn close(&self, link: u64, broken: Broken) {
         let mut wakers = Vec::new();
         // Dropped once the lock is released: dropping a socket is a system call.
-        let _write_half = {
+        let (_write_half, wake_sweeper) = {
             let mut state = self.lock();
             if !state.is_open(link) {
                 return;
@@ -784,10 +789,10 @@ impl Shared {
             wakers.extend(state.writer.take());
             wakers.extend(state.socket_writer.take());
             wakers.extend(state.socket_reader.take());
-            state.write_half.take()
+            (state.write_half.take(), Arc::clone(&state.wake_sweeper))
         };
         wakers.into_iter().for_each(Waker::wake);
-        self.sweeper.notify_one();
+        wake_sweeper.notify_one();
     }
 
     /// Whether `link` is the open link, without the lock.
@@ -978,18 +983,18 @@ fn decode_responses(input: &[u8], mut handle: impl FnMut(Response)) -> (usize, O
 
 /// The sweeper task of `link`: ticks the connection's clock while calls are in flight, and
 /// parks while the connection is idle.
-async fn sweep(shared: Arc<Shared>, link: u64) {
+async fn sweep(shared: Arc<Shared>, link: u64, wake: Arc<Notify>) {
     let mut wakers = Vec::new();
     while shared.is_open(link) {
         tokio::select! {
             () = tokio::time::sleep(shared.deadlines.tick) => {}
             // Only `close` notifies a sweeper that is not parked. Back to the top, where a
             // stray wake-up restarts the tick rather than end it early.
-            () = shared.sweeper.notified() => continue,
+            () = wake.notified() => continue,
         }
         if shared.tick(link, &mut wakers) {
             // Woken by the next call, or by `close`.
-            shared.sweeper.notified().await;
+            wake.notified().await;
         }
     }
 }
@@ -1027,6 +1032,40 @@ mod tests {
         assert!(broken.is_none());
         assert_eq!(decoded, whole);
         assert_eq!(responses, [response(1), response(2)]);
+    }
+
+    /// A closed link's sweeper can come to wait on its wake-up only after `close` sent it,
+    /// when it was preempted between parking and waiting. The next link's calls must still
+    /// wake the next link's sweeper, or none of them would time out.
+    #[tokio::test]
+    async fn a_closed_links_sweeper_waiting_late_takes_no_wake_up_meant_for_the_next_link() {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let endpoint = Endpoint::Tcp(listener.local_addr().unwrap());
+        let timeout = Duration::from_millis(100);
+        let connection = Connection::open(&endpoint, timeout).await.unwrap();
+        let (first, _) = listener.accept().await.unwrap();
+        let first_links_wake_up = Arc::clone(&connection.shared.lock().wake_sweeper);
+        drop(first);
+        while !connection.is_closed() {
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        connection.reopen(&endpoint).await.unwrap();
+        // Accepted and never answered.
+        let (_second, _) = listener.accept().await.unwrap();
+        let late_sweeper = tokio::spawn(async move { first_links_wake_up.notified().await });
+        while !connection.shared.lock().sweeper_parked {
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        let call = connection.call(OpRef::Get {
+            rule: "login",
+            subject: "user-42",
+        });
+        let outcome = tokio::time::timeout(Duration::from_secs(5), call).await;
+        assert!(
+            matches!(outcome, Ok(Err(Error::Timeout { after })) if after == timeout),
+            "{outcome:?}"
+        );
+        late_sweeper.abort();
     }
 
     #[test]
