@@ -3,10 +3,17 @@
 use crate::wire::CheckId;
 use std::hash::{BuildHasher, RandomState};
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::OnceLock;
+use std::sync::{Mutex, PoisonError};
 
-/// This process's session: drawn once, on the first id made.
-static SESSION: OnceLock<u64> = OnceLock::new();
+/// This process's session, with the id of the process that drew it: drawn on the first id
+/// made, and again in a child made by `fork`, which would otherwise share its parent's.
+static SESSION: Mutex<Option<Drawn>> = Mutex::new(None);
+
+#[derive(Debug, Clone, Copy)]
+struct Drawn {
+    process: u32,
+    session: u64,
+}
 
 /// The next id's sequence number in this process's session.
 static NEXT_SEQ: AtomicU64 = AtomicU64::new(0);
@@ -19,7 +26,7 @@ impl CheckId {
     ///
     /// The session is 64 bits from std's `RandomState` (seeded by the OS), so two
     /// processes share one with a chance of about `n² / 2^65` among `n` processes that
-    /// make ids. Make an id just before its check's first send: numbers are given out
+    /// make ids. A process forked from one that made ids draws its own. Make an id just before its check's first send: numbers are given out
     /// here, and the region remembers a session's most recent 16,384 decided ones, so an
     /// id first sent after that many later ids of its process were decided is refused
     /// [`crate::Refusal::Forgotten`] though never decided. Once sent, keep it with the work
@@ -27,10 +34,22 @@ impl CheckId {
     /// restart, within the first check's window.
     #[allow(clippy::new_without_default)] // each call is different: not a default
     pub fn new() -> CheckId {
-        let session = *SESSION.get_or_init(|| RandomState::new().hash_one(std::process::id()));
         CheckId {
-            session,
+            session: session_of(&SESSION, std::process::id()),
             seq: NEXT_SEQ.fetch_add(1, Ordering::Relaxed),
+        }
+    }
+}
+
+/// The session held in `held` if `process` drew it, else a new one drawn for `process`.
+fn session_of(held: &Mutex<Option<Drawn>>, process: u32) -> u64 {
+    let mut held = held.lock().unwrap_or_else(PoisonError::into_inner);
+    match *held {
+        Some(drawn) if drawn.process == process => drawn.session,
+        _ => {
+            let session = RandomState::new().hash_one(process);
+            *held = Some(Drawn { process, session });
+            session
         }
     }
 }
@@ -47,5 +66,15 @@ mod tests {
         seqs.sort_unstable();
         seqs.dedup();
         assert_eq!(seqs.len(), ids.len());
+    }
+
+    #[test]
+    fn a_forked_process_draws_its_own_session() {
+        let held = Mutex::new(None);
+        let parent = session_of(&held, 100);
+        assert_eq!(session_of(&held, 100), parent);
+        let child = session_of(&held, 101);
+        assert_ne!(child, parent);
+        assert_eq!(session_of(&held, 101), child);
     }
 }

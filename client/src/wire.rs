@@ -214,7 +214,7 @@ pub enum Op {
 /// too, so that its next life remembers them.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
 pub struct CheckId {
-    /// Drawn at random once per process.
+    /// Drawn at random once per process (again in a forked child).
     pub session: u64,
     /// Rises by one for every id the process makes.
     pub seq: u64,
