@@ -119,8 +119,8 @@ impl Client {
 
     /// Adds `amount` to `subject`'s count under `rule` and returns the count after it.
     ///
-    /// After an error the count is unchanged only for [`Error::Refused`], [`Error::Connect`]
-    /// and [`Error::RuntimeStopped`]. After [`Error::Timeout`] or [`Error::Disconnected`] the outcome
+    /// After an error the count is unchanged only for [`Error::Refused`], [`Error::Connect`],
+    /// [`Error::NotSent`] and [`Error::RuntimeStopped`]. After [`Error::Timeout`] or [`Error::Disconnected`] the outcome
     /// is unknown: the increment may have been applied, and retrying it may count twice;
     /// for an increment that must be retried, see [`Client::incr_with_id`].
     pub async fn incr(&self, rule: &str, subject: &str, amount: u64) -> Result<Estimate, Error> {
@@ -279,9 +279,9 @@ impl Client {
     /// Each result is what the request's own call would return: `Reply::Counted` for an
     /// `incr` or a `decr`, `Reply::Estimate` for a `get`, `Reply::Decision` for a `check`,
     /// or its error (each request is timed out on its own). The outer `Err` means nothing
-    /// was sent, whatever the variant says elsewhere: no connection ([`Error::Connect`]),
-    /// a connection that closed before the pipeline was queued ([`Error::Disconnected`]),
-    /// no room in the outbox within the timeout ([`Error::Timeout`]), or a request, or the
+    /// was sent: no connection ([`Error::Connect`]), a connection that closed before the
+    /// pipeline was queued or no room in the outbox within the timeout
+    /// ([`Error::NotSent`]), or a request, or the
     /// whole pipeline, too large to send ([`Refusal::BadField`] naming `rule`, `subject`
     /// or `pipeline`). An empty pipeline sends nothing and returns no results.
     pub async fn send(&self, pipeline: &Pipeline<'_>) -> Result<Vec<Result<Reply, Error>>, Error> {

@@ -550,8 +550,9 @@ impl Shared {
         );
         let mut state = self.lock();
         if state.closed.is_some() {
-            // Nothing was sent, but the link is as good as broken for this call.
-            return Sent::Failed(Error::Disconnected);
+            return Sent::Failed(Error::NotSent {
+                why: "the connection closed before the request was queued".into(),
+            });
         }
         let since = *since.get_or_insert(state.epoch);
         // A call waits for its timeout (or for room) only while the sweeper ticks.
@@ -578,7 +579,8 @@ impl Shared {
             (Sent::InFlight(first_id), writer)
         } else if self.deadlines.expired(since, state.epoch) {
             let after = self.timeout;
-            (Sent::Failed(Error::Timeout { after }), None)
+            let why = format!("no room in the client's outbox within {after:?}");
+            (Sent::Failed(Error::NotSent { why }), None)
         } else {
             // A task that polls again before room comes (or polls many calls, as a join
             // does) is listed once, not once a poll.

@@ -6,8 +6,8 @@ use crate::wire::Refusal;
 
 /// Why a call failed, and whether the sidecar's state may have changed.
 ///
-/// Each variant says what is known about the request: [`Error::Connect`] and most
-/// refusals mean nothing was counted, but the region may have counted an exact check
+/// Each variant says what is known about the request: [`Error::Connect`],
+/// [`Error::NotSent`] and most refusals mean nothing was counted, but the region may have counted an exact check
 /// refused with `RegionUnavailable`, `Storage` or `Forgotten`; [`Error::Timeout`],
 /// [`Error::Disconnected`] and [`Error::Protocol`] mean the outcome is unknown.
 #[derive(Debug, thiserror::Error)]
@@ -33,6 +33,15 @@ pub enum Error {
     /// next call reconnects.
     #[error("connection: closed before the answer came; the request may have been applied")]
     Disconnected,
+    /// The request was never sent, so nothing was counted: the client's outbox had no room
+    /// for it within [`Options::timeout`](crate::Options::timeout) (the sidecar is not
+    /// reading what this client sends), or the connection closed before it was queued (the
+    /// next call reconnects).
+    #[error("not sent: {why}; nothing was counted")]
+    NotSent {
+        /// Which of the two.
+        why: String,
+    },
     /// No connection could be made within
     /// [`Options::connect_timeout`](crate::Options::connect_timeout). Nothing was sent.
     #[error("connect: no connection to {endpoint}")]
@@ -58,7 +67,8 @@ pub enum Error {
 impl Error {
     /// Whether the same call may succeed if made again.
     ///
-    /// True for [`Error::Timeout`], [`Error::Disconnected`] and [`Error::Connect`], and for
+    /// True for [`Error::Timeout`], [`Error::Disconnected`], [`Error::NotSent`] and
+    /// [`Error::Connect`], and for
     /// refusals that name a passing condition ([`Refusal::RegionUnavailable`],
     /// [`Refusal::Storage`]). False for other refusals, for [`Error::Protocol`] and for
     /// [`Error::RuntimeStopped`]: asking again gets the same answer. (When the sidecar
@@ -79,7 +89,10 @@ impl Error {
     /// does).
     pub fn is_retryable(&self) -> bool {
         match self {
-            Error::Timeout { .. } | Error::Disconnected | Error::Connect { .. } => true,
+            Error::Timeout { .. }
+            | Error::Disconnected
+            | Error::NotSent { .. }
+            | Error::Connect { .. } => true,
             Error::Refused(refusal) => matches!(
                 refusal,
                 Refusal::RegionUnavailable { .. } | Refusal::Storage { .. }
@@ -134,6 +147,10 @@ mod tests {
         }
         .is_retryable());
         assert!(Error::Disconnected.is_retryable());
+        assert!(Error::NotSent {
+            why: "no room".into()
+        }
+        .is_retryable());
         assert!(Error::Connect {
             endpoint: "127.0.0.1:7100".into(),
             source: std::io::ErrorKind::ConnectionRefused.into(),
