@@ -762,6 +762,9 @@ async fn carry<T>(region: &Region, session: Session, held: &mut Held<T>) -> Carr
                     // A newer connection to the region was adopted: move to it.
                     break broken(answered_any);
                 }
+                // `next_frame` gives up on the checks past their deadline first: answers
+                // already in are taken before, as at a deadline.
+                answered_any |= take_answers(&mut answered, held);
                 if let Some(frame) = held.next_frame(held.clock.mono()) {
                     permit.send(frame);
                 }
@@ -772,26 +775,34 @@ async fn carry<T>(region: &Region, session: Session, held: &mut Held<T>) -> Carr
                 held.answer_frame(frame);
             }
             Carrying::Deadline => {
-                // `select!` polls its branches in random order: answers that came in with
-                // the deadline are taken first, not given up on as unavailable.
-                while let Ok(frame) = answered.try_recv() {
-                    answered_any = true;
-                    held.answer_frame(frame);
-                }
+                answered_any |= take_answers(&mut answered, held);
                 held.expire(held.clock.mono());
             }
             Carrying::Purge => held.purge(),
         }
     };
     // Answers that came before the session broke are answers all the same.
-    while let Ok(frame) = answered.try_recv() {
-        held.answer_frame(frame);
-    }
+    take_answers(&mut answered, held);
     reader.abort();
     // The writer writes what it was given and then finishes the stream, so the region
     // never reads a frame cut in half.
     drop(frames);
     carried
+}
+
+/// Answers every check whose answer is in. `select!` polls its branches in random order, so
+/// answers that came in with a deadline are taken with this before checks are given up on
+/// as unavailable. Whether any frame of answers was in.
+fn take_answers<T>(
+    answered: &mut mpsc::UnboundedReceiver<Vec<wire::Answered>>,
+    held: &mut Held<T>,
+) -> bool {
+    let mut any = false;
+    while let Ok(frame) = answered.try_recv() {
+        any = true;
+        held.answer_frame(frame);
+    }
+    any
 }
 
 fn broken(answered: bool) -> Carried {
@@ -825,10 +836,74 @@ async fn read_answers(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use tally_crdt::{Rule, Subject, Window};
+    use tally_crdt::{Generation, Rule, Subject, Window};
 
     fn ms(ms: u64) -> Duration {
         Duration::from_millis(ms)
+    }
+
+    /// The session task wakes with a check's answer in, its deadline passed and the next
+    /// check waiting to be written: whichever of the three `select!` takes first, the
+    /// region's answer is the check's, not `RegionUnavailable`. (Before, when writing came
+    /// first, the check was given up on: for a rule whose fallback allows, a denial at the
+    /// region became an admission.) The branches are taken in random order, so rounds.
+    #[tokio::test]
+    async fn an_answer_in_when_its_deadline_passes_is_the_checks_whichever_branch_wakes_first() {
+        let check = |ticket, timeout_ms| Check {
+            key: Key::new(
+                Rule::new("quota").unwrap(),
+                Subject::new("a").unwrap(),
+                Window::new(0, 60).unwrap(),
+            ),
+            cost: 1,
+            timeout_ms,
+            check_id: None,
+            ticket,
+        };
+        for round in 0..24 {
+            let (frames, mut to_region) = mpsc::channel(8);
+            let sessions = Sessions {
+                frames,
+                frame_bytes_max: REGION_FRAME_BYTES_MAX,
+            };
+            let replica = ReplicaId::new(NodeId(2), Generation(1));
+            let stats = Arc::new(ForwardStats::default());
+            let (late, _reported) = mpsc::unbounded_channel();
+            let forwarder = Forwarder::local(sessions, replica, Clock::start(), stats, late);
+            let (answers, mut answered) = mpsc::unbounded_channel();
+            // Long enough that the answer is sent before it passes on a slow machine.
+            forwarder.submit([check(0, 200)], &answers);
+            let frame = to_region.recv().await.unwrap();
+            let (_, checks) = wire::decode_checks(&frame.body).unwrap();
+            // The session task takes what else it has ready (its first purge) and waits.
+            for _ in 0..4 {
+                tokio::task::yield_now().await;
+            }
+            let denied = ExactAnswer::Decided(Outcome {
+                allowed: false,
+                count: 9,
+            });
+            frame
+                .reply
+                .send(wire::encode_answers(&[(checks[0].id.seq, denied)]));
+            // The runtime's one thread is held past the deadline: the session task runs
+            // next with everything ready at once.
+            std::thread::sleep(ms(250));
+            forwarder.submit([check(1, 10_000)], &answers);
+            let first = answered.recv().await.unwrap();
+            assert!(
+                matches!(
+                    first[..],
+                    [Forwarded {
+                        ticket: 0,
+                        late_seq: None,
+                        result: Ok(Outcome { allowed: false, .. }),
+                    }]
+                ),
+                "round {round}: {:?}",
+                first.iter().map(|f| &f.result).collect::<Vec<_>>()
+            );
+        }
     }
 
     fn pending(seq: u64, timeout_ms: u64, answers: &Answers<u64>) -> Box<Pending<u64>> {
