@@ -220,13 +220,55 @@ impl CounterMap {
     ///
     /// Only the replica itself may call this for its lanes: versions are its own count.
     pub fn write(&mut self, replica: ReplicaId, key: &Key, totals: Lane, stamp: Stamp) -> Version {
+        self.write_lane(replica, key, totals, stamp, false)
+    }
+
+    /// Gives `replica`'s lane at `key` the replica's next version, its totals unchanged, so
+    /// that every holder of an older version takes them. `None` if no such lane is held.
+    ///
+    /// For a node that re-published an earlier life's lanes from its log and finds a peer
+    /// holding other totals for one of them under a version both hold (the log was behind
+    /// what peers had, or its versions started below theirs): a version then names two
+    /// states, and no digest shows the difference. Only the replica's own node may call
+    /// this: versions are its own count.
+    pub fn restamp(&mut self, replica: ReplicaId, key: &Key, stamp: Stamp) -> Option<Version> {
+        let lane = self.counter(key)?.slot(replica)?.lane;
+        Some(self.write_lane(replica, key, lane, stamp, true))
+    }
+
+    /// [`CounterMap::restamp`] for every lane of `replica` held, in version order: for a
+    /// peer holding the replica at versions above this map's, which may hold these lanes at
+    /// versions of their own. Returns how many.
+    pub fn restamp_all(&mut self, replica: ReplicaId, stamp: Stamp) -> usize {
+        let Some(origin) = self.origins.get(&replica) else {
+            return 0;
+        };
+        let keys: Vec<Key> = (origin.by_version.values())
+            .filter_map(|&id| Some(self.keys.get(id)?.key.clone()))
+            .collect();
+        for key in &keys {
+            self.restamp(replica, key, stamp);
+        }
+        keys.len()
+    }
+
+    /// [`CounterMap::write`], taking the next version even if the lane does not rise when
+    /// `fresh`.
+    fn write_lane(
+        &mut self,
+        replica: ReplicaId,
+        key: &Key,
+        totals: Lane,
+        stamp: Stamp,
+        fresh: bool,
+    ) -> Version {
         let (id, counter) = self.keys.entry(key);
         let held = counter.lane(replica);
         let origin = self.origins.entry(replica).or_default();
         origin.watermark.stamp = origin.watermark.stamp.max(stamp);
         let mut lane = held;
         lane.merge(totals);
-        if lane == held {
+        if lane == held && !fresh {
             if let Some(slot) = counter.slot(replica) {
                 return slot.version;
             }
@@ -625,6 +667,78 @@ mod tests {
         peer.apply(&delta, NOW);
         assert_eq!(peer.value(&key(0, 60)), 7);
         assert_eq!(peer.watermark(replica(1)).version, Version(1_001));
+    }
+
+    /// Syncs `a` and `b` both ways until neither lacks anything by its digest.
+    fn sync(a: &mut CounterMap, b: &mut CounterMap) {
+        for _ in 0..4 {
+            let to_b = a.delta_for(&b.digest(), 1 << 16, 0);
+            b.apply(&to_b, NOW);
+            let to_a = b.delta_for(&a.digest(), 1 << 16, 0);
+            a.apply(&to_a, NOW);
+        }
+    }
+
+    #[test]
+    fn lanes_republished_below_a_peers_copy_disagree_until_restamped_with_the_larger_totals() {
+        // A peer holds replica 1's lane at 10 (version 10); the replica's next life
+        // re-publishes 6 from a log behind that, at a version above the peer's.
+        let mut peer = CounterMap::new();
+        for _ in 0..10 {
+            peer.incr(replica(1), &key(0, 60), 1, Stamp(1)).unwrap();
+        }
+        let mut restarted = CounterMap::new();
+        restarted.raise_version(replica(1), Version(1_000));
+        restarted.write(replica(1), &key(0, 60), Lane::new(6, 0), Stamp(2));
+        sync(&mut restarted, &mut peer);
+        // One version now names two states, and the digests agree.
+        assert_eq!(peer.lane(&key(0, 60), replica(1)), Lane::new(10, 0));
+        assert_eq!(restarted.lane(&key(0, 60), replica(1)), Lane::new(6, 0));
+        assert_eq!(restarted.digest(), peer.digest());
+        // The peer hands its lane to the replica's node, which merges it and restamps it.
+        let correction = Delta {
+            origins: vec![OriginDelta {
+                origin: replica(1),
+                through: Watermark::default(),
+                lanes: vec![LaneUpdate {
+                    key: key(0, 60),
+                    lane: peer.lane(&key(0, 60), replica(1)),
+                    version: Version(1_001),
+                }],
+            }],
+        };
+        restarted.apply(&correction, NOW);
+        let version = restarted.restamp(replica(1), &key(0, 60), Stamp(3));
+        assert_eq!(version, Some(Version(1_002)));
+        let mut third = CounterMap::new();
+        sync(&mut restarted, &mut peer);
+        sync(&mut restarted, &mut third);
+        for map in [&restarted, &peer, &third] {
+            assert_eq!(map.lane(&key(0, 60), replica(1)), Lane::new(10, 0));
+            assert_eq!(map.watermark(replica(1)).version, Version(1_002));
+        }
+        assert_eq!(restarted.restamp(replica(1), &key(1, 60), Stamp(3)), None);
+    }
+
+    #[test]
+    fn restamping_every_lane_puts_them_above_a_peer_whose_versions_ran_higher() {
+        // The peer holds replica 1 through version 500; the replica's next life re-published
+        // two lanes at versions 101 and 102, which the peer never asks for.
+        let mut peer = CounterMap::new();
+        peer.raise_version(replica(1), Version(499));
+        peer.write(replica(1), &key(0, 60), Lane::new(3, 0), Stamp(1));
+        let mut restarted = CounterMap::new();
+        restarted.raise_version(replica(1), Version(100));
+        restarted.write(replica(1), &key(0, 60), Lane::new(5, 0), Stamp(2));
+        restarted.write(replica(1), &key(1, 60), Lane::new(2, 0), Stamp(2));
+        sync(&mut restarted, &mut peer);
+        assert_eq!(peer.lane(&key(1, 60), replica(1)), Lane::default());
+        assert_eq!(restarted.restamp_all(replica(1), Stamp(3)), 2);
+        assert_eq!(restarted.watermark(replica(1)).version, Version(502));
+        sync(&mut restarted, &mut peer);
+        assert_eq!(peer.lane(&key(0, 60), replica(1)), Lane::new(5, 0));
+        assert_eq!(peer.lane(&key(1, 60), replica(1)), Lane::new(2, 0));
+        assert_eq!(restarted.digest(), peer.digest());
     }
 
     #[test]

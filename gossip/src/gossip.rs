@@ -8,11 +8,11 @@ use crate::{Config, PacedWall};
 use rand::seq::SliceRandom;
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
-use std::collections::{BTreeMap, VecDeque};
+use std::collections::{BTreeMap, BTreeSet, VecDeque};
 use std::time::Duration;
 use tally_crdt::{
-    AppliedAt, CounterMap, Delta, Digest, Generation, Key, Lane, NodeId, ReplicaId, Stamp, Version,
-    Watermark, DELTA_BYTES_MIN,
+    AppliedAt, CounterMap, Delta, Digest, Generation, Key, Lane, LaneUpdate, NodeId, OriginDelta,
+    ReplicaId, Slot, Stamp, Version, Watermark, DELTA_BYTES_MIN,
 };
 
 /// The least replica id: where a digest sent in parts starts, and starts again.
@@ -154,6 +154,11 @@ pub struct Gossip {
     // that a clock stepped back does not hold back every lane of the windows it stepped
     // back over (each would look as if it had not started).
     wall_latest: Stamp,
+    // This node's earlier lives whose lanes it started with (re-published from its lane
+    // log above every version it takes a peer to hold): only their lanes may it give new
+    // versions (`settle_earlier_life`). Of another earlier life it does not know the
+    // versions peers hold, and a version it gave could name another lane there.
+    republished: BTreeSet<ReplicaId>,
 }
 
 impl Gossip {
@@ -195,8 +200,23 @@ impl Gossip {
             expiry: None,
             wall_latest: Stamp::default(),
             table_matched: false,
+            republished: BTreeSet::new(),
             config,
         }
+    }
+
+    /// The node, holding in its map the lanes of its earlier lives `lives`, re-published
+    /// from its durable log above every version a peer is taken to hold of them
+    /// ([`CounterMap::raise_version`]). Where a peer's copy of one of those lanes differs
+    /// from the map's under a version both hold, or a peer holds one of those lives at
+    /// versions above the map's, the node gives the lanes new versions, so that every
+    /// holder ends on the larger totals (`settle_earlier_life`).
+    pub fn with_republished(mut self, lives: impl IntoIterator<Item = ReplicaId>) -> Gossip {
+        let me = self.config.replica;
+        self.republished = (lives.into_iter())
+            .filter(|life| life.node == me.node && life.generation < me.generation)
+            .collect();
+        self
     }
 
     /// The node, its windows ending by `expiry` (resumed from an earlier life's reading:
@@ -480,7 +500,7 @@ impl Gossip {
                 dead,
                 ..
             } => {
-                self.merge(now, delta, None);
+                self.merge(now, envelope.from, delta, None);
                 let differed = !members.is_empty();
                 self.members.merge(&members, &dead);
                 let mut reply = Message::Delta {
@@ -507,11 +527,12 @@ impl Gossip {
                 dead,
                 ..
             } => {
-                self.merge(now, delta, None);
+                self.merge(now, envelope.from, delta, None);
                 self.members.merge(&members, &dead);
             }
             Message::Push { after, lanes } => self.merge(
                 now,
+                envelope.from,
                 Delta {
                     origins: vec![lanes],
                 },
@@ -522,9 +543,10 @@ impl Gossip {
         self.emit_transitions();
     }
 
-    /// Merges a delta (or a push following version `after` of its one origin), tells the
-    /// failure detector who was heard, records propagation delays, reports changed keys.
-    fn merge(&mut self, now: Now, delta: Delta, after: Option<Version>) {
+    /// Merges a delta from `sender` (or a push following version `after` of its one
+    /// origin), tells the failure detector who was heard, records propagation delays,
+    /// reports changed keys.
+    fn merge(&mut self, now: Now, sender: ReplicaId, delta: Delta, after: Option<Version>) {
         let me = self.config.replica;
         self.stats.lanes_in += delta.lanes() as u64;
         let before: Vec<Stamp> = delta
@@ -533,6 +555,7 @@ impl Gossip {
             .map(|entry| self.map.watermark(entry.origin).stamp)
             .collect();
         let own_before = self.map.top(me);
+        let earlier_lives = self.earlier_lives_in(sender, &delta);
         self.wall_latest = self.wall_latest.max(now.wall);
         let at = AppliedAt {
             live_at_unix_secs: self.expiry_secs(now),
@@ -560,6 +583,9 @@ impl Gossip {
                     written: own_before,
                 }));
         }
+        for earlier in earlier_lives {
+            self.settle_earlier_life(now, &delta.origins[earlier.entry], earlier);
+        }
         self.stats.lanes_refused += applied.lanes_refused as u64;
         self.stats.lanes_clashing += applied.lanes_clashing as u64;
         self.stats.lanes_throttled += applied.lanes_throttled as u64;
@@ -575,6 +601,110 @@ impl Gossip {
         if !applied.keys.is_empty() {
             self.outbox
                 .push_back(Output::Event(Event::Changed { keys: applied.keys }));
+        }
+    }
+
+    /// The entries of `delta` (from `sender`) of an earlier life of a live node, one this
+    /// node re-published or another node's, with what this node held of each of their lanes before merging
+    /// them. A node's live life is its row's, or the sender's if it is that node (a node
+    /// that starts sends its earlier lives' lanes before its row is everywhere).
+    fn earlier_lives_in(&self, sender: ReplicaId, delta: &Delta) -> Vec<EarlierLife> {
+        let me = self.config.replica;
+        let newer_life = |origin: ReplicaId| {
+            let row = self.members.replica(origin.node);
+            let live = (sender.node == origin.node).then_some(sender).max(row)?;
+            (live.generation > origin.generation).then_some(live)
+        };
+        (delta.origins.iter().enumerate())
+            .filter_map(|(entry, origin_delta)| {
+                let origin = origin_delta.origin;
+                let owner = if origin.node == me.node {
+                    self.republished.contains(&origin).then_some(me)
+                } else {
+                    newer_life(origin)
+                }?;
+                let held = (origin_delta.lanes.iter())
+                    .map(|update| {
+                        let counter = self.map.counter(&update.key)?;
+                        counter.slot(origin).copied()
+                    })
+                    .collect();
+                Some(EarlierLife {
+                    entry,
+                    owner,
+                    top: self.map.top(origin),
+                    held,
+                })
+            })
+            .collect()
+    }
+
+    /// Mends what a node's re-publishing of an earlier life's lanes can leave, once
+    /// `entry`, of that life, is merged: the node re-published from its log at versions of
+    /// its own, and a peer can hold other totals under a version both hold, which no
+    /// digest shows (the log was behind what peers had, or the versions started below
+    /// theirs).
+    ///
+    /// - An earlier life of this node's that it re-published ([`Gossip::with_republished`]):
+    ///   a lane whose copy in `entry` differs from what was
+    ///   held gets the next version, with the larger totals merged; if `entry` runs past
+    ///   every version held (the versions re-published started below the peer's), every
+    ///   lane of that life does, so that the peer asks for them.
+    /// - Another node's: a lane whose copy in `entry` claims a newer version than held but
+    ///   lacks some of its totals goes back to that node, merged, to be given the next
+    ///   version there.
+    fn settle_earlier_life(&mut self, now: Now, entry: &OriginDelta, earlier: EarlierLife) {
+        let origin = entry.origin;
+        let updates = entry.lanes.iter().zip(&earlier.held);
+        if earlier.owner == self.config.replica {
+            if entry.through.version > earlier.top {
+                let restamped = self.map.restamp_all(origin, now.wall);
+                self.stats.lanes_restamped += restamped as u64;
+                return;
+            }
+            for (update, held) in updates {
+                if held.map(|slot| slot.lane) != Some(update.lane)
+                    && self.map.restamp(origin, &update.key, now.wall).is_some()
+                {
+                    self.stats.lanes_restamped += 1;
+                }
+            }
+            return;
+        }
+        let mut lanes: Vec<LaneUpdate> = (updates)
+            .filter_map(|(update, held)| {
+                let held = held.as_ref()?;
+                let lacks = update.version > held.version && !update.lane.covers(held.lane);
+                let slot = *self.map.counter(&update.key)?.slot(origin)?;
+                lacks.then(|| LaneUpdate {
+                    key: update.key.clone(),
+                    lane: slot.lane,
+                    version: slot.version,
+                })
+            })
+            .collect();
+        if lanes.is_empty() {
+            return;
+        }
+        lanes.sort_unstable_by_key(|update| update.version);
+        lanes.dedup_by_key(|update| update.version);
+        self.stats.lanes_corrected += lanes.len() as u64;
+        // A frame's worth at a time, counting each lane at its largest.
+        let per_frame = (self.config.frame_bytes_max / 2 / DELTA_BYTES_MIN).max(1);
+        for lanes in lanes.chunks(per_frame) {
+            let correction = Message::Delta {
+                to: earlier.owner,
+                delta: Delta {
+                    origins: vec![OriginDelta {
+                        origin,
+                        through: Watermark::default(),
+                        lanes: lanes.to_vec(),
+                    }],
+                },
+                members: Vec::new(),
+                dead: Vec::new(),
+            };
+            self.send(earlier.owner.node, &correction);
         }
     }
 
@@ -950,6 +1080,18 @@ impl Gossip {
     }
 }
 
+/// An entry of a delta of an earlier life of a live node (`Gossip::earlier_lives_in`).
+struct EarlierLife {
+    /// Its index in the delta.
+    entry: usize,
+    /// The node's live replica, which alone gives that life's lanes new versions.
+    owner: ReplicaId,
+    /// The highest version of that life held before the merge.
+    top: Version,
+    /// Per lane of the entry, the slot held before the merge.
+    held: Vec<Option<Slot>>,
+}
+
 /// Whether a holder at `held` lacks something of `offer`: lanes, or a stamp newer by more
 /// than `slack`.
 fn lacks(held: Watermark, offer: Watermark, slack: Duration) -> bool {
@@ -960,7 +1102,6 @@ fn lacks(held: Watermark, offer: Watermark, slack: Duration) -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use std::collections::BTreeSet;
     use tally_crdt::{Generation, OriginDelta, Rule, Subject, Window};
 
     const WALL: u64 = 1_767_225_600_000;
@@ -1704,6 +1845,125 @@ mod tests {
             alive,
             "the transition is reported with the frame that made it"
         );
+    }
+
+    /// Runs `rounds` rounds of `nodes`, each seeded with all the others, handing every
+    /// frame to the node it is sent to until none is left.
+    fn rounds(nodes: &mut [Gossip], rounds: u64) {
+        for round in 0..rounds {
+            let at = now(round * 1_000);
+            for node in nodes.iter_mut() {
+                node.handle_input(Input::Timeout { now: at });
+            }
+            loop {
+                let mut frames = Vec::new();
+                for node in nodes.iter_mut() {
+                    let from = node.config.node();
+                    loop {
+                        match node.poll_output() {
+                            Output::Send { to, frame, .. } => frames.push((from, to, frame)),
+                            Output::Event(_) => {}
+                            Output::Timeout(_) => break,
+                        }
+                    }
+                }
+                if frames.is_empty() {
+                    break;
+                }
+                for (from, to, frame) in frames {
+                    if let Some(node) = nodes.iter_mut().find(|node| node.config.node() == to) {
+                        node.handle_input(Input::Receive {
+                            now: at,
+                            from,
+                            frame,
+                        });
+                    }
+                }
+            }
+        }
+    }
+
+    /// Node `id` of generation `generation`, seeded with nodes 1 to 3 but itself, holding
+    /// `lanes` of node 1's first life, written from `floor` up.
+    fn restart_node(id: u64, generation: u64, floor: u64, lanes: &[(&str, Lane)]) -> Gossip {
+        let replica = ReplicaId::new(NodeId(id), Generation(generation));
+        let mut config = Config::new(replica, format!("n{id}"));
+        config.seeds = (1..=3)
+            .filter(|&other| other != id)
+            .map(|other| crate::Seed {
+                node: NodeId(other),
+                addr: format!("n{other}"),
+            })
+            .collect();
+        let first_life = ReplicaId::new(NodeId(1), Generation(1));
+        let mut map = CounterMap::new();
+        map.raise_version(first_life, Version(floor));
+        for (subject, lane) in lanes {
+            map.write(first_life, &restart_key(subject), *lane, Stamp(WALL));
+        }
+        Gossip::with_state(config, map).with_republished([first_life])
+    }
+
+    fn restart_key(subject: &str) -> Key {
+        Key::new(
+            Rule::new("r").unwrap(),
+            Subject::new(subject).unwrap(),
+            Window::containing(WALL / 1_000, 3_600).unwrap(),
+        )
+    }
+
+    #[test]
+    fn lanes_republished_from_a_log_behind_a_peers_copy_end_at_the_peers_totals_everywhere() {
+        // Node 1's first life got `a` to 10 at node 2, but its log kept 6 (restored from a
+        // snapshot, say); its second life re-publishes that above every version held.
+        // Node 3 has no copy. Without mending, node 2 keeps 10 under the re-published
+        // version while nodes 1 and 3 keep 6 under the same version, for good.
+        let ten = Lane::new(10, 0);
+        let mut nodes = [
+            restart_node(
+                1,
+                2,
+                1_000,
+                &[("a", Lane::new(6, 0)), ("b", Lane::new(4, 0))],
+            ),
+            restart_node(2, 1, 0, &[("a", ten), ("b", Lane::new(4, 0))]),
+            restart_node(3, 1, 0, &[]),
+        ];
+        rounds(&mut nodes, 6);
+        let first_life = ReplicaId::new(NodeId(1), Generation(1));
+        for node in &nodes {
+            let id = node.config.node();
+            assert_eq!(node.map().lane(&restart_key("a"), first_life), ten, "{id}");
+            assert_eq!(
+                node.map().lane(&restart_key("b"), first_life),
+                Lane::new(4, 0),
+                "{id}"
+            );
+            assert_eq!(node.map().digest(), nodes[0].map().digest(), "{id}");
+        }
+        assert_eq!(nodes[1].stats().lanes_corrected, 1, "a alone went back");
+        assert_eq!(nodes[0].stats().lanes_restamped, 1);
+    }
+
+    #[test]
+    fn lanes_republished_below_a_peers_versions_are_restamped_above_them_and_reach_it() {
+        // Node 1's first life ran to version 500 at node 2; its second life, its clock
+        // behind, re-publishes from 100 up: node 2 would never ask for those versions.
+        let mut nodes = [
+            restart_node(1, 2, 100, &[("a", Lane::new(7, 0)), ("b", Lane::new(2, 0))]),
+            restart_node(2, 1, 499, &[("a", Lane::new(5, 0))]),
+            restart_node(3, 1, 0, &[]),
+        ];
+        rounds(&mut nodes, 6);
+        let first_life = ReplicaId::new(NodeId(1), Generation(1));
+        for node in &nodes {
+            let id = node.config.node();
+            let lane = |subject| node.map().lane(&restart_key(subject), first_life);
+            assert_eq!(lane("a"), Lane::new(7, 0), "{id}");
+            assert_eq!(lane("b"), Lane::new(2, 0), "{id}");
+            assert_eq!(node.map().digest(), nodes[0].map().digest(), "{id}");
+        }
+        assert!(nodes[0].map().watermark(first_life).version > Version(500));
     }
 
     #[test]

@@ -32,6 +32,14 @@ pub struct Stats {
     /// Lane updates left out because their version named another key of their origin
     /// here (`Applied::lanes_clashing`).
     pub lanes_clashing: u64,
+    /// Lanes of this node's earlier lives given a new version because a peer's copy
+    /// differed from this node's under a version both held, or the peer held that life at
+    /// versions above this node's (after a restart re-published them from a log behind
+    /// what peers had, or at versions below theirs).
+    pub lanes_restamped: u64,
+    /// Lanes of another node's earlier life sent back to that node because a newer version
+    /// of them, re-published by it, lacked totals held here.
+    pub lanes_corrected: u64,
     /// Lane updates sent.
     pub lanes_out: u64,
     /// Messages not sent because their frame would have passed `frame_bytes_max`.

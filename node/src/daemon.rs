@@ -249,7 +249,9 @@ pub async fn run(config: Config, shutdown: impl Future<Output = ()>) -> Result<(
     let metrics = Arc::new(Metrics::default());
     let (stop, stopped) = watch::channel(false);
     let mut driver = Driver {
-        gossip: Gossip::with_state(gossip_config, map).with_expiry(expiry.paced()),
+        gossip: Gossip::with_state(gossip_config, map)
+            .with_republished(recovered.retired.iter().map(|(life, _)| *life))
+            .with_expiry(expiry.paced()),
         transport,
         inbound,
         store: store.clone(),

@@ -7,7 +7,10 @@
 //! than the replayed one, it would keep its total under that new version, while this node
 //! and every peer that took the re-published one hold the smaller total under the same
 //! version: no digest would show the difference, and the nodes would disagree until the
-//! window ended. A process crash needs no sync (the page cache keeps the writes); a machine
+//! window ended. (The gossip mends that where it can still happen, from a log behind what
+//! peers had, as after a restored disk snapshot: the peer sends its larger totals back to
+//! the node, which gives them a new version. A lane the log lacks altogether stays behind.)
+//! A process crash needs no sync (the page cache keeps the writes); a machine
 //! crash still loses the writes acknowledged but not yet collected and synced, which no
 //! peer received either.
 //!

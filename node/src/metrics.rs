@@ -187,6 +187,18 @@ pub fn render(sources: &Sources<'_>) -> String {
             "Lanes received and left out: they would have added a key past keys_max",
             gossip.lanes_refused,
         ),
+        (
+            "gossip_lanes_restamped",
+            "Lanes of this node's earlier lives given a new version: a peer held other \
+             totals for them under a version both held, or that life at higher versions",
+            gossip.lanes_restamped,
+        ),
+        (
+            "gossip_lanes_corrected",
+            "Lanes of another node's earlier life sent back to it: its re-published copy, \
+             under a newer version, lacked totals held here",
+            gossip.lanes_corrected,
+        ),
         ("gossip_lanes_out", "Lanes sent", gossip.lanes_out),
         (
             "gossip_frames_oversize",
