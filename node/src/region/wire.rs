@@ -121,9 +121,7 @@ pub enum ExactAnswer {
     /// The region could not make the decision durable; nothing was acknowledged. The
     /// region's log error, cut to [`STORAGE_WHY_BYTES_MAX`].
     Storage(String),
-    /// A check of a window over by the region's clock, or whose counts it has forgotten:
-    /// it may be a retry of one decided then, and is not decided now. Or a retry of a
-    /// request id older than the region remembers for its edge life
+    /// A retry of a request id older than the region remembers for its edge life
     /// ([`super::RECENT_IDS`]) or application session ([`super::RECENT_CLIENT_IDS`]); it
     /// was decided once (or its number skipped, never to be decided) and is not decided
     /// again.
