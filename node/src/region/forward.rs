@@ -124,6 +124,8 @@ struct Pending<T> {
     timeout_ms: u64,
     // Written on a session already: writing it again is a retry.
     written: bool,
+    // Written again, on a later session: the region may have decided it on an earlier one.
+    resent: bool,
 }
 
 impl<T> Pending<T> {
@@ -288,6 +290,7 @@ impl<T: Send + 'static> Forwarder<T> {
                     submitted,
                     timeout_ms: check.timeout_ms,
                     written: false,
+                    resent: false,
                 })
             })
             .collect();
@@ -428,6 +431,7 @@ impl<T> Held<T> {
                 continue;
             }
             retries += u64::from(pending.written);
+            pending.resent |= pending.written;
             pending.written = true;
             batch.push(seq);
         }
@@ -513,6 +517,14 @@ impl<T> Held<T> {
                 self.stats.record_latency(elapsed);
                 Ok(outcome)
             }
+            // The region answers so a check whose window is over by its clock, whose ids
+            // it no longer holds. Sent again, the check may have been decided on an
+            // earlier session (its window ended meanwhile, a window shorter than the
+            // rule's timeout): `Forgotten`, which no fallback answers instead, so that it
+            // is not counted a second time. (Sent once, it was not decided.)
+            ExactAnswer::UnknownRule if pending.resent => Err(Refusal::Forgotten {
+                rule: pending.rule(),
+            }),
             ExactAnswer::UnknownRule => Err(self.unavailable(
                 pending.rule(),
                 format!(
@@ -925,6 +937,7 @@ mod tests {
             submitted: Duration::ZERO,
             timeout_ms,
             written: false,
+            resent: false,
         })
     }
 
@@ -964,6 +977,39 @@ mod tests {
     fn first_deadline(held: &mut Held<u64>) -> Option<Duration> {
         let held_seqs = held_seqs(held);
         held.deadlines.first(|seq| held_seqs.contains(&seq))
+    }
+
+    /// The region answers `UnknownRule` for a check whose window is over by its clock. A
+    /// check sent again on a later session may have been decided on the first (a window
+    /// shorter than the rule's timeout): it is answered `Forgotten`, which no fallback
+    /// counts a second time. One sent once was not decided, and its rule's fallback applies.
+    #[test]
+    fn a_check_sent_again_and_refused_for_its_window_is_forgotten_and_one_sent_once_unavailable() {
+        let (answers, mut answered) = mpsc::unbounded_channel();
+        let (mut held, _checks, _stats) = held();
+        held.insert(pending(0, 10_000, &answers));
+        assert!(held.next_frame(ms(0)).is_some());
+        // The session breaks; on the next, check 0 is written again and check 1 first.
+        held.resend_all();
+        held.insert(pending(1, 10_000, &answers));
+        assert!(held.next_frame(ms(1)).is_some());
+        held.answer_frame(vec![
+            (0, ExactAnswer::UnknownRule),
+            (1, ExactAnswer::UnknownRule),
+        ]);
+        let results: Vec<(u64, Result<Outcome, Refusal>)> = (drain(&mut answered).into_iter())
+            .map(|forwarded| (forwarded.ticket, forwarded.result))
+            .collect();
+        assert!(
+            matches!(
+                &results[..],
+                [
+                    (0, Err(Refusal::Forgotten { .. })),
+                    (1, Err(Refusal::RegionUnavailable { .. }))
+                ]
+            ),
+            "{results:?}"
+        );
     }
 
     #[test]
