@@ -227,29 +227,12 @@ impl CounterMap {
     /// that every holder of an older version takes them. `None` if no such lane is held.
     ///
     /// For a node that re-published an earlier life's lanes from its log and finds a peer
-    /// holding other totals for one of them under a version both hold (the log was behind
-    /// what peers had, or its versions started below theirs): a version then names two
-    /// states, and no digest shows the difference. Only the replica's own node may call
-    /// this: versions are its own count.
+    /// holding larger totals for one of them under a version both hold (the log was behind
+    /// what peers had): a version then names two states, and no digest shows the
+    /// difference. Only the replica's own node may call this: versions are its own count.
     pub fn restamp(&mut self, replica: ReplicaId, key: &Key, stamp: Stamp) -> Option<Version> {
         let lane = self.counter(key)?.slot(replica)?.lane;
         Some(self.write_lane(replica, key, lane, stamp, true))
-    }
-
-    /// [`CounterMap::restamp`] for every lane of `replica` held, in version order: for a
-    /// peer holding the replica at versions above this map's, which may hold these lanes at
-    /// versions of their own. Returns how many.
-    pub fn restamp_all(&mut self, replica: ReplicaId, stamp: Stamp) -> usize {
-        let Some(origin) = self.origins.get(&replica) else {
-            return 0;
-        };
-        let keys: Vec<Key> = (origin.by_version.values())
-            .filter_map(|&id| Some(self.keys.get(id)?.key.clone()))
-            .collect();
-        for key in &keys {
-            self.restamp(replica, key, stamp);
-        }
-        keys.len()
     }
 
     /// [`CounterMap::write`], taking the next version even if the lane does not rise when
@@ -718,27 +701,6 @@ mod tests {
             assert_eq!(map.watermark(replica(1)).version, Version(1_002));
         }
         assert_eq!(restarted.restamp(replica(1), &key(1, 60), Stamp(3)), None);
-    }
-
-    #[test]
-    fn restamping_every_lane_puts_them_above_a_peer_whose_versions_ran_higher() {
-        // The peer holds replica 1 through version 500; the replica's next life re-published
-        // two lanes at versions 101 and 102, which the peer never asks for.
-        let mut peer = CounterMap::new();
-        peer.raise_version(replica(1), Version(499));
-        peer.write(replica(1), &key(0, 60), Lane::new(3, 0), Stamp(1));
-        let mut restarted = CounterMap::new();
-        restarted.raise_version(replica(1), Version(100));
-        restarted.write(replica(1), &key(0, 60), Lane::new(5, 0), Stamp(2));
-        restarted.write(replica(1), &key(1, 60), Lane::new(2, 0), Stamp(2));
-        sync(&mut restarted, &mut peer);
-        assert_eq!(peer.lane(&key(1, 60), replica(1)), Lane::default());
-        assert_eq!(restarted.restamp_all(replica(1), Stamp(3)), 2);
-        assert_eq!(restarted.watermark(replica(1)).version, Version(502));
-        sync(&mut restarted, &mut peer);
-        assert_eq!(peer.lane(&key(0, 60), replica(1)), Lane::new(5, 0));
-        assert_eq!(peer.lane(&key(1, 60), replica(1)), Lane::new(2, 0));
-        assert_eq!(restarted.digest(), peer.digest());
     }
 
     #[test]

@@ -159,6 +159,9 @@ pub struct Gossip {
     // versions (`settle_earlier_life`). Of another earlier life it does not know the
     // versions peers hold, and a version it gave could name another lane there.
     republished: BTreeSet<ReplicaId>,
+    // Lanes of other nodes' earlier lives to send back to them once the frame that showed
+    // them is handled (`settle_earlier_life`).
+    corrections: Vec<(NodeId, Message)>,
 }
 
 impl Gossip {
@@ -201,6 +204,7 @@ impl Gossip {
             wall_latest: Stamp::default(),
             table_matched: false,
             republished: BTreeSet::new(),
+            corrections: Vec::new(),
             config,
         }
     }
@@ -500,7 +504,7 @@ impl Gossip {
                 dead,
                 ..
             } => {
-                self.merge(now, envelope.from, delta, None);
+                self.merge(now, (envelope.from, &members), delta, None);
                 let differed = !members.is_empty();
                 self.members.merge(&members, &dead);
                 let mut reply = Message::Delta {
@@ -527,12 +531,12 @@ impl Gossip {
                 dead,
                 ..
             } => {
-                self.merge(now, envelope.from, delta, None);
+                self.merge(now, (envelope.from, &members), delta, None);
                 self.members.merge(&members, &dead);
             }
             Message::Push { after, lanes } => self.merge(
                 now,
-                envelope.from,
+                (envelope.from, &[]),
                 Delta {
                     origins: vec![lanes],
                 },
@@ -540,13 +544,24 @@ impl Gossip {
             ),
             Message::Members { members } => self.members.merge(&members, &[]),
         }
+        // After the frame's rows are taken in, which may hold the address of a node that
+        // re-published.
+        for (to, correction) in std::mem::take(&mut self.corrections) {
+            self.send(to, &correction);
+        }
         self.emit_transitions();
     }
 
-    /// Merges a delta from `sender` (or a push following version `after` of its one
-    /// origin), tells the failure detector who was heard, records propagation delays,
-    /// reports changed keys.
-    fn merge(&mut self, now: Now, sender: ReplicaId, delta: Delta, after: Option<Version>) {
+    /// Merges a delta (or a push following version `after` of its one origin) from a sender,
+    /// with the member rows its frame carries, tells the failure detector who was heard,
+    /// records propagation delays, reports changed keys.
+    fn merge(
+        &mut self,
+        now: Now,
+        from: (ReplicaId, &[MemberEntry]),
+        delta: Delta,
+        after: Option<Version>,
+    ) {
         let me = self.config.replica;
         self.stats.lanes_in += delta.lanes() as u64;
         let before: Vec<Stamp> = delta
@@ -555,7 +570,7 @@ impl Gossip {
             .map(|entry| self.map.watermark(entry.origin).stamp)
             .collect();
         let own_before = self.map.top(me);
-        let earlier_lives = self.earlier_lives_in(sender, &delta);
+        let earlier_lives = self.earlier_lives_in(from, &delta);
         self.wall_latest = self.wall_latest.max(now.wall);
         let at = AppliedAt {
             live_at_unix_secs: self.expiry_secs(now),
@@ -604,15 +619,27 @@ impl Gossip {
         }
     }
 
-    /// The entries of `delta` (from `sender`) of an earlier life of a live node, one this
-    /// node re-published or another node's, with what this node held of each of their lanes before merging
-    /// them. A node's live life is its row's, or the sender's if it is that node (a node
-    /// that starts sends its earlier lives' lanes before its row is everywhere).
-    fn earlier_lives_in(&self, sender: ReplicaId, delta: &Delta) -> Vec<EarlierLife> {
+    /// The entries of `delta` of an earlier life of a live node, one this node re-published
+    /// or another node's, with what this node held of each of their lanes before merging
+    /// them. A node's live life is the latest of its row's here, the sender's if it is that
+    /// node, and its row's in the frame (`from`: the sender and its frame's rows, which are
+    /// taken in after the delta): a node that starts sends its earlier lives' lanes before
+    /// its row is everywhere, and a peer relays them with its row.
+    fn earlier_lives_in(
+        &self,
+        (sender, rows): (ReplicaId, &[MemberEntry]),
+        delta: &Delta,
+    ) -> Vec<EarlierLife> {
         let me = self.config.replica;
         let newer_life = |origin: ReplicaId| {
-            let row = self.members.replica(origin.node);
-            let live = (sender.node == origin.node).then_some(sender).max(row)?;
+            let in_frame = (rows.iter())
+                .filter(|row| row.node == origin.node)
+                .map(MemberEntry::replica)
+                .max();
+            let live = (sender.node == origin.node)
+                .then_some(sender)
+                .max(self.members.replica(origin.node))
+                .max(in_frame)?;
             (live.generation > origin.generation).then_some(live)
         };
         (delta.origins.iter().enumerate())
@@ -629,27 +656,20 @@ impl Gossip {
                         counter.slot(origin).copied()
                     })
                     .collect();
-                Some(EarlierLife {
-                    entry,
-                    owner,
-                    top: self.map.top(origin),
-                    held,
-                })
+                Some(EarlierLife { entry, owner, held })
             })
             .collect()
     }
 
     /// Mends what a node's re-publishing of an earlier life's lanes can leave, once
-    /// `entry`, of that life, is merged: the node re-published from its log at versions of
-    /// its own, and a peer can hold other totals under a version both hold, which no
-    /// digest shows (the log was behind what peers had, or the versions started below
-    /// theirs).
+    /// `entry`, of that life, is merged: the node re-published from its log at versions
+    /// above the peers', and where its log was behind what a peer had, that peer holds
+    /// larger totals under the re-published version than the node and every holder of
+    /// the node's copy, which no digest shows.
     ///
     /// - An earlier life of this node's that it re-published ([`Gossip::with_republished`]):
-    ///   a lane whose copy in `entry` differs from what was
-    ///   held gets the next version, with the larger totals merged; if `entry` runs past
-    ///   every version held (the versions re-published started below the peer's), every
-    ///   lane of that life does, so that the peer asks for them.
+    ///   a lane that `entry` raised gets the next version, so that every holder of the
+    ///   smaller totals under an older version takes the larger ones.
     /// - Another node's: a lane whose copy in `entry` claims a newer version than held but
     ///   lacks some of its totals goes back to that node, merged, to be given the next
     ///   version there.
@@ -657,15 +677,10 @@ impl Gossip {
         let origin = entry.origin;
         let updates = entry.lanes.iter().zip(&earlier.held);
         if earlier.owner == self.config.replica {
-            if entry.through.version > earlier.top {
-                let restamped = self.map.restamp_all(origin, now.wall);
-                self.stats.lanes_restamped += restamped as u64;
-                return;
-            }
             for (update, held) in updates {
-                if held.map(|slot| slot.lane) != Some(update.lane)
-                    && self.map.restamp(origin, &update.key, now.wall).is_some()
-                {
+                let before = held.map(|slot| slot.lane);
+                let raised = Some(self.map.lane(&update.key, origin)) != before;
+                if raised && self.map.restamp(origin, &update.key, now.wall).is_some() {
                     self.stats.lanes_restamped += 1;
                 }
             }
@@ -689,6 +704,7 @@ impl Gossip {
         lanes.sort_unstable_by_key(|update| update.version);
         lanes.dedup_by_key(|update| update.version);
         self.stats.lanes_corrected += lanes.len() as u64;
+        // Sent once the frame is handled (`handle_frame`).
         // A frame's worth at a time, counting each lane at its largest.
         let per_frame = (self.config.frame_bytes_max / 2 / DELTA_BYTES_MIN).max(1);
         for lanes in lanes.chunks(per_frame) {
@@ -704,7 +720,7 @@ impl Gossip {
                 members: Vec::new(),
                 dead: Vec::new(),
             };
-            self.send(earlier.owner.node, &correction);
+            self.corrections.push((earlier.owner.node, correction));
         }
     }
 
@@ -1086,8 +1102,6 @@ struct EarlierLife {
     entry: usize,
     /// The node's live replica, which alone gives that life's lanes new versions.
     owner: ReplicaId,
-    /// The highest version of that life held before the merge.
-    top: Version,
     /// Per lane of the entry, the slot held before the merge.
     held: Vec<Option<Slot>>,
 }
@@ -1946,24 +1960,43 @@ mod tests {
     }
 
     #[test]
-    fn lanes_republished_below_a_peers_versions_are_restamped_above_them_and_reach_it() {
-        // Node 1's first life ran to version 500 at node 2; its second life, its clock
-        // behind, re-publishes from 100 up: node 2 would never ask for those versions.
-        let mut nodes = [
-            restart_node(1, 2, 100, &[("a", Lane::new(7, 0)), ("b", Lane::new(2, 0))]),
-            restart_node(2, 1, 499, &[("a", Lane::new(5, 0))]),
+    fn a_lane_republished_below_a_peers_copy_and_relayed_to_it_with_the_nodes_row_is_mended() {
+        // As above, but node 2 first gets the re-published lane from node 3, in a frame that
+        // also carries node 1's row of its second life, which node 2 takes in after the
+        // frame's lanes.
+        let ten = Lane::new(10, 0);
+        let (mut one, mut two, mut three) = (
+            restart_node(1, 2, 1_000, &[("a", Lane::new(6, 0))]),
+            restart_node(2, 1, 0, &[("a", ten)]),
             restart_node(3, 1, 0, &[]),
-        ];
-        rounds(&mut nodes, 6);
+        );
+        let at = now(0);
         let first_life = ReplicaId::new(NodeId(1), Generation(1));
+        three.map.apply(
+            &one.map().delta_for(&three.map().digest(), 1 << 16, 0),
+            WALL / 1_000,
+        );
+        three.members.merge(&one.members.entries(), &[]);
+        let relay = Message::Delta {
+            to: two.replica(),
+            delta: three.map().delta_for(&two.map().digest(), 1 << 16, 0),
+            members: three.members.entries(),
+            dead: Vec::new(),
+        };
+        two.handle_input(Input::Receive {
+            now: at,
+            from: NodeId(3),
+            frame: wire::encode(three.replica(), &relay),
+        });
+        assert_eq!(two.stats().lanes_corrected, 1);
+        deliver(&mut two, &mut one, at);
+        assert_eq!(one.stats().lanes_restamped, 1);
+        let mut nodes = [one, two, three];
+        rounds(&mut nodes, 6);
         for node in &nodes {
             let id = node.config.node();
-            let lane = |subject| node.map().lane(&restart_key(subject), first_life);
-            assert_eq!(lane("a"), Lane::new(7, 0), "{id}");
-            assert_eq!(lane("b"), Lane::new(2, 0), "{id}");
-            assert_eq!(node.map().digest(), nodes[0].map().digest(), "{id}");
+            assert_eq!(node.map().lane(&restart_key("a"), first_life), ten, "{id}");
         }
-        assert!(nodes[0].map().watermark(first_life).version > Version(500));
     }
 
     #[test]

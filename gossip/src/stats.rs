@@ -32,10 +32,8 @@ pub struct Stats {
     /// Lane updates left out because their version named another key of their origin
     /// here (`Applied::lanes_clashing`).
     pub lanes_clashing: u64,
-    /// Lanes of this node's earlier lives given a new version because a peer's copy
-    /// differed from this node's under a version both held, or the peer held that life at
-    /// versions above this node's (after a restart re-published them from a log behind
-    /// what peers had, or at versions below theirs).
+    /// Lanes of this node's earlier lives, re-published at its start, given a new version
+    /// because a peer's copy raised them (the log was behind what peers had).
     pub lanes_restamped: u64,
     /// Lanes of another node's earlier life sent back to that node because a newer version
     /// of them, re-published by it, lacked totals held here.

@@ -22,9 +22,8 @@
 //! versions above any a peer can hold (`CounterMap::raise_version` to
 //! [`Recovered::republish_floor`]), so the merge of the logged totals with the peers'
 //! copies is the largest of both: nothing acknowledged is lost, and nothing is counted
-//! twice. (A log behind what peers hold, as after a restored disk snapshot, or a floor
-//! below the versions a life ran to, as after a start with the clock near the epoch, is
-//! mended by the gossip: `Gossip`'s earlier-life restamping.) A log is deleted once every window in it is over. A log compacted (rewritten as
+//! twice. (A log behind what peers hold, as after a restored disk snapshot, is mended by
+//! the gossip where it re-published a lane: `Gossip::with_republished`.) A log is deleted once every window in it is over. A log compacted (rewritten as
 //! one record per live key with a non-zero own lane) is written beside itself as
 //! `lanes-<generation>.compact` and renamed over itself; a start removes such a file left
 //! by a crash.

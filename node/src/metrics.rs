@@ -189,8 +189,8 @@ pub fn render(sources: &Sources<'_>) -> String {
         ),
         (
             "gossip_lanes_restamped",
-            "Lanes of this node's earlier lives given a new version: a peer held other \
-             totals for them under a version both held, or that life at higher versions",
+            "Lanes of this node's earlier lives, re-published at its start, given a new \
+             version: a peer's copy raised them",
             gossip.lanes_restamped,
         ),
         (
