@@ -24,7 +24,7 @@ impl CheckId {
     /// exact rule, by the sidecar that decided it for an approximate one. So is an
     /// increment or a decrement ([`crate::Client::incr_with_id`]), by its sidecar.
     ///
-    /// The session is 64 bits from std's `RandomState` (seeded by the OS), so two
+    /// The session is 64 bits from the OS's random source (`getrandom`), so two
     /// processes share one with a chance of about `n² / 2^65` among `n` processes that
     /// make ids. A process forked from one that made ids draws its own. Make an id just before its check's first send: numbers are given out
     /// here, and the region remembers a session's most recent 16,384 decided ones, so an
@@ -47,7 +47,10 @@ fn session_of(held: &Mutex<Option<Drawn>>, process: u32) -> u64 {
     match *held {
         Some(drawn) if drawn.process == process => drawn.session,
         _ => {
-            let session = RandomState::new().hash_one(process);
+            // From the OS, not from std's `RandomState`, whose keys a forked child copies
+            // from its parent: two children given the same process id in turn would draw
+            // the same session.
+            let session = getrandom::u64().unwrap_or_else(|_| RandomState::new().hash_one(process));
             *held = Some(Drawn { process, session });
             session
         }
