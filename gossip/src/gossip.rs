@@ -211,10 +211,9 @@ impl Gossip {
 
     /// The node, holding in its map the lanes of its earlier lives `lives`, re-published
     /// from its durable log above every version a peer is taken to hold of them
-    /// ([`CounterMap::raise_version`]). Where a peer's copy of one of those lanes differs
-    /// from the map's under a version both hold, or a peer holds one of those lives at
-    /// versions above the map's, the node gives the lanes new versions, so that every
-    /// holder ends on the larger totals (`settle_earlier_life`).
+    /// ([`CounterMap::raise_version`]). Where a peer's copy of one of those lanes raises the
+    /// map's (the log was behind what the peer had), the node gives the lane a new version,
+    /// so that every holder ends on the larger totals (`settle_earlier_life`).
     pub fn with_republished(mut self, lives: impl IntoIterator<Item = ReplicaId>) -> Gossip {
         let me = self.config.replica;
         self.republished = (lives.into_iter())
