@@ -1959,6 +1959,32 @@ mod tests {
     }
 
     #[test]
+    fn lanes_republished_from_a_whole_log_are_taken_as_they_are_with_no_correction() {
+        // The ordinary restart: the log holds every total a peer got (node 2 has `a` at 6
+        // of the log's 9, and `b` as the log has it).
+        let mut nodes = [
+            restart_node(
+                1,
+                2,
+                1_000,
+                &[("a", Lane::new(9, 0)), ("b", Lane::new(4, 1))],
+            ),
+            restart_node(2, 1, 0, &[("a", Lane::new(6, 0)), ("b", Lane::new(4, 1))]),
+            restart_node(3, 1, 0, &[]),
+        ];
+        rounds(&mut nodes, 6);
+        let first_life = ReplicaId::new(NodeId(1), Generation(1));
+        for node in &nodes {
+            let id = node.config.node();
+            let lane = |subject| node.map().lane(&restart_key(subject), first_life);
+            assert_eq!(lane("a"), Lane::new(9, 0), "{id}");
+            assert_eq!(lane("b"), Lane::new(4, 1), "{id}");
+            assert_eq!(node.stats().lanes_corrected, 0, "{id}");
+            assert_eq!(node.stats().lanes_restamped, 0, "{id}");
+        }
+    }
+
+    #[test]
     fn a_lane_republished_below_a_peers_copy_and_relayed_to_it_with_the_nodes_row_is_mended() {
         // As above, but node 2 first gets the re-published lane from node 3, in a frame that
         // also carries node 1's row of its second life, which node 2 takes in after the
