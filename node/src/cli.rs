@@ -75,9 +75,16 @@ pub fn run(args: &DaemonArgs) -> Result<(), StartError> {
         .enable_all()
         .build()
         .map_err(StartError::Runtime)?;
-    runtime.block_on(daemon::run(config, shutdown_signal()))?;
+    let ran = runtime.block_on(daemon::run(config, shutdown_signal()));
+    // A blocking thread still in a sync of a failing disk (the region's committer, the
+    // lane log's) holds nothing acknowledged: the process leaves without it.
+    runtime.shutdown_timeout(STOP_BLOCKING_WAIT);
+    ran?;
     Ok(())
 }
+
+/// How long a stopping node waits for its blocking threads once its tasks are done.
+const STOP_BLOCKING_WAIT: std::time::Duration = std::time::Duration::from_secs(5);
 
 fn parse_seed(text: &str) -> Result<SeedConfig, String> {
     let (node, addr) = text

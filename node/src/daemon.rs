@@ -366,9 +366,15 @@ pub async fn run(config: Config, shutdown: impl Future<Output = ()>) -> Result<(
                 .closing
                 .store(true, std::sync::atomic::Ordering::Relaxed);
             client_task.abort();
-            if let Some(region_task) = region_task.as_mut() {
+            if let Some(task) = region_task.as_mut() {
                 let _ = region_stop.send(true);
-                let _ = tokio::time::timeout(REGION_DRAIN_DEADLINE, region_task).await;
+                if tokio::time::timeout(REGION_DRAIN_DEADLINE, task)
+                    .await
+                    .is_ok()
+                {
+                    // Done, and its output taken: not to be awaited again below.
+                    region_task = None;
+                }
             }
             let _ = stop.send(true);
             driver_task.await
@@ -380,7 +386,10 @@ pub async fn run(config: Config, shutdown: impl Future<Output = ()>) -> Result<(
         late_task.abort();
     }
     if let Some(region_task) = region_task {
+        // Dropped here, while the runtime runs, so that the service goes to a blocking
+        // thread (`RegionService::serve`) rather than be dropped with the runtime.
         region_task.abort();
+        let _ = region_task.await;
     }
     match result {
         Ok(Err(driver)) => Err(DaemonError::from(driver)),

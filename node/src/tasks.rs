@@ -6,6 +6,7 @@
 //! while that part no longer answers. The node's supervisor restarts the node.
 
 use std::future::Future;
+use std::ops::{Deref, DerefMut};
 use tokio::sync::mpsc;
 use tokio::task::JoinHandle;
 
@@ -66,10 +67,81 @@ impl Drop for ReportsEnd {
     }
 }
 
+/// A value dropped on the runtime's blocking pool rather than where the guard is dropped,
+/// however its holder ends (an aborted task included): for a value whose drop may wait on
+/// a disk, so that the node's one thread goes on. Dropped in place where no runtime runs.
+#[derive(Debug)]
+pub struct DropsOffThread<T: Send + 'static>(Option<T>);
+
+impl<T: Send + 'static> DropsOffThread<T> {
+    /// Guards `value`.
+    pub fn new(value: T) -> DropsOffThread<T> {
+        DropsOffThread(Some(value))
+    }
+}
+
+impl<T: Send + 'static> Deref for DropsOffThread<T> {
+    type Target = T;
+
+    fn deref(&self) -> &T {
+        self.0.as_ref().expect("invariant: taken only when dropped")
+    }
+}
+
+impl<T: Send + 'static> DerefMut for DropsOffThread<T> {
+    fn deref_mut(&mut self) -> &mut T {
+        self.0.as_mut().expect("invariant: taken only when dropped")
+    }
+}
+
+impl<T: Send + 'static> Drop for DropsOffThread<T> {
+    fn drop(&mut self) {
+        let value = self.0.take();
+        if let Ok(runtime) = tokio::runtime::Handle::try_current() {
+            runtime.spawn_blocking(move || drop(value));
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
     use std::time::Duration;
+
+    /// Waits in its drop until released, or a second: whether it was released in time.
+    struct WaitsInDrop {
+        release: std::sync::mpsc::Receiver<()>,
+        released: std::sync::mpsc::Sender<bool>,
+    }
+
+    impl Drop for WaitsInDrop {
+        fn drop(&mut self) {
+            let released = self.release.recv_timeout(Duration::from_secs(1)).is_ok();
+            let _ = self.released.send(released);
+        }
+    }
+
+    #[tokio::test]
+    async fn a_guarded_value_is_dropped_off_the_runtimes_thread_even_by_an_aborted_task() {
+        let (release, waits) = std::sync::mpsc::channel();
+        let (done, released) = std::sync::mpsc::channel();
+        let guarded = DropsOffThread::new(WaitsInDrop {
+            release: waits,
+            released: done,
+        });
+        let task = tokio::spawn(async move {
+            let _guarded = guarded;
+            std::future::pending::<()>().await
+        });
+        tokio::task::yield_now().await;
+        task.abort();
+        assert!(task.await.unwrap_err().is_cancelled());
+        // Dropped in place, the value would have waited its second on this thread, before
+        // the release below.
+        let _ = release.send(());
+        let released = tokio::task::spawn_blocking(move || released.recv().unwrap());
+        assert!(released.await.unwrap(), "the drop ran on this thread");
+    }
 
     #[tokio::test]
     async fn a_task_that_panics_or_returns_is_reported_by_name_and_one_still_running_is_not() {

@@ -19,7 +19,7 @@ use crate::config::RuleMode;
 use crate::decide::Rules;
 use crate::lanelog::LaneLog;
 use crate::store::LaneStore;
-use crate::tasks::Watch;
+use crate::tasks::{DropsOffThread, Watch};
 use crate::transport::{Reply, SessionFrame};
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
@@ -190,8 +190,21 @@ impl RegionService {
     ///
     /// The task that answers frames once durable is spawned on `watcher`: should it end
     /// first, the node stops.
+    ///
+    /// The service is dropped on a blocking thread however this ends, aborted too: that
+    /// joins the committer's thread, which may still be in a sync on a slow or failing
+    /// disk, and the node's one thread goes on meanwhile, to its last push or its exit.
     pub async fn serve(
-        mut self,
+        self,
+        frames: mpsc::Receiver<SessionFrame>,
+        stop: watch::Receiver<bool>,
+        watcher: Watch,
+    ) {
+        DropsOffThread::new(self).run(frames, stop, watcher).await;
+    }
+
+    async fn run(
+        &mut self,
         mut frames: mpsc::Receiver<SessionFrame>,
         mut stop: watch::Receiver<bool>,
         watcher: Watch,
@@ -225,12 +238,9 @@ impl RegionService {
             }
         }
         // The acknowledging task ends once it has answered every batch sent before this;
-        // the committer (in `self`) lives until then, to make them durable. Dropping it
-        // joins its thread, which may still be allocating ahead on a slow disk: on a
-        // blocking thread, so the node's one thread goes on to its last push meanwhile.
+        // the committer (in `self`) lives until then, to make them durable.
         drop(batches);
         let _ = acknowledging.await;
-        tokio::task::spawn_blocking(move || drop(self));
     }
 
     /// Starts a compaction of the log once it has grown by as much as it held after the
