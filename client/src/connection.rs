@@ -672,8 +672,12 @@ impl Shared {
         if !state.is_open(link) {
             return None;
         }
-        let decoded = decode_responses(input, |response| {
-            if let Some(waker) = state.in_flight.answer(response.id, response.result) {
+        let decoded = decode_responses(input, |decoded| {
+            let waker = match decoded {
+                Decoded::Response(response) => state.in_flight.answer(response.id, response.result),
+                Decoded::Undecodable { id, why } => state.in_flight.undecodable(id, why),
+            };
+            if let Some(waker) = waker {
                 // A pipeline's requests share one waker: one wake per read is enough.
                 if !wakers.last().is_some_and(|last| last.will_wake(&waker)) {
                     wakers.push(waker);
@@ -948,10 +952,23 @@ async fn deliver_responses<R: AsyncRead + Unpin>(
     }
 }
 
-/// Decodes the whole frames at the start of `input`, handing each response to `handle`
-/// in order; returns how many bytes they took, and why the stream is broken if a frame
-/// does not decode.
-fn decode_responses(input: &[u8], mut handle: impl FnMut(Response)) -> (usize, Option<Broken>) {
+/// One frame of answers as read.
+#[derive(Debug, PartialEq)]
+enum Decoded {
+    Response(Response),
+    /// A frame of this wire version whose id reads but whose answer does not decode: a
+    /// reply or a refusal newer than this build. Its call alone fails; the stream stays
+    /// whole, since the frame's length is known.
+    Undecodable {
+        id: u64,
+        why: String,
+    },
+}
+
+/// Decodes the whole frames at the start of `input`, handing each to `handle` in order;
+/// returns how many bytes they took, and why the stream is broken if a frame's length is
+/// refused or a frame does not decode as far as its id.
+fn decode_responses(input: &[u8], mut handle: impl FnMut(Decoded)) -> (usize, Option<Broken>) {
     let mut at = 0;
     while let Some(prefix) = input.get(at..at + 4) {
         let prefix: [u8; 4] = prefix.try_into().expect("invariant: a 4-byte slice");
@@ -975,8 +992,14 @@ fn decode_responses(input: &[u8], mut handle: impl FnMut(Response)) -> (usize, O
                 let why = format!("the sidecar refused this client's frame: {why}");
                 return (at + 4 + len, Some(Broken::Protocol(why)));
             }
-            Ok(response) => handle(response),
-            Err(err) => return (at, Some(Broken::Protocol(err.to_string()))),
+            Ok(response) => handle(Decoded::Response(response)),
+            Err(err) => match wire::response_id(body).filter(|&id| id != 0) {
+                Some(id) => handle(Decoded::Undecodable {
+                    id,
+                    why: format!("the sidecar's answer does not decode: {err}"),
+                }),
+                None => return (at, Some(Broken::Protocol(err.to_string()))),
+            },
         }
         at += 4 + len;
     }
@@ -1030,10 +1053,16 @@ mod tests {
         let whole = input.len();
         input.extend(&frame(&response(3))[..5]);
         let mut responses = Vec::new();
-        let (decoded, broken) = decode_responses(&input, |response| responses.push(response));
+        let (decoded, broken) = decode_responses(&input, |decoded| responses.push(decoded));
         assert!(broken.is_none());
         assert_eq!(decoded, whole);
-        assert_eq!(responses, [response(1), response(2)]);
+        assert_eq!(
+            responses,
+            [
+                Decoded::Response(response(1)),
+                Decoded::Response(response(2))
+            ]
+        );
     }
 
     /// A closed link's sweeper can come to wait on its wake-up only after `close` sent it,
@@ -1071,14 +1100,40 @@ mod tests {
     }
 
     #[test]
+    fn an_answer_whose_id_reads_but_whose_body_does_not_fails_its_call_alone() {
+        // Version, id 7, `Ok`, then a reply variant this build does not know.
+        let body = [wire::CLIENT_WIRE_VERSION, 7, 0, 9];
+        let mut input = (body.len() as u32).to_le_bytes().to_vec();
+        input.extend(body);
+        input.extend(frame(&response(8)));
+        let mut decoded = Vec::new();
+        let (taken, broken) = decode_responses(&input, |frame| decoded.push(frame));
+        assert!(broken.is_none(), "{broken:?}");
+        assert_eq!(taken, input.len());
+        assert!(
+            matches!(&decoded[..], [Decoded::Undecodable { id: 7, why }, Decoded::Response(eight)]
+                if why.contains("does not decode") && *eight == response(8)),
+            "{decoded:?}"
+        );
+        // Of another version, or with id 0, no call can be told: the stream is broken.
+        for body in [[2, 7, 0, 9], [wire::CLIENT_WIRE_VERSION, 0, 0, 9]] {
+            let mut input = (body.len() as u32).to_le_bytes().to_vec();
+            input.extend(body);
+            let (taken, broken) = decode_responses(&input, |_| {});
+            assert_eq!(taken, 0);
+            assert!(matches!(broken, Some(Broken::Protocol(_))), "{broken:?}");
+        }
+    }
+
+    #[test]
     fn frames_before_a_bad_one_are_decoded_and_the_bad_one_breaks_the_stream() {
         let mut input = frame(&response(1));
         let good = input.len();
         input.extend([0xff, 0xff, 0xff, 0xff]);
         let mut responses = Vec::new();
-        let (decoded, broken) = decode_responses(&input, |response| responses.push(response));
+        let (decoded, broken) = decode_responses(&input, |decoded| responses.push(decoded));
         assert_eq!(decoded, good);
-        assert_eq!(responses, [response(1)]);
+        assert_eq!(responses, [Decoded::Response(response(1))]);
         assert!(matches!(broken, Some(Broken::Protocol(why)) if why.contains("over the")));
     }
 }

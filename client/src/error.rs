@@ -52,9 +52,10 @@ pub enum Error {
         source: std::io::Error,
     },
     /// The sidecar sent something this client does not understand: a frame that does not
-    /// decode (the connection is closed and every pending request fails with this), or a
-    /// reply of the wrong kind for the request (that call alone fails, and the connection
-    /// stays open: the answer came under its request's id). The outcome is unknown.
+    /// decode as far as its request id (the connection is closed and every pending request
+    /// fails with this), or, under a request's id, an answer that does not decode (one
+    /// newer than this build) or a reply of the wrong kind for the request (that call alone
+    /// fails, and the connection stays open). The outcome is unknown.
     #[error("protocol: {0}")]
     Protocol(String),
     /// The tokio runtime this client connected on has shut down, and with it the tasks

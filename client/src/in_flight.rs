@@ -45,6 +45,9 @@ pub(crate) enum Outcome {
     TimedOut,
     /// The connection closed first.
     Closed(Broken),
+    /// The sidecar answered under the call's id with a body this client does not decode
+    /// (a reply or a refusal newer than this build): why.
+    Undecodable(String),
 }
 
 impl Outcome {
@@ -55,6 +58,7 @@ impl Outcome {
             Outcome::Answered(result) => result.map_err(Error::Refused),
             Outcome::TimedOut => Err(Error::Timeout { after: timeout }),
             Outcome::Closed(broken) => Err(broken.into()),
+            Outcome::Undecodable(why) => Err(Error::Protocol(why)),
         }
     }
 }
@@ -183,11 +187,20 @@ impl InFlight {
     /// the lock is released. An answer nobody waits for (late, repeated or unknown) is
     /// dropped.
     pub(crate) fn answer(&mut self, id: u64, result: Result<Reply, Refusal>) -> Option<Waker> {
+        self.settle(id, Outcome::Answered(result))
+    }
+
+    /// As [`InFlight::answer`], for an answer whose body did not decode: `why`.
+    pub(crate) fn undecodable(&mut self, id: u64, why: String) -> Option<Waker> {
+        self.settle(id, Outcome::Undecodable(why))
+    }
+
+    fn settle(&mut self, id: u64, outcome: Outcome) -> Option<Waker> {
         let slot = self.slot_mut(id)?;
         if !matches!(slot, Slot::Waiting { .. }) {
             return None;
         }
-        match std::mem::replace(slot, Slot::Done(Outcome::Answered(result))) {
+        match std::mem::replace(slot, Slot::Done(outcome)) {
             Slot::Waiting { waker, .. } => Some(waker),
             Slot::Done(_) | Slot::Vacant => None,
         }

@@ -18,7 +18,7 @@ use serde::{Deserialize, Serialize};
 mod hot_path;
 
 pub use hot_path::{decode_request, encode_response};
-pub(crate) use hot_path::{decode_response, encode_request};
+pub(crate) use hot_path::{decode_response, encode_request, response_id};
 
 /// The client protocol version this build speaks.
 pub const CLIENT_WIRE_VERSION: u8 = 3;

@@ -323,6 +323,39 @@ async fn a_reply_of_the_wrong_kind_is_a_protocol_error_and_the_connection_stays_
 }
 
 #[tokio::test]
+async fn an_answer_newer_than_this_client_fails_its_call_alone_and_the_connection_stays_up() {
+    // A sidecar of the same wire version with a reply variant this build does not know.
+    let (listener, endpoint) = listen().await;
+    let server = tokio::spawn(async move {
+        let (mut stream, _) = listener.accept().await.unwrap();
+        let incr = read_request(&mut stream).await.unwrap();
+        let id = u8::try_from(incr.id).expect("a small first id");
+        let body = [wire::CLIENT_WIRE_VERSION, id, 0, 9];
+        let mut frame = (body.len() as u32).to_le_bytes().to_vec();
+        frame.extend(body);
+        stream.write_all(&frame).await.unwrap();
+        let get = read_request(&mut stream).await.unwrap();
+        write_responses(
+            &mut stream,
+            &[Response {
+                id: get.id,
+                result: Ok(Reply::Estimate(estimate(4))),
+            }],
+        )
+        .await;
+    });
+
+    let client = Client::connect(endpoint, options()).await.unwrap();
+    let err = client.incr("login", "user-42", 1).await.unwrap_err();
+    assert!(
+        matches!(&err, Error::Protocol(why) if why.contains("does not decode")),
+        "{err:?}"
+    );
+    assert_eq!(client.get("login", "user-42").await.unwrap(), estimate(4));
+    server.await.unwrap();
+}
+
+#[tokio::test]
 async fn a_request_too_large_for_one_frame_is_refused_before_it_is_sent() {
     let (listener, endpoint) = listen().await;
     let server = tokio::spawn(async move {

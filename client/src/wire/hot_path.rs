@@ -69,6 +69,12 @@ pub(crate) fn decode_response(body: &[u8]) -> Result<Response, FrameError> {
     }
 }
 
+/// The id a response's body (after the length prefix) starts with, if the body is of this
+/// wire version: the call an answer is for, even when the rest does not decode.
+pub(crate) fn response_id(body: &[u8]) -> Option<u64> {
+    Reader::new(body)?.u64()
+}
+
 // Variant indexes, in the order the enums in `wire` declare their variants (bincode
 // encodes a variant by its index).
 const OP_INCR: u8 = 0;
