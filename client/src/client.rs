@@ -71,7 +71,9 @@ impl Options {
 /// works, while something drives it), after a reconnect too, whichever runtime the call
 /// that reconnects runs on; calls may come from any runtime. When the connection breaks,
 /// the requests in flight fail with [`Error::Disconnected`] (or [`Error::Protocol`] after
-/// a bad frame either way) and the next request reconnects; once the connecting runtime is
+/// a frame either way that does not decode as far as its request id; an answer that
+/// decodes only that far fails its own call alone) and the next request reconnects; once
+/// the connecting runtime is
 /// shut down, every call fails with [`Error::RuntimeStopped`].
 ///
 /// Dropping a call's future (a `select!` that takes another branch, a cancelled task)

@@ -13,7 +13,8 @@
 //!
 //! Architecture Invariant: a [`Client`] holds at most one connection. When it breaks, the
 //! requests in flight fail with [`Error::Disconnected`] (or [`Error::Protocol`], after a
-//! frame that does not decode or one the sidecar refused) and the next request makes one
+//! frame that does not decode as far as its request id, or one the sidecar refused) and
+//! the next request makes one
 //! attempt to reconnect; nothing reconnects in the background and nothing retries.
 //!
 //! Main types:

@@ -75,12 +75,17 @@ pub fn run(args: &DaemonArgs) -> Result<(), StartError> {
         .enable_all()
         .build()
         .map_err(StartError::Runtime)?;
-    let ran = runtime.block_on(daemon::run(config, shutdown_signal()));
+    let ran = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        runtime.block_on(daemon::run(config, shutdown_signal()))
+    }));
     // A blocking thread still in a sync of a failing disk (the region's committer, the
-    // lane log's) holds nothing acknowledged: the process leaves without it.
+    // lane log's) holds nothing acknowledged: the process leaves without it, after a
+    // panic too.
     runtime.shutdown_timeout(STOP_BLOCKING_WAIT);
-    ran?;
-    Ok(())
+    match ran {
+        Ok(ran) => Ok(ran?),
+        Err(panic) => std::panic::resume_unwind(panic),
+    }
 }
 
 /// How long a stopping node waits for its blocking threads once its tasks are done.

@@ -69,7 +69,10 @@ impl Drop for ReportsEnd {
 
 /// A value dropped on the runtime's blocking pool rather than where the guard is dropped,
 /// however its holder ends (an aborted task included): for a value whose drop may wait on
-/// a disk, so that the node's one thread goes on. Dropped in place where no runtime runs.
+/// a disk, so that the node's one thread goes on. Dropped in place where no runtime runs,
+/// or once the runtime's blocking pool has shut down (tokio drops a closure it can no
+/// longer run where it is given): so its holder must end while the runtime runs, as the
+/// region task does (`daemon::run` awaits it).
 #[derive(Debug)]
 pub struct DropsOffThread<T: Send + 'static>(Option<T>);
 
