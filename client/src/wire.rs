@@ -246,7 +246,9 @@ pub enum Reply {
 /// A subject's count as this sidecar sees it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Estimate {
-    /// This node's own lanes (exact) plus the other nodes' lanes as last merged.
+    /// This node's own lanes (exact) plus the other nodes' lanes as last merged, in
+    /// `window` alone: under a sliding rule the previous window's weighted part, which a
+    /// check adds ([`Decision::estimate`]), is not in it.
     pub estimate: i128,
     /// The window the count is in: `floor(unix_secs / window_secs)`.
     pub window: u64,
@@ -286,7 +288,10 @@ impl Mode {
 pub struct Decision {
     /// Whether the use is allowed. If so, its cost was counted.
     pub allowed: bool,
-    /// The count the decision was made on, after this use if it was allowed.
+    /// The estimate of every location's count (under a sliding rule, with the previous
+    /// window's weighted part), after this use if it was allowed: the count a connected
+    /// decision is made on. An isolated decision is made on this node's own count against
+    /// its share ([`Decision::remaining`]), and still reports this estimate.
     pub estimate: i128,
     /// The rule's limit per window.
     pub limit: u64,

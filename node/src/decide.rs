@@ -336,8 +336,13 @@ impl Context<'_> {
         };
         let len_ms = u64::from(window.len_secs()) * 1_000;
         let elapsed_ms = self.now.0.saturating_sub(window.start_unix_secs() * 1_000);
-        let weight = 1.0 - (elapsed_ms.min(len_ms) as f64 / len_ms as f64);
-        (count(key.in_window(previous)) as f64 * weight).ceil() as i128
+        // In integers: in floating point, 7 s into a 10 s window weighed 0.30000000000000004,
+        // and a count of 10 took 4, and counts past 2^53 lost their last units.
+        let weighted = count(key.in_window(previous))
+            .saturating_mul(i128::from(len_ms - elapsed_ms.min(len_ms)));
+        let len_ms = i128::from(len_ms);
+        let (whole, part) = (weighted / len_ms, weighted % len_ms);
+        whole + i128::from(part > 0)
     }
 
     /// The decision on `key` under `rule`, as `decided`, on state `staleness` old.
@@ -643,6 +648,31 @@ mod tests {
         let refused = context.check(&rule, key, 40).unwrap();
         assert!(!refused.allowed);
         assert_eq!((refused.estimate, refused.remaining), (65, 35));
+    }
+
+    #[test]
+    fn a_sliding_weight_that_makes_a_whole_count_takes_that_count_not_one_more() {
+        // 7 s of a 10 s window have run: three tenths of the previous window's 10 weigh,
+        // 3 (in floating point 0.30000000000000004 of it, which rounded up to 4).
+        let rule = RuleConfig {
+            sliding: true,
+            window_secs: 10,
+            ..rule(10, 0)
+        };
+        let (store, owned) = setup(&rule);
+        let key = KeyRef::from(&owned);
+        let previous = owned.window.previous().unwrap();
+        let now = Stamp(NOW.0 + 7_000);
+        let view = view(Stamp(now.0 - 100));
+        let mut context = Context {
+            now,
+            ..context(&store, &view)
+        };
+        context.count(key.in_window(previous), 10, true).unwrap();
+        context.count(key, 6, true).unwrap();
+        let admitted = context.check(&rule, key, 1).unwrap();
+        assert!(admitted.allowed);
+        assert_eq!((admitted.estimate, admitted.remaining), (3 + 6 + 1, 0));
     }
 
     #[test]
