@@ -98,8 +98,9 @@ async fn peers_without_a_cluster_certificate_are_refused_at_the_handshake() {
 
     // The cluster's certificates name one node each: a dialer expecting node 2 (here a
     // rustls client with the node's name check, the check the node's own dialer makes
-    // through `certs::server_name`) refuses node 1's. The node's dialer itself is not
-    // driven to a wrong peer here.
+    // through `certs::server_name`) refuses node 1's. The node's dialer itself is driven
+    // to a wrong peer in `transport`'s unit test
+    // `a_peer_dialed_whose_certificate_names_another_node_as_well_is_refused`.
     let cluster_client = cluster.member_client(1);
     let connecting = cluster_client
         .connect(cluster.nodes[0].gossip_addr(), "node-2.tally")

@@ -204,8 +204,19 @@ impl Ca {
         from: OffsetDateTime,
         until: OffsetDateTime,
     ) -> Result<(String, String), CertError> {
-        let name = server_name(node);
-        let mut params = CertificateParams::new(vec![name.clone()])?;
+        self.issue_naming(vec![server_name(node)], from, until)
+    }
+
+    /// A certificate and key naming `names` (the first also as its common name), valid
+    /// from `from` until `until`.
+    pub(crate) fn issue_naming(
+        &self,
+        names: Vec<String>,
+        from: OffsetDateTime,
+        until: OffsetDateTime,
+    ) -> Result<(String, String), CertError> {
+        let name = names.first().cloned().unwrap_or_default();
+        let mut params = CertificateParams::new(names)?;
         params.distinguished_name.push(DnType::CommonName, name);
         params.key_usages = vec![KeyUsagePurpose::DigitalSignature];
         (params.not_before, params.not_after) = (from, until);

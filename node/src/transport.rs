@@ -290,13 +290,16 @@ impl Transport {
         }
     }
 
-    /// Closes a connection whose peer sent a frame for another origin.
+    /// Closes a connection whose peer sent a frame for another origin: counted once,
+    /// however many of its frames were still queued.
     pub fn refuse(&mut self, from: NodeId, connection: &quinn::Connection) {
+        if connection.close_reason().is_none() {
+            self.shared
+                .stats
+                .connections_forged
+                .fetch_add(1, Ordering::Relaxed);
+        }
         connection.close(CLOSE_PROTOCOL.into(), b"frame claims another origin");
-        self.shared
-            .stats
-            .connections_forged
-            .fetch_add(1, Ordering::Relaxed);
         let mut connections = lock(&self.shared.connections);
         if connections
             .get(&from)
@@ -975,6 +978,26 @@ async fn connection_to(
                 .await
                 .map_err(|_| "handshake timed out".to_owned())?
                 .map_err(|err| err.to_string())?;
+            // The rule an accepting side applies (`tls::node_of`): exactly one node name,
+            // this one. rustls matched `node`'s name among any the certificate holds, in
+            // any case.
+            match tls::peer_node(&connection) {
+                Ok(named) if named == node => {}
+                refused => {
+                    shared
+                        .stats
+                        .handshakes_refused
+                        .fetch_add(1, Ordering::Relaxed);
+                    let why = match refused {
+                        Ok(named) => {
+                            format!("the certificate names node {}, not {}", named.0, node.0)
+                        }
+                        Err(why) => why,
+                    };
+                    connection.close(CLOSE_PROTOCOL.into(), why.as_bytes());
+                    return Err(format!("node {}: {why}", node.0));
+                }
+            }
             adopt(shared, node, &connection);
             tokio::spawn(read_streams(shared.clone(), node, connection.clone()));
             connection
@@ -1121,6 +1144,58 @@ mod tests {
             .issue_valid(NodeId(1), at(now - 60), at(now + 3_600))
             .unwrap();
         assert_eq!(connect(valid).await, (0, 1), "a valid certificate");
+        std::fs::remove_dir_all(dir).unwrap();
+    }
+
+    /// A certificate from the cluster's CA naming two nodes, 2 and 9: refused by an
+    /// accepting side (`tls::node_of`), and by a dialing one too, which rustls alone would
+    /// have let through as node 9.
+    #[tokio::test(flavor = "current_thread")]
+    async fn a_peer_dialed_whose_certificate_names_another_node_as_well_is_refused() {
+        use rustls::pki_types::pem::PemObject;
+        use rustls::pki_types::{CertificateDer, PrivateKeyDer};
+        let (one, _two, _to_two, dir) = two_nodes("two-names");
+        let ca = crate::certs::Ca::load_or_create(&dir).unwrap();
+        let now = (crate::clock::wall().0 / 1_000) as i64;
+        let at = |secs: i64| time::OffsetDateTime::from_unix_timestamp(secs).unwrap();
+        let names = vec![server_name(NodeId(2)), server_name(NodeId(9))];
+        let (cert, key) = ca
+            .issue_naming(names, at(now - 60), at(now + 3_600))
+            .unwrap();
+        let chain = CertificateDer::pem_slice_iter(cert.as_bytes())
+            .map(Result::unwrap)
+            .collect();
+        let key = PrivateKeyDer::from_pem_slice(key.as_bytes()).unwrap();
+        let provider = Arc::new(rustls::crypto::ring::default_provider());
+        let mut config = rustls::ServerConfig::builder_with_provider(provider)
+            .with_protocol_versions(&[&rustls::version::TLS13])
+            .unwrap()
+            .with_no_client_auth()
+            .with_single_cert(chain, key)
+            .unwrap();
+        config.alpn_protocols = vec![tls::ALPN.to_vec()];
+        let config = quinn::crypto::rustls::QuicServerConfig::try_from(config).unwrap();
+        let server = quinn::Endpoint::server(
+            quinn::ServerConfig::with_crypto(Arc::new(config)),
+            "127.0.0.1:0".parse().unwrap(),
+        )
+        .unwrap();
+        let addr = server.local_addr().unwrap().to_string();
+        let accepting = tokio::spawn(async move {
+            let incoming = server.accept().await?;
+            incoming.await.ok()
+        });
+        let dialed = connection_to(&one.shared, NodeId(9), &addr).await;
+        let Err(why) = dialed else {
+            panic!("a certificate naming nodes 2 and 9 was taken as node 9's");
+        };
+        assert!(why.contains("node 9"), "{why}");
+        assert_eq!(
+            one.shared.stats.handshakes_refused.load(Ordering::Relaxed),
+            1
+        );
+        assert!(held(&one.shared, NodeId(9)).is_none());
+        accepting.abort();
         std::fs::remove_dir_all(dir).unwrap();
     }
 
