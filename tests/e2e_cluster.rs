@@ -521,12 +521,22 @@ async fn metrics_parse_and_show_staleness_rising_for_a_killed_peer() {
         "tally_keys",
         "tally_lanes",
         "tally_resident_memory_bytes",
+        "tally_certificate_expiry_timestamp_seconds",
     ] {
         assert!(
             scrape.samples.iter().any(|s| s.metric == name),
             "{name} missing from /metrics"
         );
     }
+    // `tally certs` makes a node's certificate valid for two years from now.
+    let expires = cluster.nodes[0]
+        .metric("tally_certificate_expiry_timestamp_seconds", &[])
+        .unwrap();
+    let now_secs = tally_node::clock::wall().0 as f64 / 1_000.0;
+    assert!(
+        expires > now_secs + 365.0 * 86_400.0,
+        "{expires} {now_secs}"
+    );
     let staleness = |cluster: &Cluster| {
         cluster.nodes[0]
             .metric("tally_origin_staleness_seconds", &[("node", "3")])

@@ -145,6 +145,7 @@ pub async fn run(config: Config, shutdown: impl Future<Output = ()>) -> Result<(
     }
 
     let identity = tls::identity(&config.tls, node)?;
+    let certificate_expires = identity.expires_unix_secs;
     let days_left = (identity.expires_unix_secs - (now.wall.0 / 1_000) as i64) / 86_400;
     if days_left < CERT_WARN_DAYS {
         eprintln!(
@@ -247,6 +248,9 @@ pub async fn run(config: Config, shutdown: impl Future<Output = ()>) -> Result<(
         gossip_config.dead_after,
     );
     let metrics = Arc::new(Metrics::default());
+    metrics
+        .certificate_expires_unix_secs
+        .store(certificate_expires, std::sync::atomic::Ordering::Relaxed);
     let (stop, stopped) = watch::channel(false);
     let mut driver = Driver {
         gossip: Gossip::with_state(gossip_config, map)

@@ -13,7 +13,7 @@ use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::MetricType;
 use prometheus_client::registry::Registry;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicI64, AtomicU64, Ordering};
 use std::sync::Arc;
 use tally_client::wire::Mode;
 use tally_crdt::{ReplicaId, Stamp};
@@ -41,6 +41,9 @@ pub struct Metrics {
     pub lane_log_refused: AtomicU64,
     /// Fallbacks' counts taken back because the region admitted their checks after all.
     pub fallbacks_taken_back: AtomicU64,
+    /// When this node's own certificate stops being valid, in unix seconds: peers refuse
+    /// its handshakes after, and a connection open then lasts only until its next break.
+    pub certificate_expires_unix_secs: AtomicI64,
 }
 
 impl Metrics {
@@ -418,6 +421,19 @@ pub fn render(sources: &Sources<'_>) -> String {
         "lanes",
         "Lanes in the gossip map, all origins",
         view.lanes,
+    );
+    let expires = Gauge::<i64>::default();
+    expires.set(
+        sources
+            .metrics
+            .certificate_expires_unix_secs
+            .load(Ordering::Relaxed),
+    );
+    registry.register(
+        "certificate_expiry_timestamp_seconds",
+        "When this node's certificate stops being valid (unix seconds): renew it before, \
+         as every node's handshakes are refused after",
+        expires,
     );
     gauge(
         &mut registry,
