@@ -80,12 +80,15 @@ pub struct TransportStats {
     /// Frames cut off by the end of their stream, dropped.
     pub frames_truncated: AtomicU64,
     /// Incoming handshakes refused (no certificate, another CA, no node id) or not
-    /// finished within the deadline.
+    /// finished within the deadline, and peers dialed whose certificate names more than
+    /// one node (a dial rustls itself fails is not counted here).
     pub handshakes_refused: AtomicU64,
     /// Incoming connections refused before their handshake: too many in progress, in all
     /// or from their address.
     pub handshakes_shed: AtomicU64,
-    /// Connections closed for a frame claiming another origin than the certificate's.
+    /// Connections closed for a frame claiming another origin than the certificate's,
+    /// once each; one already closed (by its peer, say) when its frame is handled is not
+    /// counted.
     pub connections_forged: AtomicU64,
     /// Connections established, either way.
     pub connections: AtomicU64,
