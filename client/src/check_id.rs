@@ -26,12 +26,13 @@ impl CheckId {
     ///
     /// The session is 64 bits from the OS's random source (`getrandom`), so two
     /// processes share one with a chance of about `n² / 2^65` among `n` processes that
-    /// make ids. A process forked from one that made ids draws its own. Make an id just before its check's first send: numbers are given out
-    /// here, and the region remembers a session's most recent 16,384 decided ones, so an
-    /// id first sent after that many later ids of its process were decided is refused
-    /// [`crate::Refusal::Forgotten`] though never decided. Once sent, keep it with the work
-    /// it names (a queued job, say) to retry the check from another process, or after a
-    /// restart, within the first check's window.
+    /// make ids. A process forked from one that made ids draws its own. Make an id just
+    /// before its check's first send: numbers are given out here, and the region remembers
+    /// a session's most recent 16,384 decided ones, so an id first sent after that many
+    /// later ids of its process were decided is refused [`crate::Refusal::Forgotten`]
+    /// though never decided. Once sent, keep it with the work it names (a queued job, say)
+    /// to retry the check from another process, or after a restart, within the first
+    /// check's window.
     #[allow(clippy::new_without_default)] // each call is different: not a default
     pub fn new() -> CheckId {
         CheckId {

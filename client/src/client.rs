@@ -73,8 +73,7 @@ impl Options {
 /// the requests in flight fail with [`Error::Disconnected`] (or [`Error::Protocol`] after
 /// a frame either way that does not decode as far as its request id; an answer that
 /// decodes only that far fails its own call alone) and the next request reconnects; once
-/// the connecting runtime is
-/// shut down, every call fails with [`Error::RuntimeStopped`].
+/// the connecting runtime is shut down, every call fails with [`Error::RuntimeStopped`].
 ///
 /// Dropping a call's future (a `select!` that takes another branch, a cancelled task)
 /// stops the wait, not the request: one already queued is still sent, and may count. Its
@@ -122,9 +121,10 @@ impl Client {
     /// Adds `amount` to `subject`'s count under `rule` and returns the count after it.
     ///
     /// After an error the count is unchanged only for [`Error::Refused`], [`Error::Connect`],
-    /// [`Error::NotSent`] and [`Error::RuntimeStopped`]. After [`Error::Timeout`] or [`Error::Disconnected`] the outcome
-    /// is unknown: the increment may have been applied, and retrying it may count twice;
-    /// for an increment that must be retried, see [`Client::incr_with_id`].
+    /// [`Error::NotSent`] and [`Error::RuntimeStopped`]. After [`Error::Timeout`] or
+    /// [`Error::Disconnected`] the outcome is unknown: the increment may have been applied,
+    /// and retrying it may count twice; for an increment that must be retried, see
+    /// [`Client::incr_with_id`].
     pub async fn incr(&self, rule: &str, subject: &str, amount: u64) -> Result<Estimate, Error> {
         self.count(true, rule, subject, amount, None).await
     }
@@ -283,9 +283,9 @@ impl Client {
     /// or its error (each request is timed out on its own). The outer `Err` means nothing
     /// was sent: no connection ([`Error::Connect`]), a connection that closed before the
     /// pipeline was queued or no room in the outbox within the timeout
-    /// ([`Error::NotSent`]), or a request, or the
-    /// whole pipeline, too large to send ([`Refusal::BadField`] naming `rule`, `subject`
-    /// or `pipeline`). An empty pipeline sends nothing and returns no results.
+    /// ([`Error::NotSent`]), or a request, or the whole pipeline, too large to send
+    /// ([`Refusal::BadField`] naming `rule`, `subject` or `pipeline`). An empty pipeline
+    /// sends nothing and returns no results.
     pub async fn send(&self, pipeline: &Pipeline<'_>) -> Result<Vec<Result<Reply, Error>>, Error> {
         let ops = pipeline.ops();
         if ops.is_empty() {

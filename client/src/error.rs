@@ -7,9 +7,10 @@ use crate::wire::Refusal;
 /// Why a call failed, and whether the sidecar's state may have changed.
 ///
 /// Each variant says what is known about the request: [`Error::Connect`],
-/// [`Error::NotSent`] and most refusals mean nothing was counted, but the region may have counted an exact check
-/// refused with `RegionUnavailable`, `Storage` or `Forgotten`; [`Error::Timeout`],
-/// [`Error::Disconnected`] and [`Error::Protocol`] mean the outcome is unknown.
+/// [`Error::NotSent`] and most refusals mean nothing was counted, but the region may have
+/// counted an exact check refused with `RegionUnavailable`, `Storage` or `Forgotten`;
+/// [`Error::Timeout`], [`Error::Disconnected`] and [`Error::Protocol`] mean the outcome is
+/// unknown.
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
 pub enum Error {
@@ -69,13 +70,12 @@ impl Error {
     /// Whether the same call may succeed if made again.
     ///
     /// True for [`Error::Timeout`], [`Error::Disconnected`], [`Error::NotSent`] and
-    /// [`Error::Connect`], and for
-    /// refusals that name a passing condition ([`Refusal::RegionUnavailable`],
-    /// [`Refusal::Storage`]). False for other refusals, for [`Error::Protocol`] and for
-    /// [`Error::RuntimeStopped`]: asking again gets the same answer. (When the sidecar
-    /// refuses one frame of a connection, every request in flight on it fails with
-    /// `Protocol`, the well-formed ones beside it too: those may have counted, and sent
-    /// again may succeed.)
+    /// [`Error::Connect`], and for refusals that name a passing condition
+    /// ([`Refusal::RegionUnavailable`], [`Refusal::Storage`]). False for other refusals,
+    /// for [`Error::Protocol`] and for [`Error::RuntimeStopped`]: asking again gets the
+    /// same answer. (When the sidecar refuses one frame of a connection, every request in
+    /// flight on it fails with `Protocol`, the well-formed ones beside it too: those may
+    /// have counted, and sent again may succeed.)
     ///
     /// Retryable does not mean safe to retry. After a `Timeout` or a `Disconnected` the
     /// first request may have been applied, and after a refusal `RegionUnavailable` or

@@ -287,20 +287,18 @@ async fn a_frame_the_sidecar_refuses_fails_the_call_with_its_reason_and_no_retry
     server.await.unwrap();
 }
 
-#[tokio::test]
-async fn a_reply_of_the_wrong_kind_is_a_protocol_error_and_the_connection_stays_up() {
+/// A sidecar answers an `incr` with the frame `first` makes for its id, then a `get` with an
+/// estimate of 4: the `incr` fails alone with a `Protocol` error saying `why`, and the `get`
+/// is answered on the same connection.
+async fn a_bad_answer_fails_its_call_alone(
+    first: impl FnOnce(u64) -> Vec<u8> + Send + 'static,
+    why: &str,
+) {
     let (listener, endpoint) = listen().await;
     let server = tokio::spawn(async move {
         let (mut stream, _) = listener.accept().await.unwrap();
         let incr = read_request(&mut stream).await.unwrap();
-        write_responses(
-            &mut stream,
-            &[Response {
-                id: incr.id,
-                result: Ok(Reply::Status(status())),
-            }],
-        )
-        .await;
+        stream.write_all(&first(incr.id)).await.unwrap();
         let get = read_request(&mut stream).await.unwrap();
         write_responses(
             &mut stream,
@@ -315,7 +313,7 @@ async fn a_reply_of_the_wrong_kind_is_a_protocol_error_and_the_connection_stays_
     let client = Client::connect(endpoint, options()).await.unwrap();
     let err = client.incr("login", "user-42", 1).await.unwrap_err();
     assert!(
-        matches!(&err, Error::Protocol(why) if why.contains("incr expects a Counted reply")),
+        matches!(&err, Error::Protocol(said) if said.contains(why)),
         "{err:?}"
     );
     assert_eq!(client.get("login", "user-42").await.unwrap(), estimate(4));
@@ -323,36 +321,27 @@ async fn a_reply_of_the_wrong_kind_is_a_protocol_error_and_the_connection_stays_
 }
 
 #[tokio::test]
+async fn a_reply_of_the_wrong_kind_is_a_protocol_error_and_the_connection_stays_up() {
+    let status_reply = |id| {
+        let mut frame = Vec::new();
+        let result = Ok(Reply::Status(status()));
+        wire::encode_frame(&Response { id, result }, &mut frame);
+        frame
+    };
+    a_bad_answer_fails_its_call_alone(status_reply, "incr expects a Counted reply").await;
+}
+
+#[tokio::test]
 async fn an_answer_newer_than_this_client_fails_its_call_alone_and_the_connection_stays_up() {
     // A sidecar of the same wire version with a reply variant this build does not know.
-    let (listener, endpoint) = listen().await;
-    let server = tokio::spawn(async move {
-        let (mut stream, _) = listener.accept().await.unwrap();
-        let incr = read_request(&mut stream).await.unwrap();
-        let id = u8::try_from(incr.id).expect("a small first id");
+    let unknown_reply = |id| {
+        let id = u8::try_from(id).expect("a small first id");
         let body = [wire::CLIENT_WIRE_VERSION, id, 0, 9];
         let mut frame = (body.len() as u32).to_le_bytes().to_vec();
         frame.extend(body);
-        stream.write_all(&frame).await.unwrap();
-        let get = read_request(&mut stream).await.unwrap();
-        write_responses(
-            &mut stream,
-            &[Response {
-                id: get.id,
-                result: Ok(Reply::Estimate(estimate(4))),
-            }],
-        )
-        .await;
-    });
-
-    let client = Client::connect(endpoint, options()).await.unwrap();
-    let err = client.incr("login", "user-42", 1).await.unwrap_err();
-    assert!(
-        matches!(&err, Error::Protocol(why) if why.contains("does not decode")),
-        "{err:?}"
-    );
-    assert_eq!(client.get("login", "user-42").await.unwrap(), estimate(4));
-    server.await.unwrap();
+        frame
+    };
+    a_bad_answer_fails_its_call_alone(unknown_reply, "does not decode").await;
 }
 
 #[tokio::test]

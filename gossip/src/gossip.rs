@@ -156,11 +156,11 @@ pub struct Gossip {
     wall_latest: Stamp,
     // This node's earlier lives whose lanes it started with (re-published from its lane
     // log above every version it takes a peer to hold): only their lanes may it give new
-    // versions (`settle_earlier_life`). Of another earlier life it does not know the
+    // versions (`restamp_raised`). Of another earlier life it does not know the
     // versions peers hold, and a version it gave could name another lane there.
     republished: BTreeSet<ReplicaId>,
     // Lanes of other nodes' earlier lives to send back to them once the frame that showed
-    // them is handled (`settle_earlier_life`).
+    // them is handled (`correct_owner`).
     corrections: Vec<(NodeId, Message)>,
 }
 
@@ -213,7 +213,7 @@ impl Gossip {
     /// from its durable log above every version a peer is taken to hold of them
     /// ([`CounterMap::raise_version`]). Where a peer's copy of one of those lanes raises the
     /// map's (the log was behind what the peer had), the node gives the lane a new version,
-    /// so that every holder ends on the larger totals (`settle_earlier_life`).
+    /// so that every holder ends on the larger totals (`restamp_raised`).
     pub fn with_republished(mut self, lives: impl IntoIterator<Item = ReplicaId>) -> Gossip {
         let me = self.config.replica;
         self.republished = (lives.into_iter())
@@ -598,7 +598,12 @@ impl Gossip {
                 }));
         }
         for earlier in earlier_lives {
-            self.settle_earlier_life(now, &delta.origins[earlier.entry], earlier);
+            let entry = &delta.origins[earlier.entry];
+            if earlier.owner == me {
+                self.restamp_raised(now, entry, &earlier.held);
+            } else {
+                self.correct_owner(entry, &earlier);
+            }
         }
         self.stats.lanes_refused += applied.lanes_refused as u64;
         self.stats.lanes_clashing += applied.lanes_clashing as u64;
@@ -631,6 +636,10 @@ impl Gossip {
     ) -> Vec<EarlierLife> {
         let me = self.config.replica;
         let newer_life = |origin: ReplicaId| {
+            if origin == sender {
+                // Its own live life (a push, the hot path).
+                return None;
+            }
             let in_frame = (rows.iter())
                 .filter(|row| row.node == origin.node)
                 .map(MemberEntry::replica)
@@ -660,37 +669,41 @@ impl Gossip {
             .collect()
     }
 
-    /// Mends what a node's re-publishing of an earlier life's lanes can leave, once
-    /// `entry`, of that life, is merged: the node re-published from its log at versions
-    /// above the peers', and where its log was behind what a peer had, that peer holds
-    /// larger totals under the re-published version than the node and every holder of
-    /// the node's copy, which no digest shows.
-    ///
-    /// - An earlier life of this node's that it re-published ([`Gossip::with_republished`]):
-    ///   a lane that `entry` raised gets the next version, so that every holder of the
-    ///   smaller totals under an older version takes the larger ones.
-    /// - Another node's: a lane whose copy in `entry` claims a newer version than held but
-    ///   lacks some of its totals goes back to that node, merged, to be given the next
-    ///   version there.
-    fn settle_earlier_life(&mut self, now: Now, entry: &OriginDelta, earlier: EarlierLife) {
-        let origin = entry.origin;
-        let updates = entry.lanes.iter().zip(&earlier.held);
-        if earlier.owner == self.config.replica {
-            for (update, held) in updates {
-                let before = held.map(|slot| slot.lane);
-                let raised = Some(self.map.lane(&update.key, origin)) != before;
-                if raised && self.map.restamp(origin, &update.key, now.wall).is_some() {
-                    self.stats.lanes_restamped += 1;
-                }
+    /// Mends, once `entry` of a life this node re-published ([`Gossip::with_republished`])
+    /// is merged, a lane the entry raised (`held`: each lane's slot before): its log was
+    /// behind what the peer had, and every holder of its smaller totals under the
+    /// re-published version keeps them, which no digest shows. The lane gets the next
+    /// version, so that every holder takes the larger totals.
+    fn restamp_raised(&mut self, now: Now, entry: &OriginDelta, held: &[Option<Slot>]) {
+        for (update, held) in entry.lanes.iter().zip(held) {
+            let before = held.map(|slot| slot.lane);
+            let raised = Some(self.map.lane(&update.key, entry.origin)) != before;
+            if raised
+                && self
+                    .map
+                    .restamp(entry.origin, &update.key, now.wall)
+                    .is_some()
+            {
+                self.stats.lanes_restamped += 1;
             }
-            return;
         }
-        let mut lanes: Vec<LaneUpdate> = (updates)
+    }
+
+    /// Queues for another node, once `entry` of its earlier life is merged, each lane whose
+    /// copy in the entry claims a newer version than held here but lacks some of its
+    /// totals (the node re-published it from a log behind this copy): merged, to be given
+    /// the next version there ([`Gossip::restamp_raised`]). Sent once the frame is handled
+    /// (`handle_frame`), a frame's worth at a time, each lane counted at its largest.
+    fn correct_owner(&mut self, entry: &OriginDelta, earlier: &EarlierLife) {
+        let origin = entry.origin;
+        let mut lanes: Vec<LaneUpdate> = (entry.lanes.iter().zip(&earlier.held))
             .filter_map(|(update, held)| {
                 let held = held.as_ref()?;
-                let lacks = update.version > held.version && !update.lane.covers(held.lane);
+                if update.version <= held.version || update.lane.covers(held.lane) {
+                    return None;
+                }
                 let slot = *self.map.counter(&update.key)?.slot(origin)?;
-                lacks.then(|| LaneUpdate {
+                Some(LaneUpdate {
                     key: update.key.clone(),
                     lane: slot.lane,
                     version: slot.version,
@@ -703,8 +716,6 @@ impl Gossip {
         lanes.sort_unstable_by_key(|update| update.version);
         lanes.dedup_by_key(|update| update.version);
         self.stats.lanes_corrected += lanes.len() as u64;
-        // Sent once the frame is handled (`handle_frame`).
-        // A frame's worth at a time, counting each lane at its largest.
         let per_frame = (self.config.frame_bytes_max / 2 / DELTA_BYTES_MIN).max(1);
         for lanes in lanes.chunks(per_frame) {
             let correction = Message::Delta {

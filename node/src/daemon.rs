@@ -146,7 +146,7 @@ pub async fn run(config: Config, shutdown: impl Future<Output = ()>) -> Result<(
 
     let identity = tls::identity(&config.tls, node)?;
     let certificate_expires = identity.expires_unix_secs;
-    let days_left = (identity.expires_unix_secs - (now.wall.0 / 1_000) as i64) / 86_400;
+    let days_left = (certificate_expires - (now.wall.0 / 1_000) as i64) / 86_400;
     if days_left < CERT_WARN_DAYS {
         eprintln!(
             "tallyd: warning: {} expires in {days_left} days; issue a new one with `tally certs` \

@@ -23,10 +23,10 @@
 //! [`Recovered::republish_floor`]), so the merge of the logged totals with the peers'
 //! copies is the largest of both: nothing acknowledged is lost, and nothing is counted
 //! twice. (A log behind what peers hold, as after a restored disk snapshot, is mended by
-//! the gossip where it re-published a lane: `Gossip::with_republished`.) A log is deleted once every window in it is over. A log compacted (rewritten as
-//! one record per live key with a non-zero own lane) is written beside itself as
-//! `lanes-<generation>.compact` and renamed over itself; a start removes such a file left
-//! by a crash.
+//! the gossip where it re-published a lane: `Gossip::with_republished`.) A log is deleted
+//! once every window in it is over. A log compacted (rewritten as one record per live key
+//! with a non-zero own lane) is written beside itself as `lanes-<generation>.compact` and
+//! renamed over itself; a start removes such a file left by a crash.
 //!
 //! A record is `[len u32][crc32 u32][body]`; replay stops at the first record that is
 //! short, of length 0, or fails its checksum, keeping the prefix before it. A log is

@@ -122,10 +122,9 @@ struct Pending<T> {
     // On the node's monotonic clock (`Clock::mono`).
     submitted: Duration,
     timeout_ms: u64,
-    // Written on a session already: writing it again is a retry.
-    written: bool,
-    // Written again, on a later session: the region may have decided it on an earlier one.
-    resent: bool,
+    // How many sessions it was written on: writing it again is a retry, and the region
+    // may have decided it on an earlier one.
+    writes: u32,
 }
 
 impl<T> Pending<T> {
@@ -289,8 +288,7 @@ impl<T: Send + 'static> Forwarder<T> {
                     answers: answers.clone(),
                     submitted,
                     timeout_ms: check.timeout_ms,
-                    written: false,
-                    resent: false,
+                    writes: 0,
                 })
             })
             .collect();
@@ -430,9 +428,8 @@ impl<T> Held<T> {
                 self.remove(seq);
                 continue;
             }
-            retries += u64::from(pending.written);
-            pending.resent |= pending.written;
-            pending.written = true;
+            retries += u64::from(pending.writes > 0);
+            pending.writes = pending.writes.saturating_add(1);
             batch.push(seq);
         }
         self.stats.retries.fetch_add(retries, Ordering::Relaxed);
@@ -522,7 +519,7 @@ impl<T> Held<T> {
             // earlier session (its window ended meanwhile, a window shorter than the
             // rule's timeout): `Forgotten`, which no fallback answers instead, so that it
             // is not counted a second time. (Sent once, it was not decided.)
-            ExactAnswer::UnknownRule if pending.resent => Err(Refusal::Forgotten {
+            ExactAnswer::UnknownRule if pending.writes > 1 => Err(Refusal::Forgotten {
                 rule: pending.rule(),
             }),
             ExactAnswer::UnknownRule => Err(self.unavailable(
@@ -560,7 +557,7 @@ impl<T> Held<T> {
             let why = format!("no answer within {} ms", pending.timeout_ms);
             let refusal = self.unavailable(pending.rule(), why);
             // Only a check written to the region can be decided there after all.
-            let late_seq = pending.written.then_some(seq);
+            let late_seq = (pending.writes > 0).then_some(seq);
             pending.answer(Err(refusal), late_seq);
             if late_seq.is_some() {
                 self.timed_out.insert(seq);
@@ -936,8 +933,7 @@ mod tests {
             answers: answers.clone(),
             submitted: Duration::ZERO,
             timeout_ms,
-            written: false,
-            resent: false,
+            writes: 0,
         })
     }
 
