@@ -127,7 +127,7 @@ fn print_sizes() {
         ("Lane", size_of::<Lane>()),
         ("Version", size_of::<Version>()),
         ("Slot (ReplicaId + Lane + Version)", size_of::<Slot>()),
-        ("PnCounter (Vec<Slot>)", size_of::<PnCounter>()),
+        ("PnCounter (Box<[Slot]>)", size_of::<PnCounter>()),
         (
             "Option<(Key, PnCounter)> key table entry",
             size_of::<Option<(Key, PnCounter)>>(),
@@ -304,8 +304,9 @@ fn counter_map_parts(keys: &[Key], one_lane: Live) {
     drop(lanes);
     let (index, index_live) = measure(|| {
         let mut index = BTreeMap::new();
+        // The map's key ids are 32 bits.
         for (id, version) in (0..keys.len()).zip(1..) {
-            index.insert(Version(version), id);
+            index.insert(Version(version), id as u32);
         }
         index
     });
@@ -318,7 +319,7 @@ fn counter_map_parts(keys: &[Key], one_lane: Live) {
             "key table entries, Vec<Option<(Key, PnCounter)>>",
             entries_live.bytes,
         ),
-        ("one-lane PnCounter's Vec<Slot> heap", lane_heap),
+        ("one-lane PnCounter's Box<[Slot]> heap", lane_heap),
         (
             "BTreeMap<Version, key id> (one origin's index)",
             index_live.bytes,

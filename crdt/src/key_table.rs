@@ -9,8 +9,21 @@ use hashbrown::HashTable;
 use std::hash::{Hash, Hasher};
 
 /// A held key's place in its [`KeyTable`]: fixed while the key is held, reused after.
+///
+/// 32 bits, as the table's hash table and every origin's version index hold one per key
+/// or lane: a table holds fewer than 2^32 keys (each takes over 100 bytes).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) struct KeyId(usize);
+pub(crate) struct KeyId(u32);
+
+impl KeyId {
+    fn at(self) -> usize {
+        self.0 as usize
+    }
+
+    fn of(at: usize) -> KeyId {
+        KeyId(u32::try_from(at).expect("a key table holds fewer than 2^32 keys"))
+    }
+}
 
 /// A key and its counter.
 #[derive(Debug, Clone)]
@@ -82,7 +95,7 @@ impl KeyTable {
 
     /// The key and counter at `id`, if `id` is held.
     pub(crate) fn get(&self, id: KeyId) -> Option<&Held> {
-        self.entries.get(id.0)?.as_ref()
+        self.entries.get(id.at())?.as_ref()
     }
 
     /// The id and counter of `key`, holding it with an empty counter (under a free id or
@@ -106,7 +119,7 @@ impl KeyTable {
                 id
             }
         };
-        let held = self.entries[id.0].get_or_insert_with(|| Held {
+        let held = self.entries[id.at()].get_or_insert_with(|| Held {
             key: key.clone(),
             counter: PnCounter::new(),
         });
@@ -115,7 +128,7 @@ impl KeyTable {
 
     /// Stops holding `id`'s key, returning it with its counter.
     pub(crate) fn remove(&mut self, id: KeyId) -> Option<Held> {
-        let held = self.entries.get_mut(id.0)?.take()?;
+        let held = self.entries.get_mut(id.at())?.take()?;
         let hash = self.hasher.hash_one(&held.key);
         if let Ok(found) = self.ids.find_entry(hash, |&other| other == id) {
             found.remove();
@@ -129,7 +142,7 @@ impl KeyTable {
         self.entries
             .iter()
             .enumerate()
-            .filter_map(|(at, held)| Some((KeyId(at), held.as_ref()?)))
+            .filter_map(|(at, held)| Some((KeyId::of(at), held.as_ref()?)))
     }
 
     /// Whether fewer than a quarter of the ids given out (up to the highest, free ones
@@ -152,10 +165,10 @@ impl KeyTable {
             let Some(to) = self.free.pop() else {
                 break;
             };
-            if to.0 >= self.entries.len() {
+            if to.at() >= self.entries.len() {
                 continue;
             }
-            let from = KeyId(self.entries.len() - 1);
+            let from = KeyId::of(self.entries.len() - 1);
             let Some(held) = self.entries.pop().flatten() else {
                 continue;
             };
@@ -164,7 +177,7 @@ impl KeyTable {
                 *found.get_mut() = to;
             }
             moved(from, to, &held);
-            self.entries[to.0] = Some(held);
+            self.entries[to.at()] = Some(held);
         }
         self.entries.shrink_to_fit();
         self.free.shrink_to_fit();
@@ -186,7 +199,7 @@ impl KeyTable {
 
 /// Appends an empty entry and returns its id. A full vector grows by a quarter, not by
 /// doubling as `Vec::push` would: at most a fifth of its room is left unused rather than
-/// half (an entry is 48 bytes, so 12 unused a key held at worst instead of 48), and a growth copies
+/// half (an entry is 40 bytes, so 10 unused a key held at worst instead of 40), and a growth copies
 /// into 1.25 times the room rather than 2 (amortised, each entry is copied about five
 /// times rather than twice).
 fn push_empty(entries: &mut Vec<Option<Held>>) -> KeyId {
@@ -194,17 +207,17 @@ fn push_empty(entries: &mut Vec<Option<Held>>) -> KeyId {
         entries.reserve_exact(entries.len() / 4 + 16);
     }
     entries.push(None);
-    KeyId(entries.len() - 1)
+    KeyId::of(entries.len() - 1)
 }
 
 /// Whether the entry at `id` holds `key`.
 fn names(entries: &[Option<Held>], id: KeyId, key: &Key) -> bool {
-    matches!(entries.get(id.0), Some(Some(held)) if held.key == *key)
+    matches!(entries.get(id.at()), Some(Some(held)) if held.key == *key)
 }
 
 /// The hash of the key at `id`, for the hash table's moves (every id it holds is held).
 fn hash_at(entries: &[Option<Held>], hasher: &KeyHasher, id: KeyId) -> u64 {
-    match entries.get(id.0) {
+    match entries.get(id.at()) {
         Some(Some(held)) => hasher.hash_one(&held.key),
         _ => 0,
     }
