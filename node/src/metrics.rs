@@ -257,6 +257,11 @@ pub fn render(sources: &Sources<'_>) -> String {
             load(&transport.connections_over_cap),
         ),
         (
+            "quic_connections_expired",
+            "Connections closed because their peer's certificate expired while open",
+            load(&transport.connections_expired),
+        ),
+        (
             "quic_inbound_waits",
             "Gossip frames whose reader waited for the gossip task to handle earlier frames",
             load(&transport.inbound_waits),

@@ -275,8 +275,18 @@ fn certs(path: &Path) -> Result<Vec<CertificateDer<'static>>, TlsError> {
     Ok(certs)
 }
 
-/// The peer's node id, from the certificate it presented on `connection`.
-pub fn peer_node(connection: &quinn::Connection) -> Result<NodeId, String> {
+/// Who a peer is, by the certificate it presented.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Peer {
+    /// The node the certificate names.
+    pub node: NodeId,
+    /// When the certificate stops being valid: its `notAfter`, unix seconds.
+    pub expires_unix_secs: i64,
+}
+
+/// The peer's node id and its certificate's end, from the certificate it presented on
+/// `connection`.
+pub fn peer(connection: &quinn::Connection) -> Result<Peer, String> {
     let identity = connection
         .peer_identity()
         .ok_or("the peer presented no certificate")?;
@@ -286,7 +296,13 @@ pub fn peer_node(connection: &quinn::Connection) -> Result<NodeId, String> {
     let cert = chain
         .first()
         .ok_or("the peer's certificate chain is empty")?;
-    node_of(cert)
+    let node = node_of(cert)?;
+    let (_, parsed) = x509_parser::parse_x509_certificate(cert)
+        .map_err(|err| format!("certificate does not parse: {err}"))?;
+    Ok(Peer {
+        node,
+        expires_unix_secs: parsed.validity().not_after.timestamp(),
+    })
 }
 
 #[cfg(test)]

@@ -70,6 +70,14 @@ pub const CLOSE_PROTOCOL: u32 = 1;
 /// the node keeps.
 const CLOSE_OVER_CAP: u32 = 2;
 
+/// The QUIC error code of a connection closed because its peer's certificate expired.
+const CLOSE_EXPIRED: u32 = 3;
+
+/// The longest a connection's watch for its peer's certificate's end sleeps before it
+/// reads the wall clock again: a step of the clock is followed within this, and no sleep
+/// is longer than tokio's timer holds (about two years).
+const EXPIRY_RECHECK: Duration = Duration::from_secs(3_600);
+
 /// Counters of what the transport refused or dropped. Read by the metrics.
 #[derive(Debug, Default)]
 pub struct TransportStats {
@@ -95,6 +103,8 @@ pub struct TransportStats {
     /// Connections from a member closed because it opened more than the node keeps
     /// (`Limits::connections_per_member`): its oldest.
     pub connections_over_cap: AtomicU64,
+    /// Connections closed because their peer's certificate expired while they were open.
+    pub connections_expired: AtomicU64,
     /// Gossip frames whose reader waited for room among the inbound bytes.
     pub inbound_waits: AtomicU64,
 }
@@ -372,8 +382,8 @@ async fn accept(shared: Arc<Shared>) {
                     return;
                 }
             };
-            let node = match tls::peer_node(&connection) {
-                Ok(node) => node,
+            let peer = match tls::peer(&connection) {
+                Ok(peer) => peer,
                 Err(why) => {
                     shared
                         .stats
@@ -383,9 +393,9 @@ async fn accept(shared: Arc<Shared>) {
                     return;
                 }
             };
-            keep_accepted(&shared, node, &connection);
-            adopt(&shared, node, &connection);
-            read_streams(shared, node, connection).await;
+            keep_accepted(&shared, peer.node, &connection);
+            adopt(&shared, peer.node, &connection);
+            read_streams(shared, peer, connection).await;
         });
     }
 }
@@ -685,10 +695,20 @@ async fn read_body(stream: &mut quinn::RecvStream, len: usize) -> FrameRead {
     }
 }
 
-/// Reads every stream the peer opens on `connection` until it closes.
-async fn read_streams(shared: Arc<Shared>, node: NodeId, connection: quinn::Connection) {
+/// Reads every stream the peer opens on `connection` until it closes, and closes it when
+/// the peer's certificate expires: a certificate is checked at the handshake, and a
+/// connection must not outlive it.
+async fn read_streams(shared: Arc<Shared>, peer: tls::Peer, connection: quinn::Connection) {
+    let node = peer.node;
+    let expired = until_expired(peer.expires_unix_secs);
+    tokio::pin!(expired);
     loop {
         tokio::select! {
+            () = &mut expired => {
+                shared.stats.connections_expired.fetch_add(1, Ordering::Relaxed);
+                connection.close(CLOSE_EXPIRED.into(), b"certificate expired");
+                return;
+            }
             stream = connection.accept_uni() => {
                 let Ok(stream) = stream else { return };
                 tokio::spawn(read_frames(shared.clone(), node, connection.clone(), stream));
@@ -698,6 +718,22 @@ async fn read_streams(shared: Arc<Shared>, node: NodeId, connection: quinn::Conn
                 tokio::spawn(serve_session(shared.clone(), node, send, receive));
             }
         }
+    }
+}
+
+/// Returns once the wall clock is past `expires_unix_secs` (a certificate's `notAfter`,
+/// the last second it is valid), reading the clock again at least every
+/// [`EXPIRY_RECHECK`].
+async fn until_expired(expires_unix_secs: i64) {
+    let end_millis = u64::try_from(expires_unix_secs.saturating_add(1))
+        .unwrap_or(0)
+        .saturating_mul(1_000);
+    loop {
+        let left = end_millis.saturating_sub(crate::clock::wall().0);
+        if left == 0 {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(left).min(EXPIRY_RECHECK)).await;
     }
 }
 
@@ -984,25 +1020,26 @@ async fn connection_to(
             // The rule an accepting side applies (`tls::node_of`): exactly one node name,
             // this one. rustls matched `node`'s name among any the certificate holds, in
             // any case.
-            match tls::peer_node(&connection) {
-                Ok(named) if named == node => {}
+            let peer = match tls::peer(&connection) {
+                Ok(peer) if peer.node == node => peer,
                 refused => {
                     shared
                         .stats
                         .handshakes_refused
                         .fetch_add(1, Ordering::Relaxed);
                     let why = match refused {
-                        Ok(named) => {
-                            format!("the certificate names node {}, not {}", named.0, node.0)
-                        }
+                        Ok(named) => format!(
+                            "the certificate names node {}, not {}",
+                            named.node.0, node.0
+                        ),
                         Err(why) => why,
                     };
                     connection.close(CLOSE_PROTOCOL.into(), why.as_bytes());
                     return Err(format!("node {}: {why}", node.0));
                 }
-            }
+            };
             adopt(shared, node, &connection);
-            tokio::spawn(read_streams(shared.clone(), node, connection.clone()));
+            tokio::spawn(read_streams(shared.clone(), peer, connection.clone()));
             connection
         }
     };
@@ -1039,21 +1076,28 @@ mod tests {
     ) -> (Transport, Transport, mpsc::Receiver<Inbound>, PathBuf) {
         let dir = std::env::temp_dir().join(format!("tally-{name}-{}", std::process::id()));
         let files = crate::certs::write_cluster(&dir, &[NodeId(1), NodeId(2)]).unwrap();
-        let bind = |files, node| {
-            let any = "127.0.0.1:0".parse().unwrap();
-            Transport::bind_within(
-                any,
-                identity(&dir, files, node),
-                limits.inbound_bytes.min(1 << 16),
-                limits,
-                Arc::default(),
-                None,
-            )
-            .unwrap()
-        };
-        let (one, _) = bind(&files[0], 1);
-        let (two, to_two) = bind(&files[1], 2);
+        let (one, _) = bound(&dir, &files[0], 1, limits);
+        let (two, to_two) = bound(&dir, &files[1], 2, limits);
         (one, two, to_two, dir)
+    }
+
+    /// `node` bound on loopback with the certificate in `files`, within `limits`, and its
+    /// inbound frames.
+    fn bound(
+        dir: &Path,
+        files: &crate::certs::NodeFiles,
+        node: u64,
+        limits: Limits,
+    ) -> (Transport, mpsc::Receiver<Inbound>) {
+        Transport::bind_within(
+            "127.0.0.1:0".parse().unwrap(),
+            identity(dir, files, node),
+            limits.inbound_bytes.min(1 << 16),
+            limits,
+            Arc::default(),
+            None,
+        )
+        .unwrap()
     }
 
     /// Waits until `holds`, checked every 10 ms for up to 10 s.
@@ -1147,6 +1191,59 @@ mod tests {
             .issue_valid(NodeId(1), at(now - 60), at(now + 3_600))
             .unwrap();
         assert_eq!(connect(valid).await, (0, 1), "a valid certificate");
+        std::fs::remove_dir_all(dir).unwrap();
+    }
+
+    /// Node 2's certificate ends a few seconds after its connections open: node 1, which
+    /// dialed it, and node 3, which it dialed, both close their connection to it then, and
+    /// a dial after is refused.
+    #[tokio::test(flavor = "current_thread")]
+    async fn a_connection_is_closed_when_its_peers_certificate_expires() {
+        let dir = std::env::temp_dir().join(format!("tally-expiring-{}", std::process::id()));
+        let nodes = [NodeId(1), NodeId(2), NodeId(3)];
+        let files = crate::certs::write_cluster(&dir, &nodes).unwrap();
+        let ca = crate::certs::Ca::load_or_create(&dir).unwrap();
+        let now = (crate::clock::wall().0 / 1_000) as i64;
+        let at = |secs: i64| time::OffsetDateTime::from_unix_timestamp(secs).unwrap();
+        let (cert, key) = ca
+            .issue_valid(NodeId(2), at(now - 60), at(now + 3))
+            .unwrap();
+        std::fs::write(&files[1].cert, cert).unwrap();
+        std::fs::write(&files[1].key, key).unwrap();
+        let (mut one, _) = bound(&dir, &files[0], 1, Limits::NODE);
+        let (mut two, mut to_two) = bound(&dir, &files[1], 2, Limits::NODE);
+        let (three, mut to_three) = bound(&dir, &files[2], 3, Limits::NODE);
+        let two_addr = two.local_addr().unwrap().to_string();
+        let three_addr = three.local_addr().unwrap().to_string();
+        one.send(NodeId(2), &two_addr, b"before".to_vec());
+        two.send(NodeId(3), &three_addr, b"before".to_vec());
+        assert_eq!(next(&mut to_two, "1 to 2").await.frame, b"before");
+        assert_eq!(next(&mut to_three, "2 to 3").await.frame, b"before");
+        assert!(held(&one.shared, NodeId(2)).is_some());
+        assert!(held(&three.shared, NodeId(2)).is_some());
+        let expired = |node: &Transport| {
+            node.shared
+                .stats
+                .connections_expired
+                .load(Ordering::Relaxed)
+                == 1
+        };
+        until("node 1 closing its connection to 2", || expired(&one)).await;
+        until("node 3 closing its connection from 2", || expired(&three)).await;
+        assert!(
+            (crate::clock::wall().0 / 1_000) as i64 > now + 3,
+            "closed before the certificate's end"
+        );
+        assert!(held(&one.shared, NodeId(2)).is_none());
+        assert!(held(&three.shared, NodeId(2)).is_none());
+        // A new dial to node 2 fails its handshake: the frame is dropped, not delivered.
+        one.send(NodeId(2), &two_addr, b"after".to_vec());
+        let stats = &one.shared.stats;
+        until("the frame after dropped", || {
+            stats.frames_dropped.load(Ordering::Relaxed) >= 1
+        })
+        .await;
+        assert!(to_two.try_recv().is_err(), "a frame after the end came in");
         std::fs::remove_dir_all(dir).unwrap();
     }
 
