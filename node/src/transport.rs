@@ -36,6 +36,10 @@ struct Limits {
     /// than the gossip merges fills this rather than a queue without a bound in bytes.
     /// QUIC's receive windows (4 MiB a connection) come on top.
     inbound_bytes: usize,
+    /// Of those, the most one member's frames may hold, over all its connections (at least
+    /// one frame of `frame_bytes_max`): a member that sends length prefixes and then stalls
+    /// its bodies holds its own share, and the others' frames still come in.
+    inbound_bytes_per_member: usize,
     /// Handshakes served at once; past it an incoming connection is refused, and its peer
     /// dials again after its backoff.
     handshakes: usize,
@@ -56,6 +60,7 @@ impl Limits {
     /// A node's.
     const NODE: Limits = Limits {
         inbound_bytes: 32 << 20,
+        inbound_bytes_per_member: 8 << 20,
         handshakes: 64,
         handshakes_per_address: 4,
         handshake_deadline: Duration::from_secs(5),
@@ -119,7 +124,7 @@ pub struct Inbound {
     /// The connection it came on, to close if the frame is forged.
     pub connection: quinn::Connection,
     // The frame's share of the inbound bytes, given back when this is dropped.
-    _room: OwnedSemaphorePermit,
+    _room: Room,
 }
 
 /// A frame from a peer on one of its sessions (a long-lived bidirectional stream: the
@@ -194,6 +199,9 @@ struct Shared {
     inbound: mpsc::Sender<Inbound>,
     // Permits for the bytes of frames read and not yet handled: `Limits::inbound_bytes`.
     inbound_room: Arc<Semaphore>,
+    // Per member, its share of them: `Limits::inbound_bytes_per_member`. One entry per
+    // member that ever sent a frame here: members hold certificates from the cluster's CA.
+    member_room: Mutex<HashMap<NodeId, Arc<Semaphore>>>,
     limits: Limits,
     // Where frames on sessions go, and the most bytes one may have: on the region node
     // only.
@@ -215,6 +223,7 @@ impl Transport {
     ) -> std::io::Result<(Transport, mpsc::Receiver<Inbound>)> {
         let limits = Limits {
             inbound_bytes: Limits::NODE.inbound_bytes.max(frame_bytes_max),
+            inbound_bytes_per_member: Limits::NODE.inbound_bytes_per_member.max(frame_bytes_max),
             ..Limits::NODE
         };
         Transport::bind_within(addr, identity, frame_bytes_max, limits, stats, sessions)
@@ -230,8 +239,9 @@ impl Transport {
         sessions: Option<Sessions>,
     ) -> std::io::Result<(Transport, mpsc::Receiver<Inbound>)> {
         assert!(
-            limits.inbound_bytes >= frame_bytes_max,
-            "a largest frame must fit"
+            limits.inbound_bytes >= limits.inbound_bytes_per_member
+                && limits.inbound_bytes_per_member >= frame_bytes_max,
+            "a largest frame must fit a member's share, and a share all the room"
         );
         let mut endpoint = quinn::Endpoint::server(identity.server, addr)?;
         endpoint.set_default_client_config(identity.client);
@@ -242,6 +252,7 @@ impl Transport {
             accepted: Mutex::new(HashMap::new()),
             inbound,
             inbound_room: Arc::new(Semaphore::new(limits.inbound_bytes)),
+            member_room: Mutex::new(HashMap::new()),
             limits,
             sessions,
             frame_bytes_max,
@@ -836,7 +847,7 @@ async fn read_frames(
                 return;
             }
         };
-        let Some(room) = room(&shared, len).await else {
+        let Some(room) = room(&shared, node, len).await else {
             return;
         };
         let frame = match counted(&shared.stats, read_body(&mut stream, len).await) {
@@ -855,16 +866,47 @@ async fn read_frames(
     }
 }
 
-/// Room for a frame of `len` bytes among the inbound bytes, once the gossip task has
-/// handled enough of the frames before it; a wait is counted.
-async fn room(shared: &Shared, len: usize) -> Option<OwnedSemaphorePermit> {
-    // `len` is at most `frame_bytes_max`, and the permits at least that many.
+/// A frame's share of the inbound bytes: of its member's share, and of all of them. Both
+/// are given back when it is dropped.
+#[derive(Debug)]
+struct Room {
+    _member: OwnedSemaphorePermit,
+    _all: OwnedSemaphorePermit,
+}
+
+/// Room for a frame of `len` bytes from `node` among the inbound bytes, first in `node`'s
+/// share and then in all, once the gossip task has handled enough of the frames before
+/// it; a frame that waits, for either, is counted once, as it starts waiting.
+async fn room(shared: &Shared, node: NodeId, len: usize) -> Option<Room> {
+    // `len` is at most `frame_bytes_max`, and each semaphore's permits at least that many.
     let permits = u32::try_from(len).ok()?;
-    let room = shared.inbound_room.clone();
+    let member = lock(&shared.member_room)
+        .entry(node)
+        .or_insert_with(|| Arc::new(Semaphore::new(shared.limits.inbound_bytes_per_member)))
+        .clone();
+    let mut waited = false;
+    let member = acquire(shared, member, permits, &mut waited).await?;
+    let all = acquire(shared, shared.inbound_room.clone(), permits, &mut waited).await?;
+    Some(Room {
+        _member: member,
+        _all: all,
+    })
+}
+
+/// `permits` of `room`; a wait for them is counted unless `waited` says this frame's
+/// was already.
+async fn acquire(
+    shared: &Shared,
+    room: Arc<Semaphore>,
+    permits: u32,
+    waited: &mut bool,
+) -> Option<OwnedSemaphorePermit> {
     match room.clone().try_acquire_many_owned(permits) {
-        Ok(room) => Some(room),
+        Ok(permit) => Some(permit),
         Err(TryAcquireError::NoPermits) => {
-            shared.stats.inbound_waits.fetch_add(1, Ordering::Relaxed);
+            if !std::mem::replace(waited, true) {
+                shared.stats.inbound_waits.fetch_add(1, Ordering::Relaxed);
+            }
             room.acquire_many_owned(permits).await.ok()
         }
         Err(TryAcquireError::Closed) => None,
@@ -1092,7 +1134,7 @@ mod tests {
         Transport::bind_within(
             "127.0.0.1:0".parse().unwrap(),
             identity(dir, files, node),
-            limits.inbound_bytes.min(1 << 16),
+            limits.inbound_bytes_per_member.min(1 << 16),
             limits,
             Arc::default(),
             None,
@@ -1482,6 +1524,7 @@ mod tests {
         // Room for three frames of 10,000 bytes, not four.
         let limits = Limits {
             inbound_bytes: 35_000,
+            inbound_bytes_per_member: 35_000,
             ..Limits::NODE
         };
         let (mut one, two, mut to_two, dir) = two_nodes_within("inbound", limits);
@@ -1513,6 +1556,54 @@ mod tests {
             assert_eq!(inbound.frame, vec![i; 10_000]);
         }
         assert_eq!(one.shared.stats.frames_dropped.load(Ordering::Relaxed), 0);
+        std::fs::remove_dir_all(dir).unwrap();
+    }
+
+    /// Node 3 opens four streams to node 2 and sends on each a length prefix and part of
+    /// the body, then nothing: its frames hold its share of node 2's inbound bytes (two
+    /// frames' worth), not all of them, and node 1's frames still come in.
+    #[tokio::test(flavor = "current_thread")]
+    async fn a_member_that_stalls_its_frames_holds_only_its_share_of_the_inbound_bytes() {
+        let limits = Limits {
+            inbound_bytes: 40_000,
+            inbound_bytes_per_member: 20_000,
+            ..Limits::NODE
+        };
+        let dir = std::env::temp_dir().join(format!("tally-stalled-{}", std::process::id()));
+        let nodes = [NodeId(1), NodeId(2), NodeId(3)];
+        let files = crate::certs::write_cluster(&dir, &nodes).unwrap();
+        let (mut one, _) = bound(&dir, &files[0], 1, limits);
+        let (two, mut to_two) = bound(&dir, &files[1], 2, limits);
+        let addr = two.local_addr().unwrap();
+        let read = |path: &Path| std::fs::read_to_string(path).unwrap();
+        let three = client_with(&files[2].ca, &read(&files[2].cert), &read(&files[2].key));
+        let stalling = three
+            .connect(addr, &server_name(NodeId(2)))
+            .unwrap()
+            .await
+            .unwrap();
+        let mut streams = Vec::new();
+        for _ in 0..4 {
+            let mut stream = stalling.open_uni().await.unwrap();
+            stream.write_all(&10_000u32.to_le_bytes()).await.unwrap();
+            stream.write_all(&[7; 5_000]).await.unwrap();
+            streams.push(stream);
+        }
+        let stats = &two.shared.stats;
+        until("two of node 3's frames waiting for its share", || {
+            stats.inbound_waits.load(Ordering::Relaxed) == 2
+        })
+        .await;
+        let two_addr = addr.to_string();
+        for i in 0..5u8 {
+            one.send(NodeId(2), &two_addr, vec![i; 10_000]);
+        }
+        for i in 0..5u8 {
+            let inbound = next(&mut to_two, &format!("node 1's frame {i}")).await;
+            assert_eq!((inbound.from, inbound.frame), (NodeId(1), vec![i; 10_000]));
+        }
+        assert!(to_two.try_recv().is_err(), "a stalled frame came in whole");
+        drop(streams);
         std::fs::remove_dir_all(dir).unwrap();
     }
 
