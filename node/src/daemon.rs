@@ -96,6 +96,45 @@ pub async fn run(config: Config, shutdown: impl Future<Output = ()>) -> Result<(
     let clock = Clock::start();
     let now = clock.now();
     let node = config.node();
+    // What can refuse the start comes before the data dir is claimed, so that a refused
+    // start (another node's certificate, a bad rule, an address in use) leaves the dir as
+    // it was, not named for this node id nor given a new life. The gossip port's bind
+    // needs the region's sessions, which need the dir: it comes after.
+    let identity = tls::identity(&config.tls, node)?;
+    let certificate_expires = identity.expires_unix_secs;
+    let days_left = (certificate_expires - (now.wall.0 / 1_000) as i64) / 86_400;
+    if days_left < CERT_WARN_DAYS {
+        eprintln!(
+            "tallyd: warning: {} expires in {days_left} days; issue a new one with `tally certs` \
+             (peers refuse an expired certificate)",
+            config.tls.cert.display()
+        );
+    }
+    let rules = Rules::new(&config.rules)?;
+    let bind =
+        |what: &'static str, addr: String| move |source| DaemonError::Bind { what, addr, source };
+    let tcp = TcpListener::bind(config.listen_client)
+        .await
+        .map_err(bind("client", config.listen_client.to_string()))?;
+    let unix = match &config.client_socket {
+        Some(path) => {
+            // A socket file left by an earlier life would make the bind fail. Anything
+            // else at the path (a file, or a socket another process serves) is left, and
+            // the bind fails naming it.
+            if is_stale_socket(path) {
+                let _ = std::fs::remove_file(path);
+            }
+            Some(
+                UnixListener::bind(path)
+                    .map_err(bind("client socket", path.display().to_string()))?,
+            )
+        }
+        None => None,
+    };
+    let http_listener = TcpListener::bind(config.listen_http)
+        .await
+        .map_err(bind("http", config.listen_http.to_string()))?;
+
     // Windows end by the paced wall clock, resumed from the last life's reading: a start
     // with the clock stepped ahead ends no window early (`expiry_mark`).
     let mut expiry = ExpiryClock::resume(clock, None);
@@ -144,19 +183,8 @@ pub async fn run(config: Config, shutdown: impl Future<Output = ()>) -> Result<(
         }
     }
 
-    let identity = tls::identity(&config.tls, node)?;
-    let certificate_expires = identity.expires_unix_secs;
-    let days_left = (certificate_expires - (now.wall.0 / 1_000) as i64) / 86_400;
-    if days_left < CERT_WARN_DAYS {
-        eprintln!(
-            "tallyd: warning: {} expires in {days_left} days; issue a new one with `tally certs` \
-             (peers refuse an expired certificate)",
-            config.tls.cert.display()
-        );
-    }
     let transport_stats = Arc::new(TransportStats::default());
     let store = Arc::new(LaneStore::new(replica, config.keys_max));
-    let rules = Rules::new(&config.rules)?;
     // The region decides forwarded exact checks on its durable ledger.
     let (region, sessions) = match (config.role, &config.data_dir) {
         (Role::Region, Some(dir)) => {
@@ -191,8 +219,6 @@ pub async fn run(config: Config, shutdown: impl Future<Output = ()>) -> Result<(
         lanes_owed: service.lanes_owed(),
         lanes_refused: service.lanes_refused(),
     });
-    let bind =
-        |what: &'static str, addr: String| move |source| DaemonError::Bind { what, addr, source };
     // The region node's own exact checks go to its region task as the edges' do.
     let own_sessions = sessions.clone();
     let (transport, inbound) = Transport::bind(
@@ -268,28 +294,6 @@ pub async fn run(config: Config, shutdown: impl Future<Output = ()>) -> Result<(
         handoff: Handoff::new(log.clone()),
         shutdown: stopped,
     };
-
-    let tcp = TcpListener::bind(config.listen_client)
-        .await
-        .map_err(bind("client", config.listen_client.to_string()))?;
-    let unix = match &config.client_socket {
-        Some(path) => {
-            // A socket file left by an earlier life would make the bind fail. Anything
-            // else at the path (a file, or a socket another process serves) is left, and
-            // the bind fails naming it.
-            if is_stale_socket(path) {
-                let _ = std::fs::remove_file(path);
-            }
-            Some(
-                UnixListener::bind(path)
-                    .map_err(bind("client socket", path.display().to_string()))?,
-            )
-        }
-        None => None,
-    };
-    let http_listener = TcpListener::bind(config.listen_http)
-        .await
-        .map_err(bind("http", config.listen_http.to_string()))?;
 
     let service = Arc::new(Service {
         store: store.clone(),
@@ -416,6 +420,58 @@ fn is_stale_socket(path: &std::path::Path) -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A start refused for another node's certificate, or for a client address in use,
+    /// leaves its data dir unclaimed: the same dir then starts as the node it is given to.
+    #[test]
+    fn a_refused_start_leaves_its_data_dir_unclaimed() {
+        let dir = std::env::temp_dir().join(format!("tally-refused-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        crate::certs::write_cluster(&dir, &[NodeId(3)]).unwrap();
+        let data = dir.join("data");
+        let taken = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let config = |node: u64, client: &str| {
+            let text = format!(
+                "node_id = {node}\n\
+                 listen_gossip = \"127.0.0.1:0\"\n\
+                 listen_client = \"{client}\"\n\
+                 listen_http = \"127.0.0.1:0\"\n\
+                 data_dir = {data:?}\n\
+                 tls = {{ ca = {ca:?}, cert = {cert:?}, key = {key:?} }}\n",
+                ca = dir.join("ca.pem"),
+                cert = dir.join("node-3.pem"),
+                key = dir.join("node-3.key"),
+            );
+            Config::parse(&text, &dir.join("node.toml")).unwrap()
+        };
+        let start = |config| {
+            tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+                .unwrap()
+                .block_on(run(config, std::future::ready(())))
+        };
+        let refused = start(config(4, "127.0.0.1:0"));
+        assert!(matches!(refused, Err(DaemonError::Tls(_))), "{refused:?}");
+        assert!(!data.join("node").exists(), "claimed for node 4");
+        let in_use = taken.local_addr().unwrap().to_string();
+        let refused = start(config(3, &in_use));
+        assert!(
+            matches!(refused, Err(DaemonError::Bind { what: "client", .. })),
+            "{refused:?}"
+        );
+        assert!(
+            !data.join("node").exists(),
+            "claimed by a start that failed to bind"
+        );
+        let started = start(config(3, "127.0.0.1:0"));
+        assert!(started.is_ok(), "{started:?}");
+        assert_eq!(
+            std::fs::read_to_string(data.join("node")).unwrap().trim(),
+            "3"
+        );
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
 
     #[test]
     fn only_a_socket_no_process_serves_is_taken_for_an_earlier_lifes() {
