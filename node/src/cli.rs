@@ -47,9 +47,15 @@ pub enum StartError {
 }
 
 impl DaemonArgs {
-    /// The file's configuration with the flags applied, checked.
+    /// The file's configuration with the flags applied, checked once they are: a file
+    /// that only the flags complete is taken. A seed added past the file's own is
+    /// `seeds[<their count> + i]` in errors.
     pub fn config(&self) -> Result<Config, ConfigError> {
-        let mut config = Config::load(&self.config)?;
+        Config::load_with_flags(&self.config, |config| self.apply(config))
+    }
+
+    /// Sets the values the flags give; returns whether there were any.
+    fn apply(&self, config: &mut Config) -> bool {
         if let Some(node_id) = self.node_id {
             config.node_id = node_id;
         }
@@ -60,11 +66,12 @@ impl DaemonArgs {
             config.data_dir = self.data_dir.clone();
         }
         config.seeds.extend(self.seeds.iter().cloned());
-        // The file alone was checked as it loaded: what is wrong now is the file with the
-        // flags (a seed added past the file's own is `seeds[<its count> + i]`).
-        let with_flags = format!("{} with flags", self.config.display());
-        config.check(&PathBuf::from(with_flags))?;
-        Ok(config)
+        self.node_id.is_some()
+            || self.listen_gossip.is_some()
+            || self.listen_client.is_some()
+            || self.listen_http.is_some()
+            || self.data_dir.is_some()
+            || !self.seeds.is_empty()
     }
 }
 
@@ -154,6 +161,41 @@ mod tests {
             err.contains("node-1.toml with flags") && err.contains("seeds[0].node"),
             "{err}"
         );
+        std::fs::remove_dir_all(dir).unwrap();
+    }
+
+    #[test]
+    fn a_file_the_flags_complete_is_taken_and_without_them_refused_naming_the_file() {
+        let dir = std::env::temp_dir().join(format!("tally-cli-flags-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let file = dir.join("node-3.toml");
+        std::fs::write(
+            &file,
+            "node_id = 3\n\
+             role = \"region\"\n\
+             listen_gossip = \"127.0.0.1:7003\"\n\
+             listen_client = \"127.0.0.1:7103\"\n\
+             listen_http = \"127.0.0.1:7203\"\n\
+             tls = { ca = \"ca.pem\", cert = \"node-3.pem\", key = \"node-3.key\" }\n",
+        )
+        .unwrap();
+        let mut args = DaemonArgs {
+            config: file,
+            node_id: None,
+            listen_gossip: None,
+            listen_client: None,
+            listen_http: None,
+            data_dir: None,
+            seeds: Vec::new(),
+        };
+        let err = args.config().unwrap_err().to_string();
+        assert!(
+            err.contains("node-3.toml:") && err.contains("data_dir"),
+            "no flags, the file alone: {err}"
+        );
+        args.data_dir = Some(dir.join("data"));
+        let config = args.config().unwrap();
+        assert_eq!(config.data_dir, Some(dir.join("data")));
         std::fs::remove_dir_all(dir).unwrap();
     }
 }

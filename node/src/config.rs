@@ -11,6 +11,9 @@ use std::time::Duration;
 use tally_crdt::{NodeId, Rule, WINDOW_SECS_MAX};
 use tally_gossip::Seed;
 
+/// The longest path a Unix socket may have: `sun_path`'s 108 bytes less the closing NUL.
+const UNIX_SOCKET_PATH_MAX: usize = 107;
+
 /// Why a configuration was refused.
 #[derive(Debug, thiserror::Error)]
 pub enum ConfigError {
@@ -233,15 +236,41 @@ mod defaults {
 impl Config {
     /// Reads and checks `file`.
     pub fn load(file: &Path) -> Result<Config, ConfigError> {
+        Config::load_with_flags(file, |_| false)
+    }
+
+    /// Reads `file`, lets `flags` override its values (returning whether it changed any),
+    /// and checks the result: a file that only the flags complete (a region's `data_dir`
+    /// given as a flag) is taken. Errors name `file`, or "`file` with flags" where the
+    /// flags changed something.
+    pub fn load_with_flags(
+        file: &Path,
+        flags: impl FnOnce(&mut Config) -> bool,
+    ) -> Result<Config, ConfigError> {
         let text = std::fs::read_to_string(file).map_err(|source| ConfigError::Read {
             file: file.to_owned(),
             source,
         })?;
-        Config::parse(&text, file)
+        let mut config = Config::parse_unchecked(&text, file)?;
+        let named = if flags(&mut config) {
+            PathBuf::from(format!("{} with flags", file.display()))
+        } else {
+            file.to_owned()
+        };
+        config.check(&named)?;
+        Ok(config)
     }
 
     /// Parses and checks `text`, naming `file` in errors.
     pub fn parse(text: &str, file: &Path) -> Result<Config, ConfigError> {
+        let config = Config::parse_unchecked(text, file)?;
+        config.check(file)?;
+        Ok(config)
+    }
+
+    /// Parses `text` and checks what only the text shows (keys, their types, and keys
+    /// written where they do nothing), not the values' bounds.
+    fn parse_unchecked(text: &str, file: &Path) -> Result<Config, ConfigError> {
         let parse_error = |err: toml::de::Error| ConfigError::Parse {
             file: file.to_owned(),
             message: err.to_string().trim_end().replace('\n', " "),
@@ -249,7 +278,6 @@ impl Config {
         let config: Config = toml::from_str(text).map_err(parse_error)?;
         let table: toml::Table = toml::from_str(text).map_err(parse_error)?;
         config.check_exact_only_keys(&table, file)?;
-        config.check(file)?;
         Ok(config)
     }
 
@@ -309,6 +337,38 @@ impl Config {
                 ));
             }
         }
+        // Peers dial the address this node binds, as its row tells them; a machine's
+        // addresses are not one peers can dial.
+        if self.listen_gossip.ip().is_unspecified() {
+            return Err(bad(
+                "listen_gossip".into(),
+                format!(
+                    "{} is no address peers can dial: the node tells them the address it \
+                     binds, so give one of this machine's own",
+                    self.listen_gossip
+                ),
+            ));
+        }
+        if self.listen_http == self.listen_client && self.listen_client.port() != 0 {
+            return Err(bad(
+                "listen_http".into(),
+                format!("{} is listen_client's address too", self.listen_http),
+            ));
+        }
+        if let Some(path) = &self.client_socket {
+            // `sun_path` holds 108 bytes with the closing NUL.
+            if path.as_os_str().len() > UNIX_SOCKET_PATH_MAX {
+                return Err(bad(
+                    "client_socket".into(),
+                    format!(
+                        "{} is {} bytes long: a Unix socket's path takes at most \
+                         {UNIX_SOCKET_PATH_MAX}",
+                        path.display(),
+                        path.as_os_str().len()
+                    ),
+                ));
+            }
+        }
         positive(self.keys_max as u64, "keys_max").map_err(|why| bad("keys_max".into(), why))?;
         positive(self.lane_rate_max_per_sec, "lane_rate_max_per_sec")
             .map_err(|why| bad("lane_rate_max_per_sec".into(), why))?;
@@ -355,6 +415,13 @@ impl Config {
                     "must be at least 1: no certificate names node 0".into(),
                 ));
             }
+            // A node is dialed at its first seed's address: a second would never be.
+            if let Some(first) = self.seeds[..i].iter().position(|s| s.node == seed.node) {
+                return Err(bad(
+                    format!("seeds[{i}].node"),
+                    format!("node {} is seeds[{first}] already", seed.node),
+                ));
+            }
         }
         if self.role == Role::Region && self.data_dir.is_none() {
             return Err(bad(
@@ -382,6 +449,18 @@ impl Config {
                     "region.node".into(),
                     "must be at least 1: no certificate names node 0".into(),
                 ));
+            }
+            if let Some(seed) = self.seeds.iter().find(|seed| seed.node == region.node) {
+                if seed.addr != region.addr {
+                    return Err(bad(
+                        "region.addr".into(),
+                        format!(
+                            "{} is not the address the seeds give node {} ({}): one of \
+                             them is wrong",
+                            region.addr, region.node, seed.addr
+                        ),
+                    ));
+                }
             }
         }
         let mut names = std::collections::BTreeSet::new();
@@ -666,6 +745,41 @@ window_secs = 60
             (
                 GOOD.replace("127.0.0.1:7101", "0.0.0.0:7101"),
                 "listen_client",
+            ),
+            (
+                GOOD.replace("127.0.0.1:7001", "0.0.0.0:7001"),
+                "listen_gossip",
+            ),
+            (GOOD.replace("127.0.0.1:7001", "[::]:7001"), "listen_gossip"),
+            (
+                GOOD.replace("127.0.0.1:7201", "127.0.0.1:7101"),
+                "listen_http",
+            ),
+            (
+                GOOD.replace(
+                    "node_id = 1",
+                    &format!(
+                        "node_id = 1\nclient_socket = \"/run/{}.sock\"",
+                        "s".repeat(100)
+                    ),
+                ),
+                "client_socket",
+            ),
+            (
+                GOOD.replace(
+                    "seeds = [{ node = 2, addr = \"127.0.0.1:7002\" }]",
+                    "seeds = [{ node = 2, addr = \"127.0.0.1:7002\" }, \
+                     { node = 3, addr = \"127.0.0.1:7003\" }, \
+                     { node = 2, addr = \"127.0.0.9:7002\" }]",
+                ),
+                "seeds[2].node",
+            ),
+            (
+                GOOD.replace(
+                    "node_id = 1",
+                    "node_id = 1\nregion = { node = 2, addr = \"127.0.0.9:7002\" }",
+                ),
+                "region.addr",
             ),
             (
                 GOOD.replace("node_id = 1", "node_id = 1\ndead_after_ms = 3000"),
