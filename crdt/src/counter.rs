@@ -70,6 +70,23 @@ impl PnCounter {
             .sum()
     }
 
+    /// The value of the nodes `outside` picks, each over all its lives and counted at no
+    /// less than zero. 0 when it picks none.
+    pub fn above_zero_of_nodes(&self, outside: impl Fn(NodeId) -> bool) -> i128 {
+        // Slots are sorted by replica, so each node's lives are next to each other.
+        self.slots
+            .chunk_by(|a, b| a.replica.node == b.replica.node)
+            .filter(|lives| outside(lives[0].replica.node))
+            .map(|lives| {
+                lives
+                    .iter()
+                    .map(|slot| slot.lane.value())
+                    .sum::<i128>()
+                    .max(0)
+            })
+            .sum()
+    }
+
     /// `replica`'s lane, or an empty lane if it has none.
     pub fn lane(&self, replica: ReplicaId) -> Lane {
         self.slot(replica).map(|slot| slot.lane).unwrap_or_default()

@@ -3,8 +3,8 @@
 use crate::delta::size;
 use crate::key_table::{KeyId, KeyTable};
 use crate::{
-    Delta, Digest, Key, Lane, LaneUpdate, OriginDelta, Overflow, PnCounter, ReplicaId, Slot, Stamp,
-    Version, Watermark, Window, DELTA_BYTES_MIN,
+    Delta, Digest, Generation, Key, Lane, LaneUpdate, NodeId, OriginDelta, Overflow, PnCounter,
+    ReplicaId, Slot, Stamp, Version, Watermark, Window, DELTA_BYTES_MIN,
 };
 use std::collections::BTreeMap;
 use std::ops::Bound::{Excluded, Unbounded};
@@ -121,6 +121,20 @@ impl CounterMap {
     pub fn counter(&self, key: &Key) -> Option<&PnCounter> {
         let id = self.keys.id(key)?;
         Some(&self.keys.get(id)?.counter)
+    }
+
+    /// Every key holding a lane of `node`, in any of its lives, with its counter: a key
+    /// with lanes of several lives comes once for each.
+    pub fn keys_of(&self, node: NodeId) -> impl Iterator<Item = (&Key, &PnCounter)> {
+        let lives =
+            ReplicaId::new(node, Generation(0))..=ReplicaId::new(node, Generation(u64::MAX));
+        self.origins
+            .range(lives)
+            .flat_map(|(_, origin)| origin.by_version.values())
+            .filter_map(|&id| {
+                let held = self.keys.get(id)?;
+                Some((&held.key, &held.counter))
+            })
     }
 
     /// The value at `key`: zero if nothing is held.
@@ -798,6 +812,20 @@ mod tests {
         }
         let lanes: usize = map.iter().map(|(_, counter)| counter.lanes()).sum();
         assert_eq!(map.lanes(), lanes);
+    }
+
+    #[test]
+    fn the_keys_of_a_node_are_those_with_a_lane_of_any_of_its_lives() {
+        let mut map = CounterMap::new();
+        let life = |node, generation| ReplicaId::new(NodeId(node), Generation(generation));
+        map.incr(life(2, 1), &key(1, 60), 1, Stamp(1)).unwrap();
+        map.incr(life(2, 2), &key(2, 60), 1, Stamp(1)).unwrap();
+        map.incr(life(3, 1), &key(3, 60), 1, Stamp(1)).unwrap();
+        map.incr(life(1, 1), &key(4, 60), 1, Stamp(1)).unwrap();
+        let mut keys: Vec<Key> = map.keys_of(NodeId(2)).map(|(key, _)| key.clone()).collect();
+        keys.sort();
+        assert_eq!(keys, [key(1, 60), key(2, 60)]);
+        assert_eq!(map.keys_of(NodeId(9)).count(), 0);
     }
 
     #[test]

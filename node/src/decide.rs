@@ -23,6 +23,10 @@
 //!   from releases counted in a later window than their acquires, would hide another's
 //!   excess in the sum), plus what they may have admitted unseen in the
 //!   `stale_after` before this node turned isolated (their rate times `stale_after`).
+//!   Nodes that are not locations (members that left, nodes with no row here) hold no
+//!   share: all they hold counts beyond the shares. A rule's configured `locations` sets
+//!   the share; where this node knows of more locations than that, each one past it may
+//!   admit a share as well, and the bound adds a share for each.
 //!
 //! A decision's `remaining` is what the rule that decided would still admit: the limit
 //! less the estimate when connected, the share less `own` when isolated.
@@ -294,8 +298,18 @@ impl Context<'_> {
             let below_zero =
                 below_zero_in(key) + self.previous_window_part(rule, key, below_zero_in);
             let others = (current + previous - own + below_zero).max(0) as f64 + unseen;
-            let beyond_shares = (-room).max(0) as f64 + (others - share as f64).max(0.0);
-            let bound = locations as f64 * rule.slack as f64 + beyond_shares;
+            // Nodes that are not locations (members that left) hold no share: all they
+            // hold is beyond the shares.
+            let outside_in = |key: KeyRef<'_>| self.view.outside(key);
+            let outside = outside_in(key) + self.previous_window_part(rule, key, outside_in);
+            let in_shares = (others - outside as f64).max(0.0);
+            let beyond_shares =
+                (-room).max(0) as f64 + (in_shares - share as f64).max(0.0) + outside as f64;
+            // Locations known here past the configured count each admit a share as well.
+            let unconfigured = (freshness.locations as u64).saturating_sub(locations);
+            let bound = locations as f64 * rule.slack as f64
+                + unconfigured as f64 * share as f64
+                + beyond_shares;
             (Mode::ApproximateIsolated, cost_i <= room, bound, room)
         };
         let decided = if allowed {
@@ -442,11 +456,21 @@ mod tests {
     }
 
     fn view(peer_stamp: Stamp) -> ViewState {
-        let peer = ReplicaId::new(NodeId(2), Generation(1));
+        view_of(&[(2, State::Alive)], peer_stamp)
+    }
+
+    /// A view whose members are `peers` (node id and state, generation 1), every one's
+    /// stamp at `peer_stamp`.
+    fn view_of(peers: &[(u64, State)], peer_stamp: Stamp) -> ViewState {
+        let replica = |node| ReplicaId::new(NodeId(node), Generation(1));
         let mut view = ViewState::default();
         view.set_members(
-            vec![(NodeId(2), peer, State::Alive)],
-            [(peer, peer_stamp)].into(),
+            (peers.iter())
+                .map(|&(node, state)| (NodeId(node), replica(node), state))
+                .collect(),
+            (peers.iter())
+                .map(|&(node, _)| (replica(node), peer_stamp))
+                .collect(),
             tally_gossip::Now {
                 mono: Duration::from_millis(peer_stamp.0),
                 wall: peer_stamp,
@@ -592,7 +616,10 @@ mod tests {
         counter.decr(replica(2), 60).unwrap();
         counter.incr(replica(3), 250).unwrap();
         store.publish_remote(&owned, 200).unwrap();
-        let mut view = view(Stamp(NOW.0 - 5_000));
+        let mut view = view_of(
+            &[(2, State::Alive), (3, State::Alive)],
+            Stamp(NOW.0 - 5_000),
+        );
         view.take_in(&owned, &counter, replica(1), 0);
         let mut context = context(&store, &view);
         let decision = context.check(&rule, key, 1).unwrap();
@@ -620,12 +647,72 @@ mod tests {
         counter.decr(replica(2), 100).unwrap();
         counter.incr(replica(3), 400).unwrap();
         store.publish_remote(&previous, 300).unwrap();
-        let mut view = view(Stamp(NOW.0 - 5_000));
+        let mut view = view_of(
+            &[(2, State::Alive), (3, State::Alive)],
+            Stamp(NOW.0 - 5_000),
+        );
         view.take_in(&previous, &counter, replica(1), 0);
         let mut context = context(&store, &view);
         let decision = context.check(&rule, key, 1).unwrap();
         assert_eq!(decision.mode, Mode::ApproximateIsolated);
         assert_eq!(decision.bound, 100.0, "{decision:?}");
+    }
+
+    #[test]
+    fn an_isolated_bound_counts_all_a_member_that_left_holds_beyond_the_shares() {
+        // Node 3 admitted 60 and left; nodes 1 and 2 are cut off from each other, two
+        // locations with a share of 50 each. Each admits 50: the window can end at 160,
+        // 60 past the limit, all of it node 3's, which had no share to count it against.
+        let rule = rule(100, 0);
+        let (store, owned) = setup(&rule);
+        let key = KeyRef::from(&owned);
+        let replica = |node| ReplicaId::new(NodeId(node), Generation(1));
+        let mut counter = tally_crdt::PnCounter::new();
+        counter.incr(replica(3), 60).unwrap();
+        store.publish_remote(&owned, 60).unwrap();
+        let mut view = view_of(&[(2, State::Alive), (3, State::Left)], Stamp(NOW.0 - 5_000));
+        view.take_in(&owned, &counter, replica(1), 0);
+        let mut context = context(&store, &view);
+        let decisions: Vec<Decision> = (0..60)
+            .map(|_| context.check(&rule, key, 1).unwrap())
+            .collect();
+        assert_eq!(decisions.iter().filter(|d| d.allowed).count(), 50);
+        assert!(decisions.iter().all(|d| d.bound == 60.0), "{decisions:?}");
+        // Node 3 back: a location again, with a share its 60 counts against.
+        let back = view.set_members(
+            vec![
+                (NodeId(2), replica(2), State::Alive),
+                (NodeId(3), replica(3), State::Alive),
+            ],
+            [(replica(2), Stamp(NOW.0 - 5_000)), (replica(3), NOW)].into(),
+            tally_gossip::Now {
+                mono: Duration::from_millis(NOW.0),
+                wall: NOW,
+            },
+        );
+        assert_eq!(back, [NodeId(3)]);
+        view.take_outside(&owned, &counter, replica(1));
+        assert_eq!(view.outside(key), 0);
+    }
+
+    #[test]
+    fn an_isolated_bound_counts_a_share_for_each_location_known_past_those_configured() {
+        // Configured for two locations, four known: each of the four may admit a share of
+        // 50, so the window can end at 200.
+        let rule = RuleConfig {
+            locations: Some(2),
+            ..rule(100, 0)
+        };
+        let (store, owned) = setup(&rule);
+        let key = KeyRef::from(&owned);
+        let peers = [(2, State::Alive), (3, State::Alive), (4, State::Dead)];
+        let view = view_of(&peers, Stamp(NOW.0 - 5_000));
+        let mut context = context(&store, &view);
+        let decisions: Vec<Decision> = (0..60)
+            .map(|_| context.check(&rule, key, 1).unwrap())
+            .collect();
+        assert_eq!(decisions.iter().filter(|d| d.allowed).count(), 50);
+        assert!(decisions.iter().all(|d| d.bound == 100.0), "{decisions:?}");
     }
 
     #[test]

@@ -314,7 +314,12 @@ impl Driver {
             self.clock.mono().saturating_sub(serving_since),
             config.dead_after,
         );
-        view.set_members(rows, stamps, self.clock.now());
+        let joined_or_left = view.set_members(rows, stamps, self.clock.now());
+        for node in joined_or_left {
+            for (key, counter) in map.keys_of(node) {
+                view.take_outside(key, counter, me);
+            }
+        }
         view.own_held_for = held_for;
         view.gossip = self.gossip.stats().clone();
         view.lanes = map.lanes();

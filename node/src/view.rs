@@ -6,7 +6,7 @@
 //! inputs; the client listener reads it for decisions, the HTTP server for metrics. It is a
 //! copy behind a mutex, never the state machine itself.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::sync::{Mutex, MutexGuard};
 use std::time::Duration;
 use tally_crdt::{Key, KeyRef, NodeId, PnCounter, ReplicaId, Stamp};
@@ -56,6 +56,14 @@ pub struct ViewState {
     /// isolated decision adds it to the other nodes' count, so that each counts at no less
     /// than zero and none hides another's excess.
     pub below_zero: HashMap<Key, i128>,
+    /// Per key, the value of the nodes that are not locations (members that left, and
+    /// nodes with no row here), each at no less than zero, where it is not zero. They
+    /// hold no share, so an isolated decision counts all of it beyond the shares: a node
+    /// that left keeps its lanes, admitted while it was a location, until their window
+    /// ends.
+    pub outside: HashMap<Key, i128>,
+    // The other nodes that are locations: members in any state but left.
+    located: BTreeSet<NodeId>,
     /// Once the lane log's sync is overdue (`handoff`), how long before the members were
     /// last set (monotonic) the writes it holds back were collected: no peer has this
     /// node's writes since, and a peer may have declared it dead and stopped counting it,
@@ -228,13 +236,15 @@ impl ViewState {
         &self.stamps
     }
 
-    /// Replaces the members and their stamps, as held at `now`.
+    /// Replaces the members and their stamps, as held at `now`. Returns the nodes that
+    /// became locations or stopped being ones (they joined, or left): the keys they hold
+    /// lanes of are to be taken in again ([`ViewState::take_outside`]).
     pub fn set_members(
         &mut self,
         members: Vec<(NodeId, ReplicaId, State)>,
         stamps: BTreeMap<ReplicaId, Stamp>,
         now: Now,
-    ) {
+    ) -> Vec<NodeId> {
         let vouched = self.arrivals.vouch(stamps, now);
         let mut summary = Summary {
             at: now.wall,
@@ -254,7 +264,17 @@ impl ViewState {
         let stamps = (vouched.into_iter())
             .map(|(replica, (stamp, _))| (replica, stamp))
             .collect();
+        let located: BTreeSet<NodeId> = (members.iter())
+            .filter(|(_, _, state)| *state != State::Left)
+            .map(|(node, _, _)| *node)
+            .collect();
+        let changed = located
+            .symmetric_difference(&self.located)
+            .copied()
+            .collect();
         (self.members, self.stamps, self.summary) = (members, stamps, summary);
+        self.located = located;
+        changed
     }
 
     /// A copy of what `/metrics` and `/status` report: everything but the per-key maps,
@@ -273,6 +293,8 @@ impl ViewState {
             remote_rates: HashMap::new(),
             other_lives: HashMap::new(),
             below_zero: HashMap::new(),
+            outside: HashMap::new(),
+            located: self.located.clone(),
             own_held_for: self.own_held_for,
         }
     }
@@ -328,6 +350,16 @@ impl ViewState {
             key,
             counter.below_zero_of_nodes_but(me.node),
         );
+        self.take_outside(key, counter, me);
+    }
+
+    /// Takes in the value of `key`'s lanes of nodes that are not locations, as the members
+    /// last set say: on every merge of the key (`take_in`), and again for the keys of a
+    /// node that joined or left.
+    pub fn take_outside(&mut self, key: &Key, counter: &PnCounter, me: ReplicaId) {
+        let outside = |node| node != me.node && !self.located.contains(&node);
+        let value = counter.above_zero_of_nodes(outside);
+        set_sparse(&mut self.outside, key, value);
     }
 
     /// The other replicas' increment rate on `key`, per second (0 if never seen rising).
@@ -357,6 +389,12 @@ impl ViewState {
     /// How far below zero the other nodes below zero on `key` are, summed (0 if none is).
     pub fn below_zero(&self, key: KeyRef<'_>) -> i128 {
         sparse_get(&self.below_zero, key)
+    }
+
+    /// The value of the nodes on `key` that are not locations, each at no less than zero
+    /// (0 if there are none).
+    pub fn outside(&self, key: KeyRef<'_>) -> i128 {
+        sparse_get(&self.outside, key)
     }
 }
 
