@@ -55,6 +55,39 @@ struct Origin {
     // Invariant: one entry per lane of this origin held in `keys`, at its version, naming
     // its key's id.
     by_version: BTreeMap<Version, KeyId>,
+    // Pushes merged whole past a gap, if any, above the watermark.
+    ahead: Option<Run>,
+}
+
+/// Pushes of one origin merged whole past a gap, one after another: every lane of the
+/// origin whose version was in `(after, through.version]` when it was pushed is held. The
+/// watermark takes `through` once it reaches `after` ([`CounterMap::apply_since`]), so a
+/// holder that missed one push catches up as soon as the gap below the pushes is filled,
+/// by whichever peer fills it, rather than only when an answer covers its newest push too.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Run {
+    after: Version,
+    through: Watermark,
+}
+
+impl Run {
+    /// `run` with a push of `(after, through]` merged whole: the two joined where they meet
+    /// or overlap; otherwise the newer of them (a push missed between them starts a new
+    /// run).
+    fn with(run: Option<Run>, after: Version, through: Watermark) -> Run {
+        let push = Run { after, through };
+        match run {
+            Some(run) if after <= run.through.version && run.after <= through.version => Run {
+                after: run.after.min(after),
+                through: Watermark {
+                    version: run.through.version.max(through.version),
+                    stamp: run.through.stamp.max(through.stamp),
+                },
+            },
+            Some(run) if run.through.version > through.version => run,
+            _ => push,
+        }
+    }
 }
 
 /// What applying a delta changed.
@@ -238,7 +271,9 @@ impl CounterMap {
     }
 
     /// Gives `replica`'s lane at `key` the replica's next version, its totals unchanged, so
-    /// that every holder of an older version takes them. `None` if no such lane is held.
+    /// that every holder of an older version takes them. `None` if no such lane is held, or
+    /// if the replica's versions are used up (`u64::MAX` held, as only a lane a member
+    /// forged can make it): the next version would name two lanes.
     ///
     /// For a node that re-published an earlier life's lanes from its log and finds a peer
     /// holding larger totals for one of them under a version both hold (the log was behind
@@ -246,6 +281,9 @@ impl CounterMap {
     /// difference. Only the replica's own node may call this: versions are its own count.
     pub fn restamp(&mut self, replica: ReplicaId, key: &Key, stamp: Stamp) -> Option<Version> {
         let lane = self.counter(key)?.slot(replica)?.lane;
+        if self.top(replica) == Version(u64::MAX) {
+            return None;
+        }
         Some(self.write_lane(replica, key, lane, stamp, true))
     }
 
@@ -320,9 +358,11 @@ impl CounterMap {
     /// The lanes a peer with digest `peer` lacks, per origin in version order, cut so the
     /// encoded delta stays within `bytes_max`. Origins are visited starting at the
     /// `rotate`-th (modulo their number), so that repeated budget-cut sends serve every
-    /// origin in turn. A `bytes_max` below [`DELTA_BYTES_MIN`] is raised to it, so every
-    /// delta to a peer that lacks something carries at least one lane. An origin whose lanes the peer holds but whose stamp is older gets
-    /// an entry with no lanes, carrying the newer stamp.
+    /// origin in turn. A `bytes_max` below [`DELTA_BYTES_MIN`] is raised to it, so that a
+    /// lane of the longest key fits in a delta with nothing else; one that an origin's
+    /// stamp-only entry came first in may carry no lane, and a later send, starting at
+    /// another origin, carries it. An origin whose lanes the peer holds but whose stamp is
+    /// older gets an entry with no lanes, carrying the newer stamp.
     ///
     /// Lanes held past a gap (above this map's watermark for their origin, merged from a
     /// push that followed versions not held yet) show in no digest, so they go to every
@@ -400,6 +440,9 @@ impl CounterMap {
     /// Applies lanes that a sender says follow its version `after` of their origin. If this
     /// map holds the origin only below `after`, there is a gap: the lanes are merged, but
     /// the watermark and stamp stay where they are, since versions in the gap are missing.
+    /// Pushes merged whole past the gap are remembered as a run (joined while each follows
+    /// the last), and the watermark takes the run's `through` once anything (a push, an
+    /// answer) brings it up to the run's start.
     pub fn apply_since(
         &mut self,
         after: Version,
@@ -407,16 +450,26 @@ impl CounterMap {
         at: impl Into<AppliedAt>,
     ) -> Applied {
         let held = self.watermark(entry.origin);
-        let mut entry = entry.clone();
-        if held.version < after {
-            entry.through = held;
+        if held.version >= after {
+            return self.apply(
+                &Delta {
+                    origins: vec![entry.clone()],
+                },
+                at,
+            );
         }
-        self.apply(
+        let mut gapped = entry.clone();
+        gapped.through = held;
+        let applied = self.apply(
             &Delta {
-                origins: vec![entry],
+                origins: vec![gapped],
             },
             at,
-        )
+        );
+        let whole = applied.lanes_refused + applied.lanes_throttled + applied.lanes_clashing == 0;
+        let origin = self.origins.entry(entry.origin).or_default();
+        origin.ahead = whole.then(|| Run::with(origin.ahead, after, entry.through));
+        applied
     }
 
     /// The lanes of `origin` a holder at `theirs` lacks, and whether `budget` cut them.
@@ -545,6 +598,13 @@ impl CounterMap {
                     // below the lowest left out is held.
                     let below = Version(refused.0.saturating_sub(1)).min(entry.through.version);
                     origin.watermark.version = origin.watermark.version.max(below);
+                }
+            }
+            if let Some(run) = origin.ahead {
+                if origin.watermark.version >= run.after {
+                    origin.watermark.version = origin.watermark.version.max(run.through.version);
+                    origin.watermark.stamp = origin.watermark.stamp.max(run.through.stamp);
+                    origin.ahead = None;
                 }
             }
         }
@@ -878,6 +938,38 @@ mod tests {
     }
 
     #[test]
+    fn a_restamp_past_the_last_version_is_refused_rather_than_reuse_it() {
+        // A member relays lane 0 of replica 1 at version u64::MAX: a restamp of another
+        // lane would get u64::MAX again, two lanes under one version.
+        let entry = |subject, version| Delta {
+            origins: vec![OriginDelta {
+                origin: replica(1),
+                through: Watermark {
+                    version: Version(version),
+                    stamp: Stamp(1),
+                },
+                lanes: vec![LaneUpdate {
+                    key: key(subject, 60),
+                    lane: Lane::new(1, 0),
+                    version: Version(version),
+                }],
+            }],
+        };
+        let mut map = CounterMap::new();
+        map.apply(&entry(1, 1), NOW);
+        assert_eq!(
+            map.restamp(replica(1), &key(1, 60), Stamp(2)),
+            Some(Version(2))
+        );
+        map.apply(&entry(0, u64::MAX), NOW);
+        assert_eq!(map.value(&key(0, 60)), 1);
+        assert_eq!(map.restamp(replica(1), &key(1, 60), Stamp(3)), None);
+        assert_eq!(map.restamp(replica(1), &key(0, 60), Stamp(3)), None);
+        assert_index_names_each_lane(&map);
+        assert_eq!(map.delta_for(&Digest::default(), usize::MAX, 0).lanes(), 2);
+    }
+
+    #[test]
     fn a_lane_whose_version_names_another_key_of_its_origin_is_left_out() {
         // Replica 1's first life wrote key 0 at versions 1 and 2; a life that lost its state
         // wrote key 1 at version 2 under the same replica id. A map holding the first
@@ -971,24 +1063,83 @@ mod tests {
     }
 
     #[test]
-    fn lanes_held_past_a_gap_reach_a_peer_at_the_same_watermark() {
-        // Replica 1 writes two lanes and loses its state. Only `gapped` got the second,
-        // by a push past a gap; both peers reach version 1 from a third map.
+    fn lanes_held_past_a_gap_count_once_another_peer_fills_the_gap() {
+        // Replica 1 writes two lanes. `gapped` got only the second, by a push past a gap;
+        // `third` got only the first. An answer from `third` fills the gap, and `gapped`
+        // then holds both, at the origin's watermark, and passes that on.
         let mut origin = CounterMap::new();
         origin.incr(replica(1), &key(0, 60), 1, Stamp(1)).unwrap();
         let first = origin.lanes_since(replica(1), Version(0), 0).unwrap();
         origin.incr(replica(1), &key(1, 60), 1, Stamp(2)).unwrap();
         let second = origin.lanes_since(replica(1), Version(1), 0).unwrap();
-        let (mut gapped, mut peer) = (CounterMap::new(), CounterMap::new());
+        let (mut gapped, mut third, mut peer) =
+            (CounterMap::new(), CounterMap::new(), CounterMap::new());
         gapped.apply_since(Version(1), &second, NOW);
-        gapped.apply_since(Version(0), &first, NOW);
-        peer.apply_since(Version(0), &first, NOW);
-        assert_eq!(gapped.watermark(replica(1)), peer.watermark(replica(1)));
+        assert_eq!(gapped.watermark(replica(1)), Watermark::default());
+        third.apply_since(Version(0), &first, NOW);
+        gapped.apply(&third.delta_for(&gapped.digest(), usize::MAX, 0), NOW);
+        assert_eq!(gapped.watermark(replica(1)), origin.watermark(replica(1)));
 
+        peer.apply_since(Version(0), &first, NOW);
         peer.apply(&gapped.delta_for(&peer.digest(), 0, 0), NOW);
         assert_eq!(peer.value(&key(1, 60)), 1, "the lane past the gap arrived");
-        // No watermark will pass it, so each keeps offering it to the other.
-        assert_eq!(peer.delta_for(&gapped.digest(), 0, 0).lanes(), 1);
+        assert_eq!(peer.watermark(replica(1)), origin.watermark(replica(1)));
+        assert_eq!(peer.delta_for(&gapped.digest(), 0, 0).lanes(), 0);
+    }
+
+    #[test]
+    fn pushes_merged_past_a_gap_raise_the_watermark_once_the_gap_is_filled() {
+        // Pushes A (0 to 1), B (1 to 2), C (2 to 3) and D (3 to 4) arrive A, C, B, D: C
+        // past a gap, which B fills; every push after lifts the watermark as it comes.
+        let mut origin = CounterMap::new();
+        let mut pushes = Vec::new();
+        for subject in 0..4 {
+            let after = origin.watermark(replica(1)).version;
+            let stamp = Stamp(10 + subject as u64);
+            origin
+                .incr(replica(1), &key(subject, 60), 1, stamp)
+                .unwrap();
+            let mut push = origin.lanes_since(replica(1), after, usize::MAX).unwrap();
+            push.through.stamp = stamp;
+            pushes.push((after, push));
+        }
+        let mut peer = CounterMap::new();
+        for at in [0, 2, 1, 3] {
+            let (after, push) = &pushes[at];
+            peer.apply_since(*after, push, NOW);
+            let expected = match at {
+                2 => pushes[0].1.through,
+                1 => pushes[2].1.through,
+                _ => push.through,
+            };
+            assert_eq!(peer.watermark(replica(1)), expected, "after push {at}");
+        }
+        assert_eq!(peer.watermark(replica(1)).version, Version(4));
+        assert_eq!(peer.watermark(replica(1)).stamp, Stamp(13));
+    }
+
+    #[test]
+    fn a_push_past_a_gap_with_a_lane_left_out_raises_no_watermark_when_the_gap_is_filled() {
+        // At its key cap the peer leaves out the lane past the gap: filling the gap then
+        // lifts its watermark to the gap's top only, not past the lane it lacks.
+        let mut origin = CounterMap::new();
+        origin.incr(replica(1), &key(0, 60), 1, Stamp(1)).unwrap();
+        let first = origin
+            .lanes_since(replica(1), Version(0), usize::MAX)
+            .unwrap();
+        origin.incr(replica(1), &key(1, 60), 1, Stamp(2)).unwrap();
+        let second = origin
+            .lanes_since(replica(1), Version(1), usize::MAX)
+            .unwrap();
+        let mut peer = CounterMap::new().with_keys_max(1);
+        peer.apply_since(Version(1), &second, NOW);
+        assert_eq!(peer.value(&key(1, 60)), 1, "its one key");
+        let mut capped = CounterMap::new().with_keys_max(1);
+        capped.incr(replica(2), &key(9, 60), 1, Stamp(1)).unwrap();
+        let applied = capped.apply_since(Version(1), &second, NOW);
+        assert_eq!(applied.lanes_refused, 1);
+        capped.apply_since(Version(0), &first, NOW);
+        assert_eq!(capped.watermark(replica(1)).version, Version(0));
     }
 
     #[test]
@@ -1008,8 +1159,9 @@ mod tests {
             Watermark::default(),
             "but the gap keeps the watermark"
         );
+        // The push that fills the gap lifts the watermark past the lanes merged already.
         peer.apply_since(Version(0), &first, NOW);
-        assert_eq!(peer.watermark(replica(1)).version, Version(1));
+        assert_eq!(peer.watermark(replica(1)), origin.watermark(replica(1)));
         peer.apply_since(Version(1), &second, NOW);
         assert_eq!(peer.watermark(replica(1)), origin.watermark(replica(1)));
     }

@@ -271,6 +271,72 @@ proptest! {
 
 proptest! {
     #![proptest_config(ProptestConfig::with_cases(CASES))]
+
+    /// Each origin pushes its fresh lanes after every write, cut by a budget. A receiver
+    /// gets some pushes in any order, loses the others, and now and then an answer from
+    /// a peer that got every push: its watermark never claims a lane it lacks. Then the
+    /// peer brings it up to date, and the next pushes all arrive, newest first: once the
+    /// oldest is in, the receiver is at the origins' last pushes with no answer at all.
+    #[test]
+    fn pushes_in_any_order_never_claim_a_lane_not_held_and_catch_up_once_the_gap_fills(
+        (origins, history, later, deliveries, budget) in (1..=4usize).prop_flat_map(|n| (
+            Just(n),
+            writes(n, 16, 60),
+            writes(n, 16, 30),
+            vec((any::<prop::sample::Index>(), 0..4u8), 0..90),
+            0..(3 * DELTA_BYTES_MIN),
+        ))
+    ) {
+        let mut writers = vec![CounterMap::new(); origins];
+        let mut pushed = vec![Version::ZERO; origins];
+        let (mut receiver, mut peer) = (CounterMap::new(), CounterMap::new());
+        let mut pool: Vec<(Version, OriginDelta)> = Vec::new();
+        let mut push = |writers: &mut [CounterMap], write: &Write, pool: &mut Vec<_>, peer: &mut CounterMap| {
+            let writer = &mut writers[write.replica];
+            apply_write(writer, write);
+            let after = pushed[write.replica];
+            let entry = writer
+                .lanes_since(replica(write.replica), after, budget)
+                .expect("the writer holds its own lanes");
+            pushed[write.replica] = entry.through.version;
+            peer.apply_since(after, &entry, NOW);
+            pool.push((after, entry));
+        };
+        let mut deliveries = deliveries.iter();
+        for write in &history {
+            push(&mut writers, write, &mut pool, &mut peer);
+            let Some((pick, action)) = deliveries.next() else { continue };
+            match action {
+                // Lost.
+                0 => { pool.swap_remove(pick.index(pool.len())); }
+                1 => { receiver.apply(&peer.delta_for(&receiver.digest(), budget, 0), NOW); }
+                _ => {
+                    let (after, entry) = pool.swap_remove(pick.index(pool.len()));
+                    receiver.apply_since(after, &entry, NOW);
+                }
+            };
+            assert_claims_only_held(&receiver, &writers)?;
+        }
+        let mut pair = [receiver, peer];
+        sync_until_quiet(&mut pair, budget);
+        let [mut receiver, mut peer] = pair;
+        pool.clear();
+        for write in &later {
+            push(&mut writers, write, &mut pool, &mut peer);
+        }
+        for (after, entry) in pool.iter().rev() {
+            receiver.apply_since(*after, entry, NOW);
+            assert_claims_only_held(&receiver, &writers)?;
+        }
+        for (origin, writer) in writers.iter().enumerate() {
+            prop_assert_eq!(receiver.watermark(replica(origin)).version, pushed[origin], "origin {}", origin);
+            prop_assert!(pushed[origin] <= writer.watermark(replica(origin)).version);
+        }
+    }
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(CASES))]
     #[test]
     fn expiry_drops_exactly_the_ended_windows_and_the_rest_still_converges_to_its_writes(
         (replicas, before, after, long_every, later, budget, seed) in (2..=6usize).prop_flat_map(|n| (
@@ -432,6 +498,32 @@ fn assert_indexed(map: &CounterMap) -> Result<(), TestCaseError> {
         }
     }
     prop_assert_eq!(indexed, snapshot_lanes(map));
+    Ok(())
+}
+
+/// `receiver`'s watermark for each writer's origin (`replica(index)`) covers only lanes it
+/// holds: every lane the writer holds now at or below it is covered.
+fn assert_claims_only_held(
+    receiver: &CounterMap,
+    writers: &[CounterMap],
+) -> Result<(), TestCaseError> {
+    for (origin, writer) in writers.iter().enumerate() {
+        let watermark = receiver.watermark(replica(origin)).version;
+        for (k, counter) in writer.iter() {
+            if let Some(slot) = counter.slot(replica(origin)) {
+                if slot.version <= watermark {
+                    prop_assert!(
+                        receiver.lane(k, replica(origin)).covers(slot.lane),
+                        "watermark {:?} of {} claims {} at {:?}",
+                        watermark,
+                        origin,
+                        k,
+                        slot.version
+                    );
+                }
+            }
+        }
+    }
     Ok(())
 }
 

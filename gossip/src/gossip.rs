@@ -428,8 +428,10 @@ impl Gossip {
         expiry.at(now).0 / 1_000
     }
 
-    /// Pushes own lanes above `pushed_through`, with the current stamp, to every live
-    /// peer, in as many frames as the budget needs.
+    /// Pushes own lanes above `pushed_through` to every live peer, in as many frames as the
+    /// budget needs. The last frame carries the stamp of this node's freshest state (its
+    /// last write or round); a frame cut short carries none (`Stamp(0)`), and a receiver
+    /// takes no freshness from it.
     fn push(&mut self) {
         self.next_push = None;
         let me = self.config.replica;

@@ -106,7 +106,8 @@ pub enum Message {
         dead: Vec<NodeId>,
     },
     /// Eager push of the sender's own fresh lanes (versions above `after`), and its
-    /// heartbeat: `lanes.through.stamp` is its clock when it sent them.
+    /// heartbeat: `lanes.through.stamp` is the sender's clock at its freshest state (its
+    /// last write or round), or `Stamp(0)` in a frame of a push cut short, but its last.
     Push {
         /// The version the lanes follow: the receiver has no gap if it holds this much.
         after: Version,
