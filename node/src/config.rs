@@ -376,6 +376,18 @@ impl Config {
             .map_err(|why| bad("gossip_interval_ms".into(), why))?;
         positive(self.push_interval_ms, "push_interval_ms")
             .map_err(|why| bad("push_interval_ms".into(), why))?;
+        if self.push_interval_ms >= self.gossip_interval_ms {
+            return Err(bad(
+                "push_interval_ms".into(),
+                format!(
+                    "{} must be below gossip_interval_ms ({}): each round's heartbeat stamps \
+                     this node's state as of then, while its writes wait up to a push \
+                     interval and a half before they are sent, so peers read its staleness \
+                     that much low",
+                    self.push_interval_ms, self.gossip_interval_ms
+                ),
+            ));
+        }
         positive(self.fanout as u64, "fanout").map_err(|why| bad("fanout".into(), why))?;
         positive(self.dead_after_ms, "dead_after_ms")
             .map_err(|why| bad("dead_after_ms".into(), why))?;
@@ -749,6 +761,10 @@ window_secs = 60
             (
                 GOOD.replace("127.0.0.1:7001", "0.0.0.0:7001"),
                 "listen_gossip",
+            ),
+            (
+                GOOD.replace("node_id = 1", "node_id = 1\npush_interval_ms = 1000"),
+                "push_interval_ms",
             ),
             (GOOD.replace("127.0.0.1:7001", "[::]:7001"), "listen_gossip"),
             (
