@@ -134,13 +134,23 @@ fn tls(files: &TlsConfig, node: NodeId) -> Result<Tls, TlsError> {
     let expires_unix_secs = valid_now(&files.cert, &chain[0])?;
     let mut roots = rustls::RootCertStore::empty();
     for cert in ca {
-        roots
-            .add(cert)
-            .map_err(|err| TlsError::Config(format!("ca: {err}")))?;
+        roots.add(cert).map_err(|err| TlsError::File {
+            path: files.ca.clone(),
+            why: format!("not a CA certificate rustls takes: {err}"),
+        })?;
     }
     let roots = Arc::new(roots);
     let provider = Arc::new(rustls::crypto::ring::default_provider());
     let config_err = |err: rustls::Error| TlsError::Config(err.to_string());
+    // The key is refused with the certificate it goes with: another node's key, or a kind
+    // rustls does not take.
+    let key_err = |err: rustls::Error| TlsError::File {
+        path: files.key.clone(),
+        why: format!(
+            "does not go with the certificate in {}: {err}",
+            files.cert.display()
+        ),
+    };
 
     let verifier = rustls::server::WebPkiClientVerifier::builder_with_provider(
         roots.clone(),
@@ -153,7 +163,7 @@ fn tls(files: &TlsConfig, node: NodeId) -> Result<Tls, TlsError> {
         .map_err(config_err)?
         .with_client_cert_verifier(verifier)
         .with_single_cert(chain.clone(), key.clone_key())
-        .map_err(config_err)?;
+        .map_err(key_err)?;
     server.alpn_protocols = vec![ALPN.to_vec()];
     no_resumption(&mut server);
 
@@ -162,7 +172,7 @@ fn tls(files: &TlsConfig, node: NodeId) -> Result<Tls, TlsError> {
         .map_err(config_err)?
         .with_root_certificates(roots)
         .with_client_auth_cert(chain, key)
-        .map_err(config_err)?;
+        .map_err(key_err)?;
     client.alpn_protocols = vec![ALPN.to_vec()];
     client.resumption = rustls::client::Resumption::disabled();
     Ok(Tls {
@@ -405,6 +415,20 @@ mod tests {
         let err = identity(&config, NodeId(3)).err().unwrap().to_string();
         assert!(
             err.contains("node-2.tally") && err.contains("node 3"),
+            "{err}"
+        );
+        std::fs::remove_dir_all(dir).unwrap();
+    }
+
+    #[test]
+    fn another_nodes_key_is_refused_at_start_naming_the_key_file() {
+        let dir = std::env::temp_dir().join(format!("tally-tls-key-{}", std::process::id()));
+        let files = crate::certs::write_cluster(&dir, &[NodeId(1), NodeId(2)]).unwrap();
+        let mut config = files[0].tls_config();
+        config.key = files[1].key.clone();
+        let err = identity(&config, NodeId(1)).err().unwrap().to_string();
+        assert!(
+            err.contains("node-2.key") && err.contains("node-1.pem"),
             "{err}"
         );
         std::fs::remove_dir_all(dir).unwrap();
