@@ -98,8 +98,10 @@ pub async fn run(config: Config, shutdown: impl Future<Output = ()>) -> Result<(
     let node = config.node();
     // What can refuse the start comes before the data dir is claimed, so that a refused
     // start (another node's certificate, a bad rule, an address in use) leaves the dir as
-    // it was, not named for this node id nor given a new life. The gossip port's bind
-    // needs the region's sessions, which need the dir: it comes after.
+    // it was, not named for this node id nor given a new life. Its lock comes before the
+    // binds, so that a second process on the same config is told the directory is in use.
+    // The gossip port's bind needs the region's sessions, which need the dir: it comes
+    // after.
     let identity = tls::identity(&config.tls, node)?;
     let certificate_expires = identity.expires_unix_secs;
     let days_left = (certificate_expires - (now.wall.0 / 1_000) as i64) / 86_400;
@@ -111,6 +113,7 @@ pub async fn run(config: Config, shutdown: impl Future<Output = ()>) -> Result<(
         );
     }
     let rules = Rules::new(&config.rules)?;
+    let dir_lock = config.data_dir.as_deref().map(lanelog::lock).transpose()?;
     let bind =
         |what: &'static str, addr: String| move |source| DaemonError::Bind { what, addr, source };
     let tcp = TcpListener::bind(config.listen_client)
@@ -142,7 +145,7 @@ pub async fn run(config: Config, shutdown: impl Future<Output = ()>) -> Result<(
         Some(dir) => {
             // Held until the process exits, not dropped with the node at shutdown, so that
             // no second process takes the directory while this one still runs at all.
-            std::mem::forget(lanelog::lock(dir)?);
+            std::mem::forget(dir_lock);
             let mark = expiry_mark::read(dir)?;
             let resumed = mark.map(|mark| mark.resumed(clock::boot().as_ref()));
             expiry = ExpiryClock::resume(clock, resumed);

@@ -132,7 +132,9 @@ impl LaneStore {
     ///
     /// The two totals are read one after the other, so a write landing in between may be
     /// seen in one and not the other; each is a total the lane really had, which is all a
-    /// merge (the larger of each total) needs.
+    /// merge (the larger of each total) needs. The decrements are read first, so a value
+    /// read across writes errs high (an increment seen without a later decrement), never
+    /// low: a check never reads room that was not there.
     pub fn own<'k>(&self, key: impl Into<KeyRef<'k>>) -> Lane {
         let guard = self.slots.guard();
         self.slots
@@ -527,10 +529,11 @@ impl Slot {
         field: &'static str,
         amount: u64,
     ) -> Result<Written, Overflow> {
-        // Relaxed: the `Release` on `word` just below is what hands this add to the
-        // collector, and no other thread reads anything through the total itself.
+        // Release: a reader that sees this add in the decrements (read first, `Acquire`)
+        // sees every earlier add in the increments too (`Slot::own`). The `Release` on
+        // `word` just below is what hands this add to the collector.
         total
-            .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |total| {
+            .fetch_update(Ordering::Release, Ordering::Relaxed, |total| {
                 total.checked_add(amount)
             })
             .map_err(|total| Overflow {
@@ -554,10 +557,9 @@ impl Slot {
     }
 
     fn own(&self) -> Lane {
-        Lane::new(
-            self.incr.load(Ordering::Relaxed),
-            self.decr.load(Ordering::Relaxed),
-        )
+        // Decrements first: see `LaneStore::own`.
+        let decr = self.decr.load(Ordering::Acquire);
+        Lane::new(self.incr.load(Ordering::Relaxed), decr)
     }
 
     /// Clears the dirty flag, then reads the totals: the collector's half of the protocol.
@@ -1545,6 +1547,56 @@ mod loom_models {
             let mut sums = outsized.lock();
             sums.insert(address(slot), sum);
             slot.publish(Remote::of(sum));
+        });
+    }
+
+    /// A writer that adds to the increments and then takes as much back: a reader never
+    /// reads the lane below zero, whatever it sees of the two writes.
+    #[test]
+    fn a_lane_read_across_an_increment_and_a_decrement_never_reads_low() {
+        check_never_reads_low(Slot::own);
+    }
+
+    /// Negative control: increments read first can read a decrement without the increment
+    /// before it.
+    #[test]
+    #[should_panic(expected = "read below zero")]
+    fn a_lane_read_increments_first_can_read_low() {
+        check_never_reads_low(|slot| {
+            let incr = slot.incr.load(Ordering::Relaxed);
+            Lane::new(incr, slot.decr.load(Ordering::Acquire))
+        });
+    }
+
+    /// Negative control: decrements read first, but without `Acquire`, can be read with
+    /// increments older than them.
+    #[test]
+    #[should_panic(expected = "read below zero")]
+    fn a_lane_read_decrements_first_without_acquire_can_read_low() {
+        check_never_reads_low(|slot| {
+            let decr = slot.decr.load(Ordering::Relaxed);
+            Lane::new(slot.incr.load(Ordering::Relaxed), decr)
+        });
+    }
+
+    /// The reader runs in a thread of its own: read from the model's main thread, loom
+    /// explored one execution of this model only.
+    fn check_never_reads_low(read: fn(&Slot) -> Lane) {
+        loom::model(move || {
+            let slot = Arc::new(Slot::new());
+            let writer = {
+                let slot = slot.clone();
+                thread::spawn(move || {
+                    slot.incr(1).unwrap();
+                    slot.decr(1).unwrap();
+                })
+            };
+            let reader = {
+                let slot = slot.clone();
+                thread::spawn(move || assert!(read(&slot).value() >= 0, "read below zero"))
+            };
+            writer.join().unwrap();
+            reader.join().unwrap();
         });
     }
 
