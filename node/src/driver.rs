@@ -89,8 +89,10 @@ impl Driver {
         tokio::pin!(protocol);
         let mut collect = tokio::time::interval(self.collect_every);
         collect.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-        // Whether a key was queued since the last collection began.
+        // Whether a key was queued since the last collection began, and when the first was
+        // (monotonic).
         let mut collect_due = false;
+        let mut queued_at = Duration::ZERO;
         let mut expire = tokio::time::interval(Duration::from_secs(1));
         let mut lanes = Vec::new();
         loop {
@@ -126,11 +128,12 @@ impl Driver {
                 }
                 () = self.store.queued(), if !collect_due => {
                     collect_due = true;
+                    queued_at = self.clock.mono();
                 }
                 // Keys written while a sync runs stay queued until it returns.
                 _ = collect.tick(), if collect_due && !self.handoff.is_syncing() => {
                     collect_due = false;
-                    self.collect(&mut lanes);
+                    self.collect(&mut lanes, queued_at);
                 }
                 synced = self.handoff.synced(), if self.handoff.is_syncing() => {
                     self.synced(synced);
@@ -171,15 +174,16 @@ impl Driver {
         self.handoff.overdue(self.clock.mono(), limit)
     }
 
-    /// Collects the lanes written since the last collection, and hands them to the gossip
-    /// at once or once synced.
-    fn collect(&mut self, lanes: &mut Vec<(Key, Lane)>) {
+    /// Collects the lanes written since the last collection, the first of them queued at
+    /// `queued_at` (monotonic), and hands them to the gossip at once or once synced.
+    fn collect(&mut self, lanes: &mut Vec<(Key, Lane)>, queued_at: Duration) {
         self.store.collect(lanes);
         if lanes.is_empty() {
             return;
         }
         let now = self.clock.now();
-        if let Some(durable) = self.handoff.collected((now, std::mem::take(lanes))) {
+        let collected = (now, std::mem::take(lanes));
+        if let Some(durable) = self.handoff.collected(collected, queued_at.min(now.mono)) {
             self.local_lanes(durable);
         }
     }
@@ -210,7 +214,9 @@ impl Driver {
                     let synced = self.handoff.synced().await;
                     self.synced(synced);
                 }
-                self.collect(lanes);
+                // Nothing waits on the sync's age at shutdown (`LAST_FRAMES_DEADLINE` does).
+                let now = self.clock.mono();
+                self.collect(lanes, now);
                 if !self.handoff.is_syncing() {
                     return;
                 }

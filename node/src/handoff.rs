@@ -46,6 +46,8 @@ pub struct Handoff {
 struct Syncing {
     task: JoinHandle<Result<(), LogError>>,
     lanes: Collected,
+    // When the oldest write among them was queued (monotonic).
+    oldest: Duration,
 }
 
 impl Handoff {
@@ -59,19 +61,20 @@ impl Handoff {
         self.syncing.is_some()
     }
 
-    /// If the sync in flight began more than `limit` before `now` (monotonic), how long
-    /// ago its lanes were collected: the disk is not answering, and no peer has this
-    /// node's writes since then.
+    /// If the oldest write the sync in flight holds back was queued more than `limit`
+    /// before `now` (monotonic), how long ago: the disk is not answering fast enough, and
+    /// no peer has this node's writes since then. Counted from the write, not from its
+    /// collection, which waited for the sync before (writes made while a sync runs are
+    /// collected once it returns).
     pub fn overdue(&self, now: Duration, limit: Duration) -> Option<Duration> {
-        let (collected, _) = &self.syncing.as_ref()?.lanes;
-        let held_for = now.saturating_sub(collected.mono);
+        let held_for = now.saturating_sub(self.syncing.as_ref()?.oldest);
         (held_for > limit).then_some(held_for)
     }
 
-    /// Takes lanes collected at `now`, while no sync is in flight. Returns them at once
-    /// without a log; with one, starts their sync and returns nothing (see
-    /// [`Handoff::synced`]).
-    pub fn collected(&mut self, lanes: Collected) -> Option<Collected> {
+    /// Takes lanes collected at `now`, the oldest written at `oldest` (monotonic), while no
+    /// sync is in flight. Returns them at once without a log; with one, starts their sync
+    /// and returns nothing (see [`Handoff::synced`]).
+    pub fn collected(&mut self, lanes: Collected, oldest: Duration) -> Option<Collected> {
         assert!(
             self.syncing.is_none(),
             "invariant: nothing is collected while a sync is in flight"
@@ -89,6 +92,7 @@ impl Handoff {
         self.syncing = Some(Syncing {
             task: tokio::task::spawn_blocking(move || file?.sync()),
             lanes,
+            oldest,
         });
         None
     }
@@ -157,7 +161,7 @@ mod tests {
     fn without_a_data_dir_collected_lanes_pass_at_once() {
         let mut handoff = Handoff::new(None);
         let lanes = collected(1, &[("a", 1), ("b", 2)]);
-        assert_eq!(handoff.collected(lanes.clone()), Some(lanes));
+        assert_eq!(handoff.collected(lanes.clone(), lanes.0.mono), Some(lanes));
         assert!(!handoff.is_syncing());
     }
 
@@ -165,17 +169,17 @@ mod tests {
     async fn lanes_wait_for_their_sync_and_keep_when_they_were_collected() {
         let mut handoff = Handoff::new(Some(log("wait")));
         let lanes = collected(1, &[("a", 1), ("b", 2)]);
-        assert_eq!(handoff.collected(lanes.clone()), None);
+        assert_eq!(handoff.collected(lanes.clone(), lanes.0.mono), None);
         assert!(handoff.is_syncing());
         assert_eq!(handoff.synced().await.unwrap(), lanes);
         assert!(!handoff.is_syncing());
         let later = collected(3, &[("a", 4)]);
-        assert_eq!(handoff.collected(later.clone()), None);
+        assert_eq!(handoff.collected(later.clone(), later.0.mono), None);
         assert_eq!(handoff.synced().await.unwrap(), later);
     }
 
     #[tokio::test(flavor = "current_thread")]
-    async fn a_sync_is_overdue_once_it_has_run_longer_than_the_limit_since_its_collection() {
+    async fn a_sync_is_overdue_once_its_oldest_write_has_waited_longer_than_the_limit() {
         let mut handoff = Handoff::new(Some(log("overdue")));
         let second = Duration::from_secs(1);
         let at = Duration::from_millis;
@@ -184,11 +188,21 @@ mod tests {
             None,
             "no sync in flight"
         );
-        assert_eq!(handoff.collected(collected(1_000, &[("a", 1)])), None);
+        assert_eq!(
+            handoff.collected(collected(1_000, &[("a", 1)]), at(1_000)),
+            None
+        );
         assert_eq!(handoff.overdue(at(2_000), second), None);
         assert_eq!(handoff.overdue(at(2_001), second), Some(at(1_001)));
         handoff.synced().await.unwrap();
         assert_eq!(handoff.overdue(at(2_001), second), None);
+        // A write queued at 1,100, while that sync ran, collected once it returned at
+        // 1,900: by 2,500 it has waited 1,400.
+        assert_eq!(
+            handoff.collected(collected(1_900, &[("a", 2)]), at(1_100)),
+            None
+        );
+        assert_eq!(handoff.overdue(at(2_500), second), Some(at(1_400)));
     }
 
     #[test]
@@ -199,8 +213,8 @@ mod tests {
             .unwrap();
         let _entered = runtime.enter();
         let mut handoff = Handoff::new(Some(log("twice")));
-        let _ = handoff.collected(collected(1, &[("a", 1)]));
-        let _ = handoff.collected(collected(2, &[("a", 2)]));
+        let _ = handoff.collected(collected(1, &[("a", 1)]), Duration::ZERO);
+        let _ = handoff.collected(collected(2, &[("a", 2)]), Duration::ZERO);
     }
 
     #[tokio::test(flavor = "current_thread")]
@@ -208,7 +222,10 @@ mod tests {
         let log = log("failed");
         let mut handoff = Handoff::new(Some(log.clone()));
         log.lock().unwrap().fail("injected");
-        assert_eq!(handoff.collected(collected(1, &[("a", 1)])), None);
+        assert_eq!(
+            handoff.collected(collected(1, &[("a", 1)]), Duration::ZERO),
+            None
+        );
         let err = handoff.synced().await.unwrap_err();
         assert!(err.to_string().contains("injected"), "{err}");
         assert!(!handoff.is_syncing());
