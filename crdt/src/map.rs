@@ -1131,15 +1131,18 @@ mod tests {
         let second = origin
             .lanes_since(replica(1), Version(1), usize::MAX)
             .unwrap();
-        let mut peer = CounterMap::new().with_keys_max(1);
-        peer.apply_since(Version(1), &second, NOW);
-        assert_eq!(peer.value(&key(1, 60)), 1, "its one key");
+        // The peer holds key 0 already (another replica's lane), and has room for no more.
         let mut capped = CounterMap::new().with_keys_max(1);
-        capped.incr(replica(2), &key(9, 60), 1, Stamp(1)).unwrap();
+        capped.incr(replica(2), &key(0, 60), 1, Stamp(1)).unwrap();
         let applied = capped.apply_since(Version(1), &second, NOW);
         assert_eq!(applied.lanes_refused, 1);
         capped.apply_since(Version(0), &first, NOW);
-        assert_eq!(capped.watermark(replica(1)).version, Version(0));
+        assert_eq!(
+            capped.value(&key(0, 60)),
+            2,
+            "the gap's lane, of a key held"
+        );
+        assert_eq!(capped.watermark(replica(1)).version, Version(1));
     }
 
     #[test]

@@ -272,66 +272,160 @@ proptest! {
 proptest! {
     #![proptest_config(ProptestConfig::with_cases(CASES))]
 
-    /// Each origin pushes its fresh lanes after every write, cut by a budget. A receiver
-    /// gets some pushes in any order, loses the others, and now and then an answer from
-    /// a peer that got every push: its watermark never claims a lane it lacks. Then the
-    /// peer brings it up to date, and the next pushes all arrive, newest first: once the
-    /// oldest is in, the receiver is at the origins' last pushes with no answer at all.
+    /// Each origin pushes its fresh lanes now and then, in frames cut by a budget as
+    /// `Gossip::push` cuts them (only the last carries the origin's stamp). A receiver at
+    /// a key cap gets some frames in any order, loses the others, and now and then an
+    /// answer from a peer that got every frame: its watermark never claims a lane it
+    /// lacks, nor its stamp a version it lacks. Then, its cap lifted, the peer brings it up
+    /// to date, and the next frames all arrive, newest first: once the oldest is in, the
+    /// receiver is at each origin's version, with a stamp at least that of the write that
+    /// made it, with no answer at all.
     #[test]
     fn pushes_in_any_order_never_claim_a_lane_not_held_and_catch_up_once_the_gap_fills(
-        (origins, history, later, deliveries, budget) in (1..=4usize).prop_flat_map(|n| (
+        (origins, history, later, pushes, deliveries, budget, keys_max) in (1..=4usize).prop_flat_map(|n| (
             Just(n),
             writes(n, 16, 60),
             writes(n, 16, 30),
+            vec(any::<bool>(), 90),
             vec((any::<prop::sample::Index>(), 0..4u8), 0..90),
             0..(3 * DELTA_BYTES_MIN),
+            4..=16usize,
         ))
     ) {
-        let mut writers = vec![CounterMap::new(); origins];
-        let mut pushed = vec![Version::ZERO; origins];
-        let (mut receiver, mut peer) = (CounterMap::new(), CounterMap::new());
+        let mut origin = Origins::new(origins, budget);
+        let mut receiver = CounterMap::new().with_keys_max(keys_max);
+        let mut peer = CounterMap::new();
         let mut pool: Vec<(Version, OriginDelta)> = Vec::new();
-        let mut push = |writers: &mut [CounterMap], write: &Write, pool: &mut Vec<_>, peer: &mut CounterMap| {
-            let writer = &mut writers[write.replica];
-            apply_write(writer, write);
-            let after = pushed[write.replica];
-            let entry = writer
-                .lanes_since(replica(write.replica), after, budget)
-                .expect("the writer holds its own lanes");
-            pushed[write.replica] = entry.through.version;
-            peer.apply_since(after, &entry, NOW);
-            pool.push((after, entry));
-        };
         let mut deliveries = deliveries.iter();
-        for write in &history {
-            push(&mut writers, write, &mut pool, &mut peer);
+        for (step, write) in history.iter().enumerate() {
+            origin.write(write);
+            if pushes[step] {
+                origin.push(write.replica, &mut peer, &mut pool);
+            }
             let Some((pick, action)) = deliveries.next() else { continue };
+            if pool.is_empty() && *action != 1 {
+                continue;
+            }
             match action {
                 // Lost.
                 0 => { pool.swap_remove(pick.index(pool.len())); }
-                1 => { receiver.apply(&peer.delta_for(&receiver.digest(), budget, 0), NOW); }
+                1 => { receiver.apply(&peer.delta_for(&receiver.digest(), budget, step), NOW); }
                 _ => {
                     let (after, entry) = pool.swap_remove(pick.index(pool.len()));
                     receiver.apply_since(after, &entry, NOW);
                 }
             };
-            assert_claims_only_held(&receiver, &writers)?;
+            origin.assert_claims_only_held(&receiver)?;
         }
-        let mut pair = [receiver, peer];
+        let mut pair = [std::mem::take(&mut receiver).with_keys_max(usize::MAX), peer];
         sync_until_quiet(&mut pair, budget);
         let [mut receiver, mut peer] = pair;
         pool.clear();
-        for write in &later {
-            push(&mut writers, write, &mut pool, &mut peer);
+        for (step, write) in later.iter().enumerate() {
+            origin.write(write);
+            if pushes[step] {
+                origin.push(write.replica, &mut peer, &mut pool);
+            }
+        }
+        for index in 0..origins {
+            origin.push(index, &mut peer, &mut pool);
         }
         for (after, entry) in pool.iter().rev() {
             receiver.apply_since(*after, entry, NOW);
-            assert_claims_only_held(&receiver, &writers)?;
+            origin.assert_claims_only_held(&receiver)?;
         }
-        for (origin, writer) in writers.iter().enumerate() {
-            prop_assert_eq!(receiver.watermark(replica(origin)).version, pushed[origin], "origin {}", origin);
-            prop_assert!(pushed[origin] <= writer.watermark(replica(origin)).version);
+        for (index, writer) in origin.writers.iter().enumerate() {
+            let (held, written) = (receiver.watermark(replica(index)), writer.watermark(replica(index)));
+            prop_assert_eq!(held.version, written.version, "origin {}", index);
+            // A write that changed nothing moves the writer's stamp but makes no push.
+            let pushed_at = origin.versions[index].iter().find(|(_, version)| *version == written.version);
+            prop_assert!(pushed_at.is_none_or(|(stamp, _)| held.stamp >= *stamp), "origin {}", index);
         }
+    }
+}
+
+/// Writers, one per origin (`replica(index)`), each write at a later stamp, and what each
+/// has pushed.
+struct Origins {
+    writers: Vec<CounterMap>,
+    pushed: Vec<Version>,
+    // Per writer, its version after each of its writes, and that write's stamp.
+    versions: Vec<Vec<(Stamp, Version)>>,
+    stamp: u64,
+    budget: usize,
+}
+
+impl Origins {
+    fn new(count: usize, budget: usize) -> Origins {
+        Origins {
+            writers: vec![CounterMap::new(); count],
+            pushed: vec![Version::ZERO; count],
+            versions: vec![Vec::new(); count],
+            stamp: 0,
+            budget,
+        }
+    }
+
+    fn write(&mut self, write: &Write) {
+        self.stamp += 1;
+        let (writer, at) = (&mut self.writers[write.replica], Stamp(self.stamp));
+        let (origin, key) = (replica(write.replica), key(write.key));
+        let written = if write.decr {
+            writer.decr(origin, &key, write.amount, at)
+        } else {
+            writer.incr(origin, &key, write.amount, at)
+        };
+        written.expect("small amounts never overflow");
+        let version = writer.watermark(origin).version;
+        self.versions[write.replica].push((at, version));
+    }
+
+    /// Pushes what `index` has not pushed yet, as `Gossip::push` does: frames of at most
+    /// the budget, each following the last. The peer takes every frame in order; the
+    /// receiver's come from `pool`.
+    fn push(
+        &mut self,
+        index: usize,
+        peer: &mut CounterMap,
+        pool: &mut Vec<(Version, OriginDelta)>,
+    ) {
+        let writer = &self.writers[index];
+        let top = writer.watermark(replica(index)).version;
+        let mut after = self.pushed[index];
+        while after < top {
+            let entry = writer
+                .lanes_since(replica(index), after, self.budget)
+                .expect("the writer holds its own lanes");
+            peer.apply_since(after, &entry, NOW);
+            let through = entry.through.version;
+            pool.push((after, entry));
+            after = through;
+        }
+        self.pushed[index] = after;
+    }
+
+    /// `receiver`'s watermark for each origin covers only lanes it holds (every lane the
+    /// writer holds now at or below it is covered), and its stamp claims no version past
+    /// its watermark: the writer's version as of that stamp is at most the watermark's.
+    fn assert_claims_only_held(&self, receiver: &CounterMap) -> Result<(), TestCaseError> {
+        assert_claims_only_held(receiver, &self.writers)?;
+        for (index, versions) in self.versions.iter().enumerate() {
+            let held = receiver.watermark(replica(index));
+            let at_stamp = versions
+                .iter()
+                .take_while(|(stamp, _)| *stamp <= held.stamp)
+                .last()
+                .map_or(Version::ZERO, |(_, version)| *version);
+            prop_assert!(
+                at_stamp <= held.version,
+                "origin {} claims its stamp {:?} at {:?}, when it had written {:?}",
+                index,
+                held.stamp,
+                held.version,
+                at_stamp
+            );
+        }
+        Ok(())
     }
 }
 

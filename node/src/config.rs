@@ -11,6 +11,9 @@ use std::time::Duration;
 use tally_crdt::{NodeId, Rule, WINDOW_SECS_MAX};
 use tally_gossip::Seed;
 
+/// The most keys a node may be configured to hold: the gossip map's key ids are 32 bits.
+const KEYS_MAX: usize = 1 << 31;
+
 /// The longest path a Unix socket may have: `sun_path`'s 108 bytes less the closing NUL.
 const UNIX_SOCKET_PATH_MAX: usize = 107;
 
@@ -370,6 +373,14 @@ impl Config {
             }
         }
         positive(self.keys_max as u64, "keys_max").map_err(|why| bad("keys_max".into(), why))?;
+        // The gossip map's key ids are 32 bits, and it holds peers' keys up to `keys_max`
+        // and this node's own past it.
+        if self.keys_max > KEYS_MAX {
+            return Err(bad(
+                "keys_max".into(),
+                format!("{} is over {KEYS_MAX}", self.keys_max),
+            ));
+        }
         positive(self.lane_rate_max_per_sec, "lane_rate_max_per_sec")
             .map_err(|why| bad("lane_rate_max_per_sec".into(), why))?;
         positive(self.gossip_interval_ms, "gossip_interval_ms")
@@ -765,6 +776,10 @@ window_secs = 60
             (
                 GOOD.replace("node_id = 1", "node_id = 1\npush_interval_ms = 1000"),
                 "push_interval_ms",
+            ),
+            (
+                GOOD.replace("node_id = 1", "node_id = 1\nkeys_max = 4294967296"),
+                "keys_max",
             ),
             (GOOD.replace("127.0.0.1:7001", "[::]:7001"), "listen_gossip"),
             (

@@ -690,7 +690,7 @@ mod tests {
                 wall: NOW,
             },
         );
-        assert_eq!(back, [NodeId(3)]);
+        assert_eq!((back.joined, back.left), (vec![NodeId(3)], vec![]));
         view.take_outside(&owned, &counter, replica(1));
         assert_eq!(view.outside(key), 0);
     }

@@ -126,9 +126,12 @@ impl Driver {
                         self.gossip.handle_input(Input::Timeout { now: self.clock.now() });
                     }
                 }
+                // A wake-up for keys the last collection took is no write to time.
                 () = self.store.queued(), if !collect_due => {
-                    collect_due = true;
-                    queued_at = self.clock.mono();
+                    if self.store.has_queued() {
+                        collect_due = true;
+                        queued_at = self.clock.mono();
+                    }
                 }
                 // Keys written while a sync runs stay queued until it returns.
                 _ = collect.tick(), if collect_due && !self.handoff.is_syncing() => {
@@ -149,10 +152,7 @@ impl Driver {
                     let now_secs = paced.0 / 1_000;
                     self.store.expire(now_secs);
                     self.store.reclaim();
-                    let mut view = self.view.lock();
-                    view.remote_rates.retain(|key, _| key.window.is_live(now_secs));
-                    view.other_lives.retain(|key, _| key.window.is_live(now_secs));
-                    view.below_zero.retain(|key, _| key.window.is_live(now_secs));
+                    self.view.lock().forget_ended_windows(now_secs);
                 }
                 _ = self.shutdown.changed() => {
                     self.last_lanes(&mut lanes).await;
@@ -167,8 +167,8 @@ impl Driver {
         }
     }
 
-    /// If the lane log's sync is overdue, how long ago the lanes it holds back were
-    /// collected.
+    /// If the lane log's sync is overdue, how long ago the oldest write it holds back was
+    /// queued.
     fn held_for(&self) -> Option<Duration> {
         let limit = SYNC_OVERDUE.max(self.gossip.config().gossip_interval);
         self.handoff.overdue(self.clock.mono(), limit)
@@ -297,7 +297,7 @@ impl Driver {
     }
 
     /// `serving_since`: when the node began serving, on the monotonic clock; `held_for`:
-    /// how long ago the lanes an overdue lane-log sync holds back were collected.
+    /// how long ago the oldest write an overdue lane-log sync holds back was queued.
     fn refresh_view(&mut self, me: ReplicaId, serving_since: Duration, held_for: Option<Duration>) {
         let map = self.gossip.map();
         let members = self.gossip.members();
@@ -320,8 +320,21 @@ impl Driver {
             self.clock.mono().saturating_sub(serving_since),
             config.dead_after,
         );
-        let joined_or_left = view.set_members(rows, stamps, self.clock.now());
-        for node in joined_or_left {
+        let relocated = view.set_members(rows, stamps, self.clock.now());
+        // A node that joined can only take value out of `outside`: only the keys there
+        // change. One that left adds its keys.
+        if !relocated.joined.is_empty() {
+            let outside: Vec<Key> = view.outside.keys().cloned().collect();
+            for key in outside {
+                match map.counter(&key) {
+                    Some(counter) => view.take_outside(&key, counter, me),
+                    None => {
+                        view.outside.remove(&key);
+                    }
+                }
+            }
+        }
+        for node in relocated.left {
             for (key, counter) in map.keys_of(node) {
                 view.take_outside(key, counter, me);
             }

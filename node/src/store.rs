@@ -259,6 +259,12 @@ impl LaneStore {
         self.queued.notified().await;
     }
 
+    /// Whether a key is queued for collection now: [`LaneStore::queued`] may complete for
+    /// keys a collection already took.
+    pub fn has_queued(&self) -> bool {
+        !self.dirty.is_empty()
+    }
+
     /// How many keys the store holds, counting keys being created at this moment.
     pub fn len(&self) -> usize {
         self.keys.load(Ordering::Relaxed)

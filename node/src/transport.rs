@@ -1278,13 +1278,10 @@ mod tests {
         );
         assert!(held(&one.shared, NodeId(2)).is_none());
         assert!(held(&three.shared, NodeId(2)).is_none());
-        // A new dial to node 2 fails its handshake: the frame is dropped, not delivered.
-        one.send(NodeId(2), &two_addr, b"after".to_vec());
-        let stats = &one.shared.stats;
-        until("the frame after dropped", || {
-            stats.frames_dropped.load(Ordering::Relaxed) >= 1
-        })
-        .await;
+        // A new dial to node 2 fails its handshake: node 1 refuses its expired certificate.
+        let dialed = connection_to(&one.shared, NodeId(2), &two_addr).await;
+        assert!(dialed.is_err(), "dialed node 2 after its certificate ended");
+        assert!(held(&one.shared, NodeId(2)).is_none());
         assert!(to_two.try_recv().is_err(), "a frame after the end came in");
         std::fs::remove_dir_all(dir).unwrap();
     }

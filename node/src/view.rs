@@ -65,7 +65,7 @@ pub struct ViewState {
     // The other nodes that are locations: members in any state but left.
     located: BTreeSet<NodeId>,
     /// Once the lane log's sync is overdue (`handoff`), how long before the members were
-    /// last set (monotonic) the writes it holds back were collected: no peer has this
+    /// last set (monotonic) the oldest write it holds back was queued: no peer has this
     /// node's writes since, and a peer may have declared it dead and stopped counting it,
     /// so it decides as stale as that, isolated once past a rule's `stale_after_ms`.
     pub own_held_for: Option<Duration>,
@@ -189,6 +189,16 @@ pub fn unheard_seeds(
     nodes.len()
 }
 
+/// The nodes that became locations ([`ViewState::set_members`]), and those that stopped
+/// being ones: members that left, or whose row is gone.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Relocated {
+    /// Nodes that are locations now and were not.
+    pub joined: Vec<NodeId>,
+    /// Nodes that were locations and are not now.
+    pub left: Vec<NodeId>,
+}
+
 /// How fresh the live members' state is at one moment, for one decision.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct Freshness {
@@ -237,14 +247,14 @@ impl ViewState {
     }
 
     /// Replaces the members and their stamps, as held at `now`. Returns the nodes that
-    /// became locations or stopped being ones (they joined, or left): the keys they hold
-    /// lanes of are to be taken in again ([`ViewState::take_outside`]).
+    /// became locations or stopped being ones: the keys they hold lanes of are to be taken
+    /// in again ([`ViewState::take_outside`]).
     pub fn set_members(
         &mut self,
         members: Vec<(NodeId, ReplicaId, State)>,
         stamps: BTreeMap<ReplicaId, Stamp>,
         now: Now,
-    ) -> Vec<NodeId> {
+    ) -> Relocated {
         let vouched = self.arrivals.vouch(stamps, now);
         let mut summary = Summary {
             at: now.wall,
@@ -268,13 +278,24 @@ impl ViewState {
             .filter(|(_, _, state)| *state != State::Left)
             .map(|(node, _, _)| *node)
             .collect();
-        let changed = located
-            .symmetric_difference(&self.located)
-            .copied()
-            .collect();
+        let relocated = Relocated {
+            joined: located.difference(&self.located).copied().collect(),
+            left: self.located.difference(&located).copied().collect(),
+        };
         (self.members, self.stamps, self.summary) = (members, stamps, summary);
         self.located = located;
-        changed
+        relocated
+    }
+
+    /// Forgets the per-key values of windows no longer live at `now_secs`.
+    pub fn forget_ended_windows(&mut self, now_secs: u64) {
+        self.remote_rates
+            .retain(|key, _| key.window.is_live(now_secs));
+        self.other_lives
+            .retain(|key, _| key.window.is_live(now_secs));
+        self.below_zero
+            .retain(|key, _| key.window.is_live(now_secs));
+        self.outside.retain(|key, _| key.window.is_live(now_secs));
     }
 
     /// A copy of what `/metrics` and `/status` report: everything but the per-key maps,
@@ -433,6 +454,37 @@ mod tests {
             tally_crdt::Subject::new("user-1").unwrap(),
             Window::new(1, 60).unwrap(),
         )
+    }
+
+    #[test]
+    fn a_member_that_left_is_outside_until_it_is_back_or_its_window_ends() {
+        let replica = |node| ReplicaId::new(NodeId(node), Generation(1));
+        let now = Now {
+            mono: Duration::ZERO,
+            wall: Stamp(0),
+        };
+        let mut state = ViewState::default();
+        let members = |three| {
+            vec![
+                (NodeId(2), replica(2), State::Alive),
+                (NodeId(3), replica(3), three),
+            ]
+        };
+        let joined = state.set_members(members(State::Alive), BTreeMap::new(), now);
+        assert_eq!(joined.joined, [NodeId(2), NodeId(3)]);
+        let key = user_1();
+        let mut counter = PnCounter::new();
+        counter.incr(replica(3), 60).unwrap();
+        counter.decr(replica(2), 5).unwrap();
+        state.take_in(&key, &counter, replica(1), 0);
+        assert_eq!(state.outside(KeyRef::from(&key)), 0, "node 3 is a location");
+        let left = state.set_members(members(State::Left), BTreeMap::new(), now);
+        assert_eq!((left.joined, left.left), (vec![], vec![NodeId(3)]));
+        state.take_outside(&key, &counter, replica(1));
+        assert_eq!(state.outside(KeyRef::from(&key)), 60);
+        // Its window over, the key is forgotten with the other per-key values.
+        state.forget_ended_windows(key.window.live_until_unix_secs());
+        assert!(state.outside.is_empty() && state.remote_rates.is_empty());
     }
 
     #[test]
