@@ -242,20 +242,7 @@ proptest! {
                 }
             }
             // Every lane of an origin at or below the capped map's watermark for it is held.
-            for origin in 1..replicas {
-                let watermark = maps[0].watermark(replica(origin)).version;
-                for (k, counter) in maps[origin].iter() {
-                    if let Some(slot) = counter.slot(replica(origin)) {
-                        if slot.version <= watermark {
-                            prop_assert!(
-                                maps[0].lane(k, replica(origin)).covers(slot.lane),
-                                "watermark {watermark:?} of {origin} claims {k} at {:?}",
-                                slot.version
-                            );
-                        }
-                    }
-                }
-            }
+            assert_claims_only_held(&maps[0], maps.iter().enumerate().skip(1))?;
         }
         maps[0] = std::mem::take(&mut maps[0])
             .with_keys_max(usize::MAX)
@@ -408,7 +395,7 @@ impl Origins {
     /// writer holds now at or below it is covered), and its stamp claims no version past
     /// its watermark: the writer's version as of that stamp is at most the watermark's.
     fn assert_claims_only_held(&self, receiver: &CounterMap) -> Result<(), TestCaseError> {
-        assert_claims_only_held(receiver, &self.writers)?;
+        assert_claims_only_held(receiver, self.writers.iter().enumerate())?;
         for (index, versions) in self.versions.iter().enumerate() {
             let held = receiver.watermark(replica(index));
             let at_stamp = versions
@@ -597,11 +584,11 @@ fn assert_indexed(map: &CounterMap) -> Result<(), TestCaseError> {
 
 /// `receiver`'s watermark for each writer's origin (`replica(index)`) covers only lanes it
 /// holds: every lane the writer holds now at or below it is covered.
-fn assert_claims_only_held(
+fn assert_claims_only_held<'a>(
     receiver: &CounterMap,
-    writers: &[CounterMap],
+    writers: impl IntoIterator<Item = (usize, &'a CounterMap)>,
 ) -> Result<(), TestCaseError> {
-    for (origin, writer) in writers.iter().enumerate() {
+    for (origin, writer) in writers {
         let watermark = receiver.watermark(replica(origin)).version;
         for (k, counter) in writer.iter() {
             if let Some(slot) = counter.slot(replica(origin)) {

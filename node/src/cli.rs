@@ -132,6 +132,19 @@ pub async fn shutdown_signal() {
 mod tests {
     use super::*;
 
+    /// `config` with no flag.
+    fn no_flags(config: PathBuf) -> DaemonArgs {
+        DaemonArgs {
+            config,
+            node_id: None,
+            listen_gossip: None,
+            listen_client: None,
+            listen_http: None,
+            data_dir: None,
+            seeds: Vec::new(),
+        }
+    }
+
     #[test]
     fn a_value_the_flags_make_wrong_is_refused_naming_the_file_with_the_flags() {
         let dir = std::env::temp_dir().join(format!("tally-cli-{}", std::process::id()));
@@ -148,13 +161,8 @@ mod tests {
         )
         .unwrap();
         let args = DaemonArgs {
-            config: file,
             node_id: Some(2),
-            listen_gossip: None,
-            listen_client: None,
-            listen_http: None,
-            data_dir: None,
-            seeds: Vec::new(),
+            ..no_flags(file)
         };
         let err = args.config().unwrap_err().to_string();
         assert!(
@@ -179,15 +187,7 @@ mod tests {
              tls = { ca = \"ca.pem\", cert = \"node-3.pem\", key = \"node-3.key\" }\n",
         )
         .unwrap();
-        let mut args = DaemonArgs {
-            config: file,
-            node_id: None,
-            listen_gossip: None,
-            listen_client: None,
-            listen_http: None,
-            data_dir: None,
-            seeds: Vec::new(),
-        };
+        let mut args = no_flags(file);
         let err = args.config().unwrap_err().to_string();
         assert!(
             err.contains("node-3.toml:") && err.contains("data_dir"),
