@@ -1119,9 +1119,9 @@ mod tests {
     }
 
     #[test]
-    fn a_push_past_a_gap_with_a_lane_left_out_raises_no_watermark_when_the_gap_is_filled() {
+    fn a_push_past_a_gap_with_a_lane_left_out_lifts_the_watermark_only_through_the_gap() {
         // At its key cap the peer leaves out the lane past the gap: filling the gap then
-        // lifts its watermark to the gap's top only, not past the lane it lacks.
+        // lifts its watermark through the gap only, not past the lane it lacks.
         let mut origin = CounterMap::new();
         origin.incr(replica(1), &key(0, 60), 1, Stamp(1)).unwrap();
         let first = origin

@@ -11,8 +11,9 @@ use std::time::Duration;
 use tally_crdt::{NodeId, Rule, WINDOW_SECS_MAX};
 use tally_gossip::Seed;
 
-/// The most keys a node may be configured to hold: the gossip map's key ids are 32 bits.
-const KEYS_MAX: usize = 1 << 31;
+/// The most keys a node may be configured to hold: the gossip map's key ids are 32 bits,
+/// and it holds peers' keys up to the cap, its own and its earlier lives' past it.
+const KEYS_MAX: usize = 1 << 30;
 
 /// The longest path a Unix socket may have: `sun_path`'s 108 bytes less the closing NUL.
 const UNIX_SOCKET_PATH_MAX: usize = 107;
@@ -373,8 +374,6 @@ impl Config {
             }
         }
         positive(self.keys_max as u64, "keys_max").map_err(|why| bad("keys_max".into(), why))?;
-        // The gossip map's key ids are 32 bits, and it holds peers' keys up to `keys_max`
-        // and this node's own past it.
         if self.keys_max > KEYS_MAX {
             return Err(bad(
                 "keys_max".into(),

@@ -321,24 +321,7 @@ impl Driver {
             config.dead_after,
         );
         let relocated = view.set_members(rows, stamps, self.clock.now());
-        // A node that joined can only take value out of `outside`: only the keys there
-        // change. One that left adds its keys.
-        if !relocated.joined.is_empty() {
-            let outside: Vec<Key> = view.outside.keys().cloned().collect();
-            for key in outside {
-                match map.counter(&key) {
-                    Some(counter) => view.take_outside(&key, counter, me),
-                    None => {
-                        view.outside.remove(&key);
-                    }
-                }
-            }
-        }
-        for node in relocated.left {
-            for (key, counter) in map.keys_of(node) {
-                view.take_outside(key, counter, me);
-            }
-        }
+        view.take_relocated(&relocated, map, me);
         view.own_held_for = held_for;
         view.gossip = self.gossip.stats().clone();
         view.lanes = map.lanes();

@@ -9,7 +9,7 @@
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::sync::{Mutex, MutexGuard};
 use std::time::Duration;
-use tally_crdt::{Key, KeyRef, NodeId, PnCounter, ReplicaId, Stamp};
+use tally_crdt::{CounterMap, Key, KeyRef, NodeId, PnCounter, ReplicaId, Stamp};
 use tally_gossip::membership::State;
 use tally_gossip::{Now, Seed, Stats};
 
@@ -374,9 +374,34 @@ impl ViewState {
         self.take_outside(key, counter, me);
     }
 
+    /// Takes in `map`'s keys again where `relocated` (from [`ViewState::set_members`]) may
+    /// change what nodes that are not locations hold of them. A node that became a location
+    /// can only take value out of [`ViewState::outside`]: only the keys there are taken in
+    /// again (those `map` no longer holds forgotten). A node that stopped being one adds
+    /// every key it holds a lane of. Under the view's lock, so a leave of a node that counts
+    /// many keys holds decisions for as long as it takes them in.
+    pub fn take_relocated(&mut self, relocated: &Relocated, map: &CounterMap, me: ReplicaId) {
+        if !relocated.joined.is_empty() {
+            let outside: Vec<Key> = self.outside.keys().cloned().collect();
+            for key in outside {
+                match map.counter(&key) {
+                    Some(counter) => self.take_outside(&key, counter, me),
+                    None => {
+                        self.outside.remove(&key);
+                    }
+                }
+            }
+        }
+        for &node in &relocated.left {
+            for (key, counter) in map.keys_of(node) {
+                self.take_outside(key, counter, me);
+            }
+        }
+    }
+
     /// Takes in the value of `key`'s lanes of nodes that are not locations, as the members
-    /// last set say: on every merge of the key (`take_in`), and again for the keys of a
-    /// node that joined or left.
+    /// last set say: on every merge of the key (`take_in`), and again where members change
+    /// ([`ViewState::take_relocated`]).
     pub fn take_outside(&mut self, key: &Key, counter: &PnCounter, me: ReplicaId) {
         let outside = |node| node != me.node && !self.located.contains(&node);
         let value = counter.above_zero_of_nodes(outside);
@@ -457,34 +482,65 @@ mod tests {
     }
 
     #[test]
-    fn a_member_that_left_is_outside_until_it_is_back_or_its_window_ends() {
+    fn the_nodes_that_are_not_locations_are_outside_as_members_come_and_go() {
         let replica = |node| ReplicaId::new(NodeId(node), Generation(1));
+        let me = replica(1);
         let now = Now {
             mono: Duration::ZERO,
             wall: Stamp(0),
         };
-        let mut state = ViewState::default();
-        let members = |three| {
-            vec![
-                (NodeId(2), replica(2), State::Alive),
-                (NodeId(3), replica(3), three),
-            ]
-        };
-        let joined = state.set_members(members(State::Alive), BTreeMap::new(), now);
-        assert_eq!(joined.joined, [NodeId(2), NodeId(3)]);
         let key = user_1();
-        let mut counter = PnCounter::new();
-        counter.incr(replica(3), 60).unwrap();
-        counter.decr(replica(2), 5).unwrap();
-        state.take_in(&key, &counter, replica(1), 0);
-        assert_eq!(state.outside(KeyRef::from(&key)), 0, "node 3 is a location");
-        let left = state.set_members(members(State::Left), BTreeMap::new(), now);
-        assert_eq!((left.joined, left.left), (vec![], vec![NodeId(3)]));
-        state.take_outside(&key, &counter, replica(1));
-        assert_eq!(state.outside(KeyRef::from(&key)), 60);
-        // Its window over, the key is forgotten with the other per-key values.
-        state.forget_ended_windows(key.window.live_until_unix_secs());
-        assert!(state.outside.is_empty() && state.remote_rates.is_empty());
+        let mut map = CounterMap::new();
+        map.incr(replica(3), &key, 60, Stamp(1)).unwrap();
+        map.decr(replica(2), &key, 5, Stamp(1)).unwrap();
+        // Node 9's lane came, relayed, before its row.
+        map.incr(replica(9), &key, 7, Stamp(1)).unwrap();
+        let mut state = ViewState::default();
+        let members = |state: &mut ViewState, map: &CounterMap, rows: &[(u64, State)]| {
+            let rows = (rows.iter())
+                .map(|&(node, state)| (NodeId(node), replica(node), state))
+                .collect();
+            let relocated = state.set_members(rows, BTreeMap::new(), now);
+            state.take_relocated(&relocated, map, me);
+            relocated
+        };
+        let outside = |state: &ViewState| state.outside(KeyRef::from(&key));
+        let joined = members(&mut state, &map, &[(2, State::Alive), (3, State::Alive)]);
+        assert_eq!(joined.joined, [NodeId(2), NodeId(3)]);
+        state.take_in(&key, map.counter(&key).unwrap(), me, 0);
+        assert_eq!(outside(&state), 7, "node 9 has no row");
+        // Node 9's row comes; node 3 leaves.
+        let rows = [(2, State::Alive), (3, State::Left), (9, State::Alive)];
+        let relocated = members(&mut state, &map, &rows);
+        assert_eq!(
+            (relocated.joined, relocated.left),
+            (vec![NodeId(9)], vec![NodeId(3)])
+        );
+        assert_eq!(outside(&state), 60);
+        // Node 3 back.
+        members(
+            &mut state,
+            &map,
+            &[(2, State::Alive), (3, State::Alive), (9, State::Alive)],
+        );
+        assert_eq!(outside(&state), 0);
+        assert!(state.outside.is_empty());
+        // Node 3's row gone (as a row of a member long left is).
+        members(&mut state, &map, &[(2, State::Alive), (9, State::Alive)]);
+        assert_eq!(outside(&state), 60);
+        // The map drops the key at its window's end; a join forgets it too.
+        let ended = key.window.live_until_unix_secs();
+        map.expire(ended, |_| true);
+        members(
+            &mut state,
+            &map,
+            &[(2, State::Alive), (3, State::Alive), (9, State::Alive)],
+        );
+        assert!(state.outside.is_empty());
+        // And a window's end forgets every per-key value of it.
+        state.take_in(&key, &PnCounter::new(), me, 0);
+        state.forget_ended_windows(ended);
+        assert!(state.remote_rates.is_empty());
     }
 
     #[test]
