@@ -158,10 +158,17 @@ impl<T> Pending<T> {
         }]);
     }
 
-    /// Answers that the forwarder stopped before the region answered.
+    /// Answers that the forwarder stopped before the region answered: `RegionUnavailable`
+    /// for a check never written, which the region cannot have decided; `Forgotten` for one
+    /// written, which it may have, so that no fallback counts it as well (no late
+    /// admission can be taken back once the forwarder is gone).
     fn stopped(self, stats: &ForwardStats) {
-        stats.unavailable.fetch_add(1, Ordering::Relaxed);
         let rule = self.rule();
+        if self.writes > 0 {
+            self.answer(Err(Refusal::Forgotten { rule }), None);
+            return;
+        }
+        stats.unavailable.fetch_add(1, Ordering::Relaxed);
         self.answer(
             Err(unavailable(rule, "the forwarder has stopped".into())),
             None,
@@ -996,6 +1003,32 @@ mod tests {
         let results: Vec<(u64, Result<Outcome, Refusal>)> = (drain(&mut answered).into_iter())
             .map(|forwarded| (forwarded.ticket, forwarded.result))
             .collect();
+        assert!(
+            matches!(
+                &results[..],
+                [
+                    (0, Err(Refusal::Forgotten { .. })),
+                    (1, Err(Refusal::RegionUnavailable { .. }))
+                ]
+            ),
+            "{results:?}"
+        );
+    }
+
+    /// The forwarder stops with two checks held, one written to the region and one not:
+    /// the written one may be decided there, so no fallback may count it too.
+    #[test]
+    fn a_stopped_forwarder_answers_a_written_check_forgotten_and_an_unwritten_one_unavailable() {
+        let (answers, mut answered) = mpsc::unbounded_channel();
+        let (mut held, _checks, _stats) = held();
+        held.insert(pending(0, 10_000, &answers));
+        assert!(held.next_frame(ms(0)).is_some());
+        held.insert(pending(1, 10_000, &answers));
+        drop(held);
+        let mut results: Vec<(u64, Result<Outcome, Refusal>)> = (drain(&mut answered).into_iter())
+            .map(|forwarded| (forwarded.ticket, forwarded.result))
+            .collect();
+        results.sort_by_key(|(ticket, _)| *ticket);
         assert!(
             matches!(
                 &results[..],
