@@ -330,7 +330,9 @@ pub struct Status {
 }
 
 /// Why a request was refused. Nothing was applied here; only the region may have counted a
-/// check refused with `RegionUnavailable`, `Storage` or `Forgotten` (see each).
+/// check refused with `RegionUnavailable`, `Storage` or `Forgotten` (see each), or an
+/// exact check refused `BadField { field: "id" }` because another request took its
+/// `CheckId` at the sidecar while the region decided it (docs/protocol.md, check ids).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, thiserror::Error)]
 #[non_exhaustive]
 pub enum Refusal {
