@@ -365,6 +365,11 @@ pub fn render(sources: &Sources<'_>) -> String {
                 load(&commit.compactions),
             ),
             (
+                "region_log_compactions_failed",
+                "Compactions of the region log that failed before replacing it (no room for the copy, say), leaving it as it was",
+                load(&commit.compactions_failed),
+            ),
+            (
                 "region_bad_requests",
                 "Forwarded checks naming no exact rule or live window here, and frames of checks refused whole",
                 load(&region.bad_requests),

@@ -9,9 +9,11 @@
 //! After a failed write, sync, allocation (a group's, or one ahead while none waits) or
 //! compaction, every record then queued and every later one is refused: the committer never
 //! retries and then acknowledges. A full disk fails the allocation, before any of the group
-//! that needed it is written.
+//! that needed it is written. The one failure it goes on after is a compaction's that left
+//! the log as it was, before its rename ([`ReplaceError::log_whole`]): the log still holds
+//! every record, and takes appends as before.
 
-use super::log::{Storage, GROUP_BYTES_MAX};
+use super::log::{ReplaceError, Storage, GROUP_BYTES_MAX};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::mpsc;
 use std::sync::Arc;
@@ -38,13 +40,19 @@ pub struct CommitStats {
     pub appended: AtomicU64,
     /// Compactions done.
     pub compactions: AtomicU64,
+    /// Compactions that failed before they replaced the log, which was left as it was.
+    pub compactions_failed: AtomicU64,
 }
 
-struct Work {
+enum Work {
+    Append(Append),
+    // The log is replaced by `snapshot` and then `since`.
+    Compact { snapshot: Vec<u8>, since: Vec<u8> },
+}
+
+struct Append {
     bytes: Vec<u8>,
     records: u64,
-    // `Some(tail)`: the log is replaced by `bytes` and then `tail`, not appended to.
-    replace: Option<Vec<u8>>,
     done: oneshot::Sender<Result<(), CommitError>>,
 }
 
@@ -77,7 +85,8 @@ impl Committer {
 
     fn queue(&self, work: Work) {
         if let Some(sender) = &self.sender {
-            // If the thread is gone, `work.done` is dropped and its receiver reports it.
+            // If the thread is gone, an append's `done` is dropped and its receiver reports
+            // it.
             let _ = sender.send(work);
         }
     }
@@ -98,12 +107,11 @@ impl Committer {
             bytes.len()
         );
         let (done, receiver) = oneshot::channel();
-        self.queue(Work {
+        self.queue(Work::Append(Append {
             bytes,
             records,
-            replace: None,
             done,
-        });
+        }));
         receiver
     }
 
@@ -111,20 +119,10 @@ impl Committer {
     /// replaced (atomically, see [`Storage::replace`]) by `snapshot` followed by `since`,
     /// which together must be the entries of the state that everything submitted before it
     /// left. The two are joined on the committer's thread: a snapshot can be large, and
-    /// copying it would hold up the caller.
-    pub fn compact(
-        &self,
-        snapshot: Vec<u8>,
-        since: Vec<u8>,
-    ) -> oneshot::Receiver<Result<(), CommitError>> {
-        let (done, receiver) = oneshot::channel();
-        self.queue(Work {
-            bytes: snapshot,
-            records: 0,
-            replace: Some(since),
-            done,
-        });
-        receiver
+    /// copying it would hold up the caller. Its outcome is counted in the stats: a
+    /// compaction that failed and left the log as it was is no failure of the committer's.
+    pub fn compact(&self, snapshot: Vec<u8>, since: Vec<u8>) {
+        self.queue(Work::Compact { snapshot, since });
     }
 
     /// The committer's counters.
@@ -172,35 +170,31 @@ fn run(mut storage: Box<dyn Storage>, receiver: mpsc::Receiver<Work>, stats: &Co
                 }
             },
         };
-        if let Some(since) = &first.replace {
-            if failed.is_none() {
-                let mut entries = first.bytes;
-                entries.extend_from_slice(since);
-                match storage.replace(&entries) {
-                    Ok(()) => {
-                        stats.compactions.fetch_add(1, Ordering::Relaxed);
-                    }
-                    Err(err) => failed = Some(CommitError::from(err)),
+        let first = match first {
+            Work::Append(append) => append,
+            Work::Compact {
+                mut snapshot,
+                since,
+            } => {
+                if failed.is_none() {
+                    snapshot.extend_from_slice(&since);
+                    compact(&mut *storage, &snapshot, stats, &mut failed);
                 }
+                continue;
             }
-            let _ = first.done.send(failed.clone().map_or(Ok(()), Err));
-            continue;
-        }
+        };
         bytes.clear();
         bytes.extend_from_slice(&first.bytes);
         let mut group = vec![first];
         loop {
             match receiver.try_recv() {
-                Ok(work)
-                    if work.replace.is_some()
-                        || bytes.len() + work.bytes.len() > GROUP_BYTES_MAX =>
-                {
-                    next = Some(work);
-                    break;
+                Ok(Work::Append(append)) if bytes.len() + append.bytes.len() <= GROUP_BYTES_MAX => {
+                    bytes.extend_from_slice(&append.bytes);
+                    group.push(append);
                 }
                 Ok(work) => {
-                    bytes.extend_from_slice(&work.bytes);
-                    group.push(work);
+                    next = Some(work);
+                    break;
                 }
                 Err(_) => break,
             }
@@ -232,6 +226,33 @@ fn run(mut storage: Box<dyn Storage>, receiver: mpsc::Receiver<Work>, stats: &Co
             };
             let _ = work.done.send(result);
         }
+    }
+}
+
+/// Replaces the log with `entries`. A failure that left the log as it was is counted and
+/// reported, and appends go on; any other fails the committer.
+fn compact(
+    storage: &mut dyn Storage,
+    entries: &[u8],
+    stats: &CommitStats,
+    failed: &mut Option<CommitError>,
+) {
+    match storage.replace(entries) {
+        Ok(()) => {
+            stats.compactions.fetch_add(1, Ordering::Relaxed);
+        }
+        Err(ReplaceError {
+            err,
+            log_whole: true,
+        }) => {
+            stats.compactions_failed.fetch_add(1, Ordering::Relaxed);
+            eprintln!(
+                "tallyd: region log: a compaction failed before it replaced the log ({err}); \
+                 the log is as it was and takes appends, and the next compaction is due once \
+                 it has grown as much again"
+            );
+        }
+        Err(ReplaceError { err, .. }) => *failed = Some(CommitError::from(err)),
     }
 }
 
@@ -366,9 +387,9 @@ mod tests {
         }
 
         // One I/O, atomic: a crash before it leaves the log as it was, after it as `bytes`
-        // and a chunk of zeros or more.
-        fn replace(&mut self, bytes: &[u8]) -> std::io::Result<()> {
-            let mut disk = self.io()?;
+        // and a chunk of zeros or more. A failure's effect is not known, as a rename's.
+        fn replace(&mut self, bytes: &[u8]) -> Result<(), ReplaceError> {
+            let mut disk = self.io().map_err(ReplaceError::unknown)?;
             let mut file = bytes.to_vec();
             file.resize(
                 (bytes.len() + SIM_CHUNK_BYTES).next_multiple_of(SIM_CHUNK_BYTES),
@@ -439,7 +460,7 @@ mod tests {
                     // Handed over in two parts, as a compaction hands its snapshot and the
                     // records since: the committer joins them.
                     let since = entries.split_off(entries.len() / 2);
-                    drop(committer.compact(entries, since));
+                    committer.compact(entries, since);
                 }
             }
             for (id, done) in pending {
@@ -546,7 +567,7 @@ mod tests {
             Ok(())
         }
 
-        fn replace(&mut self, _bytes: &[u8]) -> std::io::Result<()> {
+        fn replace(&mut self, _bytes: &[u8]) -> Result<(), ReplaceError> {
             unreachable!("this test does not compact")
         }
     }
@@ -607,11 +628,14 @@ mod tests {
     }
 
     /// A disk with room for `room` bytes, allocated in chunks of 4: an allocation past it
-    /// fails like a full file system, and an append inside the allocation cannot.
+    /// fails like a full file system, and an append inside the allocation cannot. A
+    /// replacement needs room for its copy beside the log, and fails before its rename
+    /// without it; or, with `rename_fails`, it fails at its rename for any size.
     struct FullStorage {
         written: Arc<Mutex<Vec<u8>>>,
         allocated: usize,
         room: usize,
+        rename_fails: bool,
     }
 
     impl Storage for FullStorage {
@@ -641,11 +665,18 @@ mod tests {
             Ok(())
         }
 
-        fn replace(&mut self, bytes: &[u8]) -> std::io::Result<()> {
-            if bytes.len() > self.room {
-                return Err(std::io::Error::from_raw_os_error(28));
+        fn replace(&mut self, bytes: &[u8]) -> Result<(), ReplaceError> {
+            if self.allocated + bytes.len() > self.room {
+                return Err(ReplaceError {
+                    err: std::io::Error::from_raw_os_error(28),
+                    log_whole: true,
+                });
+            }
+            if self.rename_fails {
+                return Err(ReplaceError::unknown(std::io::Error::from_raw_os_error(5)));
             }
             *self.written.lock().unwrap() = bytes.to_vec();
+            self.allocated = bytes.len().next_multiple_of(4);
             Ok(())
         }
     }
@@ -657,6 +688,7 @@ mod tests {
             written: written.clone(),
             allocated: 0,
             room: 10,
+            rename_fails: false,
         }));
         assert!(committer
             .submit(vec![1; 6], 1)
@@ -707,10 +739,66 @@ mod tests {
             Ok(())
         }
 
-        fn replace(&mut self, bytes: &[u8]) -> std::io::Result<()> {
+        fn replace(&mut self, bytes: &[u8]) -> Result<(), ReplaceError> {
             *self.written.lock().unwrap() = bytes.to_vec();
             Ok(())
         }
+    }
+
+    #[test]
+    fn a_compaction_with_no_room_for_its_copy_leaves_the_log_taking_appends() {
+        let written = Arc::new(Mutex::new(Vec::new()));
+        let committer = Committer::start(Box::new(FullStorage {
+            written: written.clone(),
+            allocated: 0,
+            room: 16,
+            rename_fails: false,
+        }));
+        let appended = |bytes: Vec<u8>| committer.submit(bytes, 1).blocking_recv().unwrap();
+        assert_eq!(appended(vec![1; 6]), Ok(()));
+        // The copy, 12 bytes beside the log's 8 allocated, does not fit in 16.
+        committer.compact(vec![9; 6], vec![9; 6]);
+        assert_eq!(appended(vec![2; 2]), Ok(()), "appended after the failure");
+        let stats = committer.stats();
+        assert_eq!(stats.compactions_failed.load(Ordering::Relaxed), 1);
+        assert_eq!(stats.compactions.load(Ordering::Relaxed), 0);
+        assert_eq!(*written.lock().unwrap(), [1, 1, 1, 1, 1, 1, 2, 2]);
+        // A copy that fits replaces the log.
+        committer.compact(vec![7; 4], Vec::new());
+        assert_eq!(appended(vec![3; 1]), Ok(()));
+        assert_eq!(stats.compactions.load(Ordering::Relaxed), 1);
+        assert_eq!(*written.lock().unwrap(), [7, 7, 7, 7, 3]);
+    }
+
+    #[test]
+    fn a_compaction_that_fails_at_its_rename_fails_closed() {
+        let written = Arc::new(Mutex::new(Vec::new()));
+        let committer = Committer::start(Box::new(FullStorage {
+            written: written.clone(),
+            allocated: 0,
+            room: 64,
+            rename_fails: true,
+        }));
+        assert!(committer
+            .submit(vec![1; 6], 1)
+            .blocking_recv()
+            .unwrap()
+            .is_ok());
+        committer.compact(vec![9; 6], Vec::new());
+        let err = committer
+            .submit(vec![2; 2], 1)
+            .blocking_recv()
+            .unwrap()
+            .unwrap_err();
+        assert!(err.why.contains("Input/output error"), "{err}");
+        assert_eq!(
+            *written.lock().unwrap(),
+            [1; 6],
+            "nothing after the failure"
+        );
+        let stats = committer.stats();
+        assert_eq!(stats.compactions_failed.load(Ordering::Relaxed), 0);
+        assert_eq!(stats.refused.load(Ordering::Relaxed), 1);
     }
 
     #[test]

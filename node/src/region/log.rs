@@ -2,13 +2,18 @@
 //! groups before any of them is acknowledged, and now and then replaced whole by a
 //! compaction: the entries of the state those decisions left.
 //!
-//! The file is [`MAGIC`], then the entries, then zeros up to its length:
+//! The file is a header, then the entries, then zeros up to its length:
 //!
 //! ```text
-//! [MAGIC 8 bytes][entry]...[entry][0 0 0 ...... 0]
-//!                                 ^ end          ^ the file's length (whole chunks)
-//! entry = [len u32 LE][crc32 u32 LE][body: bincode, 1 to RECORD_BYTES_MAX bytes]
+//! [header 20 bytes][entry]...[entry][entry]...[entry][0 0 0 ...... 0]
+//!                  <-- compacted --> ^ appended      ^ end          ^ the file's length
+//! header = [MAGIC 8 bytes][compacted u64 LE][crc32 of compacted u32 LE]
+//! entry  = [len u32 LE][crc32 u32 LE][body: bincode, 1 to RECORD_BYTES_MAX bytes]
 //! ```
+//!
+//! `compacted` is how many bytes of entries the compaction that wrote the file left (0 for
+//! a log that was never compacted): those were synced before the file was renamed into
+//! place, so no crash can cut them.
 //!
 //! The zeros are the log's allocation ahead of its end. A group is written over them and
 //! synced with `sync_data`, which then has only the group's blocks to write: the file's
@@ -33,8 +38,10 @@
 //! So a crash leaves at most one group unacknowledged, at most [`TORN_BYTES_MAX`] bytes.
 //! More bytes than that after the end mean an entry was damaged after it was synced (a
 //! flipped bit, a bad block), and the entries after it were acknowledged: the log is then
-//! refused at start and left as it is, never cut. Damage within the last group's span of
-//! the end cannot be told from a torn group, and is cut as one.
+//! refused at start and left as it is, never cut. So is damage within the compacted
+//! entries, wherever it is, and a header whose checksum fails. Damage in the groups
+//! appended since, within the last group's span of the end, cannot be told from a torn
+//! group, and is cut as one.
 //!
 //! A log from before the allocation ahead (entries up to the file's length) is the same
 //! format with no zeros at its end, and opens as it is.
@@ -173,7 +180,29 @@ pub trait Storage: Send {
     /// Replaces the whole log's entries with `bytes`, durably and atomically: whatever
     /// happens, the log is either what it was or `bytes`; once this returns `Ok`, it is
     /// `bytes`, with at least a chunk allocated after them.
-    fn replace(&mut self, bytes: &[u8]) -> std::io::Result<()>;
+    fn replace(&mut self, bytes: &[u8]) -> Result<(), ReplaceError>;
+}
+
+/// A compaction that did not replace the log.
+#[derive(Debug, thiserror::Error)]
+#[error("{err}")]
+pub struct ReplaceError {
+    /// What failed, as the OS reported it.
+    pub err: std::io::Error,
+    /// The log is certainly as it was, and takes appends as before: the replacement
+    /// failed before its rename (no room for the copy, say). Otherwise whether the log was
+    /// replaced, and whether this storage still writes to it, is not known.
+    pub log_whole: bool,
+}
+
+impl ReplaceError {
+    /// A failure whose effect on the log is not known.
+    pub fn unknown(err: std::io::Error) -> ReplaceError {
+        ReplaceError {
+            err,
+            log_whole: false,
+        }
+    }
 }
 
 /// The file is allocated ahead of the log's end in chunks of this many bytes (after an
@@ -245,24 +274,34 @@ impl Storage for FileStorage {
         self.file.sync_data()
     }
 
-    fn replace(&mut self, bytes: &[u8]) -> std::io::Result<()> {
+    fn replace(&mut self, bytes: &[u8]) -> Result<(), ReplaceError> {
         let tmp = self.path.with_extension("compact");
-        let end = (MAGIC.len() + bytes.len()) as u64;
+        let end = (HEADER_BYTES + bytes.len()) as u64;
         let allocated = (end + self.chunk_bytes).next_multiple_of(self.chunk_bytes);
         let written = File::create(&tmp).and_then(|mut file| {
-            file.write_all(MAGIC)?;
+            file.write_all(&header(bytes.len() as u64))?;
             file.write_all(bytes)?;
             checksummed::write_zeros(&file, &mut end.clone(), allocated)?;
             file.sync_all()
         });
         if let Err(err) = written {
-            // A compaction that failed (a full disk, say) leaves no file taking room.
+            // A compaction that failed (a full disk, say) leaves no file taking room, and
+            // the log as it was: nothing of it was touched.
             let _ = std::fs::remove_file(&tmp);
-            return Err(err);
+            return Err(ReplaceError {
+                err,
+                log_whole: true,
+            });
         }
-        std::fs::rename(&tmp, &self.path)?;
-        sync_dir(&self.path)?;
-        self.file = OpenOptions::new().read(true).write(true).open(&self.path)?;
+        // From the rename on, a failure may leave the log replaced, or replaced but not
+        // durably, while `self.file` still writes to the file it replaced.
+        std::fs::rename(&tmp, &self.path).map_err(ReplaceError::unknown)?;
+        sync_dir(&self.path).map_err(ReplaceError::unknown)?;
+        self.file = OpenOptions::new()
+            .read(true)
+            .write(true)
+            .open(&self.path)
+            .map_err(ReplaceError::unknown)?;
         self.end = end;
         self.allocated = allocated;
         Ok(())
@@ -283,21 +322,65 @@ impl FileStorage {
 /// The first bytes of a region log: they name its format, so that a log of another format
 /// is refused at start rather than read as a torn tail and truncated. A new kind of entry
 /// takes a new one: a build that cannot decode an entry reads it as the log's end.
-pub const MAGIC: &[u8; 8] = b"tallyRL\x03";
+pub const MAGIC: &[u8; 8] = b"tallyRL\x04";
 
-/// The format before [`Entry::FloorKept`]. It is still read; the region compacts its log at
-/// start, which writes [`MAGIC`], so a build from before `FloorKept` refuses the log from
-/// then on rather than cutting it at the first `FloorKept`.
-const MAGIC_BEFORE_FLOOR_KEPT: &[u8; 8] = b"tallyRL\x02";
+/// The header's length: [`MAGIC`], the compacted entries' length and its crc32.
+pub const HEADER_BYTES: usize = 20;
+
+/// The formats before the header, whose entries follow their 8 bytes at once: the one
+/// before the compacted length, and the one before [`Entry::FloorKept`]. Both are still
+/// read, with nothing known to be compacted; the region compacts its log at start, which
+/// writes [`MAGIC`], so an older build refuses the log from then on rather than reading
+/// what it cannot decode as a torn tail.
+const MAGICS_BEFORE_HEADER: [&[u8; 8]; 2] = [b"tallyRL\x03", b"tallyRL\x02"];
+
+/// The header of a log whose first `compacted` bytes of entries a compaction wrote.
+fn header(compacted: u64) -> [u8; HEADER_BYTES] {
+    let length = compacted.to_le_bytes();
+    let mut header = [0; HEADER_BYTES];
+    header[..8].copy_from_slice(MAGIC);
+    header[8..16].copy_from_slice(&length);
+    header[16..].copy_from_slice(&crc32fast::hash(&length).to_le_bytes());
+    header
+}
+
+/// Where a log's entries start and how many bytes of them a compaction wrote; `None` for a
+/// file that is not a region log of a format this build reads.
+fn read_header(bytes: &[u8]) -> Option<std::io::Result<(usize, usize)>> {
+    if MAGICS_BEFORE_HEADER
+        .iter()
+        .any(|magic| bytes.starts_with(magic.as_slice()))
+    {
+        return Some(Ok((MAGIC.len(), 0)));
+    }
+    if !bytes.starts_with(MAGIC) {
+        return None;
+    }
+    let length = bytes.get(8..16).unwrap_or_default();
+    let crc = bytes.get(16..HEADER_BYTES).unwrap_or_default();
+    if crc.len() < 4 || crc32fast::hash(length).to_le_bytes() != crc {
+        return Some(Err(std::io::Error::new(
+            std::io::ErrorKind::InvalidData,
+            "the region log's header is damaged (cut short, or its checksum fails); the \
+             log is left as it is: restore it from a copy, or move it away to start with \
+             an empty log",
+        )));
+    }
+    let compacted = u64::from_le_bytes(length.try_into().expect("8 bytes"));
+    Some(Ok((
+        HEADER_BYTES,
+        usize::try_from(compacted).unwrap_or(usize::MAX),
+    )))
+}
 
 /// Opens (or creates) the log at `path`: returns its storage for appending and the
 /// entries it holds, and how many bytes of torn tail it dropped (from the log's end to the
 /// last byte that was not zero; the file is truncated at the end if there were any). A
 /// compaction's file that was never renamed over the log is removed. A file that is empty,
-/// a prefix of [`MAGIC`] or at most its length of zeros is a new log. A file that does not
-/// start with [`MAGIC`] (or the format before it), or that holds more than
-/// [`TORN_BYTES_MAX`] bytes after a damaged entry, is refused with `InvalidData`, and left
-/// as it is.
+/// a prefix of a new log's header or at most its length of zeros is a new log. A file
+/// that does not start with [`MAGIC`] (or a format before it), whose header is damaged,
+/// whose compacted entries are damaged, or that holds more than [`TORN_BYTES_MAX`] bytes
+/// after a damaged entry, is refused with `InvalidData`, and left as it is.
 pub fn open(path: &Path) -> std::io::Result<(FileStorage, Vec<Entry>, u64)> {
     match std::fs::remove_file(path.with_extension("compact")) {
         Err(err) if err.kind() != std::io::ErrorKind::NotFound => return Err(err),
@@ -311,20 +394,31 @@ pub fn open(path: &Path) -> std::io::Result<(FileStorage, Vec<Entry>, u64)> {
         .open(path)?;
     let mut bytes = Vec::new();
     file.read_to_end(&mut bytes)?;
-    let cut_off = bytes.len() < MAGIC.len() && MAGIC.starts_with(&bytes);
-    let never_synced = bytes.len() <= MAGIC.len() && bytes.iter().all(|&byte| byte == 0);
+    let new = header(0);
+    let cut_off = bytes.len() < HEADER_BYTES && new.starts_with(&bytes);
+    let never_synced = bytes.len() <= HEADER_BYTES && bytes.iter().all(|&byte| byte == 0);
     let (entries, end, torn) = if cut_off || never_synced {
         // New, or cut off while its first bytes were written, or a crash kept the new
-        // file's size but not its bytes (nothing is appended before `MAGIC` is synced).
+        // file's size but not its bytes (nothing is appended before the header is synced).
         file.set_len(0)?;
-        file.write_all_at(MAGIC, 0)?;
+        file.write_all_at(&new, 0)?;
         file.sync_all()?;
-        (Vec::new(), MAGIC.len(), bytes.len())
-    } else if let Some(body) = (bytes.strip_prefix(MAGIC.as_slice()))
-        .or_else(|| bytes.strip_prefix(MAGIC_BEFORE_FLOOR_KEPT.as_slice()))
-    {
-        let (entries, valid) = replay(body);
-        let end = MAGIC.len() + valid;
+        (Vec::new(), HEADER_BYTES, bytes.len())
+    } else if let Some(header) = read_header(&bytes) {
+        let (start, compacted) = header?;
+        let (entries, valid) = replay(&bytes[start..]);
+        let end = start + valid;
+        if valid < compacted {
+            return Err(std::io::Error::new(
+                std::io::ErrorKind::InvalidData,
+                format!(
+                    "the region log's entries stop at byte {end}, a damaged entry, inside the \
+                     {compacted} bytes its last compaction wrote and synced before it \
+                     replaced the log, which no crash can cut; the log is left as it is: \
+                     restore it from a copy, or move it away to start with an empty log"
+                ),
+            ));
+        }
         let torn = bytes[end..]
             .iter()
             .rposition(|&byte| byte != 0)
@@ -541,7 +635,7 @@ mod tests {
         let dir = temp_dir("region-log");
         let path = dir.join("region.log");
         let (mut storage, _, _) = open_small(&path, 64);
-        let mut ends = vec![MAGIC.len()];
+        let mut ends = vec![HEADER_BYTES];
         for group in entries.chunks(3) {
             let bytes = encoded(group);
             storage.reserve(bytes.len()).unwrap();
@@ -567,7 +661,7 @@ mod tests {
             // zeros not all written), the part after the cut not yet written (zeros ahead),
             // or a hole: 16 bytes not written while later ones were.
             let mut cases = vec![("cut", file[..cut].to_vec())];
-            if cut >= MAGIC.len() {
+            if cut >= HEADER_BYTES {
                 let mut zeros = file.clone();
                 zeros[cut..].fill(0);
                 cases.push(("zeros after", zeros));
@@ -588,7 +682,7 @@ mod tests {
                     .count()
                     .saturating_sub(1);
                 let end = ends[kept];
-                let expected_torn = if bytes.len() < MAGIC.len() {
+                let expected_torn = if bytes.len() < HEADER_BYTES {
                     bytes.len()
                 } else {
                     bytes[end..]
@@ -599,7 +693,7 @@ mod tests {
                 let (mut storage, recovered, torn) = open_small(&path, 64);
                 assert_eq!(recovered, entries[..kept], "{what}");
                 assert_eq!(torn as usize, expected_torn, "{what}");
-                assert_zeros_after_end(&path, end.max(MAGIC.len()), &what);
+                assert_zeros_after_end(&path, end.max(HEADER_BYTES), &what);
                 // A new entry follows the whole ones, and nothing else comes back.
                 commit(&mut storage, &encoded(&[entry(9)]));
                 drop(storage);
@@ -629,7 +723,7 @@ mod tests {
         let last = torn_c.len() - 1;
         torn_c[last] ^= 0xff;
         let file = [
-            MAGIC.as_slice(),
+            header(0).as_slice(),
             &encoded(&[entry(0), entry(1)]),
             &torn_c,
             &encoded(&[d]),
@@ -665,10 +759,10 @@ mod tests {
         let first = encoded(&[entry(0)]).len();
         let logged = file.iter().rposition(|&byte| byte != 0).unwrap() + 1;
         assert!(
-            logged - MAGIC.len() - first > TORN_BYTES_MAX,
+            logged - HEADER_BYTES - first > TORN_BYTES_MAX,
             "more than a group after"
         );
-        file[MAGIC.len() + 12] ^= 0x01;
+        file[HEADER_BYTES + 12] ^= 0x01;
         std::fs::write(&path, &file).unwrap();
         let err = open(&path).err().expect("a damaged log is refused");
         assert_eq!(err.kind(), std::io::ErrorKind::InvalidData);
@@ -676,7 +770,7 @@ mod tests {
         assert_eq!(std::fs::read(&path).unwrap(), file, "left as it is");
         // The same damage in the last entry, within a group's span of the end, is a torn
         // tail: cut as before.
-        file[MAGIC.len() + 12] ^= 0x01;
+        file[HEADER_BYTES + 12] ^= 0x01;
         let end = file.iter().rposition(|&byte| byte != 0).unwrap() + 1;
         let last = encoded(&[entry(after as u64)]).len();
         file[end - last + 12] ^= 0x01;
@@ -714,7 +808,7 @@ mod tests {
         commit(&mut storage, &bytes(0..6));
         storage.replace(&bytes(10..12)).unwrap();
         // The replacement has its allocation ahead: at least a chunk of zeros.
-        let end = MAGIC.len() + bytes(10..12).len();
+        let end = HEADER_BYTES + bytes(10..12).len();
         let len = std::fs::metadata(&path).unwrap().len();
         assert!(len.is_multiple_of(64) && len >= end as u64 + 64, "{len}");
         assert_zeros_after_end(&path, end, "replaced");
@@ -736,19 +830,22 @@ mod tests {
         let path = dir.join("region.log");
         let (mut storage, _, _) = open_small(&path, 64);
         let file_len = || std::fs::metadata(&path).unwrap().len();
-        // The magic's 8 bytes and 20 more: 36 of the first chunk's 64 left, over half.
-        commit(&mut storage, &[1; 20]);
-        assert_eq!((storage.end, storage.allocated, file_len()), (28, 64, 64));
+        // The header's 20 bytes and 10 more: 34 of the first chunk's 64 left, over half.
+        commit(&mut storage, &[1; 10]);
+        assert_eq!((storage.end, storage.allocated, file_len()), (30, 64, 64));
         storage.reserve_ahead().unwrap();
         assert_eq!((storage.allocated, file_len()), (64, 64));
-        // 10 more: 26 left, under half a chunk: the next chunk is allocated ahead.
+        // 10 more: 24 left, under half a chunk: the next chunk is allocated ahead.
         commit(&mut storage, &[2; 10]);
         storage.reserve_ahead().unwrap();
         assert_eq!((storage.allocated, file_len()), (128, 128));
-        assert_zeros_after_end(&path, 38, "after allocating ahead");
+        assert_zeros_after_end(&path, 40, "after allocating ahead");
         // The next group fits without an allocation of its own.
         commit(&mut storage, &[3; 60]);
-        assert_eq!((storage.end, storage.allocated, file_len()), (98, 128, 128));
+        assert_eq!(
+            (storage.end, storage.allocated, file_len()),
+            (100, 128, 128)
+        );
         std::fs::remove_dir_all(dir).unwrap();
     }
 
@@ -756,11 +853,11 @@ mod tests {
     fn a_new_log_whose_size_outlived_a_crash_but_not_its_bytes_starts_anew() {
         let dir = temp_dir("region-zeros");
         let path = dir.join("region.log");
-        for len in [3, MAGIC.len()] {
+        for len in [3, MAGIC.len(), HEADER_BYTES] {
             std::fs::write(&path, vec![0; len]).unwrap();
             let (_, entries, _) = open(&path).unwrap();
             assert!(entries.is_empty());
-            assert_eq!(std::fs::read(&path).unwrap(), MAGIC, "{len} zeros");
+            assert_eq!(std::fs::read(&path).unwrap(), header(0), "{len} zeros");
         }
         std::fs::remove_dir_all(dir).unwrap();
     }
@@ -781,32 +878,82 @@ mod tests {
     }
 
     #[test]
-    fn a_log_of_the_format_before_floor_kept_is_read_and_compacted_to_this_one() {
-        let dir = temp_dir("region-format-before");
+    fn logs_of_the_formats_before_the_header_are_read_and_compacted_to_this_one() {
+        for (i, magic) in MAGICS_BEFORE_HEADER.iter().enumerate() {
+            let dir = temp_dir(&format!("region-format-before-{i}"));
+            let path = dir.join("region.log");
+            let decided = entry(0);
+            let old = [magic.as_slice(), &encoded(std::slice::from_ref(&decided))].concat();
+            std::fs::write(&path, &old).unwrap();
+            let (mut storage, entries, torn) = open(&path).unwrap();
+            assert_eq!((entries, torn), (vec![decided.clone()], 0));
+            commit(&mut storage, &encoded(&[entry(5)]));
+            let bytes = std::fs::read(&path).unwrap();
+            assert!(bytes.starts_with(*magic), "appends keep the format");
+            drop(storage);
+            let (mut storage, entries, _) = open(&path).unwrap();
+            assert_eq!(entries, [decided, entry(5)]);
+            storage.replace(&encoded(&[entry(3)])).unwrap();
+            let bytes = std::fs::read(&path).unwrap();
+            assert!(
+                bytes.starts_with(MAGIC),
+                "a compaction, which may hold FloorKept, writes this one"
+            );
+            drop(storage);
+            assert_eq!(open(&path).unwrap().1, [entry(3)]);
+            std::fs::remove_dir_all(dir).unwrap();
+        }
+    }
+
+    #[test]
+    fn a_flipped_bit_in_the_header_or_the_compacted_entries_is_refused_and_after_them_cut() {
+        // Damage a crash cannot leave: the header and the compacted entries were synced
+        // before the file was renamed into place. Only the groups appended since can be
+        // torn, and damage there, within a group's span of the end, is cut as a torn tail.
+        let dir = temp_dir("region-compacted-damage");
         let path = dir.join("region.log");
-        let decided = entry(0);
-        let old = [
-            MAGIC_BEFORE_FLOOR_KEPT.as_slice(),
-            &encoded(std::slice::from_ref(&decided)),
-        ]
-        .concat();
-        std::fs::write(&path, &old).unwrap();
-        let (mut storage, entries, torn) = open(&path).unwrap();
-        assert_eq!((entries, torn), (vec![decided.clone()], 0));
-        commit(&mut storage, &encoded(&[entry(5)]));
-        let bytes = std::fs::read(&path).unwrap();
-        assert!(
-            bytes.starts_with(MAGIC_BEFORE_FLOOR_KEPT),
-            "appends keep the format"
-        );
-        storage.replace(&encoded(&[entry(3)])).unwrap();
-        let bytes = std::fs::read(&path).unwrap();
-        assert!(
-            bytes.starts_with(MAGIC),
-            "a compaction, which may hold FloorKept, writes this one"
-        );
+        let (mut storage, _, _) = open_small(&path, 64);
+        commit(&mut storage, &encoded(&[entry(0)]));
+        let compacted: Vec<Entry> = (10..13).map(entry).collect();
+        storage.replace(&encoded(&compacted)).unwrap();
+        let appended: Vec<Entry> = (20..23).map(entry).collect();
+        commit(&mut storage, &encoded(&appended[..2]));
+        commit(&mut storage, &encoded(&appended[2..]));
         drop(storage);
-        assert_eq!(open(&path).unwrap().1, [entry(3)]);
+        let file = std::fs::read(&path).unwrap();
+        let compacted_end = HEADER_BYTES + encoded(&compacted).len();
+        let mut ends = vec![compacted_end];
+        for entry in &appended {
+            ends.push(ends.last().unwrap() + encoded(std::slice::from_ref(entry)).len());
+        }
+        let whole: Vec<Entry> = compacted.iter().chain(&appended).cloned().collect();
+        assert_eq!(open(&path).unwrap().1, whole);
+        for at in 0..*ends.last().unwrap() {
+            let mut damaged = file.clone();
+            damaged[at] ^= 0x01;
+            std::fs::write(&path, &damaged).unwrap();
+            match open(&path) {
+                Err(err) => {
+                    assert!(at < compacted_end, "byte {at}, after the compacted: {err}");
+                    assert_eq!(err.kind(), std::io::ErrorKind::InvalidData, "byte {at}");
+                    let why = if at < MAGIC.len() {
+                        "not a region log"
+                    } else if at < HEADER_BYTES {
+                        "header is damaged"
+                    } else {
+                        "its last compaction wrote"
+                    };
+                    assert!(err.to_string().contains(why), "byte {at}: {err}");
+                    assert_eq!(std::fs::read(&path).unwrap(), damaged, "byte {at}: left");
+                }
+                Ok((_, recovered, torn)) => {
+                    assert!(at >= compacted_end, "byte {at}, compacted, was cut");
+                    let kept = ends.iter().filter(|&&end| end <= at).count() - 1;
+                    assert_eq!(recovered, whole[..compacted.len() + kept], "byte {at}");
+                    assert!(torn > 0, "byte {at}");
+                }
+            }
+        }
         std::fs::remove_dir_all(dir).unwrap();
     }
 

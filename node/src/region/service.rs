@@ -120,7 +120,9 @@ impl RegionService {
         // Start from a compacted log: the state the entries left, without finished windows.
         let mut compacted = Vec::new();
         ledger.snapshot(&mut compacted);
-        storage.replace(&compacted).map_err(io)?;
+        storage
+            .replace(&compacted)
+            .map_err(|failed| io(failed.err))?;
         let mut own = OwnLanes::new(store, lanes, expiry);
         let owed = own.owed_total();
         let lanes_refused = own.refused_total();
@@ -282,8 +284,9 @@ impl RegionService {
         // The records since the copy are counted in `appended` past `compacted_at` already;
         // counted here too, they would bring the next compaction forward.
         self.compacted_bytes = snapshot.len() as u64;
-        // A failed compaction fails the committer, which then refuses every later record.
-        drop(self.committer.compact(snapshot, since));
+        // A compaction that fails after touching the log fails the committer, which then
+        // refuses every later record; one that fails before leaves the log as it was.
+        self.committer.compact(snapshot, since);
     }
 
     /// Decides every check of one frame, in order, and submits their records as one append;
