@@ -307,6 +307,7 @@ pub async fn run(config: Config, shutdown: impl Future<Output = ()>) -> Result<(
         replica,
         forwarder,
         lane_rate_max: config.lane_rate_max_per_sec,
+        exact_in_flight_max: crate::listener::EXACT_IN_FLIGHT_MAX,
         closing: std::sync::atomic::AtomicBool::new(false),
         // A retry sent to this life of an id an earlier one answered gets that answer.
         recent: std::sync::Mutex::new(RecentIds::remembering(

@@ -41,10 +41,9 @@ use tokio::sync::{mpsc, Semaphore};
 /// counted. The restart takes a new generation and republishes what the log holds.
 pub const EXIT_LOG_FAILED: i32 = 74;
 
-/// How many exact checks one client connection may have waiting for the region before it
-/// stops reading. A read before that may take it past by a whole read: up to about
-/// 128 KiB of the smallest checks, some 8,000 (found in review, session 24; not fixed:
-/// see ARCHITECTURE.md's gaps).
+/// How many exact checks one client connection may have waiting for the region. At that
+/// many, the frames after the last one taken are left in its input, unread, until one is
+/// answered, and nothing more is read from it meanwhile.
 pub const EXACT_IN_FLIGHT_MAX: usize = 1_024;
 
 /// The room a connection's input buffer keeps for one read, past any partial frame.
@@ -68,6 +67,9 @@ pub struct Service {
     pub forwarder: Option<Forwarder<Exact>>,
     /// `lane_rate_max_per_sec`: the most a lane may hold per second of its window.
     pub lane_rate_max: u64,
+    /// How many exact checks one client connection may have waiting for the region:
+    /// [`EXACT_IN_FLIGHT_MAX`], but fewer in tests.
+    pub exact_in_flight_max: usize,
     /// Set when the node is stopping: connections close before answering anything more,
     /// so every write acknowledged is in the lanes the gossip task pushes last.
     pub closing: std::sync::atomic::AtomicBool,
@@ -109,6 +111,10 @@ pub struct Handled {
     pub consumed: usize,
     /// Why the frame after them is bad, if it is: the connection must close.
     pub bad: Option<String>,
+    /// Whether it stopped at the room for exact checks, with frames after them left
+    /// unread: they are to be handled once there is room again, before anything more is
+    /// read.
+    pub held: bool,
 }
 
 /// What [`Service::handle`] made of one request.
@@ -128,16 +134,23 @@ impl Service {
     /// Answers the whole request frames at the front of `input` in order, appending each
     /// answer's frame to `output`, then writes their lane-log records out. Exact checks go
     /// to `exact` instead, for [`Service::forward`]. Stops at a bad frame, after answering
-    /// the ones before it.
+    /// the ones before it, and once `exact` holds `exact_room` checks, before the next
+    /// frame (which may be one more).
     pub fn handle_frames(
         &self,
         input: &[u8],
         output: &mut Vec<u8>,
         exact: &mut Vec<Exact>,
+        exact_room: usize,
     ) -> Handled {
         let mut consumed = 0;
         let mut answered = 0;
+        let mut held = false;
         let bad = self.in_context(|context| loop {
+            if exact.len() >= exact_room {
+                held = consumed < input.len();
+                return None;
+            }
             let (body, len) = match next_frame(&input[consumed..]) {
                 Ok(Some(frame)) => frame,
                 Ok(None) => return None,
@@ -177,7 +190,11 @@ impl Service {
             consumed += len;
         });
         self.counted_requests(answered);
-        Handled { consumed, bad }
+        Handled {
+            consumed,
+            bad,
+            held,
+        }
     }
 
     /// Hands a batch's exact checks to the region, emptying `exact`: their answers come
@@ -718,10 +735,14 @@ async fn serve_connection<S: AsyncRead + AsyncWrite + Unpin>(
     // Exact checks' answers, as the region gives them.
     let (answers, mut answered) = mpsc::unbounded_channel::<Vec<Forwarded<Exact>>>();
     let mut forwarded = Vec::new();
+    // Exact checks waiting for the region; at most `exact_in_flight_max`.
+    let room_max = service.exact_in_flight_max;
     let mut in_flight = 0;
     // Whether the client may still send, and whether it sent a bad frame.
     let mut sending = true;
     let mut bad_frame = false;
+    // Whether `input` holds frames left unread at the room for exact checks.
+    let mut held = false;
     loop {
         if !sending && in_flight == 0 {
             if bad_frame {
@@ -730,43 +751,45 @@ async fn serve_connection<S: AsyncRead + AsyncWrite + Unpin>(
             return;
         }
         output.clear();
-        // Room for a read of READ_BYTES past a partial frame; a no-op while there is.
-        input.reserve(READ_BYTES);
-        let read = tokio::select! {
-            // Past EXACT_IN_FLIGHT_MAX exact checks waiting, stop reading until one is
-            // answered.
-            read = stream.read_buf(&mut input), if sending && in_flight < EXACT_IN_FLIGHT_MAX => {
-                read
-            }
-            Some(first) = answered.recv() => {
-                forwarded.extend(first);
-                while let Ok(next) = answered.try_recv() {
-                    forwarded.extend(next);
+        // Frames held at the room for exact checks go first, once there is room; until
+        // then nothing more is read.
+        if !(held && in_flight < room_max) {
+            // Room for a read of READ_BYTES past a partial frame; a no-op while there is.
+            input.reserve(READ_BYTES);
+            let read = tokio::select! {
+                read = stream.read_buf(&mut input), if sending && !held && in_flight < room_max => read,
+                Some(first) = answered.recv() => {
+                    forwarded.extend(first);
+                    while let Ok(next) = answered.try_recv() {
+                        forwarded.extend(next);
+                    }
+                    in_flight -= forwarded.len();
+                    service.answer_exact(&mut forwarded, &mut output);
+                    if stream.write_all(&output).await.is_err() {
+                        return;
+                    }
+                    continue;
                 }
-                in_flight -= forwarded.len();
-                service.answer_exact(&mut forwarded, &mut output);
-                if stream.write_all(&output).await.is_err() {
-                    return;
+            };
+            if let Ok(0) | Err(_) = read {
+                if !input.is_empty() {
+                    // The client went in the middle of a frame: a truncated frame.
+                    service
+                        .metrics
+                        .client_frames_bad
+                        .fetch_add(1, Ordering::Relaxed);
                 }
+                sending = false;
                 continue;
             }
-        };
-        if let Ok(0) | Err(_) = read {
-            if !input.is_empty() {
-                // The client went in the middle of a frame: a truncated frame.
-                service
-                    .metrics
-                    .client_frames_bad
-                    .fetch_add(1, Ordering::Relaxed);
-            }
-            sending = false;
-            continue;
         }
         if service.closing.load(Ordering::Relaxed) {
             // Nothing read now is answered: the client sees the connection close.
             return;
         }
-        let handled = service.handle_frames(&input, &mut output, &mut exact);
+        let room = room_max - in_flight;
+        let handled = service.handle_frames(&input, &mut output, &mut exact, room);
+        held = handled.held;
         input.drain(..handled.consumed);
         in_flight += exact.len();
         if !exact.is_empty() {
@@ -825,6 +848,7 @@ mod tests {
             replica,
             forwarder: None,
             lane_rate_max: u64::MAX,
+            exact_in_flight_max: EXACT_IN_FLIGHT_MAX,
             closing: std::sync::atomic::AtomicBool::new(false),
             recent: Mutex::default(),
             expiry: Mutex::new(clock::ExpiryClock::start()),
@@ -856,7 +880,7 @@ mod tests {
     fn answer(service: &Service, requests: &[Request]) -> Vec<Response> {
         let input = frames(requests);
         let (mut output, mut exact) = (Vec::new(), Vec::new());
-        let handled = service.handle_frames(&input, &mut output, &mut exact);
+        let handled = service.handle_frames(&input, &mut output, &mut exact, EXACT_IN_FLIGHT_MAX);
         assert_eq!((handled.consumed, handled.bad), (input.len(), None));
         assert!(exact.is_empty(), "no exact rule here");
         responses(&output)
@@ -1193,7 +1217,7 @@ mod tests {
         let service = service(10);
         let input = frames(&[incr(4, "a"), quota_check(5, 2), quota_check(6, 0)]);
         let (mut output, mut exact) = (Vec::new(), Vec::new());
-        service.handle_frames(&input, &mut output, &mut exact);
+        service.handle_frames(&input, &mut output, &mut exact, EXACT_IN_FLIGHT_MAX);
         assert!(exact.is_empty());
         let responses = responses(&output);
         let ids: Vec<_> = responses.iter().map(|r| r.id).collect();
@@ -1219,7 +1243,7 @@ mod tests {
         service.forwarder = Some(forwarder_to_nowhere());
         let input = frames(&[quota_check(5, 2), status(6)]);
         let (mut output, mut exact) = (Vec::new(), Vec::new());
-        service.handle_frames(&input, &mut output, &mut exact);
+        service.handle_frames(&input, &mut output, &mut exact, EXACT_IN_FLIGHT_MAX);
         let ids: Vec<_> = responses(&output).iter().map(|r| r.id).collect();
         assert_eq!(ids, [6]);
         let [Exact {
@@ -1276,7 +1300,7 @@ mod tests {
         let (answers, mut answered) = mpsc::unbounded_channel();
         let (mut output, mut exact) = (Vec::new(), Vec::new());
         let twice = frames(&[quota_check(5, 2), quota_check(5, 2)]);
-        service.handle_frames(&twice, &mut output, &mut exact);
+        service.handle_frames(&twice, &mut output, &mut exact, EXACT_IN_FLIGHT_MAX);
         assert_eq!(exact.len(), 2, "forwarded");
         service.forward(&mut exact, &answers);
         let mut forwarded = Vec::new();
@@ -1299,7 +1323,12 @@ mod tests {
         // A later retry: the fallback's decision, here, not the region's, and nothing more
         // counted.
         output.clear();
-        service.handle_frames(&frames(&[quota_check(5, 2)]), &mut output, &mut exact);
+        service.handle_frames(
+            &frames(&[quota_check(5, 2)]),
+            &mut output,
+            &mut exact,
+            EXACT_IN_FLIGHT_MAX,
+        );
         assert!(
             exact.is_empty(),
             "a retry of a counted fallback is not forwarded"
@@ -1339,14 +1368,24 @@ mod tests {
             (wire::Mode::Exact, 40)
         );
         output.clear();
-        service.handle_frames(&frames(&[quota_check(6, 2)]), &mut output, &mut exact);
+        service.handle_frames(
+            &frames(&[quota_check(6, 2)]),
+            &mut output,
+            &mut exact,
+            EXACT_IN_FLIGHT_MAX,
+        );
         assert!(
             exact.is_empty(),
             "a retry of the region's decision is not forwarded"
         );
         assert_same_but_for_reset(decisions(&responses(&output))[0], exact_first);
         // Another id is forwarded as before.
-        service.handle_frames(&frames(&[quota_check(7, 2)]), &mut output, &mut exact);
+        service.handle_frames(
+            &frames(&[quota_check(7, 2)]),
+            &mut output,
+            &mut exact,
+            EXACT_IN_FLIGHT_MAX,
+        );
         assert_eq!(exact.len(), 1);
         let again = &service.metrics.client_ids_answered_again;
         assert_eq!(
@@ -1367,7 +1406,7 @@ mod tests {
         service.forwarder = Some(forwarder_to_nowhere());
         let (mut output, mut exact) = (Vec::new(), Vec::new());
         let twice = frames(&[quota_check(8, 2), quota_check(8, 2)]);
-        service.handle_frames(&twice, &mut output, &mut exact);
+        service.handle_frames(&twice, &mut output, &mut exact, EXACT_IN_FLIGHT_MAX);
         assert_eq!(exact.len(), 2);
         let unavailable = Refusal::RegionUnavailable {
             rule: "quota".into(),
@@ -1437,6 +1476,139 @@ mod tests {
         ));
     }
 
+    /// A service whose exact rule `quota` waits `region_timeout_ms` for a region that never
+    /// answers.
+    fn service_to_nowhere(region_timeout_ms: u64) -> Service {
+        let mut service = service(10);
+        service.rules = Rules::new(&[RuleConfig {
+            region_timeout_ms,
+            ..RuleConfig::for_test("quota", 100, RuleMode::Exact)
+        }])
+        .unwrap();
+        service.forwarder = Some(forwarder_to_nowhere());
+        service
+    }
+
+    #[tokio::test(flavor = "current_thread")]
+    async fn a_batch_stops_at_the_room_for_exact_checks_and_holds_the_frames_after() {
+        let service = service_to_nowhere(60_000);
+        let input = frames(&[
+            quota_check(1, 1),
+            incr(2, "a"),
+            quota_check(3, 1),
+            quota_check(4, 1),
+            status(5),
+        ]);
+        let (mut output, mut exact) = (Vec::new(), Vec::new());
+        let ids = |exact: &[Exact]| exact.iter().map(|exact| exact.id).collect::<Vec<_>>();
+        let handled = service.handle_frames(&input, &mut output, &mut exact, 2);
+        assert_eq!(ids(&exact), [1, 3]);
+        let answered: Vec<_> = responses(&output).iter().map(|r| r.id).collect();
+        assert_eq!(
+            answered,
+            [2],
+            "the frames before the room ran out are answered"
+        );
+        assert!(handled.held && handled.bad.is_none());
+        let rest = &input[handled.consumed..];
+        assert_eq!(rest, frames(&[quota_check(4, 1), status(5)]));
+        // Room for one more: the next check, and the status after it is held again.
+        output.clear();
+        exact.clear();
+        let handled = service.handle_frames(rest, &mut output, &mut exact, 1);
+        assert_eq!(
+            (ids(&exact), output.is_empty(), handled.held),
+            (vec![4], true, true)
+        );
+        let rest = &rest[handled.consumed..];
+        let handled = service.handle_frames(rest, &mut output, &mut Vec::new(), 1);
+        assert_eq!((handled.consumed, handled.held), (rest.len(), false));
+        assert_eq!(responses(&output)[0].id, 5);
+    }
+
+    /// Serves one connection of `service` on an in-memory stream, which the client half
+    /// writes `requests` to and then closes; returns the client's reading half, and the
+    /// serving and writing tasks.
+    fn connection_sending(
+        service: &Arc<Service>,
+        requests: &[Request],
+    ) -> (
+        tokio::io::ReadHalf<tokio::io::DuplexStream>,
+        tokio::task::JoinHandle<()>,
+        tokio::task::JoinHandle<()>,
+    ) {
+        let (client, server) = tokio::io::duplex(64 * 1024);
+        let serving = tokio::spawn({
+            let service = Arc::clone(service);
+            async move { serve_connection(&service, server).await }
+        });
+        let sent = frames(requests);
+        let (reading, mut writing) = tokio::io::split(client);
+        let writing = tokio::spawn(async move {
+            writing.write_all(&sent).await.unwrap();
+            writing.shutdown().await.unwrap();
+        });
+        (reading, serving, writing)
+    }
+
+    /// Exact checks 1 to `checks`, then a status request: less than one read.
+    fn checks_then_status(checks: u64) -> Vec<Request> {
+        let mut requests: Vec<Request> = (1..=checks).map(|id| quota_check(id, 1)).collect();
+        requests.push(status(checks + 1));
+        assert!(frames(&requests).len() < READ_BYTES);
+        requests
+    }
+
+    #[tokio::test(flavor = "current_thread")]
+    async fn a_connection_takes_exact_checks_up_to_its_room_and_no_more_from_one_read() {
+        // The region's timeout is far off: nothing is answered during the test.
+        let mut service = service_to_nowhere(600_000);
+        service.exact_in_flight_max = 4;
+        let service = Arc::new(service);
+        let (_reading, serving, _writing) = connection_sending(&service, &checks_then_status(10));
+        // Until the connection has taken all it will before an answer: the waiting sends
+        // stop changing.
+        let (mut waiting, mut still) = (0, 0);
+        while still < 100 {
+            tokio::task::yield_now().await;
+            let now = service.waiting.sends();
+            (waiting, still) = (now, if now == waiting { still + 1 } else { 0 });
+        }
+        assert_eq!(waiting, 4, "the room is taken, and no more");
+        serving.abort();
+    }
+
+    #[tokio::test(flavor = "current_thread")]
+    async fn a_connection_answers_every_check_held_at_its_room_once_there_is_room() {
+        let mut service = service_to_nowhere(50);
+        service.exact_in_flight_max = 4;
+        let service = Arc::new(service);
+        let checks = 10;
+        let (mut reading, serving, writing) =
+            connection_sending(&service, &checks_then_status(checks));
+        let mut output = Vec::new();
+        let mut chunk = vec![0; 64 * 1024];
+        loop {
+            let read = reading.read(&mut chunk).await.unwrap();
+            assert!(service.waiting.sends() <= 4);
+            if read == 0 {
+                break;
+            }
+            output.extend_from_slice(&chunk[..read]);
+        }
+        writing.await.unwrap();
+        serving.await.unwrap();
+        let responses = responses(&output);
+        let mut ids: Vec<_> = responses.iter().map(|r| r.id).collect();
+        ids.sort_unstable();
+        assert_eq!(
+            ids,
+            (1..=checks + 1).collect::<Vec<_>>(),
+            "each answered once"
+        );
+        assert_eq!(service.waiting.sends(), 0);
+    }
+
     #[tokio::test]
     async fn both_listeners_serve_and_both_stop_with_the_serving_task() {
         let tcp = TcpListener::bind("127.0.0.1:0").await.unwrap();
@@ -1474,12 +1646,18 @@ mod tests {
         let input = frames(&[status(1), status(2), status(3)]);
         let whole = frames(&[status(1), status(2)]).len();
         let (mut output, mut exact) = (Vec::new(), Vec::new());
-        let handled = service.handle_frames(&input[..input.len() - 1], &mut output, &mut exact);
+        let handled = service.handle_frames(
+            &input[..input.len() - 1],
+            &mut output,
+            &mut exact,
+            EXACT_IN_FLIGHT_MAX,
+        );
         assert_eq!(
             handled,
             Handled {
                 consumed: whole,
-                bad: None
+                bad: None,
+                held: false,
             }
         );
         let ids: Vec<_> = responses(&output).iter().map(|r| r.id).collect();
@@ -1493,14 +1671,14 @@ mod tests {
         let good = input.len();
         input.extend_from_slice(&u32::MAX.to_le_bytes());
         let (mut output, mut exact) = (Vec::new(), Vec::new());
-        let handled = service.handle_frames(&input, &mut output, &mut exact);
+        let handled = service.handle_frames(&input, &mut output, &mut exact, EXACT_IN_FLIGHT_MAX);
         assert_eq!(handled.consumed, good);
         assert!(handled.bad.unwrap().contains("limit"));
         assert_eq!(responses(&output).len(), 1, "the good frame is answered");
 
         let garbage = [3, 0, 0, 0, 1, 0xff, 0xff];
         output.clear();
-        let handled = service.handle_frames(&garbage, &mut output, &mut exact);
+        let handled = service.handle_frames(&garbage, &mut output, &mut exact, EXACT_IN_FLIGHT_MAX);
         assert_eq!(handled.consumed, 0);
         assert!(handled.bad.is_some() && output.is_empty());
     }

@@ -162,6 +162,12 @@ impl Waiting {
     fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<CheckId, usize>> {
         self.sends.lock().unwrap_or_else(PoisonError::into_inner)
     }
+
+    /// How many sends wait, of every id.
+    #[cfg(test)]
+    pub fn sends(&self) -> usize {
+        self.lock().values().sum()
+    }
 }
 
 /// One send of a check id waiting for the region ([`Waiting::add`]).
