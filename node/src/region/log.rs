@@ -347,24 +347,37 @@ fn header(compacted: u64) -> [u8; HEADER_BYTES] {
 /// Where a log's entries start and how many bytes of them a compaction wrote; `None` for a
 /// file that is not a region log of a format this build reads.
 fn read_header(bytes: &[u8]) -> Option<std::io::Result<(usize, usize)>> {
+    let damaged = || {
+        Some(Err(std::io::Error::new(
+            std::io::ErrorKind::InvalidData,
+            "the region log's header is damaged (cut short, its checksum fails, or its \
+             format's byte is not this header's); the log is left as it is: restore it \
+             from a copy, or move it away to start with an empty log",
+        )))
+    };
+    // Whether the 12 bytes after the first 8 are a compacted length and its checksum.
+    let checked =
+        |length: &[u8], crc: &[u8]| crc.len() == 4 && crc32fast::hash(length).to_le_bytes() == crc;
+    let length = bytes.get(8..16).unwrap_or_default();
+    let crc = bytes.get(16..HEADER_BYTES).unwrap_or_default();
     if MAGICS_BEFORE_HEADER
         .iter()
         .any(|magic| bytes.starts_with(magic.as_slice()))
     {
-        return Some(Ok((MAGIC.len(), 0)));
+        // This header with its format's byte damaged into an older one's would be read as
+        // entries from byte 8, a torn tail at once, and cut; a first entry whose length
+        // and checksum happen to pass as a header's is about one chance in 2^32.
+        return if checked(length, crc) {
+            damaged()
+        } else {
+            Some(Ok((MAGIC.len(), 0)))
+        };
     }
     if !bytes.starts_with(MAGIC) {
         return None;
     }
-    let length = bytes.get(8..16).unwrap_or_default();
-    let crc = bytes.get(16..HEADER_BYTES).unwrap_or_default();
-    if crc.len() < 4 || crc32fast::hash(length).to_le_bytes() != crc {
-        return Some(Err(std::io::Error::new(
-            std::io::ErrorKind::InvalidData,
-            "the region log's header is damaged (cut short, or its checksum fails); the \
-             log is left as it is: restore it from a copy, or move it away to start with \
-             an empty log",
-        )));
+    if !checked(length, crc) {
+        return damaged();
     }
     let compacted = u64::from_le_bytes(length.try_into().expect("8 bytes"));
     Some(Ok((
@@ -954,6 +967,54 @@ mod tests {
                 }
             }
         }
+        std::fs::remove_dir_all(dir).unwrap();
+    }
+
+    #[test]
+    fn a_header_whose_format_byte_reads_as_an_older_format_is_refused_not_cut() {
+        let dir = temp_dir("region-format-byte");
+        let path = dir.join("region.log");
+        let (mut storage, _, _) = open(&path).unwrap();
+        storage.replace(&encoded(&[entry(1), entry(2)])).unwrap();
+        drop(storage);
+        let file = std::fs::read(&path).unwrap();
+        for older in MAGICS_BEFORE_HEADER {
+            let mut damaged = file.clone();
+            damaged[7] = older[7];
+            std::fs::write(&path, &damaged).unwrap();
+            let err = open(&path).err().expect("refused");
+            assert_eq!(err.kind(), std::io::ErrorKind::InvalidData);
+            assert!(err.to_string().contains("header is damaged"), "{err}");
+            assert_eq!(std::fs::read(&path).unwrap(), damaged, "left as it is");
+        }
+        std::fs::remove_dir_all(dir).unwrap();
+    }
+
+    #[test]
+    fn a_replacement_that_fails_before_its_rename_leaves_the_log_whole_and_taking_appends() {
+        let dir = temp_dir("region-replace-fails");
+        let path = dir.join("region.log");
+        let (mut storage, _, _) = open_small(&path, 64);
+        commit(&mut storage, &encoded(&[entry(0), entry(1)]));
+        let before = std::fs::read(&path).unwrap();
+        // The copy cannot be created: a directory stands where it goes.
+        std::fs::create_dir(path.with_extension("compact")).unwrap();
+        let err = storage.replace(&encoded(&[entry(7)])).unwrap_err();
+        assert!(err.log_whole, "{err}");
+        assert_eq!(std::fs::read(&path).unwrap(), before, "the log untouched");
+        commit(&mut storage, &encoded(&[entry(2)]));
+        drop(storage);
+        std::fs::remove_dir(path.with_extension("compact")).unwrap();
+        let (_, entries, torn) = open(&path).unwrap();
+        assert_eq!((entries, torn), ((0..3).map(entry).collect(), 0));
+        // A rename that fails (a directory now stands where the log was) is a failure of
+        // unknown effect.
+        let (mut storage, _, _) = open_small(&path, 64);
+        std::fs::remove_file(&path).unwrap();
+        std::fs::create_dir(&path).unwrap();
+        std::fs::write(path.join("in the way"), b"").unwrap();
+        let err = storage.replace(&encoded(&[entry(7)])).unwrap_err();
+        assert!(!err.log_whole, "{err}");
         std::fs::remove_dir_all(dir).unwrap();
     }
 
