@@ -256,7 +256,16 @@ async fn garbage_truncated_and_oversized_client_frames_are_counted_and_dropped()
     // Length prefixes over the limit: refused before reading.
     for prefix in [u32::MAX, 1 << 20] {
         let answer = send(&prefix.to_le_bytes(), false);
-        assert!(!answer.is_empty(), "no answer to a {prefix}-byte prefix");
+        assert!(answer.len() > 4, "no answer to a {prefix}-byte prefix");
+        let response: tally_client::wire::Response =
+            tally_client::wire::decode_body(&answer[4..]).unwrap();
+        assert!(
+            matches!(
+                &response.result,
+                Err(tally_client::Refusal::Malformed { why }) if why.contains("limit")
+            ),
+            "{prefix}: {response:?}"
+        );
     }
     // A frame cut off by the client's close.
     send(&[100, 0, 0, 0, 1, 2, 3], true);

@@ -528,6 +528,10 @@ impl Service {
     /// (see [`Forwarded::late_seq`]): an admitted fallback (which counted its cost) is
     /// remembered under it, and taken back if the region admitted the check after all
     /// ([`Service::late_admissions`]).
+    /// A check whose window is over here by now (its rule's timeout is longer than what
+    /// is left of its window and the one after) gets `unavailable` and counts nothing: its
+    /// key may be gone from the store, and a fallback would count in a lane begun again
+    /// from zero, decided on an estimate of zero.
     #[allow(clippy::too_many_arguments)]
     fn fallback(
         &self,
@@ -539,6 +543,9 @@ impl Service {
         unavailable: Refusal,
         late_seq: Option<u64>,
     ) -> Result<Decision, Refusal> {
+        if !key.window().is_live(self.live_at_secs()) {
+            return Err(unavailable);
+        }
         let count = |context: &mut Context<'_>| {
             let decision = context.fallback(rule, key, cost, unavailable)?;
             if let (true, Some(seq)) = (decision.allowed, late_seq) {
@@ -1696,6 +1703,48 @@ mod tests {
         let rule = found.1.clone();
         let key = decide::key(found, "a", clock::wall()).unwrap().to_key();
         (service, rule, key)
+    }
+
+    #[test]
+    fn a_fallback_for_a_check_whose_window_is_over_counts_nothing_and_is_unavailable() {
+        let (service, rule, live) = allowing_service();
+        let found = service.rules.get("quota").unwrap();
+        let a_day_ago = tally_crdt::Stamp(clock::wall().0 - 86_400_000);
+        let ended = decide::key(found, "a", a_day_ago).unwrap().to_key();
+        let unavailable = Refusal::RegionUnavailable {
+            rule: "quota".into(),
+            why: "no answer".into(),
+        };
+        let mut output = Vec::new();
+        for key in [&ended, &live] {
+            let mut answers = vec![Forwarded {
+                ticket: Exact {
+                    id: 7,
+                    rule: rule.clone(),
+                    key: key.clone(),
+                    cost: 3,
+                    check_id: None,
+                    waiting: None,
+                },
+                late_seq: None,
+                result: Err(unavailable.clone()),
+            }];
+            service.answer_exact(&mut answers, &mut output);
+        }
+        let responses = responses(&output);
+        assert_eq!(
+            responses[0].result,
+            Err(unavailable),
+            "the window that is over"
+        );
+        assert_eq!(
+            service.store.own(&ended),
+            tally_crdt::Lane::default(),
+            "nothing counted in it"
+        );
+        let decided = decisions(&responses[1..])[0];
+        assert!(decided.allowed, "the live window's fallback admits");
+        assert_eq!(service.store.own(&live), tally_crdt::Lane::new(3, 0));
     }
 
     #[test]
