@@ -62,7 +62,8 @@ pub struct AnswerLog {
     unsynced: bool,
     // Whether a sync is in flight.
     syncing: Arc<AtomicBool>,
-    // Whether a sync failed: reported once.
+    // Whether a sync failed since the file was last rewritten: the kernel may have dropped
+    // pages it could not write, which a later sync would not write either.
     sync_failed: Arc<AtomicBool>,
     failed: bool,
     // The life's last RECENT_IDS_MAX answers, which a compaction writes.
@@ -120,8 +121,8 @@ impl AnswerLog {
     }
 
     /// Syncs the answers written out so far on a blocking thread, unless none were written
-    /// since the last sync began or one is in flight. A failure is reported once on stderr
-    /// and stops nothing.
+    /// since the last sync began or one is in flight. A failure is reported on stderr, and
+    /// has the next [`AnswerLog::compact_if_large`] rewrite the file from memory.
     pub fn sync_in_background(&mut self) {
         if !self.unsynced || self.failed || self.syncing.swap(true, Ordering::AcqRel) {
             return;
@@ -141,10 +142,10 @@ impl AnswerLog {
         );
         tokio::task::spawn_blocking(move || {
             if let Err(err) = file.sync_data() {
-                if !failed.swap(true, Ordering::Relaxed) {
+                if !failed.swap(true, Ordering::AcqRel) {
                     eprintln!(
-                        "tallyd: warning: {}: {err}; the answers under request ids written \
-                         since may not survive a machine crash",
+                        "tallyd: warning: {}: {err}; the file is rewritten from memory \
+                         after the next batch",
                         path.display()
                     );
                 }
@@ -153,10 +154,15 @@ impl AnswerLog {
         });
     }
 
-    /// Rewrites the file as the life's last answers once it has grown past its bound.
-    /// Call with nothing pending.
+    /// Rewrites the file as the life's last answers once it has grown past its bound, or
+    /// after a sync failed: the kernel may then have dropped pages of it, so the answers
+    /// are written again, to a new file, synced. Call with nothing pending.
     pub fn compact_if_large(&mut self) {
-        if self.written < self.compact_at || self.failed || !self.pending.is_empty() {
+        if self.failed || !self.pending.is_empty() {
+            return;
+        }
+        let resync = self.sync_failed.swap(false, Ordering::AcqRel);
+        if self.written < self.compact_at && !resync {
             return;
         }
         let mut body = Vec::new();
@@ -400,6 +406,31 @@ mod tests {
             seqs(&replay(&log.path).unwrap()),
             (4..max + 4).collect::<Vec<_>>()
         );
+        std::fs::remove_dir_all(dir).unwrap();
+    }
+
+    #[test]
+    fn after_a_failed_sync_the_file_is_rewritten_from_memory_at_the_next_batch() {
+        let dir = dir("sync-failed");
+        let mut log = AnswerLog::create(&dir, Generation(7)).unwrap();
+        for seq in 0..5 {
+            log.append(answer(seq, live()));
+        }
+        log.flush();
+        // Pages the kernel dropped when their writeback failed: the file lacks them.
+        std::fs::write(&log.path, b"").unwrap();
+        log.compact_if_large();
+        assert!(
+            replay(&log.path).unwrap().is_empty(),
+            "not due without a failure"
+        );
+        log.sync_failed.store(true, Ordering::Release);
+        log.compact_if_large();
+        assert_eq!(seqs(&replay(&log.path).unwrap()), [0, 1, 2, 3, 4]);
+        assert!(!log.sync_failed.load(Ordering::Acquire), "rewritten once");
+        log.append(answer(5, live()));
+        log.flush();
+        assert_eq!(seqs(&replay(&log.path).unwrap()), [0, 1, 2, 3, 4, 5]);
         std::fs::remove_dir_all(dir).unwrap();
     }
 }
