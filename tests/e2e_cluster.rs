@@ -164,6 +164,12 @@ impl Load {
         let ledger = Arc::new(Mutex::new(Ledger::default()));
         let (stop, stopped) = tokio::sync::watch::channel(false);
         let mut tasks = tokio::task::JoinSet::new();
+        // Every node's observer reads the hot subject, which all write, and each node's
+        // own subject, which that node alone writes: a lane going back at one origin
+        // cannot hide behind another's growth there, across any node's restart.
+        let subjects: Vec<String> = std::iter::once("hot".to_owned())
+            .chain(cluster.nodes.iter().map(|node| format!("node-{}", node.id)))
+            .collect();
         for node in &cluster.nodes {
             let client = node.client().await;
             let id = node.id;
@@ -194,6 +200,7 @@ impl Load {
             // MONO: this node's estimates, read as an observer, never go down within a life.
             let observer = node.client().await;
             let stopped = stopped.clone();
+            let subjects = subjects.clone();
             tasks.spawn(async move {
                 let mut seen: BTreeMap<String, i128> = BTreeMap::new();
                 let mut generation = 0;
@@ -210,8 +217,8 @@ impl Load {
                             seen.clear();
                             observed.lives += 1;
                         }
-                        for subject in ["hot".to_owned(), format!("node-{id}")] {
-                            if let Ok(read) = observer.get("count", &subject).await {
+                        for subject in &subjects {
+                            if let Ok(read) = observer.get("count", subject).await {
                                 let before =
                                     seen.insert(subject.clone(), read.estimate).unwrap_or(0);
                                 assert!(
