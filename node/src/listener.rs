@@ -608,16 +608,12 @@ impl Service {
     }
 
     fn status(&self, context: &Context<'_>) -> Status {
-        let mut members = std::collections::BTreeMap::<String, u64>::new();
-        for (_, _, state) in context.view.members() {
-            *members
-                .entry(format!("{state:?}").to_lowercase())
-                .or_default() += 1;
-        }
+        let members = (context.view.members_by_state())
+            .map(|(state, count)| (format!("{state:?}").to_lowercase(), count));
         Status {
             node: self.replica.node.0,
             generation: self.replica.generation.0,
-            members: members.into_iter().collect(),
+            members: members.collect(),
             keys: self.store.len() as u64,
         }
     }

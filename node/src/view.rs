@@ -232,12 +232,25 @@ struct Summary {
     live: usize,
     /// Members that have not left.
     located: usize,
+    /// Members by state: alive, suspect, dead, left.
+    by_state: [u64; 4],
 }
+
+/// The states [`ViewState::members_by_state`] counts, in its order.
+const STATES: [State; 4] = [State::Alive, State::Suspect, State::Dead, State::Left];
 
 impl ViewState {
     /// Every other member: its node, current replica and state.
     pub fn members(&self) -> &[(NodeId, ReplicaId, State)] {
         &self.members
+    }
+
+    /// How many other members are in each state that at least one is in, counted when
+    /// the members were set: a status request reads it without walking them.
+    pub fn members_by_state(&self) -> impl Iterator<Item = (State, u64)> + '_ {
+        (STATES.iter().zip(self.summary.by_state))
+            .filter(|&(_, count)| count > 0)
+            .map(|(&state, count)| (state, count))
     }
 
     /// The newest origin stamp held for each other member's current replica, or when it
@@ -261,6 +274,8 @@ impl ViewState {
             ..Summary::default()
         };
         for (_, replica, state) in &members {
+            let counted = STATES.iter().position(|s| s == state);
+            summary.by_state[counted.expect("invariant: STATES lists every state")] += 1;
             if *state != State::Left {
                 summary.located += 1;
             }
@@ -667,6 +682,23 @@ mod tests {
         let freshness = state.freshness(Stamp(1_000));
         assert_eq!(freshness.staleness, Duration::from_millis(300));
         assert_eq!((freshness.live, freshness.locations), (2, 4));
+        let by_state: Vec<_> = state.members_by_state().collect();
+        let each = [State::Alive, State::Suspect, State::Dead, State::Left].map(|s| (s, 1));
+        assert_eq!(by_state, each);
+        state.set_members(
+            vec![
+                (NodeId(2), replica(2), State::Alive),
+                (NodeId(3), replica(3), State::Alive),
+            ],
+            BTreeMap::new(),
+            at(2_000),
+        );
+        let by_state: Vec<_> = state.members_by_state().collect();
+        assert_eq!(
+            by_state,
+            [(State::Alive, 2)],
+            "counted again, no state left at 0"
+        );
     }
 
     #[test]
