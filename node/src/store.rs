@@ -68,6 +68,10 @@ pub struct LaneStore {
     // Keys held plus keys being inserted. Invariant: never above `keys_max`, because an
     // insert reserves its place here first and gives it back if it does not insert.
     keys: AtomicUsize,
+    // The first second at which a held key's window may be over: at most the
+    // `live_until_unix_secs` of every key held. An insert lowers it once the key is in the
+    // map; `expire` sets it again from the keys it walks, and walks none before it.
+    ends_from: std::sync::atomic::AtomicU64,
 }
 
 /// What a write left behind: the key's own lane and its estimate just after the write.
@@ -107,6 +111,7 @@ impl LaneStore {
             queued: Notify::new(),
             outsized: Outsized::default(),
             keys: AtomicUsize::new(0),
+            ends_from: std::sync::atomic::AtomicU64::new(u64::MAX),
         }
     }
 
@@ -216,13 +221,23 @@ impl LaneStore {
 
     /// Removes every key whose window is no longer live at `now_unix_secs` (see
     /// [`tally_crdt::Window::is_live`]) and has nothing left to collect; returns how many
-    /// were removed. Keys with writes not yet collected stay for the next call.
+    /// were removed. Keys with writes not yet collected stay for the next call. Walks the
+    /// keys only once some window may have ended since the last walk: a call every second
+    /// costs nothing while none does.
     pub fn expire(&self, now_unix_secs: u64) -> usize {
+        if now_unix_secs < self.ends_from.load(Ordering::Relaxed) {
+            return 0;
+        }
+        // Set before the walk: a key inserted during it lowers the bound itself.
+        self.ends_from.store(u64::MAX, Ordering::Relaxed);
         let guard = self.slots.guard();
         let mut removed = 0;
         for (key, _) in self.slots.iter(&guard) {
-            if !key.window.is_live(now_unix_secs) && self.unlink(key, Slot::retire, &guard) {
+            let until = key.window.live_until_unix_secs();
+            if now_unix_secs >= until && self.unlink(key, Slot::retire, &guard) {
                 removed += 1;
+            } else {
+                self.ends_from.fetch_min(until, Ordering::Relaxed);
             }
         }
         removed
@@ -357,6 +372,10 @@ impl LaneStore {
             {
                 // Another thread created it meanwhile.
                 self.keys.fetch_sub(1, Ordering::Relaxed);
+            } else {
+                // Once it is in the map: an `expire` walking it now sees it or its bound.
+                let until = key.window().live_until_unix_secs();
+                self.ends_from.fetch_min(until, Ordering::Relaxed);
             }
             // Held now, unless a `remove` took it again meanwhile: then the next turn
             // creates it anew.
@@ -1059,6 +1078,29 @@ mod tests {
             (store.len(), store.own(&old), store.own(&current)),
             (1, Lane::default(), Lane::new(1, 0))
         );
+    }
+
+    #[test]
+    fn expire_misses_no_window_that_ends_before_those_it_walked_last() {
+        let store = store(8);
+        let later = key_in("a", Window::new(5, 60).unwrap());
+        store.incr(&later, 1).unwrap();
+        collected(&store);
+        // Walked at 200: nothing over; the next window to end is `later`'s, at 420.
+        assert_eq!(store.expire(200), 0);
+        // A key inserted since ends before that, at 240 (say the clock stepped back).
+        let earlier = key_in("b", Window::new(2, 60).unwrap());
+        store.incr(&earlier, 1).unwrap();
+        collected(&store);
+        assert_eq!(store.expire(239), 0);
+        assert_eq!(store.expire(240), 1);
+        assert_eq!(store.own(&earlier), Lane::default());
+        // One written again at its end stays until collected, and the next call takes it.
+        store.incr(&later, 1).unwrap();
+        assert_eq!(store.expire(420), 0);
+        collected(&store);
+        assert_eq!(store.expire(421), 1);
+        assert!(store.is_empty());
     }
 
     /// What [`spawn_writers`] started.

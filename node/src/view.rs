@@ -64,6 +64,10 @@ pub struct ViewState {
     pub outside: HashMap<Key, i128>,
     // The other nodes that are locations: members in any state but left.
     located: BTreeSet<NodeId>,
+    // The first second at which a key of the per-key maps may be in a window that is
+    // over: at most the `live_until_unix_secs` of every key taken in since the last
+    // `forget_ended_windows` walk (0 before the first), which walks none before it.
+    ends_from: u64,
     /// Once the lane log's sync is overdue (`handoff`), how long before the members were
     /// last set (monotonic) the oldest write it holds back was queued: no peer has this
     /// node's writes since, and a peer may have declared it dead and stopped counting it,
@@ -302,15 +306,30 @@ impl ViewState {
         relocated
     }
 
-    /// Forgets the per-key values of windows no longer live at `now_secs`.
+    /// Forgets the per-key values of windows no longer live at `now_secs`. Walks the maps
+    /// only once some window may have ended since the last walk.
     pub fn forget_ended_windows(&mut self, now_secs: u64) {
-        self.remote_rates
-            .retain(|key, _| key.window.is_live(now_secs));
-        self.other_lives
-            .retain(|key, _| key.window.is_live(now_secs));
-        self.below_zero
-            .retain(|key, _| key.window.is_live(now_secs));
-        self.outside.retain(|key, _| key.window.is_live(now_secs));
+        if now_secs < self.ends_from {
+            return;
+        }
+        let mut ends_from = u64::MAX;
+        let mut live = |key: &Key| {
+            let until = key.window.live_until_unix_secs();
+            if now_secs < until {
+                ends_from = ends_from.min(until);
+            }
+            now_secs < until
+        };
+        self.remote_rates.retain(|key, _| live(key));
+        self.other_lives.retain(|key, _| live(key));
+        self.below_zero.retain(|key, _| live(key));
+        self.outside.retain(|key, _| live(key));
+        self.ends_from = ends_from;
+    }
+
+    /// Lowers the bound on when a window of the per-key maps may end to `key`'s.
+    fn taking_in(&mut self, key: &Key) {
+        self.ends_from = self.ends_from.min(key.window.live_until_unix_secs());
     }
 
     /// A copy of what `/metrics` and `/status` report: everything but the per-key maps,
@@ -332,6 +351,7 @@ impl ViewState {
             outside: HashMap::new(),
             located: self.located.clone(),
             own_held_for: self.own_held_for,
+            ends_from: self.ends_from,
         }
     }
 
@@ -364,6 +384,7 @@ impl ViewState {
     /// replicas' increments for its remote rate, the value of `me`'s other lives, and how
     /// far below zero the other nodes are.
     pub fn take_in(&mut self, key: &Key, counter: &PnCounter, me: ReplicaId, now_ms: u64) {
+        self.taking_in(key);
         let remote_incr = counter
             .slots()
             .iter()
@@ -418,6 +439,7 @@ impl ViewState {
     /// last set say: on every merge of the key (`take_in`), and again where members change
     /// ([`ViewState::take_relocated`]).
     pub fn take_outside(&mut self, key: &Key, counter: &PnCounter, me: ReplicaId) {
+        self.taking_in(key);
         let outside = |node| node != me.node && !self.located.contains(&node);
         let value = counter.above_zero_of_nodes(outside);
         set_sparse(&mut self.outside, key, value);
@@ -552,10 +574,20 @@ mod tests {
             &[(2, State::Alive), (3, State::Alive), (9, State::Alive)],
         );
         assert!(state.outside.is_empty());
-        // And a window's end forgets every per-key value of it.
+        // And a window's end forgets every per-key value of it, though the last walk, before
+        // the key was taken in, found nothing to end before a later window's end.
+        let later = Key::new(
+            key.rule.clone(),
+            key.subject.clone(),
+            Window::new(key.window.index() + 10, key.window.len_secs()).unwrap(),
+        );
+        let mut state = ViewState::default();
+        state.take_in(&later, &PnCounter::new(), me, 0);
+        state.forget_ended_windows(ended - 1);
         state.take_in(&key, &PnCounter::new(), me, 0);
         state.forget_ended_windows(ended);
-        assert!(state.remote_rates.is_empty());
+        assert_eq!(state.remote_rates.len(), 1, "the later window's key stays");
+        assert!(!state.remote_rates.contains_key(&key));
     }
 
     #[test]
