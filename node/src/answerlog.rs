@@ -246,13 +246,21 @@ fn file_generation(path: &Path) -> Option<(u64, &str)> {
     Some((generation.parse().ok()?, extension))
 }
 
-/// The answers in the file at `path`, in order: up to a torn tail, skipping a record that
-/// checks but does not decode.
+/// The answers in the file at `path`, in order, skipping a record that checks but does not
+/// decode. Past a record that does not check (a torn tail, or damage after it was written),
+/// the next one is looked for at each byte after it: the answers behind damage are kept,
+/// where stopping there would drop them for good at the rewrite. A false record needs a
+/// checksum that matches by chance (one in 2^32) and a body that decodes; it would remember
+/// an answer under an id no one is likely to send.
 fn replay(path: &Path) -> Result<Vec<AnsweredId>, LogError> {
     let bytes = read_whole(path)?;
     let mut answers = VecDeque::new();
     let mut at = 0;
-    while let Some((body, next)) = checksummed::read_body(&bytes, at) {
+    while at < bytes.len() {
+        let Some((body, next)) = checksummed::read_body(&bytes, at) else {
+            at += 1;
+            continue;
+        };
         at = next;
         let Some(record) = checksummed::decode::<Record>(body) else {
             continue;
@@ -374,6 +382,22 @@ mod tests {
         let path = dir.join("answers-5.log");
         std::fs::write(&path, &bytes[..whole + 9]).unwrap();
         assert_eq!(seqs(&recover(&dir, NOW).unwrap().0), [1, 2]);
+        std::fs::remove_dir_all(dir).unwrap();
+    }
+
+    #[test]
+    fn the_answers_after_a_damaged_record_are_kept() {
+        let dir = dir("damaged");
+        let mut bytes = Vec::new();
+        for seq in 1..=4 {
+            encode(&answer(seq, live()), &mut bytes);
+        }
+        let one = bytes.len() / 4;
+        // A flipped bit in the second record's body, and the third's length cut short.
+        bytes[one + 10] ^= 0x01;
+        bytes[2 * one] = 3;
+        std::fs::write(dir.join("answers-5.log"), &bytes).unwrap();
+        assert_eq!(seqs(&recover(&dir, NOW).unwrap().0), [1, 4]);
         std::fs::remove_dir_all(dir).unwrap();
     }
 
