@@ -15,7 +15,7 @@
 //! resynchronised) after a `Malformed` answer, and is counted; the node keeps serving.
 
 use crate::clock;
-use crate::config::{RuleConfig, RuleMode};
+use crate::config::{OnRegionUnavailable, RuleConfig, RuleMode};
 use crate::decide::{self, Context, Rules};
 use crate::lanelog::LaneLog;
 use crate::late::LateFallbacks;
@@ -529,9 +529,10 @@ impl Service {
     /// remembered under it, and taken back if the region admitted the check after all
     /// ([`Service::late_admissions`]).
     /// A check whose window is over here by now (its rule's timeout is longer than what
-    /// is left of its window and the one after) gets `unavailable` and counts nothing: its
-    /// key may be gone from the store, and a fallback would count in a lane begun again
-    /// from zero, decided on an estimate of zero.
+    /// is left of its window and the one after) and whose fallback would count (`allow`,
+    /// `approximate`) gets `unavailable` and counts nothing: its key may be gone from the
+    /// store, and the fallback would count in a lane begun again from zero, decided on an
+    /// estimate of zero.
     #[allow(clippy::too_many_arguments)]
     fn fallback(
         &self,
@@ -543,7 +544,11 @@ impl Service {
         unavailable: Refusal,
         late_seq: Option<u64>,
     ) -> Result<Decision, Refusal> {
-        if !key.window().is_live(self.live_at_secs()) {
+        let counts = matches!(
+            rule.on_region_unavailable,
+            OnRegionUnavailable::Allow | OnRegionUnavailable::Approximate
+        );
+        if counts && !key.window().is_live(self.live_at_secs()) {
             return Err(unavailable);
         }
         let count = |context: &mut Context<'_>| {
@@ -608,7 +613,8 @@ impl Service {
     }
 
     fn status(&self, context: &Context<'_>) -> Status {
-        let members = (context.view.members_by_state())
+        let members = (context.view.members_by_state().into_iter())
+            .filter(|&(_, count)| count > 0)
             .map(|(state, count)| (format!("{state:?}").to_lowercase(), count));
         Status {
             node: self.replica.node.0,

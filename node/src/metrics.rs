@@ -137,14 +137,10 @@ pub fn render(sources: &Sources<'_>) -> String {
         Buckets(view.gossip.propagation.clone()),
     );
     let members = Family::<Vec<(String, String)>, Gauge>::default();
-    for state in ["Alive", "Suspect", "Dead", "Left"] {
-        let count = view
-            .members()
-            .iter()
-            .filter(|(_, _, s)| format!("{s:?}") == state)
-            .count();
+    for (state, count) in view.members_by_state() {
+        let state = format!("{state:?}").to_lowercase();
         members
-            .get_or_create(&vec![("state".to_owned(), state.to_lowercase())])
+            .get_or_create(&vec![("state".to_owned(), state)])
             .set(count as i64);
     }
     members

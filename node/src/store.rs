@@ -228,8 +228,11 @@ impl LaneStore {
         if now_unix_secs < self.ends_from.load(Ordering::Relaxed) {
             return 0;
         }
-        // Set before the walk: a key inserted during it lowers the bound itself.
-        self.ends_from.store(u64::MAX, Ordering::Relaxed);
+        // Reset before the walk. Both this and an insert's lowering are read-modify-writes
+        // of the one atomic, so one comes first: an insert whose lowering came before is
+        // seen by the walk (it acquires what the insert released), and one after lowers
+        // the bound it sets.
+        self.ends_from.swap(u64::MAX, Ordering::AcqRel);
         let guard = self.slots.guard();
         let mut removed = 0;
         for (key, _) in self.slots.iter(&guard) {
@@ -375,7 +378,7 @@ impl LaneStore {
             } else {
                 // Once it is in the map: an `expire` walking it now sees it or its bound.
                 let until = key.window().live_until_unix_secs();
-                self.ends_from.fetch_min(until, Ordering::Relaxed);
+                self.ends_from.fetch_min(until, Ordering::AcqRel);
             }
             // Held now, unless a `remove` took it again meanwhile: then the next turn
             // creates it anew.
