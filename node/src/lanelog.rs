@@ -240,6 +240,7 @@ pub fn open(
         written: 0,
         allocated: 0,
         compact_at: COMPACT_BYTES,
+        compaction: None,
         failed: None,
         answers,
     };
@@ -282,9 +283,40 @@ pub struct LaneLog {
     allocated: u64,
     // The size past which the log is compacted next.
     compact_at: u64,
+    // A compaction whose copy is being written, if one is.
+    compaction: Option<Compaction>,
     failed: Option<String>,
     // What this life answered under request ids, written out after the lane records.
     answers: AnswerLog,
+}
+
+/// A compaction under way: the copy of the store's own lanes is encoded, written and
+/// synced on a thread of its own, while the log takes records as before.
+#[derive(Debug)]
+struct Compaction {
+    // The copy's length once it is written and synced, or why it was not.
+    copied: std::sync::mpsc::Receiver<Result<u64, LogError>>,
+    // The records written out since the copy's lanes were read, to go after them in the
+    // copy before it replaces the log. `None` once they passed `SINCE_BYTES_MAX`: the copy
+    // is then dropped when its thread is done.
+    since: Option<Vec<u8>>,
+}
+
+/// The most bytes of records a compaction keeps for its copy while the copy is written:
+/// past that (a disk that has stopped), it is given up rather than hold more in memory.
+const SINCE_BYTES_MAX: usize = 64 * 1024 * 1024;
+
+impl Compaction {
+    /// Keeps `records`, just written out to the log, for the copy; past
+    /// [`SINCE_BYTES_MAX`] gives the copy up.
+    fn keep(&mut self, records: &[u8]) {
+        match &mut self.since {
+            Some(since) if since.len() + records.len() <= SINCE_BYTES_MAX => {
+                since.extend_from_slice(records);
+            }
+            _ => self.since = None,
+        }
+    }
 }
 
 impl LaneLog {
@@ -368,6 +400,9 @@ impl LaneLog {
             });
         }
         self.written = end;
+        if let Some(compaction) = &mut self.compaction {
+            compaction.keep(&self.pending);
+        }
         self.pending.clear();
         self.answers.flush();
         Ok(())
@@ -420,6 +455,12 @@ impl LaneLog {
         self.compact_at = 0;
     }
 
+    /// Whether a compaction is under way (its copy not yet in place).
+    #[cfg(all(test, not(tally_loom)))]
+    pub(crate) fn is_compacting(&self) -> bool {
+        self.compaction.is_some()
+    }
+
     /// Whether a failed write, sync or reopen has made the log refuse every append.
     pub fn has_failed(&self) -> bool {
         self.failed.is_some()
@@ -428,24 +469,102 @@ impl LaneLog {
     /// Rewrites the log as one record per key of `store` with a non-zero own lane (a key
     /// held only for its remote sum has a zero one) once it has grown past its bound, so a
     /// long life's log stays proportional to its live keys. Call between batches (nothing
-    /// pending); the store must not change meanwhile. A rewrite that fails before it
-    /// replaces the log leaves the log as it was, and is tried again only once the log has
-    /// grown by `COMPACT_BYTES` (64 MiB) more, not on every batch.
+    /// pending), with `store` holding every write flushed so far; the store must not
+    /// change during the call.
+    ///
+    /// The rewrite is in two steps, one call each. The first reads the own lanes and hands
+    /// them to a thread, which encodes them into a copy of the log and syncs it; the log
+    /// meanwhile takes records as before, and keeps those written out since. A later call,
+    /// once the copy is synced, writes those records after the copy's, syncs it, renames it
+    /// over the log and syncs the directory: so the runtime's thread waits for syncs of the
+    /// records written during the copy, not of the whole copy. A rewrite that fails before
+    /// it replaces the log leaves the log as it was, and is tried again only once the log
+    /// has grown by `COMPACT_BYTES` (64 MiB) more, not on every batch.
     pub fn compact_if_large(&mut self, store: &LaneStore) -> Result<(), LogError> {
         self.answers.compact_if_large();
-        if self.written < self.compact_at || !self.pending.is_empty() || self.failed.is_some() {
+        if !self.pending.is_empty() || self.failed.is_some() {
             return Ok(());
         }
-        let mut body = Vec::new();
+        if self.compaction.is_some() {
+            return self.finish_compaction();
+        }
+        if self.written < self.compact_at {
+            return Ok(());
+        }
+        let mut lanes = Vec::new();
         store.for_each_own(|key, lane| {
             if lane != Lane::default() {
-                encode(key, lane.incr, lane.decr, &mut body);
+                lanes.push((key.clone(), lane));
             }
         });
-        if let Err(err) = replace_by_copy(&self.path, &body) {
+        let copy = self.path.with_extension("compact");
+        let (done, copied) = std::sync::mpsc::channel();
+        let started = std::thread::Builder::new()
+            .name("tally-lanelog-copy".into())
+            .spawn(move || {
+                let mut body = Vec::new();
+                for (key, lane) in &lanes {
+                    encode(key, lane.incr, lane.decr, &mut body);
+                }
+                drop(lanes);
+                let _ = done.send(write_synced(&copy, &body).map(|()| body.len() as u64));
+            });
+        if let Err(source) = started {
             self.compact_at = self.written.saturating_add(COMPACT_BYTES);
-            return Err(err);
+            return Err(LogError::Io {
+                path: self.path.with_extension("compact"),
+                source,
+            });
         }
+        self.compaction = Some(Compaction {
+            copied,
+            since: Some(Vec::new()),
+        });
+        Ok(())
+    }
+
+    /// The second step of a compaction (see [`LaneLog::compact_if_large`]), once its copy
+    /// is synced; nothing before.
+    fn finish_compaction(&mut self) -> Result<(), LogError> {
+        let compaction = self.compaction.as_ref().expect("a compaction is under way");
+        let copied = match compaction.copied.try_recv() {
+            Err(std::sync::mpsc::TryRecvError::Empty) => return Ok(()),
+            Ok(copied) => copied,
+            Err(std::sync::mpsc::TryRecvError::Disconnected) => Err(LogError::Io {
+                path: self.path.with_extension("compact"),
+                source: std::io::Error::other("the copy's thread ended without a result"),
+            }),
+        };
+        let since = self
+            .compaction
+            .take()
+            .and_then(|compaction| compaction.since);
+        let copy = self.path.with_extension("compact");
+        // The records written out since the lanes were read go after the copy's, synced
+        // before the rename: the copy then replaces the log with everything it held.
+        let replaced = copied.and_then(|len| {
+            let since = since.ok_or_else(|| LogError::Io {
+                path: copy.clone(),
+                source: std::io::Error::other(format!(
+                    "given up: more than {SINCE_BYTES_MAX} bytes of records were written \
+                     while the copy was"
+                )),
+            })?;
+            let io = LogError::io_at(&copy);
+            let file = OpenOptions::new().write(true).open(&copy).map_err(&io)?;
+            file.write_all_at(&since, len).map_err(&io)?;
+            file.sync_data().map_err(&io)?;
+            std::fs::rename(&copy, &self.path).map_err(LogError::io_at(&self.path))?;
+            Ok(len + since.len() as u64)
+        });
+        let written = match replaced {
+            Ok(written) => written,
+            Err(err) => {
+                let _ = std::fs::remove_file(&copy);
+                self.compact_at = self.written.saturating_add(COMPACT_BYTES);
+                return Err(err);
+            }
+        };
         // From here the old file is unlinked: appending to it would acknowledge writes no
         // restart can read, so a failed reopen fails the log. The rename is synced before
         // anything is appended to the new file, so that a machine crash cannot undo it
@@ -464,7 +583,7 @@ impl LaneLog {
                 return Err(err);
             }
         };
-        self.written = body.len() as u64;
+        self.written = written;
         self.allocated = self.written;
         // Compacted, the log holds one record per live key; the next compaction waits until
         // it has doubled, so a node with many keys does not rewrite it every batch.
@@ -1103,8 +1222,7 @@ mod tests {
         // A key the store holds only for its remote sum: its own lane is zero.
         store.publish_remote(&key("b"), 7).unwrap();
         log.flush().unwrap();
-        log.compact_at = 0;
-        log.compact_if_large(&store).unwrap();
+        compact_now(&mut log, &store).unwrap();
         let mut one = Vec::new();
         encode(&key("a"), 3, 1, &mut one);
         assert_eq!(std::fs::read(&log.path).unwrap(), one, "one record: a's");
@@ -1122,6 +1240,83 @@ mod tests {
         std::fs::remove_dir_all(dir).unwrap();
     }
 
+    /// Compacts `log` now, whatever its size: both steps, waiting for the copy between.
+    #[cfg(not(tally_loom))]
+    fn compact_now(log: &mut LaneLog, store: &LaneStore) -> Result<(), LogError> {
+        log.compact_at = 0;
+        log.compact_if_large(store)?;
+        loop {
+            let finished = log.compact_if_large(store);
+            if !log.is_compacting() {
+                return finished;
+            }
+            std::thread::sleep(std::time::Duration::from_millis(1));
+        }
+    }
+
+    #[cfg(not(tally_loom))]
+    #[test]
+    fn records_written_while_the_copy_is_made_are_in_the_log_it_replaces() {
+        let dir = dir("compaction-during");
+        let (mut log, first) = open(&dir, NodeId(1), 5, NOW).unwrap();
+        let store = LaneStore::new(ReplicaId::new(NodeId(1), first.generation), 100);
+        log.append(&key("a"), 3, 0).unwrap();
+        store.incr(&key("a"), 3).unwrap();
+        log.flush().unwrap();
+        log.compact_at = 0;
+        log.compact_if_large(&store).unwrap();
+        assert!(log.is_compacting(), "the copy is made on its own thread");
+        // Batches while it is: to the key it copied, and to a new one.
+        log.append(&key("a"), 2, 0).unwrap();
+        log.append(&key("b"), 5, 1).unwrap();
+        log.flush().unwrap();
+        log.append(&key("b"), 1, 0).unwrap();
+        log.flush().unwrap();
+        while log.is_compacting() {
+            std::thread::sleep(std::time::Duration::from_millis(1));
+            log.compact_if_large(&store).unwrap();
+        }
+        assert!(!dir
+            .join(format!("lanes-{}.compact", first.generation.0))
+            .exists());
+        let mut copied = Vec::new();
+        encode(&key("a"), 3, 0, &mut copied);
+        assert!(
+            std::fs::read(&log.path).unwrap().starts_with(&copied),
+            "the copy first"
+        );
+        // And after it, appended as before.
+        log.append(&key("a"), 1, 0).unwrap();
+        log.flush().unwrap();
+        drop(log);
+        let (_, second) = open(&dir, NodeId(1), 6, NOW).unwrap();
+        let mut lanes = second.retired[0].1.clone();
+        lanes.sort_by(|x, y| x.0.subject.as_str().cmp(y.0.subject.as_str()));
+        assert_eq!(
+            lanes,
+            vec![(key("a"), Lane::new(6, 0)), (key("b"), Lane::new(6, 1))]
+        );
+        std::fs::remove_dir_all(dir).unwrap();
+    }
+
+    #[test]
+    fn a_compaction_gives_up_its_copy_past_the_records_it_may_keep() {
+        let (_, copied) = std::sync::mpsc::channel();
+        let mut compaction = Compaction {
+            copied,
+            since: Some(vec![0; SINCE_BYTES_MAX - 1]),
+        };
+        compaction.keep(&[1]);
+        assert_eq!(
+            compaction.since.as_ref().map(Vec::len),
+            Some(SINCE_BYTES_MAX)
+        );
+        compaction.keep(&[2]);
+        assert!(compaction.since.is_none());
+        compaction.keep(&[3]);
+        assert!(compaction.since.is_none(), "given up for good");
+    }
+
     #[cfg(not(tally_loom))]
     #[test]
     fn a_failed_compaction_leaves_the_log_whole_and_waits_for_the_log_to_grow_again() {
@@ -1134,8 +1329,7 @@ mod tests {
         let before = std::fs::read(&log.path).unwrap();
         // A directory where the copy goes: writing the copy fails.
         std::fs::create_dir(log.path.with_extension("compact")).unwrap();
-        log.compact_at = 0;
-        assert!(log.compact_if_large(&store).is_err());
+        assert!(compact_now(&mut log, &store).is_err());
         assert_eq!(
             std::fs::read(&log.path).unwrap(),
             before,
@@ -1144,6 +1338,7 @@ mod tests {
         assert_eq!(log.compact_at, log.written + COMPACT_BYTES);
         // Not tried again on the next batch (it would fail again).
         assert!(log.compact_if_large(&store).is_ok());
+        assert!(!log.is_compacting());
         // Still serving: later writes append.
         log.append(&key("a"), 1, 0).unwrap();
         log.flush().unwrap();
