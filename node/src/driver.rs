@@ -148,7 +148,7 @@ impl Driver {
                     if let Some(mark) = &mut self.expiry_mark {
                         mark.record(paced, self.clock.mono());
                     }
-                    self.handoff.sync_answers();
+                    self.handoff.each_second(&self.store);
                     let now_secs = paced.0 / 1_000;
                     self.store.expire(now_secs);
                     self.store.reclaim();

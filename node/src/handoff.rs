@@ -25,6 +25,7 @@
 //! it returns, and the node decides as stale as the writes it holds back.
 
 use crate::lanelog::{LaneLog, LogError};
+use crate::store::LaneStore;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 use tally_crdt::{Key, Lane};
@@ -97,11 +98,15 @@ impl Handoff {
         None
     }
 
-    /// Syncs the answers the log holds under request ids, on a blocking thread: not a
-    /// collection's sync, which the lanes' gossip waits for (see `answerlog`).
-    pub fn sync_answers(&self) {
+    /// Once a second: syncs the answers the log holds under request ids, on a blocking
+    /// thread (not a collection's sync, which the lanes' gossip waits for: see
+    /// `answerlog`), and ends an empty batch, so that a compaction whose copy is ready is
+    /// put in place while no client writes ([`LaneLog::compact_if_large`]).
+    pub fn each_second(&self, store: &LaneStore) {
         if let Some(log) = &self.log {
-            (log.lock().unwrap_or_else(|poisoned| poisoned.into_inner())).sync_answers();
+            let mut log = log.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+            log.sync_answers();
+            crate::listener::write_out(&mut log, store);
         }
     }
 

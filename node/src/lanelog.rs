@@ -172,9 +172,9 @@ pub fn open(
     }
     // First, since a log's rewrite below writes a file of that name.
     for path in paths.iter().filter(|path| is_compaction_left_over(path)) {
-        // A crash inside `compact_if_large` or `rewrite` left it before its rename: its log
-        // was never replaced, and still holds every record (the rename is synced before
-        // anything else is written).
+        // A crash inside a running life's compaction (its copy's thread, or its finish) or
+        // a start's `rewrite` left it before its rename: its log was never replaced, and
+        // still holds every record (the rename is synced before anything else is written).
         std::fs::remove_file(path).map_err(io(path))?;
     }
     for path in paths {
@@ -497,7 +497,7 @@ impl LaneLog {
                 lanes.push((key.clone(), lane));
             }
         });
-        let copy = self.path.with_extension("compact");
+        let copy = copy_path(&self.path);
         let (done, copied) = std::sync::mpsc::channel();
         let started = std::thread::Builder::new()
             .name("tally-lanelog-copy".into())
@@ -512,7 +512,7 @@ impl LaneLog {
         if let Err(source) = started {
             self.compact_at = self.written.saturating_add(COMPACT_BYTES);
             return Err(LogError::Io {
-                path: self.path.with_extension("compact"),
+                path: copy_path(&self.path),
                 source,
             });
         }
@@ -531,7 +531,7 @@ impl LaneLog {
             Err(std::sync::mpsc::TryRecvError::Empty) => return Ok(()),
             Ok(copied) => copied,
             Err(std::sync::mpsc::TryRecvError::Disconnected) => Err(LogError::Io {
-                path: self.path.with_extension("compact"),
+                path: copy_path(&self.path),
                 source: std::io::Error::other("the copy's thread ended without a result"),
             }),
         };
@@ -539,7 +539,7 @@ impl LaneLog {
             .compaction
             .take()
             .and_then(|compaction| compaction.since);
-        let copy = self.path.with_extension("compact");
+        let copy = copy_path(&self.path);
         // The records written out since the lanes were read go after the copy's, synced
         // before the rename: the copy then replaces the log with everything it held.
         let replaced = copied.and_then(|len| {
@@ -683,7 +683,15 @@ fn is_compaction_left_over(path: &Path) -> bool {
         .and_then(|name| name.to_str())
         .and_then(|name| name.strip_prefix("lanes-"))
         .and_then(|name| name.strip_suffix(".compact"))
+        .map(|name| name.strip_suffix(".copy").unwrap_or(name))
         .is_some_and(|generation| generation.parse::<u64>().is_ok())
+}
+
+/// Where a running life's compaction writes its copy: `lanes-<generation>.copy.compact`,
+/// a name no start's rewrite uses, so that a copy still being written by a thread whose
+/// log was dropped (in a test that opens the directory again) cannot mix with one.
+fn copy_path(log: &Path) -> PathBuf {
+    log.with_extension("copy.compact")
 }
 
 /// Replaces the log at `path` with one record per lane of `lanes`, synced (the rename is
@@ -1191,12 +1199,16 @@ mod tests {
         copy.truncate(copy.len() / 2);
         let left_over = dir.join(format!("lanes-{}.compact", first.generation.0));
         std::fs::write(&left_over, &copy).unwrap();
+        // And a running life's copy, cut off as well.
+        let copy_left_over = dir.join(format!("lanes-{}.copy.compact", first.generation.0));
+        std::fs::write(&copy_left_over, &copy).unwrap();
         // Not a compaction's name: not the log's to remove.
         let other = dir.join("lanes-notes.compact");
         std::fs::write(&other, b"kept").unwrap();
 
         let (_, second) = open(&dir, NodeId(1), 6, NOW).unwrap();
         assert!(!left_over.exists(), "the cut-off copy is removed");
+        assert!(!copy_left_over.exists(), "so is a running life's");
         assert!(other.exists());
         let (replica, mut lanes) = second.retired.into_iter().next().unwrap();
         assert_eq!(replica.generation, first.generation);
@@ -1276,9 +1288,7 @@ mod tests {
             std::thread::sleep(std::time::Duration::from_millis(1));
             log.compact_if_large(&store).unwrap();
         }
-        assert!(!dir
-            .join(format!("lanes-{}.compact", first.generation.0))
-            .exists());
+        assert!(!copy_path(&log.path).exists());
         let mut copied = Vec::new();
         encode(&key("a"), 3, 0, &mut copied);
         assert!(
@@ -1295,6 +1305,50 @@ mod tests {
         assert_eq!(
             lanes,
             vec![(key("a"), Lane::new(6, 0)), (key("b"), Lane::new(6, 1))]
+        );
+        std::fs::remove_dir_all(dir).unwrap();
+    }
+
+    #[cfg(not(tally_loom))]
+    #[test]
+    fn a_compaction_given_up_leaves_the_log_whole_and_serving() {
+        let dir = dir("compaction-given-up");
+        let (mut log, first) = open(&dir, NodeId(1), 5, NOW).unwrap();
+        let store = LaneStore::new(ReplicaId::new(NodeId(1), first.generation), 100);
+        log.append(&key("a"), 3, 0).unwrap();
+        store.incr(&key("a"), 3).unwrap();
+        log.flush().unwrap();
+        log.compact_at = 0;
+        log.compact_if_large(&store).unwrap();
+        // As past SINCE_BYTES_MAX of records written while the copy is made.
+        log.compaction.as_mut().unwrap().since = None;
+        log.append(&key("b"), 2, 0).unwrap();
+        log.flush().unwrap();
+        let before = std::fs::read(&log.path).unwrap();
+        let err = (0..10_000)
+            .find_map(|_| {
+                std::thread::sleep(std::time::Duration::from_millis(1));
+                log.compact_if_large(&store).err()
+            })
+            .expect("the copy's thread reports within 10 s");
+        assert!(err.to_string().contains("given up"), "{err}");
+        assert!(!log.is_compacting());
+        assert_eq!(
+            std::fs::read(&log.path).unwrap(),
+            before,
+            "the log as it was"
+        );
+        assert!(!copy_path(&log.path).exists(), "the copy removed");
+        assert_eq!(log.compact_at, log.written + COMPACT_BYTES);
+        log.append(&key("a"), 1, 0).unwrap();
+        log.flush().unwrap();
+        drop(log);
+        let (_, second) = open(&dir, NodeId(1), 6, NOW).unwrap();
+        let mut lanes = second.retired[0].1.clone();
+        lanes.sort_by(|x, y| x.0.subject.as_str().cmp(y.0.subject.as_str()));
+        assert_eq!(
+            lanes,
+            vec![(key("a"), Lane::new(4, 0)), (key("b"), Lane::new(2, 0))]
         );
         std::fs::remove_dir_all(dir).unwrap();
     }
@@ -1328,7 +1382,7 @@ mod tests {
         log.flush().unwrap();
         let before = std::fs::read(&log.path).unwrap();
         // A directory where the copy goes: writing the copy fails.
-        std::fs::create_dir(log.path.with_extension("compact")).unwrap();
+        std::fs::create_dir(copy_path(&log.path)).unwrap();
         assert!(compact_now(&mut log, &store).is_err());
         assert_eq!(
             std::fs::read(&log.path).unwrap(),
@@ -1343,7 +1397,8 @@ mod tests {
         log.append(&key("a"), 1, 0).unwrap();
         log.flush().unwrap();
         drop(log);
-        std::fs::remove_dir(dir.join(format!("lanes-{}.compact", first.generation.0))).unwrap();
+        std::fs::remove_dir(dir.join(format!("lanes-{}.copy.compact", first.generation.0)))
+            .unwrap();
         let (_, second) = open(&dir, NodeId(1), 6, NOW).unwrap();
         assert_eq!(second.retired[0].1, vec![(key("a"), Lane::new(4, 0))]);
         std::fs::remove_dir_all(dir).unwrap();
