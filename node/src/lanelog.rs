@@ -1252,6 +1252,30 @@ mod tests {
         std::fs::remove_dir_all(dir).unwrap();
     }
 
+    /// A life's log and store in a new directory `name`, holding `a`'s 3, written out.
+    #[cfg(not(tally_loom))]
+    fn a_life_holding_a(name: &str) -> (PathBuf, LaneLog, LaneStore) {
+        let dir = dir(name);
+        let (mut log, first) = open(&dir, NodeId(1), 5, NOW).unwrap();
+        let store = LaneStore::new(ReplicaId::new(NodeId(1), first.generation), 100);
+        log.append(&key("a"), 3, 0).unwrap();
+        store.incr(&key("a"), 3).unwrap();
+        log.flush().unwrap();
+        (dir, log, store)
+    }
+
+    /// The lanes the next start in `dir` recovers of its one earlier life, by subject.
+    #[cfg(not(tally_loom))]
+    fn earlier_lanes(dir: &Path) -> Vec<(Key, Lane)> {
+        let (_, next) = open(dir, NodeId(1), 6, NOW).unwrap();
+        let [(_, lanes)] = next.retired.as_slice() else {
+            panic!("one earlier life: {:?}", next.retired);
+        };
+        let mut lanes = lanes.clone();
+        lanes.sort_by(|x, y| x.0.subject.as_str().cmp(y.0.subject.as_str()));
+        lanes
+    }
+
     /// Compacts `log` now, whatever its size: both steps, waiting for the copy between.
     #[cfg(not(tally_loom))]
     fn compact_now(log: &mut LaneLog, store: &LaneStore) -> Result<(), LogError> {
@@ -1269,12 +1293,7 @@ mod tests {
     #[cfg(not(tally_loom))]
     #[test]
     fn records_written_while_the_copy_is_made_are_in_the_log_it_replaces() {
-        let dir = dir("compaction-during");
-        let (mut log, first) = open(&dir, NodeId(1), 5, NOW).unwrap();
-        let store = LaneStore::new(ReplicaId::new(NodeId(1), first.generation), 100);
-        log.append(&key("a"), 3, 0).unwrap();
-        store.incr(&key("a"), 3).unwrap();
-        log.flush().unwrap();
+        let (dir, mut log, store) = a_life_holding_a("compaction-during");
         log.compact_at = 0;
         log.compact_if_large(&store).unwrap();
         assert!(log.is_compacting(), "the copy is made on its own thread");
@@ -1299,11 +1318,8 @@ mod tests {
         log.append(&key("a"), 1, 0).unwrap();
         log.flush().unwrap();
         drop(log);
-        let (_, second) = open(&dir, NodeId(1), 6, NOW).unwrap();
-        let mut lanes = second.retired[0].1.clone();
-        lanes.sort_by(|x, y| x.0.subject.as_str().cmp(y.0.subject.as_str()));
         assert_eq!(
-            lanes,
+            earlier_lanes(&dir),
             vec![(key("a"), Lane::new(6, 0)), (key("b"), Lane::new(6, 1))]
         );
         std::fs::remove_dir_all(dir).unwrap();
@@ -1312,12 +1328,7 @@ mod tests {
     #[cfg(not(tally_loom))]
     #[test]
     fn a_compaction_given_up_leaves_the_log_whole_and_serving() {
-        let dir = dir("compaction-given-up");
-        let (mut log, first) = open(&dir, NodeId(1), 5, NOW).unwrap();
-        let store = LaneStore::new(ReplicaId::new(NodeId(1), first.generation), 100);
-        log.append(&key("a"), 3, 0).unwrap();
-        store.incr(&key("a"), 3).unwrap();
-        log.flush().unwrap();
+        let (dir, mut log, store) = a_life_holding_a("compaction-given-up");
         log.compact_at = 0;
         log.compact_if_large(&store).unwrap();
         // As past SINCE_BYTES_MAX of records written while the copy is made.
@@ -1343,11 +1354,8 @@ mod tests {
         log.append(&key("a"), 1, 0).unwrap();
         log.flush().unwrap();
         drop(log);
-        let (_, second) = open(&dir, NodeId(1), 6, NOW).unwrap();
-        let mut lanes = second.retired[0].1.clone();
-        lanes.sort_by(|x, y| x.0.subject.as_str().cmp(y.0.subject.as_str()));
         assert_eq!(
-            lanes,
+            earlier_lanes(&dir),
             vec![(key("a"), Lane::new(4, 0)), (key("b"), Lane::new(2, 0))]
         );
         std::fs::remove_dir_all(dir).unwrap();
@@ -1374,12 +1382,7 @@ mod tests {
     #[cfg(not(tally_loom))]
     #[test]
     fn a_failed_compaction_leaves_the_log_whole_and_waits_for_the_log_to_grow_again() {
-        let dir = dir("compaction-failed");
-        let (mut log, first) = open(&dir, NodeId(1), 5, NOW).unwrap();
-        let store = LaneStore::new(ReplicaId::new(NodeId(1), first.generation), 100);
-        log.append(&key("a"), 3, 0).unwrap();
-        store.incr(&key("a"), 3).unwrap();
-        log.flush().unwrap();
+        let (dir, mut log, store) = a_life_holding_a("compaction-failed");
         let before = std::fs::read(&log.path).unwrap();
         // A directory where the copy goes: writing the copy fails.
         std::fs::create_dir(copy_path(&log.path)).unwrap();
@@ -1396,11 +1399,10 @@ mod tests {
         // Still serving: later writes append.
         log.append(&key("a"), 1, 0).unwrap();
         log.flush().unwrap();
+        let copy = copy_path(&log.path);
         drop(log);
-        std::fs::remove_dir(dir.join(format!("lanes-{}.copy.compact", first.generation.0)))
-            .unwrap();
-        let (_, second) = open(&dir, NodeId(1), 6, NOW).unwrap();
-        assert_eq!(second.retired[0].1, vec![(key("a"), Lane::new(4, 0))]);
+        std::fs::remove_dir(copy).unwrap();
+        assert_eq!(earlier_lanes(&dir), vec![(key("a"), Lane::new(4, 0))]);
         std::fs::remove_dir_all(dir).unwrap();
     }
 }
