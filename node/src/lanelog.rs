@@ -527,11 +527,12 @@ impl LaneLog {
     /// is synced; nothing before.
     fn finish_compaction(&mut self) -> Result<(), LogError> {
         let compaction = self.compaction.as_ref().expect("a compaction is under way");
+        let copy = copy_path(&self.path);
         let copied = match compaction.copied.try_recv() {
             Err(std::sync::mpsc::TryRecvError::Empty) => return Ok(()),
             Ok(copied) => copied,
             Err(std::sync::mpsc::TryRecvError::Disconnected) => Err(LogError::Io {
-                path: copy_path(&self.path),
+                path: copy.clone(),
                 source: std::io::Error::other("the copy's thread ended without a result"),
             }),
         };
@@ -539,7 +540,6 @@ impl LaneLog {
             .compaction
             .take()
             .and_then(|compaction| compaction.since);
-        let copy = copy_path(&self.path);
         // The records written out since the lanes were read go after the copy's, synced
         // before the rename: the copy then replaces the log with everything it held.
         let replaced = copied.and_then(|len| {

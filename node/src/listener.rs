@@ -766,7 +766,7 @@ async fn serve_connection<S: AsyncRead + AsyncWrite + Unpin>(
             // Room for a read of READ_BYTES past a partial frame; a no-op while there is.
             input.reserve(READ_BYTES);
             let read = tokio::select! {
-                read = stream.read_buf(&mut input), if sending && !held && in_flight < room_max => read,
+                read = stream.read_buf(&mut input), if sending && in_flight < room_max => read,
                 Some(first) = answered.recv() => {
                     forwarded.extend(first);
                     while let Ok(next) = answered.try_recv() {

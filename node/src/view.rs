@@ -252,11 +252,7 @@ impl ViewState {
     /// How many other members are in each state, counted when the members were set: a
     /// status request or a scrape reads it without walking them.
     pub fn members_by_state(&self) -> [(State, u64); 4] {
-        let mut counts = STATES.map(|state| (state, 0));
-        for (count, by_state) in counts.iter_mut().zip(self.summary.by_state) {
-            count.1 = by_state;
-        }
-        counts
+        std::array::from_fn(|i| (STATES[i], self.summary.by_state[i]))
     }
 
     /// The newest origin stamp held for each other member's current replica, or when it
