@@ -5,6 +5,7 @@ use crate::clock::{self, Clock, ExpiryClock};
 use crate::config::{Config, Role};
 use crate::decide::Rules;
 use crate::driver::{Driver, DriverError};
+use crate::exact_room::ExactRoom;
 use crate::expiry_mark::{self, ExpiryMark};
 use crate::handoff::Handoff;
 use crate::http::{self, Endpoints};
@@ -298,6 +299,7 @@ pub async fn run(config: Config, shutdown: impl Future<Output = ()>) -> Result<(
         shutdown: stopped,
     };
 
+    let exact_room = Arc::new(ExactRoom::default());
     let service = Arc::new(Service {
         store: store.clone(),
         view: view.clone(),
@@ -308,6 +310,7 @@ pub async fn run(config: Config, shutdown: impl Future<Output = ()>) -> Result<(
         forwarder,
         lane_rate_max: config.lane_rate_max_per_sec,
         exact_in_flight_max: crate::listener::EXACT_IN_FLIGHT_MAX,
+        exact_room: exact_room.clone(),
         closing: std::sync::atomic::AtomicBool::new(false),
         // A retry sent to this life of an id an earlier one answered gets that answer.
         recent: std::sync::Mutex::new(RecentIds::remembering(
@@ -325,6 +328,7 @@ pub async fn run(config: Config, shutdown: impl Future<Output = ()>) -> Result<(
         store,
         transport: transport_stats,
         forward: forward_stats,
+        exact_room,
         region: region_stats,
     });
     driver.publish_restored();

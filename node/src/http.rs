@@ -6,6 +6,7 @@
 //! linking an HTTP stack.
 
 use crate::clock;
+use crate::exact_room::ExactRoom;
 use crate::metrics::{self, Metrics, RegionStats, Sources};
 use crate::region::forward::ForwardStats;
 use crate::store::LaneStore;
@@ -42,6 +43,8 @@ pub struct Endpoints {
     pub transport: Arc<TransportStats>,
     /// The exact path's counters.
     pub forward: Arc<ForwardStats>,
+    /// The room for exact checks waiting for the region.
+    pub exact_room: Arc<ExactRoom>,
     /// The region's counters, on the region node.
     pub region: Option<RegionStats>,
 }
@@ -117,6 +120,7 @@ impl Endpoints {
                     store: &self.store,
                     transport: &self.transport,
                     forward: &self.forward,
+                    exact_room: &self.exact_room,
                     region: self.region.as_ref(),
                     now: clock::wall(),
                 }),
@@ -181,6 +185,7 @@ mod tests {
             store: Arc::new(LaneStore::new(replica, 16)),
             transport: Arc::default(),
             forward: Arc::default(),
+            exact_room: Arc::default(),
             region: None,
         });
         let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();

@@ -41,6 +41,7 @@ pub mod config;
 pub mod daemon;
 pub mod decide;
 pub mod driver;
+pub mod exact_room;
 pub mod expiry_mark;
 pub mod handoff;
 pub mod http;

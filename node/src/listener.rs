@@ -17,6 +17,7 @@
 use crate::clock;
 use crate::config::{OnRegionUnavailable, RuleConfig, RuleMode};
 use crate::decide::{self, Context, Rules};
+use crate::exact_room::{ExactRoom, ExactSlot};
 use crate::lanelog::LaneLog;
 use crate::late::LateFallbacks;
 use crate::metrics::Metrics;
@@ -70,6 +71,8 @@ pub struct Service {
     /// How many exact checks one client connection may have waiting for the region:
     /// [`EXACT_IN_FLIGHT_MAX`], but fewer in tests.
     pub exact_in_flight_max: usize,
+    /// The room for exact checks waiting for the region, over all connections.
+    pub exact_room: Arc<ExactRoom>,
     /// Set when the node is stopping: connections close before answering anything more,
     /// so every write acknowledged is in the lanes the gossip task pushes last.
     pub closing: std::sync::atomic::AtomicBool,
@@ -102,6 +105,8 @@ pub struct Exact {
     /// This send's place among the sends of its check id waiting for the region, if it
     /// has an id: given up when the check is answered or dropped.
     pub waiting: Option<WaitingSend>,
+    /// Its place in the node's room for exact checks, given up with it.
+    pub slot: ExactSlot,
 }
 
 /// What [`Service::handle_frames`] made of a batch's bytes.
@@ -174,6 +179,7 @@ impl Service {
                         cost,
                         check_id,
                         waiting: check_id.map(|id| self.waiting.add(id)),
+                        slot: self.exact_room.take(),
                     });
                     consumed += len;
                     continue;
@@ -233,6 +239,7 @@ impl Service {
                     cost,
                     check_id,
                     waiting,
+                    slot: _,
                 } = ticket;
                 let key = KeyRef::from(&key);
                 let result = match result {
@@ -744,7 +751,8 @@ async fn serve_connection<S: AsyncRead + AsyncWrite + Unpin>(
     // Exact checks' answers, as the region gives them.
     let (answers, mut answered) = mpsc::unbounded_channel::<Vec<Forwarded<Exact>>>();
     let mut forwarded = Vec::new();
-    // Exact checks waiting for the region; at most `exact_in_flight_max`.
+    // Exact checks waiting for the region; at most `exact_in_flight_max`, and no more
+    // than the node's room has left.
     let room_max = service.exact_in_flight_max;
     let mut in_flight = 0;
     // Whether the client may still send, and whether it sent a bad frame.
@@ -753,20 +761,26 @@ async fn serve_connection<S: AsyncRead + AsyncWrite + Unpin>(
     // Whether `input` holds frames left unread at the room for exact checks.
     let mut held = false;
     loop {
-        if !sending && in_flight == 0 {
+        if !sending && in_flight == 0 && !held {
             if bad_frame {
                 let _ = stream.shutdown().await;
             }
             return;
         }
         output.clear();
+        // Asked for before the node's room is read: a check answered elsewhere after
+        // the reading wakes this connection.
+        let freed = service.exact_room.freed();
+        let room = exact_room(service, in_flight);
         // Frames held at the room for exact checks go first, once there is room; until
         // then nothing more is read.
-        if !(held && in_flight < room_max) {
+        if !(held && room > 0) {
             // Room for a read of READ_BYTES past a partial frame; a no-op while there is.
             input.reserve(READ_BYTES);
             let read = tokio::select! {
-                read = stream.read_buf(&mut input), if sending && in_flight < room_max => read,
+                read = stream.read_buf(&mut input), if sending && room > 0 => read,
+                // The node's room is full, not this connection's.
+                () = freed, if room == 0 && in_flight < room_max => continue,
                 Some(first) = answered.recv() => {
                     forwarded.extend(first);
                     while let Ok(next) = answered.try_recv() {
@@ -796,9 +810,12 @@ async fn serve_connection<S: AsyncRead + AsyncWrite + Unpin>(
             // Nothing read now is answered: the client sees the connection close.
             return;
         }
-        let room = room_max - in_flight;
+        let room = exact_room(service, in_flight);
         let handled = service.handle_frames(&input, &mut output, &mut exact, room);
         held = handled.held;
+        if held && in_flight + exact.len() < room_max {
+            service.exact_room.count_full();
+        }
         input.drain(..handled.consumed);
         in_flight += exact.len();
         if !exact.is_empty() {
@@ -823,6 +840,12 @@ async fn serve_connection<S: AsyncRead + AsyncWrite + Unpin>(
             (sending, bad_frame) = (false, true);
         }
     }
+}
+
+/// How many more exact checks a connection with `in_flight` waiting may take now: its own
+/// room, or the node's if that has less left.
+fn exact_room(service: &Service, in_flight: usize) -> usize {
+    (service.exact_in_flight_max - in_flight).min(service.exact_room.left())
 }
 
 /// The first frame in `input`, if it is whole: its body and how many bytes the frame takes.
@@ -858,6 +881,7 @@ mod tests {
             forwarder: None,
             lane_rate_max: u64::MAX,
             exact_in_flight_max: EXACT_IN_FLIGHT_MAX,
+            exact_room: Arc::default(),
             closing: std::sync::atomic::AtomicBool::new(false),
             recent: Mutex::default(),
             expiry: Mutex::new(clock::ExpiryClock::start()),
@@ -1262,6 +1286,7 @@ mod tests {
             cost,
             check_id,
             waiting,
+            slot: _,
         }] = exact.as_slice()
         else {
             panic!("one exact check: {exact:?}");
@@ -1270,6 +1295,7 @@ mod tests {
         assert_eq!(*check_id, Some(CheckId { session: 9, seq: 5 }));
         assert!(waiting.as_ref().is_some_and(|send| !send.has_company()));
         assert_eq!((key.rule.as_str(), key.subject.as_str()), ("quota", "a"));
+        assert_eq!(service.exact_room.taken(), 1, "the check holds its place");
 
         let (answers, mut answered) = mpsc::unbounded_channel();
         let clock = crate::clock::Clock::start();
@@ -1357,6 +1383,7 @@ mod tests {
                 cost: 2,
                 check_id: Some(CheckId { session: 9, seq }),
                 waiting: None,
+                slot: service.exact_room.take(),
             },
             late_seq: None,
             result: Ok(Outcome {
@@ -1618,6 +1645,82 @@ mod tests {
         assert_eq!(service.waiting.sends(), 0);
     }
 
+    /// Reads what a connection answers until it closes, checking the node's room each time.
+    async fn read_to_close(
+        mut reading: tokio::io::ReadHalf<tokio::io::DuplexStream>,
+        service: &Service,
+        room_max: usize,
+    ) -> Vec<u64> {
+        let mut output = Vec::new();
+        let mut chunk = vec![0; 64 * 1024];
+        loop {
+            let read = reading.read(&mut chunk).await.unwrap();
+            assert!(service.exact_room.taken() <= room_max);
+            if read == 0 {
+                break;
+            }
+            output.extend_from_slice(&chunk[..read]);
+        }
+        let mut ids: Vec<_> = responses(&output).iter().map(|r| r.id).collect();
+        ids.sort_unstable();
+        ids
+    }
+
+    #[tokio::test(flavor = "current_thread")]
+    async fn connections_together_take_no_more_exact_checks_than_the_nodes_room() {
+        // The region's timeout is far off: nothing is answered during the test.
+        let mut service = service_to_nowhere(600_000);
+        service.exact_in_flight_max = 4;
+        service.exact_room = Arc::new(ExactRoom::new(6));
+        let service = Arc::new(service);
+        let first = connection_sending(&service, &checks_then_status(10));
+        let second = connection_sending(&service, &checks_then_status(10));
+        let (mut taken, mut still) = (0, 0);
+        while still < 100 {
+            tokio::task::yield_now().await;
+            let now = service.exact_room.taken();
+            (taken, still) = (now, if now == taken { still + 1 } else { 0 });
+        }
+        assert_eq!(taken, 6, "the node's room is taken, and no more");
+        assert_eq!(service.waiting.sends(), 6);
+        assert!(service.exact_room.full() >= 1, "the full room is counted");
+        first.1.abort();
+        second.1.abort();
+        // Their checks are dropped with their connections, and give the room back.
+        while service.exact_room.taken() > 0 {
+            tokio::task::yield_now().await;
+        }
+    }
+
+    #[tokio::test(flavor = "current_thread")]
+    async fn a_connection_held_at_the_nodes_room_answers_every_check_once_room_is_freed() {
+        let mut service = service_to_nowhere(50);
+        service.exact_in_flight_max = 4;
+        service.exact_room = Arc::new(ExactRoom::new(4));
+        let service = Arc::new(service);
+        let checks = 10;
+        let (first, first_serving, first_writing) =
+            connection_sending(&service, &checks_then_status(checks));
+        let (second, second_serving, second_writing) =
+            connection_sending(&service, &checks_then_status(checks));
+        let both = async {
+            tokio::join!(
+                read_to_close(first, &service, 4),
+                read_to_close(second, &service, 4)
+            )
+        };
+        let (first, second) = tokio::time::timeout(std::time::Duration::from_secs(30), both)
+            .await
+            .expect("both connections are answered and close");
+        for task in [first_writing, first_serving, second_writing, second_serving] {
+            task.await.unwrap();
+        }
+        let all: Vec<u64> = (1..=checks + 1).collect();
+        assert_eq!((first, second), (all.clone(), all), "each answered once");
+        assert_eq!(service.exact_room.taken(), 0);
+        assert!(service.exact_room.full() >= 1);
+    }
+
     #[tokio::test]
     async fn both_listeners_serve_and_both_stop_with_the_serving_task() {
         let tcp = TcpListener::bind("127.0.0.1:0").await.unwrap();
@@ -1727,6 +1830,7 @@ mod tests {
                     cost: 3,
                     check_id: None,
                     waiting: None,
+                    slot: service.exact_room.take(),
                 },
                 late_seq: None,
                 result: Err(unavailable.clone()),
@@ -1760,6 +1864,7 @@ mod tests {
                 cost: 1,
                 check_id: Some(CheckId { session: 1, seq: 2 }),
                 waiting: None,
+                slot: service.exact_room.take(),
             },
             late_seq: None,
             result,
@@ -1799,6 +1904,7 @@ mod tests {
                 cost: 3,
                 check_id: None,
                 waiting: None,
+                slot: service.exact_room.take(),
             },
             late_seq: Some(id),
             result: Err(unavailable.clone()),
@@ -1829,6 +1935,7 @@ mod tests {
                 cost: 3,
                 check_id: None,
                 waiting: None,
+                slot: service.exact_room.take(),
             },
             late_seq: Some(seq),
             result: Err(Refusal::RegionUnavailable {

@@ -2,6 +2,7 @@
 //! lane store and the transport at scrape time, and encoded in the Prometheus text format
 //! by `prometheus-client`.
 
+use crate::exact_room::ExactRoom;
 use crate::region::committer::CommitStats;
 use crate::region::forward::{ForwardStats, LATENCY_BOUNDS_US};
 use crate::store::LaneStore;
@@ -87,6 +88,8 @@ pub struct Sources<'a> {
     pub transport: &'a TransportStats,
     /// The exact path's counters at this edge.
     pub forward: &'a ForwardStats,
+    /// The room for exact checks waiting for the region.
+    pub exact_room: &'a ExactRoom,
     /// The region log's counters, on the region node.
     pub region: Option<&'a RegionStats>,
     /// The wall clock now.
@@ -333,10 +336,21 @@ pub fn render(sources: &Sources<'_>) -> String {
             "Exact checks sent again after a broken stream or connection",
             load(&forward.retries),
         ),
+        (
+            "exact_room_full",
+            "Times a client connection stopped reading because the node held its maximum of exact checks waiting for the region",
+            sources.exact_room.full(),
+        ),
     ];
     for (name, help, value) in pairs {
         counter(&mut registry, name, help, value);
     }
+    gauge(
+        &mut registry,
+        "exact_checks_waiting",
+        "Exact checks waiting for the region's answer, over all client connections",
+        sources.exact_room.taken(),
+    );
     if let Some(region) = sources.region {
         let commit = &region.commit;
         let pairs = [
@@ -564,6 +578,7 @@ mod tests {
             store: &store,
             transport: &TransportStats::default(),
             forward: &ForwardStats::default(),
+            exact_room: &ExactRoom::default(),
             region: None,
             now: Stamp(0),
         });
@@ -579,6 +594,26 @@ mod tests {
                 r#"tally_decisions_total{mode="region-fallback",outcome="denied"} 1"#,
             ]
         );
+    }
+
+    #[test]
+    fn the_exact_checks_waiting_and_the_times_their_room_was_full_are_shown() {
+        let room = Arc::new(ExactRoom::new(4));
+        let _slots = [room.take(), room.take()];
+        room.count_full();
+        let store = LaneStore::new(ReplicaId::new(NodeId(1), Generation(1)), 8);
+        let text = render(&Sources {
+            metrics: &Metrics::default(),
+            view: &View::default(),
+            store: &store,
+            transport: &TransportStats::default(),
+            forward: &ForwardStats::default(),
+            exact_room: &room,
+            region: None,
+            now: Stamp(0),
+        });
+        assert!(text.contains("\ntally_exact_checks_waiting 2\n"), "{text}");
+        assert!(text.contains("\ntally_exact_room_full_total 1\n"), "{text}");
     }
 
     #[test]
@@ -607,6 +642,7 @@ mod tests {
             store: &store,
             transport: &TransportStats::default(),
             forward: &ForwardStats::default(),
+            exact_room: &ExactRoom::default(),
             region: None,
             now: Stamp(0),
         });
