@@ -740,13 +740,17 @@ where
 /// still gets the answers of those waiting, and only then is the connection closed. A
 /// closed connection is not told from a half-closed one: a client that has gone has its
 /// exact checks still answered (within their rule's timeout), and a fallback counted, as
-/// every request read from it is.
+/// every request read from it is. Nothing more is read while answers wait to be written,
+/// but exact checks are decided as the region answers them even then: a client that stops
+/// reading holds neither their ids nor the node's room for exact checks.
 async fn serve_connection<S: AsyncRead + AsyncWrite + Unpin>(
     service: &Arc<Service>,
     mut stream: S,
 ) {
     let mut input = Vec::with_capacity(READ_BYTES);
     let mut output = Vec::with_capacity(16 * 1024);
+    // How much of `output` the client has been sent.
+    let mut written = 0;
     let mut exact = Vec::new();
     // Exact checks' answers, as the region gives them.
     let (answers, mut answered) = mpsc::unbounded_channel::<Vec<Forwarded<Exact>>>();
@@ -761,13 +765,28 @@ async fn serve_connection<S: AsyncRead + AsyncWrite + Unpin>(
     // Whether `input` holds frames left unread at the room for exact checks.
     let mut held = false;
     loop {
+        if written < output.len() {
+            // Tried first: while the client reads, each batch's answers go out at once.
+            tokio::select! {
+                biased;
+                sent = stream.write(&output[written..]) => match sent {
+                    Ok(sent) if sent > 0 => written += sent,
+                    _ => return,
+                },
+                Some(first) = answered.recv() => {
+                    in_flight -= answer_exact(service, first, &mut answered, &mut forwarded, &mut output);
+                }
+            }
+            continue;
+        }
+        output.clear();
+        written = 0;
         if !sending && in_flight == 0 && !held {
             if bad_frame {
                 let _ = stream.shutdown().await;
             }
             return;
         }
-        output.clear();
         // Asked for before the node's room is read: a check answered elsewhere after
         // the reading wakes this connection.
         let freed = service.exact_room.freed();
@@ -782,15 +801,7 @@ async fn serve_connection<S: AsyncRead + AsyncWrite + Unpin>(
                 // The node's room is full, not this connection's.
                 () = freed, if room == 0 && in_flight < room_max => continue,
                 Some(first) = answered.recv() => {
-                    forwarded.extend(first);
-                    while let Ok(next) = answered.try_recv() {
-                        forwarded.extend(next);
-                    }
-                    in_flight -= forwarded.len();
-                    service.answer_exact(&mut forwarded, &mut output);
-                    if stream.write_all(&output).await.is_err() {
-                        return;
-                    }
+                    in_flight -= answer_exact(service, first, &mut answered, &mut forwarded, &mut output);
                     continue;
                 }
             };
@@ -831,15 +842,28 @@ async fn serve_connection<S: AsyncRead + AsyncWrite + Unpin>(
                 result: Err(Refusal::Malformed { why: why.clone() }),
             };
             wire::encode_response(&response, &mut output);
-        }
-        if !output.is_empty() && stream.write_all(&output).await.is_err() {
-            return;
-        }
-        if handled.bad.is_some() {
             // Nothing after the bad frame is read; the exact checks before it are answered.
             (sending, bad_frame) = (false, true);
         }
     }
+}
+
+/// Answers the exact checks the region answered, `first` and every run queued behind it,
+/// appending their answers to `output`; returns how many.
+fn answer_exact(
+    service: &Service,
+    first: Vec<Forwarded<Exact>>,
+    answered: &mut mpsc::UnboundedReceiver<Vec<Forwarded<Exact>>>,
+    forwarded: &mut Vec<Forwarded<Exact>>,
+    output: &mut Vec<u8>,
+) -> usize {
+    forwarded.extend(first);
+    while let Ok(next) = answered.try_recv() {
+        forwarded.extend(next);
+    }
+    let answers = forwarded.len();
+    service.answer_exact(forwarded, output);
+    answers
 }
 
 /// How many more exact checks a connection with `in_flight` waiting may take now: its own
@@ -1719,6 +1743,45 @@ mod tests {
         assert_eq!((first, second), (all.clone(), all), "each answered once");
         assert_eq!(service.exact_room.taken(), 0);
         assert!(service.exact_room.full() >= 1);
+    }
+
+    #[tokio::test(flavor = "current_thread")]
+    async fn a_client_that_stops_reading_holds_neither_its_check_ids_nor_the_nodes_room() {
+        let service = Arc::new(service_to_nowhere(50));
+        // A pipe too small for the answers: the client reads nothing until the end.
+        let (client, server) = tokio::io::duplex(256);
+        let serving = tokio::spawn({
+            let service = Arc::clone(&service);
+            async move { serve_connection(&service, server).await }
+        });
+        let mut requests: Vec<Request> = (1..=4).map(|id| quota_check(id, 1)).collect();
+        requests.extend((5..=40).map(|id| incr(id, "a")));
+        let sent = frames(&requests);
+        let (mut reading, mut writing) = tokio::io::split(client);
+        let writing = tokio::spawn(async move {
+            writing.write_all(&sent).await.unwrap();
+            writing.shutdown().await.unwrap();
+        });
+        while service.exact_room.taken() < 4 {
+            tokio::task::yield_now().await;
+        }
+        // The checks time out unanswered at the region and are decided here, though their
+        // answers cannot be written yet.
+        let decided = async {
+            while service.waiting.sends() > 0 || service.exact_room.taken() > 0 {
+                tokio::time::sleep(std::time::Duration::from_millis(5)).await;
+            }
+        };
+        tokio::time::timeout(std::time::Duration::from_secs(10), decided)
+            .await
+            .expect("the checks' ids and room are given back while the client does not read");
+        let mut output = Vec::new();
+        reading.read_to_end(&mut output).await.unwrap();
+        writing.await.unwrap();
+        serving.await.unwrap();
+        let mut ids: Vec<_> = responses(&output).iter().map(|r| r.id).collect();
+        ids.sort_unstable();
+        assert_eq!(ids, (1..=40).collect::<Vec<_>>(), "each answered once");
     }
 
     #[tokio::test]
