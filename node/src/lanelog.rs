@@ -38,6 +38,7 @@
 
 use crate::answerlog::{self, AnswerLog, AnsweredId};
 use crate::checksummed;
+use crate::compaction::Compaction;
 use crate::recent::Answered;
 use crate::store::LaneStore;
 use serde::{Deserialize, Serialize};
@@ -290,35 +291,6 @@ pub struct LaneLog {
     answers: AnswerLog,
 }
 
-/// A compaction under way: the copy of the store's own lanes is encoded, written and
-/// synced on a thread of its own, while the log takes records as before.
-#[derive(Debug)]
-struct Compaction {
-    // The copy's length once it is written and synced, or why it was not.
-    copied: std::sync::mpsc::Receiver<Result<u64, LogError>>,
-    // The records written out since the copy's lanes were read, to go after them in the
-    // copy before it replaces the log. `None` once they passed `SINCE_BYTES_MAX`: the copy
-    // is then dropped when its thread is done.
-    since: Option<Vec<u8>>,
-}
-
-/// The most bytes of records a compaction keeps for its copy while the copy is written:
-/// past that (a disk that has stopped), it is given up rather than hold more in memory.
-const SINCE_BYTES_MAX: usize = 64 * 1024 * 1024;
-
-impl Compaction {
-    /// Keeps `records`, just written out to the log, for the copy; past
-    /// [`SINCE_BYTES_MAX`] gives the copy up.
-    fn keep(&mut self, records: &[u8]) {
-        match &mut self.since {
-            Some(since) if since.len() + records.len() <= SINCE_BYTES_MAX => {
-                since.extend_from_slice(records);
-            }
-            _ => self.since = None,
-        }
-    }
-}
-
 impl LaneLog {
     /// Buffers a write of `incr` and `decr` to `key`'s own lane; returns a mark that
     /// [`LaneLog::undo`] takes back to. Refused once a flush has failed, and refused
@@ -497,70 +469,34 @@ impl LaneLog {
                 lanes.push((key.clone(), lane));
             }
         });
-        let copy = copy_path(&self.path);
-        let (done, copied) = std::sync::mpsc::channel();
-        let started = std::thread::Builder::new()
-            .name("tally-lanelog-copy".into())
-            .spawn(move || {
-                let mut body = Vec::new();
-                for (key, lane) in &lanes {
-                    encode(key, lane.incr, lane.decr, &mut body);
-                }
-                drop(lanes);
-                let _ = done.send(write_synced(&copy, &body).map(|()| body.len() as u64));
-            });
-        if let Err(source) = started {
-            self.compact_at = self.written.saturating_add(COMPACT_BYTES);
-            return Err(LogError::Io {
-                path: copy_path(&self.path),
-                source,
-            });
-        }
-        self.compaction = Some(Compaction {
-            copied,
-            since: Some(Vec::new()),
+        let started = Compaction::start(&self.path, "tally-lanelog-copy", move || {
+            let mut body = Vec::new();
+            for (key, lane) in &lanes {
+                encode(key, lane.incr, lane.decr, &mut body);
+            }
+            body
         });
+        match started {
+            Ok(compaction) => self.compaction = Some(compaction),
+            Err(err) => {
+                self.compact_at = self.written.saturating_add(COMPACT_BYTES);
+                return Err(err);
+            }
+        }
         Ok(())
     }
 
     /// The second step of a compaction (see [`LaneLog::compact_if_large`]), once its copy
     /// is synced; nothing before.
     fn finish_compaction(&mut self) -> Result<(), LogError> {
-        let compaction = self.compaction.as_ref().expect("a compaction is under way");
-        let copy = copy_path(&self.path);
-        let copied = match compaction.copied.try_recv() {
-            Err(std::sync::mpsc::TryRecvError::Empty) => return Ok(()),
-            Ok(copied) => copied,
-            Err(std::sync::mpsc::TryRecvError::Disconnected) => Err(LogError::Io {
-                path: copy.clone(),
-                source: std::io::Error::other("the copy's thread ended without a result"),
-            }),
+        let compaction = self.compaction.as_mut().expect("a compaction is under way");
+        let Some(replaced) = compaction.try_finish(&self.path) else {
+            return Ok(());
         };
-        let since = self
-            .compaction
-            .take()
-            .and_then(|compaction| compaction.since);
-        // The records written out since the lanes were read go after the copy's, synced
-        // before the rename: the copy then replaces the log with everything it held.
-        let replaced = copied.and_then(|len| {
-            let since = since.ok_or_else(|| LogError::Io {
-                path: copy.clone(),
-                source: std::io::Error::other(format!(
-                    "given up: more than {SINCE_BYTES_MAX} bytes of records were written \
-                     while the copy was"
-                )),
-            })?;
-            let io = LogError::io_at(&copy);
-            let file = OpenOptions::new().write(true).open(&copy).map_err(&io)?;
-            file.write_all_at(&since, len).map_err(&io)?;
-            file.sync_data().map_err(&io)?;
-            std::fs::rename(&copy, &self.path).map_err(LogError::io_at(&self.path))?;
-            Ok(len + since.len() as u64)
-        });
+        self.compaction = None;
         let written = match replaced {
             Ok(written) => written,
             Err(err) => {
-                let _ = std::fs::remove_file(&copy);
                 self.compact_at = self.written.saturating_add(COMPACT_BYTES);
                 return Err(err);
             }
@@ -687,13 +623,6 @@ fn is_compaction_left_over(path: &Path) -> bool {
         .is_some_and(|generation| generation.parse::<u64>().is_ok())
 }
 
-/// Where a running life's compaction writes its copy: `lanes-<generation>.copy.compact`,
-/// a name no start's rewrite uses, so that a copy still being written by a thread whose
-/// log was dropped (in a test that opens the directory again) cannot mix with one.
-fn copy_path(log: &Path) -> PathBuf {
-    log.with_extension("copy.compact")
-}
-
 /// Replaces the log at `path` with one record per lane of `lanes`, synced (the rename is
 /// synced with the directory before `open` returns). What a restart re-publishes must be
 /// on the disk: after a process crash part of the log may be in the page cache alone, and
@@ -818,6 +747,7 @@ pub(crate) fn sync_dir(dir: &Path) -> Result<(), LogError> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::compaction::copy_path;
 
     const NOW: u64 = 1_767_225_600;
 
@@ -1332,7 +1262,7 @@ mod tests {
         log.compact_at = 0;
         log.compact_if_large(&store).unwrap();
         // As past SINCE_BYTES_MAX of records written while the copy is made.
-        log.compaction.as_mut().unwrap().since = None;
+        log.compaction.as_mut().unwrap().give_up();
         log.append(&key("b"), 2, 0).unwrap();
         log.flush().unwrap();
         let before = std::fs::read(&log.path).unwrap();
@@ -1359,24 +1289,6 @@ mod tests {
             vec![(key("a"), Lane::new(4, 0)), (key("b"), Lane::new(2, 0))]
         );
         std::fs::remove_dir_all(dir).unwrap();
-    }
-
-    #[test]
-    fn a_compaction_gives_up_its_copy_past_the_records_it_may_keep() {
-        let (_, copied) = std::sync::mpsc::channel();
-        let mut compaction = Compaction {
-            copied,
-            since: Some(vec![0; SINCE_BYTES_MAX - 1]),
-        };
-        compaction.keep(&[1]);
-        assert_eq!(
-            compaction.since.as_ref().map(Vec::len),
-            Some(SINCE_BYTES_MAX)
-        );
-        compaction.keep(&[2]);
-        assert!(compaction.since.is_none());
-        compaction.keep(&[3]);
-        assert!(compaction.since.is_none(), "given up for good");
     }
 
     #[cfg(not(tally_loom))]

@@ -37,6 +37,7 @@ pub mod certs;
 mod checksummed;
 pub mod cli;
 pub mod clock;
+pub(crate) mod compaction;
 pub mod config;
 pub mod daemon;
 pub mod decide;
