@@ -17,11 +17,14 @@
 //! life ([`recover`]), as many as the sidecar's memory holds, rewriting each earlier file
 //! with the answers it keeps or removing it. A life's file is appended to; past
 //! `COMPACT_BYTES` (or twice its size after the last compaction) it is rewritten as the
-//! life's last [`RECENT_IDS_MAX`] answers. A failed write or rewrite (a full disk) stops
-//! the logging of answers for the rest of the life, reported once on stderr: the writes go
-//! on, and their answers are remembered in memory only.
+//! life's last [`RECENT_IDS_MAX`] answers, in two steps (`compaction.rs`): the copy
+//! is written and synced on a thread of its own while answers go on being appended, so
+//! that the node's thread waits only for the answers given meanwhile. A failed write or
+//! rewrite (a full disk) stops the logging of answers for the rest of the life, reported
+//! once on stderr: the writes go on, and their answers are remembered in memory only.
 
 use crate::checksummed;
+use crate::compaction::Compaction;
 use crate::lanelog::{read_whole, replace_by_copy, sync_dir, LogError};
 use crate::recent::{Answered, RECENT_IDS_MAX};
 use serde::{Deserialize, Serialize};
@@ -68,6 +71,8 @@ pub struct AnswerLog {
     failed: bool,
     // The life's last RECENT_IDS_MAX answers, which a compaction writes.
     answered: VecDeque<AnsweredId>,
+    // A compaction whose copy is being written, if one is.
+    compaction: Option<Compaction>,
 }
 
 impl AnswerLog {
@@ -90,6 +95,7 @@ impl AnswerLog {
             sync_failed: Arc::default(),
             failed: false,
             answered: VecDeque::new(),
+            compaction: None,
         })
     }
 
@@ -114,6 +120,9 @@ impl AnswerLog {
             Ok(()) => {
                 self.written += self.pending.len() as u64;
                 self.unsynced = true;
+                if let Some(compaction) = &mut self.compaction {
+                    compaction.keep(&self.pending);
+                }
             }
             Err(source) => self.fail(&source),
         }
@@ -156,38 +165,66 @@ impl AnswerLog {
 
     /// Rewrites the file as the life's last answers once it has grown past its bound, or
     /// after a sync failed: the kernel may then have dropped pages of it, so the answers
-    /// are written again, to a new file, synced. Call with nothing pending.
+    /// are written again, to a new file, synced. Call with nothing pending, once a batch.
+    ///
+    /// The rewrite is in two steps, one call each: the first hands a copy of the answers to
+    /// a thread, which writes and syncs them; a later call, once they are synced, adds the
+    /// answers written out since, syncs them, renames the copy over the file and syncs the
+    /// directory.
     pub fn compact_if_large(&mut self) {
         if self.failed || !self.pending.is_empty() {
+            return;
+        }
+        if let Some(compaction) = &mut self.compaction {
+            if let Some(replaced) = compaction.try_finish(&self.path) {
+                self.compaction = None;
+                self.reopen(replaced);
+            }
             return;
         }
         let resync = self.sync_failed.swap(false, Ordering::AcqRel);
         if self.written < self.compact_at && !resync {
             return;
         }
-        let mut body = Vec::new();
-        for answered in &self.answered {
-            encode(answered, &mut body);
+        let answered: Vec<AnsweredId> = self.answered.iter().copied().collect();
+        let started = Compaction::start(&self.path, "tally-answers-copy", move || {
+            let mut body = Vec::new();
+            for answered in &answered {
+                encode(answered, &mut body);
+            }
+            body
+        });
+        match started {
+            Ok(compaction) => self.compaction = Some(compaction),
+            Err(err) => self.stop(&err),
         }
+    }
+
+    /// Appends to the file a compaction `replaced` the old one with, `written` bytes long,
+    /// once the rename is synced; or stops logging answers.
+    fn reopen(&mut self, replaced: Result<u64, LogError>) {
         let dir = self.path.parent().unwrap_or(Path::new("."));
-        let replaced = replace_by_copy(&self.path, &body).and_then(|()| sync_dir(dir));
-        let reopened = replaced.and_then(|()| {
-            OpenOptions::new()
+        let reopened = replaced.and_then(|written| {
+            sync_dir(dir)?;
+            let file = OpenOptions::new()
                 .append(true)
                 .open(&self.path)
-                .map_err(LogError::io_at(&self.path))
+                .map_err(LogError::io_at(&self.path))?;
+            Ok((file, written))
         });
         match reopened {
-            Ok(file) => {
+            Ok((file, written)) => {
                 self.file = file;
-                self.written = body.len() as u64;
-                self.compact_at = COMPACT_BYTES.max(2 * self.written);
+                self.written = written;
+                self.compact_at = COMPACT_BYTES.max(2 * written);
             }
-            Err(err) => {
-                self.failed = true;
-                eprintln!("tallyd: warning: {err}; {STOPPED}");
-            }
+            Err(err) => self.stop(&err),
         }
+    }
+
+    fn stop(&mut self, err: &LogError) {
+        self.failed = true;
+        eprintln!("tallyd: warning: {err}; {STOPPED}");
     }
 
     fn fail(&mut self, source: &std::io::Error) {
@@ -214,7 +251,10 @@ pub fn recover(dir: &Path, now_unix_secs: u64) -> Result<(Vec<AnsweredId>, u64),
         let path = entry.map_err(io(dir))?.path();
         match file_generation(&path) {
             Some((generation, "log")) => lives.push((generation, path)),
-            Some((_, "compact")) => std::fs::remove_file(&path).map_err(io(&path))?,
+            // A rewrite's copy (a start's, or a running life's) cut off by a crash.
+            Some((_, "compact" | "copy.compact")) => {
+                std::fs::remove_file(&path).map_err(io(&path))?;
+            }
             _ => {}
         }
     }
@@ -401,6 +441,29 @@ mod tests {
         std::fs::remove_dir_all(dir).unwrap();
     }
 
+    /// Calls [`AnswerLog::compact_if_large`] until the compaction under way is finished.
+    fn finish_compaction(log: &mut AnswerLog) {
+        for _ in 0..10_000 {
+            if log.compaction.is_none() {
+                return;
+            }
+            std::thread::sleep(std::time::Duration::from_millis(1));
+            log.compact_if_large();
+        }
+        panic!("the copy's thread reports within 10 s");
+    }
+
+    #[test]
+    fn a_copy_cut_off_by_a_crash_is_removed_at_the_next_start() {
+        let dir = dir("copy-left-over");
+        life(&dir, 7, [answer(1, live())]);
+        let copy = dir.join("answers-7.copy.compact");
+        std::fs::write(&copy, b"half a copy").unwrap();
+        assert_eq!(seqs(&recover(&dir, NOW).unwrap().0), [1]);
+        assert!(!copy.exists());
+        std::fs::remove_dir_all(dir).unwrap();
+    }
+
     #[test]
     fn a_compaction_writes_the_lifes_last_answers_and_appending_goes_on() {
         let dir = dir("compaction");
@@ -412,9 +475,14 @@ mod tests {
         log.flush();
         log.compact_at = 0;
         log.compact_if_large();
+        assert!(log.compaction.is_some(), "the copy is being written");
+        // Given while the copy is written: appended, and kept for the copy.
         log.append(answer(max + 3, live()));
         log.flush();
-        assert!(!dir.join("answers-7.compact").exists());
+        finish_compaction(&mut log);
+        log.append(answer(max + 4, live()));
+        log.flush();
+        assert!(!crate::compaction::copy_path(&log.path).exists());
         let bytes = std::fs::read(&log.path).unwrap();
         let mut records = 0;
         let mut at = 0;
@@ -423,12 +491,12 @@ mod tests {
         }
         assert_eq!(
             (records, at),
-            (max + 1, bytes.len()),
-            "the last answers, and one more"
+            (max + 2, bytes.len()),
+            "the last answers, the one given during the copy, and one more"
         );
         assert_eq!(
             seqs(&replay(&log.path).unwrap()),
-            (4..max + 4).collect::<Vec<_>>()
+            (5..max + 5).collect::<Vec<_>>()
         );
         std::fs::remove_dir_all(dir).unwrap();
     }
@@ -450,6 +518,7 @@ mod tests {
         );
         log.sync_failed.store(true, Ordering::Release);
         log.compact_if_large();
+        finish_compaction(&mut log);
         assert_eq!(seqs(&replay(&log.path).unwrap()), [0, 1, 2, 3, 4]);
         assert!(!log.sync_failed.load(Ordering::Acquire), "rewritten once");
         log.append(answer(5, live()));
