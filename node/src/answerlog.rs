@@ -153,8 +153,8 @@ impl AnswerLog {
             if let Err(err) = file.sync_data() {
                 if !failed.swap(true, Ordering::AcqRel) {
                     eprintln!(
-                        "tallyd: warning: {}: {err}; the file is rewritten from memory \
-                         after the next batch",
+                        "tallyd: warning: {}: {err}; the file's rewrite from memory \
+                         begins at the next batch",
                         path.display()
                     );
                 }
@@ -502,7 +502,7 @@ mod tests {
     }
 
     #[test]
-    fn after_a_failed_sync_the_file_is_rewritten_from_memory_at_the_next_batch() {
+    fn after_a_failed_sync_the_file_is_rewritten_from_memory() {
         let dir = dir("sync-failed");
         let mut log = AnswerLog::create(&dir, Generation(7)).unwrap();
         for seq in 0..5 {

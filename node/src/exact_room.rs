@@ -2,15 +2,15 @@
 //!
 //! Each connection holds at most `listener::EXACT_IN_FLIGHT_MAX` checks waiting; this caps
 //! their sum, so that `client_connections_max` connections cannot hold a million. A
-//! connection that finds the room full stops reading, as it does at its own cap, until a
-//! check anywhere on the node is answered or dropped ([`ExactRoom::freed`]). Nothing is
-//! refused for it: the client's requests wait in its socket, and its own timeouts apply.
+//! connection whose next frame is an exact check with no room for it holds that frame (and
+//! the frames after it) unread until it gets a place ([`ExactRoom::take`]); connections
+//! waiting get the places given back in the order they asked, one each. Nothing is refused
+//! for it: the client's requests wait in its socket, and its own timeouts apply.
 
-use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
-use tokio::sync::futures::Notified;
-use tokio::sync::Notify;
+use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 
 /// How many exact checks the node holds waiting for the region, over all connections.
 pub const EXACT_WAITING_MAX: usize = 16_384;
@@ -19,9 +19,8 @@ pub const EXACT_WAITING_MAX: usize = 16_384;
 #[derive(Debug)]
 pub struct ExactRoom {
     max: usize,
-    taken: AtomicUsize,
-    freed: Notify,
-    /// Times a connection stopped reading because the room was full.
+    places: Arc<Semaphore>,
+    /// Times a connection held an exact check because the room was full.
     full: AtomicU64,
 }
 
@@ -30,42 +29,38 @@ impl ExactRoom {
     pub fn new(max: usize) -> ExactRoom {
         ExactRoom {
             max,
-            taken: AtomicUsize::new(0),
-            freed: Notify::new(),
+            places: Arc::new(Semaphore::new(max)),
             full: AtomicU64::new(0),
         }
     }
 
-    /// How many more checks there is room for now.
-    pub fn left(&self) -> usize {
-        self.max.saturating_sub(self.taken.load(Ordering::Relaxed))
-    }
-
-    /// How many checks wait now.
+    /// How many places are taken now: by checks waiting, and at most one per connection
+    /// kept for the check it holds.
     pub fn taken(&self) -> usize {
-        self.taken.load(Ordering::Relaxed)
+        self.max - self.places.available_permits()
     }
 
-    /// Takes a place for one check until the returned slot is dropped. It does not look at
-    /// [`ExactRoom::left`]: the caller has.
-    pub fn take(self: &Arc<ExactRoom>) -> ExactSlot {
-        self.taken.fetch_add(1, Ordering::Relaxed);
-        ExactSlot(Arc::clone(self))
+    /// A place for one check, until the returned slot is dropped; `None` if the room is
+    /// full, or its places given back are promised to connections waiting.
+    pub fn try_take(&self) -> Option<ExactSlot> {
+        let place = Arc::clone(&self.places).try_acquire_owned().ok()?;
+        Some(ExactSlot { _place: place })
     }
 
-    /// Completes once a slot is given back after this call, whether or not it is polled
-    /// before: get it before reading [`ExactRoom::left`], so that no slot given back in
-    /// between is missed.
-    pub fn freed(&self) -> Notified<'_> {
-        self.freed.notified()
+    /// A place for one check, once there is one: places given back go to those waiting in
+    /// the order they asked.
+    pub async fn take(&self) -> ExactSlot {
+        let place = Arc::clone(&self.places).acquire_owned().await;
+        let place = place.expect("invariant: the room's semaphore is never closed");
+        ExactSlot { _place: place }
     }
 
-    /// Counts a connection that stopped reading because the room was full.
+    /// Counts a connection that held an exact check because the room was full.
     pub fn count_full(&self) {
         self.full.fetch_add(1, Ordering::Relaxed);
     }
 
-    /// Times a connection stopped reading because the room was full.
+    /// Times a connection held an exact check because the room was full.
     pub fn full(&self) -> u64 {
         self.full.load(Ordering::Relaxed)
     }
@@ -80,15 +75,8 @@ impl Default for ExactRoom {
 /// One check's place in the [`ExactRoom`], given back when dropped: answered, or abandoned
 /// with its connection.
 #[derive(Debug)]
-pub struct ExactSlot(Arc<ExactRoom>);
-
-impl Drop for ExactSlot {
-    fn drop(&mut self) {
-        let room = &self.0;
-        if room.taken.fetch_sub(1, Ordering::Relaxed) >= room.max {
-            room.freed.notify_waiters();
-        }
-    }
+pub struct ExactSlot {
+    _place: OwnedSemaphorePermit,
 }
 
 #[cfg(test)]
@@ -97,25 +85,45 @@ mod tests {
 
     #[test]
     fn slots_take_room_and_give_it_back_when_dropped() {
-        let room = Arc::new(ExactRoom::new(2));
-        let first = room.take();
-        let second = room.take();
-        assert_eq!((room.left(), room.taken()), (0, 2));
+        let room = ExactRoom::new(2);
+        let first = room.try_take().unwrap();
+        let second = room.try_take().unwrap();
+        assert!(room.try_take().is_none(), "the room is full");
+        assert_eq!(room.taken(), 2);
         drop(first);
-        assert_eq!((room.left(), room.taken()), (1, 1));
+        assert_eq!(room.taken(), 1);
         drop(second);
-        assert_eq!(room.left(), 2);
+        assert_eq!(room.taken(), 0);
     }
 
     #[tokio::test(flavor = "current_thread")]
-    async fn a_slot_given_back_from_a_full_room_wakes_whoever_asked_before() {
-        let room = Arc::new(ExactRoom::new(1));
-        let slot = room.take();
-        // Asked for before the slot is given back, and polled only after.
-        let freed = room.freed();
+    async fn a_place_given_back_goes_to_the_first_who_waits_for_one() {
+        let room = ExactRoom::new(1);
+        let slot = room.try_take().unwrap();
+        let first = room.take();
+        let second = room.take();
+        tokio::pin!(first, second);
+        // Both wait, in this order.
+        assert!(futures_poll(first.as_mut()).is_none());
+        assert!(futures_poll(second.as_mut()).is_none());
         drop(slot);
-        tokio::time::timeout(std::time::Duration::from_secs(5), freed)
+        assert!(room.try_take().is_none(), "promised to the first who waits");
+        let first = tokio::time::timeout(std::time::Duration::from_secs(5), first)
             .await
-            .expect("the slot given back from a full room is seen");
+            .expect("the first waiting gets the place");
+        assert!(futures_poll(second.as_mut()).is_none());
+        drop(first);
+        tokio::time::timeout(std::time::Duration::from_secs(5), second)
+            .await
+            .expect("then the second");
+    }
+
+    /// Polls `future` once.
+    fn futures_poll<F: std::future::Future>(future: std::pin::Pin<&mut F>) -> Option<F::Output> {
+        let waker = std::task::Waker::noop();
+        match future.poll(&mut std::task::Context::from_waker(waker)) {
+            std::task::Poll::Ready(output) => Some(output),
+            std::task::Poll::Pending => None,
+        }
     }
 }

@@ -43,8 +43,8 @@ use tokio::sync::{mpsc, Semaphore};
 pub const EXIT_LOG_FAILED: i32 = 74;
 
 /// How many exact checks one client connection may have waiting for the region. At that
-/// many, the frames after the last one taken are left in its input, unread, until one is
-/// answered, and nothing more is read from it meanwhile.
+/// many, its next exact check and the frames after it are left in its input, unread, until
+/// one is answered, and nothing more is read from it meanwhile.
 pub const EXACT_IN_FLIGHT_MAX: usize = 1_024;
 
 /// The room a connection's input buffer keeps for one read, past any partial frame.
@@ -116,9 +116,9 @@ pub struct Handled {
     pub consumed: usize,
     /// Why the frame after them is bad, if it is: the connection must close.
     pub bad: Option<String>,
-    /// Whether it stopped at the room for exact checks, with frames after them left
-    /// unread: they are to be handled once there is room again, before anything more is
-    /// read.
+    /// Whether it stopped at an exact check with no room for it (the connection's or the
+    /// node's), left unread with the frames after it: they are to be handled once there is
+    /// room, before anything more is read.
     pub held: bool,
 }
 
@@ -126,7 +126,7 @@ pub struct Handled {
 enum Handling {
     /// Answered here.
     Now(Reply),
-    /// An exact check, for the region.
+    /// An exact check, for the region. Nothing is done for it yet.
     Forward {
         rule: Arc<RuleConfig>,
         key: Key,
@@ -138,24 +138,22 @@ enum Handling {
 impl Service {
     /// Answers the whole request frames at the front of `input` in order, appending each
     /// answer's frame to `output`, then writes their lane-log records out. Exact checks go
-    /// to `exact` instead, for [`Service::forward`]. Stops at a bad frame, after answering
-    /// the ones before it, and once `exact` holds `exact_room` checks, before the next
-    /// frame (which may be one more).
+    /// to `exact` instead, for [`Service::forward`], each with a place in the node's room
+    /// (`kept`, if the connection kept one, else a free one). Stops at a bad frame, after
+    /// answering the ones before it, and at an exact check with no room for it: past
+    /// `exact_room` checks in `exact`, or with no place free in the node's room.
     pub fn handle_frames(
         &self,
         input: &[u8],
         output: &mut Vec<u8>,
         exact: &mut Vec<Exact>,
         exact_room: usize,
+        kept: &mut Option<ExactSlot>,
     ) -> Handled {
         let mut consumed = 0;
         let mut answered = 0;
         let mut held = false;
         let bad = self.in_context(|context| loop {
-            if exact.len() >= exact_room {
-                held = consumed < input.len();
-                return None;
-            }
             let (body, len) = match next_frame(&input[consumed..]) {
                 Ok(Some(frame)) => frame,
                 Ok(None) => return None,
@@ -172,6 +170,17 @@ impl Service {
                     cost,
                     check_id,
                 }) => {
+                    // Nothing is done for a check until it leaves the batch: held, it is
+                    // handled again from its frame.
+                    let slot = if exact.len() < exact_room {
+                        kept.take().or_else(|| self.exact_room.try_take())
+                    } else {
+                        None
+                    };
+                    let Some(slot) = slot else {
+                        held = true;
+                        return None;
+                    };
                     exact.push(Exact {
                         id: request.id,
                         rule,
@@ -179,7 +188,7 @@ impl Service {
                         cost,
                         check_id,
                         waiting: check_id.map(|id| self.waiting.add(id)),
-                        slot: self.exact_room.take(),
+                        slot,
                     });
                     consumed += len;
                     continue;
@@ -755,14 +764,16 @@ async fn serve_connection<S: AsyncRead + AsyncWrite + Unpin>(
     // Exact checks' answers, as the region gives them.
     let (answers, mut answered) = mpsc::unbounded_channel::<Vec<Forwarded<Exact>>>();
     let mut forwarded = Vec::new();
-    // Exact checks waiting for the region; at most `exact_in_flight_max`, and no more
-    // than the node's room has left.
+    // Exact checks waiting for the region; at most `exact_in_flight_max`, each with a
+    // place in the node's room.
     let room_max = service.exact_in_flight_max;
     let mut in_flight = 0;
+    // A place in the node's room, kept for the exact check held.
+    let mut kept = None;
     // Whether the client may still send, and whether it sent a bad frame.
     let mut sending = true;
     let mut bad_frame = false;
-    // Whether `input` holds frames left unread at the room for exact checks.
+    // Whether `input` starts with an exact check left unread for want of room.
     let mut held = false;
     loop {
         if written < output.len() {
@@ -787,19 +798,17 @@ async fn serve_connection<S: AsyncRead + AsyncWrite + Unpin>(
             }
             return;
         }
-        // Asked for before the node's room is read: a check answered elsewhere after
-        // the reading wakes this connection.
-        let freed = service.exact_room.freed();
-        let room = exact_room(service, in_flight);
-        // Frames held at the room for exact checks go first, once there is room; until
-        // then nothing more is read.
-        if !(held && room > 0) {
+        // A held check goes first, once the connection has room for it and a place in the
+        // node's room; until then nothing more is read.
+        if !(held && in_flight < room_max && kept.is_some()) {
             // Room for a read of READ_BYTES past a partial frame; a no-op while there is.
             input.reserve(READ_BYTES);
             let read = tokio::select! {
-                read = stream.read_buf(&mut input), if sending && room > 0 => read,
-                // The node's room is full, not this connection's.
-                () = freed, if room == 0 && in_flight < room_max => continue,
+                read = stream.read_buf(&mut input), if sending && !held => read,
+                slot = service.exact_room.take(), if held && in_flight < room_max && kept.is_none() => {
+                    kept = Some(slot);
+                    continue;
+                }
                 Some(first) = answered.recv() => {
                     in_flight -= answer_exact(service, first, &mut answered, &mut forwarded, &mut output);
                     continue;
@@ -821,8 +830,8 @@ async fn serve_connection<S: AsyncRead + AsyncWrite + Unpin>(
             // Nothing read now is answered: the client sees the connection close.
             return;
         }
-        let room = exact_room(service, in_flight);
-        let handled = service.handle_frames(&input, &mut output, &mut exact, room);
+        let room = room_max - in_flight;
+        let handled = service.handle_frames(&input, &mut output, &mut exact, room, &mut kept);
         held = handled.held;
         if held && in_flight + exact.len() < room_max {
             service.exact_room.count_full();
@@ -864,12 +873,6 @@ fn answer_exact(
     let answers = forwarded.len();
     service.answer_exact(forwarded, output);
     answers
-}
-
-/// How many more exact checks a connection with `in_flight` waiting may take now: its own
-/// room, or the node's if that has less left.
-fn exact_room(service: &Service, in_flight: usize) -> usize {
-    (service.exact_in_flight_max - in_flight).min(service.exact_room.left())
 }
 
 /// The first frame in `input`, if it is whole: its body and how many bytes the frame takes.
@@ -937,7 +940,13 @@ mod tests {
     fn answer(service: &Service, requests: &[Request]) -> Vec<Response> {
         let input = frames(requests);
         let (mut output, mut exact) = (Vec::new(), Vec::new());
-        let handled = service.handle_frames(&input, &mut output, &mut exact, EXACT_IN_FLIGHT_MAX);
+        let handled = service.handle_frames(
+            &input,
+            &mut output,
+            &mut exact,
+            EXACT_IN_FLIGHT_MAX,
+            &mut None,
+        );
         assert_eq!((handled.consumed, handled.bad), (input.len(), None));
         assert!(exact.is_empty(), "no exact rule here");
         responses(&output)
@@ -1274,7 +1283,13 @@ mod tests {
         let service = service(10);
         let input = frames(&[incr(4, "a"), quota_check(5, 2), quota_check(6, 0)]);
         let (mut output, mut exact) = (Vec::new(), Vec::new());
-        service.handle_frames(&input, &mut output, &mut exact, EXACT_IN_FLIGHT_MAX);
+        service.handle_frames(
+            &input,
+            &mut output,
+            &mut exact,
+            EXACT_IN_FLIGHT_MAX,
+            &mut None,
+        );
         assert!(exact.is_empty());
         let responses = responses(&output);
         let ids: Vec<_> = responses.iter().map(|r| r.id).collect();
@@ -1300,7 +1315,13 @@ mod tests {
         service.forwarder = Some(forwarder_to_nowhere());
         let input = frames(&[quota_check(5, 2), status(6)]);
         let (mut output, mut exact) = (Vec::new(), Vec::new());
-        service.handle_frames(&input, &mut output, &mut exact, EXACT_IN_FLIGHT_MAX);
+        service.handle_frames(
+            &input,
+            &mut output,
+            &mut exact,
+            EXACT_IN_FLIGHT_MAX,
+            &mut None,
+        );
         let ids: Vec<_> = responses(&output).iter().map(|r| r.id).collect();
         assert_eq!(ids, [6]);
         let [Exact {
@@ -1359,7 +1380,13 @@ mod tests {
         let (answers, mut answered) = mpsc::unbounded_channel();
         let (mut output, mut exact) = (Vec::new(), Vec::new());
         let twice = frames(&[quota_check(5, 2), quota_check(5, 2)]);
-        service.handle_frames(&twice, &mut output, &mut exact, EXACT_IN_FLIGHT_MAX);
+        service.handle_frames(
+            &twice,
+            &mut output,
+            &mut exact,
+            EXACT_IN_FLIGHT_MAX,
+            &mut None,
+        );
         assert_eq!(exact.len(), 2, "forwarded");
         service.forward(&mut exact, &answers);
         let mut forwarded = Vec::new();
@@ -1387,6 +1414,7 @@ mod tests {
             &mut output,
             &mut exact,
             EXACT_IN_FLIGHT_MAX,
+            &mut None,
         );
         assert!(
             exact.is_empty(),
@@ -1407,7 +1435,7 @@ mod tests {
                 cost: 2,
                 check_id: Some(CheckId { session: 9, seq }),
                 waiting: None,
-                slot: service.exact_room.take(),
+                slot: service.exact_room.try_take().unwrap(),
             },
             late_seq: None,
             result: Ok(Outcome {
@@ -1433,6 +1461,7 @@ mod tests {
             &mut output,
             &mut exact,
             EXACT_IN_FLIGHT_MAX,
+            &mut None,
         );
         assert!(
             exact.is_empty(),
@@ -1445,6 +1474,7 @@ mod tests {
             &mut output,
             &mut exact,
             EXACT_IN_FLIGHT_MAX,
+            &mut None,
         );
         assert_eq!(exact.len(), 1);
         let again = &service.metrics.client_ids_answered_again;
@@ -1466,7 +1496,13 @@ mod tests {
         service.forwarder = Some(forwarder_to_nowhere());
         let (mut output, mut exact) = (Vec::new(), Vec::new());
         let twice = frames(&[quota_check(8, 2), quota_check(8, 2)]);
-        service.handle_frames(&twice, &mut output, &mut exact, EXACT_IN_FLIGHT_MAX);
+        service.handle_frames(
+            &twice,
+            &mut output,
+            &mut exact,
+            EXACT_IN_FLIGHT_MAX,
+            &mut None,
+        );
         assert_eq!(exact.len(), 2);
         let unavailable = Refusal::RegionUnavailable {
             rule: "quota".into(),
@@ -1550,40 +1586,50 @@ mod tests {
     }
 
     #[tokio::test(flavor = "current_thread")]
-    async fn a_batch_stops_at_the_room_for_exact_checks_and_holds_the_frames_after() {
-        let service = service_to_nowhere(60_000);
+    async fn a_batch_holds_at_the_first_exact_check_without_room_and_answers_the_frames_before() {
+        let mut service = service_to_nowhere(60_000);
+        service.exact_room = Arc::new(ExactRoom::new(3));
         let input = frames(&[
             quota_check(1, 1),
             incr(2, "a"),
             quota_check(3, 1),
             quota_check(4, 1),
             status(5),
+            quota_check(6, 1),
+            status(7),
         ]);
-        let (mut output, mut exact) = (Vec::new(), Vec::new());
         let ids = |exact: &[Exact]| exact.iter().map(|exact| exact.id).collect::<Vec<_>>();
-        let handled = service.handle_frames(&input, &mut output, &mut exact, 2);
-        assert_eq!(ids(&exact), [1, 3]);
-        let answered: Vec<_> = responses(&output).iter().map(|r| r.id).collect();
-        assert_eq!(
-            answered,
-            [2],
-            "the frames before the room ran out are answered"
-        );
+        let answered = |output: &[u8]| responses(output).iter().map(|r| r.id).collect::<Vec<_>>();
+        // The connection's room for two.
+        let (mut output, mut first) = (Vec::new(), Vec::new());
+        let handled = service.handle_frames(&input, &mut output, &mut first, 2, &mut None);
+        assert_eq!((ids(&first), answered(&output)), (vec![1, 3], vec![2]));
         assert!(handled.held && handled.bad.is_none());
         let rest = &input[handled.consumed..];
-        assert_eq!(rest, frames(&[quota_check(4, 1), status(5)]));
-        // Room for one more: the next check, and the status after it is held again.
-        output.clear();
-        exact.clear();
-        let handled = service.handle_frames(rest, &mut output, &mut exact, 1);
         assert_eq!(
-            (ids(&exact), output.is_empty(), handled.held),
-            (vec![4], true, true)
+            rest,
+            frames(&[quota_check(4, 1), status(5), quota_check(6, 1), status(7)])
         );
+        // The connection has room, the node one place: the check takes it, the status
+        // after it is answered, and the next check is held for want of a place.
+        output.clear();
+        let mut second = Vec::new();
+        let handled = service.handle_frames(rest, &mut output, &mut second, 10, &mut None);
+        assert_eq!((ids(&second), answered(&output)), (vec![4], vec![5]));
+        assert!(handled.held);
         let rest = &rest[handled.consumed..];
-        let handled = service.handle_frames(rest, &mut output, &mut Vec::new(), 1);
+        assert_eq!(rest, frames(&[quota_check(6, 1), status(7)]));
+        assert_eq!(service.exact_room.taken(), 3);
+        // A place kept for the held check, once checks answered gave places back, is its.
+        drop(first);
+        let mut kept = service.exact_room.try_take();
+        output.clear();
+        let mut third = Vec::new();
+        let handled = service.handle_frames(rest, &mut output, &mut third, 10, &mut kept);
+        assert_eq!((ids(&third), answered(&output)), (vec![6], vec![7]));
+        assert!(kept.is_none(), "the kept place is taken");
         assert_eq!((handled.consumed, handled.held), (rest.len(), false));
-        assert_eq!(responses(&output)[0].id, 5);
+        assert_eq!(service.exact_room.taken(), 2);
     }
 
     /// Serves one connection of `service` on an in-memory stream, which the client half
@@ -1716,6 +1762,51 @@ mod tests {
         }
     }
 
+    /// Reads answers from `reading` until it has `count` of them; their ids, in order.
+    async fn read_answers(
+        reading: &mut tokio::io::ReadHalf<tokio::io::DuplexStream>,
+        count: usize,
+    ) -> Vec<u64> {
+        let (mut output, mut chunk) = (Vec::new(), vec![0; 64 * 1024]);
+        let read = async {
+            while responses(&output).len() < count {
+                let read = reading.read(&mut chunk).await.unwrap();
+                assert!(read > 0, "the connection closed");
+                output.extend_from_slice(&chunk[..read]);
+            }
+        };
+        tokio::time::timeout(std::time::Duration::from_secs(10), read)
+            .await
+            .expect("the answers come");
+        responses(&output).iter().map(|r| r.id).collect()
+    }
+
+    #[tokio::test(flavor = "current_thread")]
+    async fn a_full_node_room_holds_only_exact_checks_and_the_frames_after_them() {
+        // The region's timeout is far off: nothing is answered by the region.
+        let mut service = service_to_nowhere(600_000);
+        service.exact_room = Arc::new(ExactRoom::new(4));
+        let service = Arc::new(service);
+        let (_filling_reading, filling, _filling_writing) =
+            connection_sending(&service, &checks_then_status(4));
+        while service.exact_room.taken() < 4 {
+            tokio::task::yield_now().await;
+        }
+        // Another connection's requests are answered up to its exact check, which waits
+        // for a place with the frames after it.
+        let requests = [status(1), incr(2, "a"), quota_check(3, 1), status(4)];
+        let (mut reading, serving, _writing) = connection_sending(&service, &requests);
+        assert_eq!(read_answers(&mut reading, 2).await, [1, 2]);
+        assert_eq!(service.exact_room.taken(), 4);
+        // Places given back (the first connection gone, its checks dropped): the check
+        // takes one, and the status after it is answered.
+        filling.abort();
+        assert_eq!(read_answers(&mut reading, 1).await, [4]);
+        assert_eq!(service.exact_room.taken(), 1);
+        assert!(service.exact_room.full() >= 1, "the hold is counted");
+        serving.abort();
+    }
+
     #[tokio::test(flavor = "current_thread")]
     async fn a_connection_held_at_the_nodes_room_answers_every_check_once_room_is_freed() {
         let mut service = service_to_nowhere(50);
@@ -1826,6 +1917,7 @@ mod tests {
             &mut output,
             &mut exact,
             EXACT_IN_FLIGHT_MAX,
+            &mut None,
         );
         assert_eq!(
             handled,
@@ -1846,14 +1938,26 @@ mod tests {
         let good = input.len();
         input.extend_from_slice(&u32::MAX.to_le_bytes());
         let (mut output, mut exact) = (Vec::new(), Vec::new());
-        let handled = service.handle_frames(&input, &mut output, &mut exact, EXACT_IN_FLIGHT_MAX);
+        let handled = service.handle_frames(
+            &input,
+            &mut output,
+            &mut exact,
+            EXACT_IN_FLIGHT_MAX,
+            &mut None,
+        );
         assert_eq!(handled.consumed, good);
         assert!(handled.bad.unwrap().contains("limit"));
         assert_eq!(responses(&output).len(), 1, "the good frame is answered");
 
         let garbage = [3, 0, 0, 0, 1, 0xff, 0xff];
         output.clear();
-        let handled = service.handle_frames(&garbage, &mut output, &mut exact, EXACT_IN_FLIGHT_MAX);
+        let handled = service.handle_frames(
+            &garbage,
+            &mut output,
+            &mut exact,
+            EXACT_IN_FLIGHT_MAX,
+            &mut None,
+        );
         assert_eq!(handled.consumed, 0);
         assert!(handled.bad.is_some() && output.is_empty());
     }
@@ -1893,7 +1997,7 @@ mod tests {
                     cost: 3,
                     check_id: None,
                     waiting: None,
-                    slot: service.exact_room.take(),
+                    slot: service.exact_room.try_take().unwrap(),
                 },
                 late_seq: None,
                 result: Err(unavailable.clone()),
@@ -1927,7 +2031,7 @@ mod tests {
                 cost: 1,
                 check_id: Some(CheckId { session: 1, seq: 2 }),
                 waiting: None,
-                slot: service.exact_room.take(),
+                slot: service.exact_room.try_take().unwrap(),
             },
             late_seq: None,
             result,
@@ -1967,7 +2071,7 @@ mod tests {
                 cost: 3,
                 check_id: None,
                 waiting: None,
-                slot: service.exact_room.take(),
+                slot: service.exact_room.try_take().unwrap(),
             },
             late_seq: Some(id),
             result: Err(unavailable.clone()),
@@ -1998,7 +2102,7 @@ mod tests {
                 cost: 3,
                 check_id: None,
                 waiting: None,
-                slot: service.exact_room.take(),
+                slot: service.exact_room.try_take().unwrap(),
             },
             late_seq: Some(seq),
             result: Err(Refusal::RegionUnavailable {

@@ -338,7 +338,7 @@ pub fn render(sources: &Sources<'_>) -> String {
         ),
         (
             "exact_room_full",
-            "Times a client connection stopped reading because the node held its maximum of exact checks waiting for the region",
+            "Times a client connection held an exact check because the node held its maximum of exact checks waiting for the region",
             sources.exact_room.full(),
         ),
     ];
@@ -348,7 +348,7 @@ pub fn render(sources: &Sources<'_>) -> String {
     gauge(
         &mut registry,
         "exact_checks_waiting",
-        "Exact checks waiting for the region's answer, over all client connections",
+        "Places taken in the node's room for exact checks: checks forwarded and not yet answered to their connection, and places kept for held checks",
         sources.exact_room.taken(),
     );
     if let Some(region) = sources.region {
@@ -598,8 +598,8 @@ mod tests {
 
     #[test]
     fn the_exact_checks_waiting_and_the_times_their_room_was_full_are_shown() {
-        let room = Arc::new(ExactRoom::new(4));
-        let _slots = [room.take(), room.take()];
+        let room = ExactRoom::new(4);
+        let _slots = [room.try_take(), room.try_take()];
         room.count_full();
         let store = LaneStore::new(ReplicaId::new(NodeId(1), Generation(1)), 8);
         let text = render(&Sources {
