@@ -2,6 +2,7 @@
 
 use crate::membership::{Members, State, Transition};
 use crate::message::{Cover, MemberEntry, Message};
+use crate::paced::OwnStamps;
 use crate::stats::Stats;
 use crate::wire;
 use crate::{Config, PacedWall};
@@ -150,6 +151,9 @@ pub struct Gossip {
     // The wall clock that windows end by; `None` until the first input with a time, unless
     // resumed (`with_expiry`).
     expiry: Option<PacedWall>,
+    // The stamps this node gives its own states: the wall clock, carried on by the
+    // monotonic clock while the wall clock is stepped back.
+    own_stamps: OwnStamps,
     // The latest wall clock of any input: what a peer's lane is held to the rate by, so
     // that a clock stepped back does not hold back every lane of the windows it stepped
     // back over (each would look as if it had not started).
@@ -201,6 +205,7 @@ impl Gossip {
             syn_from: FIRST_ORIGIN,
             ack_from: FIRST_ORIGIN,
             expiry: None,
+            own_stamps: OwnStamps::default(),
             wall_latest: Stamp::default(),
             table_matched: false,
             republished: BTreeSet::new(),
@@ -329,8 +334,9 @@ impl Gossip {
 
     fn handle_local_lanes(&mut self, now: Now, lanes: Vec<(Key, Lane)>) {
         let me = self.config.replica;
+        let stamp = self.own_stamps.at(now);
         for (key, lane) in lanes {
-            self.map.write(me, &key, lane, now.wall);
+            self.map.write(me, &key, lane, stamp);
         }
         if self.config.eager_push
             && self.next_push.is_none()
@@ -361,7 +367,8 @@ impl Gossip {
     fn round(&mut self, now: Now) {
         self.rounds += 1;
         self.next_round = Some(now.mono + self.config.gossip_interval);
-        self.map.touch(self.config.replica, now.wall);
+        let stamp = self.own_stamps.at(now);
+        self.map.touch(self.config.replica, stamp);
         let digest = self.map.digest();
         // Own lanes count as settled once an earlier push sent them: the ones this round's
         // push sends are as fresh as any other origin's lanes arriving now.
@@ -370,7 +377,7 @@ impl Gossip {
             self.config.replica,
             Watermark {
                 version: self.pushed_through,
-                stamp: now.wall,
+                stamp,
             },
         );
         if self.config.eager_push {
@@ -683,7 +690,7 @@ impl Gossip {
             if raised
                 && self
                     .map
-                    .restamp(entry.origin, &update.key, now.wall)
+                    .restamp(entry.origin, &update.key, self.own_stamps.at(now))
                     .is_some()
             {
                 self.stats.lanes_restamped += 1;

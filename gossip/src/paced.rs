@@ -62,10 +62,59 @@ impl PacedWall {
     }
 }
 
+/// The stamps a node gives its own states: the wall clock, but never behind the stamp it
+/// last gave plus the monotonic time since. Stamps never go back (an origin's is the
+/// largest it has given), so without this a wall clock stepped back by `D` would repeat
+/// the last stamp for `D`: its peers would read the node as stale, and decide isolated,
+/// for as long as the step, and a peer that hears it only by relay would find it dead.
+/// Carried on, its stamps keep the pace of real time until the wall clock catches up.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct OwnStamps {
+    anchor: Stamp,
+    anchor_mono: std::time::Duration,
+}
+
+impl OwnStamps {
+    /// The stamp for this node's state at `now`.
+    pub fn at(&mut self, now: Now) -> Stamp {
+        let since = now.mono.saturating_sub(self.anchor_mono).as_millis();
+        let carried = (self.anchor.0).saturating_add(u64::try_from(since).unwrap_or(u64::MAX));
+        if now.wall.0 >= carried {
+            self.anchor = now.wall;
+            self.anchor_mono = now.mono;
+            return now.wall;
+        }
+        Stamp(carried)
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
     use std::time::Duration;
+
+    #[test]
+    fn own_stamps_follow_the_wall_and_keep_the_monotonic_pace_while_it_is_stepped_back() {
+        let now = |wall, mono_ms| Now {
+            mono: Duration::from_millis(mono_ms),
+            wall: Stamp(wall),
+        };
+        let mut stamps = OwnStamps::default();
+        assert_eq!(stamps.at(now(1_000_000, 10_000)), Stamp(1_000_000));
+        assert_eq!(
+            stamps.at(now(1_000_500, 10_500)),
+            Stamp(1_000_500),
+            "in step"
+        );
+        // Stepped back a minute: the stamps go on at the monotonic pace, read often or not.
+        assert_eq!(stamps.at(now(940_600, 10_600)), Stamp(1_000_600));
+        for mono in 10_601..11_600 {
+            stamps.at(now(940_000 + mono - 10_000, mono));
+        }
+        assert_eq!(stamps.at(now(941_600, 11_600)), Stamp(1_001_600));
+        // Once the wall clock has caught up, they follow it again.
+        assert_eq!(stamps.at(now(1_070_000, 70_000)), Stamp(1_070_000));
+    }
 
     #[test]
     fn a_paced_wall_follows_the_wall_takes_a_forward_step_slowly_and_a_backward_one_at_once() {

@@ -443,6 +443,41 @@ fn a_clock_stepping_back_an_hour_and_forward_again_loses_nothing_and_never_panic
 }
 
 #[test]
+fn a_node_whose_clock_steps_back_stays_fresh_and_alive_at_its_peers() {
+    // Its stamps, which never go back, would otherwise repeat its last one for as long as
+    // the step: every peer would read it stale (isolated decisions), and one that hears it
+    // only by relay would declare it dead.
+    for seed in seeds(1_300, 5) {
+        let mut sim = Sim::new(SimConfig::new(4, seed));
+        write_for(&mut sim, 4, SECOND);
+        sim.network().cut(1, 2);
+        sim.set_skew(1, -30_000);
+        write_for(&mut sim, 4, 10 * SECOND);
+        let node = sim.replica(1);
+        for peer in [0, 2, 3] {
+            let gossip = sim.gossip(peer).unwrap();
+            let staleness = gossip.staleness(sim.wall(peer))[&node];
+            assert!(
+                staleness < Duration::from_secs(1),
+                "seed {seed}: peer {peer} reads node 1 {staleness:?} stale"
+            );
+            assert_eq!(
+                gossip.members().state(node.node),
+                Some(State::Alive),
+                "seed {seed}: peer {peer}"
+            );
+        }
+        sim.network().heal();
+        sim.set_skew(1, 0);
+        heal_and_check(
+            &mut sim,
+            "a_node_whose_clock_steps_back_stays_fresh_and_alive_at_its_peers",
+            10 * SECOND,
+        );
+    }
+}
+
+#[test]
 fn a_clock_stepping_forward_past_the_windows_and_back_loses_nothing() {
     // A wall clock stepped forward by four windows for two seconds, then set back: its
     // node must not drop the windows' lanes, nor skip them in what it merges meanwhile,

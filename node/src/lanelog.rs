@@ -747,6 +747,7 @@ pub(crate) fn sync_dir(dir: &Path) -> Result<(), LogError> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    #[cfg(not(tally_loom))]
     use crate::compaction::copy_path;
 
     const NOW: u64 = 1_767_225_600;
