@@ -18,6 +18,18 @@ const KEYS_MAX: usize = 1 << 30;
 /// The longest path a Unix socket may have: `sun_path`'s 108 bytes less the closing NUL.
 const UNIX_SOCKET_PATH_MAX: usize = 107;
 
+/// The longest `gossip_interval_ms`: a round is also the heartbeat, so peers read a node
+/// that much stale between rounds, and anti-entropy heals no faster.
+const GOSSIP_INTERVAL_MS_MAX: u64 = 60_000;
+
+/// The longest `dead_after_ms`: until then a member cut off still counts in every
+/// location's share, and its stale counts keep checks isolated.
+const DEAD_AFTER_MS_MAX: u64 = 3_600_000;
+
+/// The longest `region_timeout_ms`: a check waiting for the region holds a place in the
+/// node's room for exact checks (`exact_room`), and the application waits as long.
+const REGION_TIMEOUT_MS_MAX: u64 = 60_000;
+
 /// Why a configuration was refused.
 #[derive(Debug, thiserror::Error)]
 pub enum ConfigError {
@@ -360,6 +372,13 @@ impl Config {
             ));
         }
         if let Some(path) = &self.client_socket {
+            if path.as_os_str().is_empty() {
+                // Linux would bind an abstract socket of a name no client knows.
+                return Err(bad(
+                    "client_socket".into(),
+                    "is empty: give a path, or leave the key out".into(),
+                ));
+            }
             // `sun_path` holds 108 bytes with the closing NUL.
             if path.as_os_str().len() > UNIX_SOCKET_PATH_MAX {
                 return Err(bad(
@@ -382,7 +401,7 @@ impl Config {
         }
         positive(self.lane_rate_max_per_sec, "lane_rate_max_per_sec")
             .map_err(|why| bad("lane_rate_max_per_sec".into(), why))?;
-        positive(self.gossip_interval_ms, "gossip_interval_ms")
+        within(self.gossip_interval_ms, GOSSIP_INTERVAL_MS_MAX, "gossip_interval_ms")
             .map_err(|why| bad("gossip_interval_ms".into(), why))?;
         positive(self.push_interval_ms, "push_interval_ms")
             .map_err(|why| bad("push_interval_ms".into(), why))?;
@@ -399,7 +418,7 @@ impl Config {
             ));
         }
         positive(self.fanout as u64, "fanout").map_err(|why| bad("fanout".into(), why))?;
-        positive(self.dead_after_ms, "dead_after_ms")
+        within(self.dead_after_ms, DEAD_AFTER_MS_MAX, "dead_after_ms")
             .map_err(|why| bad("dead_after_ms".into(), why))?;
         positive(self.client_connections_max as u64, "client_connections_max")
             .map_err(|why| bad("client_connections_max".into(), why))?;
@@ -524,8 +543,12 @@ impl Config {
                     ),
                 ));
             }
-            positive(rule.region_timeout_ms, "region_timeout_ms")
-                .map_err(|why| bad(key("region_timeout_ms"), why))?;
+            within(
+                rule.region_timeout_ms,
+                REGION_TIMEOUT_MS_MAX,
+                "region_timeout_ms",
+            )
+            .map_err(|why| bad(key("region_timeout_ms"), why))?;
             if rule.locations == Some(0) {
                 return Err(bad(key("locations"), "must be at least 1".into()));
             }
@@ -622,6 +645,14 @@ fn positive(value: u64, name: &str) -> Result<(), String> {
     } else {
         Ok(())
     }
+}
+
+fn within(value: u64, max: u64, name: &str) -> Result<(), String> {
+    positive(value, name)?;
+    if value > max {
+        return Err(format!("{name} must be at most {max}, got {value}"));
+    }
+    Ok(())
 }
 
 #[cfg(test)]
@@ -833,6 +864,25 @@ window_secs = 60
                 GOOD.replace("127.0.0.1:7201", "10.0.0.5:7201"),
                 "listen_http",
             ),
+            (
+                GOOD.replace("node_id = 1", "node_id = 1\nclient_socket = \"\""),
+                "client_socket",
+            ),
+            (
+                GOOD.replace("node_id = 1", "node_id = 1\ngossip_interval_ms = 60001"),
+                "gossip_interval_ms",
+            ),
+            (
+                GOOD.replace("node_id = 1", "node_id = 1\ndead_after_ms = 3600001"),
+                "dead_after_ms",
+            ),
+            (
+                GOOD.replace(
+                    "window_secs = 60",
+                    "window_secs = 60\nmode = \"exact\"\nregion_timeout_ms = 60001",
+                ),
+                "rules[0].region_timeout_ms",
+            ),
         ];
         for (text, key) in cases {
             let err = parse(&text).unwrap_err().to_string();
@@ -843,6 +893,18 @@ window_secs = 60
         }
         let at_the_limit = GOOD.replace("window_secs = 60", "window_secs = 60\nslack = 100");
         assert!(parse(&at_the_limit).is_ok());
+        let at_the_timing_caps = GOOD
+            .replace(
+                "node_id = 1",
+                "node_id = 1\ngossip_interval_ms = 60000\ndead_after_ms = 3600000\n\
+                 region = { node = 2, addr = \"127.0.0.1:7002\" }",
+            )
+            .replace(
+                "window_secs = 60",
+                "window_secs = 60\nmode = \"exact\"\nregion_timeout_ms = 60000\n\
+                 stale_after_ms = 120000",
+            );
+        parse(&at_the_timing_caps).unwrap();
         let other_loopbacks = GOOD
             .replace("127.0.0.1:7101", "127.3.2.1:7101")
             .replace("127.0.0.1:7201", "[::1]:7201");
