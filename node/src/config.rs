@@ -401,8 +401,12 @@ impl Config {
         }
         positive(self.lane_rate_max_per_sec, "lane_rate_max_per_sec")
             .map_err(|why| bad("lane_rate_max_per_sec".into(), why))?;
-        within(self.gossip_interval_ms, GOSSIP_INTERVAL_MS_MAX, "gossip_interval_ms")
-            .map_err(|why| bad("gossip_interval_ms".into(), why))?;
+        within(
+            self.gossip_interval_ms,
+            GOSSIP_INTERVAL_MS_MAX,
+            "gossip_interval_ms",
+        )
+        .map_err(|why| bad("gossip_interval_ms".into(), why))?;
         positive(self.push_interval_ms, "push_interval_ms")
             .map_err(|why| bad("push_interval_ms".into(), why))?;
         if self.push_interval_ms >= self.gossip_interval_ms {

@@ -40,6 +40,20 @@ pub enum TlsError {
         /// The configured node id.
         node: u64,
     },
+    /// The node's own certificate does not chain to the cluster CA it was given: peers
+    /// would refuse its handshakes and it theirs, and it would decide alone.
+    #[error(
+        "tls: {cert}: not issued by the CA in {ca} ({why}): this node and its peers would \
+         refuse each other's handshakes; give the cluster's CA and a certificate it issued"
+    )]
+    NotFromCa {
+        /// The certificate file.
+        cert: PathBuf,
+        /// The CA file.
+        ca: PathBuf,
+        /// What the verification said.
+        why: String,
+    },
     /// rustls or quinn refused the configuration.
     #[error("tls: {0}")]
     Config(String),
@@ -158,6 +172,14 @@ fn tls(files: &TlsConfig, node: NodeId) -> Result<Tls, TlsError> {
     )
     .build()
     .map_err(|err| TlsError::Config(err.to_string()))?;
+    // As a peer would verify it.
+    verifier
+        .verify_client_cert(&chain[0], &chain[1..], rustls::pki_types::UnixTime::now())
+        .map_err(|err| TlsError::NotFromCa {
+            cert: files.cert.clone(),
+            ca: files.ca.clone(),
+            why: err.to_string(),
+        })?;
     let mut server = rustls::ServerConfig::builder_with_provider(provider.clone())
         .with_protocol_versions(&[&rustls::version::TLS13])
         .map_err(config_err)?
@@ -417,6 +439,24 @@ mod tests {
             err.contains("node-2.tally") && err.contains("node 3"),
             "{err}"
         );
+        std::fs::remove_dir_all(dir).unwrap();
+    }
+
+    #[test]
+    fn a_certificate_from_another_ca_is_refused_at_start_naming_both_files() {
+        let dir = std::env::temp_dir().join(format!("tally-tls-ca-{}", std::process::id()));
+        let ours = crate::certs::write_cluster(&dir.join("ours"), &[NodeId(1)]).unwrap();
+        let theirs = crate::certs::write_cluster(&dir.join("theirs"), &[NodeId(1)]).unwrap();
+        let mut config = ours[0].tls_config();
+        config.ca = theirs[0].tls_config().ca;
+        let err = identity(&config, NodeId(1)).err().unwrap().to_string();
+        assert!(
+            err.contains("ours/node-1.pem") && err.contains("theirs/ca.pem"),
+            "{err}"
+        );
+        // A node's own certificate given as the CA is refused too.
+        config.ca = ours[0].tls_config().cert;
+        assert!(identity(&config, NodeId(1)).is_err());
         std::fs::remove_dir_all(dir).unwrap();
     }
 
