@@ -26,6 +26,11 @@ const HEAD_BYTES_MAX: usize = 8 * 1024;
 /// The most connections served at once; more wait in the listen backlog.
 const CONNECTIONS_MAX: usize = 16;
 
+/// How long one connection may take to send its request head: a connection that sends
+/// nothing holds one of the `CONNECTIONS_MAX` for no longer, so idle connections cannot
+/// keep a scrape out for long.
+const HEAD_TIMEOUT: Duration = Duration::from_secs(1);
+
 /// How long one connection may take, from accept to the last byte of the answer.
 const EXCHANGE_TIMEOUT: Duration = Duration::from_secs(5);
 
@@ -69,23 +74,11 @@ pub async fn serve(endpoints: Arc<Endpoints>, listener: TcpListener) {
     }
 }
 
-/// Reads one request head from `stream` and writes its answer.
+/// Reads one request head from `stream`, within `HEAD_TIMEOUT`, and writes its answer.
 async fn exchange(endpoints: &Endpoints, mut stream: TcpStream) {
-    let mut head = Vec::new();
-    let mut chunk = [0u8; 1024];
-    loop {
-        match stream.read(&mut chunk).await {
-            Ok(0) | Err(_) => return,
-            Ok(n) => head.extend_from_slice(&chunk[..n]),
-        }
-        // Only the bytes just read, and the three before them, can complete the head.
-        let fresh = &head[head.len().saturating_sub(chunk.len() + 3)..];
-        let ended =
-            fresh.windows(4).any(|w| w == b"\r\n\r\n") || fresh.windows(2).any(|w| w == b"\n\n");
-        if ended || head.len() >= HEAD_BYTES_MAX {
-            break;
-        }
-    }
+    let Ok(Some(head)) = tokio::time::timeout(HEAD_TIMEOUT, read_head(&mut stream)).await else {
+        return;
+    };
     let line = head
         .split(|&b| b == b'\r' || b == b'\n')
         .next()
@@ -102,6 +95,26 @@ async fn exchange(endpoints: &Endpoints, mut stream: TcpStream) {
     );
     let _ = stream.write_all(response.as_bytes()).await;
     let _ = stream.shutdown().await;
+}
+
+/// A request head, up to its blank line or `HEAD_BYTES_MAX` bytes; `None` if the client
+/// goes first.
+async fn read_head(stream: &mut TcpStream) -> Option<Vec<u8>> {
+    let mut head = Vec::new();
+    let mut chunk = [0u8; 1024];
+    loop {
+        match stream.read(&mut chunk).await {
+            Ok(0) | Err(_) => return None,
+            Ok(n) => head.extend_from_slice(&chunk[..n]),
+        }
+        // Only the bytes just read, and the three before them, can complete the head.
+        let fresh = &head[head.len().saturating_sub(chunk.len() + 3)..];
+        let ended =
+            fresh.windows(4).any(|w| w == b"\r\n\r\n") || fresh.windows(2).any(|w| w == b"\n\n");
+        if ended || head.len() >= HEAD_BYTES_MAX {
+            return Some(head);
+        }
+    }
 }
 
 impl Endpoints {
@@ -244,5 +257,19 @@ mod tests {
             .expect("served once a connection closed")
             .unwrap();
         assert!(answer.starts_with("HTTP/1.1 200 OK"), "{answer}");
+    }
+
+    #[tokio::test(flavor = "current_thread", start_paused = true)]
+    async fn a_connection_that_sends_no_request_head_is_closed_once_its_time_for_one_is_up() {
+        let addr = start().await;
+        let started = tokio::time::Instant::now();
+        let mut idle = TcpStream::connect(addr).await.unwrap();
+        let mut byte = [0u8; 1];
+        assert_eq!(idle.read(&mut byte).await.unwrap(), 0, "closed, unanswered");
+        let waited = started.elapsed();
+        assert!(
+            waited >= HEAD_TIMEOUT && waited < EXCHANGE_TIMEOUT,
+            "closed after {waited:?}"
+        );
     }
 }
