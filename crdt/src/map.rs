@@ -356,9 +356,11 @@ impl CounterMap {
     }
 
     /// The lanes a peer with digest `peer` lacks, per origin in version order, cut so the
-    /// encoded delta stays within `bytes_max`. Origins are visited starting at the
-    /// `rotate`-th (modulo their number), so that repeated budget-cut sends serve every
-    /// origin in turn. A `bytes_max` below [`DELTA_BYTES_MIN`] is raised to it, so that a
+    /// encoded delta stays within `bytes_max`. The origins the peer lacks anything of are
+    /// visited starting at the `rotate`-th of them (modulo their number), so that repeated
+    /// budget-cut sends serve each in turn: counted over all origins, the one after a
+    /// large backlog came first once in as many sends as there are origins, and waited
+    /// behind the backlog in the rest. A `bytes_max` below [`DELTA_BYTES_MIN`] is raised to it, so that a
     /// lane of the longest key fits in a delta with nothing else; one that an origin's
     /// stamp-only entry came first in may carry no lane, and a later send, starting at
     /// another origin, carries it. An origin whose lanes the peer holds but whose stamp is
@@ -383,26 +385,23 @@ impl CounterMap {
     ) -> Delta {
         let mut delta = Delta::default();
         let mut budget = bytes_max.max(DELTA_BYTES_MIN) - size::DELTA_HEADER;
-        let count = self.origins.len();
-        let start = if count == 0 { 0 } else { rotate % count };
-        let ordered = self
-            .origins
-            .iter()
-            .skip(start)
-            .chain(self.origins.iter().take(start));
-        for (replica, origin) in ordered {
-            let theirs = peer.origins.get(replica).copied().unwrap_or_default();
-            let lacks_lanes = origin.watermark.version > theirs.version
-                || origin
-                    .by_version
-                    .range((Excluded(theirs.version), Unbounded))
-                    .next()
-                    .is_some();
-            let lacks_stamp = origin.watermark.stamp > theirs.stamp;
-            let lacks = lacks_lanes || lacks_stamp;
-            if !lacks || !pick(*replica, theirs) {
-                continue;
-            }
+        let lacked: Vec<_> = (self.origins.iter())
+            .filter_map(|(replica, origin)| {
+                let theirs = peer.origins.get(replica).copied().unwrap_or_default();
+                let lacks_lanes = origin.watermark.version > theirs.version
+                    || origin
+                        .by_version
+                        .range((Excluded(theirs.version), Unbounded))
+                        .next()
+                        .is_some();
+                let lacks_stamp = origin.watermark.stamp > theirs.stamp;
+                let lacks = lacks_lanes || lacks_stamp;
+                (lacks && pick(*replica, theirs)).then_some((replica, origin, theirs))
+            })
+            .collect();
+        let start = rotate.checked_rem(lacked.len()).unwrap_or(0);
+        let ordered = lacked[start..].iter().chain(&lacked[..start]);
+        for &(replica, origin, theirs) in ordered {
             if budget < size::ORIGIN_HEADER {
                 break;
             }
@@ -706,6 +705,32 @@ mod tests {
             Subject::new(format!("subject-{subject}")).unwrap(),
             Window::containing(NOW, len_secs).unwrap(),
         )
+    }
+
+    #[test]
+    fn budget_cut_sends_serve_the_origins_a_peer_lacks_in_turn() {
+        let mut map = CounterMap::new();
+        for node in 1..=50 {
+            map.incr(replica(node), &key(node as usize, 60), 1, Stamp(1))
+                .unwrap();
+        }
+        let peer = map.digest();
+        // Origin 10 has a backlog larger than a send, and origin 11, next in order, a lane.
+        for subject in 0..2_000 {
+            map.incr(replica(10), &key(1_000 + subject, 60), 1, Stamp(2))
+                .unwrap();
+        }
+        map.incr(replica(11), &key(5_000, 60), 1, Stamp(2)).unwrap();
+        let served = (0..50)
+            .filter(|&rotate| {
+                let delta = map.delta_for(&peer, 4 * 1024, rotate);
+                delta
+                    .origins
+                    .iter()
+                    .any(|entry| entry.origin == replica(11))
+            })
+            .count();
+        assert_eq!(served, 25, "origin 11 served in {served} of 50 sends");
     }
 
     #[test]
