@@ -138,6 +138,12 @@ pub async fn run(config: Config, shutdown: impl Future<Output = ()>) -> Result<(
     let http_listener = TcpListener::bind(config.listen_http)
         .await
         .map_err(bind("http", config.listen_http.to_string()))?;
+    // Where they were bound: a configured port 0 takes one the system picks.
+    let bound = |listener: &TcpListener, configured| listener.local_addr().unwrap_or(configured);
+    let (client_addr, http_addr) = (
+        bound(&tcp, config.listen_client),
+        bound(&http_listener, config.listen_http),
+    );
 
     // Windows end by the paced wall clock, resumed from the last life's reading: a start
     // with the clock stepped ahead ends no window early (`expiry_mark`).
@@ -354,8 +360,8 @@ pub async fn run(config: Config, shutdown: impl Future<Output = ()>) -> Result<(
         watcher.spawn("region", serving)
     });
     eprintln!(
-        "tallyd: node {} serving: gossip {gossip_addr}, client {}, http {}",
-        node.0, config.listen_client, config.listen_http
+        "tallyd: node {} serving: gossip {gossip_addr}, client {client_addr}, http {http_addr}",
+        node.0
     );
 
     let mut driver_task = tokio::spawn(driver.run());
