@@ -268,29 +268,39 @@ fn read(path: &Path) -> Result<String, CertError> {
 }
 
 fn write(path: &Path, text: &str) -> Result<(), CertError> {
-    std::fs::write(path, text).map_err(|source| CertError::Io {
-        path: path.to_owned(),
-        source,
-    })
+    replace(path, text, 0o644)
 }
 
-/// Writes a private key readable by its owner alone (mode 0600), whatever the file's mode
-/// was if it existed.
+/// Writes a private key readable by its owner alone (mode 0600).
 fn write_secret(path: &Path, text: &str) -> Result<(), CertError> {
-    let io = |source| CertError::Io {
-        path: path.to_owned(),
-        source,
+    replace(path, text, 0o600)
+}
+
+/// Writes `text` as the file at `path` with `mode`: to a new file beside it, synced, then
+/// renamed over it. A file already there is replaced whole, never written into, so a
+/// symbolic link at `path` is replaced rather than followed (it could point anywhere), a
+/// reader sees the old file or the new one, and a file's old mode is not kept.
+fn replace(path: &Path, text: &str, mode: u32) -> Result<(), CertError> {
+    let mut tmp = path.as_os_str().to_owned();
+    tmp.push(".tmp");
+    let tmp = PathBuf::from(tmp);
+    let io = |path: &Path| {
+        let path = path.to_owned();
+        move |source| CertError::Io { path, source }
     };
+    // One a run cut short left (if a link, the link itself goes).
+    let _ = std::fs::remove_file(&tmp);
     let mut file = std::fs::OpenOptions::new()
         .write(true)
-        .create(true)
-        .truncate(true)
-        .mode(0o600)
-        .open(path)
-        .map_err(io)?;
-    file.set_permissions(std::fs::Permissions::from_mode(0o600))
-        .map_err(io)?;
-    file.write_all(text.as_bytes()).map_err(io)
+        .create_new(true)
+        .mode(mode)
+        .open(&tmp)
+        .map_err(io(&tmp))?;
+    file.set_permissions(std::fs::Permissions::from_mode(mode))
+        .map_err(io(&tmp))?;
+    file.write_all(text.as_bytes()).map_err(io(&tmp))?;
+    file.sync_all().map_err(io(&tmp))?;
+    std::fs::rename(&tmp, path).map_err(io(path))
 }
 
 /// A validity period from [`VALID_FROM_BACK`] ago for `span`, by this machine's clock.
@@ -335,6 +345,25 @@ mod tests {
         let ca = read(&dir.join("ca.pem")).unwrap();
         write_cluster(&dir, &[NodeId(2)]).unwrap();
         assert_eq!(read(&dir.join("ca.pem")).unwrap(), ca, "the same CA");
+        std::fs::remove_dir_all(dir).unwrap();
+    }
+
+    #[test]
+    fn a_link_where_a_key_goes_is_replaced_not_written_through() {
+        let dir = dir("link");
+        std::fs::create_dir_all(&dir).unwrap();
+        let elsewhere = dir.join("elsewhere");
+        std::fs::write(&elsewhere, "not a key").unwrap();
+        std::os::unix::fs::symlink(&elsewhere, dir.join("node-1.key")).unwrap();
+        let files = write_cluster(&dir, &[NodeId(1)]).unwrap();
+        assert_eq!(
+            read(&elsewhere).unwrap(),
+            "not a key",
+            "the link's target untouched"
+        );
+        let key = std::fs::symlink_metadata(&files[0].key).unwrap();
+        assert!(key.file_type().is_file());
+        assert_eq!(mode(&files[0].key), 0o600);
         std::fs::remove_dir_all(dir).unwrap();
     }
 
