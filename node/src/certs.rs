@@ -159,7 +159,10 @@ impl Ca {
             }
         }
         let cert_pem = read(&cert_path)?;
-        let key = KeyPair::from_pem(&read(&key_path)?)?;
+        let key = KeyPair::from_pem(&read(&key_path)?).map_err(|err| CertError::Pem {
+            path: key_path.clone(),
+            why: err.to_string(),
+        })?;
         let cert_der =
             CertificateDer::from_pem_slice(cert_pem.as_bytes()).map_err(|err| CertError::Pem {
                 path: cert_path.clone(),
@@ -384,6 +387,10 @@ mod tests {
         let err = write_cluster(&dir, &[NodeId(2)]).unwrap_err();
         assert!(matches!(err, CertError::KeyMismatch { .. }), "{err}");
         assert!(!dir.join("node-2.pem").exists());
+
+        std::fs::write(dir.join("ca.key"), "not a key").unwrap();
+        let err = write_cluster(&dir, &[NodeId(2)]).unwrap_err().to_string();
+        assert!(err.contains("ca.key"), "names the file: {err}");
         std::fs::remove_dir_all(dir).unwrap();
     }
 
