@@ -889,6 +889,7 @@ fn next_frame(input: &[u8]) -> Result<Option<(&[u8], usize)>, FrameError> {
 #[cfg(not(tally_loom))]
 mod tests {
     use super::*;
+    use crate::exact_room::EXACT_WAITING_MAX;
     use tally_client::wire::{Op, Request};
 
     fn service(keys_max: usize) -> Service {
@@ -1585,6 +1586,30 @@ mod tests {
         service
     }
 
+    /// [`service_to_nowhere`] with room for `per_connection` exact checks a connection and
+    /// `per_node` over all.
+    fn rooms_to_nowhere(
+        region_timeout_ms: u64,
+        per_connection: usize,
+        per_node: usize,
+    ) -> Arc<Service> {
+        let mut service = service_to_nowhere(region_timeout_ms);
+        service.exact_in_flight_max = per_connection;
+        service.exact_room = Arc::new(ExactRoom::new(per_node));
+        Arc::new(service)
+    }
+
+    /// `count()` once it has stopped changing: the same over 100 turns of the runtime.
+    async fn once_still(count: impl Fn() -> usize) -> usize {
+        let (mut last, mut still) = (count(), 0);
+        while still < 100 {
+            tokio::task::yield_now().await;
+            let now = count();
+            (last, still) = (now, if now == last { still + 1 } else { 0 });
+        }
+        last
+    }
+
     #[tokio::test(flavor = "current_thread")]
     async fn a_batch_holds_at_the_first_exact_check_without_room_and_answers_the_frames_before() {
         let mut service = service_to_nowhere(60_000);
@@ -1668,27 +1693,17 @@ mod tests {
     #[tokio::test(flavor = "current_thread")]
     async fn a_connection_takes_exact_checks_up_to_its_room_and_no_more_from_one_read() {
         // The region's timeout is far off: nothing is answered during the test.
-        let mut service = service_to_nowhere(600_000);
-        service.exact_in_flight_max = 4;
-        let service = Arc::new(service);
+        let service = rooms_to_nowhere(600_000, 4, EXACT_WAITING_MAX);
         let (_reading, serving, _writing) = connection_sending(&service, &checks_then_status(10));
-        // Until the connection has taken all it will before an answer: the waiting sends
-        // stop changing.
-        let (mut waiting, mut still) = (0, 0);
-        while still < 100 {
-            tokio::task::yield_now().await;
-            let now = service.waiting.sends();
-            (waiting, still) = (now, if now == waiting { still + 1 } else { 0 });
-        }
+        // Until the connection has taken all it will before an answer.
+        let waiting = once_still(|| service.waiting.sends()).await;
         assert_eq!(waiting, 4, "the room is taken, and no more");
         serving.abort();
     }
 
     #[tokio::test(flavor = "current_thread")]
     async fn a_connection_answers_every_check_held_at_its_room_once_there_is_room() {
-        let mut service = service_to_nowhere(50);
-        service.exact_in_flight_max = 4;
-        let service = Arc::new(service);
+        let service = rooms_to_nowhere(50, 4, EXACT_WAITING_MAX);
         let checks = 10;
         let (mut reading, serving, writing) =
             connection_sending(&service, &checks_then_status(checks));
@@ -1739,18 +1754,10 @@ mod tests {
     #[tokio::test(flavor = "current_thread")]
     async fn connections_together_take_no_more_exact_checks_than_the_nodes_room() {
         // The region's timeout is far off: nothing is answered during the test.
-        let mut service = service_to_nowhere(600_000);
-        service.exact_in_flight_max = 4;
-        service.exact_room = Arc::new(ExactRoom::new(6));
-        let service = Arc::new(service);
+        let service = rooms_to_nowhere(600_000, 4, 6);
         let first = connection_sending(&service, &checks_then_status(10));
         let second = connection_sending(&service, &checks_then_status(10));
-        let (mut taken, mut still) = (0, 0);
-        while still < 100 {
-            tokio::task::yield_now().await;
-            let now = service.exact_room.taken();
-            (taken, still) = (now, if now == taken { still + 1 } else { 0 });
-        }
+        let taken = once_still(|| service.exact_room.taken()).await;
         assert_eq!(taken, 6, "the node's room is taken, and no more");
         assert_eq!(service.waiting.sends(), 6);
         assert!(service.exact_room.full() >= 1, "the full room is counted");
@@ -1784,9 +1791,7 @@ mod tests {
     #[tokio::test(flavor = "current_thread")]
     async fn a_full_node_room_holds_only_exact_checks_and_the_frames_after_them() {
         // The region's timeout is far off: nothing is answered by the region.
-        let mut service = service_to_nowhere(600_000);
-        service.exact_room = Arc::new(ExactRoom::new(4));
-        let service = Arc::new(service);
+        let service = rooms_to_nowhere(600_000, EXACT_IN_FLIGHT_MAX, 4);
         let (_filling_reading, filling, _filling_writing) =
             connection_sending(&service, &checks_then_status(4));
         while service.exact_room.taken() < 4 {
@@ -1809,10 +1814,7 @@ mod tests {
 
     #[tokio::test(flavor = "current_thread")]
     async fn a_connection_held_at_the_nodes_room_answers_every_check_once_room_is_freed() {
-        let mut service = service_to_nowhere(50);
-        service.exact_in_flight_max = 4;
-        service.exact_room = Arc::new(ExactRoom::new(4));
-        let service = Arc::new(service);
+        let service = rooms_to_nowhere(50, 4, 4);
         let checks = 10;
         let (first, first_serving, first_writing) =
             connection_sending(&service, &checks_then_status(checks));
