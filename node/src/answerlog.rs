@@ -20,8 +20,11 @@
 //! life's last [`RECENT_IDS_MAX`] answers, in two steps (`compaction.rs`): the copy
 //! is written and synced on a thread of its own while answers go on being appended, so
 //! that the node's thread waits only for the answers given meanwhile. A failed write or
-//! rewrite (a full disk) stops the logging of answers for the rest of the life, reported
-//! once on stderr: the writes go on, and their answers are remembered in memory only.
+//! rewrite (a full disk) stops the logging of answers, reported on stderr: the writes go
+//! on, and their answers are remembered in memory only, until a rewrite of the file from
+//! memory succeeds. One is tried at the next of the node's once-a-second ticks
+//! ([`AnswerLog::sync_in_background`]), then after twice as many ticks at each failure, up
+//! to `RETRY_MAX_TICKS` (about a minute).
 
 use crate::checksummed;
 use crate::compaction::Compaction;
@@ -41,6 +44,9 @@ use tally_crdt::{Generation, Window};
 /// rewritten as its last answers: about three times what [`RECENT_IDS_MAX`] answers take.
 const COMPACT_BYTES: u64 = 16 << 20;
 
+/// The most ticks (one a second) between two tries of the file's rewrite from memory.
+const RETRY_MAX_TICKS: u32 = 64;
+
 /// An answer given under a request id, in the window it was given in.
 pub type AnsweredId = (CheckId, Answered, Window);
 
@@ -51,6 +57,15 @@ struct Record {
     window_index: u64,
     window_secs: u32,
     answered: Answered,
+}
+
+/// Answers are held in memory only until the file's rewrite from memory succeeds.
+#[derive(Debug)]
+struct Stopped {
+    // Ticks still to pass before the rewrite is tried.
+    ticks_left: u32,
+    // The ticks waited before this try, which the next failure doubles.
+    backoff: u32,
 }
 
 /// This life's file of answers.
@@ -68,7 +83,8 @@ pub struct AnswerLog {
     // Whether a sync failed since the file was last rewritten: the kernel may have dropped
     // pages it could not write, which a later sync would not write either.
     sync_failed: Arc<AtomicBool>,
-    failed: bool,
+    // Set while answers are not written out, after a write or a rewrite failed.
+    stopped: Option<Stopped>,
     // The life's last RECENT_IDS_MAX answers, which a compaction writes.
     answered: VecDeque<AnsweredId>,
     // A compaction whose copy is being written, if one is.
@@ -93,7 +109,7 @@ impl AnswerLog {
             unsynced: false,
             syncing: Arc::default(),
             sync_failed: Arc::default(),
-            failed: false,
+            stopped: None,
             answered: VecDeque::new(),
             compaction: None,
         })
@@ -101,9 +117,6 @@ impl AnswerLog {
 
     /// Buffers an answer, to be written out by the next [`AnswerLog::flush`].
     pub fn append(&mut self, answered: AnsweredId) {
-        if self.failed {
-            return;
-        }
         encode(&answered, &mut self.pending);
         if self.answered.len() == RECENT_IDS_MAX {
             self.answered.pop_front();
@@ -111,36 +124,51 @@ impl AnswerLog {
         self.answered.push_back(answered);
     }
 
-    /// Writes the buffered answers out (to the page cache: a process crash keeps them).
+    /// Writes the buffered answers out (to the page cache: a process crash keeps them),
+    /// unless logging has stopped, and keeps them for a rewrite under way.
     pub fn flush(&mut self) {
-        if self.pending.is_empty() || self.failed {
+        if self.pending.is_empty() {
             return;
         }
-        match self.file.write_all(&self.pending) {
-            Ok(()) => {
-                self.written += self.pending.len() as u64;
-                self.unsynced = true;
-                if let Some(compaction) = &mut self.compaction {
-                    compaction.keep(&self.pending);
+        if self.stopped.is_none() {
+            match self.file.write_all(&self.pending) {
+                Ok(()) => {
+                    self.written += self.pending.len() as u64;
+                    self.unsynced = true;
                 }
+                Err(source) => self.stop(&LogError::Io {
+                    path: self.path.clone(),
+                    source,
+                }),
             }
-            Err(source) => self.fail(&source),
+        }
+        if let Some(compaction) = &mut self.compaction {
+            compaction.keep(&self.pending);
         }
         self.pending.clear();
     }
 
     /// Syncs the answers written out so far on a blocking thread, unless none were written
     /// since the last sync began or one is in flight. A failure is reported on stderr, and
-    /// has the next [`AnswerLog::compact_if_large`] rewrite the file from memory.
+    /// has the next [`AnswerLog::compact_if_large`] rewrite the file from memory. Called
+    /// once a second: while logging is stopped, it counts the ticks to the next try of the
+    /// file's rewrite instead.
     pub fn sync_in_background(&mut self) {
-        if !self.unsynced || self.failed || self.syncing.swap(true, Ordering::AcqRel) {
+        if let Some(stopped) = &mut self.stopped {
+            stopped.ticks_left = stopped.ticks_left.saturating_sub(1);
+            return;
+        }
+        if !self.unsynced || self.syncing.swap(true, Ordering::AcqRel) {
             return;
         }
         let file = match self.file.try_clone() {
             Ok(file) => file,
             Err(source) => {
                 self.syncing.store(false, Ordering::Release);
-                return self.fail(&source);
+                return self.stop(&LogError::Io {
+                    path: self.path.clone(),
+                    source,
+                });
             }
         };
         self.unsynced = false;
@@ -165,14 +193,15 @@ impl AnswerLog {
 
     /// Rewrites the file as the life's last answers once it has grown past its bound, or
     /// after a sync failed: the kernel may then have dropped pages of it, so the answers
-    /// are written again, to a new file, synced. Call with nothing pending, once a batch.
+    /// are written again, to a new file, synced; or, while logging is stopped, once its
+    /// retry is due, which starts logging again. Call with nothing pending, once a batch.
     ///
     /// The rewrite is in two steps, one call each: the first hands a copy of the answers to
     /// a thread, which writes and syncs them; a later call, once they are synced, adds the
     /// answers written out since, syncs them, renames the copy over the file and syncs the
     /// directory.
     pub fn compact_if_large(&mut self) {
-        if self.failed || !self.pending.is_empty() {
+        if !self.pending.is_empty() {
             return;
         }
         if let Some(compaction) = &mut self.compaction {
@@ -182,10 +211,15 @@ impl AnswerLog {
             }
             return;
         }
-        let resync = self.sync_failed.swap(false, Ordering::AcqRel);
-        if self.written < self.compact_at && !resync {
+        let due = match &self.stopped {
+            Some(stopped) => stopped.ticks_left == 0,
+            None => self.written >= self.compact_at || self.sync_failed.load(Ordering::Acquire),
+        };
+        if !due {
             return;
         }
+        // The rewrite writes every answer a failed sync may have lost.
+        self.sync_failed.store(false, Ordering::Release);
         let answered: Vec<AnsweredId> = self.answered.iter().copied().collect();
         let started = Compaction::start(&self.path, "tally-answers-copy", move || {
             let mut body = Vec::new();
@@ -201,7 +235,7 @@ impl AnswerLog {
     }
 
     /// Appends to the file a compaction `replaced` the old one with, `written` bytes long,
-    /// once the rename is synced; or stops logging answers.
+    /// once the rename is synced, logging again if logging had stopped; or stops logging.
     fn reopen(&mut self, replaced: Result<u64, LogError>) {
         let dir = self.path.parent().unwrap_or(Path::new("."));
         let reopened = replaced.and_then(|written| {
@@ -217,27 +251,36 @@ impl AnswerLog {
                 self.file = file;
                 self.written = written;
                 self.compact_at = COMPACT_BYTES.max(2 * written);
+                if self.stopped.take().is_some() {
+                    eprintln!(
+                        "tallyd: {}: rewritten from memory; answers under request ids are \
+                         logged again",
+                        self.path.display()
+                    );
+                }
             }
             Err(err) => self.stop(&err),
         }
     }
 
+    /// Stops writing answers out, after `err`, until the file's rewrite from memory is
+    /// retried and succeeds.
     fn stop(&mut self, err: &LogError) {
-        self.failed = true;
-        eprintln!("tallyd: warning: {err}; {STOPPED}");
-    }
-
-    fn fail(&mut self, source: &std::io::Error) {
-        self.failed = true;
+        let backoff = match &self.stopped {
+            Some(stopped) => (2 * stopped.backoff).min(RETRY_MAX_TICKS),
+            None => 1,
+        };
+        self.stopped = Some(Stopped {
+            ticks_left: backoff,
+            backoff,
+        });
         eprintln!(
-            "tallyd: warning: {}: {source}; {STOPPED}",
-            self.path.display()
+            "tallyd: warning: {err}; answers under request ids are remembered in memory \
+             only (a retry sent to the next life counts again) until the file is rewritten \
+             from memory, tried next in about {backoff} s"
         );
     }
 }
-
-const STOPPED: &str = "answers under request ids are remembered in memory only for the rest \
-                       of this life (a retry sent to the next life counts again)";
 
 /// The newest [`RECENT_IDS_MAX`] answers in windows live at `now_unix_secs` over the earlier
 /// lives' files in `dir`, oldest first, and the newest generation of a file kept (0 if
@@ -498,6 +541,49 @@ mod tests {
             seqs(&replay(&log.path).unwrap()),
             (5..max + 5).collect::<Vec<_>>()
         );
+        std::fs::remove_dir_all(dir).unwrap();
+    }
+
+    #[test]
+    fn a_failed_write_stops_the_logging_until_a_rewrite_from_memory_succeeds() {
+        let dir = dir("stopped");
+        let mut log = AnswerLog::create(&dir, Generation(7)).unwrap();
+        log.append(answer(0, live()));
+        log.flush();
+        // A file that refuses writes, as on a full disk.
+        log.file = File::open(&log.path).unwrap();
+        log.append(answer(1, live()));
+        log.flush();
+        log.append(answer(2, live()));
+        log.flush();
+        log.compact_if_large();
+        assert!(log.compaction.is_none(), "not tried before the next tick");
+        // A rewrite that fails too: the copy's path taken by a directory.
+        let copy = crate::compaction::copy_path(&log.path);
+        std::fs::create_dir(&copy).unwrap();
+        log.sync_in_background();
+        log.compact_if_large();
+        assert!(log.compaction.is_some(), "tried at the tick");
+        finish_compaction(&mut log);
+        assert!(log.stopped.is_some(), "still stopped");
+        std::fs::remove_dir(&copy).unwrap();
+        log.sync_in_background();
+        log.compact_if_large();
+        assert!(
+            log.compaction.is_none(),
+            "tried again after twice as many ticks"
+        );
+        log.sync_in_background();
+        log.compact_if_large();
+        assert!(log.compaction.is_some(), "the rewrite is under way");
+        // Given while the copy is written: kept for it.
+        log.append(answer(3, live()));
+        log.flush();
+        finish_compaction(&mut log);
+        assert!(log.stopped.is_none(), "logging again");
+        log.append(answer(4, live()));
+        log.flush();
+        assert_eq!(seqs(&replay(&log.path).unwrap()), [0, 1, 2, 3, 4]);
         std::fs::remove_dir_all(dir).unwrap();
     }
 
