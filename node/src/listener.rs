@@ -28,6 +28,7 @@ use crate::store::LaneStore;
 use crate::view::View;
 use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex, PoisonError};
+use std::time::Duration;
 use tally_client::wire::{
     self, CheckId, Decision, FrameError, OpRef, Refusal, Reply, Response, Status,
 };
@@ -35,6 +36,7 @@ use tally_crdt::{Key, KeyRef, ReplicaId, Rule};
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 use tokio::net::{TcpListener, UnixListener};
 use tokio::sync::{mpsc, Semaphore};
+use tokio::time::Instant;
 
 /// The exit status of a node whose lane log failed. The batch's writes are in the lane
 /// store but not in the log, and lanes cannot be taken back; exiting before this thread
@@ -105,8 +107,9 @@ pub struct Exact {
     /// This send's place among the sends of its check id waiting for the region, if it
     /// has an id: given up when the check is answered or dropped.
     pub waiting: Option<WaitingSend>,
-    /// Its place in the node's room for exact checks, given up with it.
-    pub slot: ExactSlot,
+    /// Its place in the node's room for exact checks, given up with it; `None` for one
+    /// answered without being forwarded, held for want of room past its rule's timeout.
+    pub slot: Option<ExactSlot>,
 }
 
 /// What [`Service::handle_frames`] made of a batch's bytes.
@@ -116,10 +119,11 @@ pub struct Handled {
     pub consumed: usize,
     /// Why the frame after them is bad, if it is: the connection must close.
     pub bad: Option<String>,
-    /// Whether it stopped at an exact check with no room for it (the connection's or the
-    /// node's), left unread with the frames after it: they are to be handled once there is
-    /// room, before anything more is read.
-    pub held: bool,
+    /// If it stopped at an exact check with no room for it (the connection's or the
+    /// node's), left unread with the frames after it, that check's rule's
+    /// `region_timeout_ms`: they are to be handled once there is room, or once the check
+    /// has been held that long, before anything more is read.
+    pub held: Option<u64>,
 }
 
 /// What [`Service::handle`] made of one request.
@@ -141,7 +145,10 @@ impl Service {
     /// to `exact` instead, for [`Service::forward`], each with a place in the node's room
     /// (`kept`, if the connection kept one, else a free one). Stops at a bad frame, after
     /// answering the ones before it, and at an exact check with no room for it: past
-    /// `exact_room` checks in `exact`, or with no place free in the node's room.
+    /// `exact_room` checks in `exact`, or with no place free in the node's room. But an
+    /// exact check with no room whose rule's `region_timeout_ms` is at most `held_past_ms`
+    /// (how long the frames have been held) is answered as one the region did not answer in
+    /// time, never having been forwarded.
     pub fn handle_frames(
         &self,
         input: &[u8],
@@ -149,10 +156,11 @@ impl Service {
         exact: &mut Vec<Exact>,
         exact_room: usize,
         kept: &mut Option<ExactSlot>,
+        held_past_ms: u64,
     ) -> Handled {
         let mut consumed = 0;
         let mut answered = 0;
-        let mut held = false;
+        let mut held = None;
         let bad = self.in_context(|context| loop {
             let (body, len) = match next_frame(&input[consumed..]) {
                 Ok(Some(frame)) => frame,
@@ -177,11 +185,11 @@ impl Service {
                     } else {
                         None
                     };
-                    let Some(slot) = slot else {
-                        held = true;
+                    if slot.is_none() && rule.region_timeout_ms > held_past_ms {
+                        held = Some(rule.region_timeout_ms);
                         return None;
-                    };
-                    exact.push(Exact {
+                    }
+                    let check = Exact {
                         id: request.id,
                         rule,
                         key,
@@ -189,8 +197,14 @@ impl Service {
                         check_id,
                         waiting: check_id.map(|id| self.waiting.add(id)),
                         slot,
-                    });
+                    };
                     consumed += len;
+                    if check.slot.is_some() {
+                        exact.push(check);
+                    } else {
+                        self.answer_held_past_timeout(context, check, output);
+                        answered += 1;
+                    }
                     continue;
                 }
                 Ok(Handling::Now(reply)) => Ok(reply),
@@ -235,50 +249,91 @@ impl Service {
     pub fn answer_exact(&self, forwarded: &mut Vec<Forwarded<Exact>>, output: &mut Vec<u8>) {
         let answered = forwarded.len() as u64;
         self.in_context(|context| {
-            for Forwarded {
-                ticket,
-                late_seq,
-                result,
-            } in forwarded.drain(..)
-            {
-                let Exact {
-                    id,
-                    rule,
-                    key,
-                    cost,
-                    check_id,
-                    waiting,
-                    slot: _,
-                } = ticket;
-                let key = KeyRef::from(&key);
-                let result = match result {
-                    Ok(outcome) => self.exact_once(context, &rule, key, check_id, outcome),
-                    // No fallback where another send of the id may yet be decided at the
-                    // region (it would count twice; a later retry gets the answer that send
-                    // gets), nor on a stopping node (its last push may have gone).
-                    Err(unavailable @ Refusal::RegionUnavailable { .. })
-                        if waiting.as_ref().is_some_and(WaitingSend::has_company)
-                            || self.closing.load(Ordering::Relaxed) =>
-                    {
-                        Err(unavailable)
-                    }
-                    Err(unavailable @ Refusal::RegionUnavailable { .. }) => {
-                        self.fallback(context, &rule, key, cost, check_id, unavailable, late_seq)
-                    }
-                    Err(other) => Err(other),
-                };
-                drop(waiting);
-                if let Ok(decision) = &result {
-                    self.metrics.decided(decision.mode, decision.allowed);
-                }
-                let response = Response {
-                    id,
-                    result: result.map(Reply::Decision),
-                };
-                wire::encode_response(&response, output);
+            for forwarded in forwarded.drain(..) {
+                self.answer_forwarded(context, forwarded, output);
             }
         });
         self.counted_requests(answered);
+    }
+
+    /// Answers an exact check held for want of room past its rule's timeout as the region's
+    /// silence for that long would be: `RegionUnavailable`, or the rule's fallback. Nothing
+    /// was sent, so the region cannot decide it later.
+    fn answer_held_past_timeout(
+        &self,
+        context: &mut Context<'_>,
+        check: Exact,
+        output: &mut Vec<u8>,
+    ) {
+        if let Some(forwarder) = &self.forwarder {
+            forwarder
+                .stats()
+                .unavailable
+                .fetch_add(1, Ordering::Relaxed);
+        }
+        let why = format!(
+            "no room to forward it within {} ms",
+            check.rule.region_timeout_ms
+        );
+        let result = Err(Refusal::RegionUnavailable {
+            rule: check.rule.name.clone(),
+            why,
+        });
+        let forwarded = Forwarded {
+            ticket: check,
+            late_seq: None,
+            result,
+        };
+        self.answer_forwarded(context, forwarded, output);
+    }
+
+    /// Answers one exact check, appending its answer's frame to `output`.
+    fn answer_forwarded(
+        &self,
+        context: &mut Context<'_>,
+        forwarded: Forwarded<Exact>,
+        output: &mut Vec<u8>,
+    ) {
+        let Forwarded {
+            ticket,
+            late_seq,
+            result,
+        } = forwarded;
+        let Exact {
+            id,
+            rule,
+            key,
+            cost,
+            check_id,
+            waiting,
+            slot: _,
+        } = ticket;
+        let key = KeyRef::from(&key);
+        let result = match result {
+            Ok(outcome) => self.exact_once(context, &rule, key, check_id, outcome),
+            // No fallback where another send of the id may yet be decided at the
+            // region (it would count twice; a later retry gets the answer that send
+            // gets), nor on a stopping node (its last push may have gone).
+            Err(unavailable @ Refusal::RegionUnavailable { .. })
+                if waiting.as_ref().is_some_and(WaitingSend::has_company)
+                    || self.closing.load(Ordering::Relaxed) =>
+            {
+                Err(unavailable)
+            }
+            Err(unavailable @ Refusal::RegionUnavailable { .. }) => {
+                self.fallback(context, &rule, key, cost, check_id, unavailable, late_seq)
+            }
+            Err(other) => Err(other),
+        };
+        drop(waiting);
+        if let Ok(decision) = &result {
+            self.metrics.decided(decision.mode, decision.allowed);
+        }
+        let response = Response {
+            id,
+            result: result.map(Reply::Decision),
+        };
+        wire::encode_response(&response, output);
     }
 
     /// Runs `answer` in a request context, then writes the lane log out. A failed write
@@ -773,8 +828,10 @@ async fn serve_connection<S: AsyncRead + AsyncWrite + Unpin>(
     // Whether the client may still send, and whether it sent a bad frame.
     let mut sending = true;
     let mut bad_frame = false;
-    // Whether `input` starts with an exact check left unread for want of room.
-    let mut held = false;
+    // If `input` starts with an exact check left unread for want of room: since when
+    // frames have been held, and that check's rule's timeout, past which it is answered
+    // without the region.
+    let mut held: Option<Held> = None;
     loop {
         if written < output.len() {
             // Tried first: while the client reads, each batch's answers go out at once.
@@ -792,23 +849,35 @@ async fn serve_connection<S: AsyncRead + AsyncWrite + Unpin>(
         }
         output.clear();
         written = 0;
-        if !sending && in_flight == 0 && !held {
+        if !sending && in_flight == 0 && held.is_none() {
             if bad_frame {
                 let _ = stream.shutdown().await;
             }
             return;
         }
-        // A held check goes first, once the connection has room for it and a place in the
-        // node's room; until then nothing more is read.
-        if !(held && in_flight < room_max && kept.is_some()) {
+        let mut held_past_ms = 0;
+        if let Some(hold) = held {
+            // A held check goes first, once the connection has room for it and a place in
+            // the node's room, or once its rule's timeout has passed since the hold began;
+            // until then nothing more is read.
+            if !(in_flight < room_max && kept.is_some()) {
+                let due = hold.since + Duration::from_millis(hold.timeout_ms);
+                tokio::select! {
+                    slot = service.exact_room.take(), if in_flight < room_max && kept.is_none() => {
+                        kept = Some(slot);
+                    }
+                    () = tokio::time::sleep_until(due) => held_past_ms = hold.timeout_ms,
+                    Some(first) = answered.recv() => {
+                        in_flight -= answer_exact(service, first, &mut answered, &mut forwarded, &mut output);
+                        continue;
+                    }
+                }
+            }
+        } else {
             // Room for a read of READ_BYTES past a partial frame; a no-op while there is.
             input.reserve(READ_BYTES);
             let read = tokio::select! {
-                read = stream.read_buf(&mut input), if sending && !held => read,
-                slot = service.exact_room.take(), if held && in_flight < room_max && kept.is_none() => {
-                    kept = Some(slot);
-                    continue;
-                }
+                read = stream.read_buf(&mut input), if sending => read,
                 Some(first) = answered.recv() => {
                     in_flight -= answer_exact(service, first, &mut answered, &mut forwarded, &mut output);
                     continue;
@@ -831,9 +900,19 @@ async fn serve_connection<S: AsyncRead + AsyncWrite + Unpin>(
             return;
         }
         let room = room_max - in_flight;
-        let handled = service.handle_frames(&input, &mut output, &mut exact, room, &mut kept);
-        held = handled.held;
-        if held && in_flight + exact.len() < room_max {
+        let handled = service.handle_frames(
+            &input,
+            &mut output,
+            &mut exact,
+            room,
+            &mut kept,
+            held_past_ms,
+        );
+        held = handled.held.map(|timeout_ms| Held {
+            since: held.map_or_else(Instant::now, |hold| hold.since),
+            timeout_ms,
+        });
+        if held.is_some() && in_flight + exact.len() < room_max {
             service.exact_room.count_full();
         }
         input.drain(..handled.consumed);
@@ -855,6 +934,15 @@ async fn serve_connection<S: AsyncRead + AsyncWrite + Unpin>(
             (sending, bad_frame) = (false, true);
         }
     }
+}
+
+/// Frames held unread at an exact check with no room for it.
+#[derive(Debug, Clone, Copy)]
+struct Held {
+    /// Since when frames have been held: the last read was before.
+    since: Instant,
+    /// The held check's rule's `region_timeout_ms`.
+    timeout_ms: u64,
 }
 
 /// Answers the exact checks the region answered, `first` and every run queued behind it,
@@ -947,6 +1035,7 @@ mod tests {
             &mut exact,
             EXACT_IN_FLIGHT_MAX,
             &mut None,
+            0,
         );
         assert_eq!((handled.consumed, handled.bad), (input.len(), None));
         assert!(exact.is_empty(), "no exact rule here");
@@ -1290,6 +1379,7 @@ mod tests {
             &mut exact,
             EXACT_IN_FLIGHT_MAX,
             &mut None,
+            0,
         );
         assert!(exact.is_empty());
         let responses = responses(&output);
@@ -1322,6 +1412,7 @@ mod tests {
             &mut exact,
             EXACT_IN_FLIGHT_MAX,
             &mut None,
+            0,
         );
         let ids: Vec<_> = responses(&output).iter().map(|r| r.id).collect();
         assert_eq!(ids, [6]);
@@ -1387,6 +1478,7 @@ mod tests {
             &mut exact,
             EXACT_IN_FLIGHT_MAX,
             &mut None,
+            0,
         );
         assert_eq!(exact.len(), 2, "forwarded");
         service.forward(&mut exact, &answers);
@@ -1416,6 +1508,7 @@ mod tests {
             &mut exact,
             EXACT_IN_FLIGHT_MAX,
             &mut None,
+            0,
         );
         assert!(
             exact.is_empty(),
@@ -1436,7 +1529,7 @@ mod tests {
                 cost: 2,
                 check_id: Some(CheckId { session: 9, seq }),
                 waiting: None,
-                slot: service.exact_room.try_take().unwrap(),
+                slot: service.exact_room.try_take(),
             },
             late_seq: None,
             result: Ok(Outcome {
@@ -1463,6 +1556,7 @@ mod tests {
             &mut exact,
             EXACT_IN_FLIGHT_MAX,
             &mut None,
+            0,
         );
         assert!(
             exact.is_empty(),
@@ -1476,6 +1570,7 @@ mod tests {
             &mut exact,
             EXACT_IN_FLIGHT_MAX,
             &mut None,
+            0,
         );
         assert_eq!(exact.len(), 1);
         let again = &service.metrics.client_ids_answered_again;
@@ -1503,6 +1598,7 @@ mod tests {
             &mut exact,
             EXACT_IN_FLIGHT_MAX,
             &mut None,
+            0,
         );
         assert_eq!(exact.len(), 2);
         let unavailable = Refusal::RegionUnavailable {
@@ -1627,9 +1723,9 @@ mod tests {
         let answered = |output: &[u8]| responses(output).iter().map(|r| r.id).collect::<Vec<_>>();
         // The connection's room for two.
         let (mut output, mut first) = (Vec::new(), Vec::new());
-        let handled = service.handle_frames(&input, &mut output, &mut first, 2, &mut None);
+        let handled = service.handle_frames(&input, &mut output, &mut first, 2, &mut None, 0);
         assert_eq!((ids(&first), answered(&output)), (vec![1, 3], vec![2]));
-        assert!(handled.held && handled.bad.is_none());
+        assert!(handled.held.is_some() && handled.bad.is_none());
         let rest = &input[handled.consumed..];
         assert_eq!(
             rest,
@@ -1639,9 +1735,9 @@ mod tests {
         // after it is answered, and the next check is held for want of a place.
         output.clear();
         let mut second = Vec::new();
-        let handled = service.handle_frames(rest, &mut output, &mut second, 10, &mut None);
+        let handled = service.handle_frames(rest, &mut output, &mut second, 10, &mut None, 0);
         assert_eq!((ids(&second), answered(&output)), (vec![4], vec![5]));
-        assert!(handled.held);
+        assert!(handled.held.is_some());
         let rest = &rest[handled.consumed..];
         assert_eq!(rest, frames(&[quota_check(6, 1), status(7)]));
         assert_eq!(service.exact_room.taken(), 3);
@@ -1650,10 +1746,10 @@ mod tests {
         let mut kept = service.exact_room.try_take();
         output.clear();
         let mut third = Vec::new();
-        let handled = service.handle_frames(rest, &mut output, &mut third, 10, &mut kept);
+        let handled = service.handle_frames(rest, &mut output, &mut third, 10, &mut kept, 0);
         assert_eq!((ids(&third), answered(&output)), (vec![6], vec![7]));
         assert!(kept.is_none(), "the kept place is taken");
-        assert_eq!((handled.consumed, handled.held), (rest.len(), false));
+        assert_eq!((handled.consumed, handled.held), (rest.len(), None));
         assert_eq!(service.exact_room.taken(), 2);
     }
 
@@ -1838,6 +1934,76 @@ mod tests {
         assert!(service.exact_room.full() >= 1);
     }
 
+    /// [`rooms_to_nowhere`] with a second exact rule, `fast`, whose timeout is 100 ms, where
+    /// `quota`'s is far off.
+    fn slow_and_fast_to_nowhere(per_connection: usize, per_node: usize) -> Arc<Service> {
+        let mut service = service_to_nowhere(600_000);
+        service.rules = Rules::new(&[
+            RuleConfig {
+                region_timeout_ms: 600_000,
+                ..RuleConfig::for_test("quota", 100, RuleMode::Exact)
+            },
+            RuleConfig {
+                region_timeout_ms: 100,
+                ..RuleConfig::for_test("fast", 100, RuleMode::Exact)
+            },
+        ])
+        .unwrap();
+        service.exact_in_flight_max = per_connection;
+        service.exact_room = Arc::new(ExactRoom::new(per_node));
+        Arc::new(service)
+    }
+
+    fn fast_check(id: u64) -> Request {
+        Request {
+            id,
+            op: Op::Check {
+                rule: "fast".into(),
+                subject: "a".into(),
+                cost: 1,
+                id: None,
+            },
+        }
+    }
+
+    fn unavailable(service: &Service) -> u64 {
+        let forwarder = service.forwarder.as_ref().unwrap();
+        forwarder.stats().unavailable.load(Ordering::Relaxed)
+    }
+
+    #[tokio::test(flavor = "current_thread")]
+    async fn a_check_held_for_the_nodes_room_gets_its_own_rules_timeout() {
+        let service = slow_and_fast_to_nowhere(EXACT_IN_FLIGHT_MAX, 1);
+        let (_slow_reading, slow, _slow_writing) =
+            connection_sending(&service, &[quota_check(1, 1)]);
+        while service.exact_room.taken() < 1 {
+            tokio::task::yield_now().await;
+        }
+        // Held for want of the node's one place, which `quota`'s check holds for 600 s: the
+        // check is answered at its own rule's 100 ms, never forwarded, and the frame after
+        // it read.
+        let (mut reading, serving, _writing) =
+            connection_sending(&service, &[fast_check(2), status(3)]);
+        assert_eq!(read_answers(&mut reading, 2).await, [2, 3]);
+        assert_eq!(unavailable(&service), 1);
+        assert_eq!(service.exact_room.taken(), 1, "the slow check still waits");
+        slow.abort();
+        serving.abort();
+    }
+
+    #[tokio::test(flavor = "current_thread")]
+    async fn a_check_held_for_its_connections_room_gets_its_own_rules_timeout() {
+        let service = slow_and_fast_to_nowhere(1, EXACT_WAITING_MAX);
+        let requests = [quota_check(1, 1), fast_check(2), status(3), fast_check(4)];
+        let (mut reading, serving, _writing) = connection_sending(&service, &requests);
+        // Each fast check, held behind the slow one, at its own 100 ms from when the hold
+        // began.
+        assert_eq!(read_answers(&mut reading, 3).await, [2, 3, 4]);
+        assert_eq!(unavailable(&service), 2);
+        assert_eq!(service.waiting.sends(), 1, "the slow check still waits");
+        serving.abort();
+    }
+
     #[tokio::test(flavor = "current_thread")]
     async fn a_client_that_stops_reading_holds_neither_its_check_ids_nor_the_nodes_room() {
         let service = Arc::new(service_to_nowhere(50));
@@ -1920,13 +2086,14 @@ mod tests {
             &mut exact,
             EXACT_IN_FLIGHT_MAX,
             &mut None,
+            0,
         );
         assert_eq!(
             handled,
             Handled {
                 consumed: whole,
                 bad: None,
-                held: false,
+                held: None,
             }
         );
         let ids: Vec<_> = responses(&output).iter().map(|r| r.id).collect();
@@ -1946,6 +2113,7 @@ mod tests {
             &mut exact,
             EXACT_IN_FLIGHT_MAX,
             &mut None,
+            0,
         );
         assert_eq!(handled.consumed, good);
         assert!(handled.bad.unwrap().contains("limit"));
@@ -1959,6 +2127,7 @@ mod tests {
             &mut exact,
             EXACT_IN_FLIGHT_MAX,
             &mut None,
+            0,
         );
         assert_eq!(handled.consumed, 0);
         assert!(handled.bad.is_some() && output.is_empty());
@@ -1999,7 +2168,7 @@ mod tests {
                     cost: 3,
                     check_id: None,
                     waiting: None,
-                    slot: service.exact_room.try_take().unwrap(),
+                    slot: service.exact_room.try_take(),
                 },
                 late_seq: None,
                 result: Err(unavailable.clone()),
@@ -2033,7 +2202,7 @@ mod tests {
                 cost: 1,
                 check_id: Some(CheckId { session: 1, seq: 2 }),
                 waiting: None,
-                slot: service.exact_room.try_take().unwrap(),
+                slot: service.exact_room.try_take(),
             },
             late_seq: None,
             result,
@@ -2073,7 +2242,7 @@ mod tests {
                 cost: 3,
                 check_id: None,
                 waiting: None,
-                slot: service.exact_room.try_take().unwrap(),
+                slot: service.exact_room.try_take(),
             },
             late_seq: Some(id),
             result: Err(unavailable.clone()),
@@ -2104,7 +2273,7 @@ mod tests {
                 cost: 3,
                 check_id: None,
                 waiting: None,
-                slot: service.exact_room.try_take().unwrap(),
+                slot: service.exact_room.try_take(),
             },
             late_seq: Some(seq),
             result: Err(Refusal::RegionUnavailable {

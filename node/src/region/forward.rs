@@ -273,6 +273,11 @@ impl<T: Send + 'static> Forwarder<T> {
         }
     }
 
+    /// The exact path's counters at this node.
+    pub fn stats(&self) -> &ForwardStats {
+        &self.stats
+    }
+
     /// Forwards `checks`. Each one's answer goes to `answers` with its ticket: the
     /// region's durable outcome, or `RegionUnavailable` once its rule's timeout has passed
     /// without one. The checks are handed over together, and held in their order.
