@@ -324,22 +324,26 @@ impl Client {
     }
 
     /// Reopens the closed connection: one attempt, within `options.connect_timeout`
-    /// including the wait for another caller's attempt.
+    /// including the wait for another caller's attempt. The attempt and its timer run on
+    /// the connection's runtime: the caller's may have no timer, or not be Tokio's.
     async fn reconnect(&self) -> Result<(), Error> {
-        let connection = &self.inner.connection;
-        let connect_timeout = self.inner.options.connect_timeout;
-        let reconnect = async {
-            let _turn = self.inner.reconnecting.lock().await;
-            // Another caller may have reconnected while this one waited its turn.
-            if !connection.is_closed() {
-                return Ok(());
+        let inner = Arc::clone(&self.inner);
+        let reconnect = async move {
+            let connect_timeout = inner.options.connect_timeout;
+            let attempt = async {
+                let _turn = inner.reconnecting.lock().await;
+                // Another caller may have reconnected while this one waited its turn.
+                if !inner.connection.is_closed() {
+                    return Ok(());
+                }
+                inner.connection.reopen(&inner.endpoint).await
+            };
+            match tokio::time::timeout(connect_timeout, attempt).await {
+                Ok(reconnected) => reconnected,
+                Err(_elapsed) => Err(connect_timed_out(&inner.endpoint, connect_timeout)),
             }
-            connection.reopen(&self.inner.endpoint).await
         };
-        match tokio::time::timeout(connect_timeout, reconnect).await {
-            Ok(reconnected) => reconnected,
-            Err(_elapsed) => Err(connect_timed_out(&self.inner.endpoint, connect_timeout)),
-        }
+        self.inner.connection.on_its_runtime(reconnect).await
     }
 }
 

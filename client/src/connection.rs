@@ -69,24 +69,28 @@ impl Connection {
         Ok(connection)
     }
 
-    /// Opens the next link, once the last one has closed.
+    /// Opens the next link, once the last one has closed. Called on the connection's
+    /// runtime ([`Connection::on_its_runtime`]): a socket is served by the runtime it was
+    /// made on, and the caller's may never run again.
     ///
     /// Callers take turns: a link starts only while none is open.
     pub(crate) async fn reopen(&self, endpoint: &Endpoint) -> Result<(), Error> {
-        // Connected on the runtime the link's tasks run on: a socket is served by the
-        // runtime it was made on, and the caller's may never run again.
-        let endpoint = endpoint.clone();
-        let connect = self
-            .shared
-            .runtime
-            .spawn(async move { Socket::connect(&endpoint).await });
-        let socket = match connect.await {
-            Ok(connected) => connected?,
-            Err(gone) if gone.is_cancelled() => return Err(Error::RuntimeStopped),
-            Err(panicked) => std::panic::resume_unwind(panicked.into_panic()),
-        };
+        let socket = Socket::connect(endpoint).await?;
         self.start(socket);
         Ok(())
+    }
+
+    /// Runs `task` on the runtime the connection's tasks run on, and waits for it from any
+    /// runtime; [`Error::RuntimeStopped`] once that runtime has shut down.
+    pub(crate) async fn on_its_runtime<T: Send + 'static>(
+        &self,
+        task: impl Future<Output = Result<T, Error>> + Send + 'static,
+    ) -> Result<T, Error> {
+        match self.shared.runtime.spawn(task).await {
+            Ok(done) => done,
+            Err(gone) if gone.is_cancelled() => Err(Error::RuntimeStopped),
+            Err(panicked) => std::panic::resume_unwind(panicked.into_panic()),
+        }
     }
 
     /// Whether the open link has closed (and no other has opened); calls then fail until
@@ -554,11 +558,18 @@ impl Shared {
                 why: "the connection closed before the request was queued".into(),
             });
         }
+        let waited = since.is_some();
         let since = *since.get_or_insert(state.epoch);
         // A call waits for its timeout (or for room) only while the sweeper ticks.
         let sweeper =
             std::mem::take(&mut state.sweeper_parked).then(|| Arc::clone(&state.wake_sweeper));
-        let (sent, writer) = if state.has_room() {
+        // A call that waited for room past its timeout is not sent, even if room has come:
+        // `NotSent` says that nothing was counted, where a send could only end `Timeout`.
+        let (sent, writer) = if waited && self.deadlines.expired(since, state.epoch) {
+            let after = self.timeout;
+            let why = format!("no room in the client's outbox within {after:?}");
+            (Sent::Failed(Error::NotSent { why }), None)
+        } else if state.has_room() {
             let first_id = state.in_flight.next_id();
             let was_empty = state.queued.is_empty();
             for &op in ops {
@@ -577,10 +588,6 @@ impl Shared {
                 None
             };
             (Sent::InFlight(first_id), writer)
-        } else if self.deadlines.expired(since, state.epoch) {
-            let after = self.timeout;
-            let why = format!("no room in the client's outbox within {after:?}");
-            (Sent::Failed(Error::NotSent { why }), None)
         } else {
             // A task that polls again before room comes (or polls many calls, as a join
             // does) is listed once, not once a poll.
@@ -1097,6 +1104,37 @@ mod tests {
             "{outcome:?}"
         );
         late_sweeper.abort();
+    }
+
+    #[tokio::test]
+    async fn a_call_that_waited_for_room_past_its_timeout_is_not_sent_once_room_comes() {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let endpoint = Endpoint::Tcp(listener.local_addr().unwrap());
+        let connection = Connection::open(&endpoint, Duration::from_millis(100))
+            .await
+            .unwrap();
+        let (_sidecar, _) = listener.accept().await.unwrap();
+        let ops = [OpRef::Get {
+            rule: "login",
+            subject: "user-42",
+        }];
+        // A call that began to wait for room at this epoch, and ticks enough to time it out
+        // since, as if the outbox had been full all along. There is room now.
+        let shared = &connection.shared;
+        let mut since = Some(shared.lock().epoch);
+        while !shared
+            .deadlines
+            .expired(since.unwrap(), shared.lock().epoch)
+        {
+            shared.lock().epoch += 1;
+        }
+        assert!(shared.lock().has_room());
+        let sent = shared.send(&ops, &mut since, Waker::noop());
+        assert!(
+            matches!(sent, Sent::Failed(Error::NotSent { .. })),
+            "sent, to end in a Timeout that says it may have counted"
+        );
+        assert!(shared.lock().queued.is_empty());
     }
 
     #[test]

@@ -8,15 +8,18 @@ use crate::wire::Refusal;
 ///
 /// Each variant says what is known about the request: [`Error::Connect`],
 /// [`Error::NotSent`] and most refusals mean nothing was counted, but the region may have
-/// counted an exact check refused with `RegionUnavailable`, `Storage` or `Forgotten`;
+/// counted an exact check refused with `RegionUnavailable`, `Storage` or `Forgotten`, or
+/// with `BadField { field: "id" }` (its `CheckId` taken meanwhile by another request);
 /// [`Error::Timeout`], [`Error::Disconnected`] and [`Error::Protocol`] mean the outcome is
 /// unknown.
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
 pub enum Error {
     /// The sidecar answered no. Nothing was counted here, except that the region may have
-    /// counted an exact check refused with `RegionUnavailable`, `Storage` or `Forgotten`
-    /// (see [`Refusal`]).
+    /// counted an exact check refused with `RegionUnavailable`, `Storage` or `Forgotten`,
+    /// or with `BadField { field: "id" }` when another request of another kind under the
+    /// same `CheckId` was answered at the sidecar while the region decided it (see
+    /// [`Refusal`]): retry such a check under its own id, not a new one.
     ///
     /// The client gives the same answer, [`Refusal::BadField`], without sending, for a
     /// request whose rule and subject would not fit in one frame

@@ -817,6 +817,45 @@ fn sidecar_on_its_own_thread(drop_first: bool) -> Endpoint {
 }
 
 #[test]
+fn a_reconnect_called_from_a_runtime_without_timers_is_timed_on_the_connections() {
+    let endpoint = sidecar_on_its_own_thread(true);
+    let (client_sender, client) = std::sync::mpsc::channel();
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let application = std::thread::spawn(move || {
+        current_thread().block_on(async move {
+            let client = Client::connect(endpoint, options()).await.unwrap();
+            assert_eq!(
+                client.incr("login", "user-42", 1).await.unwrap(),
+                estimate(1)
+            );
+            client_sender.send(client).unwrap();
+            stopped.await.unwrap();
+        })
+    });
+    let client = client.recv().unwrap();
+    // A runtime with no timer: the reconnect's timeout is not made on it.
+    let no_timers = tokio::runtime::Builder::new_current_thread()
+        .enable_io()
+        .build()
+        .unwrap();
+    let mut answered = false;
+    for _ in 0..100 {
+        match no_timers.block_on(client.incr("login", "user-42", 1)) {
+            Ok(counted) => {
+                assert_eq!(counted, estimate(1));
+                answered = true;
+                break;
+            }
+            Err(Error::Disconnected) => std::thread::sleep(Duration::from_millis(10)),
+            Err(err) => panic!("{err:?}"),
+        }
+    }
+    assert!(answered, "the calls never got through");
+    stop.send(()).unwrap();
+    application.join().unwrap();
+}
+
+#[test]
 fn calls_fail_rather_than_hang_once_the_connecting_runtime_is_gone() {
     // The connection's tasks run on the runtime that connected. Once it is shut down, a
     // call from another runtime must fail (the tasks were dropped with the link open),
