@@ -7,9 +7,11 @@
 //!
 //! Ids are sequential per connection, so the slots are a queue indexed by `id - first_id`
 //! rather than a hash map: registering is a push, an answer is an index, and the slots of
-//! calls that finished are popped from the front. An outcome nobody has collected moves
-//! off the front to a side map once the queue is long, so a call that is never polled
-//! again does not keep the queue from moving on.
+//! calls that finished are popped from the front. A call still live at the front (an
+//! outcome nobody has collected, or a request the sidecar has not answered) moves off it
+//! to a side map once the queue is long, so neither a call that is never polled again nor
+//! a request answered late keeps the queue from moving on: the queue is at most
+//! `span_max` long, and the side map holds only live calls.
 
 use std::collections::{HashMap, VecDeque};
 use std::task::Waker;
@@ -125,18 +127,19 @@ pub(crate) struct InFlight {
     /// Invariant: the front slot, if any, is not `Vacant`: vacant slots are popped from the
     /// front as soon as they are there, so the queue spans only from the oldest live call.
     slots: VecDeque<Slot>,
-    /// Outcomes below `first_id` that their calls have not collected: moved off the front
-    /// when the queue reached `span_max`.
-    parked: HashMap<u64, Outcome>,
-    /// The longest the queue grows before an uncollected outcome at its front is parked.
+    /// Live slots below `first_id` (waiting, or done and not collected): moved off the
+    /// front when the queue reached `span_max`. Never `Vacant`: a slot is removed when its
+    /// call collects its outcome or gives up.
+    parked: HashMap<u64, Slot>,
+    /// The longest the queue grows before the live call at its front is parked.
     span_max: usize,
     /// Calls that will still collect an outcome: slots that are not vacant, and `parked`.
     live: usize,
 }
 
 impl InFlight {
-    /// No calls; the first request takes id `first_id`. Past `span_max` slots, outcomes
-    /// waiting at the front to be collected are parked aside.
+    /// No calls; the first request takes id `first_id`. Past `span_max` slots, the live call
+    /// at the front is parked aside.
     pub(crate) fn new(first_id: u64, span_max: usize) -> InFlight {
         InFlight {
             first_id,
@@ -166,14 +169,10 @@ impl InFlight {
     /// Registers a call that `waker` waits on, begun in epoch `since`; returns its id.
     pub(crate) fn push(&mut self, waker: Waker, since: u64) -> u64 {
         while self.slots.len() >= self.span_max {
-            let Some(Slot::Done(_)) = self.slots.front() else {
-                // A call still waiting holds the front until it is answered or times out.
+            let Some(front) = self.slots.pop_front() else {
                 break;
             };
-            let Some(Slot::Done(outcome)) = self.slots.pop_front() else {
-                unreachable!("the front slot was just matched as done");
-            };
-            self.parked.insert(self.first_id, outcome);
+            self.parked.insert(self.first_id, front);
             self.first_id += 1;
             self.pop_vacant();
         }
@@ -209,12 +208,6 @@ impl InFlight {
     /// The call on `id` asks for its outcome: `Some` once, freeing the slot; `None` while it
     /// waits, and `waker` is the one to wake.
     pub(crate) fn poll(&mut self, id: u64, waker: &Waker) -> Option<Outcome> {
-        if id < self.first_id {
-            let outcome = self.parked.remove(&id);
-            let outcome = outcome.expect("invariant: a call polls only its own, uncollected id");
-            self.live -= 1;
-            return Some(outcome);
-        }
         let slot = self.slot_mut(id);
         let slot = slot.expect("invariant: a call polls only its own registered, uncollected id");
         match slot {
@@ -228,8 +221,7 @@ impl InFlight {
                 let Slot::Done(outcome) = std::mem::replace(slot, Slot::Vacant) else {
                     unreachable!("the slot was just matched as done");
                 };
-                self.live -= 1;
-                self.pop_vacant();
+                self.free(id);
                 Some(outcome)
             }
             Slot::Vacant => panic!("invariant: request {id} polled after it was collected"),
@@ -238,10 +230,6 @@ impl InFlight {
 
     /// The call on `id` gives up (its future was dropped); a late answer will be dropped.
     pub(crate) fn abandon(&mut self, id: u64) {
-        if self.parked.remove(&id).is_some() {
-            self.live -= 1;
-            return;
-        }
         let Some(slot) = self.slot_mut(id) else {
             return;
         };
@@ -249,8 +237,17 @@ impl InFlight {
             return;
         }
         *slot = Slot::Vacant;
+        self.free(id);
+    }
+
+    /// Frees the slot of `id`, just made vacant: its call will collect nothing more.
+    fn free(&mut self, id: u64) {
         self.live -= 1;
-        self.pop_vacant();
+        if id < self.first_id {
+            self.parked.remove(&id);
+        } else {
+            self.pop_vacant();
+        }
     }
 
     /// Times out every call that has waited its timeout by epoch `now`, pushing their
@@ -259,7 +256,7 @@ impl InFlight {
         // Every slot is looked at, not only up to the first unexpired one: a call that
         // waited for room in the outbox was sent after younger ones, so `since` is not
         // sorted by id. The queue spans the calls in flight, and this runs once a tick.
-        for slot in &mut self.slots {
+        for slot in self.slots.iter_mut().chain(self.parked.values_mut()) {
             if matches!(slot, Slot::Waiting { since, .. } if deadlines.expired(*since, now)) {
                 if let Slot::Waiting { waker, .. } =
                     std::mem::replace(slot, Slot::Done(Outcome::TimedOut))
@@ -272,7 +269,7 @@ impl InFlight {
 
     /// Fails every waiting call with `broken`, pushing their wakers to `wakers`.
     pub(crate) fn close(&mut self, broken: &Broken, wakers: &mut Vec<Waker>) {
-        for slot in &mut self.slots {
+        for slot in self.slots.iter_mut().chain(self.parked.values_mut()) {
             if matches!(slot, Slot::Waiting { .. }) {
                 if let Slot::Waiting { waker, .. } =
                     std::mem::replace(slot, Slot::Done(Outcome::Closed(broken.clone())))
@@ -284,8 +281,10 @@ impl InFlight {
     }
 
     fn slot_mut(&mut self, id: u64) -> Option<&mut Slot> {
-        let index = usize::try_from(id.checked_sub(self.first_id)?).ok()?;
-        self.slots.get_mut(index)
+        let Some(index) = id.checked_sub(self.first_id) else {
+            return self.parked.get_mut(&id);
+        };
+        self.slots.get_mut(usize::try_from(index).ok()?)
     }
 
     fn pop_vacant(&mut self) {
@@ -367,6 +366,55 @@ mod tests {
         }
         in_flight.abandon(given_up);
         assert_eq!((in_flight.live(), in_flight.span()), (0, 0));
+    }
+
+    #[test]
+    fn a_call_waiting_at_the_front_is_parked_and_still_answered_timed_out_or_closed() {
+        let deadlines = Deadlines::new(Duration::from_millis(80));
+        let mut in_flight = InFlight::new(1, 4);
+        let (answered, timed_out, closed) = (
+            in_flight.push(waker(), 0),
+            in_flight.push(waker(), 0),
+            in_flight.push(waker(), 100),
+        );
+        // The sidecar answers every later request but not these three.
+        for n in 0..10_000 {
+            let id = in_flight.push(waker(), 100);
+            in_flight.answer(id, counted(n));
+            assert!(in_flight.poll(id, &waker()).is_some());
+        }
+        assert!(
+            in_flight.span() <= 4,
+            "the queue grew to {}",
+            in_flight.span()
+        );
+        assert_eq!(in_flight.live(), 3);
+        assert!(
+            in_flight.poll(answered, &waker()).is_none(),
+            "still waiting"
+        );
+        assert!(in_flight.answer(answered, counted(1)).is_some());
+        assert!(matches!(
+            in_flight.poll(answered, &waker()),
+            Some(Outcome::Answered(result)) if result == counted(1)
+        ));
+        let mut wakers = Vec::new();
+        in_flight.expire(&deadlines, 100, &mut wakers);
+        assert_eq!(
+            wakers.len(),
+            1,
+            "the call begun at epoch 0 times out, alone"
+        );
+        assert!(matches!(
+            in_flight.poll(timed_out, &waker()),
+            Some(Outcome::TimedOut)
+        ));
+        in_flight.close(&Broken::Disconnected, &mut wakers);
+        assert!(matches!(
+            in_flight.poll(closed, &waker()),
+            Some(Outcome::Closed(Broken::Disconnected))
+        ));
+        assert_eq!(in_flight.live(), 0);
     }
 
     #[test]
