@@ -512,9 +512,12 @@ impl Gossip {
                 dead,
                 ..
             } => {
+                // The rows first: a newer life of a member that the sender holds as dead,
+                // relayed in the same frame as its lanes, is taken in as dead, not as alive
+                // by its stamp.
+                self.members.merge(&members, &dead);
                 self.merge(now, (envelope.from, &members), delta, None);
                 let differed = !members.is_empty();
-                self.members.merge(&members, &dead);
                 let mut reply = Message::Delta {
                     to: envelope.from,
                     delta: Delta::default(),
@@ -539,8 +542,8 @@ impl Gossip {
                 dead,
                 ..
             } => {
-                self.merge(now, (envelope.from, &members), delta, None);
                 self.members.merge(&members, &dead);
+                self.merge(now, (envelope.from, &members), delta, None);
             }
             Message::Push { after, lanes } => self.merge(
                 now,
@@ -635,8 +638,8 @@ impl Gossip {
     /// The entries of `delta` of an earlier life of a live node, one this node re-published
     /// or another node's, with what this node held of each of their lanes before merging
     /// them. A node's live life is the latest of its row's here, the sender's if it is that
-    /// node, and its row's in the frame (`from`: the sender and its frame's rows, which are
-    /// taken in after the delta): a node that starts sends its earlier lives' lanes before
+    /// node, and its row's in the frame (`from`: the sender and its frame's rows, taken in
+    /// just before the delta, or none for a push): a node that starts sends its earlier lives' lanes before
     /// its row is everywhere, and a peer relays them with its row.
     fn earlier_lives_in(
         &self,
@@ -1707,8 +1710,8 @@ mod tests {
 
     #[test]
     fn a_member_taken_in_as_dead_is_not_brought_back_by_its_stamp_handed_back() {
-        // Node 2 relays origin 9's lane and, in the same message, its row as dead: the lane
-        // is merged before the row arrives, so node 1 never hears 9 while it has the row.
+        // Node 2 relays origin 9's lane and, in the same message, its row as dead: node 1
+        // takes the row in as dead, and the lane's stamp does not bring it back.
         let nine = ReplicaId::new(NodeId(9), Generation(1));
         let lane = tally_crdt::LaneUpdate {
             key: Key::new(
@@ -1756,6 +1759,66 @@ mod tests {
         // A peer that still holds 9's watermark hands it back: no news of node 9.
         relay(11_000, &mut gossip);
         assert_eq!(gossip.members.state(NodeId(9)), Some(State::Dead));
+    }
+
+    #[test]
+    fn a_newer_life_relayed_with_its_row_as_dead_is_taken_in_dead_over_an_older_alive_row() {
+        let row = |generation: u64| MemberEntry {
+            node: NodeId(9),
+            generation: Generation(generation),
+            addr: "n9".into(),
+            left: false,
+        };
+        let mut gossip = node(1);
+        let from_two = |gossip: &mut Gossip, message: &Message| {
+            gossip.handle_input(Input::Receive {
+                now: now(0),
+                from: NodeId(2),
+                frame: wire::encode(node(2).replica(), message),
+            });
+        };
+        from_two(
+            &mut gossip,
+            &Message::Members {
+                members: vec![row(1)],
+            },
+        );
+        assert_eq!(gossip.members.state(NodeId(9)), Some(State::Alive));
+        // Node 9 restarted as generation 2 and died while node 1 was cut off; node 2 relays
+        // the new life's lane with its row, dead.
+        let nine = ReplicaId::new(NodeId(9), Generation(2));
+        let lane = tally_crdt::LaneUpdate {
+            key: Key::new(
+                Rule::new("r").unwrap(),
+                Subject::new("s").unwrap(),
+                Window::containing(WALL / 1_000, 60).unwrap(),
+            ),
+            lane: Lane::new(5, 0),
+            version: Version(1),
+        };
+        let delta = Message::Delta {
+            to: gossip.replica(),
+            delta: Delta {
+                origins: vec![OriginDelta {
+                    origin: nine,
+                    through: Watermark {
+                        version: Version(1),
+                        stamp: Stamp(WALL),
+                    },
+                    lanes: vec![lane],
+                }],
+            },
+            members: vec![row(2)],
+            dead: vec![NodeId(9)],
+        };
+        from_two(&mut gossip, &delta);
+        assert_eq!(gossip.members.replica(NodeId(9)), Some(nine));
+        assert_eq!(gossip.members.state(NodeId(9)), Some(State::Dead));
+        assert_eq!(
+            gossip.map().watermark(nine).version,
+            Version(1),
+            "its lane is kept"
+        );
     }
 
     #[test]

@@ -173,7 +173,10 @@ impl Members {
             // Back after it was found dead: the silence was not its interval, and taken
             // into the mean it would hold off the detector for many times that silence.
             member.interval = self.expected_interval;
-        } else if let Some(last) = member.heard_at {
+        } else if let Some(last) = member.heard_at.filter(|&last| last < now) {
+            // (At the same instant as the last it is the same hearing, not a gap of zero: a
+            // frame's sender is heard, then its stamp in the frame. Taken as a gap, it would
+            // pull the mean down by an eighth every time, and hold it at its floor.)
             // One gap counts as at most twice the mean: a member back from a pause long
             // enough to be suspected would otherwise hold off the detector for several
             // times that pause once it is silent for good (a 25 s pause made the mean 4 s,
@@ -428,6 +431,26 @@ mod tests {
         members.check(SECOND * 49, 8.0, SECOND * 10);
         assert_eq!(members.state(NodeId(2)), Some(State::Alive));
         members.check(SECOND * 50, 8.0, SECOND * 10);
+        assert_eq!(members.state(NodeId(2)), Some(State::Suspect));
+    }
+
+    #[test]
+    fn a_member_heard_every_3_s_in_frames_that_carry_its_stamp_is_suspected_on_its_own_mean() {
+        let mut members = Members::new(entry(1, 1), SECOND);
+        members.merge(&[entry(2, 1)], &[]);
+        let two = entry(2, 1).replica();
+        // Its heartbeats, each heard as a frame from it and then as its stamp inside.
+        for beat in 0..60 {
+            let now = SECOND * 3 * beat;
+            members.heard(two, now);
+            members.heard_stamped(two, Stamp(1_000 * now.as_secs()), now);
+        }
+        let last = SECOND * 3 * 59;
+        // phi passes 8 after 18.4 mean gaps: about 55 s at a mean of 3 s, where a mean held
+        // at the expected 1 s would suspect it after 18.4 s.
+        members.check(last + SECOND * 40, 8.0, SECOND * 10);
+        assert_eq!(members.state(NodeId(2)), Some(State::Alive));
+        members.check(last + SECOND * 60, 8.0, SECOND * 10);
         assert_eq!(members.state(NodeId(2)), Some(State::Suspect));
     }
 
