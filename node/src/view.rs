@@ -40,6 +40,10 @@ pub struct ViewState {
     pub keys: usize,
     /// Per key, how fast the other replicas' increments have been rising.
     pub remote_rates: HashMap<Key, Rate>,
+    // For each live member's current replica, when its newest stamp first arrived here
+    // (monotonic milliseconds): a key's rate falls only on a sample taken after each of its
+    // live origins was heard (`ViewState::take_in`).
+    heard_live: HashMap<ReplicaId, u64>,
     /// Seeds standing in for the cluster until this node's table has matched a peer's (see
     /// [`unheard_seeds`]).
     /// Each counts as a live member with no stamp, so a node restarted while cut off
@@ -148,8 +152,9 @@ impl Rate {
     /// (one push every few milliseconds), and a burst over one millisecond is not a rate.
     const SAMPLE_MS_MIN: u64 = 100;
 
-    /// Takes in that the total was `total` at `at_ms`.
-    pub fn observe(&mut self, total: u64, at_ms: u64) {
+    /// Takes in that the total was `total` at `at_ms`. A slower sample lowers the rate
+    /// only if `may_fall`; else it is not taken, and the next one spans its time too.
+    pub fn observe(&mut self, total: u64, at_ms: u64, may_fall: bool) {
         if at_ms < self.at_ms + Rate::SAMPLE_MS_MIN || total < self.total {
             return;
         }
@@ -159,8 +164,10 @@ impl Rate {
         // Rising at once to a faster sample keeps the bound conservative; falling slowly.
         self.per_sec = if sample > self.per_sec {
             sample
-        } else {
+        } else if may_fall {
             self.per_sec * keep + sample * (1.0 - keep)
+        } else {
+            return;
         };
         self.total = total;
         self.at_ms = at_ms;
@@ -299,6 +306,13 @@ impl ViewState {
             joined: located.difference(&self.located).copied().collect(),
             left: self.located.difference(&located).copied().collect(),
         };
+        self.heard_live = (members.iter())
+            .filter(|(_, _, state)| matches!(state, State::Alive | State::Suspect))
+            .filter_map(|(_, replica, _)| {
+                let (_, arrived) = self.arrivals.held.get(replica)?;
+                Some((*replica, arrived.mono.as_millis() as u64))
+            })
+            .collect();
         (self.members, self.stamps, self.summary) = (members, stamps, summary);
         self.located = located;
         relocated
@@ -344,6 +358,7 @@ impl ViewState {
             keys: self.keys,
             unheard_seeds: self.unheard_seeds,
             remote_rates: HashMap::new(),
+            heard_live: HashMap::new(),
             other_lives: HashMap::new(),
             below_zero: HashMap::new(),
             outside: HashMap::new(),
@@ -381,15 +396,24 @@ impl ViewState {
     /// Takes in `key`'s counter as gossip merged it, at monotonic time `now_ms`: the other
     /// replicas' increments for its remote rate, the value of `me`'s other lives, and how
     /// far below zero the other nodes are.
+    ///
+    /// The rate falls only on a sample taken once every live member holding a lane of the
+    /// key has been heard since the last: one cut off adds nothing to the samples, and the
+    /// rate would fall to the others' while its own admissions, unseen, go on. The bound
+    /// is the rate times the staleness (`decide`), so it holds the cut-off member's rate.
     pub fn take_in(&mut self, key: &Key, counter: &PnCounter, me: ReplicaId, now_ms: u64) {
         self.taking_in(key);
-        let remote_incr = counter
-            .slots()
-            .iter()
-            .filter(|slot| slot.replica != me)
-            .fold(0u64, |total, slot| total.saturating_add(slot.lane.incr));
+        let remote = || counter.slots().iter().filter(|slot| slot.replica != me);
+        let remote_incr = remote().fold(0u64, |total, slot| total.saturating_add(slot.lane.incr));
         match self.remote_rates.get_mut(key) {
-            Some(rate) => rate.observe(remote_incr, now_ms),
+            Some(rate) => {
+                let heard_since = |slot: &tally_crdt::Slot| {
+                    let arrived = self.heard_live.get(&slot.replica);
+                    arrived.is_none_or(|&arrived| arrived > rate.at_ms)
+                };
+                let may_fall = remote().all(heard_since);
+                rate.observe(remote_incr, now_ms, may_fall);
+            }
             None => {
                 // A key's first sample in a window comes 100 ms in at the soonest: until
                 // then its rate in the window before is the best guess, rather than none
@@ -668,17 +692,58 @@ mod tests {
     }
 
     #[test]
+    fn a_keys_rate_holds_while_a_live_origin_of_it_is_unheard_and_falls_once_it_is_heard() {
+        let replica = |node| ReplicaId::new(NodeId(node), Generation(1));
+        let (me, two, three) = (replica(1), replica(2), replica(3));
+        let members = vec![
+            (NodeId(2), two, State::Alive),
+            (NodeId(3), three, State::Alive),
+        ];
+        let set = |state: &mut ViewState, ms: u64, three_stamp: u64| {
+            let stamps = BTreeMap::from([(two, Stamp(ms)), (three, Stamp(three_stamp))]);
+            state.set_members(members.clone(), stamps, at(ms));
+        };
+        let key = user_1();
+        let rate = |state: &ViewState| state.remote_rate(KeyRef::from(&key));
+        let mut state = ViewState::default();
+        let mut counter = PnCounter::new();
+        set(&mut state, 0, 0);
+        state.take_in(&key, &counter, me, 0);
+        counter.incr(two, 10).unwrap();
+        counter.incr(three, 1_000).unwrap();
+        set(&mut state, 1_000, 1_000);
+        state.take_in(&key, &counter, me, 1_000);
+        assert_eq!(rate(&state), 1_010.0);
+        // Node 3 is cut off: its stamp stays at 1 s while node 2 goes on at 10 a second.
+        for ms in (1_100..=3_900).step_by(100) {
+            set(&mut state, ms, 1_000);
+            counter.incr(two, 1).unwrap();
+            state.take_in(&key, &counter, me, ms);
+        }
+        assert_eq!(
+            rate(&state),
+            1_010.0,
+            "held: node 3's admissions are unseen"
+        );
+        // Heard again, with nothing more of the key: the rate falls over the whole span.
+        set(&mut state, 4_000, 4_000);
+        counter.incr(two, 1).unwrap();
+        state.take_in(&key, &counter, me, 4_100);
+        assert!(rate(&state) < 400.0, "{}", rate(&state));
+    }
+
+    #[test]
     fn a_rate_rises_at_once_and_decays_over_its_half_life() {
         let mut rate = Rate::start(0, 0, 0.0);
-        rate.observe(90, 10);
+        rate.observe(90, 10, true);
         assert_eq!(
             rate.per_sec(),
             0.0,
             "a burst within one sample span is no rate yet"
         );
-        rate.observe(100, 1_000);
+        rate.observe(100, 1_000, true);
         assert_eq!(rate.per_sec(), 100.0);
-        rate.observe(100, 3_000);
+        rate.observe(100, 3_000, true);
         assert!((rate.per_sec() - 50.0).abs() < 1e-9, "{}", rate.per_sec());
     }
 
