@@ -242,11 +242,15 @@ struct Seen {
     /// Checks of the hot subject with no answer (timed out, or the connection went) that
     /// the sidecar may have admitted and counted.
     hot_unknown: u64,
+    /// Checks of the hot subject refused: none is expected.
+    hot_refused: u64,
     /// The staleness every decision reported, in milliseconds.
     staleness_ms: Vec<u64>,
     /// Exact checks: client-observed latency in microseconds, and errors.
     exact_us: Vec<u64>,
     exact_errors: u64,
+    /// Exact checks the region denied: its limit reached.
+    exact_denied: u64,
     /// Acknowledged counts on `req`.
     req_acked: u64,
 }
@@ -260,8 +264,9 @@ async fn demo(args: &DemoArgs, cluster: &mut DemoCluster) -> anyhow::Result<()> 
     let hot_rate = (args.rate / 4).max(1);
     let hot_limit = (hot_rate * args.duration / 2).max(1);
     let exact_rate = (args.rate / 10).max(1);
-    // At least 1: a rule's limit of 0 is refused, and every node would stop at start.
-    let quota_limit = (exact_rate * args.duration / 2).max(1);
+    // Per subject, reached halfway too. At least 1: a rule's limit of 0 is refused, and
+    // every node would stop at start.
+    let quota_limit = (exact_rate * args.duration / (2 * QUOTA_SUBJECTS)).max(1);
 
     println!(
         "tally demo: 1 region + {} edges on loopback, {} s at {} requests/s",
@@ -295,7 +300,9 @@ async fn demo(args: &DemoArgs, cluster: &mut DemoCluster) -> anyhow::Result<()> 
         // The logs go with the cluster's directory: show why a node stopped first.
         Err(err) => return Err(err.context(cluster.stopped_nodes())),
     };
-    wait_for_members(&nodes, nodes.len() - 1).await?;
+    if let Err(err) = wait_for_members(&nodes, nodes.len() - 1).await {
+        return Err(err.context(cluster.stopped_nodes()));
+    }
     println!(" done");
     wait_for_a_window_to_hold(Duration::from_secs(args.duration) + SETTLE * 4).await;
     println!();
@@ -328,7 +335,7 @@ async fn demo(args: &DemoArgs, cluster: &mut DemoCluster) -> anyhow::Result<()> 
                         | tally_client::Error::Disconnected
                         | tally_client::Error::Protocol(_),
                     ) => seen.lock().expect("demo state").hot_unknown += 1,
-                    Err(_) => {}
+                    Err(_) => seen.lock().expect("demo state").hot_refused += 1,
                 }
             }
         });
@@ -360,11 +367,15 @@ async fn demo(args: &DemoArgs, cluster: &mut DemoCluster) -> anyhow::Result<()> 
                 tick.tick().await;
                 n += 1;
                 let started = clock.mono();
-                let result = client.check("quota", &format!("acct-{}", n % 8), 1).await;
+                let subject = format!("acct-{}", n % QUOTA_SUBJECTS);
+                let result = client.check("quota", &subject, 1).await;
                 let micros = (clock.mono() - started).as_micros() as u64;
                 let mut seen = seen.lock().expect("demo state");
                 match result {
-                    Ok(decision) if decision.mode == Mode::Exact => seen.exact_us.push(micros),
+                    Ok(decision) if decision.mode == Mode::Exact => {
+                        seen.exact_us.push(micros);
+                        seen.exact_denied += u64::from(!decision.allowed);
+                    }
                     _ => seen.exact_errors += 1,
                 }
             }
@@ -427,7 +438,10 @@ async fn demo(args: &DemoArgs, cluster: &mut DemoCluster) -> anyhow::Result<()> 
     let unknown: u64 = all.iter().map(|s| s.hot_unknown).sum();
     let mut estimates = Vec::new();
     for &id in &nodes {
-        estimates.push(clients[&id].get("api", "hot").await?.estimate);
+        match clients[&id].get("api", "hot").await {
+            Ok(got) => estimates.push(got.estimate),
+            Err(err) => return Err(anyhow::Error::new(err).context(cluster.stopped_nodes())),
+        }
     }
     let counted = estimates[0];
     let converged = estimates.iter().all(|&hot| hot == counted)
@@ -439,12 +453,24 @@ async fn demo(args: &DemoArgs, cluster: &mut DemoCluster) -> anyhow::Result<()> 
         .collect();
     let (stale_p50, stale_p99) = percentiles(&staleness);
     let propagation = propagation_p99_ms(&nodes).await;
+    let propagation_shown = propagation.map_or("none measured".to_owned(), |p99| format!("{p99}"));
     let exact: Vec<u64> = all
         .iter()
         .flat_map(|s| s.exact_us.iter().copied())
         .collect();
     let (exact_p50, exact_p99) = percentiles(&exact);
     let exact_errors: u64 = all.iter().map(|s| s.exact_errors).sum();
+    let exact_denied: u64 = all.iter().map(|s| s.exact_denied).sum();
+    let hot_refused: u64 = all.iter().map(|s| s.hot_refused).sum();
+    // The region's count of each subject of `quota`: a check of more than the limit is
+    // denied and counts nothing, and its decision carries the count.
+    let mut quota_counts = Vec::new();
+    for n in 0..QUOTA_SUBJECTS {
+        let subject = format!("acct-{n}");
+        let asked = clients[&REGION].check("quota", &subject, quota_limit + 1);
+        quota_counts.push(asked.await?.estimate);
+    }
+    let quota_max = quota_counts.iter().copied().max().unwrap_or(0);
     // Every admission counts one on the hot key, so the count the nodes agree on is what
     // was admitted, the checks with no answer included.
     let allowed = u64::try_from(counted).unwrap_or(0);
@@ -454,27 +480,47 @@ async fn demo(args: &DemoArgs, cluster: &mut DemoCluster) -> anyhow::Result<()> 
     println!("\nsummary");
     println!("  converged: every node's hot estimate = {truth} admitted (+ up to {unknown} unanswered): {converged}; {req_truth} counts acknowledged on `req`");
     println!(
-        "  staleness of writes (propagation delay, all nodes): p99 <= {propagation} ms, documented window {STALENESS_WINDOW_MS} ms"
+        "  staleness of writes (propagation delay, all nodes): p99 <= {propagation_shown} ms, documented window {STALENESS_WINDOW_MS} ms"
     );
     println!("  staleness decisions reported (stalest live member): p50 {stale_p50} ms, p99 {stale_p99} ms");
     println!(
         "  overshoot on `api`: admitted {allowed} of limit {hot_limit}: overshoot {overshoot}, largest bound reported {bound:.1}"
     );
     println!(
-        "  exact path (edge -> region -> fsync -> edge): p50 {:.2} ms, p99 {:.2} ms over {} checks, {exact_errors} errors",
+        "  exact path (edge -> region -> fsync -> edge): p50 {:.2} ms, p99 {:.2} ms over {} checks, {exact_denied} denied, {exact_errors} errors",
         exact_p50 as f64 / 1_000.0,
         exact_p99 as f64 / 1_000.0,
         exact.len()
     );
+    println!(
+        "  exact counts at the region, {QUOTA_SUBJECTS} subjects of `quota`: at most {quota_max} of limit {quota_limit}"
+    );
     let mut failed = Vec::new();
     if !converged {
-        failed.push("estimates did not converge to the truth");
+        failed.push("estimates did not converge to the truth".to_owned());
     }
-    if propagation > STALENESS_WINDOW_MS {
-        failed.push("p99 staleness exceeded the documented window");
+    match propagation {
+        Some(p99) if p99 > STALENESS_WINDOW_MS => {
+            failed.push("p99 staleness exceeded the documented window".to_owned());
+        }
+        Some(_) => {}
+        None => failed.push("no node's /metrics held a propagation delay".to_owned()),
     }
     if overshoot as f64 > bound {
-        failed.push("overshoot exceeded the reported bound");
+        failed.push("overshoot exceeded the reported bound".to_owned());
+    }
+    if allowed == 0 || hot_refused > 0 {
+        failed.push(format!(
+            "the hot subject was not exercised: {allowed} admitted, {hot_refused} refused"
+        ));
+    }
+    if quota_max > i128::from(quota_limit) {
+        failed.push(format!(
+            "the region counted {quota_max} on a subject of `quota`, past its limit {quota_limit}"
+        ));
+    }
+    if exact_denied == 0 {
+        failed.push("no exact check was denied: `quota`'s limit was never reached".to_owned());
     }
     if failed.is_empty() {
         println!("  every promise held");
@@ -545,6 +591,9 @@ async fn wait_for_members(nodes: &[u64], others: usize) -> anyhow::Result<()> {
     bail!("the nodes did not all see each other within 20 s")
 }
 
+/// The subjects of `quota` the exact checks are spread over; its limit is per subject.
+const QUOTA_SUBJECTS: u64 = 8;
+
 /// How fresh every member must be, in `/status`, before the workload starts.
 const FRESH_MS: u64 = 1_000;
 
@@ -565,8 +614,8 @@ fn all_fresh(status: &str, fresh_ms: u64) -> bool {
 }
 
 /// The p99 of the propagation delay over every node's histogram: the upper bound of the
-/// bucket the 99th percentile falls in, in milliseconds.
-async fn propagation_p99_ms(nodes: &[u64]) -> u64 {
+/// bucket the 99th percentile falls in, in milliseconds; `None` if no delay was counted.
+async fn propagation_p99_ms(nodes: &[u64]) -> Option<u64> {
     let mut buckets: BTreeMap<u64, f64> = BTreeMap::new();
     let mut count = 0.0;
     for &id in nodes {
@@ -591,24 +640,33 @@ async fn propagation_p99_ms(nodes: &[u64]) -> u64 {
             }
         }
     }
+    if count == 0.0 {
+        return None;
+    }
     buckets
         .iter()
         .find(|(_, cumulative)| **cumulative >= count * 0.99)
-        .map_or(0, |(le, _)| *le)
+        .map(|(le, _)| *le)
 }
 
+/// The body of `GET path` at `addr`; `None` if it fails or takes over 5 s (a node stopped).
 async fn http_get(addr: &str, path: &str) -> Option<String> {
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
-    let mut stream = tokio::net::TcpStream::connect(addr).await.ok()?;
-    stream
-        .write_all(format!("GET {path} HTTP/1.1\r\nhost: demo\r\n\r\n").as_bytes())
+    let get = async {
+        let mut stream = tokio::net::TcpStream::connect(addr).await.ok()?;
+        stream
+            .write_all(format!("GET {path} HTTP/1.1\r\nhost: demo\r\n\r\n").as_bytes())
+            .await
+            .ok()?;
+        let mut response = String::new();
+        stream.read_to_string(&mut response).await.ok()?;
+        response
+            .split_once("\r\n\r\n")
+            .map(|(_, body)| body.to_owned())
+    };
+    tokio::time::timeout(Duration::from_secs(5), get)
         .await
-        .ok()?;
-    let mut response = String::new();
-    stream.read_to_string(&mut response).await.ok()?;
-    response
-        .split_once("\r\n\r\n")
-        .map(|(_, body)| body.to_owned())
+        .ok()?
 }
 
 #[cfg(test)]
