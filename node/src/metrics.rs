@@ -42,8 +42,8 @@ pub struct Metrics {
     pub lane_log_refused: AtomicU64,
     /// Fallbacks' counts taken back because the region admitted their checks after all.
     pub fallbacks_taken_back: AtomicU64,
-    /// When this node's own certificate stops being valid, in unix seconds: peers refuse
-    /// its handshakes after, and a connection open then lasts only until its next break.
+    /// When this node's own certificate stops being valid, in unix seconds: its open
+    /// connections are closed then, and peers refuse its handshakes after.
     pub certificate_expires_unix_secs: AtomicI64,
 }
 
