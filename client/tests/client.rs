@@ -816,9 +816,15 @@ fn sidecar_on_its_own_thread(drop_first: bool) -> Endpoint {
     endpoint.recv().unwrap()
 }
 
-#[test]
-fn a_reconnect_called_from_a_runtime_without_timers_is_timed_on_the_connections() {
-    let endpoint = sidecar_on_its_own_thread(true);
+/// A client connected, and one increment answered, on an application's runtime that keeps
+/// running on its own thread until told to stop.
+fn connected_on_an_application_thread(
+    endpoint: Endpoint,
+) -> (
+    Client,
+    tokio::sync::oneshot::Sender<()>,
+    std::thread::JoinHandle<()>,
+) {
     let (client_sender, client) = std::sync::mpsc::channel();
     let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
     let application = std::thread::spawn(move || {
@@ -832,7 +838,13 @@ fn a_reconnect_called_from_a_runtime_without_timers_is_timed_on_the_connections(
             stopped.await.unwrap();
         })
     });
-    let client = client.recv().unwrap();
+    (client.recv().unwrap(), stop, application)
+}
+
+#[test]
+fn a_reconnect_called_from_a_runtime_without_timers_is_timed_on_the_connections() {
+    let endpoint = sidecar_on_its_own_thread(true);
+    let (client, stop, application) = connected_on_an_application_thread(endpoint);
     // A runtime with no timer: the reconnect's timeout is not made on it.
     let no_timers = tokio::runtime::Builder::new_current_thread()
         .enable_io()
@@ -895,21 +907,7 @@ fn calls_fail_rather_than_hang_once_the_connecting_runtime_is_gone() {
 #[test]
 fn a_reconnect_made_from_another_runtime_keeps_serving_once_that_runtime_idles() {
     let endpoint = sidecar_on_its_own_thread(true);
-    // The application's runtime connects, and keeps running on its own thread.
-    let (client_sender, client) = std::sync::mpsc::channel();
-    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
-    let application = std::thread::spawn(move || {
-        current_thread().block_on(async move {
-            let client = Client::connect(endpoint, options()).await.unwrap();
-            assert_eq!(
-                client.incr("login", "user-42", 1).await.unwrap(),
-                estimate(1)
-            );
-            client_sender.send(client).unwrap();
-            stopped.await.unwrap();
-        })
-    });
-    let client = client.recv().unwrap();
+    let (client, stop, application) = connected_on_an_application_thread(endpoint);
     // A helper's runtime finds the connection closed and reconnects, then idles.
     current_thread().block_on(async {
         let mut answered = false;

@@ -1708,20 +1708,25 @@ mod tests {
         }
     }
 
+    /// Version 1 of a lane of 5 on `r`/`s` in the window of `window_secs` holding `WALL`.
+    fn relayed_lane(window_secs: u32) -> tally_crdt::LaneUpdate {
+        tally_crdt::LaneUpdate {
+            key: Key::new(
+                Rule::new("r").unwrap(),
+                Subject::new("s").unwrap(),
+                Window::containing(WALL / 1_000, window_secs).unwrap(),
+            ),
+            lane: Lane::new(5, 0),
+            version: Version(1),
+        }
+    }
+
     #[test]
     fn a_member_taken_in_as_dead_is_not_brought_back_by_its_stamp_handed_back() {
         // Node 2 relays origin 9's lane and, in the same message, its row as dead: node 1
         // takes the row in as dead, and the lane's stamp does not bring it back.
         let nine = ReplicaId::new(NodeId(9), Generation(1));
-        let lane = tally_crdt::LaneUpdate {
-            key: Key::new(
-                Rule::new("r").unwrap(),
-                Subject::new("s").unwrap(),
-                Window::containing(WALL / 1_000, 1).unwrap(),
-            ),
-            lane: Lane::new(5, 0),
-            version: Version(1),
-        };
+        let lane = relayed_lane(1);
         let mut gossip = node(1);
         let relay = |at_ms: u64, gossip: &mut Gossip| {
             let delta = Message::Delta {
@@ -1787,15 +1792,7 @@ mod tests {
         // Node 9 restarted as generation 2 and died while node 1 was cut off; node 2 relays
         // the new life's lane with its row, dead.
         let nine = ReplicaId::new(NodeId(9), Generation(2));
-        let lane = tally_crdt::LaneUpdate {
-            key: Key::new(
-                Rule::new("r").unwrap(),
-                Subject::new("s").unwrap(),
-                Window::containing(WALL / 1_000, 60).unwrap(),
-            ),
-            lane: Lane::new(5, 0),
-            version: Version(1),
-        };
+        let lane = relayed_lane(60);
         let delta = Message::Delta {
             to: gossip.replica(),
             delta: Delta {

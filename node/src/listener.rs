@@ -842,7 +842,7 @@ async fn serve_connection<S: AsyncRead + AsyncWrite + Unpin>(
                     _ => return,
                 },
                 Some(first) = answered.recv() => {
-                    in_flight -= answer_exact(service, first, &mut answered, &mut forwarded, &mut output);
+                    in_flight -= answer_queued(service, first, &mut answered, &mut forwarded, &mut output);
                 }
             }
             continue;
@@ -868,7 +868,7 @@ async fn serve_connection<S: AsyncRead + AsyncWrite + Unpin>(
                     }
                     () = tokio::time::sleep_until(due) => held_past_ms = hold.timeout_ms,
                     Some(first) = answered.recv() => {
-                        in_flight -= answer_exact(service, first, &mut answered, &mut forwarded, &mut output);
+                        in_flight -= answer_queued(service, first, &mut answered, &mut forwarded, &mut output);
                         continue;
                     }
                 }
@@ -879,7 +879,7 @@ async fn serve_connection<S: AsyncRead + AsyncWrite + Unpin>(
             let read = tokio::select! {
                 read = stream.read_buf(&mut input), if sending => read,
                 Some(first) = answered.recv() => {
-                    in_flight -= answer_exact(service, first, &mut answered, &mut forwarded, &mut output);
+                    in_flight -= answer_queued(service, first, &mut answered, &mut forwarded, &mut output);
                     continue;
                 }
             };
@@ -947,7 +947,7 @@ struct Held {
 
 /// Answers the exact checks the region answered, `first` and every run queued behind it,
 /// appending their answers to `output`; returns how many.
-fn answer_exact(
+fn answer_queued(
     service: &Service,
     first: Vec<Forwarded<Exact>>,
     answered: &mut mpsc::UnboundedReceiver<Vec<Forwarded<Exact>>>,

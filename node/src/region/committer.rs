@@ -285,6 +285,9 @@ mod tests {
         fail_at: Option<usize>,
         // Allocations ahead: each writes zeros and syncs them (two I/Os).
         allocations: usize,
+        // A disk whose sync returns without making anything durable: the negative control
+        // for acknowledging before the data is on the disk.
+        sync_lies: bool,
     }
 
     /// The simulated log's chunk: small, so that 60 checks cross many.
@@ -381,8 +384,10 @@ mod tests {
 
         fn sync(&mut self) -> std::io::Result<()> {
             let mut disk = self.io()?;
-            disk.durable = disk.file.clone();
-            disk.pending.clear();
+            if !disk.sync_lies {
+                disk.durable = disk.file.clone();
+                disk.pending.clear();
+            }
             Ok(())
         }
 
@@ -499,38 +504,68 @@ mod tests {
             assert_eq!(models, all_models, "decisions do not depend on the disk");
             let disk = disk.lock().unwrap();
             for survived in disk.crash_states() {
-                let (recovered, _) = log::replay(&survived);
-                compacted_and_recovered |= recovered
-                    .iter()
-                    .any(|entry| matches!(entry, Entry::Count { .. }));
-                let mut ledger = Ledger::replay(&recovered);
-                // The recovered ledger is the model of a prefix of the decisions...
-                assert!(
-                    models.contains(&ledger),
-                    "fail at I/O {fail_at}: recovery is the state of a prefix of the decisions"
-                );
-                // ... that holds every acknowledged one.
-                for id in &acked {
-                    let retry = ExactCheck {
-                        id: *id,
-                        ..check(0)
-                    };
-                    let key = super::super::key_of("quota", "acct-0", 500_000, 3_600).unwrap();
-                    assert!(
-                        matches!(ledger.decide(&retry, &key, LIMIT), Decided::Repeat(_)),
-                        "fail at I/O {fail_at}: acknowledged {id:?} lost"
-                    );
-                }
-                // REGION: the recovered ledger never admits past the limit.
-                for subject in ["acct-0", "acct-1"] {
-                    let key = super::super::key_of("quota", subject, 500_000, 3_600).unwrap();
-                    assert!(ledger.count(&key) <= LIMIT);
+                match recovery_fault(&survived, &models, &acked) {
+                    Ok(compacted) => compacted_and_recovered |= compacted,
+                    Err(fault) => panic!("fail at I/O {fail_at}: {fault}"),
                 }
             }
         }
         assert!(
             compacted_and_recovered,
             "some runs recovered from a compacted log"
+        );
+    }
+
+    /// What is wrong with what recovery makes of the crash state `survived`: it must be the
+    /// ledger of a prefix of the decisions (`models`) that holds every acknowledged check
+    /// (`acked`) and never admits past the limit. Else whether the log had been compacted.
+    fn recovery_fault(
+        survived: &[u8],
+        models: &[Ledger],
+        acked: &[RequestId],
+    ) -> Result<bool, String> {
+        let (recovered, _) = log::replay(survived);
+        let compacted = (recovered.iter()).any(|entry| matches!(entry, Entry::Count { .. }));
+        let mut ledger = Ledger::replay(&recovered);
+        if !models.contains(&ledger) {
+            return Err("recovery is not the state of a prefix of the decisions".into());
+        }
+        for id in acked {
+            let retry = ExactCheck {
+                id: *id,
+                ..check(0)
+            };
+            let key = super::super::key_of("quota", "acct-0", 500_000, 3_600).unwrap();
+            if !matches!(ledger.decide(&retry, &key, LIMIT), Decided::Repeat(_)) {
+                return Err(format!("acknowledged {id:?} lost"));
+            }
+        }
+        for subject in ["acct-0", "acct-1"] {
+            let key = super::super::key_of("quota", subject, 500_000, 3_600).unwrap();
+            if ledger.count(&key) > LIMIT {
+                return Err(format!("{subject} admitted past the limit"));
+            }
+        }
+        Ok(compacted)
+    }
+
+    #[test]
+    fn a_disk_whose_sync_persists_nothing_is_caught_losing_acknowledged_checks() {
+        // The negative control of the test above (TESTING.md): acknowledging what is not
+        // on the disk must be seen.
+        let disk = Arc::new(Mutex::new(Disk {
+            sync_lies: true,
+            ..Disk::default()
+        }));
+        let (models, acked) = run_checks(&disk);
+        assert!(!acked.is_empty());
+        let disk = disk.lock().unwrap();
+        let faults: Vec<String> = (disk.crash_states().iter())
+            .filter_map(|survived| recovery_fault(survived, &models, &acked).err())
+            .collect();
+        assert!(
+            faults.iter().any(|fault| fault.contains("lost")),
+            "a crash state lost an acknowledged check: {faults:?}"
         );
     }
 
