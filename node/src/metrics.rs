@@ -26,7 +26,8 @@ use tally_gossip::Histogram;
 pub struct Metrics {
     // By mode (in `MODES` order), then denied and allowed.
     decisions: [[AtomicU64; 2]; MODES.len()],
-    /// Writes refused because the store held `keys_max` keys (local or remote keys).
+    /// Writes and gossiped keys refused because the store held `keys_max` keys (local or
+    /// remote keys).
     pub keys_refused: AtomicU64,
     /// Client frames that did not decode; their connections were closed.
     pub client_frames_bad: AtomicU64,
@@ -267,7 +268,7 @@ pub fn render(sources: &Sources<'_>) -> String {
         ),
         (
             "keys_refused",
-            "Writes refused because the store held its maximum of keys",
+            "Writes and gossiped keys refused because the store held its maximum of keys",
             load(&metrics.keys_refused),
         ),
         (

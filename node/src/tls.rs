@@ -82,6 +82,22 @@ pub struct Identity {
     pub client: quinn::ClientConfig,
     /// When the node's own certificate stops being valid, in unix seconds.
     pub expires_unix_secs: i64,
+    /// The keys of the endpoint's stateless resets and of its connection ids, derived
+    /// from the node's private key: the same in every life of the node, so that a life
+    /// started after a crash takes the connection ids of the last one as its own and
+    /// resets the connections peers still hold to it at their next packet, instead of
+    /// their waiting out the idle timeout. (quinn's defaults are random keys per process:
+    /// the next life drops those packets, and peers would ignore its resets.)
+    pub endpoint_keys: EndpointKeys,
+}
+
+/// See [`Identity::endpoint_keys`].
+#[derive(Debug, Clone, Copy)]
+pub struct EndpointKeys {
+    /// The HMAC key of stateless reset tokens.
+    pub reset: [u8; 32],
+    /// The key connection ids are hashed with, so that the endpoint knows its own.
+    pub connection_id: u64,
 }
 
 /// Loads the node's certificate files and builds both QUIC configurations. Refuses a
@@ -91,6 +107,7 @@ pub fn identity(files: &TlsConfig, node: NodeId) -> Result<Identity, TlsError> {
         server,
         client,
         expires_unix_secs,
+        endpoint_keys,
     } = tls(files, node)?;
     let server = quinn::crypto::rustls::QuicServerConfig::try_from(server)
         .map_err(|err| TlsError::Config(err.to_string()))?;
@@ -104,6 +121,7 @@ pub fn identity(files: &TlsConfig, node: NodeId) -> Result<Identity, TlsError> {
         server,
         client,
         expires_unix_secs,
+        endpoint_keys,
     })
 }
 
@@ -112,6 +130,25 @@ struct Tls {
     server: rustls::ServerConfig,
     client: rustls::ClientConfig,
     expires_unix_secs: i64,
+    endpoint_keys: EndpointKeys,
+}
+
+/// The endpoint keys of a node whose private key is `key`: hashes of it, each under a
+/// label of its own, so that the private key itself keys nothing else.
+fn endpoint_keys(key: &PrivateKeyDer<'_>) -> EndpointKeys {
+    let derive = |label: &[u8]| {
+        let mut context = ring::digest::Context::new(&ring::digest::SHA256);
+        context.update(label);
+        context.update(key.secret_der());
+        let mut out = [0; 32];
+        out.copy_from_slice(context.finish().as_ref());
+        out
+    };
+    let connection_id = derive(b"tally connection id key 1\0");
+    EndpointKeys {
+        reset: derive(b"tally stateless reset key 1\0"),
+        connection_id: u64::from_le_bytes(connection_id[..8].try_into().expect("8 of 32 bytes")),
+    }
 }
 
 /// Loads the node's certificate files and builds both TLS configurations: TLS 1.3 only,
@@ -193,7 +230,7 @@ fn tls(files: &TlsConfig, node: NodeId) -> Result<Tls, TlsError> {
         .with_protocol_versions(&[&rustls::version::TLS13])
         .map_err(config_err)?
         .with_root_certificates(roots)
-        .with_client_auth_cert(chain, key)
+        .with_client_auth_cert(chain, key.clone_key())
         .map_err(key_err)?;
     client.alpn_protocols = vec![ALPN.to_vec()];
     client.resumption = rustls::client::Resumption::disabled();
@@ -201,6 +238,7 @@ fn tls(files: &TlsConfig, node: NodeId) -> Result<Tls, TlsError> {
         server,
         client,
         expires_unix_secs,
+        endpoint_keys: endpoint_keys(&key),
     })
 }
 

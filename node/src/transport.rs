@@ -243,7 +243,22 @@ impl Transport {
                 && limits.inbound_bytes_per_member >= frame_bytes_max,
             "a largest frame must fit a member's share, and a share all the room"
         );
-        let mut endpoint = quinn::Endpoint::server(identity.server, addr)?;
+        let keys = identity.endpoint_keys;
+        let reset_key = ring::hmac::Key::new(ring::hmac::HMAC_SHA256, &keys.reset);
+        let mut config = quinn::EndpointConfig::new(Arc::new(reset_key));
+        config.cid_generator(move || {
+            Box::new(quinn_proto::HashedConnectionIdGenerator::from_key(
+                keys.connection_id,
+            ))
+        });
+        let runtime = quinn::default_runtime()
+            .ok_or_else(|| std::io::Error::other("no async runtime found"))?;
+        let mut endpoint = quinn::Endpoint::new(
+            config,
+            Some(identity.server),
+            std::net::UdpSocket::bind(addr)?,
+            runtime,
+        )?;
         endpoint.set_default_client_config(identity.client);
         let (inbound, receiver) = mpsc::channel(4_096);
         let shared = Arc::new(Shared {
@@ -1667,6 +1682,58 @@ mod tests {
             assert_eq!(inbound.frame, vec![i; 1_000]);
         }
         assert_eq!(one.shared.stats.frames_dropped.load(Ordering::Relaxed), 0);
+        std::fs::remove_dir_all(dir).unwrap();
+    }
+
+    #[tokio::test(flavor = "current_thread")]
+    async fn a_node_started_again_after_a_crash_resets_the_connections_to_its_last_life() {
+        let dir = std::env::temp_dir().join(format!("tally-reset-{}", std::process::id()));
+        let files = crate::certs::write_cluster(&dir, &[NodeId(1), NodeId(2)]).unwrap();
+        let bind = |addr: SocketAddr| {
+            let identity = identity(&dir, &files[0], 1);
+            Transport::bind(addr, identity, 1 << 16, Arc::default(), None).unwrap()
+        };
+        // Node 1's first life, on a thread and runtime of its own, which the crash drops.
+        let first_identity = identity(&dir, &files[0], 1);
+        let (bound, addr) = std::sync::mpsc::channel();
+        let (crash, crashed) = tokio::sync::oneshot::channel::<()>();
+        let first_life = std::thread::spawn(move || {
+            let runtime = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+                .unwrap();
+            let life = runtime.block_on(async move {
+                let any = "127.0.0.1:0".parse().unwrap();
+                let life = Transport::bind(any, first_identity, 1 << 16, Arc::default(), None);
+                let life = life.unwrap();
+                bound
+                    .send(life.0.shared.endpoint.local_addr().unwrap())
+                    .unwrap();
+                crashed.await.unwrap();
+                life
+            });
+            // Its tasks are dropped unpolled: no packet is sent as the life ends.
+            drop(runtime);
+            drop(life);
+        });
+        let addr = addr.recv().unwrap();
+        // Node 2 holds a connection to it, kept alive every second.
+        let mut two = quinn::Endpoint::client("127.0.0.1:0".parse().unwrap()).unwrap();
+        two.set_default_client_config(identity(&dir, &files[1], 2).client);
+        let name = crate::certs::server_name(NodeId(1));
+        let connection = two.connect(addr, &name).unwrap().await.unwrap();
+        crash.send(()).unwrap();
+        first_life.join().unwrap();
+        let (_next_life, _) = bind(addr);
+        // Its next life answers node 2's next packet with a reset node 2 takes; with a key
+        // of its own it would be ignored until the idle timeout.
+        let closed = tokio::time::timeout(Duration::from_secs(60), connection.closed())
+            .await
+            .expect("the connection closes");
+        assert!(
+            matches!(closed, quinn::ConnectionError::Reset),
+            "closed by {closed:?}, not the next life's reset"
+        );
         std::fs::remove_dir_all(dir).unwrap();
     }
 
