@@ -71,6 +71,15 @@ pub fn entropy_seed() -> u64 {
     hasher.finish()
 }
 
+/// Fills `bytes` from the OS's randomness: the nonces of the transport's connection ids,
+/// which must not be guessed.
+pub fn fill_random(bytes: &mut [u8]) {
+    use ring::rand::SecureRandom;
+    ring::rand::SystemRandom::new()
+        .fill(bytes)
+        .expect("invariant: the OS gives randomness");
+}
+
 /// This boot of the machine, as Linux's /proc tells it.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Boot {

@@ -4,8 +4,9 @@
 //! their sum, so that `client_connections_max` connections cannot hold a million. A
 //! connection whose next frame is an exact check with no room for it holds that frame (and
 //! the frames after it) unread until it gets a place ([`ExactRoom::take`]); connections
-//! waiting get the places given back in the order they asked, one each. Nothing is refused
-//! for it: the client's requests wait in its socket, and its own timeouts apply.
+//! waiting get the places given back in the order they asked, one each. The client's
+//! requests wait in its socket; a held check whose rule's timeout passes, timed from when
+//! the hold began, is answered as the region's silence would be (`listener`).
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;

@@ -96,8 +96,8 @@ pub struct Identity {
 pub struct EndpointKeys {
     /// The HMAC key of stateless reset tokens.
     pub reset: [u8; 32],
-    /// The key connection ids are hashed with, so that the endpoint knows its own.
-    pub connection_id: u64,
+    /// The HMAC key that signs connection ids, so that the endpoint knows its own.
+    pub connection_id: [u8; 32],
 }
 
 /// Loads the node's certificate files and builds both QUIC configurations. Refuses a
@@ -144,10 +144,9 @@ fn endpoint_keys(key: &PrivateKeyDer<'_>) -> EndpointKeys {
         out.copy_from_slice(context.finish().as_ref());
         out
     };
-    let connection_id = derive(b"tally connection id key 1\0");
     EndpointKeys {
         reset: derive(b"tally stateless reset key 1\0"),
-        connection_id: u64::from_le_bytes(connection_id[..8].try_into().expect("8 of 32 bytes")),
+        connection_id: derive(b"tally connection id key 1\0"),
     }
 }
 

@@ -246,11 +246,8 @@ impl Transport {
         let keys = identity.endpoint_keys;
         let reset_key = ring::hmac::Key::new(ring::hmac::HMAC_SHA256, &keys.reset);
         let mut config = quinn::EndpointConfig::new(Arc::new(reset_key));
-        config.cid_generator(move || {
-            Box::new(quinn_proto::HashedConnectionIdGenerator::from_key(
-                keys.connection_id,
-            ))
-        });
+        let ids = ConnectionIds::new(&keys.connection_id);
+        config.cid_generator(move || Box::new(ids.clone()));
         let runtime = quinn::default_runtime()
             .ok_or_else(|| std::io::Error::other("no async runtime found"))?;
         let mut endpoint = quinn::Endpoint::new(
@@ -528,6 +525,67 @@ pub struct Sessions {
     pub frames: mpsc::Sender<SessionFrame>,
     /// The largest frame, length prefix excluded.
     pub frame_bytes_max: usize,
+}
+
+/// The connection ids a node's endpoint issues: 8 random bytes and the first 8 of their
+/// HMAC-SHA256 under a key derived from the node's private key. Every life of the node
+/// takes the ids of its earlier lives as its own, so it resets their connections (see
+/// `tls::Identity::endpoint_keys`), and nobody without the key can make an id it takes:
+/// quinn's default signs ids with a 64-bit key through FxHash, which ids seen on the wire
+/// give away, and every valid id would then have its reset token for the life of the key.
+#[derive(Clone)]
+struct ConnectionIds {
+    key: ring::hmac::Key,
+}
+
+impl ConnectionIds {
+    const NONCE_BYTES: usize = 8;
+    const TAG_BYTES: usize = 8;
+
+    fn new(key: &[u8; 32]) -> ConnectionIds {
+        ConnectionIds {
+            key: ring::hmac::Key::new(ring::hmac::HMAC_SHA256, key),
+        }
+    }
+
+    fn tag(&self, nonce: &[u8]) -> [u8; Self::TAG_BYTES] {
+        let signed = ring::hmac::sign(&self.key, nonce);
+        let mut tag = [0; Self::TAG_BYTES];
+        tag.copy_from_slice(&signed.as_ref()[..Self::TAG_BYTES]);
+        tag
+    }
+}
+
+impl quinn::ConnectionIdGenerator for ConnectionIds {
+    fn generate_cid(&mut self) -> quinn::ConnectionId {
+        let mut id = [0; Self::NONCE_BYTES + Self::TAG_BYTES];
+        crate::clock::fill_random(&mut id[..Self::NONCE_BYTES]);
+        let tag = self.tag(&id[..Self::NONCE_BYTES]);
+        id[Self::NONCE_BYTES..].copy_from_slice(&tag);
+        quinn::ConnectionId::new(&id)
+    }
+
+    fn validate(&self, id: &quinn::ConnectionId) -> Result<(), quinn_proto::InvalidCid> {
+        if id.len() != self.cid_len() {
+            return Err(quinn_proto::InvalidCid);
+        }
+        let (nonce, tag) = id.split_at(Self::NONCE_BYTES);
+        // Compared whole, not stopping at the first byte that differs.
+        let differs = (self.tag(nonce).iter().zip(tag)).fold(0, |acc, (a, b)| acc | (a ^ b));
+        if differs == 0 {
+            Ok(())
+        } else {
+            Err(quinn_proto::InvalidCid)
+        }
+    }
+
+    fn cid_len(&self) -> usize {
+        Self::NONCE_BYTES + Self::TAG_BYTES
+    }
+
+    fn cid_lifetime(&self) -> Option<Duration> {
+        None
+    }
 }
 
 /// Opens sessions to peers. Cheap to clone.
@@ -1685,6 +1743,27 @@ mod tests {
         std::fs::remove_dir_all(dir).unwrap();
     }
 
+    #[test]
+    fn connection_ids_are_known_to_every_life_of_their_key_and_to_no_other_key() {
+        use quinn::ConnectionIdGenerator;
+        let mut first_life = ConnectionIds::new(&[7; 32]);
+        let next_life = ConnectionIds::new(&[7; 32]);
+        let other = ConnectionIds::new(&[8; 32]);
+        let id = first_life.generate_cid();
+        assert_eq!(id.len(), 16);
+        assert_ne!(first_life.generate_cid(), id, "random nonces");
+        assert!(next_life.validate(&id).is_ok());
+        assert!(other.validate(&id).is_err());
+        let mut forged = id.to_vec();
+        forged[15] ^= 1;
+        assert!(next_life
+            .validate(&quinn::ConnectionId::new(&forged))
+            .is_err());
+        assert!(next_life
+            .validate(&quinn::ConnectionId::new(&id[..8]))
+            .is_err());
+    }
+
     #[tokio::test(flavor = "current_thread")]
     async fn a_node_started_again_after_a_crash_resets_the_connections_to_its_last_life() {
         let dir = std::env::temp_dir().join(format!("tally-reset-{}", std::process::id()));
@@ -1696,7 +1775,6 @@ mod tests {
         // Node 1's first life, on a thread and runtime of its own, which the crash drops.
         let first_identity = identity(&dir, &files[0], 1);
         let (bound, addr) = std::sync::mpsc::channel();
-        let (crash, crashed) = tokio::sync::oneshot::channel::<()>();
         let first_life = std::thread::spawn(move || {
             let runtime = tokio::runtime::Builder::new_current_thread()
                 .enable_all()
@@ -1709,8 +1787,12 @@ mod tests {
                 bound
                     .send(life.0.shared.endpoint.local_addr().unwrap())
                     .unwrap();
-                crashed.await.unwrap();
-                life
+                let (one, mut inbound) = life;
+                // It crashes once node 2's frame is in: the handshake is done at both ends,
+                // so node 2's next packets are short ones, which a reset answers. (Handshake
+                // packets for an unknown connection are dropped, never reset.)
+                inbound.recv().await.unwrap();
+                (one, inbound)
             });
             // Its tasks are dropped unpolled: no packet is sent as the life ends.
             drop(runtime);
@@ -1722,8 +1804,12 @@ mod tests {
         two.set_default_client_config(identity(&dir, &files[1], 2).client);
         let name = crate::certs::server_name(NodeId(1));
         let connection = two.connect(addr, &name).unwrap().await.unwrap();
-        crash.send(()).unwrap();
-        first_life.join().unwrap();
+        let mut stream = connection.open_uni().await.unwrap();
+        stream.write_all(&[1, 0, 0, 0, 7]).await.unwrap();
+        stream.finish().unwrap();
+        // Waited for off this runtime, which sends node 2's frame meanwhile.
+        let crashed = tokio::task::spawn_blocking(move || first_life.join());
+        crashed.await.unwrap().unwrap();
         let (_next_life, _) = bind(addr);
         // Its next life answers node 2's next packet with a reset node 2 takes; with a key
         // of its own it would be ignored until the idle timeout.
