@@ -10,6 +10,7 @@ use std::path::PathBuf;
 use std::time::Duration;
 use tally_client::{Client, Endpoint, Options};
 use tally_crdt::NodeId;
+use tally_node::certs::NodeFiles;
 use tally_node::cli::DaemonArgs;
 
 // mimalloc, not the system allocator: the region's CPU per exact check fell by 10-15% in
@@ -97,11 +98,26 @@ fn main() -> anyhow::Result<()> {
     match Args::parse().command {
         Command::Certs { out, nodes } => {
             let nodes: Vec<NodeId> = nodes.into_iter().map(NodeId).collect();
+            let ca_was = if out.join("ca.pem").exists() {
+                "kept"
+            } else {
+                "new"
+            };
+            // A node's files already there are replaced: say so, as its node goes on with
+            // the old ones until it restarts.
+            let were: Vec<bool> = (nodes.iter())
+                .map(|&node| NodeFiles::in_dir(&out, node).cert.exists())
+                .collect();
             let files = tally_node::certs::write_cluster(&out, &nodes)?;
-            for file in files {
-                println!("{} {}", file.cert.display(), file.key.display());
+            for (file, was) in files.iter().zip(were) {
+                let what = if was {
+                    "replaced: its node takes them at its next start"
+                } else {
+                    "new"
+                };
+                println!("{} {} ({what})", file.cert.display(), file.key.display());
             }
-            println!("{}", out.join("ca.pem").display());
+            println!("{} ({ca_was})", out.join("ca.pem").display());
             Ok(())
         }
         Command::Daemon(args) => Ok(tally_node::cli::run(&args)?),
