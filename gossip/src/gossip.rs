@@ -1708,9 +1708,10 @@ mod tests {
         }
     }
 
-    /// Version 1 of a lane of 5 on `r`/`s` in the window of `window_secs` holding `WALL`.
-    fn relayed_lane(window_secs: u32) -> tally_crdt::LaneUpdate {
-        tally_crdt::LaneUpdate {
+    /// A `Delta` to `to` relaying node 9's life `generation`: version 1 of a lane of 5 on
+    /// `r`/`s` in the window of `window_secs` holding `WALL`, and its row, held as dead.
+    fn relayed_as_dead(to: ReplicaId, generation: u64, window_secs: u32) -> Message {
+        let lane = tally_crdt::LaneUpdate {
             key: Key::new(
                 Rule::new("r").unwrap(),
                 Subject::new("s").unwrap(),
@@ -1718,6 +1719,26 @@ mod tests {
             ),
             lane: Lane::new(5, 0),
             version: Version(1),
+        };
+        Message::Delta {
+            to,
+            delta: Delta {
+                origins: vec![OriginDelta {
+                    origin: ReplicaId::new(NodeId(9), Generation(generation)),
+                    through: Watermark {
+                        version: Version(1),
+                        stamp: Stamp(WALL),
+                    },
+                    lanes: vec![lane],
+                }],
+            },
+            members: vec![MemberEntry {
+                node: NodeId(9),
+                generation: Generation(generation),
+                addr: "n9".into(),
+                left: false,
+            }],
+            dead: vec![NodeId(9)],
         }
     }
 
@@ -1726,29 +1747,9 @@ mod tests {
         // Node 2 relays origin 9's lane and, in the same message, its row as dead: node 1
         // takes the row in as dead, and the lane's stamp does not bring it back.
         let nine = ReplicaId::new(NodeId(9), Generation(1));
-        let lane = relayed_lane(1);
         let mut gossip = node(1);
         let relay = |at_ms: u64, gossip: &mut Gossip| {
-            let delta = Message::Delta {
-                to: gossip.replica(),
-                delta: Delta {
-                    origins: vec![OriginDelta {
-                        origin: nine,
-                        through: Watermark {
-                            version: Version(1),
-                            stamp: Stamp(WALL),
-                        },
-                        lanes: vec![lane.clone()],
-                    }],
-                },
-                members: vec![MemberEntry {
-                    node: NodeId(9),
-                    generation: Generation(1),
-                    addr: "n9".into(),
-                    left: false,
-                }],
-                dead: vec![NodeId(9)],
-            };
+            let delta = relayed_as_dead(gossip.replica(), 1, 1);
             gossip.handle_input(Input::Receive {
                 now: now(at_ms),
                 from: NodeId(2),
@@ -1792,22 +1793,7 @@ mod tests {
         // Node 9 restarted as generation 2 and died while node 1 was cut off; node 2 relays
         // the new life's lane with its row, dead.
         let nine = ReplicaId::new(NodeId(9), Generation(2));
-        let lane = relayed_lane(60);
-        let delta = Message::Delta {
-            to: gossip.replica(),
-            delta: Delta {
-                origins: vec![OriginDelta {
-                    origin: nine,
-                    through: Watermark {
-                        version: Version(1),
-                        stamp: Stamp(WALL),
-                    },
-                    lanes: vec![lane],
-                }],
-            },
-            members: vec![row(2)],
-            dead: vec![NodeId(9)],
-        };
+        let delta = relayed_as_dead(gossip.replica(), 2, 60);
         from_two(&mut gossip, &delta);
         assert_eq!(gossip.members.replica(NodeId(9)), Some(nine));
         assert_eq!(gossip.members.state(NodeId(9)), Some(State::Dead));

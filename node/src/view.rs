@@ -153,8 +153,9 @@ impl Rate {
     const SAMPLE_MS_MIN: u64 = 100;
 
     /// Takes in that the total was `total` at `at_ms`. A slower sample lowers the rate
-    /// only if `may_fall`; else it is not taken, and the next one spans its time too.
-    pub fn observe(&mut self, total: u64, at_ms: u64, may_fall: bool) {
+    /// only if `may_fall()` (asked of that sample alone); else it is not taken, and the
+    /// next one spans its time too.
+    pub fn observe(&mut self, total: u64, at_ms: u64, may_fall: impl FnOnce() -> bool) {
         if at_ms < self.at_ms + Rate::SAMPLE_MS_MIN || total < self.total {
             return;
         }
@@ -164,7 +165,7 @@ impl Rate {
         // Rising at once to a faster sample keeps the bound conservative; falling slowly.
         self.per_sec = if sample > self.per_sec {
             sample
-        } else if may_fall {
+        } else if may_fall() {
             self.per_sec * keep + sample * (1.0 - keep)
         } else {
             return;
@@ -407,12 +408,12 @@ impl ViewState {
         let remote_incr = remote().fold(0u64, |total, slot| total.saturating_add(slot.lane.incr));
         match self.remote_rates.get_mut(key) {
             Some(rate) => {
+                let sampled_at = rate.at_ms;
                 let heard_since = |slot: &tally_crdt::Slot| {
                     let arrived = self.heard_live.get(&slot.replica);
-                    arrived.is_none_or(|&arrived| arrived > rate.at_ms)
+                    arrived.is_none_or(|&arrived| arrived > sampled_at)
                 };
-                let may_fall = remote().all(heard_since);
-                rate.observe(remote_incr, now_ms, may_fall);
+                rate.observe(remote_incr, now_ms, || remote().all(heard_since));
             }
             None => {
                 // A key's first sample in a window comes 100 ms in at the soonest: until
@@ -735,15 +736,15 @@ mod tests {
     #[test]
     fn a_rate_rises_at_once_and_decays_over_its_half_life() {
         let mut rate = Rate::start(0, 0, 0.0);
-        rate.observe(90, 10, true);
+        rate.observe(90, 10, || true);
         assert_eq!(
             rate.per_sec(),
             0.0,
             "a burst within one sample span is no rate yet"
         );
-        rate.observe(100, 1_000, true);
+        rate.observe(100, 1_000, || true);
         assert_eq!(rate.per_sec(), 100.0);
-        rate.observe(100, 3_000, true);
+        rate.observe(100, 3_000, || true);
         assert!((rate.per_sec() - 50.0).abs() < 1e-9, "{}", rate.per_sec());
     }
 
