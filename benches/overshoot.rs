@@ -57,7 +57,7 @@ fn row(edges: u64, mode: &str, outcome: &Outcome) {
 async fn connected(edges: u64) -> Outcome {
     let cluster = Cluster::start_with(10, edges, 60_000, false);
     let nodes: Vec<u64> = (1..=edges).collect();
-    paced_checks(&cluster, &nodes, "hot", TOTAL_PER_SEC / edges, RUN).await
+    paced_checks(&cluster, &nodes, "api", "hot", TOTAL_PER_SEC / edges, RUN).await
 }
 
 async fn isolated(edges: u64) -> Outcome {
@@ -71,7 +71,15 @@ async fn isolated(edges: u64) -> Outcome {
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
     let nodes: Vec<u64> = (1..=edges).collect();
-    let outcome = paced_checks(&cluster, &nodes, "cut-off", TOTAL_PER_SEC / edges, RUN).await;
+    let outcome = paced_checks(
+        &cluster,
+        &nodes,
+        "api",
+        "cut-off",
+        TOTAL_PER_SEC / edges,
+        RUN,
+    )
+    .await;
     cluster.nodes[edges as usize].signal("CONT");
     outcome
 }

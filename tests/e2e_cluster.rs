@@ -624,7 +624,15 @@ async fn approximate_overshoot_stays_within_the_reported_bound_connected_and_iso
 
     // Connected: one subject's checks spread over all four nodes at a fixed total rate of
     // 1,600 a second, so the limit is reached after about 1.25 s and passed for 0.75 s.
-    let outcome = paced_checks(&cluster, &[1, 2, 3, 4], "hot", 400, Duration::from_secs(2)).await;
+    let outcome = paced_checks(
+        &cluster,
+        &[1, 2, 3, 4],
+        "api",
+        "hot",
+        400,
+        Duration::from_secs(2),
+    )
+    .await;
     assert!(
         outcome
             .modes
@@ -666,7 +674,15 @@ async fn approximate_overshoot_stays_within_the_reported_bound_connected_and_iso
             node.id
         );
     }
-    let outcome = paced_checks(&cluster, &[1, 2, 3], "cut-off", 600, Duration::from_secs(2)).await;
+    let outcome = paced_checks(
+        &cluster,
+        &[1, 2, 3],
+        "api",
+        "cut-off",
+        600,
+        Duration::from_secs(2),
+    )
+    .await;
     cluster.nodes[3].signal("CONT");
     assert!(
         outcome
@@ -926,5 +942,141 @@ async fn a_member_whose_clock_runs_ahead_goes_stale_at_its_peers_once_it_stops()
     assert!(
         isolated.staleness_ms >= 600,
         "isolated on node 2's staleness: {isolated:?}"
+    );
+}
+
+/// TESTING.md T1: windows are fixed by the key, not by whoever holds it. With its clock
+/// 90 s ahead, node 4 is a window ahead of the others for 90 s of every two minutes of
+/// `brief-api`: it counts into the next window while they count into this one. To node 4
+/// the others' stamps look 90 s old, so it decides isolated, on its share. Its peers must
+/// hold its lanes of a window that by their clocks has not begun, and count them once
+/// their clocks reach it, so that the next window admits no more than the limit plus the
+/// bound its decisions reported (BOUND), however early node 4 counted into it. In real
+/// time, the span of one window admits the limit, the bound and what node 4 admitted
+/// early: its share, within T1's pass figure of its rate times the skew.
+#[tokio::test(flavor = "current_thread")]
+async fn a_member_whose_clock_runs_ahead_counts_into_the_next_window_and_its_peers_count_it_there()
+{
+    const SKEW_SECS: u64 = 90;
+    const LIMIT: i128 = 2_000;
+    let mut cluster = Cluster::start_with(NET, 4, 60_000, false);
+    cluster.wait_fresh(Duration::from_millis(300));
+    cluster.node(4).kill9();
+    cluster.node(4).restart_with_clock_ahead(SKEW_SECS);
+    let generation = format!("\"generation\":{}", cluster.nodes[3].last_generation());
+    cluster::eventually(
+        Duration::from_secs(10),
+        "nodes 1 to 3 to hold node 4's life ahead",
+        || {
+            (cluster.nodes[..3].iter()).all(|node| {
+                node.http("/status")
+                    .is_some_and(|s| s.contains(&generation))
+            })
+        },
+    )
+    .await;
+    for node in &cluster.nodes[..3] {
+        let probe = node.client().await;
+        let mut connected = false;
+        for _ in 0..200 {
+            let decision = probe.check("brief-api", "probe", 1).await.unwrap();
+            if decision.mode == Mode::ApproximateConnected {
+                connected = true;
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        assert!(
+            connected,
+            "node {} never held node 4's life ahead fresh",
+            node.id
+        );
+    }
+
+    // Node 4 is a window ahead from second 30 of the others' window on. Start there or
+    // later, with 10 s at least before the others' window ends.
+    let secs = || tally_node::clock::wall().0 / 1_000;
+    while !(30..110).contains(&(secs() % 120)) {
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+    let window = secs() / 120;
+    let (behind, ahead) = (
+        cluster.nodes[0].client().await,
+        cluster.nodes[3].client().await,
+    );
+    let (behind, ahead) = (
+        behind.check("brief-api", "probe", 1).await.unwrap(),
+        ahead.check("brief-api", "probe", 1).await.unwrap(),
+    );
+    // Node 4's window ends 120 s after the others', by a clock 90 s ahead.
+    let later_ms = ahead.reset_after_ms as i64 - behind.reset_after_ms as i64;
+    assert!(
+        (25_000..=35_000).contains(&later_ms),
+        "node 4 counts into the window after the others': its reset is {later_ms} ms later"
+    );
+
+    // The others count into this window at 1,200 a second, node 4 into the next at 1,000.
+    let run = Duration::from_millis(2_500);
+    let (this, next) = tokio::join!(
+        paced_checks(&cluster, &[1, 2, 3], "brief-api", "t1", 400, run),
+        paced_checks(&cluster, &[4], "brief-api", "t1", 1_000, run),
+    );
+    assert_eq!(secs() / 120, window, "the first part ran within one window");
+    assert_eq!(this.modes, [Mode::ApproximateConnected], "{this:?}");
+    assert!(this.allowed >= LIMIT, "the limit was reached: {this:?}");
+    assert!(
+        (this.allowed - LIMIT) as f64 <= this.max_bound,
+        "BOUND (nodes 1 to 3, their window): {this:?}"
+    );
+    assert_eq!(next.modes, [Mode::ApproximateIsolated], "{next:?}");
+    assert_eq!(
+        next.allowed,
+        LIMIT / 4 + 10,
+        "node 4 admitted its share: {next:?}"
+    );
+    eprintln!(
+        "T1: in one window's span the fleet admitted {} against the limit {LIMIT}: {} into \
+         that window (bound {}) and {} early into the next, at 1,000 a second against a \
+         skew of {SKEW_SECS} s",
+        this.allowed + next.allowed,
+        this.allowed,
+        this.max_bound,
+        next.allowed,
+    );
+
+    // Once the others' clocks reach node 4's window, they count what it admitted there.
+    while secs() < (window + 1) * 120 + 1 {
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    let late = paced_checks(
+        &cluster,
+        &[1, 2, 3],
+        "brief-api",
+        "t1",
+        400,
+        Duration::from_secs(2),
+    )
+    .await;
+    assert_eq!(
+        secs() / 120,
+        window + 1,
+        "the second part ran in node 4's window"
+    );
+    assert_eq!(late.modes, [Mode::ApproximateConnected], "{late:?}");
+    assert!(
+        next.allowed + late.allowed >= LIMIT,
+        "the limit was reached: {late:?}"
+    );
+    let overshoot = next.allowed + late.allowed - LIMIT;
+    eprintln!(
+        "T1: once their clocks reached node 4's window the others admitted {} (bound {})",
+        late.allowed, late.max_bound
+    );
+    assert!(
+        overshoot as f64 <= late.max_bound,
+        "BOUND across the skew: node 4 admitted {} early and nodes 1 to 3 {} more once \
+         their clocks reached its window ({late:?})",
+        next.allowed,
+        late.allowed,
     );
 }

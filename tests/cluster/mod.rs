@@ -26,7 +26,7 @@ pub const HTTP_PORT: u16 = 7200;
 pub const WINDOW_SECS: u32 = 604_800;
 
 /// The rules every test node gets (`window_secs` is [`WINDOW_SECS`] but for
-/// `brief-count`, `count` with two-minute windows).
+/// `brief-count`, `count` with two-minute windows, and `brief-api`, `api` with them).
 pub const RULES: &str = r#"
 [[rules]]
 name = "count"
@@ -44,6 +44,13 @@ stale_after_ms = 1000
 name = "api"
 limit = 2000
 window_secs = 604800
+stale_after_ms = 600
+slack = 10
+
+[[rules]]
+name = "brief-api"
+limit = 2000
+window_secs = 120
 stale_after_ms = 600
 slack = 10
 "#;
@@ -497,11 +504,12 @@ pub struct Outcome {
     pub modes: Vec<tally_client::Mode>,
 }
 
-/// Checks of `subject` under `api` on each of `nodes`, `per_sec` a second each, for
+/// Checks of `subject` under `rule` on each of `nodes`, `per_sec` a second each, for
 /// `duration`.
 pub async fn paced_checks(
     cluster: &Cluster,
     nodes: &[u64],
+    rule: &str,
     subject: &str,
     per_sec: u64,
     duration: Duration,
@@ -509,8 +517,9 @@ pub async fn paced_checks(
     let mut tasks = tokio::task::JoinSet::new();
     let checks = per_sec * duration.as_millis() as u64 / 1_000;
     for &id in nodes {
-        let (client, subject) = (
+        let (client, rule, subject) = (
             cluster.nodes[id as usize - 1].client().await,
+            rule.to_owned(),
             subject.to_owned(),
         );
         tasks.spawn(async move {
@@ -518,7 +527,7 @@ pub async fn paced_checks(
             let mut decisions = Vec::new();
             for _ in 0..checks {
                 pace.tick().await;
-                decisions.push(client.check("api", &subject, 1).await.unwrap());
+                decisions.push(client.check(&rule, &subject, 1).await.unwrap());
             }
             decisions
         });
