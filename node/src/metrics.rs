@@ -263,7 +263,7 @@ pub fn render(sources: &Sources<'_>) -> String {
         ),
         (
             "quic_inbound_waits",
-            "Gossip frames whose reader waited for the gossip task to handle earlier frames",
+            "Gossip and session frames whose reader waited for earlier frames to be handled",
             load(&transport.inbound_waits),
         ),
         (

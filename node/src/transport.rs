@@ -29,15 +29,17 @@ const PEER_QUEUE_BYTES: usize = 4 << 20;
 /// What the endpoint holds for its peers at most.
 #[derive(Debug, Clone, Copy)]
 struct Limits {
-    /// Bytes of gossip frames read from peers and not yet handled by the gossip task, over
-    /// all peers (at least one frame of `frame_bytes_max`). A reader that would pass it
-    /// waits, and stops reading its stream meanwhile, so QUIC's flow control holds its peer
-    /// back (whose queue for this node then fills and drops): a member that sends faster
-    /// than the gossip merges fills this rather than a queue without a bound in bytes.
-    /// QUIC's receive windows (4 MiB a connection) come on top.
+    /// Bytes of frames read from peers and not yet handled, over all peers (at least one
+    /// frame of the largest size): gossip frames until the gossip task handles them, and
+    /// session frames (the region protocol) until the region task takes them. A reader that
+    /// would pass it waits, and stops reading its stream meanwhile, so QUIC's flow control
+    /// holds its peer back (whose queue for this node then fills and drops): a member that
+    /// sends faster than the gossip merges or the region decides fills this rather than a
+    /// queue without a bound in bytes. QUIC's receive windows (4 MiB a connection) come on
+    /// top.
     inbound_bytes: usize,
-    /// Of those, the most one member's frames may hold, over all its connections (at least
-    /// one frame of `frame_bytes_max`): a member that sends length prefixes and then stalls
+    /// Of those, the most one member's frames may hold, over all its connections and
+    /// streams (at least one frame of the largest size): a member that sends length prefixes and then stalls
     /// its bodies holds its own share, and the others' frames still come in.
     inbound_bytes_per_member: usize,
     /// Handshakes served at once; past it an incoming connection is refused, and its peer
@@ -137,6 +139,9 @@ pub struct SessionFrame {
     pub body: Vec<u8>,
     /// Where the frame's answer goes.
     pub reply: Reply,
+    // A peer's frame's share of the inbound bytes, given back when this is dropped; none
+    // for a frame from within the node.
+    _room: Option<Room>,
 }
 
 /// The answer to one [`SessionFrame`]: sent on its session, after the answers to every
@@ -221,9 +226,12 @@ impl Transport {
         stats: Arc<TransportStats>,
         sessions: Option<Sessions>,
     ) -> std::io::Result<(Transport, mpsc::Receiver<Inbound>)> {
+        let largest = (sessions.as_ref()).map_or(frame_bytes_max, |sessions| {
+            frame_bytes_max.max(sessions.frame_bytes_max)
+        });
         let limits = Limits {
-            inbound_bytes: Limits::NODE.inbound_bytes.max(frame_bytes_max),
-            inbound_bytes_per_member: Limits::NODE.inbound_bytes_per_member.max(frame_bytes_max),
+            inbound_bytes: Limits::NODE.inbound_bytes.max(largest),
+            inbound_bytes_per_member: Limits::NODE.inbound_bytes_per_member.max(largest),
             ..Limits::NODE
         };
         Transport::bind_within(addr, identity, frame_bytes_max, limits, stats, sessions)
@@ -238,9 +246,10 @@ impl Transport {
         stats: Arc<TransportStats>,
         sessions: Option<Sessions>,
     ) -> std::io::Result<(Transport, mpsc::Receiver<Inbound>)> {
+        let session_bytes_max = sessions.as_ref().map_or(0, |s| s.frame_bytes_max);
         assert!(
             limits.inbound_bytes >= limits.inbound_bytes_per_member
-                && limits.inbound_bytes_per_member >= frame_bytes_max,
+                && limits.inbound_bytes_per_member >= frame_bytes_max.max(session_bytes_max),
             "a largest frame must fit a member's share, and a share all the room"
         );
         let keys = identity.endpoint_keys;
@@ -684,6 +693,7 @@ impl LocalSend {
                 session: self.answers.clone(),
                 permit,
             },
+            _room: None,
         };
         (self.sessions.frames.send(frame).await).map_err(|_| SessionBroken)
     }
@@ -821,16 +831,6 @@ async fn until_expired(expires_unix_secs: i64) {
     }
 }
 
-/// Reads one frame as [`read_frame`] does, counting one out of bounds as oversized and
-/// one cut off as truncated.
-async fn read_counted(
-    stats: &TransportStats,
-    stream: &mut quinn::RecvStream,
-    bytes_max: usize,
-) -> FrameRead {
-    counted(stats, read_frame(stream, bytes_max).await)
-}
-
 /// `read`, counted if it is out of bounds or truncated.
 fn counted(stats: &TransportStats, read: FrameRead) -> FrameRead {
     let counter = match read {
@@ -843,7 +843,8 @@ fn counted(stats: &TransportStats, read: FrameRead) -> FrameRead {
 }
 
 /// Serves one session: hands each frame it carries on, with a [`Reply`] for its answer,
-/// and writes the answers as they come. A frame out of bounds ends the session.
+/// once there is room for its bytes among the inbound bytes (as [`read_frames`] does), and
+/// writes the answers as they come. A frame out of bounds ends the session.
 async fn serve_session(
     shared: Arc<Shared>,
     node: NodeId,
@@ -879,13 +880,21 @@ async fn serve_session(
             // The session was refused (or its stream failed): nothing more of it is read.
             return;
         }
-        let body = match read_counted(&shared.stats, &mut receive, sessions.frame_bytes_max).await {
-            FrameRead::Frame(body) => body,
-            FrameRead::OutOfBounds => {
-                let _ = outgoing.send(Outgoing::Refuse);
+        let len = match read_len(&mut receive, sessions.frame_bytes_max).await {
+            Ok(len) => len,
+            Err(ended) => {
+                if let FrameRead::OutOfBounds = counted(&shared.stats, ended) {
+                    let _ = outgoing.send(Outgoing::Refuse);
+                }
                 return;
             }
-            FrameRead::End | FrameRead::Truncated => return,
+        };
+        let Some(room) = room(&shared, node, len).await else {
+            return;
+        };
+        let body = match counted(&shared.stats, read_body(&mut receive, len).await) {
+            FrameRead::Frame(body) => body,
+            FrameRead::End | FrameRead::Truncated | FrameRead::OutOfBounds => return,
         };
         let frame = SessionFrame {
             from: node,
@@ -894,6 +903,7 @@ async fn serve_session(
                 session: outgoing.clone(),
                 permit,
             },
+            _room: Some(room),
         };
         if sessions.frames.send(frame).await.is_err() {
             return;
@@ -951,7 +961,7 @@ struct Room {
 /// share and then in all, once the gossip task has handled enough of the frames before
 /// it; a frame that waits, for either, is counted once, as it starts waiting.
 async fn room(shared: &Shared, node: NodeId, len: usize) -> Option<Room> {
-    // `len` is at most `frame_bytes_max`, and each semaphore's permits at least that many.
+    // `len` is at most the largest frame, and each semaphore's permits at least that many.
     let permits = u32::try_from(len).ok()?;
     let member = lock(&shared.member_room)
         .entry(node)
@@ -1674,6 +1684,63 @@ mod tests {
         }
         assert!(to_two.try_recv().is_err(), "a stalled frame came in whole");
         drop(streams);
+        std::fs::remove_dir_all(dir).unwrap();
+    }
+
+    /// Node 1 writes ten frames on a session to node 2, a region whose task takes none: the
+    /// frames hold at most node 1's share of node 2's inbound bytes (two frames' worth),
+    /// not 10 of the 1,024 the region's queue holds, and the rest wait in the stream. Taken,
+    /// they come, in order, none lost.
+    #[tokio::test(flavor = "current_thread")]
+    async fn a_members_session_frames_hold_only_its_share_of_the_inbound_bytes() {
+        let limits = Limits {
+            inbound_bytes: 40_000,
+            inbound_bytes_per_member: 20_000,
+            ..Limits::NODE
+        };
+        let dir = std::env::temp_dir().join(format!("tally-sessions-{}", std::process::id()));
+        let nodes = [NodeId(1), NodeId(2)];
+        let files = crate::certs::write_cluster(&dir, &nodes).unwrap();
+        let (one, _) = bound(&dir, &files[0], 1, limits);
+        let (frames, mut to_region) = mpsc::channel(1_024);
+        let sessions = Sessions {
+            frames,
+            frame_bytes_max: 16_384,
+        };
+        let (two, _) = Transport::bind_within(
+            "127.0.0.1:0".parse().unwrap(),
+            identity(&dir, &files[1], 2),
+            16_384,
+            limits,
+            Arc::default(),
+            Some(sessions),
+        )
+        .unwrap();
+        let addr = two.local_addr().unwrap().to_string();
+        let mut session = one
+            .requester()
+            .open_session(NodeId(2), &addr)
+            .await
+            .unwrap();
+        for i in 0..10u8 {
+            let mut frame = 10_000u32.to_le_bytes().to_vec();
+            frame.extend_from_slice(&[i; 10_000]);
+            session.send.write(frame).await.unwrap();
+        }
+        let stats = &two.shared.stats;
+        until("node 1's third frame waiting for its share", || {
+            stats.inbound_waits.load(Ordering::Relaxed) == 1
+        })
+        .await;
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        assert_eq!(to_region.len(), 2, "frames queued past node 1's share");
+        for i in 0..10u8 {
+            let frame = tokio::time::timeout(Duration::from_secs(10), to_region.recv())
+                .await
+                .unwrap_or_else(|_| panic!("frame {i}: not within 10 s"))
+                .unwrap();
+            assert_eq!((frame.from, frame.body), (NodeId(1), vec![i; 10_000]));
+        }
         std::fs::remove_dir_all(dir).unwrap();
     }
 

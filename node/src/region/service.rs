@@ -293,7 +293,9 @@ impl RegionService {
     /// the frame is answered once they are durable. A frame that does not decode, or that
     /// asks under another node's ids, is refused whole: nothing of it is decided.
     fn handle(&mut self, frame: SessionFrame, batches: &mpsc::UnboundedSender<Batch>) {
-        let SessionFrame { from, body, reply } = frame;
+        let SessionFrame {
+            from, body, reply, ..
+        } = frame;
         let Some((version, checks)) = wire::decode_checks(&body) else {
             self.bad_requests.fetch_add(1, Ordering::Relaxed);
             reply.refuse();
