@@ -26,6 +26,11 @@ const GOSSIP_INTERVAL_MS_MAX: u64 = 60_000;
 /// location's share, and its stale counts keep checks isolated.
 const DEAD_AFTER_MS_MAX: u64 = 3_600_000;
 
+/// The highest `lane_rate_max_per_sec`: at a higher rate a lane may hold `u64::MAX` within
+/// the skew a writer's clock is allowed ([`tally_crdt::LANE_RATE_SKEW_SECS`]), so the
+/// check would hold no lane to anything (and at `u64::MAX` it is off).
+const LANE_RATE_MAX_PER_SEC_MAX: u64 = u64::MAX / (tally_crdt::LANE_RATE_SKEW_SECS + 1);
+
 /// The longest `region_timeout_ms`: a check waiting for the region holds a place in the
 /// node's room for exact checks (`exact_room`), and the application waits as long.
 const REGION_TIMEOUT_MS_MAX: u64 = 60_000;
@@ -327,6 +332,30 @@ impl Config {
         Ok(())
     }
 
+    /// Why a peer at `addr` could never be reached from `listen_gossip`, if it could not:
+    /// quinn refuses to dial port 0, an unspecified address or the other IP family, a
+    /// socket bound to loopback reaches only loopback, and a node that dials itself fails
+    /// the handshake. Dialed in vain, a seed would go unheard until it counted dead, and
+    /// the node would decide alone, on the whole limit.
+    fn dialable(&self, addr: SocketAddr) -> Result<(), String> {
+        let own = self.listen_gossip;
+        let why = if addr.port() == 0 {
+            "port 0 is no port a node listens on"
+        } else if addr.ip().is_unspecified() {
+            "an unspecified address is none a node listens on: give the one it binds"
+        } else if addr.is_ipv4() != own.is_ipv4() {
+            "another IP family than listen_gossip's, whose socket cannot reach it"
+        } else if own.ip().is_loopback() && !addr.ip().is_loopback() {
+            "not a loopback address, and listen_gossip is one: its socket reaches only \
+             this machine"
+        } else if addr == own {
+            "this node's own listen_gossip"
+        } else {
+            return Ok(());
+        };
+        Err(format!("{addr}: {why}"))
+    }
+
     /// Checks every value against its bounds; `file` names where they came from.
     pub fn check(&self, file: &Path) -> Result<(), ConfigError> {
         let bad = |key: String, why: String| ConfigError::Value {
@@ -399,8 +428,12 @@ impl Config {
                 format!("{} is over {KEYS_MAX}", self.keys_max),
             ));
         }
-        positive(self.lane_rate_max_per_sec, "lane_rate_max_per_sec")
-            .map_err(|why| bad("lane_rate_max_per_sec".into(), why))?;
+        within(
+            self.lane_rate_max_per_sec,
+            LANE_RATE_MAX_PER_SEC_MAX,
+            "lane_rate_max_per_sec",
+        )
+        .map_err(|why| bad("lane_rate_max_per_sec".into(), why))?;
         within(
             self.gossip_interval_ms,
             GOSSIP_INTERVAL_MS_MAX,
@@ -465,6 +498,40 @@ impl Config {
                 return Err(bad(
                     format!("seeds[{i}].node"),
                     format!("node {} is seeds[{first}] already", seed.node),
+                ));
+            }
+        }
+        let mut dialed = Vec::new();
+        for (i, seed) in self.seeds.iter().enumerate() {
+            let key = format!("seeds[{i}].addr");
+            self.dialable(seed.addr)
+                .map_err(|why| bad(key.clone(), why))?;
+            if let Some(first) = dialed.iter().position(|&addr| addr == seed.addr) {
+                return Err(bad(
+                    key,
+                    format!(
+                        "{} is seeds[{first}].addr too: two nodes cannot listen on one address",
+                        seed.addr
+                    ),
+                ));
+            }
+            dialed.push(seed.addr);
+        }
+        if let Some(region) = &self.region {
+            self.dialable(region.addr)
+                .map_err(|why| bad("region.addr".into(), why))?;
+        }
+        let paths = [
+            ("data_dir", self.data_dir.as_deref()),
+            ("tls.ca", Some(self.tls.ca.as_path())),
+            ("tls.cert", Some(self.tls.cert.as_path())),
+            ("tls.key", Some(self.tls.key.as_path())),
+        ];
+        for (key, path) in paths {
+            if path.is_some_and(|path| path.as_os_str().is_empty()) {
+                return Err(bad(
+                    key.into(),
+                    "is empty: give a path (relative to the working directory, or absolute)".into(),
                 ));
             }
         }
@@ -771,6 +838,48 @@ window_secs = 60
     }
 
     #[test]
+    fn addresses_no_peer_can_be_reached_at_are_refused_by_name() {
+        let seed = |addr: &str| GOOD.replace("127.0.0.1:7002", addr);
+        let cases = [
+            (seed("127.0.0.1:0"), "seeds[0].addr", "port 0"),
+            (seed("0.0.0.0:7002"), "seeds[0].addr", "unspecified"),
+            (seed("[::1]:7002"), "seeds[0].addr", "IP family"),
+            (seed("10.0.0.2:7002"), "seeds[0].addr", "loopback"),
+            (seed("127.0.0.1:7001"), "seeds[0].addr", "own listen_gossip"),
+            (
+                GOOD.replace(
+                    "seeds = [{ node = 2, addr = \"127.0.0.1:7002\" }]",
+                    "seeds = [{ node = 2, addr = \"127.0.0.1:7002\" }, \
+                     { node = 3, addr = \"127.0.0.1:7002\" }]",
+                ),
+                "seeds[1].addr",
+                "seeds[0].addr too",
+            ),
+            (
+                GOOD.replace(
+                    "node_id = 1",
+                    "node_id = 1\nregion = { node = 9, addr = \"127.0.0.9:0\" }",
+                ),
+                "region.addr",
+                "port 0",
+            ),
+        ];
+        for (text, key, why) in cases {
+            let err = parse(&text).unwrap_err().to_string();
+            assert!(
+                err.contains("node-1.toml") && err.contains(key) && err.contains(why),
+                "{key}: {err}"
+            );
+        }
+        let lan = GOOD.replace("127.0.0.1:7001", "10.0.0.1:7001");
+        let lan = lan.replace("127.0.0.1:7002", "10.0.0.2:7002");
+        assert!(
+            parse(&lan).is_ok(),
+            "a LAN address dialed from a LAN address"
+        );
+    }
+
+    #[test]
     fn values_that_would_break_the_node_later_are_refused_by_name() {
         let cases = [
             (GOOD.replace("node = 2", "node = 0"), "seeds[0].node"),
@@ -810,6 +919,22 @@ window_secs = 60
             (
                 GOOD.replace("node_id = 1", "node_id = 1\npush_interval_ms = 1000"),
                 "push_interval_ms",
+            ),
+            (
+                GOOD.replace(
+                    "node_id = 1",
+                    "node_id = 1\nlane_rate_max_per_sec = 18446744073709551615",
+                ),
+                "lane_rate_max_per_sec",
+            ),
+            (
+                GOOD.replace("node_id = 1", "node_id = 1\ndata_dir = \"\""),
+                "data_dir",
+            ),
+            (GOOD.replace("ca = \"ca.pem\"", "ca = \"\""), "tls.ca"),
+            (
+                GOOD.replace("key = \"node-1.key\"", "key = \"\""),
+                "tls.key",
             ),
             (
                 GOOD.replace("node_id = 1", "node_id = 1\nkeys_max = 4294967296"),
