@@ -115,7 +115,7 @@ pub enum Message {
         /// not carry it, so a push of another origin's lanes cannot be sent or received.
         lanes: OriginDelta,
     },
-    /// A membership announcement: a join, or a graceful leave.
+    /// A membership announcement: a graceful leave.
     Members {
         /// Entries to merge.
         members: Vec<MemberEntry>,

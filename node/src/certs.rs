@@ -62,6 +62,18 @@ pub enum CertError {
         /// The key that does not match it.
         key: PathBuf,
     },
+    /// The CA certificate has ended: every node certificate it signed would have ended
+    /// too.
+    #[error(
+        "certs: {cert} ended at {ended}; move it and its key away to make a new CA (every \
+         node then needs a new certificate under it)"
+    )]
+    CaEnded {
+        /// The CA certificate.
+        cert: PathBuf,
+        /// When it ended.
+        ended: OffsetDateTime,
+    },
     /// The CA certificate's PEM could not be read.
     #[error("certs: {path}: not a PEM certificate: {why}")]
     Pem {
@@ -185,6 +197,14 @@ impl Ca {
                 path: cert_path.clone(),
                 why: "its validity does not parse".into(),
             })?;
+        let now = OffsetDateTime::from_unix_timestamp((crate::clock::wall().0 / 1_000) as i64)
+            .unwrap_or(OffsetDateTime::UNIX_EPOCH);
+        if not_after <= now {
+            return Err(CertError::CaEnded {
+                cert: cert_path,
+                ended: not_after,
+            });
+        }
         let issuer = Issuer::from_ca_cert_pem(&cert_pem, key)?;
         Ok(Ca {
             issuer,
@@ -414,6 +434,32 @@ mod tests {
         let der = CertificateDer::from_pem_slice(node.as_bytes()).unwrap();
         let (_, cert) = x509_parser::parse_x509_certificate(&der).unwrap();
         assert_eq!(cert.validity().not_after.timestamp(), now + 365 * 86_400);
+        std::fs::remove_dir_all(dir).unwrap();
+    }
+
+    #[test]
+    fn a_ca_that_has_ended_issues_nothing_and_says_to_make_a_new_one() {
+        let dir = dir("ca-ended");
+        std::fs::create_dir_all(&dir).unwrap();
+        let ca = Ca::generate("test").unwrap();
+        let now = (crate::clock::wall().0 / 1_000) as i64;
+        let at = |secs: i64| OffsetDateTime::from_unix_timestamp(secs).unwrap();
+        let mut params = CertificateParams::default();
+        params.is_ca = IsCa::Ca(BasicConstraints::Constrained(0));
+        params.key_usages = vec![KeyUsagePurpose::KeyCertSign];
+        (params.not_before, params.not_after) = (at(now - 7_200), at(now - 3_600));
+        let ended = params.self_signed(ca.issuer.key()).unwrap();
+        write(&dir.join("ca.pem"), &ended.pem()).unwrap();
+        write_secret(&dir.join("ca.key"), &ca.issuer.key().serialize_pem()).unwrap();
+        let err = write_cluster(&dir, &[NodeId(1)]).unwrap_err().to_string();
+        assert!(
+            err.contains("ca.pem") && err.contains("ended") && err.contains("new CA"),
+            "{err}"
+        );
+        assert!(
+            !dir.join("node-1.pem").exists(),
+            "a certificate was written"
+        );
         std::fs::remove_dir_all(dir).unwrap();
     }
 
