@@ -212,8 +212,10 @@ impl LaneStore {
     /// (a merge keeps the larger total). The node writes only in the window of its wall
     /// clock, which windows are expired behind, so that happens only once the wall clock
     /// steps back past a window's life (a gap, ARCHITECTURE.md). A write racing the removal
-    /// is not lost to the store: it lands either before it (and the key stays) or in the
-    /// key's new slot.
+    /// lands either before it (and the key stays) or in the key's new slot: a new lane from
+    /// zero, so with writers on several threads a write to a window that is over can be
+    /// acknowledged and then ignored by peers holding the old totals. `tallyd` runs
+    /// writes and removals on one thread, where no write races a removal.
     pub fn remove(&self, key: &Key) -> bool {
         let guard = self.slots.guard();
         self.unlink(key, Slot::retire, &guard)
