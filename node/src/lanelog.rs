@@ -28,8 +28,9 @@
 //! with a non-zero own lane) is written beside itself as `lanes-<generation>.compact` and
 //! renamed over itself; a start removes such a file left by a crash.
 //!
-//! A record is `[len u32][crc32 u32][body]`; replay stops at the first record that is
-//! short, of length 0, or fails its checksum, keeping the prefix before it. A log is
+//! A record is `[len u32][crc32 u32][body]`. Replay reads records until one is short, of
+//! length 0, or fails its checksum; if nothing but zeros follows, that is the log's end,
+//! and otherwise it reads on past the damage, keeping every whole record after it. A log is
 //! allocated ahead with zeros (a MiB at a time), so that the sync each collection waits
 //! for (`handoff`) writes the records' blocks alone: one that grows the file also commits
 //! its size and blocks (a journal commit on ext4), which costs more and holds up the
@@ -557,21 +558,42 @@ fn encode(key: &Key, incr: u64, decr: u64, out: &mut Vec<u8>) {
     checksummed::append(&record, out);
 }
 
-/// The own lanes a log adds up to, and whether it had a torn tail (1) or not (0).
+/// The own lanes a log adds up to, and whether it had damage (1) or not (0).
 ///
-/// The records end at the first that is short or fails its checksum: a crash tears only
-/// the tail. A record that checks but does not decode, or names a key this build refuses,
-/// was written whole (by another build, or a fault past a crash): dropped, or read as the
-/// end, its totals and the records after it would be re-published below what peers hold,
-/// and nothing would lift them again. So it stops the start, naming the file.
+/// A record that is short or fails its checksum is damage: a torn tail, as a crash leaves
+/// it, if only zeros (the allocation ahead) follow; otherwise a fault in the middle, or a
+/// tail whose later blocks reached the disk before its earlier ones. Replay reads on past
+/// it a byte at a time, and keeps every whole record it finds: the start rewrites the log
+/// from what replay kept, so a record left behind here would be gone for good. A match
+/// by chance in damaged bytes needs a checksum that matches (one in 2^32) and a body that
+/// decodes to a lane of a valid key; it would add to this node's count, the safe side
+/// for a limit.
+///
+/// A record before any damage that checks but does not decode, or names a key this build
+/// refuses, was written whole (by another build, or a fault past a crash): dropped, or read
+/// as the end, its totals and the records after it would be re-published below what peers
+/// hold, and nothing would lift them again. So it stops the start, naming the file.
 fn replay(path: &Path) -> Result<(Vec<(Key, Lane)>, usize), LogError> {
     let bytes = read_whole(path)?;
     let mut lanes: std::collections::HashMap<Key, Lane> = std::collections::HashMap::new();
-    let mut at = 0;
-    while let Some((body, next)) = checksummed::read_body(&bytes, at) {
+    let (mut at, mut damaged) = (0, false);
+    while at < bytes.len() {
+        let Some((body, next)) = checksummed::read_body(&bytes, at) else {
+            // Zeros after the records are the allocation ahead.
+            if !damaged && bytes[at..].iter().all(|&byte| byte == 0) {
+                break;
+            }
+            damaged = true;
+            at += 1;
+            continue;
+        };
         let whole =
             checksummed::decode::<Record>(body).and_then(|record| Some((key_of(&record)?, record)));
         let Some((key, record)) = whole else {
+            if damaged {
+                at += 1;
+                continue;
+            }
             let why = format!(
                 "the record at byte {at} checks but is not a lane of a valid key: a log of \
                  another build, or damaged after it was written; not started, so as not to \
@@ -590,9 +612,7 @@ fn replay(path: &Path) -> Result<(Vec<(Key, Lane)>, usize), LogError> {
             lane.decr.saturating_add(record.decr),
         );
     }
-    // Zeros after the records are the allocation ahead.
-    let torn = usize::from(bytes[at..].iter().any(|&byte| byte != 0));
-    Ok((lanes.into_iter().collect(), torn))
+    Ok((lanes.into_iter().collect(), usize::from(damaged)))
 }
 
 fn key_of(record: &Record) -> Option<Key> {
@@ -976,12 +996,24 @@ mod tests {
             );
             assert_eq!(torn, usize::from(!ends.contains(&cut)), "cut {cut}");
         }
-        // A flipped bit in a whole record is caught by its checksum.
+        // A flipped bit in a whole record is caught by its checksum, and the records after
+        // it are kept: 1 + 4 + 8, the second lost.
         let mut flipped = whole.clone();
         flipped[ends[1] + 10] ^= 1;
         std::fs::write(&path, &flipped).unwrap();
         let (lanes, torn) = replay(&path).unwrap();
-        assert_eq!((lanes[0].1.incr, torn), (1, 1));
+        assert_eq!((lanes[0].1.incr, torn), (13, 1));
+        // So is a record after a run of zeros in the middle, as a tail whose later blocks
+        // reached the disk first leaves it, and after a run of garbage.
+        for damage in [[0u8; 40], [0x5a; 40]] {
+            let mut gapped = whole[..ends[2]].to_vec();
+            gapped.extend_from_slice(&damage);
+            gapped.extend_from_slice(&whole[ends[2]..]);
+            gapped.extend_from_slice(&[0; 64]);
+            std::fs::write(&path, &gapped).unwrap();
+            let (lanes, torn) = replay(&path).unwrap();
+            assert_eq!((lanes[0].1.incr, torn), (15, 1), "{:?}", damage[0]);
+        }
         std::fs::remove_dir_all(dir).unwrap();
     }
 
