@@ -326,7 +326,7 @@ pub fn recover(dir: &Path, now_unix_secs: u64) -> Result<(Vec<AnsweredId>, u64),
 fn file_generation(path: &Path) -> Option<(u64, &str)> {
     let name = path.file_name()?.to_str()?.strip_prefix("answers-")?;
     let (generation, extension) = name.split_once('.')?;
-    Some((generation.parse().ok()?, extension))
+    Some((crate::lanelog::generation_named(generation)?, extension))
 }
 
 /// The answers in the file at `path`, in order, skipping a record that checks but does not

@@ -624,12 +624,20 @@ fn key_of(record: &Record) -> Option<Key> {
 }
 
 fn log_generation(path: &Path) -> Option<u64> {
-    path.file_name()?
-        .to_str()?
-        .strip_prefix("lanes-")?
-        .strip_suffix(".log")?
-        .parse()
-        .ok()
+    generation_named(
+        path.file_name()?
+            .to_str()?
+            .strip_prefix("lanes-")?
+            .strip_suffix(".log")?,
+    )
+}
+
+/// The generation `text` names, written as this node writes one: `5`, not `05` or `+5`.
+/// Two names of one generation (left by a copy or a restore) would be replayed as one
+/// replica, and a merge would take the larger of their totals, not their sum.
+pub(crate) fn generation_named(text: &str) -> Option<u64> {
+    let generation: u64 = text.parse().ok()?;
+    (generation.to_string() == text).then_some(generation)
 }
 
 /// Whether `path` is a `lanes-<generation>.compact` file: a compaction's copy of a log,
@@ -1133,6 +1141,14 @@ mod tests {
         );
         assert!(!dir.join(format!("lanes-{old}.compact")).exists());
         std::fs::remove_dir_all(dir).unwrap();
+    }
+
+    #[test]
+    fn only_a_generation_written_as_a_node_writes_it_names_a_log() {
+        assert_eq!(log_generation(Path::new("/d/lanes-5.log")), Some(5));
+        for name in ["lanes-05.log", "lanes-+5.log", "lanes-.log", "lanes-5.copy"] {
+            assert_eq!(log_generation(&Path::new("/d").join(name)), None, "{name}");
+        }
     }
 
     #[test]
