@@ -50,6 +50,19 @@ impl Ledger {
 
 /// Waits until every running node reports, for every subject of `ledger`, one and the
 /// same value, within FINAL's range; returns the values.
+/// The first of up to 200 checks of `subject` under `rule`, 50 ms apart, decided in
+/// `mode`; `None` if none was.
+async fn first_decided(client: &Client, rule: &str, subject: &str, mode: Mode) -> Option<Decision> {
+    for _ in 0..200 {
+        let decision = client.check(rule, subject, 1).await.unwrap();
+        if decision.mode == mode {
+            return Some(decision);
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    None
+}
+
 async fn assert_final(cluster: &Cluster, ledger: &Ledger) -> BTreeMap<String, i128> {
     let mut clients = Vec::new();
     for node in cluster.nodes.iter().filter(|n| n.is_running()) {
@@ -659,17 +672,10 @@ async fn approximate_overshoot_stays_within_the_reported_bound_connected_and_iso
     cluster.nodes[3].signal("STOP");
     for node in &cluster.nodes[..3] {
         let probe = node.client().await;
-        let mut isolated = false;
-        for _ in 0..200 {
-            let decision = probe.check("api", "probe", 1).await.unwrap();
-            if decision.mode == tally_client::Mode::ApproximateIsolated {
-                isolated = true;
-                break;
-            }
-            tokio::time::sleep(Duration::from_millis(50)).await;
-        }
         assert!(
-            isolated,
+            first_decided(&probe, "api", "probe", Mode::ApproximateIsolated)
+                .await
+                .is_some(),
             "node {} never went isolated with node 4 paused",
             node.id
         );
@@ -908,36 +914,19 @@ async fn a_member_whose_clock_runs_ahead_goes_stale_at_its_peers_once_it_stops()
     )
     .await;
     let client = cluster.nodes[0].client().await;
-    let mut connected = false;
-    for _ in 0..200 {
-        let decision = client.check("api", "ahead", 1).await.unwrap();
-        if decision.mode == Mode::ApproximateConnected {
-            connected = true;
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
     assert!(
-        connected,
+        first_decided(&client, "api", "ahead", Mode::ApproximateConnected)
+            .await
+            .is_some(),
         "node 1 never saw node 2, its clock ahead, as fresh"
     );
 
     cluster.nodes[1].signal("STOP");
-    let mut decisions = 0;
-    let mut isolated = None;
-    for _ in 0..200 {
-        let decision = client.check("api", "ahead", 1).await.unwrap();
-        decisions += 1;
-        if decision.mode == Mode::ApproximateIsolated {
-            isolated = Some(decision);
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    let isolated = first_decided(&client, "api", "ahead", Mode::ApproximateIsolated).await;
     cluster.nodes[1].signal("CONT");
     // 200 checks 50 ms apart: at least 10 s, against the rule's 600 ms and the 90 s skew.
     let isolated = isolated.unwrap_or_else(|| {
-        panic!("node 1 still decided connected {decisions} checks after node 2 stopped")
+        panic!("node 1 still decided connected 200 checks after node 2 stopped")
     });
     assert!(
         isolated.staleness_ms >= 600,
@@ -977,17 +966,10 @@ async fn a_member_whose_clock_runs_ahead_counts_into_the_next_window_and_its_pee
     .await;
     for node in &cluster.nodes[..3] {
         let probe = node.client().await;
-        let mut connected = false;
-        for _ in 0..200 {
-            let decision = probe.check("brief-api", "probe", 1).await.unwrap();
-            if decision.mode == Mode::ApproximateConnected {
-                connected = true;
-                break;
-            }
-            tokio::time::sleep(Duration::from_millis(50)).await;
-        }
         assert!(
-            connected,
+            first_decided(&probe, "brief-api", "probe", Mode::ApproximateConnected)
+                .await
+                .is_some(),
             "node {} never held node 4's life ahead fresh",
             node.id
         );

@@ -414,21 +414,27 @@ mod tests {
         std::fs::remove_dir_all(dir).unwrap();
     }
 
-    #[test]
-    fn a_node_certificate_ends_no_later_than_its_ca() {
-        let dir = dir("ca-end");
-        std::fs::create_dir_all(&dir).unwrap();
+    /// Writes a CA into `dir` (made if missing), valid from `from` until `until` (unix
+    /// seconds).
+    fn write_ca_valid(dir: &Path, from: i64, until: i64) {
+        std::fs::create_dir_all(dir).unwrap();
         let ca = Ca::generate("test").unwrap();
-        let now = (crate::clock::wall().0 / 1_000) as i64;
         let at = |secs: i64| OffsetDateTime::from_unix_timestamp(secs).unwrap();
-        // A CA with a year left, as written to disk and read back.
         let mut params = CertificateParams::default();
         params.is_ca = IsCa::Ca(BasicConstraints::Constrained(0));
         params.key_usages = vec![KeyUsagePurpose::KeyCertSign];
-        (params.not_before, params.not_after) = (at(now - 3_600), at(now + 365 * 86_400));
-        let year_left = params.self_signed(ca.issuer.key()).unwrap();
-        write(&dir.join("ca.pem"), &year_left.pem()).unwrap();
+        (params.not_before, params.not_after) = (at(from), at(until));
+        let cert = params.self_signed(ca.issuer.key()).unwrap();
+        write(&dir.join("ca.pem"), &cert.pem()).unwrap();
         write_secret(&dir.join("ca.key"), &ca.issuer.key().serialize_pem()).unwrap();
+    }
+
+    #[test]
+    fn a_node_certificate_ends_no_later_than_its_ca() {
+        let dir = dir("ca-end");
+        let now = (crate::clock::wall().0 / 1_000) as i64;
+        // A CA with a year left, as written to disk and read back.
+        write_ca_valid(&dir, now - 3_600, now + 365 * 86_400);
         let ca = Ca::load_or_create(&dir).unwrap();
         let (node, _) = ca.issue(NodeId(1)).unwrap();
         let der = CertificateDer::from_pem_slice(node.as_bytes()).unwrap();
@@ -440,17 +446,8 @@ mod tests {
     #[test]
     fn a_ca_that_has_ended_issues_nothing_and_says_to_make_a_new_one() {
         let dir = dir("ca-ended");
-        std::fs::create_dir_all(&dir).unwrap();
-        let ca = Ca::generate("test").unwrap();
         let now = (crate::clock::wall().0 / 1_000) as i64;
-        let at = |secs: i64| OffsetDateTime::from_unix_timestamp(secs).unwrap();
-        let mut params = CertificateParams::default();
-        params.is_ca = IsCa::Ca(BasicConstraints::Constrained(0));
-        params.key_usages = vec![KeyUsagePurpose::KeyCertSign];
-        (params.not_before, params.not_after) = (at(now - 7_200), at(now - 3_600));
-        let ended = params.self_signed(ca.issuer.key()).unwrap();
-        write(&dir.join("ca.pem"), &ended.pem()).unwrap();
-        write_secret(&dir.join("ca.key"), &ca.issuer.key().serialize_pem()).unwrap();
+        write_ca_valid(&dir, now - 7_200, now - 3_600);
         let err = write_cluster(&dir, &[NodeId(1)]).unwrap_err().to_string();
         assert!(
             err.contains("ca.pem") && err.contains("ended") && err.contains("new CA"),
