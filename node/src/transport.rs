@@ -30,13 +30,14 @@ const PEER_QUEUE_BYTES: usize = 4 << 20;
 #[derive(Debug, Clone, Copy)]
 struct Limits {
     /// Bytes of frames read from peers and not yet handled, over all peers (at least one
-    /// frame of the largest size): gossip frames until the gossip task handles them, and
-    /// session frames (the region protocol) until the region task takes them. A reader that
-    /// would pass it waits, and stops reading its stream meanwhile, so QUIC's flow control
-    /// holds its peer back (whose queue for this node then fills and drops): a member that
-    /// sends faster than the gossip merges or the region decides fills this rather than a
-    /// queue without a bound in bytes. QUIC's receive windows (4 MiB a connection) come on
-    /// top.
+    /// frame of the largest size), for each of two kinds, each with room of its own: gossip
+    /// frames until the gossip task handles them, and session frames (the region protocol)
+    /// until the region task takes them, so that exact checks never wait behind a gossip
+    /// backlog. A reader that would pass it waits, and stops reading its stream meanwhile,
+    /// so QUIC's flow control holds its peer back (whose queue for this node then fills and
+    /// drops): a member that sends faster than the gossip merges or the region decides fills
+    /// this rather than a queue without a bound in bytes. QUIC's receive windows (4 MiB a
+    /// connection) come on top.
     inbound_bytes: usize,
     /// Of those, the most one member's frames may hold, over all its connections and
     /// streams (at least one frame of the largest size): a member that sends length prefixes and then stalls
@@ -112,7 +113,7 @@ pub struct TransportStats {
     pub connections_over_cap: AtomicU64,
     /// Connections closed because their peer's certificate expired while they were open.
     pub connections_expired: AtomicU64,
-    /// Gossip frames whose reader waited for room among the inbound bytes.
+    /// Gossip and session frames whose reader waited for room among the inbound bytes.
     pub inbound_waits: AtomicU64,
 }
 
@@ -202,11 +203,9 @@ struct Shared {
     // Per member, the connections it opened here that are still open, oldest first.
     accepted: Mutex<HashMap<NodeId, VecDeque<quinn::Connection>>>,
     inbound: mpsc::Sender<Inbound>,
-    // Permits for the bytes of frames read and not yet handled: `Limits::inbound_bytes`.
-    inbound_room: Arc<Semaphore>,
-    // Per member, its share of them: `Limits::inbound_bytes_per_member`. One entry per
-    // member that ever sent a frame here: members hold certificates from the cluster's CA.
-    member_room: Mutex<HashMap<NodeId, Arc<Semaphore>>>,
+    // Room for the bytes of gossip frames read and not yet handled, and of session frames.
+    gossip_room: InboundRoom,
+    session_room: InboundRoom,
     limits: Limits,
     // Where frames on sessions go, and the most bytes one may have: on the region node
     // only.
@@ -272,8 +271,8 @@ impl Transport {
             connections: Mutex::new(HashMap::new()),
             accepted: Mutex::new(HashMap::new()),
             inbound,
-            inbound_room: Arc::new(Semaphore::new(limits.inbound_bytes)),
-            member_room: Mutex::new(HashMap::new()),
+            gossip_room: InboundRoom::new(limits),
+            session_room: InboundRoom::new(limits),
             limits,
             sessions,
             frame_bytes_max,
@@ -843,7 +842,8 @@ fn counted(stats: &TransportStats, read: FrameRead) -> FrameRead {
 }
 
 /// Serves one session: hands each frame it carries on, with a [`Reply`] for its answer,
-/// once there is room for its bytes among the inbound bytes (as [`read_frames`] does), and
+/// once there is room for its bytes among the session frames' inbound bytes (as
+/// [`read_frames`] waits for the gossip frames'), and
 /// writes the answers as they come. A frame out of bounds ends the session.
 async fn serve_session(
     shared: Arc<Shared>,
@@ -889,7 +889,7 @@ async fn serve_session(
                 return;
             }
         };
-        let Some(room) = room(&shared, node, len).await else {
+        let Some(room) = shared.session_room.take(&shared.stats, node, len).await else {
             return;
         };
         let body = match counted(&shared.stats, read_body(&mut receive, len).await) {
@@ -912,7 +912,8 @@ async fn serve_session(
 }
 
 /// Reads length-prefixed frames from one stream and hands them to the gossip task, each
-/// once there is room for its bytes among the inbound bytes (`Limits::inbound_bytes`): until
+/// once there is room for its bytes among the gossip frames' inbound bytes
+/// (`Limits::inbound_bytes`): until
 /// then the stream is not read, so QUIC's flow control holds the peer back.
 async fn read_frames(
     shared: Arc<Shared>,
@@ -930,7 +931,7 @@ async fn read_frames(
                 return;
             }
         };
-        let Some(room) = room(&shared, node, len).await else {
+        let Some(room) = shared.gossip_room.take(&shared.stats, node, len).await else {
             return;
         };
         let frame = match counted(&shared.stats, read_body(&mut stream, len).await) {
@@ -957,29 +958,52 @@ struct Room {
     _all: OwnedSemaphorePermit,
 }
 
-/// Room for a frame of `len` bytes from `node` among the inbound bytes, first in `node`'s
-/// share and then in all, once the gossip task has handled enough of the frames before
-/// it; a frame that waits, for either, is counted once, as it starts waiting.
-async fn room(shared: &Shared, node: NodeId, len: usize) -> Option<Room> {
-    // `len` is at most the largest frame, and each semaphore's permits at least that many.
-    let permits = u32::try_from(len).ok()?;
-    let member = lock(&shared.member_room)
-        .entry(node)
-        .or_insert_with(|| Arc::new(Semaphore::new(shared.limits.inbound_bytes_per_member)))
-        .clone();
-    let mut waited = false;
-    let member = acquire(shared, member, permits, &mut waited).await?;
-    let all = acquire(shared, shared.inbound_room.clone(), permits, &mut waited).await?;
-    Some(Room {
-        _member: member,
-        _all: all,
-    })
+/// The room one kind of inbound frame has: permits for the bytes of frames read and not
+/// yet handled (`Limits::inbound_bytes`), and each member's share of them
+/// (`Limits::inbound_bytes_per_member`).
+#[derive(Debug)]
+struct InboundRoom {
+    all: Arc<Semaphore>,
+    // One entry per member that ever sent a frame of this kind here: members hold
+    // certificates from the cluster's CA.
+    members: Mutex<HashMap<NodeId, Arc<Semaphore>>>,
+    per_member: usize,
+}
+
+impl InboundRoom {
+    fn new(limits: Limits) -> InboundRoom {
+        InboundRoom {
+            all: Arc::new(Semaphore::new(limits.inbound_bytes)),
+            members: Mutex::new(HashMap::new()),
+            per_member: limits.inbound_bytes_per_member,
+        }
+    }
+
+    /// Room for a frame of `len` bytes from `node`, first in `node`'s share and then in
+    /// all, once enough of the frames before it were handled; a frame that waits, for
+    /// either, is counted once in `stats`, as it starts waiting.
+    async fn take(&self, stats: &TransportStats, node: NodeId, len: usize) -> Option<Room> {
+        // `len` is at most the largest frame, and each semaphore's permits at least that
+        // many.
+        let permits = u32::try_from(len).ok()?;
+        let member = lock(&self.members)
+            .entry(node)
+            .or_insert_with(|| Arc::new(Semaphore::new(self.per_member)))
+            .clone();
+        let mut waited = false;
+        let member = acquire(stats, member, permits, &mut waited).await?;
+        let all = acquire(stats, self.all.clone(), permits, &mut waited).await?;
+        Some(Room {
+            _member: member,
+            _all: all,
+        })
+    }
 }
 
 /// `permits` of `room`; a wait for them is counted unless `waited` says this frame's
 /// was already.
 async fn acquire(
-    shared: &Shared,
+    stats: &TransportStats,
     room: Arc<Semaphore>,
     permits: u32,
     waited: &mut bool,
@@ -988,7 +1012,7 @@ async fn acquire(
         Ok(permit) => Some(permit),
         Err(TryAcquireError::NoPermits) => {
             if !std::mem::replace(waited, true) {
-                shared.stats.inbound_waits.fetch_add(1, Ordering::Relaxed);
+                stats.inbound_waits.fetch_add(1, Ordering::Relaxed);
             }
             room.acquire_many_owned(permits).await.ok()
         }
@@ -1687,10 +1711,12 @@ mod tests {
         std::fs::remove_dir_all(dir).unwrap();
     }
 
-    /// Node 1 writes ten frames on a session to node 2, a region whose task takes none: the
-    /// frames hold at most node 1's share of node 2's inbound bytes (two frames' worth),
-    /// not 10 of the 1,024 the region's queue holds, and the rest wait in the stream. Taken,
-    /// they come, in order, none lost.
+    /// Node 1 sends node 2 gossip frames that node 2's gossip task does not take, past its
+    /// share; then ten frames on a session to node 2, a region whose task takes none
+    /// either. The session frames are not held back by the gossip frames, and hold at most
+    /// node 1's share of node 2's room for them (two frames' worth), not 10 of the 1,024
+    /// the region's queue holds: the rest wait in the stream. Taken, they come, in order,
+    /// none lost.
     #[tokio::test(flavor = "current_thread")]
     async fn a_members_session_frames_hold_only_its_share_of_the_inbound_bytes() {
         let limits = Limits {
@@ -1701,13 +1727,13 @@ mod tests {
         let dir = std::env::temp_dir().join(format!("tally-sessions-{}", std::process::id()));
         let nodes = [NodeId(1), NodeId(2)];
         let files = crate::certs::write_cluster(&dir, &nodes).unwrap();
-        let (one, _) = bound(&dir, &files[0], 1, limits);
+        let (mut one, _) = bound(&dir, &files[0], 1, limits);
         let (frames, mut to_region) = mpsc::channel(1_024);
         let sessions = Sessions {
             frames,
             frame_bytes_max: 16_384,
         };
-        let (two, _) = Transport::bind_within(
+        let (two, _gossip_untaken) = Transport::bind_within(
             "127.0.0.1:0".parse().unwrap(),
             identity(&dir, &files[1], 2),
             16_384,
@@ -1717,6 +1743,14 @@ mod tests {
         )
         .unwrap();
         let addr = two.local_addr().unwrap().to_string();
+        for i in 0..3u8 {
+            one.send(NodeId(2), &addr, vec![i; 10_000]);
+        }
+        let stats = &two.shared.stats;
+        until("node 1's third gossip frame waiting for its share", || {
+            stats.inbound_waits.load(Ordering::Relaxed) == 1
+        })
+        .await;
         let mut session = one
             .requester()
             .open_session(NodeId(2), &addr)
@@ -1727,9 +1761,8 @@ mod tests {
             frame.extend_from_slice(&[i; 10_000]);
             session.send.write(frame).await.unwrap();
         }
-        let stats = &two.shared.stats;
-        until("node 1's third frame waiting for its share", || {
-            stats.inbound_waits.load(Ordering::Relaxed) == 1
+        until("node 1's third session frame waiting for its share", || {
+            stats.inbound_waits.load(Ordering::Relaxed) == 2
         })
         .await;
         tokio::time::sleep(Duration::from_millis(300)).await;
