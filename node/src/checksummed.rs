@@ -1,9 +1,10 @@
 //! The record format of the durable logs (the lane log, the region log, and the answers
 //! log): `[len u32 LE][crc32 u32 LE][bincode body]`, decoded with a limit.
 //!
-//! A reader stops at the first record that is short, of length 0, longer than
-//! [`RECORD_BYTES_MAX`], or fails its checksum: a crash can tear only the tail, so what
-//! comes before is whole. No record is empty, so a length of 0 is the end: the lane log
+//! A record that is short, of length 0, longer than [`RECORD_BYTES_MAX`], or fails its
+//! checksum is where a reader of [`read_all`] stops, taking it for a torn tail: what comes
+//! before is whole. (The lane log and the answer log read on past damage, record by
+//! record, each in its own replay.) No record is empty, so a length of 0 is the end: the lane log
 //! and the region log are allocated ahead with zeros ([`write_zeros`]), and
 //! `[len 0][crc 0]` would check (the crc32 of no bytes is 0).
 

@@ -172,6 +172,14 @@ pub fn open(
     for entry in std::fs::read_dir(dir).map_err(io(dir))? {
         paths.push(entry.map_err(io(dir))?.path());
     }
+    // Before anything is changed: a log left out would lose its lanes.
+    if let Some(path) = paths.iter().find(|path| is_misnamed_log(path)) {
+        let why = "a lane log's name, but its generation is not written as a node writes \
+                   one (lanes-5.log, not lanes-05.log): rename it, or move it away; not \
+                   started, so as not to leave its lanes out";
+        let source = std::io::Error::new(std::io::ErrorKind::InvalidData, why);
+        return Err(io(path)(source));
+    }
     // First, since a log's rewrite below writes a file of that name.
     for path in paths.iter().filter(|path| is_compaction_left_over(path)) {
         // A crash inside a running life's compaction (its copy's thread, or its finish) or
@@ -563,11 +571,13 @@ fn encode(key: &Key, incr: u64, decr: u64, out: &mut Vec<u8>) {
 /// A record that is short or fails its checksum is damage: a torn tail, as a crash leaves
 /// it, if only zeros (the allocation ahead) follow; otherwise a fault in the middle, or a
 /// tail whose later blocks reached the disk before its earlier ones. Replay reads on past
-/// it a byte at a time, and keeps every whole record it finds: the start rewrites the log
-/// from what replay kept, so a record left behind here would be gone for good. A match
-/// by chance in damaged bytes needs a checksum that matches (one in 2^32) and a body that
-/// decodes to a lane of a valid key; it would add to this node's count, the safe side
-/// for a limit.
+/// it a byte at a time, and keeps every whole record it finds there that is followed as a
+/// record is (by another, by zeros or by the end): the start rewrites the log from what
+/// replay kept, so a record left behind here would be gone for good. A match in damaged
+/// bytes needs a checksum that matches (one in 2^32, by chance), a body that decodes to
+/// a lane of a valid key, and a match after it; it would add to this node's count, the
+/// safe side for a limit. (A client chooses subjects, so it can write a record inside
+/// one, and damage that starts the scan inside that subject would count it.)
 ///
 /// A record before any damage that checks but does not decode, or names a key this build
 /// refuses, was written whole (by another build, or a fault past a crash): dropped, or read
@@ -576,21 +586,24 @@ fn encode(key: &Key, incr: u64, decr: u64, out: &mut Vec<u8>) {
 fn replay(path: &Path) -> Result<(Vec<(Key, Lane)>, usize), LogError> {
     let bytes = read_whole(path)?;
     let mut lanes: std::collections::HashMap<Key, Lane> = std::collections::HashMap::new();
-    let (mut at, mut damaged) = (0, false);
+    // `scanning`: past damage, until a record is found again.
+    let (mut at, mut damaged, mut scanning) = (0, false, false);
     while at < bytes.len() {
-        let Some((body, next)) = checksummed::read_body(&bytes, at) else {
+        let found = checksummed::read_body(&bytes, at)
+            .filter(|&(_, next)| !scanning || followed_well(&bytes, next));
+        let Some((body, next)) = found else {
             // Zeros after the records are the allocation ahead.
             if !damaged && bytes[at..].iter().all(|&byte| byte == 0) {
                 break;
             }
-            damaged = true;
+            (damaged, scanning) = (true, true);
             at += 1;
             continue;
         };
         let whole =
             checksummed::decode::<Record>(body).and_then(|record| Some((key_of(&record)?, record)));
         let Some((key, record)) = whole else {
-            if damaged {
+            if scanning {
                 at += 1;
                 continue;
             }
@@ -603,7 +616,7 @@ fn replay(path: &Path) -> Result<(Vec<(Key, Lane)>, usize), LogError> {
             let source = std::io::Error::new(std::io::ErrorKind::InvalidData, why);
             return Err(LogError::io_at(path)(source));
         };
-        at = next;
+        (at, scanning) = (next, false);
         let lane = lanes.entry(key).or_default();
         // A lane that would pass u64::MAX was refused when written, so sums fit; saturate
         // rather than trust a file.
@@ -613,6 +626,14 @@ fn replay(path: &Path) -> Result<(Vec<(Key, Lane)>, usize), LogError> {
         );
     }
     Ok((lanes.into_iter().collect(), usize::from(damaged)))
+}
+
+/// Whether what follows a record found past damage, at `next`, is what follows a record:
+/// another that checks, a length of 0 (the zeros allocated ahead), or the file's end.
+fn followed_well(bytes: &[u8], next: usize) -> bool {
+    next == bytes.len()
+        || bytes.get(next..next + 4) == Some(&[0; 4])
+        || checksummed::read_body(bytes, next).is_some()
 }
 
 fn key_of(record: &Record) -> Option<Key> {
@@ -630,6 +651,14 @@ fn log_generation(path: &Path) -> Option<u64> {
             .strip_prefix("lanes-")?
             .strip_suffix(".log")?,
     )
+}
+
+/// Whether `path` is named as a lane log but for its generation, not written as a node
+/// writes one.
+fn is_misnamed_log(path: &Path) -> bool {
+    let name = path.file_name().and_then(|name| name.to_str());
+    name.is_some_and(|name| name.starts_with("lanes-") && name.ends_with(".log"))
+        && log_generation(path).is_none()
 }
 
 /// The generation `text` names, written as this node writes one: `5`, not `05` or `+5`.
@@ -1012,7 +1041,8 @@ mod tests {
         let (lanes, torn) = replay(&path).unwrap();
         assert_eq!((lanes[0].1.incr, torn), (13, 1));
         // So is a record after a run of zeros in the middle, as a tail whose later blocks
-        // reached the disk first leaves it, and after a run of garbage.
+        // reached the disk first leaves it, and after a run of garbage. A record found past
+        // damage must be followed as a record is: one followed by garbage is not kept.
         for damage in [[0u8; 40], [0x5a; 40]] {
             let mut gapped = whole[..ends[2]].to_vec();
             gapped.extend_from_slice(&damage);
@@ -1022,6 +1052,13 @@ mod tests {
             let (lanes, torn) = replay(&path).unwrap();
             assert_eq!((lanes[0].1.incr, torn), (15, 1), "{:?}", damage[0]);
         }
+        let mut stray = whole[..ends[1]].to_vec();
+        stray.extend_from_slice(&[0x5a; 40]);
+        stray.extend_from_slice(&whole[ends[2]..ends[3]]);
+        stray.extend_from_slice(&[0x5a; 40]);
+        std::fs::write(&path, &stray).unwrap();
+        let (lanes, torn) = replay(&path).unwrap();
+        assert_eq!((lanes[0].1.incr, torn), (1, 1));
         std::fs::remove_dir_all(dir).unwrap();
     }
 
@@ -1149,6 +1186,25 @@ mod tests {
         for name in ["lanes-05.log", "lanes-+5.log", "lanes-.log", "lanes-5.copy"] {
             assert_eq!(log_generation(&Path::new("/d").join(name)), None, "{name}");
         }
+    }
+
+    #[test]
+    fn a_log_named_with_its_generation_written_otherwise_stops_the_start() {
+        let dir = dir("misnamed");
+        let (mut log, _) = open(&dir, NodeId(1), 5, NOW).unwrap();
+        log.append(&key("a"), 1, 0).unwrap();
+        log.flush().unwrap();
+        drop(log);
+        std::fs::copy(dir.join("lanes-5.log"), dir.join("lanes-05.log")).unwrap();
+        let before = std::fs::read(dir.join("lanes-5.log")).unwrap();
+        let err = open(&dir, NodeId(1), 6, NOW).unwrap_err().to_string();
+        assert!(
+            err.contains("lanes-05.log") && err.contains("rename"),
+            "{err}"
+        );
+        let after = std::fs::read(dir.join("lanes-5.log")).unwrap();
+        assert!(before == after, "the start changed a log before it stopped");
+        std::fs::remove_dir_all(dir).unwrap();
     }
 
     #[test]
