@@ -4,7 +4,7 @@
 //! Both sides hold the same 100,000 pre-created keys (tally's `Key`, which both accept:
 //! governor keys by any `Hash + Eq + Clone` type), walk the same pre-generated random
 //! sequence of key indices, and run on the same number of threads. One operation is, for
-//! tally, `incr(&key, 1)` then `estimate(&key)`; for governor, `check_key(&key)` with a
+//! tally, `incr(&key, 1)`, which hands back the estimate it leaves (one lookup); for governor, `check_key(&key)` with a
 //! quota so large that it never refuses. Each thread times its own run after a barrier
 //! and the slowest thread's time is reported, so thread start-up is not counted; the
 //! throughput is operations over all threads per second of that wall time.
