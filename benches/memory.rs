@@ -2,7 +2,8 @@
 //! view's remote rates hold per key, and per extra remote lane. Prints a report; it is not
 //! a criterion timing.
 //!
-//! Run with `cargo bench --bench memory`.
+//! Run with `cargo bench --bench memory`; `TALLY_MEMORY_KEYS=n` measures `n` keys instead of
+//! 100,000.
 //!
 //! Live bytes are counted by `stats_alloc`'s instrumented system allocator (the workspace
 //! forbids `unsafe_code`, so this file cannot implement `GlobalAlloc` itself): the sum of
@@ -32,23 +33,31 @@ use tally_node::view::Rate;
 #[global_allocator]
 static GLOBAL: &StatsAlloc<System> = &INSTRUMENTED_SYSTEM;
 
-const KEYS: usize = 100_000;
+/// How many keys: 100,000, or `TALLY_MEMORY_KEYS`. A hash table's bytes per key depend
+/// on where the count falls between its doublings, so a figure at one count is not the
+/// figure at every count.
+fn keys_n() -> usize {
+    std::env::var("TALLY_MEMORY_KEYS")
+        .ok()
+        .map(|n| n.parse().expect("TALLY_MEMORY_KEYS: a number of keys"))
+        .unwrap_or(100_000)
+}
 const REMOTE_REPLICAS: [u64; 3] = [1, 4, 16];
 const NOW_UNIX_SECS: u64 = 1_700_000_000;
 const WINDOW_SECS: u32 = 60;
 
 fn main() {
-    println!("memory per key, {KEYS} keys, subjects `user-000001`..");
+    println!("memory per key, {} keys, subjects `user-000001`..", keys_n());
     println!();
     print_sizes();
 
-    let mut keys = Vec::with_capacity(KEYS);
+    let mut keys = Vec::with_capacity(keys_n());
     let ((), key_bytes) = measure(|| make_keys(&mut keys));
     println!(
         "key strings: {:.1} bytes/key in {:.2} allocations/key (the subject's ArcStr; \
          the rule's is shared by every key)",
-        key_bytes.per(KEYS),
-        key_bytes.allocs_per(KEYS),
+        key_bytes.per(keys_n()),
+        key_bytes.allocs_per(keys_n()),
     );
     println!();
 
@@ -106,7 +115,7 @@ fn rss_bytes() -> Option<isize> {
 fn make_keys(keys: &mut Vec<Key>) {
     let rule = Rule::new("login").expect("a valid rule name");
     let window = Window::containing(NOW_UNIX_SECS, WINDOW_SECS).expect("a valid window");
-    keys.extend((1..=KEYS).map(|i| {
+    keys.extend((1..=keys_n()).map(|i| {
         let subject = Subject::new(format!("user-{i:06}")).expect("a valid subject");
         Key::new(rule.clone(), subject, window)
     }));
@@ -139,7 +148,7 @@ fn print_sizes() {
 }
 
 fn lane_store(keys: &[Key]) {
-    let (store, made) = measure(|| LaneStore::new(replica(0), KEYS));
+    let (store, made) = measure(|| LaneStore::new(replica(0), keys_n()));
     let ((), inserted) = measure(|| {
         for key in keys {
             store
@@ -147,13 +156,13 @@ fn lane_store(keys: &[Key]) {
                 .expect("the store has room for every key");
         }
     });
-    assert_eq!(store.len(), KEYS);
-    let mut collected = Vec::with_capacity(KEYS);
+    assert_eq!(store.len(), keys_n());
+    let mut collected = Vec::with_capacity(keys_n());
     let ((), drained) = measure(|| {
         store.collect(&mut collected);
         store.reclaim();
     });
-    assert_eq!(collected.len(), KEYS);
+    assert_eq!(collected.len(), keys_n());
     drop(collected);
     let ((), published) = measure(|| {
         for key in keys {
@@ -162,31 +171,32 @@ fn lane_store(keys: &[Key]) {
                 .expect("every key is already in the store");
         }
     });
-    println!("LaneStore (keys_max {KEYS}), one own lane per key:");
+    println!("LaneStore (keys_max {}), one own lane per key:", keys_n());
     println!(
         "  LaneStore::new: {} bytes ({:.1} bytes/key of keys_max)",
         made.bytes,
-        made.per(KEYS)
+        made.per(keys_n())
     );
     println!(
-        "  after {KEYS} increments, own lanes not yet collected: {:.1} bytes/key in {:.2} \
+        "  after {} increments, own lanes not yet collected: {:.1} bytes/key in {:.2} \
          allocations/key (resident-set growth: {})",
-        inserted.per(KEYS),
-        inserted.allocs_per(KEYS),
-        inserted.rss_per(KEYS),
+        keys_n(),
+        inserted.per(keys_n()),
+        inserted.allocs_per(keys_n()),
+        inserted.rss_per(keys_n()),
     );
     let settled = inserted.bytes + drained.bytes;
     println!(
         "  after collect and reclaim (the dirty queue drained and the old tables freed, as \
          tallyd's gossip task does): \
          {:.1} bytes/key; with LaneStore::new: {:.1} bytes/key",
-        settled as f64 / KEYS as f64,
-        (made.bytes + settled) as f64 / KEYS as f64,
+        settled as f64 / keys_n() as f64,
+        (made.bytes + settled) as f64 / keys_n() as f64,
     );
     println!(
         "  publishing a remote sum for every key adds {:.1} bytes/key (remote lanes are \
          one i128 sum per key here; their lanes live in the CounterMap)",
-        published.per(KEYS)
+        published.per(keys_n())
     );
     println!();
 }
@@ -202,13 +212,13 @@ fn counter_map(keys: &[Key]) -> Live {
         }
         map
     });
-    assert_eq!(map.len(), KEYS);
+    assert_eq!(map.len(), keys_n());
     println!("CounterMap, one own lane per key:");
     println!(
         "  structure: {:.1} bytes/key in {:.2} allocations/key (resident-set growth: {})",
-        own_lanes.per(KEYS),
-        own_lanes.allocs_per(KEYS),
-        own_lanes.rss_per(KEYS),
+        own_lanes.per(keys_n()),
+        own_lanes.allocs_per(keys_n()),
+        own_lanes.rss_per(keys_n()),
     );
 
     let mut remotes_held = 0;
@@ -222,7 +232,7 @@ fn counter_map(keys: &[Key]) -> Live {
             let delta = remote_delta(replica(node), keys);
             let ((), added) = measure(|| {
                 let applied = map.apply(&delta, NOW_UNIX_SECS);
-                assert_eq!(applied.lanes_raised, KEYS);
+                assert_eq!(applied.lanes_raised, keys_n());
                 drop(applied);
             });
             total = Live {
@@ -232,8 +242,8 @@ fn counter_map(keys: &[Key]) -> Live {
             };
         }
         remotes_held = remotes;
-        let lanes = KEYS * remotes as usize;
-        assert_eq!(map.lanes(), KEYS + lanes);
+        let lanes = keys_n() * remotes as usize;
+        assert_eq!(map.lanes(), keys_n() + lanes);
         println!(
             "  + {remotes:>2} remote lane(s) per key: {:.1} bytes/remote lane in {:.2} \
              allocations/remote lane (resident-set growth: {}); \
@@ -241,7 +251,7 @@ fn counter_map(keys: &[Key]) -> Live {
             total.per(lanes),
             total.allocs_per(lanes),
             total.rss_per(lanes),
-            own_lanes.per(KEYS) + total.per(KEYS),
+            own_lanes.per(keys_n()) + total.per(keys_n()),
         );
     }
     println!();
@@ -311,7 +321,7 @@ fn counter_map_parts(keys: &[Key], one_lane: Live) {
         index
     });
     drop(index);
-    let vector = (KEYS * size_of::<PnCounter>()) as isize;
+    let vector = (keys_n() * size_of::<PnCounter>()) as isize;
     let lane_heap = lanes_live.bytes - vector;
     let ids = one_lane.bytes - entries_live.bytes - lane_heap - index_live.bytes;
     for (part, live) in [
@@ -326,7 +336,7 @@ fn counter_map_parts(keys: &[Key], one_lane: Live) {
         ),
         ("key table's hash table of ids (the rest)", ids),
     ] {
-        println!("  {part:<50} {:>6.1}", live as f64 / KEYS as f64);
+        println!("  {part:<50} {:>6.1}", live as f64 / keys_n() as f64);
     }
     println!();
 }
@@ -341,13 +351,13 @@ fn view_rates(keys: &[Key]) {
         }
         rates
     });
-    assert_eq!(rates.len(), KEYS);
+    assert_eq!(rates.len(), keys_n());
     drop(rates);
     println!("decision view (tallyd's ViewState), per key with a remote lane:");
     println!(
         "  remote_rates, HashMap<Key, Rate> ({} bytes an entry): {:.1} bytes/key",
         size_of::<(Key, Rate)>(),
-        live.per(KEYS)
+        live.per(keys_n())
     );
     println!();
 }
