@@ -47,7 +47,10 @@ const NOW_UNIX_SECS: u64 = 1_700_000_000;
 const WINDOW_SECS: u32 = 60;
 
 fn main() {
-    println!("memory per key, {} keys, subjects `user-000001`..", keys_n());
+    println!(
+        "memory per key, {} keys, subjects `user-000001`..",
+        keys_n()
+    );
     println!();
     print_sizes();
 

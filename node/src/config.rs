@@ -195,6 +195,15 @@ pub struct RuleConfig {
     pub region_timeout_ms: u64,
 }
 
+impl RuleConfig {
+    /// Whether checks of this rule may be decided approximately: an approximate rule, or
+    /// an exact one that falls back to an approximate decision.
+    pub fn decides_approximately(&self) -> bool {
+        self.mode == RuleMode::Approximate
+            || self.on_region_unavailable == OnRegionUnavailable::Approximate
+    }
+}
+
 /// How a rule answers.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize)]
 #[serde(rename_all = "lowercase")]
@@ -304,7 +313,9 @@ impl Config {
 
     /// Refuses a key only an exact rule reads, written on an approximate one: most likely
     /// a promise whose `mode = "exact"` was left out, which would then be decided
-    /// approximately, at every edge on its own.
+    /// approximately, at every edge on its own. And a key only an approximate decision
+    /// reads (`slack`, `locations`), written on an exact rule that never decides
+    /// approximately: most likely a fallback meant to be `approximate`.
     fn check_exact_only_keys(&self, table: &toml::Table, file: &Path) -> Result<(), ConfigError> {
         let written = table.get("rules").and_then(toml::Value::as_array);
         for (i, (rule, written)) in self
@@ -314,6 +325,24 @@ impl Config {
             .enumerate()
         {
             if rule.mode == RuleMode::Exact {
+                if rule.decides_approximately() {
+                    continue;
+                }
+                for key in ["slack", "locations"] {
+                    if written.get(key).is_some() {
+                        return Err(ConfigError::Value {
+                            file: file.to_owned(),
+                            key: format!("rules[{i}].{key}"),
+                            why: format!(
+                                "only an approximate decision reads it, and this exact rule \
+                                 never makes one (on_region_unavailable = \"{}\"): set \
+                                 on_region_unavailable = \"approximate\" if it should, or \
+                                 remove the key",
+                                format!("{:?}", rule.on_region_unavailable).to_lowercase()
+                            ),
+                        });
+                    }
+                }
                 continue;
             }
             for key in ["region_timeout_ms", "on_region_unavailable"] {
@@ -589,7 +618,8 @@ impl Config {
                     format!("{} is outside 1..={WINDOW_SECS_MAX}", rule.window_secs),
                 ));
             }
-            if rule.stale_after_ms >= self.dead_after_ms {
+            // Read only by approximate decisions.
+            if rule.decides_approximately() && rule.stale_after_ms >= self.dead_after_ms {
                 return Err(bad(
                     key("stale_after_ms"),
                     format!(
@@ -600,7 +630,7 @@ impl Config {
                     ),
                 ));
             }
-            if rule.stale_after_ms <= self.gossip_interval_ms {
+            if rule.decides_approximately() && rule.stale_after_ms <= self.gossip_interval_ms {
                 return Err(bad(
                     key("stale_after_ms"),
                     format!(
@@ -782,6 +812,37 @@ window_secs = 60
             err.contains("rules[0].limit") && err.contains("lane_rate_max_per_sec"),
             "{err}"
         );
+    }
+
+    #[test]
+    fn keys_only_an_approximate_decision_reads_are_refused_on_an_exact_rule_that_makes_none() {
+        let exact = format!(
+            "region = {{ node = 9, addr = \"127.0.0.9:7001\" }}\n{}",
+            GOOD.replace("window_secs = 60", "window_secs = 60\nmode = \"exact\"")
+        );
+        for key in ["slack = 5", "locations = 3"] {
+            let with = exact.replace("mode = \"exact\"", &format!("mode = \"exact\"\n{key}"));
+            let err = parse(&with).unwrap_err().to_string();
+            let name = key.split(' ').next().unwrap();
+            assert!(
+                err.contains(&format!("rules[0].{name}")) && err.contains("\"error\""),
+                "{err}"
+            );
+            let falls_back = with.replace(
+                "mode = \"exact\"",
+                "mode = \"exact\"\non_region_unavailable = \"approximate\"",
+            );
+            assert!(
+                parse(&falls_back).is_ok(),
+                "{key} with an approximate fallback"
+            );
+        }
+        // Nor is its stale_after_ms held to the gossip's bounds, which it never reads.
+        let unread = exact.replace(
+            "mode = \"exact\"",
+            "mode = \"exact\"\nstale_after_ms = 20000",
+        );
+        assert!(parse(&unread).is_ok());
     }
 
     #[test]
