@@ -364,8 +364,9 @@ impl Config {
     /// Why a peer at `addr` could never be reached from `listen_gossip`, if it could not:
     /// quinn refuses to dial port 0, an unspecified address or the other IP family, and a
     /// node that dials itself fails the handshake. (A socket bound to loopback reaches this
-    /// machine's own other addresses too, so a seed off loopback is not refused.) Dialed in vain, a seed would go unheard until it counted dead, and
-    /// the node would decide alone, on the whole limit.
+    /// machine's own other addresses too, so a seed off loopback is not refused.) Dialed in
+    /// vain, a seed would go unheard until it counted dead, and the node would decide
+    /// alone, on the whole limit.
     fn dialable(&self, addr: SocketAddr) -> Result<(), String> {
         let own = self.listen_gossip;
         let why = if addr.port() == 0 {
@@ -526,13 +527,10 @@ impl Config {
                     format!("node {} is seeds[{first}] already", seed.node),
                 ));
             }
-        }
-        let mut dialed = Vec::new();
-        for (i, seed) in self.seeds.iter().enumerate() {
             let key = format!("seeds[{i}].addr");
             self.dialable(seed.addr)
                 .map_err(|why| bad(key.clone(), why))?;
-            if let Some(first) = dialed.iter().position(|&addr| addr == seed.addr) {
+            if let Some(first) = self.seeds[..i].iter().position(|s| s.addr == seed.addr) {
                 return Err(bad(
                     key,
                     format!(
@@ -541,7 +539,6 @@ impl Config {
                     ),
                 ));
             }
-            dialed.push(seed.addr);
         }
         if let Some(region) = &self.region {
             self.dialable(region.addr)

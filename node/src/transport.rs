@@ -880,22 +880,17 @@ async fn serve_session(
             // The session was refused (or its stream failed): nothing more of it is read.
             return;
         }
-        let len = match read_len(&mut receive, sessions.frame_bytes_max).await {
-            Ok(len) => len,
-            Err(ended) => {
-                if let FrameRead::OutOfBounds = counted(&shared.stats, ended) {
-                    let _ = outgoing.send(Outgoing::Refuse);
+        let room = &shared.session_room;
+        let (body, room) =
+            match read_in_room(&shared, room, node, &mut receive, sessions.frame_bytes_max).await {
+                Ok(read) => read,
+                Err(ended) => {
+                    if let FrameRead::OutOfBounds = ended {
+                        let _ = outgoing.send(Outgoing::Refuse);
+                    }
+                    return;
                 }
-                return;
-            }
-        };
-        let Some(room) = shared.session_room.take(&shared.stats, node, len).await else {
-            return;
-        };
-        let body = match counted(&shared.stats, read_body(&mut receive, len).await) {
-            FrameRead::Frame(body) => body,
-            FrameRead::End | FrameRead::Truncated | FrameRead::OutOfBounds => return,
-        };
+            };
         let frame = SessionFrame {
             from: node,
             body,
@@ -922,22 +917,17 @@ async fn read_frames(
     mut stream: quinn::RecvStream,
 ) {
     loop {
-        let len = match read_len(&mut stream, shared.frame_bytes_max).await {
-            Ok(len) => len,
-            Err(ended) => {
-                if let FrameRead::OutOfBounds = counted(&shared.stats, ended) {
-                    connection.close(CLOSE_PROTOCOL.into(), b"frame length out of bounds");
+        let room = &shared.gossip_room;
+        let (frame, room) =
+            match read_in_room(&shared, room, node, &mut stream, shared.frame_bytes_max).await {
+                Ok(read) => read,
+                Err(ended) => {
+                    if let FrameRead::OutOfBounds = ended {
+                        connection.close(CLOSE_PROTOCOL.into(), b"frame length out of bounds");
+                    }
+                    return;
                 }
-                return;
-            }
-        };
-        let Some(room) = shared.gossip_room.take(&shared.stats, node, len).await else {
-            return;
-        };
-        let frame = match counted(&shared.stats, read_body(&mut stream, len).await) {
-            FrameRead::Frame(frame) => frame,
-            FrameRead::Truncated | FrameRead::End | FrameRead::OutOfBounds => return,
-        };
+            };
         let inbound = Inbound {
             from: node,
             frame,
@@ -947,6 +937,24 @@ async fn read_frames(
         if shared.inbound.send(inbound).await.is_err() {
             return;
         }
+    }
+}
+
+/// Reads one frame of at most `bytes_max` bytes from `node`'s `stream`, its body once `room`
+/// has room for it (the stream is not read meanwhile), counting a frame out of bounds or
+/// cut off; the error is what ended the stream instead.
+async fn read_in_room(
+    shared: &Shared,
+    room: &InboundRoom,
+    node: NodeId,
+    stream: &mut quinn::RecvStream,
+    bytes_max: usize,
+) -> Result<(Vec<u8>, Room), FrameRead> {
+    let len = (read_len(stream, bytes_max).await).map_err(|ended| counted(&shared.stats, ended))?;
+    let room = (room.take(&shared.stats, node, len).await).ok_or(FrameRead::End)?;
+    match counted(&shared.stats, read_body(stream, len).await) {
+        FrameRead::Frame(frame) => Ok((frame, room)),
+        ended => Err(ended),
     }
 }
 
