@@ -157,7 +157,7 @@ for pair in $pairs; do
         $((base + 201)) "$data/region" 2 $((base + 2))
     write_config "$work/edge-$pair.toml" 2 "region = { node = 1, addr = \"127.0.0.1:$((base + 1))\" }" \
         $((base + 2)) $((base + 102)) $((base + 202)) "$work/edge-$pair" 1 $((base + 1))
-    "$work/tally" daemon --config "$work/region-$pair.toml" >"$work/region-$pair.log" 2>&1 &
+    "$work/tally" daemon --config "$work/region-$pair.toml" --new-ledger >"$work/region-$pair.log" 2>&1 &
     region_pid[$pair]=$!
     pids+=("$!")
     "$work/tally" daemon --config "$work/edge-$pair.toml" >"$work/edge-$pair.log" 2>&1 &

@@ -281,10 +281,12 @@ async fn demo(args: &DemoArgs, cluster: &mut DemoCluster) -> anyhow::Result<()> 
     let exe = std::env::current_exe().context("the demo's own binary")?;
     for &id in &nodes {
         let log = std::fs::File::create(cluster.dir.join(format!("node-{id}.log")))?;
+        // The demo's directory is new: so is the region's ledger.
         let child = Command::new(&exe)
             .arg("daemon")
             .arg("--config")
             .arg(cluster.dir.join(format!("node-{id}.toml")))
+            .args((id == REGION).then_some("--new-ledger"))
             .stdout(log.try_clone()?)
             .stderr(log)
             .stdin(Stdio::null())

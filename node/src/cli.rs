@@ -30,6 +30,10 @@ pub struct DaemonArgs {
     /// Adds a seed, as `<node id>@<address>`; repeatable.
     #[arg(long = "seed", value_parser = parse_seed)]
     pub seeds: Vec<SeedConfig>,
+    /// A region's first start: makes its ledger in `data_dir`. Refused where a ledger
+    /// already is; without it, a region's start is refused where none is.
+    #[arg(long)]
+    pub new_ledger: bool,
 }
 
 /// Why the daemon did not run to a graceful stop.
@@ -66,12 +70,14 @@ impl DaemonArgs {
             config.data_dir = self.data_dir.clone();
         }
         config.seeds.extend(self.seeds.iter().cloned());
+        config.new_ledger = self.new_ledger;
         self.node_id.is_some()
             || self.listen_gossip.is_some()
             || self.listen_client.is_some()
             || self.listen_http.is_some()
             || self.data_dir.is_some()
             || !self.seeds.is_empty()
+            || self.new_ledger
     }
 }
 
@@ -142,6 +148,7 @@ mod tests {
             listen_http: None,
             data_dir: None,
             seeds: Vec::new(),
+            new_ledger: false,
         }
     }
 
@@ -172,6 +179,37 @@ mod tests {
         std::fs::remove_dir_all(dir).unwrap();
     }
 
+    /// `--new-ledger` is a flag, for a region: an edge given it is refused, and the file
+    /// cannot say it (a key left in a file would start a new ledger on a lost disk).
+    #[test]
+    fn new_ledger_is_a_regions_flag_and_no_key_of_the_file() {
+        let dir = std::env::temp_dir().join(format!("tally-cli-ledger-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let file = dir.join("node-2.toml");
+        let edge = "node_id = 2\n\
+                    listen_gossip = \"127.0.0.1:7002\"\n\
+                    listen_client = \"127.0.0.1:7102\"\n\
+                    listen_http = \"127.0.0.1:7202\"\n\
+                    tls = { ca = \"ca.pem\", cert = \"node-2.pem\", key = \"node-2.key\" }\n";
+        std::fs::write(&file, edge).unwrap();
+        let args = DaemonArgs {
+            new_ledger: true,
+            ..no_flags(file.clone())
+        };
+        let err = args.config().unwrap_err().to_string();
+        assert!(
+            err.contains("node-2.toml with flags: --new-ledger: only a region"),
+            "{err}"
+        );
+        std::fs::write(&file, format!("new_ledger = true\n{edge}")).unwrap();
+        let err = no_flags(file).config().unwrap_err().to_string();
+        assert!(
+            err.contains("node-2.toml") && err.contains("unknown field `new_ledger`"),
+            "{err}"
+        );
+        std::fs::remove_dir_all(dir).unwrap();
+    }
+
     #[test]
     fn a_file_the_flags_complete_is_taken_and_without_them_refused_naming_the_file() {
         let dir = std::env::temp_dir().join(format!("tally-cli-flags-{}", std::process::id()));
@@ -194,8 +232,10 @@ mod tests {
             "no flags, the file alone: {err}"
         );
         args.data_dir = Some(dir.join("data"));
+        args.new_ledger = true;
         let config = args.config().unwrap();
         assert_eq!(config.data_dir, Some(dir.join("data")));
+        assert!(config.new_ledger);
         std::fs::remove_dir_all(dir).unwrap();
     }
 }

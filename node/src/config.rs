@@ -126,6 +126,11 @@ pub struct Config {
     /// The rules this node answers.
     #[serde(default)]
     pub rules: Vec<RuleConfig>,
+    /// Set by the `--new-ledger` flag, never by the file: this start of a region makes its
+    /// ledger, and is refused where one already is. Without it a region's start needs the
+    /// ledger an earlier start made.
+    #[serde(skip)]
+    pub new_ledger: bool,
 }
 
 /// What a node does besides gossip.
@@ -557,6 +562,12 @@ impl Config {
                     "is empty: give a path (relative to the working directory, or absolute)".into(),
                 ));
             }
+        }
+        if self.new_ledger && self.role != Role::Region {
+            return Err(bad(
+                "--new-ledger".into(),
+                "only a region (role = \"region\") holds a ledger to start new".into(),
+            ));
         }
         if self.role == Role::Region && self.data_dir.is_none() {
             return Err(bad(

@@ -14,7 +14,7 @@ use crate::listener::{self, Service};
 use crate::metrics::{Metrics, RegionStats};
 use crate::recent::RecentIds;
 use crate::region::forward::{ForwardStats, Forwarder};
-use crate::region::service::{OpenError, RegionService};
+use crate::region::service::{LedgerError, OpenError, RegionService};
 use crate::region::wire::REGION_FRAME_BYTES_MAX;
 use crate::store::LaneStore;
 use crate::tasks;
@@ -57,6 +57,9 @@ pub enum DaemonError {
         /// What failed.
         source: std::io::Error,
     },
+    /// A region's ledger is missing, or is there for a start that asked for a new one.
+    #[error(transparent)]
+    Ledger(#[from] LedgerError),
     /// The region log could not be opened.
     #[error(transparent)]
     Region(#[from] OpenError),
@@ -114,6 +117,9 @@ pub async fn run(config: Config, shutdown: impl Future<Output = ()>) -> Result<(
         );
     }
     let rules = Rules::new(&config.rules)?;
+    if let (Role::Region, Some(dir)) = (config.role, &config.data_dir) {
+        RegionService::check_ledger(dir, config.new_ledger)?;
+    }
     let dir_lock = config.data_dir.as_deref().map(lanelog::lock).transpose()?;
     let bind =
         |what: &'static str, addr: String| move |source| DaemonError::Bind { what, addr, source };
@@ -434,10 +440,38 @@ fn is_stale_socket(path: &std::path::Path) -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::region::service::LOG_FILE;
 
     /// A start refused for another node's certificate, or for a client address in use,
     /// leaves its data dir unclaimed: the same dir then starts as the node it is given to.
     // A start builds the lane store, whose atomics are loom's under `tally_loom`.
+    /// A node's config in `dir` (which holds node 3's certificates), on ports the system
+    /// picks but for `client`, its data dir `dir/data`; `extra` comes first.
+    fn config_in(dir: &std::path::Path, extra: &str, node: u64, client: &str) -> Config {
+        let text = format!(
+            "{extra}node_id = {node}\n\
+             listen_gossip = \"127.0.0.1:0\"\n\
+             listen_client = \"{client}\"\n\
+             listen_http = \"127.0.0.1:0\"\n\
+             data_dir = {data:?}\n\
+             tls = {{ ca = {ca:?}, cert = {cert:?}, key = {key:?} }}\n",
+            data = dir.join("data"),
+            ca = dir.join("ca.pem"),
+            cert = dir.join("node-3.pem"),
+            key = dir.join("node-3.key"),
+        );
+        Config::parse(&text, &dir.join("node.toml")).unwrap()
+    }
+
+    /// Runs a node until it has started and stopped again, or was refused.
+    fn start(config: Config) -> Result<(), DaemonError> {
+        tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap()
+            .block_on(run(config, std::future::ready(())))
+    }
+
     #[test]
     #[cfg(not(tally_loom))]
     fn a_refused_start_leaves_its_data_dir_unclaimed() {
@@ -446,27 +480,7 @@ mod tests {
         crate::certs::write_cluster(&dir, &[NodeId(3)]).unwrap();
         let data = dir.join("data");
         let taken = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-        let config = |node: u64, client: &str| {
-            let text = format!(
-                "node_id = {node}\n\
-                 listen_gossip = \"127.0.0.1:0\"\n\
-                 listen_client = \"{client}\"\n\
-                 listen_http = \"127.0.0.1:0\"\n\
-                 data_dir = {data:?}\n\
-                 tls = {{ ca = {ca:?}, cert = {cert:?}, key = {key:?} }}\n",
-                ca = dir.join("ca.pem"),
-                cert = dir.join("node-3.pem"),
-                key = dir.join("node-3.key"),
-            );
-            Config::parse(&text, &dir.join("node.toml")).unwrap()
-        };
-        let start = |config| {
-            tokio::runtime::Builder::new_current_thread()
-                .enable_all()
-                .build()
-                .unwrap()
-                .block_on(run(config, std::future::ready(())))
-        };
+        let config = |node: u64, client: &str| config_in(&dir, "", node, client);
         let refused = start(config(4, "127.0.0.1:0"));
         assert!(matches!(refused, Err(DaemonError::Tls(_))), "{refused:?}");
         assert!(!data.join("node").exists(), "claimed for node 4");
@@ -486,6 +500,47 @@ mod tests {
             std::fs::read_to_string(data.join("node")).unwrap().trim(),
             "3"
         );
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    /// A region starts only on the ledger an earlier start made, and `--new-ledger` only
+    /// where none is; a refused start leaves its data dir as it was.
+    #[test]
+    #[cfg(not(tally_loom))]
+    fn a_region_starts_on_its_ledger_and_a_new_ledger_only_where_none_is() {
+        let dir = std::env::temp_dir().join(format!("tally-ledger-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        crate::certs::write_cluster(&dir, &[NodeId(3)]).unwrap();
+        let (data, ledger) = (dir.join("data"), dir.join("data").join(LOG_FILE));
+        let region = |new_ledger: bool| Config {
+            new_ledger,
+            ..config_in(&dir, "role = \"region\"\n", 3, "127.0.0.1:0")
+        };
+
+        let refused = start(region(false));
+        assert!(
+            matches!(&refused, Err(DaemonError::Ledger(LedgerError::Missing { path })) if *path == ledger),
+            "{refused:?}"
+        );
+        assert!(!data.exists(), "a refused start made its data dir");
+        let message = refused.unwrap_err().to_string();
+        assert!(message.contains("--new-ledger"), "{message}");
+
+        start(region(true)).unwrap();
+        let made = std::fs::read(&ledger).expect("the first start made its ledger");
+        let refused = start(region(true));
+        assert!(
+            matches!(&refused, Err(DaemonError::Ledger(LedgerError::Exists { path })) if *path == ledger),
+            "{refused:?}"
+        );
+        assert_eq!(
+            std::fs::read(&ledger).unwrap(),
+            made,
+            "a refused start changed it"
+        );
+        // A second start in this process would find the dir locked (its lock is held until
+        // the process exits); the e2e region tests restart a region on its ledger.
+        RegionService::check_ledger(&data, false).unwrap();
         std::fs::remove_dir_all(&dir).unwrap();
     }
 

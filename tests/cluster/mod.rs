@@ -98,6 +98,9 @@ pub struct Node {
     pub config: PathBuf,
     pub data_dir: PathBuf,
     pub log: PathBuf,
+    /// The cluster's region: its first start (no ledger in its data dir yet) takes
+    /// `--new-ledger`, as an operator's would.
+    region: bool,
     child: Option<Child>,
 }
 
@@ -183,6 +186,7 @@ impl Cluster {
                 config: path,
                 data_dir,
                 log: dir.join(format!("node-{id}.log")),
+                region: region && id == 1,
                 child: None,
             });
         }
@@ -316,11 +320,13 @@ impl Node {
             .append(true)
             .open(&self.log)
             .unwrap();
+        let new_ledger = self.region && !self.data_dir.join("region.log").exists();
         let child = Command::new(tally_bin())
             .envs(env.iter().copied())
             .arg("daemon")
             .arg("--config")
             .arg(&self.config)
+            .args(new_ledger.then_some("--new-ledger"))
             .stdout(log.try_clone().unwrap())
             .stderr(log)
             .spawn()

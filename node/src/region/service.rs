@@ -64,6 +64,43 @@ pub struct RegionService {
     pub keys_refused: Arc<AtomicU64>,
 }
 
+/// The region's log in its data dir: the ledger.
+pub const LOG_FILE: &str = "region.log";
+
+/// Why a region's start was refused before its data dir was touched: the ledger a start
+/// needs is not there, or one is where a new one was asked for.
+#[derive(Debug, thiserror::Error)]
+pub enum LedgerError {
+    /// A start without `--new-ledger` found no ledger.
+    #[error(
+        "region log {path}: not found, so this region has no ledger; not started. A region's \
+         first start takes --new-ledger. If this region had a ledger, its data_dir is \
+         mistyped or was lost: a new ledger would admit every exact limit again in the \
+         current window, and count again the checks edges retry"
+    )]
+    Missing {
+        /// Where the ledger would be.
+        path: PathBuf,
+    },
+    /// A start with `--new-ledger` found one.
+    #[error(
+        "--new-ledger: {path} already holds this region's ledger; not started (a new ledger \
+         is for a region's first start: start without --new-ledger to keep this one)"
+    )]
+    Exists {
+        /// The ledger found.
+        path: PathBuf,
+    },
+    /// Whether the ledger is there could not be read.
+    #[error("region log {path}: {source}")]
+    Io {
+        /// Where the ledger would be.
+        path: PathBuf,
+        /// What failed.
+        source: std::io::Error,
+    },
+}
+
 /// Why the region log could not be opened.
 #[derive(Debug, thiserror::Error)]
 #[error("region log {path}: {source}")]
@@ -86,7 +123,19 @@ pub struct Opened {
 }
 
 impl RegionService {
-    /// Opens `dir/region.log`, replays it (dropping a torn tail), compacts it (without the
+    /// Checks that `dir` holds a ledger, or, for a start with `new_ledger`, that it holds
+    /// none (a missing `dir` holds none). Reads nothing else and changes nothing.
+    pub fn check_ledger(dir: &Path, new_ledger: bool) -> Result<(), LedgerError> {
+        let path = dir.join(LOG_FILE);
+        match path.try_exists() {
+            Ok(true) if new_ledger => Err(LedgerError::Exists { path }),
+            Ok(false) if !new_ledger => Err(LedgerError::Missing { path }),
+            Ok(_) => Ok(()),
+            Err(source) => Err(LedgerError::Io { path, source }),
+        }
+    }
+
+    /// Opens `dir/region.log` ([`LOG_FILE`]), replays it (dropping a torn tail), compacts it (without the
     /// windows that are over by `expiry`, which the service goes on expiring by), and
     /// starts the committer.
     ///
@@ -105,7 +154,7 @@ impl RegionService {
         retired: &[(ReplicaId, Vec<(Key, Lane)>)],
         mut expiry: ExpiryClock,
     ) -> Result<(RegionService, Opened), OpenError> {
-        let path = dir.join("region.log");
+        let path = dir.join(LOG_FILE);
         let io = |source| OpenError {
             path: path.clone(),
             source,
