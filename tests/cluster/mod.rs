@@ -7,6 +7,7 @@
 #![allow(dead_code, clippy::unwrap_used, clippy::expect_used)]
 
 pub mod disk;
+pub mod partition;
 
 use std::net::{SocketAddr, TcpStream};
 use std::path::{Path, PathBuf};
@@ -276,6 +277,24 @@ impl Cluster {
 
     pub fn certs(&self) -> PathBuf {
         self.dir.join("certs")
+    }
+
+    /// Cuts the nodes `a` off from the nodes `b` (QUIC both ways) until the partition is
+    /// healed or dropped.
+    pub fn partition(&self, a: &[u64], b: &[u64]) -> partition::Partition {
+        let ips = |ids: &[u64]| -> Vec<String> {
+            ids.iter()
+                .map(|&id| self.nodes[id as usize - 1].ip.clone())
+                .collect()
+        };
+        // One table per cluster: test binaries run side by side.
+        let name = self
+            .dir
+            .file_name()
+            .unwrap()
+            .to_string_lossy()
+            .replace('-', "_");
+        partition::Partition::new(name, &ips(a), &ips(b))
     }
 
     /// A QUIC client with the cluster certificate of node `id` (issued now if the cluster
