@@ -11,7 +11,7 @@
 //! - Partitioned from the start: the nodes are cut in two halves (nftables drops the QUIC
 //!   datagrams between them; all keep running and checking), and every edge decides
 //!   isolated on its share `2000 / L + 10`. At L = 1 the other half is a second node that
-//!   takes no checks.
+//!   takes no checks, so the share is `2000 / 2 + 10`.
 //! - Partitioned at 1 s: the same cut 1 s into the run, before the limit is reached. Until
 //!   the other half is `stale_after_ms` old each half decides connected on a view that
 //!   lacks the other's admissions since the cut; then isolated.
@@ -93,12 +93,15 @@ async fn partitioned(edges: u64, after: Duration) -> Outcome {
     };
     if after.is_zero() {
         let _partition = cut.await;
-        let probe = cluster.nodes[0].client().await;
-        for _ in 0..200 {
-            if probe.check("api", "probe", 1).await.unwrap().mode == Mode::ApproximateIsolated {
-                break;
+        for node in &cluster.nodes {
+            let probe = node.client().await;
+            for _ in 0..200 {
+                let decided = probe.check("api", "probe", 1).await.unwrap();
+                if decided.mode == Mode::ApproximateIsolated {
+                    break;
+                }
+                tokio::time::sleep(Duration::from_millis(50)).await;
             }
-            tokio::time::sleep(Duration::from_millis(50)).await;
         }
         checks.await
     } else {

@@ -440,13 +440,12 @@ fn is_stale_socket(path: &std::path::Path) -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
+    #[cfg(not(tally_loom))]
     use crate::region::service::LOG_FILE;
 
-    /// A start refused for another node's certificate, or for a client address in use,
-    /// leaves its data dir unclaimed: the same dir then starts as the node it is given to.
-    // A start builds the lane store, whose atomics are loom's under `tally_loom`.
     /// A node's config in `dir` (which holds node 3's certificates), on ports the system
     /// picks but for `client`, its data dir `dir/data`; `extra` comes first.
+    #[cfg(not(tally_loom))]
     fn config_in(dir: &std::path::Path, extra: &str, node: u64, client: &str) -> Config {
         let text = format!(
             "{extra}node_id = {node}\n\
@@ -464,6 +463,8 @@ mod tests {
     }
 
     /// Runs a node until it has started and stopped again, or was refused.
+    // A start builds the lane store, whose atomics are loom's under `tally_loom`.
+    #[cfg(not(tally_loom))]
     fn start(config: Config) -> Result<(), DaemonError> {
         tokio::runtime::Builder::new_current_thread()
             .enable_all()
@@ -472,6 +473,8 @@ mod tests {
             .block_on(run(config, std::future::ready(())))
     }
 
+    /// A start refused for another node's certificate, or for a client address in use,
+    /// leaves its data dir unclaimed: the same dir then starts as the node it is given to.
     #[test]
     #[cfg(not(tally_loom))]
     fn a_refused_start_leaves_its_data_dir_unclaimed() {

@@ -7,7 +7,7 @@
 #![allow(dead_code, clippy::unwrap_used, clippy::expect_used)]
 
 pub mod disk;
-pub mod partition;
+pub mod net;
 
 use std::net::{SocketAddr, TcpStream};
 use std::path::{Path, PathBuf};
@@ -99,9 +99,12 @@ pub struct Node {
     pub config: PathBuf,
     pub data_dir: PathBuf,
     pub log: PathBuf,
-    /// The cluster's region: its first start (no ledger in its data dir yet) takes
-    /// `--new-ledger`, as an operator's would.
+    /// The cluster's region.
     region: bool,
+    /// Whether the next start makes the region's ledger (`--new-ledger`), as an operator
+    /// asks for it: the region's first start, and one on a wiped or new data dir. Any
+    /// other start of a region without its ledger is refused.
+    new_ledger: bool,
     child: Option<Child>,
 }
 
@@ -138,6 +141,9 @@ impl Cluster {
             .unwrap();
         assert!(status.success(), "tally certs failed");
         let ip = |id: u64| format!("127.{net}.{cluster}.{id}");
+        // A fault an earlier run left on these addresses (its test killed before its drop
+        // deleted the fault's table) would cut this cluster too.
+        net::NetFault::clear_left(&nft_table(&ip(1)));
         let mut nodes = Vec::new();
         for &id in &ids {
             let seeds: Vec<String> = ids
@@ -188,6 +194,7 @@ impl Cluster {
                 data_dir,
                 log: dir.join(format!("node-{id}.log")),
                 region: region && id == 1,
+                new_ledger: region && id == 1,
                 child: None,
             });
         }
@@ -228,6 +235,7 @@ impl Cluster {
         let node = self.node(id);
         node.kill9();
         let disk = disk::LoopDisk::mount_new(&image, &node.data_dir, size_mib);
+        node.new_ledger = node.region;
         node.restart(true);
         self.wait_members_alive();
         disk
@@ -281,20 +289,35 @@ impl Cluster {
 
     /// Cuts the nodes `a` off from the nodes `b` (QUIC both ways) until the partition is
     /// healed or dropped.
-    pub fn partition(&self, a: &[u64], b: &[u64]) -> partition::Partition {
-        let ips = |ids: &[u64]| -> Vec<String> {
-            ids.iter()
-                .map(|&id| self.nodes[id as usize - 1].ip.clone())
-                .collect()
-        };
-        // One table per cluster: test binaries run side by side.
-        let name = self
-            .dir
-            .file_name()
-            .unwrap()
-            .to_string_lossy()
-            .replace('-', "_");
-        partition::Partition::new(name, &ips(a), &ips(b))
+    pub fn partition(&self, a: &[u64], b: &[u64]) -> net::NetFault {
+        let (a, b) = (self.ips(a), self.ips(b));
+        net::NetFault::new(self.nft_table(), &[net::cut(&a, &b), net::cut(&b, &a)])
+    }
+
+    /// Cuts the datagrams from the nodes `from` to the nodes `to`, one way only (replies
+    /// still arrive), until healed or dropped.
+    pub fn cut_one_way(&self, from: &[u64], to: &[u64]) -> net::NetFault {
+        let cut = net::cut(&self.ips(from), &self.ips(to));
+        net::NetFault::new(self.nft_table(), &[cut])
+    }
+
+    /// Drops `percent` in a hundred of the datagrams between any two nodes, until healed
+    /// or dropped.
+    pub fn lossy(&self, percent: u8) -> net::NetFault {
+        let ids: Vec<u64> = self.nodes.iter().map(|node| node.id).collect();
+        net::NetFault::new(self.nft_table(), &[net::loss(&self.ips(&ids), percent)])
+    }
+
+    fn ips(&self, ids: &[u64]) -> Vec<String> {
+        ids.iter()
+            .map(|&id| self.nodes[id as usize - 1].ip.clone())
+            .collect()
+    }
+
+    /// This cluster's nftables table, named by its nodes' addresses (`127.<net>.<cluster>`),
+    /// which a cluster of another test or run may share only after this one is gone.
+    fn nft_table(&self) -> String {
+        nft_table(&self.nodes[0].ip)
     }
 
     /// A QUIC client with the cluster certificate of node `id` (issued now if the cluster
@@ -339,18 +362,18 @@ impl Node {
             .append(true)
             .open(&self.log)
             .unwrap();
-        let new_ledger = self.region && !self.data_dir.join("region.log").exists();
         let child = Command::new(tally_bin())
             .envs(env.iter().copied())
             .arg("daemon")
             .arg("--config")
             .arg(&self.config)
-            .args(new_ledger.then_some("--new-ledger"))
+            .args(self.new_ledger.then_some("--new-ledger"))
             .stdout(log.try_clone().unwrap())
             .stderr(log)
             .spawn()
             .unwrap();
         self.child = Some(child);
+        self.new_ledger = false;
     }
 
     pub fn is_running(&self) -> bool {
@@ -388,6 +411,7 @@ impl Node {
         assert!(self.child.is_none(), "restart a node that was killed");
         if !keep_data {
             let _ = std::fs::remove_dir_all(&self.data_dir);
+            self.new_ledger = self.region;
         }
         self.spawn();
         self.wait_ready();
@@ -527,6 +551,12 @@ pub struct Outcome {
     pub max_bound: f64,
     /// The modes that answered.
     pub modes: Vec<tally_client::Mode>,
+}
+
+/// The nftables table of the cluster whose first node's address is `ip`.
+fn nft_table(ip: &str) -> String {
+    let prefix = ip.rsplit_once('.').unwrap().0;
+    format!("tally_e2e_{}", prefix.replace('.', "_"))
 }
 
 /// Checks of `subject` under `rule` on each of `nodes`, `per_sec` a second each, for

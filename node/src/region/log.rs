@@ -352,7 +352,7 @@ fn read_header(bytes: &[u8]) -> Option<std::io::Result<(usize, usize)>> {
             std::io::ErrorKind::InvalidData,
             "the region log's header is damaged (cut short, its checksum fails, or its \
              format's byte is not this header's); the log is left as it is: restore it \
-             from a copy, or move it away to start with an empty log",
+             from a copy, or move it away and start with --new-ledger for an empty log",
         )))
     };
     // Whether the 12 bytes after the first 8 are a compacted length and its checksum.
@@ -428,7 +428,8 @@ pub fn open(path: &Path) -> std::io::Result<(FileStorage, Vec<Entry>, u64)> {
                     "the region log's entries stop at byte {end}, a damaged entry, inside the \
                      {compacted} bytes its last compaction wrote and synced before it \
                      replaced the log, which no crash can cut; the log is left as it is: \
-                     restore it from a copy, or move it away to start with an empty log"
+                     restore it from a copy, or move it away and start with --new-ledger \
+                     for an empty log"
                 ),
             ));
         }
@@ -443,8 +444,8 @@ pub fn open(path: &Path) -> std::io::Result<(FileStorage, Vec<Entry>, u64)> {
                     "the region log's entries stop at byte {end}, a damaged entry, but {torn} \
                      bytes after it are not zeros: more than a crash can leave of one group \
                      ({TORN_BYTES_MAX} bytes), so entries after it were acknowledged; the \
-                     log is left as it is: restore it from a copy, or move it away to start \
-                     with an empty log"
+                     log is left as it is: restore it from a copy, or move it away and start \
+                     with --new-ledger for an empty log"
                 ),
             ));
         }
@@ -457,7 +458,8 @@ pub fn open(path: &Path) -> std::io::Result<(FileStorage, Vec<Entry>, u64)> {
         return Err(std::io::Error::new(
             std::io::ErrorKind::InvalidData,
             "not a region log of this version of tally (its first bytes are not the \
-             format's); it is left as it is: move it away to start with an empty log",
+             format's); it is left as it is: move it away and start with --new-ledger for an \
+             empty log",
         ));
     };
     sync_dir(path)?;

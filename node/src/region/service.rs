@@ -84,8 +84,8 @@ pub enum LedgerError {
     },
     /// A start with `--new-ledger` found one.
     #[error(
-        "--new-ledger: {path} already holds this region's ledger; not started (a new ledger \
-         is for a region's first start: start without --new-ledger to keep this one)"
+        "--new-ledger: {path} is already there, a region log; not started (a new ledger is \
+         for a region's first start: start without --new-ledger to keep this one)"
     )]
     Exists {
         /// The ledger found.
