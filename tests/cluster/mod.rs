@@ -308,6 +308,23 @@ impl Cluster {
         net::NetFault::new(self.nft_table(), &[net::loss(&self.ips(&ids), percent)])
     }
 
+    /// A fault that cuts nothing yet: [`Cluster::cut_links`] sets what it cuts.
+    pub fn links(&self) -> net::NetFault {
+        net::NetFault::new(self.nft_table(), &[])
+    }
+
+    /// Makes `fault` cut exactly `links`, both ways, and nothing else.
+    pub fn cut_links(&self, fault: &net::NetFault, links: &[(u64, u64)]) {
+        let rules: Vec<String> = links
+            .iter()
+            .flat_map(|&(a, b)| {
+                let (a, b) = (self.ips(&[a]), self.ips(&[b]));
+                [net::cut(&a, &b), net::cut(&b, &a)]
+            })
+            .collect();
+        fault.set(&rules);
+    }
+
     fn ips(&self, ids: &[u64]) -> Vec<String> {
         ids.iter()
             .map(|&id| self.nodes[id as usize - 1].ip.clone())

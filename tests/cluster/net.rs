@@ -36,19 +36,25 @@ impl NetFault {
     /// Applies `rules` ([`cut`], [`loss`]) in a table of its own named `table`; refused
     /// (a panic naming it) while another fault holds that table.
     pub fn new(table: String, rules: &[String]) -> NetFault {
-        let rules: String = rules
-            .iter()
-            .map(|rule| format!("add rule inet {table} input {rule}\n"))
-            .collect();
         nft(&format!(
             "create table inet {table}\n\
              add chain inet {table} input {{ type filter hook input priority 0; policy accept; }}\n\
-             {rules}"
+             {}",
+            adding(&table, rules)
         ));
         NetFault {
             table,
             healed: false,
         }
+    }
+
+    /// Replaces the fault's rules with `rules`, at once (one nft transaction).
+    pub fn set(&self, rules: &[String]) {
+        let table = &self.table;
+        nft(&format!(
+            "flush chain inet {table} input\n{}",
+            adding(table, rules)
+        ));
     }
 
     /// Deletes `table` if a fault left it: one whose test was killed before its drop.
@@ -86,6 +92,14 @@ impl Drop for NetFault {
             NetFault::clear_left(&self.table);
         }
     }
+}
+
+/// The nft commands that add `rules` to `table`'s chain.
+fn adding(table: &str, rules: &[String]) -> String {
+    rules
+        .iter()
+        .map(|rule| format!("add rule inet {table} input {rule}\n"))
+        .collect()
 }
 
 /// Runs `script` with `nft -f -`.
