@@ -25,9 +25,8 @@
 #[path = "../tests/cluster/mod.rs"]
 mod cluster;
 
-use cluster::{paced_checks, Cluster, Outcome};
+use cluster::{paced_checks, turn_isolated, Cluster, Outcome};
 use std::time::Duration;
-use tally_client::Mode;
 
 const LIMIT: i128 = 2_000;
 const TOTAL_PER_SEC: u64 = 1_600;
@@ -93,16 +92,8 @@ async fn partitioned(edges: u64, after: Duration) -> Outcome {
     };
     if after.is_zero() {
         let _partition = cut.await;
-        for node in &cluster.nodes {
-            let probe = node.client().await;
-            for _ in 0..200 {
-                let decided = probe.check("api", "probe", 1).await.unwrap();
-                if decided.mode == Mode::ApproximateIsolated {
-                    break;
-                }
-                tokio::time::sleep(Duration::from_millis(50)).await;
-            }
-        }
+        // A node that never turns isolated shows in the modes column.
+        turn_isolated(&cluster.nodes).await;
         checks.await
     } else {
         let (outcome, _partition) = tokio::join!(checks, cut);

@@ -529,6 +529,46 @@ impl Node {
     pub fn data_dir(&self) -> &Path {
         &self.data_dir
     }
+
+    /// The sample [`Node::metric`] reads, asked again for up to 10 s while the node's
+    /// `/metrics` does not answer in time (a loaded machine) or lacks it.
+    pub fn metric_now(&self, name: &str, labels: &[(&str, &str)]) -> f64 {
+        for _ in 0..100 {
+            if let Some(value) = self.metric(name, labels) {
+                return value;
+            }
+            std::thread::sleep(Duration::from_millis(100));
+        }
+        panic!("node {}: no sample {name} {labels:?} in 10 s", self.id);
+    }
+
+    /// A field of the running process's `/proc/<pid>/status` given in kB (`VmRSS`, or
+    /// `VmHWM`, the most it ever held resident), in bytes.
+    pub fn status_bytes(&self, field: &str) -> u64 {
+        let pid = self.child.as_ref().expect("node is running").id();
+        let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
+        let line = status
+            .lines()
+            .find_map(|line| line.strip_prefix(&format!("{field}:")))
+            .unwrap_or_else(|| panic!("no {field} in /proc/{pid}/status"));
+        let kib: u64 = line.trim().trim_end_matches(" kB").parse().unwrap();
+        kib * 1024
+    }
+
+    /// What the node's processes have printed so far, every life's.
+    pub fn log_text(&self) -> String {
+        std::fs::read_to_string(&self.log).unwrap()
+    }
+
+    /// Asserts that the node never took a member for dead or gone (its log says so at
+    /// every change of a member's state).
+    pub fn assert_no_member_dead_or_left(&self) {
+        let log = self.log_text();
+        for state in ["is now Dead", "is now Left"] {
+            let line = log.lines().find(|line| line.contains(state));
+            assert!(line.is_none(), "node {}: {}", self.id, line.unwrap_or(""));
+        }
+    }
 }
 
 /// Polls `ready` every 50 ms until it holds, or panics after `limit` naming `what`.
@@ -574,6 +614,41 @@ pub struct Outcome {
 fn nft_table(ip: &str) -> String {
     let prefix = ip.rsplit_once('.').unwrap().0;
     format!("tally_e2e_{}", prefix.replace('.', "_"))
+}
+
+/// The first of up to 200 checks of `subject` under `rule`, 50 ms apart, decided in
+/// `mode`; `None` if none was.
+pub async fn first_decided(
+    client: &Client,
+    rule: &str,
+    subject: &str,
+    mode: tally_client::Mode,
+) -> Option<tally_client::Decision> {
+    for _ in 0..200 {
+        let decision = client.check(rule, subject, 1).await.unwrap();
+        if decision.mode == mode {
+            return Some(decision);
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    None
+}
+
+/// Whether each of `nodes` decides `api` isolated within [`first_decided`]'s checks (of
+/// the subject `probe`); the first that does not is named on stderr.
+pub async fn turn_isolated(nodes: &[Node]) -> bool {
+    for node in nodes {
+        let probe = node.client().await;
+        let isolated = tally_client::Mode::ApproximateIsolated;
+        if first_decided(&probe, "api", "probe", isolated)
+            .await
+            .is_none()
+        {
+            eprintln!("node {} never decided `api` isolated", node.id);
+            return false;
+        }
+    }
+    true
 }
 
 /// Checks of `subject` under `rule` on each of `nodes`, `per_sec` a second each, for
