@@ -118,6 +118,15 @@ fn main() -> anyhow::Result<()> {
                 println!("{} {} ({what})", file.cert.display(), file.key.display());
             }
             println!("{} ({ca_was})", out.join("ca.pem").display());
+            if let Some(ends) = tally_node::certs::Ca::load_or_create(&out)?.ends_early() {
+                eprintln!(
+                    "tally certs: warning: the CA ({}) ends at {ends}, before the two years a \
+                     node certificate is issued for: these end with it, and then every node \
+                     refuses its peers; make a new CA (move ca.pem and ca.key away) and issue \
+                     every node's certificates again before then",
+                    out.join("ca.pem").display()
+                );
+            }
             Ok(())
         }
         Command::Daemon(args) => Ok(tally_node::cli::run(&args)?),

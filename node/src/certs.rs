@@ -264,6 +264,14 @@ impl Ca {
         Ok(files)
     }
 
+    /// When this CA ends, if that is before [`NODE_VALID_FOR`] from now: a node certificate
+    /// issued now ends with it, early, and on that day every node stops trusting its peers
+    /// at once.
+    pub fn ends_early(&self) -> Option<OffsetDateTime> {
+        let (_, until) = validity(NODE_VALID_FOR);
+        (self.not_after < until).then_some(self.not_after)
+    }
+
     /// The CA certificate, PEM.
     pub fn cert_pem(&self) -> &str {
         &self.cert_pem
@@ -440,6 +448,9 @@ mod tests {
         let der = CertificateDer::from_pem_slice(node.as_bytes()).unwrap();
         let (_, cert) = x509_parser::parse_x509_certificate(&der).unwrap();
         assert_eq!(cert.validity().not_after.timestamp(), now + 365 * 86_400);
+        let ends = ca.ends_early().map(OffsetDateTime::unix_timestamp);
+        assert_eq!(ends, Some(now + 365 * 86_400), "a year is short of two");
+        assert_eq!(Ca::generate("new").unwrap().ends_early(), None);
         std::fs::remove_dir_all(dir).unwrap();
     }
 
