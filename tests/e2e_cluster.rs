@@ -1042,55 +1042,61 @@ async fn a_member_whose_clock_runs_ahead_counts_into_the_next_window_and_its_pee
     );
 }
 
-/// Reads `subjects` of `rule` on every node every 10 ms until stopped, and keeps what it
-/// read: MONO is that no node's estimate of any of them ever goes down. A subject only
-/// one node writes is that origin's lane alone, which a sum over origins could hide.
+/// Reads `subjects` of `rule` on every node every 10 ms until stopped, each node on a task
+/// of its own (a paused node holds up only its own reads), and keeps what it read: MONO is
+/// that no node's estimate of any of them ever goes down. A subject only one node writes
+/// is that origin's lane alone, which a sum over origins could hide.
 struct Watched {
     stop: Arc<std::sync::atomic::AtomicBool>,
-    task: tokio::task::JoinHandle<BTreeMap<(u64, String), Vec<i128>>>,
+    tasks: Vec<(u64, tokio::task::JoinHandle<Readings>)>,
 }
+
+/// A node's estimates of each subject, in the order read.
+type Readings = BTreeMap<String, Vec<i128>>;
 
 impl Watched {
     async fn start(cluster: &Cluster, rule: &'static str, subjects: Vec<String>) -> Watched {
-        let mut clients = Vec::new();
-        for node in &cluster.nodes {
-            clients.push((node.id, node.client().await));
-        }
         let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
-        let stopped = stop.clone();
-        let task = tokio::spawn(async move {
-            let mut read: BTreeMap<(u64, String), Vec<i128>> = BTreeMap::new();
-            while !stopped.load(std::sync::atomic::Ordering::Relaxed) {
-                for (id, client) in &clients {
+        let mut tasks = Vec::new();
+        for node in &cluster.nodes {
+            let (client, stopped, subjects) = (node.client().await, stop.clone(), subjects.clone());
+            let task = tokio::spawn(async move {
+                let mut read = Readings::new();
+                while !stopped.load(std::sync::atomic::Ordering::Relaxed) {
+                    // A node that does not answer (paused) gives no reading.
                     for subject in &subjects {
-                        let estimate = client.get(rule, subject).await.unwrap().estimate;
-                        read.entry((*id, subject.clone()))
-                            .or_default()
-                            .push(estimate);
+                        if let Ok(read_now) = client.get(rule, subject).await {
+                            read.entry(subject.clone())
+                                .or_default()
+                                .push(read_now.estimate);
+                        }
                     }
+                    tokio::time::sleep(Duration::from_millis(10)).await;
                 }
-                tokio::time::sleep(Duration::from_millis(10)).await;
-            }
-            read
-        });
-        Watched { stop, task }
+                read
+            });
+            tasks.push((node.id, task));
+        }
+        Watched { stop, tasks }
     }
 
     /// Stops, and asserts MONO over every node's reads.
     async fn assert_monotone(self) {
         self.stop.store(true, std::sync::atomic::Ordering::Relaxed);
-        let read = self.task.await.unwrap();
-        for ((id, subject), values) in &read {
-            assert!(
-                values.len() > 10,
-                "node {id} was read {} times",
-                values.len()
-            );
-            if let Some(pair) = values.windows(2).find(|pair| pair[1] < pair[0]) {
-                panic!(
-                    "MONO: node {id}'s estimate of {subject} went from {} to {}",
-                    pair[0], pair[1]
+        for (id, task) in self.tasks {
+            for (subject, values) in task.await.unwrap() {
+                // A few readings at least, from a node paused for most of the test too.
+                assert!(
+                    values.len() > 3,
+                    "node {id} was read {} times",
+                    values.len()
                 );
+                if let Some(pair) = values.windows(2).find(|pair| pair[1] < pair[0]) {
+                    panic!(
+                        "MONO: node {id}'s estimate of {subject} went from {} to {}",
+                        pair[0], pair[1]
+                    );
+                }
             }
         }
     }
@@ -1573,5 +1579,82 @@ impl XorShift {
         for i in (1..items.len()).rev() {
             items.swap(i, self.below(i as u64 + 1) as usize);
         }
+    }
+}
+
+/// TESTING.md L3 with real processes: node 3 of three is paused (SIGSTOP) past the
+/// failure detector, until both others hold it dead, while the others keep being written
+/// and an increment sent to node 3 waits; then it resumes. It comes back alive, answers the
+/// waiting increment, and every node reads exactly the sum of the acknowledged increments,
+/// its earlier lanes counted once (FINAL exact); no estimate, of the shared subject or of
+/// a node's own, ever went down (MONO).
+#[tokio::test(flavor = "current_thread")]
+async fn a_node_paused_past_the_failure_detector_and_resumed_counts_nothing_twice() {
+    let cluster = Cluster::start(NET, 3);
+    let mut clients = Vec::new();
+    for node in &cluster.nodes {
+        clients.push(node.client().await);
+    }
+    let subjects = ["l3", "l3-1", "l3-2", "l3-3"].map(str::to_owned);
+    let watched = Watched::start(&cluster, "count", subjects.to_vec()).await;
+    let mut sums = Acknowledged::default();
+    for _ in 0..50 {
+        for (node, client) in clients.iter().enumerate() {
+            sums.write(client, node).await;
+        }
+    }
+    // An increment sent to node 3 while it is paused waits, unanswered, on a client that
+    // waits long enough; the others go on.
+    let patient = Options::default().with_timeout(Duration::from_secs(60));
+    let patient = Client::connect(Endpoint::Tcp(cluster.nodes[2].client_addr()), patient)
+        .await
+        .unwrap();
+    cluster.nodes[2].signal("STOP");
+    let paused_write = tokio::spawn(async move { patient.incr("count", "l3", 3).await });
+    let dead = || {
+        (cluster.nodes[..2].iter())
+            .all(|node| node.metric("tally_members", &[("state", "dead")]) == Some(1.0))
+    };
+    let mut rounds = 0;
+    while !dead() {
+        assert!(rounds < 600, "nodes 1 and 2 never held node 3 dead");
+        rounds += 1;
+        sums.write(&clients[0], 0).await;
+        sums.write(&clients[1], 1).await;
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    cluster.nodes[2].signal("CONT");
+    paused_write.await.unwrap().unwrap();
+    sums.total += 3;
+    cluster.wait_members_alive();
+    for _ in 0..50 {
+        for (node, client) in clients.iter().enumerate() {
+            sums.write(client, node).await;
+        }
+    }
+    wait_read(&cluster, &[1, 2, 3], "count", "l3", sums.total).await;
+    for (i, own) in sums.own.iter().enumerate() {
+        let subject = format!("l3-{}", i + 1);
+        wait_read(&cluster, &[1, 2, 3], "count", &subject, *own).await;
+    }
+    watched.assert_monotone().await;
+}
+
+/// What the L3 test had acknowledged: the sum on `l3`, and each node's count on its own
+/// `l3-<node>`.
+#[derive(Default)]
+struct Acknowledged {
+    total: i128,
+    own: [i128; 3],
+}
+
+impl Acknowledged {
+    /// Increments `l3` by `node + 1` and the node's own subject by 1, through `client`.
+    async fn write(&mut self, client: &Client, node: usize) {
+        client.incr("count", "l3", 1 + node as u64).await.unwrap();
+        self.total += 1 + node as i128;
+        let own = format!("l3-{}", node + 1);
+        client.incr("count", &own, 1).await.unwrap();
+        self.own[node] += 1;
     }
 }
