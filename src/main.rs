@@ -108,7 +108,7 @@ fn main() -> anyhow::Result<()> {
             let were: Vec<bool> = (nodes.iter())
                 .map(|&node| NodeFiles::in_dir(&out, node).cert.exists())
                 .collect();
-            let files = tally_node::certs::write_cluster(&out, &nodes)?;
+            let (ca, files) = tally_node::certs::issue_cluster(&out, &nodes)?;
             for (file, was) in files.iter().zip(were) {
                 let what = if was {
                     "replaced: its node takes them at its next start"
@@ -118,12 +118,15 @@ fn main() -> anyhow::Result<()> {
                 println!("{} {} ({what})", file.cert.display(), file.key.display());
             }
             println!("{} ({ca_was})", out.join("ca.pem").display());
-            if let Some(ends) = tally_node::certs::Ca::load_or_create(&out)?.ends_early() {
+            if let Some(ends) = ca.ends_early() {
                 eprintln!(
                     "tally certs: warning: the CA ({}) ends at {ends}, before the two years a \
                      node certificate is issued for: these end with it, and then every node \
-                     refuses its peers; make a new CA (move ca.pem and ca.key away) and issue \
-                     every node's certificates again before then",
+                     refuses its peers. Before then, make a new CA (move ca.pem and ca.key \
+                     away), issue every node's certificates under it, and restart the nodes \
+                     together: a node trusts only the CAs in its ca.pem, so nodes under \
+                     different CAs refuse each other (while they move, a ca.pem may hold both \
+                     CA certificates)",
                     out.join("ca.pem").display()
                 );
             }

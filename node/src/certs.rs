@@ -280,6 +280,11 @@ impl Ca {
 
 /// Makes (or reuses) the CA in `dir` and writes a certificate for each of `nodes`.
 pub fn write_cluster(dir: &Path, nodes: &[NodeId]) -> Result<Vec<NodeFiles>, CertError> {
+    Ok(issue_cluster(dir, nodes)?.1)
+}
+
+/// [`write_cluster`], returning the CA the certificates were issued under too.
+pub fn issue_cluster(dir: &Path, nodes: &[NodeId]) -> Result<(Ca, Vec<NodeFiles>), CertError> {
     if nodes.contains(&NodeId(0)) {
         return Err(CertError::NodeZero);
     }
@@ -288,7 +293,11 @@ pub fn write_cluster(dir: &Path, nodes: &[NodeId]) -> Result<Vec<NodeFiles>, Cer
         source,
     })?;
     let ca = Ca::load_or_create(dir)?;
-    nodes.iter().map(|&node| ca.write_node(dir, node)).collect()
+    let files = nodes
+        .iter()
+        .map(|&node| ca.write_node(dir, node))
+        .collect::<Result<_, _>>()?;
+    Ok((ca, files))
 }
 
 fn read(path: &Path) -> Result<String, CertError> {

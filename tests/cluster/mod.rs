@@ -244,18 +244,28 @@ impl Cluster {
     /// Waits until every running node sees every other running node alive, and counts no
     /// seed as an unheard member (its table has matched a peer's).
     pub fn wait_members_alive(&self) {
-        let running: Vec<&Node> = self.nodes.iter().filter(|n| n.is_running()).collect();
-        let others = running.len() - 1;
         wait_for(
             Duration::from_secs(20),
             "every node to see the others alive",
-            || {
-                running.iter().all(|node| {
-                    node.metric("tally_members", &[("state", "alive")]) == Some(others as f64)
-                        && node.metric("tally_members", &[("state", "unheard_seed")]) == Some(0.0)
-                })
-            },
+            || self.members_alive(),
         );
+    }
+
+    /// [`Cluster::wait_members_alive`], letting the runtime's other tasks run meanwhile.
+    pub async fn members_alive_eventually(&self) {
+        let what = "every node to see the others alive";
+        eventually(Duration::from_secs(20), what, || self.members_alive()).await;
+    }
+
+    /// Whether every running node sees every other running node alive, and counts no seed
+    /// as an unheard member.
+    fn members_alive(&self) -> bool {
+        let running: Vec<&Node> = self.nodes.iter().filter(|n| n.is_running()).collect();
+        let others = Some((running.len() - 1) as f64);
+        running.iter().all(|node| {
+            node.metric("tally_members", &[("state", "alive")]) == others
+                && node.metric("tally_members", &[("state", "unheard_seed")]) == Some(0.0)
+        })
     }
 
     /// Waits until every running node holds state of every other running node newer than
@@ -558,6 +568,14 @@ impl Node {
     /// What the node's processes have printed so far, every life's.
     pub fn log_text(&self) -> String {
         std::fs::read_to_string(&self.log).unwrap()
+    }
+
+    /// Whether the node has taken member `id` for dead (its log says so at every change of
+    /// a member's state).
+    pub fn held_dead(&self, id: u64) -> bool {
+        let member = format!("member node {id} ");
+        (self.log_text().lines())
+            .any(|line| line.contains(&member) && line.ends_with("is now Dead"))
     }
 
     /// Asserts that the node never took a member for dead or gone (its log says so at
