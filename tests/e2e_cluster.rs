@@ -1232,10 +1232,7 @@ async fn both_sides_of_a_partition_admit_on_their_shares_within_the_bound_and_he
 async fn twenty_partitions_two_against_two_each_heal_to_every_write_on_both_sides() {
     let cluster = Cluster::start_with(NET, 4, 60_000, false);
     cluster.wait_fresh(Duration::from_millis(500));
-    let mut clients = Vec::new();
-    for node in &cluster.nodes {
-        clients.push(node.client().await);
-    }
+    let clients = cluster.clients().await;
     let subjects = ["n1", "n1-1", "n1-2", "n1-3", "n1-4"].map(str::to_owned);
     let watched = Watched::start(&cluster, "count", subjects.to_vec()).await;
     let sides = [([1, 2], [3, 4]), ([1, 3], [2, 4]), ([1, 4], [2, 3])];
@@ -1344,10 +1341,7 @@ async fn a_one_way_cut_neither_wedges_nor_evicts_and_every_write_arrives() {
 #[tokio::test(flavor = "current_thread")]
 async fn a_tenth_of_every_links_datagrams_lost_still_converges_to_every_write() {
     let cluster = Cluster::start(NET, 4);
-    let mut clients = Vec::new();
-    for node in &cluster.nodes {
-        clients.push(node.client().await);
-    }
+    let clients = cluster.clients().await;
     let mut total = 0;
     let clean = writes_and_checks(&clients, &mut total).await;
     wait_read(&cluster, &[1, 2, 3, 4], "count", "n4", total).await;
@@ -1508,10 +1502,7 @@ async fn a_long_partition_with_a_hundred_thousand_keys_a_side_heals_in_frames_un
 async fn links_cut_one_by_one_and_restored_in_random_order_lose_no_write() {
     let cluster = Cluster::start_with(NET, 4, 60_000, false);
     cluster.wait_fresh(Duration::from_millis(500));
-    let mut clients = Vec::new();
-    for node in &cluster.nodes {
-        clients.push(node.client().await);
-    }
+    let clients = cluster.clients().await;
     let subjects = ["n3", "n3-1", "n3-2", "n3-3", "n3-4"].map(str::to_owned);
     let watched = Watched::start(&cluster, "count", subjects.to_vec()).await;
     let links = cluster.links();
@@ -1609,10 +1600,7 @@ impl XorShift {
 #[tokio::test(flavor = "current_thread")]
 async fn a_node_paused_past_the_failure_detector_and_resumed_counts_nothing_twice() {
     let cluster = Cluster::start(NET, 3);
-    let mut clients = Vec::new();
-    for node in &cluster.nodes {
-        clients.push(node.client().await);
-    }
+    let clients = cluster.clients().await;
     let subjects = ["l3", "l3-1", "l3-2", "l3-3"].map(str::to_owned);
     let watched = Watched::start_pausing(&cluster, "count", subjects.to_vec(), &[3]).await;
     let mut sums = Acknowledged::default();

@@ -293,6 +293,15 @@ impl Cluster {
         );
     }
 
+    /// A client of every node, in the nodes' order.
+    pub async fn clients(&self) -> Vec<Client> {
+        let mut clients = Vec::new();
+        for node in &self.nodes {
+            clients.push(node.client().await);
+        }
+        clients
+    }
+
     pub fn certs(&self) -> PathBuf {
         self.dir.join("certs")
     }
