@@ -1042,6 +1042,116 @@ async fn a_member_whose_clock_runs_ahead_counts_into_the_next_window_and_its_pee
     );
 }
 
+/// TESTING.md T2 with a real process: node 3's wall clock steps back an hour mid-run and
+/// forward again, its monotonic clock untouched (libfaketime). Its timers run on the
+/// monotonic clock, so it goes on serving and gossiping, and no node takes a member for
+/// dead or panics. Windows are the keys' (BRIEF.md): while behind, node 3 counts
+/// `brief-count` (two-minute windows) into the window of an hour ago, which its peers
+/// have expired, and `count` (a week) into the window it counted into before, with
+/// stamps carried on from its last (`OwnStamps`), which its peers take as fresh and
+/// count. It keeps its own and its peers' writes to the two-minute window that by its
+/// clock has not begun. Once its clock is back, every node reads every write to the
+/// current windows (FINAL), and no node's estimate of `count` went down (MONO).
+#[tokio::test(flavor = "current_thread")]
+async fn a_node_whose_clock_steps_back_an_hour_and_forward_keeps_serving_and_loses_no_write_of_the_current_windows(
+) {
+    const STEP_SECS: u64 = 3_600;
+    const BRIEF_SECS: u64 = 120;
+    const WEEK_SECS: u64 = 604_800;
+    let secs = || tally_node::clock::wall().0 / 1_000;
+    // Later in the test an hour back is in this week too, unless a week ends meanwhile,
+    // which ends a two-minute window too (checked at the end).
+    if (secs() - STEP_SECS) / WEEK_SECS != secs() / WEEK_SECS {
+        eprintln!("T2 skipped: an hour back is last week's window for `count`");
+        return;
+    }
+    let mut cluster = Cluster::start(NET, 3);
+    cluster.node(3).kill9();
+    cluster.node(3).restart_with_clock_in_hand();
+    cluster.members_alive_eventually().await;
+    // The test must run within one of `brief-count`'s windows: 30 s at least.
+    while secs() % BRIEF_SECS >= 90 {
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+    let window = secs() / BRIEF_SECS;
+    let clients = cluster.clients().await;
+    let write_all = |amount: u64| {
+        let clients = &clients;
+        async move {
+            for client in clients {
+                client.incr("count", "t2", amount).await.unwrap();
+                client.incr("brief-count", "t2", amount).await.unwrap();
+            }
+        }
+    };
+    write_all(10).await;
+    clients[2].incr("count", "t2-3", 1).await.unwrap();
+    wait_read(&cluster, &[1, 2, 3], "count", "t2", 30).await;
+    wait_read(&cluster, &[1, 2, 3], "brief-count", "t2", 30).await;
+    let watched = Watched::start(&cluster, "count", vec!["t2".into(), "t2-3".into()]).await;
+
+    cluster.nodes[2].step_clock(-(STEP_SECS as i64));
+    let behind = window - STEP_SECS / BRIEF_SECS;
+    wait_window(&clients[2], behind).await;
+    write_all(10).await;
+    clients[2].incr("count", "t2-3", 1).await.unwrap();
+    let node3 = clients[2].get("brief-count", "t2").await.unwrap();
+    assert_eq!(
+        (node3.window, node3.estimate),
+        (behind, 10),
+        "node 3 counts into the window of an hour ago, alone"
+    );
+    wait_read(&cluster, &[1, 2], "brief-count", "t2", 50).await;
+    wait_read(&cluster, &[1, 2, 3], "count", "t2", 60).await;
+    wait_read(&cluster, &[1, 2, 3], "count", "t2-3", 2).await;
+    // Past `api`'s `stale_after_ms` (600) since the step: a node whose stamps went back
+    // with its clock would look stale at its peers from then on.
+    tokio::time::sleep(Duration::from_millis(1_500)).await;
+    for (at, client) in clients.iter().enumerate() {
+        assert!(
+            first_decided(client, "api", "t2", Mode::ApproximateConnected)
+                .await
+                .is_some(),
+            "node {} decided isolated throughout while node 3's clock was behind",
+            at + 1
+        );
+    }
+
+    cluster.nodes[2].step_clock(0);
+    wait_window(&clients[2], window).await;
+    write_all(10).await;
+    clients[2].incr("count", "t2-3", 1).await.unwrap();
+    wait_read(&cluster, &[1, 2, 3], "count", "t2", 90).await;
+    wait_read(&cluster, &[1, 2, 3], "brief-count", "t2", 80).await;
+    wait_read(&cluster, &[1, 2, 3], "count", "t2-3", 3).await;
+    assert_eq!(
+        secs() / BRIEF_SECS,
+        window,
+        "the test ran past its two-minute window: too slow a machine for it"
+    );
+    watched.assert_monotone().await;
+    for node in &mut cluster.nodes {
+        assert!(node.exited().is_none(), "node {} exited", node.id);
+        assert!(
+            !node.log_text().contains("panicked"),
+            "node {} panicked",
+            node.id
+        );
+        node.assert_no_member_dead_or_left();
+    }
+}
+
+/// Waits until `client`'s node counts `brief-count` into `window`.
+async fn wait_window(client: &Client, window: u64) {
+    for _ in 0..200 {
+        if client.get("brief-count", "t2").await.unwrap().window == window {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    panic!("the node never counted into window {window}");
+}
+
 /// Reads `subjects` of `rule` on every node every 10 ms until stopped, each node on a task
 /// of its own (a paused node holds up only its own reads), and keeps what it read: MONO is
 /// that no node's estimate of any of them ever goes down. A subject only one node writes

@@ -458,17 +458,39 @@ impl Node {
     /// process (Debian's `libfaketime`, which CI installs; a missing one fails the test).
     pub fn restart_with_clock_ahead(&mut self, secs: u64) {
         assert!(self.child.is_none(), "restart a node that was killed");
-        let lib = std::fs::read_dir("/usr/lib")
-            .unwrap()
-            .map(|entry| entry.unwrap().path().join("faketime/libfaketimeMT.so.1"))
-            .find(|lib| lib.exists())
-            .expect("/usr/lib/*/faketime/libfaketimeMT.so.1: apt install libfaketime");
         self.spawn_with(&[
-            ("LD_PRELOAD", lib.to_str().unwrap()),
+            ("LD_PRELOAD", &faketime_lib()),
             ("FAKETIME", &format!("+{secs}s")),
             ("FAKETIME_DONT_FAKE_MONOTONIC", "1"),
         ]);
         self.wait_ready();
+    }
+
+    /// Starts the node again on its data dir with its wall clock in the test's hands
+    /// ([`Node::step_clock`]), true at first, its monotonic clock as it is (a step of the
+    /// wall clock leaves it): libfaketime preloaded, reading the clock's offset from a
+    /// file at most a second after it last read it.
+    pub fn restart_with_clock_in_hand(&mut self) {
+        assert!(self.child.is_none(), "restart a node that was killed");
+        self.step_clock(0);
+        let offset = self.clock_offset_file();
+        self.spawn_with(&[
+            ("LD_PRELOAD", &faketime_lib()),
+            ("FAKETIME_TIMESTAMP_FILE", offset.to_str().unwrap()),
+            ("FAKETIME_CACHE_DURATION", "1"),
+            ("FAKETIME_DONT_FAKE_MONOTONIC", "1"),
+        ]);
+        self.wait_ready();
+    }
+
+    /// Sets the wall clock of a node started by [`Node::restart_with_clock_in_hand`] to
+    /// `offset_secs` from the true one; the node reads it within a second or so.
+    pub fn step_clock(&self, offset_secs: i64) {
+        std::fs::write(self.clock_offset_file(), format!("{offset_secs:+}\n")).unwrap();
+    }
+
+    fn clock_offset_file(&self) -> PathBuf {
+        self.log.with_file_name(format!("clock-{}", self.id))
     }
 
     /// The generation the node's last start took, from its log.
@@ -596,6 +618,17 @@ impl Node {
             assert!(line.is_none(), "node {}: {}", self.id, line.unwrap_or(""));
         }
     }
+}
+
+/// Debian's libfaketime (which CI installs; a missing one fails the test), the build that
+/// fakes the clock for every thread.
+fn faketime_lib() -> String {
+    let lib = std::fs::read_dir("/usr/lib")
+        .unwrap()
+        .map(|entry| entry.unwrap().path().join("faketime/libfaketimeMT.so.1"))
+        .find(|lib| lib.exists())
+        .expect("/usr/lib/*/faketime/libfaketimeMT.so.1: apt install libfaketime");
+    lib.to_str().unwrap().to_owned()
 }
 
 /// Polls `ready` every 50 ms until it holds, or panics after `limit` naming `what`.
