@@ -391,13 +391,21 @@ impl Gossip {
         let mut live = self.members.others_in(&[State::Alive, State::Suspect]);
         live.shuffle(&mut self.rng);
         let mut targets: Vec<NodeId> = live.into_iter().take(self.config.fanout).collect();
-        if targets.is_empty() {
-            // No live peer: knock on every seed until someone answers.
-            let me = self.config.node();
-            targets = self.config.seeds.iter().map(|s| s.node).collect();
-            targets.retain(|&seed| seed != me);
-            targets.sort_unstable();
-            targets.dedup();
+        // No live peer: knock on every seed until someone answers. And with live peers, on
+        // every seed this node holds no row for: a node that found a peer before its seeds
+        // (a knock lost, a seed started late) gossips only with the part of the cluster it
+        // found, and two such parts, one seed in each, would stay apart for good, each
+        // deciding connected on its own part's counts.
+        let no_live_peer = targets.is_empty();
+        let me = self.config.node();
+        let knock = (self.config.seeds.iter())
+            .map(|seed| seed.node)
+            .filter(|&seed| seed != me)
+            .filter(|&seed| no_live_peer || self.members.state(seed).is_none());
+        for seed in knock {
+            if !targets.contains(&seed) {
+                targets.push(seed);
+            }
         }
         let dead = self.members.others_in(&[State::Dead]);
         if let Some(probe) = dead.choose(&mut self.rng) {

@@ -574,3 +574,35 @@ fn a_member_that_crashed_while_a_node_was_cut_off_is_found_dead_there_soon_after
         );
     }
 }
+
+#[test]
+fn two_seeds_that_each_found_another_node_first_join_once_they_can() {
+    // Nodes 0 and 1 are the seeds. With the links 0-1, 0-2 and 1-3 cut while the nodes
+    // start, node 3 finds only node 0 and node 2 only node 1: two pairs, each holding one
+    // seed. Once the links are back the pairs must join. A node that knocked on its seeds
+    // only while it had no live peer never did: each pair gossiped on its own for good,
+    // each holding half the members and half the counts, with no fault left to see.
+    use tally_crdt::NodeId;
+    for seed in seeds(1, 5) {
+        let mut sim = Sim::new(SimConfig::new(4, seed));
+        for (a, b) in [(0, 1), (0, 2), (1, 3)] {
+            sim.network().cut(a, b);
+            sim.network().cut(b, a);
+        }
+        write_for(&mut sim, 4, SECOND);
+        let alive = |sim: &Sim, node: usize| {
+            sim.gossip(node)
+                .unwrap()
+                .members()
+                .others_in(&[State::Alive])
+        };
+        assert_eq!(
+            (alive(&sim, 0), alive(&sim, 1)),
+            (vec![NodeId(3)], vec![NodeId(2)]),
+            "seed {seed}: the pairs formed"
+        );
+        let test = "two_seeds_that_each_found_another_node_first_join_once_they_can";
+        heal_and_check(&mut sim, test, 5 * SECOND);
+        assert!(sim.joined(), "seed {seed}: {test}");
+    }
+}
