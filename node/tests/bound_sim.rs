@@ -1,0 +1,314 @@
+//! TESTING.md K5's BOUND in the seeded simulator: approximate decisions made by the node's
+//! own decision code (`decide::Context::check`, on a `LaneStore` and a `ViewState`) on
+//! every node of a simulated cluster (`tally_gossip::sim`), with message loss, duplication,
+//! delay, replays, partitions and pauses drawn from each seed (a partition's heal ends
+//! every fault but the delay, as `Network::heal` does). Each node checks one subject
+//! at a steady rate of its own; over the run, the cluster's admissions beyond the limit
+//! (the overshoot) must stay within the largest bound an admitting decision reported, as
+//! the end-to-end tests and the overshoot bench check it on real processes
+//! (`tests/e2e_cluster.rs`, `benches/overshoot.rs`).
+//!
+//! What stands in for `tallyd`'s gossip task (`driver.rs`): after every millisecond of
+//! simulated time, each running node publishes the remote sum of every counter that
+//! changed to its store and takes the counter into its view (`Driver::publish`), and sets
+//! its view's members and stamps (`Driver::refresh_view`). An admission is handed to the
+//! node's gossip at once, where `tallyd` collects them every half push interval.
+//!
+//! Rates are steady, and the limit is reached no sooner than three seconds into the run:
+//! the connected bound is a rate times a staleness, and a rate that has not been measured
+//! yet (a burst) is not in it (ARCHITECTURE.md).
+//!
+//! A failure prints the seed; `TALLY_SIM_SEED=<seed> cargo test -p tally-node --release
+//! --test bound_sim` replays it.
+
+#![allow(
+    clippy::unwrap_used,
+    reason = "a panic in the simulation is the test's failure report"
+)]
+
+use std::collections::BTreeMap;
+use std::sync::atomic::AtomicU64;
+use std::time::Duration;
+use tally_client::Mode;
+use tally_crdt::{Key, PnCounter, ReplicaId};
+use tally_gossip::membership::State;
+use tally_gossip::sim::{seeds, Faults, Sim, SimConfig};
+use tally_gossip::Now;
+use tally_node::config::RuleConfig;
+use tally_node::decide::{self, Context, Rules};
+use tally_node::store::LaneStore;
+use tally_node::view::{unheard_seeds, ViewState};
+
+/// How long each seed's cluster runs, in simulated milliseconds.
+const RUN_MS: u64 = 12_000;
+/// The one subject every node checks.
+const SUBJECT: &str = "s";
+
+/// A seed's draw: the cluster, its load and its faults.
+#[derive(Debug)]
+struct Scenario {
+    nodes: usize,
+    /// Per node, milliseconds between its checks.
+    every_ms: Vec<u64>,
+    limit: u64,
+    slack: u64,
+    stale_after_ms: u64,
+    faults: Faults,
+    /// Nodes cut off from the others, from and to (ms).
+    partition: Option<(Vec<usize>, u64, u64)>,
+    /// A node paused, from and to (ms).
+    pause: Option<(usize, u64, u64)>,
+}
+
+/// splitmix64: the scenario's draws, from the seed alone.
+struct Draw(u64);
+
+impl Draw {
+    fn next(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+        z ^ (z >> 31)
+    }
+
+    /// Uniform in `low..=high`.
+    fn within(&mut self, low: u64, high: u64) -> u64 {
+        low + self.next() % (high - low + 1)
+    }
+
+    fn chance(&mut self, percent: u64) -> bool {
+        self.next() % 100 < percent
+    }
+}
+
+impl Scenario {
+    fn draw(seed: u64) -> Scenario {
+        let mut draw = Draw(seed);
+        let nodes = draw.within(3, 6) as usize;
+        let every_ms: Vec<u64> = (0..nodes).map(|_| draw.within(2, 20)).collect();
+        let per_sec: u64 = every_ms.iter().map(|ms| 1_000 / ms).sum();
+        // Reached 3 to 8 seconds in, at the cluster's whole rate.
+        let limit = per_sec * draw.within(3, 8);
+        let faults = Faults {
+            loss: if draw.chance(50) { 0.1 } else { 0.0 },
+            duplicate: if draw.chance(50) { 0.05 } else { 0.0 },
+            replay: if draw.chance(30) { 0.01 } else { 0.0 },
+            replay_age_max: Duration::from_secs(5),
+            delay_min: Duration::from_millis(draw.within(0, 2)),
+            delay_max: Duration::from_millis(draw.within(2, 30)),
+        };
+        let partition = draw.chance(50).then(|| {
+            let cut: Vec<usize> = (0..nodes).filter(|_| draw.chance(50)).collect();
+            let cut = if cut.is_empty() || cut.len() == nodes {
+                vec![0]
+            } else {
+                cut
+            };
+            let from = draw.within(500, 6_000);
+            (cut, from, from + draw.within(1_000, 5_000))
+        });
+        let pause = draw.chance(30).then(|| {
+            let from = draw.within(500, 8_000);
+            (
+                draw.within(0, nodes as u64 - 1) as usize,
+                from,
+                from + draw.within(200, 3_000),
+            )
+        });
+        Scenario {
+            nodes,
+            every_ms,
+            limit,
+            slack: draw.within(0, 20),
+            stale_after_ms: draw.within(200, 1_000),
+            faults,
+            partition,
+            pause,
+        }
+    }
+
+    fn rule(&self) -> RuleConfig {
+        let rule = format!(
+            "name = \"sim\"\nlimit = {}\nwindow_secs = 3600\nslack = {}\nstale_after_ms = {}\n",
+            self.limit, self.slack, self.stale_after_ms
+        );
+        toml::from_str(&rule).unwrap()
+    }
+}
+
+/// What a node's gossip task would have shown its decisions.
+struct Deciding {
+    replica: ReplicaId,
+    store: LaneStore,
+    view: ViewState,
+    /// The counters last published, to publish only what changed, as the driver does.
+    published: BTreeMap<Key, PnCounter>,
+}
+
+/// What the cluster admitted over a run.
+#[derive(Debug, Default)]
+struct Admitted {
+    total: u64,
+    max_bound: f64,
+    by_mode: BTreeMap<String, u64>,
+}
+
+fn run(seed: u64) -> (Scenario, Admitted) {
+    let scenario = Scenario::draw(seed);
+    let mut config = SimConfig::new(scenario.nodes, seed);
+    config.faults = scenario.faults.clone();
+    let mut sim = Sim::new(config);
+    let rules = Rules::new(&[scenario.rule()]).unwrap();
+    let rule = rules.get("sim").unwrap();
+    let mut nodes: Vec<Deciding> = (0..scenario.nodes)
+        .map(|index| Deciding {
+            replica: sim.replica(index),
+            store: LaneStore::new(sim.replica(index), 1_000),
+            view: ViewState::default(),
+            published: BTreeMap::new(),
+        })
+        .collect();
+    // Joined and fresh before the load starts, as a cluster in service is.
+    while !sim.joined() {
+        assert!(
+            sim.time() < Duration::from_secs(30),
+            "seed {seed}: never joined"
+        );
+        sim.run_for(Duration::from_millis(100));
+    }
+    sim.run_for(Duration::from_secs(1));
+    let start = sim.time();
+    let (refused_log, refused_keys) = (AtomicU64::new(0), AtomicU64::new(0));
+    let mut admitted = Admitted::default();
+    for ms in 0..RUN_MS {
+        if let Some((cut, from, to)) = &scenario.partition {
+            let rest: Vec<usize> = (0..scenario.nodes).filter(|i| !cut.contains(i)).collect();
+            if ms == *from {
+                sim.network().partition(cut, &rest);
+            }
+            if ms == *to {
+                sim.network().heal();
+            }
+        }
+        if let Some((node, from, to)) = scenario.pause {
+            if ms == from {
+                sim.pause(node);
+            }
+            if ms == to {
+                sim.resume(node);
+            }
+        }
+        for (index, node) in nodes.iter_mut().enumerate() {
+            let paused = scenario
+                .pause
+                .is_some_and(|(p, from, to)| p == index && (from..to).contains(&ms));
+            if paused || ms % scenario.every_ms[index] != 0 {
+                continue;
+            }
+            let now = sim.wall(index);
+            let key = decide::key(rule, SUBJECT, now).unwrap();
+            let mut context = Context {
+                store: &node.store,
+                view: &node.view,
+                now,
+                log: None,
+                lane_rate_max: u64::MAX,
+                lane_log_refused: &refused_log,
+                keys_refused: &refused_keys,
+            };
+            let decision = context.check(&rule.1, key, 1).unwrap();
+            if decision.allowed {
+                assert!(sim.incr(index, SUBJECT, 1), "node {index} is running");
+                admitted.total += 1;
+                admitted.max_bound = admitted.max_bound.max(decision.bound);
+                let mode = match decision.mode {
+                    Mode::ApproximateConnected => "connected",
+                    Mode::ApproximateIsolated => "isolated",
+                    _ => "other",
+                };
+                *admitted.by_mode.entry(mode.to_owned()).or_default() += 1;
+            }
+        }
+        sim.run_for(Duration::from_millis(1));
+        for (index, node) in nodes.iter_mut().enumerate() {
+            refresh(&sim, index, node, start);
+        }
+    }
+    sim.assert_clean("bound_sim");
+    (scenario, admitted)
+}
+
+/// The driver's `publish` and `refresh_view`, for node `index`.
+fn refresh(sim: &Sim, index: usize, node: &mut Deciding, start: Duration) {
+    let Some(gossip) = sim.gossip(index) else {
+        return;
+    };
+    let now = Now {
+        mono: sim.time(),
+        wall: sim.wall(index),
+    };
+    let (me, map) = (node.replica, gossip.map());
+    let now_ms = now.mono.as_millis() as u64;
+    for (key, counter) in map.iter() {
+        if node.published.get(key) == Some(counter) {
+            continue;
+        }
+        node.store
+            .publish_remote(key, counter.value_without(me))
+            .unwrap();
+        node.view.take_in(key, counter, me, now_ms);
+        node.published.insert(key.clone(), counter.clone());
+    }
+    let members = gossip.members();
+    let all = [State::Alive, State::Suspect, State::Dead, State::Left];
+    let rows: Vec<_> = (members.others_in(&all).into_iter())
+        .filter_map(|other| Some((other, members.replica(other)?, members.state(other)?)))
+        .collect();
+    let stamps = (rows.iter())
+        .map(|(_, replica, _)| (*replica, map.watermark(*replica).stamp))
+        .collect();
+    let config = gossip.config();
+    node.view.unheard_seeds = unheard_seeds(
+        &config.seeds,
+        gossip.table_matched(),
+        now.mono.saturating_sub(start),
+        config.dead_after,
+    );
+    let relocated = node.view.set_members(rows, stamps, now);
+    node.view.take_relocated(&relocated, map, me);
+}
+
+#[test]
+fn approximate_overshoot_stays_within_the_reported_bound_over_many_seeds_with_faults() {
+    let mut isolated = 0;
+    let mut over = 0;
+    for seed in seeds(1, 100) {
+        let (scenario, admitted) = run(seed);
+        let overshoot = admitted.total as i128 - i128::from(scenario.limit);
+        assert!(
+            overshoot as f64 <= admitted.max_bound,
+            "BOUND: seed {seed} admitted {} against the limit {}, past the largest bound \
+             reported, {:.1} ({:?}; {scenario:?}); replay with TALLY_SIM_SEED={seed} \
+             cargo test -p tally-node --release --test bound_sim",
+            admitted.total,
+            scenario.limit,
+            admitted.max_bound,
+            admitted.by_mode,
+        );
+        // Every seed's load passes its limit: the check has something to bound.
+        assert!(
+            overshoot >= 0,
+            "seed {seed} admitted {} of {}",
+            admitted.total,
+            scenario.limit
+        );
+        isolated += usize::from(admitted.by_mode.contains_key("isolated"));
+        over += usize::from(overshoot > 0);
+        eprintln!(
+            "seed {seed}: {} nodes, limit {}, overshoot {overshoot}, bound {:.1}, {:?}",
+            scenario.nodes, scenario.limit, admitted.max_bound, admitted.by_mode
+        );
+    }
+    eprintln!("{over} seeds overshot; {isolated} decided isolated at some point");
+}
