@@ -1,8 +1,9 @@
 //! TESTING.md K5's BOUND in the seeded simulator: approximate decisions made by the node's
 //! own decision code (`decide::Context::check`, on a `LaneStore` and a `ViewState`) on
 //! every node of a simulated cluster (`tally_gossip::sim`), with message loss, duplication,
-//! delay, replays, partitions and pauses drawn from each seed (a partition's heal ends
-//! every fault but the delay, as `Network::heal` does). Each node checks one subject
+//! delay, replays, partitions, pauses, and a node killed with its state lost and started
+//! again as a new life, drawn from each seed (a partition's heal ends every fault but the
+//! delay, as `Network::heal` does). Each node checks one subject
 //! at a steady rate of its own; over the run, the cluster's admissions beyond the limit
 //! (the overshoot) must stay within the largest bound an admitting decision reported, as
 //! the end-to-end tests and the overshoot bench check it on real processes
@@ -58,6 +59,8 @@ struct Scenario {
     partition: Option<(Vec<usize>, u64, u64)>,
     /// A node paused, from and to (ms).
     pause: Option<(usize, u64, u64)>,
+    /// A node killed with its state lost, and started again as a new life, at (ms).
+    crash: Option<(usize, u64, u64)>,
 }
 
 /// splitmix64: the scenario's draws, from the seed alone.
@@ -116,6 +119,14 @@ impl Scenario {
                 from + draw.within(200, 3_000),
             )
         });
+        let crash = draw.chance(30).then(|| {
+            let from = draw.within(500, 8_000);
+            (
+                draw.within(0, nodes as u64 - 1) as usize,
+                from,
+                from + draw.within(100, 2_000),
+            )
+        });
         Scenario {
             nodes,
             every_ms,
@@ -125,6 +136,7 @@ impl Scenario {
             faults,
             partition,
             pause,
+            crash,
         }
     }
 
@@ -140,10 +152,25 @@ impl Scenario {
 /// What a node's gossip task would have shown its decisions.
 struct Deciding {
     replica: ReplicaId,
+    /// When this life began serving (simulated monotonic time).
+    serving_since: Duration,
     store: LaneStore,
     view: ViewState,
     /// The counters last published, to publish only what changed, as the driver does.
     published: BTreeMap<Key, PnCounter>,
+}
+
+impl Deciding {
+    /// Node `index`'s current life, as it starts: an empty store and view.
+    fn new(sim: &Sim, index: usize) -> Deciding {
+        Deciding {
+            replica: sim.replica(index),
+            serving_since: sim.time(),
+            store: LaneStore::new(sim.replica(index), 1_000),
+            view: ViewState::default(),
+            published: BTreeMap::new(),
+        }
+    }
 }
 
 /// What the cluster admitted over a run.
@@ -162,12 +189,7 @@ fn run(seed: u64) -> (Scenario, Admitted) {
     let rules = Rules::new(&[scenario.rule()]).unwrap();
     let rule = rules.get("sim").unwrap();
     let mut nodes: Vec<Deciding> = (0..scenario.nodes)
-        .map(|index| Deciding {
-            replica: sim.replica(index),
-            store: LaneStore::new(sim.replica(index), 1_000),
-            view: ViewState::default(),
-            published: BTreeMap::new(),
-        })
+        .map(|index| Deciding::new(&sim, index))
         .collect();
     // Joined and fresh before the load starts, as a cluster in service is.
     while !sim.joined() {
@@ -178,7 +200,6 @@ fn run(seed: u64) -> (Scenario, Admitted) {
         sim.run_for(Duration::from_millis(100));
     }
     sim.run_for(Duration::from_secs(1));
-    let start = sim.time();
     let (refused_log, refused_keys) = (AtomicU64::new(0), AtomicU64::new(0));
     let mut admitted = Admitted::default();
     for ms in 0..RUN_MS {
@@ -199,11 +220,23 @@ fn run(seed: u64) -> (Scenario, Admitted) {
                 sim.resume(node);
             }
         }
+        if let Some((node, from, to)) = scenario.crash {
+            if ms == from {
+                sim.crash(node, false);
+            }
+            if ms == to {
+                sim.restart(node);
+                nodes[node] = Deciding::new(&sim, node);
+            }
+        }
+        let down = |index: usize, fault: Option<(usize, u64, u64)>| {
+            fault.is_some_and(|(node, from, to)| node == index && (from..to).contains(&ms))
+        };
         for (index, node) in nodes.iter_mut().enumerate() {
-            let paused = scenario
-                .pause
-                .is_some_and(|(p, from, to)| p == index && (from..to).contains(&ms));
-            if paused || ms % scenario.every_ms[index] != 0 {
+            if down(index, scenario.pause) || down(index, scenario.crash) {
+                continue;
+            }
+            if ms % scenario.every_ms[index] != 0 {
                 continue;
             }
             let now = sim.wall(index);
@@ -232,7 +265,7 @@ fn run(seed: u64) -> (Scenario, Admitted) {
         }
         sim.run_for(Duration::from_millis(1));
         for (index, node) in nodes.iter_mut().enumerate() {
-            refresh(&sim, index, node, start);
+            refresh(&sim, index, node);
         }
     }
     sim.assert_clean("bound_sim");
@@ -240,7 +273,7 @@ fn run(seed: u64) -> (Scenario, Admitted) {
 }
 
 /// The driver's `publish` and `refresh_view`, for node `index`.
-fn refresh(sim: &Sim, index: usize, node: &mut Deciding, start: Duration) {
+fn refresh(sim: &Sim, index: usize, node: &mut Deciding) {
     let Some(gossip) = sim.gossip(index) else {
         return;
     };
@@ -272,7 +305,7 @@ fn refresh(sim: &Sim, index: usize, node: &mut Deciding, start: Duration) {
     node.view.unheard_seeds = unheard_seeds(
         &config.seeds,
         gossip.table_matched(),
-        now.mono.saturating_sub(start),
+        now.mono.saturating_sub(node.serving_since),
         config.dead_after,
     );
     let relocated = node.view.set_members(rows, stamps, now);
