@@ -1,8 +1,9 @@
 //! TESTING.md K5's BOUND in the seeded simulator: approximate decisions made by the node's
 //! own decision code (`decide::Context::check`, on a `LaneStore` and a `ViewState`) on
 //! every node of a simulated cluster (`tally_gossip::sim`), with message loss, duplication,
-//! delay, replays, partitions, pauses, and a node killed with its state lost and started
-//! again as a new life, drawn from each seed (a partition's heal ends every fault but the
+//! delay, replays, partitions, pauses, a node killed with its state lost and started
+//! again as a new life, and a node's clock up to half a second behind or five seconds
+//! ahead, drawn from each seed (a partition's heal ends every fault but the
 //! delay, as `Network::heal` does). Each node checks one subject
 //! at a steady rate of its own; over the run, the cluster's admissions beyond the limit
 //! (the overshoot) must stay within the largest bound an admitting decision reported, as
@@ -61,6 +62,8 @@ struct Scenario {
     pause: Option<(usize, u64, u64)>,
     /// A node killed with its state lost, and started again as a new life, at (ms).
     crash: Option<(usize, u64, u64)>,
+    /// A node whose wall clock is off by this many milliseconds from the start.
+    skew: Option<(usize, i64)>,
 }
 
 /// splitmix64: the scenario's draws, from the seed alone.
@@ -127,6 +130,14 @@ impl Scenario {
                 from + draw.within(100, 2_000),
             )
         });
+        // Up to half a second behind (the load starts at least a second into the run's
+        // window, so every node counts into one window) and five seconds ahead.
+        let skew = draw.chance(30).then(|| {
+            (
+                draw.within(0, nodes as u64 - 1) as usize,
+                draw.within(0, 5_500) as i64 - 500,
+            )
+        });
         Scenario {
             nodes,
             every_ms,
@@ -137,6 +148,7 @@ impl Scenario {
             partition,
             pause,
             crash,
+            skew,
         }
     }
 
@@ -186,6 +198,9 @@ fn run(seed: u64) -> (Scenario, Admitted) {
     let mut config = SimConfig::new(scenario.nodes, seed);
     config.faults = scenario.faults.clone();
     let mut sim = Sim::new(config);
+    if let Some((node, skew_ms)) = scenario.skew {
+        sim.set_skew(node, skew_ms);
+    }
     let rules = Rules::new(&[scenario.rule()]).unwrap();
     let rule = rules.get("sim").unwrap();
     let mut nodes: Vec<Deciding> = (0..scenario.nodes)
@@ -314,8 +329,7 @@ fn refresh(sim: &Sim, index: usize, node: &mut Deciding) {
 
 #[test]
 fn approximate_overshoot_stays_within_the_reported_bound_over_many_seeds_with_faults() {
-    let mut isolated = 0;
-    let mut over = 0;
+    let (mut isolated, mut over, mut runs) = (0, 0, 0);
     for seed in seeds(1, 100) {
         let (scenario, admitted) = run(seed);
         let overshoot = admitted.total as i128 - i128::from(scenario.limit);
@@ -329,13 +343,7 @@ fn approximate_overshoot_stays_within_the_reported_bound_over_many_seeds_with_fa
             admitted.max_bound,
             admitted.by_mode,
         );
-        // Every seed's load passes its limit: the check has something to bound.
-        assert!(
-            overshoot >= 0,
-            "seed {seed} admitted {} of {}",
-            admitted.total,
-            scenario.limit
-        );
+        runs += 1;
         isolated += usize::from(admitted.by_mode.contains_key("isolated"));
         over += usize::from(overshoot > 0);
         eprintln!(
@@ -343,5 +351,11 @@ fn approximate_overshoot_stays_within_the_reported_bound_over_many_seeds_with_fa
             scenario.nodes, scenario.limit, admitted.max_bound, admitted.by_mode
         );
     }
-    eprintln!("{over} seeds overshot; {isolated} decided isolated at some point");
+    eprintln!("{over} of {runs} seeds overshot; {isolated} decided isolated at some point");
+    // Most seeds' load passes the limit, so the check has something to bound. Not all: a
+    // node whose clock is ahead reads its peers as stale and admits only its share.
+    assert!(
+        over * 10 >= runs * 8,
+        "{over} of {runs} seeds passed the limit"
+    );
 }
