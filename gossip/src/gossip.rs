@@ -166,7 +166,15 @@ pub struct Gossip {
     // Lanes of other nodes' earlier lives to send back to them once the frame that showed
     // them is handled (`correct_owner`).
     corrections: Vec<(NodeId, Message)>,
+    // Per seed this node holds no row for, knocked on while it has live peers: when to
+    // knock next (monotonic) and the wait after that one.
+    seed_knocks: BTreeMap<NodeId, (Duration, Duration)>,
 }
+
+/// The longest wait between knocks on a seed this node holds no row for while it has live
+/// peers: a seed listed under a wrong id, or not running yet, costs its address a
+/// handshake from each node this often.
+pub const SEED_KNOCK_EVERY_MAX: Duration = Duration::from_secs(30);
 
 impl Gossip {
     /// A node with no state, joining through `config.seeds`.
@@ -210,6 +218,7 @@ impl Gossip {
             table_matched: false,
             republished: BTreeSet::new(),
             corrections: Vec::new(),
+            seed_knocks: BTreeMap::new(),
             config,
         }
     }
@@ -282,6 +291,38 @@ impl Gossip {
     /// Counters of frames, bytes, errors and propagation delays.
     pub fn stats(&self) -> &Stats {
         &self.stats
+    }
+
+    /// The seeds a round knocks on. With no live peer, every seed, each round, until one
+    /// answers. With live peers, every seed this node holds no row for, at waits that
+    /// double from a gossip interval to [`SEED_KNOCK_EVERY_MAX`]: a node that found a
+    /// peer before its seeds (a knock lost, a seed started late) gossips only with the
+    /// part of the cluster it found, and two such parts, one seed in each, would stay
+    /// apart for good, each deciding connected on its own part's counts.
+    fn seeds_to_knock(&mut self, no_live_peer: bool, now: Duration) -> Vec<NodeId> {
+        let me = self.config.node();
+        let members = &self.members;
+        let unheard = (self.config.seeds.iter())
+            .map(|seed| seed.node)
+            .filter(|&seed| seed != me);
+        if no_live_peer {
+            return unheard.collect();
+        }
+        let unheard: Vec<NodeId> = unheard
+            .filter(|&seed| members.state(seed).is_none())
+            .collect();
+        self.seed_knocks.retain(|seed, _| unheard.contains(seed));
+        let first_wait = self.config.gossip_interval;
+        let mut knock = Vec::new();
+        for seed in unheard {
+            let (next, wait) = self.seed_knocks.entry(seed).or_insert((now, first_wait));
+            if now >= *next {
+                knock.push(seed);
+                *next = now + *wait;
+                *wait = (*wait * 2).min(SEED_KNOCK_EVERY_MAX);
+            }
+        }
+        knock
     }
 
     /// The membership table.
@@ -363,7 +404,9 @@ impl Gossip {
 
     /// One anti-entropy round: heartbeat and fresh lanes to every live peer (with eager
     /// push), a digest to
-    /// `fanout` of them, a probe of one dead member, failure detection, expiry.
+    /// `fanout` of them (to every seed if none is live, and to the seeds it holds no row
+    /// for, [`Gossip::seeds_to_knock`]), a probe of one dead member, failure detection,
+    /// expiry.
     fn round(&mut self, now: Now) {
         self.rounds += 1;
         self.next_round = Some(now.mono + self.config.gossip_interval);
@@ -391,18 +434,7 @@ impl Gossip {
         let mut live = self.members.others_in(&[State::Alive, State::Suspect]);
         live.shuffle(&mut self.rng);
         let mut targets: Vec<NodeId> = live.into_iter().take(self.config.fanout).collect();
-        // No live peer: knock on every seed until someone answers. And with live peers, on
-        // every seed this node holds no row for: a node that found a peer before its seeds
-        // (a knock lost, a seed started late) gossips only with the part of the cluster it
-        // found, and two such parts, one seed in each, would stay apart for good, each
-        // deciding connected on its own part's counts.
-        let no_live_peer = targets.is_empty();
-        let me = self.config.node();
-        let knock = (self.config.seeds.iter())
-            .map(|seed| seed.node)
-            .filter(|&seed| seed != me)
-            .filter(|&seed| no_live_peer || self.members.state(seed).is_none());
-        for seed in knock {
+        for seed in self.seeds_to_knock(targets.is_empty(), now.mono) {
             if !targets.contains(&seed) {
                 targets.push(seed);
             }
@@ -2395,6 +2427,38 @@ mod tests {
             syns,
             [2, 3, 4],
             "each seed once, not itself, and the dead probe"
+        );
+    }
+
+    #[test]
+    fn a_node_with_live_peers_knocks_on_a_seed_it_holds_no_row_for_ever_less_often() {
+        let mut config = Config::new(node(1).replica(), "n1");
+        config.seeds = [2, 3]
+            .map(|n| crate::Seed {
+                node: NodeId(n),
+                addr: format!("n{n}"),
+            })
+            .to_vec();
+        let every = config.gossip_interval;
+        let mut gossip = Gossip::new(config);
+        gossip.members.merge(&[node(2).members.me()], &[]);
+        let at = |round: u32| every * round;
+        let knocked: Vec<u32> = (0..100)
+            .filter(|&round| !gossip.seeds_to_knock(false, at(round)).is_empty())
+            .collect();
+        // Waits of 1, 2, 4, 8 and 16 rounds, then at most SEED_KNOCK_EVERY_MAX (30 rounds).
+        assert_eq!(knocked, [0, 1, 3, 7, 15, 31, 61, 91]);
+        assert_eq!(gossip.seeds_to_knock(false, at(91)), [] as [NodeId; 0]);
+        assert_eq!(
+            gossip.seeds_to_knock(true, at(92)),
+            [NodeId(2), NodeId(3)],
+            "with no live peer, every seed each round"
+        );
+        gossip.members.merge(&[node(3).members.me()], &[]);
+        assert_eq!(gossip.seeds_to_knock(false, at(200)), [] as [NodeId; 0]);
+        assert!(
+            gossip.seed_knocks.is_empty(),
+            "a seed with a row is forgotten"
         );
     }
 
