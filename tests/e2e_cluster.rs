@@ -1105,14 +1105,22 @@ async fn a_node_whose_clock_steps_back_an_hour_and_forward_keeps_serving_and_los
     wait_read(&cluster, &[1, 2, 3], "count", "t2", 60).await;
     wait_read(&cluster, &[1, 2, 3], "count", "t2-3", 2).await;
     // Past `api`'s `stale_after_ms` (600) since the step: a node whose stamps went back
-    // with its clock would look stale at its peers from then on.
+    // with its clock would look stale at its peers from then on, and each of their checks
+    // would be isolated. Most, not all, must be connected: a loaded machine may delay a
+    // round past 600 ms now and then. (Node 3 reads its peers' stamps, an hour ahead of
+    // its clock, as fresh whatever it does: no check of it could fail here.)
     tokio::time::sleep(Duration::from_millis(1_500)).await;
-    for (at, client) in clients.iter().enumerate() {
+    for (at, client) in clients[..2].iter().enumerate() {
+        let mut connected = 0;
+        for _ in 0..20 {
+            let decision = client.check("api", "t2", 1).await.unwrap();
+            connected += usize::from(decision.mode == Mode::ApproximateConnected);
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
         assert!(
-            first_decided(client, "api", "t2", Mode::ApproximateConnected)
-                .await
-                .is_some(),
-            "node {} decided isolated throughout while node 3's clock was behind",
+            connected >= 15,
+            "node {} decided connected in {connected} of 20 checks while node 3's clock was \
+             behind",
             at + 1
         );
     }

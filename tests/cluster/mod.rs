@@ -486,7 +486,11 @@ impl Node {
     /// Sets the wall clock of a node started by [`Node::restart_with_clock_in_hand`] to
     /// `offset_secs` from the true one; the node reads it within a second or so.
     pub fn step_clock(&self, offset_secs: i64) {
-        std::fs::write(self.clock_offset_file(), format!("{offset_secs:+}\n")).unwrap();
+        // Whole or not at all: libfaketime may read the file at any moment.
+        let file = self.clock_offset_file();
+        let next = file.with_extension("next");
+        std::fs::write(&next, format!("{offset_secs:+}\n")).unwrap();
+        std::fs::rename(next, file).unwrap();
     }
 
     fn clock_offset_file(&self) -> PathBuf {
