@@ -24,6 +24,9 @@
 //! A failure prints the seed; `TALLY_SIM_SEED=<seed> cargo test -p tally-node --release
 //! --test bound_sim` replays it.
 
+// Built against loom's atomics (the loom step), the lane store works only inside a loom
+// model.
+#![cfg(not(tally_loom))]
 #![allow(
     clippy::unwrap_used,
     reason = "a panic in the simulation is the test's failure report"
