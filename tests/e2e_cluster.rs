@@ -1160,6 +1160,43 @@ async fn wait_window(client: &Client, window: u64) {
     panic!("the node never counted into window {window}");
 }
 
+/// Two seeds that each found another node first (a gossip bug found by the BOUND
+/// simulation, `node/tests/bound_sim.rs`): nodes 1 and 2 are everyone's seeds, and the
+/// links 1-2, 1-3 and 2-4 are cut while the four start, so node 4 finds only node 1 and
+/// node 3 only node 2. Once the links are back the two parts must join, and every node
+/// read every write (FINAL). A node knocked on its seeds only while it had no live peer
+/// before: the parts stayed apart, each deciding connected on its own part's counts.
+#[tokio::test(flavor = "current_thread")]
+async fn two_seeds_that_each_found_another_node_first_join_once_the_links_are_back() {
+    let mut cluster = Cluster::configure(NET, 4, 2_000, false, &[1, 2]);
+    let fault = cluster.links();
+    cluster.cut_links(&fault, &[(1, 2), (1, 3), (2, 4)]);
+    cluster.spawn_all();
+    let alive = |node: &cluster::Node| node.metric("tally_members", &[("state", "alive")]);
+    cluster::eventually(
+        Duration::from_secs(20),
+        "each node to see one other alive",
+        || cluster.nodes.iter().all(|node| alive(node) == Some(1.0)),
+    )
+    .await;
+    let clients = cluster.clients().await;
+    for (at, client) in clients.iter().enumerate() {
+        client.incr("count", "seeds", at as u64 + 1).await.unwrap();
+    }
+    // The parts hold their own writes, and stay apart while the links are cut.
+    wait_read(&cluster, &[1, 4], "count", "seeds", 1 + 4).await;
+    wait_read(&cluster, &[2, 3], "count", "seeds", 2 + 3).await;
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    assert!(
+        cluster.nodes.iter().all(|node| alive(node) == Some(1.0)),
+        "the parts stay apart while cut"
+    );
+
+    fault.heal();
+    cluster.members_alive_eventually().await;
+    wait_read(&cluster, &[1, 2, 3, 4], "count", "seeds", 10).await;
+}
+
 /// Reads `subjects` of `rule` on every node every 10 ms until stopped, each node on a task
 /// of its own (a paused node holds up only its own reads), and keeps what it read: MONO is
 /// that no node's estimate of any of them ever goes down. A subject only one node writes

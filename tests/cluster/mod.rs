@@ -118,6 +118,16 @@ impl Cluster {
     /// [`Cluster::start`] with a failure detector that declares a silent member dead after
     /// `dead_after_ms` of suspicion, and node 1 the region if `region`.
     pub fn start_with(net: u8, n: u64, dead_after_ms: u64, region: bool) -> Cluster {
+        let ids: Vec<u64> = (1..=n).collect();
+        let mut cluster = Cluster::configure(net, n, dead_after_ms, region, &ids);
+        cluster.spawn_all();
+        cluster.wait_members_alive();
+        cluster
+    }
+
+    /// The cluster [`Cluster::start_with`] starts, each node's seeds the nodes `seeds` but
+    /// itself, not started yet ([`Cluster::spawn_all`]).
+    pub fn configure(net: u8, n: u64, dead_after_ms: u64, region: bool, seeds: &[u64]) -> Cluster {
         let window = format!("window_secs = {WINDOW_SECS}\n");
         assert_eq!(RULES.matches(&window).count(), 2, "RULES' windows");
         assert_eq!(
@@ -146,7 +156,7 @@ impl Cluster {
         net::NetFault::clear_left(&nft_table(&ip(1)));
         let mut nodes = Vec::new();
         for &id in &ids {
-            let seeds: Vec<String> = ids
+            let seeds: Vec<String> = seeds
                 .iter()
                 .filter(|&&other| other != id)
                 .map(|&other| {
@@ -198,15 +208,17 @@ impl Cluster {
                 child: None,
             });
         }
-        let mut cluster = Cluster { dir, nodes };
-        for node in &mut cluster.nodes {
+        Cluster { dir, nodes }
+    }
+
+    /// Starts every node and waits until each serves, not until they see each other.
+    pub fn spawn_all(&mut self) {
+        for node in &mut self.nodes {
             node.spawn();
         }
-        for node in &cluster.nodes {
+        for node in &self.nodes {
             node.wait_ready();
         }
-        cluster.wait_members_alive();
-        cluster
     }
 
     pub fn node(&mut self, id: u64) -> &mut Node {
