@@ -1191,7 +1191,12 @@ async fn two_seeds_that_each_found_another_node_first_join_once_the_links_are_ba
         cluster.nodes.iter().all(|node| alive(node) == Some(1.0)),
         "the parts stay apart while cut"
     );
+    wait_read(&cluster, &[1, 4], "count", "seeds", 1 + 4).await;
+    wait_read(&cluster, &[2, 3], "count", "seeds", 2 + 3).await;
 
+    // A node knocks on a seed it has no row for at waits doubling from the gossip
+    // interval (100 ms here), since it first had a live peer: a few seconds ago, so the
+    // next knock is a few seconds away at most, within the 20 s this waits.
     fault.heal();
     cluster.members_alive_eventually().await;
     wait_read(&cluster, &[1, 2, 3, 4], "count", "seeds", 10).await;

@@ -306,6 +306,8 @@ impl Gossip {
             .map(|seed| seed.node)
             .filter(|&seed| seed != me);
         if no_live_peer {
+            // Peers found again start the waits over.
+            self.seed_knocks.clear();
             return unheard.collect();
         }
         let unheard: Vec<NodeId> = unheard
@@ -2454,6 +2456,12 @@ mod tests {
             [NodeId(2), NodeId(3)],
             "with no live peer, every seed each round"
         );
+        assert_eq!(
+            gossip.seeds_to_knock(false, at(93)),
+            [NodeId(3)],
+            "live peers again: the waits start over"
+        );
+        assert_eq!(gossip.seeds_to_knock(false, at(94)), [NodeId(3)]);
         gossip.members.merge(&[node(3).members.me()], &[]);
         assert_eq!(gossip.seeds_to_knock(false, at(200)), [] as [NodeId; 0]);
         assert!(

@@ -14,8 +14,9 @@
 //! simulated time, each running node publishes the remote sum of every counter that
 //! changed to its store and takes the counter into its view (`Driver::publish`), and sets
 //! its view's members and stamps (`Driver::refresh_view`). An admission is handed to the
-//! node's gossip 3 ms after it is made, as `tallyd` collects its store every half push
-//! interval (2.5 ms by default); a lane-log sync that holds writes back is not modelled.
+//! node's gossip 3 ms after it is made: `tallyd` collects its store every millisecond
+//! without a data dir and every half push interval with one (2.5 ms by default). A
+//! lane-log sync that holds writes back is not modelled.
 //!
 //! Rates are steady, and the limit is reached no sooner than three seconds into the run:
 //! the connected bound is a rate times a staleness, and a rate that has not been measured
@@ -47,8 +48,9 @@ use tally_node::view::{unheard_seeds, ViewState};
 
 /// How long each seed's cluster runs, in simulated milliseconds.
 const RUN_MS: u64 = 12_000;
-/// How long an admission waits in the store before the gossip collects it: `tallyd`
-/// collects every half push interval (`collect_every`); the simulator pushes every 5 ms.
+/// How long an admission waits in the store before the gossip collects it, at most:
+/// `tallyd` collects every millisecond without a data dir and every half push interval
+/// with one (`daemon::collect_every`; the simulator pushes every 5 ms).
 const COLLECT_EVERY_MS: u64 = 3;
 /// The one subject every node checks.
 const SUBJECT: &str = "s";
@@ -294,15 +296,20 @@ fn run(seed: u64) -> (Scenario, Admitted) {
                 *admitted.by_mode.entry(mode.to_owned()).or_default() += 1;
             }
         }
-        // Collected: handed to the gossip. An admission of a node killed before its
-        // collection is lost with it, as in a `tallyd` without a data dir, and still counts
-        // as admitted.
+        // Collected: handed to the gossip, a paused node's once it resumes. An admission
+        // of a node killed with its state lost before its collection is lost with it (a
+        // `tallyd` without a data dir, or one whose disk is lost), and still counts as
+        // admitted.
         collecting.retain(|&(due, index)| {
-            let due = due <= ms;
-            if due {
-                sim.incr(index, SUBJECT, 1);
+            if due > ms || down(index, scenario.pause) {
+                return true;
             }
-            !due
+            let counted = sim.incr(index, SUBJECT, 1);
+            assert!(
+                counted || down(index, scenario.crash),
+                "node {index} is running"
+            );
+            false
         });
         advance(&mut sim, &mut nodes, 1);
     }
