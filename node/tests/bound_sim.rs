@@ -33,6 +33,8 @@
     reason = "a panic in the simulation is the test's failure report"
 )]
 
+use rand::{Rng, SeedableRng};
+use rand_chacha::ChaCha8Rng;
 use std::collections::BTreeMap;
 use std::sync::atomic::AtomicU64;
 use std::time::Duration;
@@ -75,84 +77,59 @@ struct Scenario {
     skew: Option<(usize, i64)>,
 }
 
-/// splitmix64: the scenario's draws, from the seed alone.
-struct Draw(u64);
-
-impl Draw {
-    fn next(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-        z ^ (z >> 31)
-    }
-
-    /// Uniform in `low..=high`.
-    fn within(&mut self, low: u64, high: u64) -> u64 {
-        low + self.next() % (high - low + 1)
-    }
-
-    fn chance(&mut self, percent: u64) -> bool {
-        self.next() % 100 < percent
-    }
-}
-
 impl Scenario {
     fn draw(seed: u64) -> Scenario {
-        let mut draw = Draw(seed);
-        let nodes = draw.within(3, 6) as usize;
-        let every_ms: Vec<u64> = (0..nodes).map(|_| draw.within(2, 20)).collect();
+        let mut draw = ChaCha8Rng::seed_from_u64(seed);
+        let nodes: usize = draw.gen_range(3..=6);
+        let every_ms: Vec<u64> = (0..nodes).map(|_| draw.gen_range(2..=20)).collect();
         let per_sec: u64 = every_ms.iter().map(|ms| 1_000 / ms).sum();
         // Reached 3 to 8 seconds in, at the cluster's whole rate.
-        let limit = per_sec * draw.within(3, 8);
+        let limit = per_sec * draw.gen_range(3..=8);
         let faults = Faults {
-            loss: if draw.chance(50) { 0.1 } else { 0.0 },
-            duplicate: if draw.chance(50) { 0.05 } else { 0.0 },
-            replay: if draw.chance(30) { 0.01 } else { 0.0 },
+            loss: if draw.gen_bool(0.5) { 0.1 } else { 0.0 },
+            duplicate: if draw.gen_bool(0.5) { 0.05 } else { 0.0 },
+            replay: if draw.gen_bool(0.3) { 0.01 } else { 0.0 },
             replay_age_max: Duration::from_secs(5),
-            delay_min: Duration::from_millis(draw.within(0, 2)),
-            delay_max: Duration::from_millis(draw.within(2, 30)),
+            delay_min: Duration::from_millis(draw.gen_range(0..=2)),
+            delay_max: Duration::from_millis(draw.gen_range(2..=30)),
         };
-        let partition = draw.chance(50).then(|| {
-            let cut: Vec<usize> = (0..nodes).filter(|_| draw.chance(50)).collect();
+        let partition = draw.gen_bool(0.5).then(|| {
+            let cut: Vec<usize> = (0..nodes).filter(|_| draw.gen_bool(0.5)).collect();
             let cut = if cut.is_empty() || cut.len() == nodes {
                 vec![0]
             } else {
                 cut
             };
-            let from = draw.within(500, 6_000);
-            (cut, from, from + draw.within(1_000, 5_000))
+            let from = draw.gen_range(500..=6_000);
+            (cut, from, from + draw.gen_range(1_000..=5_000))
         });
-        let pause = draw.chance(30).then(|| {
-            let from = draw.within(500, 8_000);
+        let pause = draw.gen_bool(0.3).then(|| {
+            let from = draw.gen_range(500..=8_000);
             (
-                draw.within(0, nodes as u64 - 1) as usize,
+                draw.gen_range(0..nodes),
                 from,
-                from + draw.within(200, 3_000),
+                from + draw.gen_range(200..=3_000),
             )
         });
-        let crash = draw.chance(30).then(|| {
-            let from = draw.within(500, 8_000);
+        let crash = draw.gen_bool(0.3).then(|| {
+            let from = draw.gen_range(500..=8_000);
             (
-                draw.within(0, nodes as u64 - 1) as usize,
+                draw.gen_range(0..nodes),
                 from,
-                from + draw.within(100, 2_000),
+                from + draw.gen_range(100..=2_000),
             )
         });
         // Up to half a second behind (the load starts at least a second into the run's
         // window, so every node counts into one window) and five seconds ahead.
-        let skew = draw.chance(30).then(|| {
-            (
-                draw.within(0, nodes as u64 - 1) as usize,
-                draw.within(0, 5_500) as i64 - 500,
-            )
-        });
+        let skew = draw
+            .gen_bool(0.3)
+            .then(|| (draw.gen_range(0..nodes), draw.gen_range(-500..=5_000_i64)));
         Scenario {
             nodes,
             every_ms,
             limit,
-            slack: draw.within(0, 20),
-            stale_after_ms: draw.within(200, 1_000),
+            slack: draw.gen_range(0..=20),
+            stale_after_ms: draw.gen_range(200..=1_000),
             faults,
             partition,
             pause,
