@@ -12,7 +12,9 @@
 # the same connections C, pipeline P and request count N, tally and Redis alternating,
 # REPEATS times; then prints Markdown tables of every run and the medians. A third tally
 # run per setting, `client_load --raw`, drives the same tallyd without tally-client (frames
-# encoded once, blocking sockets), to tell the sidecar's cost from the client library's.
+# encoded once, blocking sockets), to tell the sidecar's cost from the client library's;
+# `client_load --raw --redis` drives the plain Redis the same way, so that one load
+# generator, with one clock, also times both servers.
 # A fourth, `client_load --batch`, drives it with tally-client in redis-benchmark's shape:
 # each connection sends its P requests as one `Pipeline` and waits for all P answers.
 # Two more, `client_load --op incr-id`, send every increment under a new request id, to
@@ -115,7 +117,7 @@ say "servers up: redis :$REDIS_PORT, redis AOF :$REDIS_AOF_PORT, tallyd :$TALLY_
 
 results="$work/results.tsv" # setting run side ops_per_sec p50_us p99_us
 
-# run_tally SIDE PORT SETTING RUN C P N [--raw | --batch]
+# run_tally SIDE PORT SETTING RUN C P N [--raw [--redis] | --batch]
 run_tally() {
     local line
     line=$("$work/client_load" --endpoint "127.0.0.1:$2" --connections "$5" --pipeline "$6" --requests "$7" ${8:-})
@@ -149,6 +151,7 @@ tally_sides() {
 redis_sides() {
     run_redis redis "$REDIS_PORT" "$@"
     run_redis redis-aof "$REDIS_AOF_PORT" "$@"
+    run_tally redis-raw "$REDIS_PORT" "$@" "--raw --redis"
 }
 
 load_before=$(cut -d' ' -f1-3 /proc/loadavg)
@@ -229,6 +232,11 @@ echo "the sidecar alone: tallyd (no data_dir) driven by client_load --raw (pre-e
     "blocking sockets, no tally-client) vs redis (no persistence) driven by redis-benchmark:"
 echo
 table tally-raw redis
+echo
+echo "one load generator for both servers: tallyd (no data_dir) and redis (no persistence), each" \
+    "driven by client_load --raw (with --redis: INCR in RESP), timed by the same clock:"
+echo
+table tally-raw redis-raw
 echo
 echo "tally-client in pipelines: tallyd (no data_dir) driven by client_load --batch (each" \
     "connection sends its P requests as one Pipeline and waits for all P answers; each" \
