@@ -43,7 +43,7 @@
 //! per request; unlike it, it works in rounds on blocking sockets, not in an event loop.
 //!
 //! `--raw --redis` drives a `redis-server` the same way, with `INCR <subject>` in RESP and
-//! its integer replies parsed (an error reply fails the run): the same load generator, the
+//! its replies checked to be integers (any other reply fails the run): the same load generator, the
 //! same rounds and the same clock on both servers, where redis-benchmark's own p50 is the
 //! top of an 8 us bucket of its histogram at these latencies. The line then starts with
 //! `redis`.
@@ -740,8 +740,9 @@ fn run_raw(args: &Args) -> Result<Report, String> {
         stream
             .set_nodelay(true)
             .map_err(|err| format!("set_nodelay: {err}"))?;
-        // Each connection sends the same P frames every round (ids 1..=P: unique among the
-        // requests in flight on it), with its own subjects when there are several.
+        // Each connection sends the same P requests every round (tally's with ids 1..=P:
+        // unique among the requests in flight on it), with its own subjects when there are
+        // several.
         let mut frames = Vec::new();
         for i in 0..args.pipeline {
             let ticket = (c * args.pipeline + i) as u64;
@@ -749,16 +750,16 @@ fn run_raw(args: &Args) -> Result<Report, String> {
             if args.redis {
                 let resp = format!("*2\r\n$4\r\nINCR\r\n${}\r\n{subject}\r\n", subject.len());
                 frames.extend_from_slice(resp.as_bytes());
-                continue;
+            } else {
+                let op = Op::Incr {
+                    rule: args.rule.clone(),
+                    subject: subject.clone(),
+                    amount: 1,
+                    id: None,
+                };
+                let id = i as u64 + 1;
+                wire::encode_frame(&Request { id, op }, &mut frames);
             }
-            let op = Op::Incr {
-                rule: args.rule.clone(),
-                subject: subject.clone(),
-                amount: 1,
-                id: None,
-            };
-            let id = i as u64 + 1;
-            wire::encode_frame(&Request { id, op }, &mut frames);
         }
         connections.push((stream, frames));
     }
@@ -813,7 +814,10 @@ fn next_answer(redis: bool, input: &[u8]) -> Result<Option<usize>, String> {
         let Some(end) = input.windows(2).position(|pair| pair == b"\r\n") else {
             return Ok(None);
         };
-        if input[0] != b':' {
+        let digits = input[..end]
+            .strip_prefix(b":")
+            .map(|number| number.strip_prefix(b"-").unwrap_or(number));
+        if !digits.is_some_and(|d| !d.is_empty() && d.iter().all(u8::is_ascii_digit)) {
             let reply = String::from_utf8_lossy(&input[..end]);
             return Err(format!("INCR answered {reply:?}, not an integer"));
         }
