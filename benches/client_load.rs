@@ -601,7 +601,9 @@ async fn region_phase(
             check_id: None,
             ticket: (sent, n),
         });
-        target.forwarder.submit(checks, &answers);
+        target
+            .forwarder
+            .submit(checks, tokio::time::Instant::now(), &answers);
     };
     let mut submitted = requests.min(in_flight as u64);
     submit(0, submitted);

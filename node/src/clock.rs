@@ -34,6 +34,11 @@ impl Clock {
         self.start.elapsed()
     }
 
+    /// The reading [`Clock::mono`] would have given at `at` (zero before the clock's start).
+    pub fn mono_at(&self, at: Instant) -> Duration {
+        at.saturating_duration_since(self.start)
+    }
+
     /// The monotonic instant `at` (as returned by [`Clock::mono`]) for tokio's timers.
     pub fn instant(&self, at: Duration) -> Instant {
         self.start

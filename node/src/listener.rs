@@ -226,9 +226,10 @@ impl Service {
         }
     }
 
-    /// Hands a batch's exact checks to the region, emptying `exact`: their answers come
-    /// back on `answers`, for [`Service::answer_exact`].
-    pub fn forward(&self, exact: &mut Vec<Exact>, answers: &Answers<Exact>) {
+    /// Hands a batch's exact checks, read at `read_at`, to the region, emptying `exact`:
+    /// their answers come back on `answers`, for [`Service::answer_exact`], within their
+    /// rules' timeouts of `read_at`.
+    pub fn forward(&self, exact: &mut Vec<Exact>, read_at: Instant, answers: &Answers<Exact>) {
         let forwarder = self
             .forwarder
             .as_ref()
@@ -240,7 +241,7 @@ impl Service {
             check_id: exact.check_id,
             ticket: exact,
         });
-        forwarder.submit(checks, answers);
+        forwarder.submit(checks, read_at, answers);
     }
 
     /// Answers forwarded exact checks, appending each answer's frame to `output`: exact
@@ -832,6 +833,9 @@ async fn serve_connection<S: AsyncRead + AsyncWrite + Unpin>(
     // frames have been held, and that check's rule's timeout, past which it is answered
     // without the region.
     let mut held: Option<Held> = None;
+    // When the last read ended: the frames in `input` arrived then or before, and every
+    // exact check's timeout counts from then, held or not.
+    let mut read_at = Instant::now();
     loop {
         if written < output.len() {
             // Tried first: while the client reads, each batch's answers go out at once.
@@ -883,6 +887,7 @@ async fn serve_connection<S: AsyncRead + AsyncWrite + Unpin>(
                     continue;
                 }
             };
+            read_at = Instant::now();
             if let Ok(0) | Err(_) = read {
                 if !input.is_empty() {
                     // The client went in the middle of a frame: a truncated frame.
@@ -909,7 +914,7 @@ async fn serve_connection<S: AsyncRead + AsyncWrite + Unpin>(
             held_past_ms,
         );
         held = handled.held.map(|timeout_ms| Held {
-            since: held.map_or_else(Instant::now, |hold| hold.since),
+            since: held.map_or(read_at, |hold| hold.since),
             timeout_ms,
         });
         if held.is_some() && in_flight + exact.len() < room_max {
@@ -918,7 +923,7 @@ async fn serve_connection<S: AsyncRead + AsyncWrite + Unpin>(
         input.drain(..handled.consumed);
         in_flight += exact.len();
         if !exact.is_empty() {
-            service.forward(&mut exact, &answers);
+            service.forward(&mut exact, read_at, &answers);
         }
         if let Some(why) = &handled.bad {
             service
@@ -939,7 +944,7 @@ async fn serve_connection<S: AsyncRead + AsyncWrite + Unpin>(
 /// Frames held unread at an exact check with no room for it.
 #[derive(Debug, Clone, Copy)]
 struct Held {
-    /// Since when frames have been held: the last read was before.
+    /// Since when frames have been held: the end of the read that brought the held check.
     since: Instant,
     /// The held check's rule's `region_timeout_ms`.
     timeout_ms: u64,
@@ -1436,7 +1441,7 @@ mod tests {
 
         let (answers, mut answered) = mpsc::unbounded_channel();
         let clock = crate::clock::Clock::start();
-        service.forward(&mut exact, &answers);
+        service.forward(&mut exact, Instant::now(), &answers);
         let mut forwarded = answered.recv().await.unwrap();
         let waited = clock.mono();
         assert!(
@@ -1481,7 +1486,7 @@ mod tests {
             0,
         );
         assert_eq!(exact.len(), 2, "forwarded");
-        service.forward(&mut exact, &answers);
+        service.forward(&mut exact, Instant::now(), &answers);
         let mut forwarded = Vec::new();
         while forwarded.len() < 2 {
             forwarded.extend(answered.recv().await.unwrap());
@@ -2001,6 +2006,55 @@ mod tests {
         assert_eq!(read_answers(&mut reading, 3).await, [2, 3, 4]);
         assert_eq!(unavailable(&service), 2);
         assert_eq!(service.waiting.sends(), 1, "the slow check still waits");
+        serving.abort();
+    }
+
+    #[tokio::test(flavor = "current_thread")]
+    async fn a_check_held_for_room_waits_its_rules_timeout_from_its_read_not_from_the_room() {
+        let mut service = service_to_nowhere(1_000);
+        service.rules = Rules::new(&[
+            RuleConfig {
+                region_timeout_ms: 1_000,
+                ..RuleConfig::for_test("quota", 100, RuleMode::Exact)
+            },
+            RuleConfig {
+                region_timeout_ms: 1_200,
+                ..RuleConfig::for_test("fast", 100, RuleMode::Exact)
+            },
+        ])
+        .unwrap();
+        service.exact_room = Arc::new(ExactRoom::new(1));
+        let service = Arc::new(service);
+        let (_first_reading, first, _first_writing) =
+            connection_sending(&service, &[quota_check(1, 1)]);
+        while service.exact_room.taken() < 1 {
+            tokio::task::yield_now().await;
+        }
+        // Held for the node's one place until `quota`'s check gives it back at its 1 s, then
+        // forwarded with what is left of its own 1.2 s: answered at 1.2 s from its read,
+        // where counting its timeout from the place (as before) answered it at 2.2 s.
+        let sent = Instant::now();
+        let (mut reading, serving, _writing) = connection_sending(&service, &[fast_check(2)]);
+        let mut output = Vec::new();
+        let mut chunk = vec![0; 64 * 1024];
+        while responses(&output).is_empty() {
+            let read = reading.read(&mut chunk).await.unwrap();
+            assert!(read > 0, "the connection closed");
+            output.extend_from_slice(&chunk[..read]);
+        }
+        let waited = sent.elapsed();
+        let response = &responses(&output)[0];
+        assert_eq!(response.id, 2);
+        assert!(matches!(
+            &response.result,
+            Err(Refusal::RegionUnavailable { rule, .. }) if rule == "fast"
+        ));
+        assert!(
+            waited >= Duration::from_millis(1_200) && waited < Duration::from_millis(2_000),
+            "answered {waited:?} after it was sent"
+        );
+        assert_eq!(unavailable(&service), 2, "both checks timed out");
+        first.abort();
         serving.abort();
     }
 

@@ -315,7 +315,7 @@ pub fn render(sources: &Sources<'_>) -> String {
     let forward = sources.forward;
     registry.register(
         "region_latency_seconds",
-        "Exact checks: time from forwarding to the region's durable answer",
+        "Exact checks: time from reading the check to the region's durable answer",
         LatencyBuckets {
             counts: forward.latency.iter().map(load).collect(),
             sum_us: load(&forward.latency_sum_us),

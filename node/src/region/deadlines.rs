@@ -1,24 +1,27 @@
 //! When the edge's forwarded checks time out: one queue per rule timeout, so that holding
 //! a check's deadline is a push and finding the first is a look at a few queue fronts.
 //!
-//! Checks reach the session task in the order their callers handed them over, which is
-//! the order of their clock readings but for callers on different threads racing. So
-//! within one timeout their deadlines arrive in order, or nearly: one that arrives below
-//! its queue's last is raised to it, which makes that check expire later by at most that
-//! race, never earlier (and, until then, it may still be written to the region). A check
-//! answered before its deadline is not taken out of its queue; it is skipped when it
-//! reaches the front. So a queue holds at most the checks of the last timeout's length
-//! (fewer while answers come in order), and gives back room after a burst ([`Deadlines::shrink`]).
+//! Checks reach the session task in the order they arrived from their callers, but for
+//! callers on different threads racing, and for checks a connection held unread for want
+//! of room, whose timeouts count from their arrival. So within one timeout their
+//! deadlines arrive in order, or nearly: one that arrives below its queue's last goes to
+//! a heap of such early deadlines instead, where it keeps its own. A check answered before
+//! its deadline is not taken out of its queue or the heap; it is skipped when it reaches
+//! the front. So a queue holds at most the checks of the last timeout's length (fewer
+//! while answers come in order), and gives back room after a burst
+//! ([`Deadlines::shrink`]).
 
-use std::collections::VecDeque;
+use std::cmp::Reverse;
+use std::collections::{BinaryHeap, VecDeque};
 use std::time::Duration;
 
 /// Deadlines of held checks (by sequence number): one queue per timeout, each in deadline
-/// order.
+/// order, and those that arrived below their queue's last, earliest first.
 #[derive(Debug, Default)]
 pub(super) struct Deadlines {
     // Few: one per distinct `region_timeout_ms` among the rules.
     queues: Vec<Queue>,
+    early: BinaryHeap<Reverse<(Duration, u64)>>,
 }
 
 #[derive(Debug)]
@@ -42,8 +45,11 @@ impl Deadlines {
             }
         };
         let entries = &mut self.queues[at].entries;
-        let last = entries.back().map_or(Duration::ZERO, |&(last, _)| last);
-        entries.push_back((deadline.max(last), seq));
+        if entries.back().is_some_and(|&(last, _)| deadline < last) {
+            self.early.push(Reverse((deadline, seq)));
+        } else {
+            entries.push_back((deadline, seq));
+        }
     }
 
     /// The first deadline of a check that `is_held` still, dropping the fronts of checks
@@ -58,6 +64,13 @@ impl Deadlines {
                 }
                 queue.entries.pop_front();
             }
+        }
+        while let Some(&Reverse((deadline, seq))) = self.early.peek() {
+            if is_held(seq) {
+                first = Some(first.map_or(deadline, |f: Duration| f.min(deadline)));
+                break;
+            }
+            self.early.pop();
         }
         first
     }
@@ -75,6 +88,13 @@ impl Deadlines {
                 queue.entries.pop_front();
             }
         }
+        while let Some(&Reverse((deadline, seq))) = self.early.peek() {
+            if deadline > now {
+                break;
+            }
+            due.push(seq);
+            self.early.pop();
+        }
     }
 
     /// Gives back the room a burst left in the queues.
@@ -82,22 +102,31 @@ impl Deadlines {
         for queue in &mut self.queues {
             shrink(&mut queue.entries);
         }
+        if let Some(room) = room_to_keep(self.early.len(), self.early.capacity()) {
+            self.early.shrink_to(room);
+        }
     }
 
     /// How many deadlines are held, of checks answered or not.
     #[cfg(test)]
     pub(super) fn len(&self) -> usize {
-        self.queues.iter().map(|q| q.entries.len()).sum()
+        self.queues.iter().map(|q| q.entries.len()).sum::<usize>() + self.early.len()
     }
 }
 
 /// Gives back a queue's room past twice what it holds, once that is more than a burst's
 /// worth of slack.
 pub(super) fn shrink<T>(queue: &mut VecDeque<T>) {
-    const SLACK: usize = 1024;
-    if queue.capacity() > 4 * queue.len() + SLACK {
-        queue.shrink_to(2 * queue.len() + SLACK);
+    if let Some(room) = room_to_keep(queue.len(), queue.capacity()) {
+        queue.shrink_to(room);
     }
+}
+
+/// The room to shrink to, holding `len` in `capacity`, if the room past twice `len` is
+/// more than a burst's worth of slack.
+fn room_to_keep(len: usize, capacity: usize) -> Option<usize> {
+    const SLACK: usize = 1024;
+    (capacity > 4 * len + SLACK).then_some(2 * len + SLACK)
 }
 
 #[cfg(test)]
@@ -154,15 +183,34 @@ mod tests {
     }
 
     #[test]
-    fn a_deadline_out_of_order_within_its_timeout_is_raised_never_lowered() {
-        // Two threads submitted under one rule; the later clock reading queued first.
+    fn a_deadline_out_of_order_within_its_timeout_keeps_its_own() {
+        // A check held unread for 60 ms came after one that arrived later, under one rule.
         let mut deadlines = Deadlines::default();
-        deadlines.push(100, ms(105), 0);
-        deadlines.push(100, ms(104), 1);
+        deadlines.push(100, ms(150), 0);
+        deadlines.push(100, ms(100), 1);
+        deadlines.push(100, ms(160), 2);
+        assert_eq!(deadlines.first(|_| true), Some(ms(100)));
         let mut due = Vec::new();
-        deadlines.take_due(ms(104), &mut due);
+        deadlines.take_due(ms(99), &mut due);
         assert!(due.is_empty(), "nothing expires before its own deadline");
-        deadlines.take_due(ms(105), &mut due);
-        assert_eq!(due, [0, 1]);
+        deadlines.take_due(ms(100), &mut due);
+        assert_eq!(due, [1], "nor after it");
+        assert_eq!(deadlines.first(|_| true), Some(ms(150)));
+        deadlines.take_due(ms(160), &mut due);
+        assert_eq!(due, [1, 0, 2]);
+        assert_eq!(deadlines.len(), 0);
+    }
+
+    #[test]
+    fn an_early_deadline_of_a_check_answered_is_skipped() {
+        let mut deadlines = Deadlines::default();
+        deadlines.push(100, ms(150), 0);
+        deadlines.push(100, ms(100), 1);
+        assert_eq!(deadlines.first(|seq| seq != 1), Some(ms(150)));
+        assert_eq!(
+            deadlines.len(),
+            1,
+            "the answered check's deadline is dropped"
+        );
     }
 }

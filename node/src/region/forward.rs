@@ -31,7 +31,7 @@ use std::time::Duration;
 use tally_client::wire::{CheckId, Refusal};
 use tally_crdt::{Key, NodeId, ReplicaId};
 use tokio::sync::mpsc;
-use tokio::time::Sleep;
+use tokio::time::{Instant, Sleep};
 
 /// Bucket bounds of the region latency histogram, in microseconds.
 pub const LATENCY_BOUNDS_US: [u64; 12] = [
@@ -119,8 +119,8 @@ struct Pending<T> {
     check_id: Option<CheckId>,
     ticket: T,
     answers: Answers<T>,
-    // On the node's monotonic clock (`Clock::mono`).
-    submitted: Duration,
+    // When it arrived from its caller, on the node's monotonic clock (`Clock::mono`).
+    arrived: Duration,
     timeout_ms: u64,
     // How many sessions it was written on: writing it again is a retry, and the region
     // may have decided it on an earlier one.
@@ -278,11 +278,19 @@ impl<T: Send + 'static> Forwarder<T> {
         &self.stats
     }
 
-    /// Forwards `checks`. Each one's answer goes to `answers` with its ticket: the
-    /// region's durable outcome, or `RegionUnavailable` once its rule's timeout has passed
-    /// without one. The checks are handed over together, and held in their order.
-    pub fn submit(&self, checks: impl IntoIterator<Item = Check<T>>, answers: &Answers<T>) {
-        let submitted = self.clock.mono();
+    /// Forwards `checks`, which arrived (were read from their callers) at `arrived`. Each
+    /// one's answer goes to `answers` with its ticket: the region's durable outcome, or
+    /// `RegionUnavailable` once its rule's timeout has passed since `arrived` without one,
+    /// so a check that waited before it was handed over (held for want of room) waits
+    /// that much less for the region. The checks are handed over together, and held in
+    /// their order.
+    pub fn submit(
+        &self,
+        checks: impl IntoIterator<Item = Check<T>>,
+        arrived: Instant,
+        answers: &Answers<T>,
+    ) {
+        let arrived = self.clock.mono_at(arrived.into_std());
         let id = RequestId {
             node: self.replica.node.0,
             generation: self.replica.generation.0,
@@ -298,7 +306,7 @@ impl<T: Send + 'static> Forwarder<T> {
                     check_id: check.check_id,
                     ticket: check.ticket,
                     answers: answers.clone(),
-                    submitted,
+                    arrived,
                     timeout_ms: check.timeout_ms,
                     writes: 0,
                 })
@@ -380,7 +388,7 @@ impl<T> Held<T> {
         let seq = self.next_seq;
         self.next_seq += 1;
         pending.id.seq = seq;
-        let deadline = pending.submitted + Duration::from_millis(pending.timeout_ms);
+        let deadline = pending.arrived + Duration::from_millis(pending.timeout_ms);
         self.deadlines.push(pending.timeout_ms, deadline, seq);
         debug_assert_eq!(self.base + self.checks.len() as u64, seq);
         self.checks.push_back(Some(pending));
@@ -522,7 +530,7 @@ impl<T> Held<T> {
     ) -> Result<Outcome, Refusal> {
         match answer {
             ExactAnswer::Decided(outcome) => {
-                let elapsed = now.saturating_sub(pending.submitted);
+                let elapsed = now.saturating_sub(pending.arrived);
                 self.stats.record_latency(elapsed);
                 Ok(outcome)
             }
@@ -896,7 +904,7 @@ mod tests {
             let (answers, mut answered) = mpsc::unbounded_channel();
             // Long enough that the answer is sent before it passes on a slow machine (200 ms
             // was not, once, in CI's loom step, which runs the loom models beside it).
-            forwarder.submit([check(0, 600)], &answers);
+            forwarder.submit([check(0, 600)], Instant::now(), &answers);
             let frame = to_region.recv().await.unwrap();
             let (_, checks) = wire::decode_checks(&frame.body).unwrap();
             // The session task takes what else it has ready (its first purge) and waits.
@@ -913,7 +921,7 @@ mod tests {
             // The runtime's one thread is held past the deadline: the session task runs
             // next with everything ready at once.
             std::thread::sleep(ms(650));
-            forwarder.submit([check(1, 10_000)], &answers);
+            forwarder.submit([check(1, 10_000)], Instant::now(), &answers);
             let first = answered.recv().await.unwrap();
             assert!(
                 matches!(
@@ -946,7 +954,7 @@ mod tests {
             check_id: None,
             ticket: seq,
             answers: answers.clone(),
-            submitted: Duration::ZERO,
+            arrived: Duration::ZERO,
             timeout_ms,
             writes: 0,
         })
