@@ -232,6 +232,7 @@ pub async fn run(config: Config, shutdown: impl Future<Output = ()>) -> Result<(
         commit: service.commit_stats(),
         bad_requests: service.bad_requests.clone(),
         keys_refused: service.keys_refused.clone(),
+        sessions_refused: service.sessions_refused.clone(),
         lanes_owed: service.lanes_owed(),
         lanes_refused: service.lanes_refused(),
     });

@@ -106,6 +106,9 @@ pub struct RegionStats {
     pub bad_requests: Arc<AtomicU64>,
     /// Forwarded checks not decided because the ledger holds its maximum of keys.
     pub keys_refused: Arc<AtomicU64>,
+    /// Forwarded checks not decided because the ledger holds its maximum of application
+    /// sessions.
+    pub sessions_refused: Arc<AtomicU64>,
     /// Admitted costs the region's own lanes lack for want of room in the lane log.
     pub lanes_owed: Arc<AtomicU64>,
     /// Admitted costs the region's own lanes never count: the lane store's key cap refused
@@ -329,7 +332,7 @@ pub fn render(sources: &Sources<'_>) -> String {
         ),
         (
             "region_storage_errors",
-            "Exact checks the region refused because its log failed",
+            "Exact checks the region answered Storage: its log failed, or it held the most application sessions",
             load(&forward.storage_errors),
         ),
         (
@@ -394,6 +397,11 @@ pub fn render(sources: &Sources<'_>) -> String {
                 "region_keys_refused",
                 "Forwarded checks not decided because the region's ledger holds its maximum of keys",
                 load(&region.keys_refused),
+            ),
+            (
+                "region_sessions_refused",
+                "Forwarded checks not decided because the region's ledger holds the check ids of its maximum of application sessions",
+                load(&region.sessions_refused),
             ),
         ];
         for (name, help, value) in pairs {

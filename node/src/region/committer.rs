@@ -455,7 +455,9 @@ mod tests {
                     }
                     Decided::Repeat(_) => (Vec::new(), 0),
                     Decided::Forgotten => panic!("60 checks stay within RECENT_IDS"),
-                    Decided::KeysFull => panic!("a ledger holds any number of keys by default"),
+                    Decided::KeysFull | Decided::SessionsFull => {
+                        panic!("a ledger holds any number of keys and sessions by default")
+                    }
                 };
                 pending.push((this.id, committer.submit(bytes, count)));
                 seq += 1;

@@ -41,6 +41,11 @@ pub struct Ledger {
     lives: HashMap<u64, VecDeque<u64>, KeyHasher>,
     // The most keys `counts` holds: a check that would add one past it is not decided.
     keys_max: usize,
+    // Invariant: how many entries of `seen` are application sessions'.
+    sessions: usize,
+    // The most application sessions `seen` holds: a check of a new one past it is not
+    // decided.
+    sessions_max: usize,
 }
 
 impl Default for Ledger {
@@ -51,13 +56,15 @@ impl Default for Ledger {
             seen: HashMap::default(),
             lives: HashMap::default(),
             keys_max: usize::MAX,
+            sessions: 0,
+            sessions_max: usize::MAX,
         }
     }
 }
 
 /// Two ledgers are equal when they hold alike: the same counts and the same outcomes.
 /// (`lives` is rebuilt by a replay, in the order the lives came in, which the outcomes
-/// held already show; the key cap is configuration, set after a replay.)
+/// held already show; the caps are configuration, set after a replay.)
 impl PartialEq for Ledger {
     fn eq(&self, other: &Ledger) -> bool {
         self.counts == other.counts && self.seen == other.seen
@@ -113,6 +120,14 @@ const _: () =
 /// every id its process made, exact rule or not, so they are held sparsely: one entry per
 /// decision, never a slot per number skipped.
 pub const RECENT_CLIENT_IDS: usize = 16_384;
+
+/// The most application sessions ([`log::CLIENT_NODE`]) whose check ids the region holds at
+/// once: a check under a new session past it is not decided ([`Decided::SessionsFull`])
+/// until windows end and make room. Each session held costs some 450 bytes and its
+/// outcomes, until its windows are over, whatever it decided; so a stream of processes
+/// that each make a few checks would otherwise grow the ledger (and every snapshot of it)
+/// without bound. About 120 MiB at one outcome each.
+pub const CLIENT_SESSIONS_MAX: usize = 262_144;
 
 /// One edge life's or application session's recent outcomes, from `base` on.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -336,6 +351,10 @@ pub enum Decided {
     /// A check that would admit a key the ledger does not hold while it holds its maximum
     /// of keys: not decided, nothing to log (a retry once there is room is decided then).
     KeysFull,
+    /// A check under an application session the ledger does not hold while it holds its
+    /// maximum of sessions: not decided, nothing to log (a retry once there is room is
+    /// decided then).
+    SessionsFull,
 }
 
 impl Ledger {
@@ -353,6 +372,11 @@ impl Ledger {
             ledger.replay_one(entry);
         }
         ledger.note_lives_held(&first_entry);
+        ledger.sessions = ledger
+            .seen
+            .keys()
+            .filter(|&&(node, _)| node == log::CLIENT_NODE)
+            .count();
         ledger
     }
 
@@ -525,12 +549,16 @@ impl Ledger {
     /// as ever).
     pub fn decide(&mut self, check: &ExactCheck, key: &Key, limit: u64) -> Decided {
         let id = check.dedupe_id();
-        if let Some(recent) = self.seen.get(&(id.node, id.generation)) {
-            match recent.get(id.seq) {
+        match self.seen.get(&(id.node, id.generation)) {
+            Some(recent) => match recent.get(id.seq) {
                 Held::Unseen => {}
                 Held::Decided(outcome) => return Decided::Repeat(outcome),
                 Held::Forgotten => return Decided::Forgotten,
+            },
+            None if id.node == log::CLIENT_NODE && self.sessions >= self.sessions_max => {
+                return Decided::SessionsFull;
             }
+            None => {}
         }
         let held = self.counts.get(key).copied();
         let allowed = (held.unwrap_or(0))
@@ -547,6 +575,13 @@ impl Ledger {
     /// are durable decisions, whatever the cap was when they were made).
     pub fn hold_at_most(&mut self, keys_max: usize) {
         self.keys_max = keys_max;
+    }
+
+    /// Holds the check ids of at most `sessions_max` application sessions from now on: a
+    /// check under one more is not decided ([`Decided::SessionsFull`]). Sessions already
+    /// held stay, as keys do.
+    pub fn hold_sessions_at_most(&mut self, sessions_max: usize) {
+        self.sessions_max = sessions_max;
     }
 
     /// The count of `key`.
@@ -571,6 +606,11 @@ impl Ledger {
         });
         self.seen
             .retain(|_, recent| recent.expire(now_unix_secs, forgotten));
+        self.sessions = self
+            .seen
+            .keys()
+            .filter(|&&(node, _)| node == log::CLIENT_NODE)
+            .count();
         let seen = &self.seen;
         self.lives.retain(|&node, lives| {
             lives.retain(|&generation| seen.contains_key(&(node, generation)));
@@ -594,6 +634,7 @@ impl Ledger {
             Some(recent) => recent.insert(id.seq, outcome, key.window),
             None => {
                 self.begin_life(id.node, id.generation);
+                self.sessions += usize::from(id.node == log::CLIENT_NODE);
                 let mut recent = Recent::new(id.node);
                 recent.insert(id.seq, outcome, key.window);
                 self.seen.insert(life, recent);
@@ -783,6 +824,68 @@ mod tests {
         ledger.expire((500_000 + 2) * 3_600, &mut Forgotten::default());
         let (check, key) = on(5, "acct-3", 500_002, 1);
         assert_eq!(ledger.decide(&check, &key, 10), admitted(1));
+    }
+
+    #[test]
+    fn a_check_of_a_new_application_session_past_the_cap_is_not_decided() {
+        let mut ledger = Ledger::default();
+        ledger.hold_sessions_at_most(2);
+        let in_window = |check: ExactCheck, window_index: u64| {
+            let key = key_of("quota", "acct-1", window_index, 3_600).unwrap();
+            (
+                ExactCheck {
+                    window_index,
+                    ..check
+                },
+                key,
+            )
+        };
+        let decide_in = |ledger: &mut Ledger, check: ExactCheck, window_index| {
+            let (check, key) = in_window(check, window_index);
+            ledger.decide(&check, &key, 10)
+        };
+        let admitted = |count| {
+            Decided::New(Outcome {
+                allowed: true,
+                count,
+            })
+        };
+        assert_eq!(decide_in(&mut ledger, named(1, 1), 500_000), admitted(1));
+        assert_eq!(decide_in(&mut ledger, named(2, 1), 500_000), admitted(2));
+        assert_eq!(
+            decide_in(&mut ledger, named(3, 1), 500_000),
+            Decided::SessionsFull
+        );
+        // Nor a denial, which would hold the session's outcome all the same.
+        assert_eq!(
+            decide_in(
+                &mut ledger,
+                ExactCheck {
+                    cost: 11,
+                    ..named(3, 2)
+                },
+                500_000
+            ),
+            Decided::SessionsFull
+        );
+        // A session held is decided as ever, and so are an edge life's checks.
+        assert_eq!(decide_in(&mut ledger, named(1, 2), 500_000), admitted(3));
+        assert_eq!(decide_in(&mut ledger, check(7, 1), 500_000), admitted(4));
+        // The refused check was not decided: sent again, it is refused again.
+        assert_eq!(
+            decide_in(&mut ledger, named(3, 1), 500_000),
+            Decided::SessionsFull
+        );
+        // A replay holds the same sessions, and the cap holds across it.
+        let mut out = Vec::new();
+        ledger.snapshot(&mut out);
+        let mut replayed = Ledger::replay(&log::replay(&out).0);
+        replayed.hold_sessions_at_most(2);
+        let (check, key) = in_window(named(3, 1), 500_000);
+        assert_eq!(replayed.decide(&check, &key, 10), Decided::SessionsFull);
+        // Once their window is over, the sessions make room.
+        ledger.expire((500_000 + 2) * 3_600, &mut Forgotten::default());
+        assert_eq!(decide_in(&mut ledger, named(3, 1), 500_002), admitted(1));
     }
 
     #[test]

@@ -13,7 +13,7 @@ use super::committer::{CommitError, Committer};
 use super::log::{self, Entry, Record, Storage};
 use super::own_lanes::OwnLanes;
 use super::wire::{self, Answered};
-use super::{key_in, Decided, ExactAnswer, ExactCheck, Forgotten, Ledger};
+use super::{key_in, Decided, ExactAnswer, ExactCheck, Forgotten, Ledger, CLIENT_SESSIONS_MAX};
 use crate::clock::{self, ExpiryClock};
 use crate::config::RuleMode;
 use crate::decide::Rules;
@@ -62,6 +62,9 @@ pub struct RegionService {
     keys_max: usize,
     /// Checks not decided because they would have added a key past `keys_max`.
     pub keys_refused: Arc<AtomicU64>,
+    /// Checks not decided because they would have added an application session past
+    /// [`CLIENT_SESSIONS_MAX`].
+    pub sessions_refused: Arc<AtomicU64>,
 }
 
 /// The region's log in its data dir: the ledger.
@@ -144,7 +147,8 @@ impl RegionService {
     /// lives (`retired`, from their lane logs) hold for that key; the difference goes into
     /// this life's lane, so the edges' estimates of exact keys match the ledger again.
     ///
-    /// The ledger holds at most `keys_max` keys (`Ledger::hold_at_most`) once replayed.
+    /// The ledger holds at most `keys_max` keys (`Ledger::hold_at_most`) and
+    /// [`CLIENT_SESSIONS_MAX`] application sessions once replayed.
     pub fn open(
         dir: &Path,
         keys_max: usize,
@@ -163,6 +167,7 @@ impl RegionService {
         let (mut storage, entries, torn) = log::open(&path).map_err(io)?;
         let mut ledger = Ledger::replay(&entries);
         ledger.hold_at_most(keys_max);
+        ledger.hold_sessions_at_most(CLIENT_SESSIONS_MAX);
         let mut forgotten = Forgotten::default();
         ledger.expire(expiry.now_secs(), &mut forgotten);
         ledger.forget_lives_of(store.replica().node.0);
@@ -213,6 +218,7 @@ impl RegionService {
             bad_requests: Arc::new(AtomicU64::new(0)),
             keys_max,
             keys_refused: Arc::new(AtomicU64::new(0)),
+            sessions_refused: Arc::new(AtomicU64::new(0)),
         };
         Ok((service, opened))
     }
@@ -450,6 +456,16 @@ impl RegionService {
                 ExactAnswer::KeysFull {
                     keys_max: self.keys_max as u64,
                 }
+            }
+            // No answer of its own in the region protocol: `Storage`, as for a key cap in
+            // version 3, retryable, and answered by no fallback.
+            Decided::SessionsFull => {
+                self.sessions_refused.fetch_add(1, Ordering::Relaxed);
+                ExactAnswer::storage(&format!(
+                    "the region holds the check ids of {CLIENT_SESSIONS_MAX} application \
+                     sessions, its most: a check under a new one is decided once windows \
+                     end and make room"
+                ))
             }
         }
     }
