@@ -548,17 +548,16 @@ impl Ledger {
     /// ([`Ledger::hold_at_most`]), is not decided (a denial holds no key, so it is decided
     /// as ever).
     pub fn decide(&mut self, check: &ExactCheck, key: &Key, limit: u64) -> Decided {
+        if let Some(held) = self.recall(check) {
+            return held;
+        }
         let id = check.dedupe_id();
-        match self.seen.get(&(id.node, id.generation)) {
-            Some(recent) => match recent.get(id.seq) {
-                Held::Unseen => {}
-                Held::Decided(outcome) => return Decided::Repeat(outcome),
-                Held::Forgotten => return Decided::Forgotten,
-            },
-            None if id.node == log::CLIENT_NODE && self.sessions >= self.sessions_max => {
-                return Decided::SessionsFull;
-            }
-            None => {}
+        let life = (id.node, id.generation);
+        if id.node == log::CLIENT_NODE
+            && self.sessions >= self.sessions_max
+            && !self.seen.contains_key(&life)
+        {
+            return Decided::SessionsFull;
         }
         let held = self.counts.get(key).copied();
         let allowed = (held.unwrap_or(0))
@@ -568,6 +567,18 @@ impl Ledger {
             return Decided::KeysFull;
         }
         Decided::New(self.apply(id, key, check.cost, allowed))
+    }
+
+    /// What the ledger holds of `check`'s request id, whatever its key: its first outcome
+    /// ([`Decided::Repeat`]), or that it was forgotten ([`Decided::Forgotten`]); `None` if
+    /// it was never decided.
+    pub fn recall(&self, check: &ExactCheck) -> Option<Decided> {
+        let id = check.dedupe_id();
+        match self.seen.get(&(id.node, id.generation))?.get(id.seq) {
+            Held::Unseen => None,
+            Held::Decided(outcome) => Some(Decided::Repeat(outcome)),
+            Held::Forgotten => Some(Decided::Forgotten),
+        }
     }
 
     /// Holds at most `keys_max` keys from now on: an admission that would add one past it

@@ -405,6 +405,17 @@ impl RegionService {
         records: &mut Records,
         admitted: &mut Vec<(Key, u64)>,
     ) -> ExactAnswer {
+        // A retry gets its first outcome whatever window it names now: a check sent again
+        // under its `CheckId` through another edge, whose clock puts it in a window not
+        // live here, is the check decided, not one to refuse (which that edge, sending
+        // it for the first time, would answer with its rule's fallback, counting it again).
+        match self.ledger.recall(check) {
+            // Answered after the sync that made its first decision durable (the committer
+            // completes in order).
+            Some(Decided::Repeat(outcome)) => return ExactAnswer::Decided(outcome),
+            Some(Decided::Forgotten) => return ExactAnswer::Forgotten,
+            _ => {}
+        }
         let (name, rule) = match self.rules.get(&check.rule) {
             // The edge fixes the window's index; its length is the rule's, here too.
             Ok((name, rule))
@@ -550,8 +561,10 @@ async fn acknowledge(mut batches: mpsc::UnboundedReceiver<Batch>, mut own: OwnLa
 #[cfg(test)]
 #[cfg(not(tally_loom))]
 mod tests {
+    use super::super::log::RequestId;
     use super::*;
     use crate::config::{RuleConfig, RuleMode};
+    use tally_client::wire::CheckId;
     use tally_crdt::{Generation, NodeId, Window};
 
     fn open(dir: &Path) -> RegionService {
@@ -611,6 +624,53 @@ mod tests {
         let (answers, _, _) = service.decide_frame(&checks(3..4));
         assert_eq!(answers, [(3, ExactAnswer::UnknownRule)]);
         assert!(admitted.is_empty());
+        drop(service);
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[tokio::test]
+    async fn a_retry_under_a_check_id_in_a_window_not_live_here_gets_its_first_outcome() {
+        let dir = std::env::temp_dir().join(format!("tally-retry-skew-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        let mut service = open(&dir);
+        let named = |window_index: u64| ExactCheck {
+            id: RequestId {
+                node: 3,
+                generation: 1,
+                seq: 0,
+            },
+            check_id: Some(CheckId {
+                session: 0xfeed,
+                seq: 7,
+            }),
+            window_index,
+            ..checks(0..1).remove(0)
+        };
+        let first = named(checks(0..1)[0].window_index);
+        let (answers, _, records) = service.decide_frame(std::slice::from_ref(&first));
+        service.submit(records).await.unwrap().unwrap();
+        let [(0, ExactAnswer::Decided(outcome))] = answers[..] else {
+            panic!("decided: {answers:?}");
+        };
+        // Sent again through an edge whose clock is two hours behind: its window is not
+        // live here, but the check was decided.
+        let retry = named(first.window_index - 2);
+        let (answers, admitted, records) = service.decide_frame(&[retry]);
+        assert_eq!(answers, [(0, ExactAnswer::Decided(outcome))]);
+        assert!(
+            admitted.is_empty() && records.count == 0,
+            "nothing decided again"
+        );
+        // A new check in that window is still refused.
+        let new = ExactCheck {
+            check_id: Some(CheckId {
+                session: 0xfeed,
+                seq: 8,
+            }),
+            ..named(first.window_index - 2)
+        };
+        let (answers, _, _) = service.decide_frame(&[new]);
+        assert_eq!(answers, [(0, ExactAnswer::UnknownRule)]);
         drop(service);
         std::fs::remove_dir_all(&dir).unwrap();
     }
