@@ -26,8 +26,10 @@ impl CheckId {
     ///
     /// The session is 64 bits from the OS's random source (`getrandom`), so two
     /// processes share one with a chance of about `n² / 2^65` among `n` processes that
-    /// make ids. A process forked from one that made ids draws its own. Make an id just
-    /// before its check's first send: numbers are given out here, and the region remembers
+    /// make ids. A process forked from one that made ids draws its own, told by its
+    /// process id: a grandchild given the process id of the one that made ids (gone, and
+    /// the process ids wrapped round) would take that one's session and numbers. Make an
+    /// id just before its check's first send: numbers are given out here, and the region remembers
     /// a session's most recent 16,384 decided ones, so an id first sent after that many
     /// later ids of its process were decided is refused [`crate::Refusal::Forgotten`]
     /// though never decided. Once sent, keep it with the work it names (a queued job, say)
