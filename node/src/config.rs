@@ -12,7 +12,8 @@ use tally_crdt::{NodeId, Rule, WINDOW_SECS_MAX};
 use tally_gossip::Seed;
 
 /// The most keys a node may be configured to hold: the gossip map's key ids are 32 bits,
-/// and it holds peers' keys up to the cap, its own and its earlier lives' past it.
+/// and it holds peers' keys up to the cap, its own and its earlier lives' past it. Also
+/// the most `check_id_sessions_max`.
 const KEYS_MAX: usize = 1 << 30;
 
 /// The longest path a Unix socket may have: `sun_path`'s 108 bytes less the closing NUL.
@@ -100,6 +101,11 @@ pub struct Config {
     /// map takes peers' keys up to it too.
     #[serde(default = "defaults::keys_max")]
     pub keys_max: usize,
+    /// On the region: the most application sessions (processes that name checks with a
+    /// `CheckId`) whose check ids its ledger holds; a check under a new one past it is
+    /// refused until windows end.
+    #[serde(default = "defaults::check_id_sessions_max")]
+    pub check_id_sessions_max: usize,
     /// The most a lane from a peer may hold (its two totals together) per second its
     /// window has run: a lane past it is left out, and this node falls behind its origin
     /// until the window is old enough.
@@ -238,6 +244,9 @@ pub enum OnRegionUnavailable {
 mod defaults {
     pub fn keys_max() -> usize {
         1_000_000
+    }
+    pub fn check_id_sessions_max() -> usize {
+        262_144
     }
     pub fn lane_rate_max_per_sec() -> u64 {
         1_000_000_000
@@ -453,12 +462,14 @@ impl Config {
                 ));
             }
         }
-        positive(self.keys_max as u64, "keys_max").map_err(|why| bad("keys_max".into(), why))?;
-        if self.keys_max > KEYS_MAX {
-            return Err(bad(
-                "keys_max".into(),
-                format!("{} is over {KEYS_MAX}", self.keys_max),
-            ));
+        for (name, value) in [
+            ("keys_max", self.keys_max),
+            ("check_id_sessions_max", self.check_id_sessions_max),
+        ] {
+            positive(value as u64, name).map_err(|why| bad(name.into(), why))?;
+            if value > KEYS_MAX {
+                return Err(bad(name.into(), format!("{value} is over {KEYS_MAX}")));
+            }
         }
         within(
             self.lane_rate_max_per_sec,
@@ -789,6 +800,7 @@ window_secs = 60
         assert_eq!(config.node(), NodeId(1));
         assert_eq!(config.rules[0].mode, RuleMode::Approximate);
         assert_eq!(config.keys_max, 1_000_000);
+        assert_eq!(config.check_id_sessions_max, 262_144);
         assert_eq!(config.gossip_seeds()[0].node, NodeId(2));
     }
 
@@ -1004,6 +1016,17 @@ window_secs = 60
             (
                 GOOD.replace("node_id = 1", "node_id = 1\nkeys_max = 4294967296"),
                 "keys_max",
+            ),
+            (
+                GOOD.replace("node_id = 1", "node_id = 1\ncheck_id_sessions_max = 0"),
+                "check_id_sessions_max",
+            ),
+            (
+                GOOD.replace(
+                    "node_id = 1",
+                    "node_id = 1\ncheck_id_sessions_max = 1073741825",
+                ),
+                "check_id_sessions_max",
             ),
             (GOOD.replace("127.0.0.1:7001", "[::]:7001"), "listen_gossip"),
             (

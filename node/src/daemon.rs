@@ -14,7 +14,7 @@ use crate::listener::{self, Service};
 use crate::metrics::{Metrics, RegionStats};
 use crate::recent::RecentIds;
 use crate::region::forward::{ForwardStats, Forwarder};
-use crate::region::service::{LedgerError, OpenError, RegionService};
+use crate::region::service::{Caps, LedgerError, OpenError, RegionService};
 use crate::region::wire::REGION_FRAME_BYTES_MAX;
 use crate::store::LaneStore;
 use crate::tasks;
@@ -204,9 +204,13 @@ pub async fn run(config: Config, shutdown: impl Future<Output = ()>) -> Result<(
     // The region decides forwarded exact checks on its durable ledger.
     let (region, sessions) = match (config.role, &config.data_dir) {
         (Role::Region, Some(dir)) => {
+            let caps = Caps {
+                keys: config.keys_max,
+                sessions: config.check_id_sessions_max,
+            };
             let (service, opened) = RegionService::open(
                 dir,
-                config.keys_max,
+                caps,
                 rules.clone(),
                 store.clone(),
                 log.clone(),

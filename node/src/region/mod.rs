@@ -121,14 +121,6 @@ const _: () =
 /// decision, never a slot per number skipped.
 pub const RECENT_CLIENT_IDS: usize = 16_384;
 
-/// The most application sessions ([`log::CLIENT_NODE`]) whose check ids the region holds at
-/// once: a check under a new session past it is not decided ([`Decided::SessionsFull`])
-/// until windows end and make room. Each session held costs some 450 bytes and its
-/// outcomes, until its windows are over, whatever it decided; so a stream of processes
-/// that each make a few checks would otherwise grow the ledger (and every snapshot of it)
-/// without bound. About 120 MiB at one outcome each.
-pub const CLIENT_SESSIONS_MAX: usize = 262_144;
-
 /// One edge life's or application session's recent outcomes, from `base` on.
 #[derive(Debug, Clone, PartialEq, Eq)]
 struct Recent {

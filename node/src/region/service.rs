@@ -13,7 +13,7 @@ use super::committer::{CommitError, Committer};
 use super::log::{self, Entry, Record, Storage};
 use super::own_lanes::OwnLanes;
 use super::wire::{self, Answered};
-use super::{key_in, Decided, ExactAnswer, ExactCheck, Forgotten, Ledger, CLIENT_SESSIONS_MAX};
+use super::{key_in, Decided, ExactAnswer, ExactCheck, Forgotten, Ledger};
 use crate::clock::{self, ExpiryClock};
 use crate::config::RuleMode;
 use crate::decide::Rules;
@@ -62,9 +62,23 @@ pub struct RegionService {
     keys_max: usize,
     /// Checks not decided because they would have added a key past `keys_max`.
     pub keys_refused: Arc<AtomicU64>,
+    // The most application sessions whose check ids the ledger holds.
+    sessions_max: usize,
     /// Checks not decided because they would have added an application session past
-    /// [`CLIENT_SESSIONS_MAX`].
+    /// `sessions_max`.
     pub sessions_refused: Arc<AtomicU64>,
+}
+
+/// What the region's ledger holds at most.
+#[derive(Debug, Clone, Copy)]
+pub struct Caps {
+    /// Keys (the node's `keys_max`): an admission of one more is not decided.
+    pub keys: usize,
+    /// Application sessions whose check ids it holds (`check_id_sessions_max`): a check
+    /// under one more is not decided. Each costs some 440 bytes and 32 a check it decided,
+    /// until its windows are over, so a stream of processes that each name a few checks
+    /// would otherwise grow the ledger (and every snapshot of it) without bound.
+    pub sessions: usize,
 }
 
 /// The region's log in its data dir: the ledger.
@@ -147,11 +161,11 @@ impl RegionService {
     /// lives (`retired`, from their lane logs) hold for that key; the difference goes into
     /// this life's lane, so the edges' estimates of exact keys match the ledger again.
     ///
-    /// The ledger holds at most `keys_max` keys (`Ledger::hold_at_most`) and
-    /// [`CLIENT_SESSIONS_MAX`] application sessions once replayed.
+    /// The ledger holds at most `caps` once replayed (`Ledger::hold_at_most`,
+    /// `Ledger::hold_sessions_at_most`).
     pub fn open(
         dir: &Path,
-        keys_max: usize,
+        caps: Caps,
         rules: Rules,
         store: Arc<LaneStore>,
         lanes: Option<Arc<Mutex<LaneLog>>>,
@@ -166,8 +180,8 @@ impl RegionService {
         crate::lanelog::create_dir_durably(dir).map_err(io)?;
         let (mut storage, entries, torn) = log::open(&path).map_err(io)?;
         let mut ledger = Ledger::replay(&entries);
-        ledger.hold_at_most(keys_max);
-        ledger.hold_sessions_at_most(CLIENT_SESSIONS_MAX);
+        ledger.hold_at_most(caps.keys);
+        ledger.hold_sessions_at_most(caps.sessions);
         let mut forgotten = Forgotten::default();
         ledger.expire(expiry.now_secs(), &mut forgotten);
         ledger.forget_lives_of(store.replica().node.0);
@@ -216,8 +230,9 @@ impl RegionService {
             expiry,
             forgotten,
             bad_requests: Arc::new(AtomicU64::new(0)),
-            keys_max,
+            keys_max: caps.keys,
             keys_refused: Arc::new(AtomicU64::new(0)),
+            sessions_max: caps.sessions,
             sessions_refused: Arc::new(AtomicU64::new(0)),
         };
         Ok((service, opened))
@@ -473,9 +488,10 @@ impl RegionService {
             Decided::SessionsFull => {
                 self.sessions_refused.fetch_add(1, Ordering::Relaxed);
                 ExactAnswer::storage(&format!(
-                    "the region holds the check ids of {CLIENT_SESSIONS_MAX} application \
-                     sessions, its most: a check under a new one is decided once windows \
-                     end and make room"
+                    "the region holds the check ids of {} application sessions, its \
+                     check_id_sessions_max: nothing was decided; a check under a new \
+                     session is decided once windows end and make room",
+                    self.sessions_max
                 ))
             }
         }
@@ -573,7 +589,10 @@ mod tests {
         let store = Arc::new(LaneStore::new(replica, 1_024));
         RegionService::open(
             dir,
-            usize::MAX,
+            Caps {
+                keys: usize::MAX,
+                sessions: usize::MAX,
+            },
             rules,
             store,
             None,
