@@ -375,7 +375,9 @@ pub enum Refusal {
     },
     /// The sidecar, or the region for an exact check, could not make the write durable;
     /// nothing was acknowledged. A region's record may still reach its disk and count
-    /// after its restart.
+    /// after its restart; except when `why` names the region's `check_id_sessions_max`:
+    /// it held the check ids of its most application sessions and decided nothing, and
+    /// the check is decided when sent again once windows have ended.
     #[error("storage: {why}")]
     Storage {
         /// What failed.

@@ -5,8 +5,8 @@
 //! connection whose next frame is an exact check with no room for it holds that frame (and
 //! the frames after it) unread until it gets a place ([`ExactRoom::take`]); connections
 //! waiting get the places given back in the order they asked, one each. The client's
-//! requests wait in its socket; a held check whose rule's timeout passes, timed from when
-//! the hold began, is answered as the region's silence would be (`listener`).
+//! requests wait in its socket; a held check whose rule's timeout passes, timed from the
+//! read that brought it, is answered as the region's silence would be (`listener`).
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;

@@ -862,7 +862,7 @@ async fn serve_connection<S: AsyncRead + AsyncWrite + Unpin>(
         let mut held_past_ms = 0;
         if let Some(hold) = held {
             // A held check goes first, once the connection has room for it and a place in
-            // the node's room, or once its rule's timeout has passed since the hold began;
+            // the node's room, or once its rule's timeout has passed since its read;
             // until then nothing more is read.
             if !(in_flight < room_max && kept.is_some()) {
                 let due = hold.since + Duration::from_millis(hold.timeout_ms);

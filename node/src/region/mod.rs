@@ -249,9 +249,9 @@ impl Recent {
     /// forgotten one's window is live. `base` stays while this is true: a number of a
     /// window that is over reads as unseen. For an edge's id that is
     /// safe, because the edge fixed the window when it first sent it, and the region
-    /// refuses a check of a window that is over before it asks the ledger (over by the
-    /// wall clock, or [`Forgotten`], so that a clock stepped back does not make it live
-    /// again; but for a restart behind the last life's expiry). An application's
+    /// refuses a check of a window that is over whose id the ledger does not hold before it
+    /// decides it (over by the wall clock, or [`Forgotten`], so that a clock stepped back
+    /// does not make it live again; but for a restart behind the last life's expiry). An application's
     /// retry is given its window afresh by the edge it goes through, so one sent after the
     /// first check's window is over (and forgotten, one window length after its end) is a
     /// new check in its own window.
