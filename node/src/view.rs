@@ -41,8 +41,8 @@ pub struct ViewState {
     /// Per key, how fast the other replicas' increments have been rising.
     pub remote_rates: HashMap<Key, Rate>,
     // For each live member's current replica, when its newest stamp first arrived here
-    // (monotonic milliseconds): a key's rate falls only on a sample taken after each of its
-    // live origins was heard (`ViewState::take_in`).
+    // (monotonic milliseconds): a key's rate falls only as measured up to the first of
+    // these among its live origins (`ViewState::take_in`).
     heard_live: HashMap<ReplicaId, u64>,
     /// Seeds standing in for the cluster until this node's table has matched a peer's (see
     /// [`unheard_seeds`]).
@@ -152,26 +152,31 @@ impl Rate {
     /// (one push every few milliseconds), and a burst over one millisecond is not a rate.
     const SAMPLE_MS_MIN: u64 = 100;
 
-    /// Takes in that the total was `total` at `at_ms`. A slower sample lowers the rate
-    /// only if `may_fall()` (asked of that sample alone); else it is not taken, and the
-    /// next one spans its time too.
-    pub fn observe(&mut self, total: u64, at_ms: u64, may_fall: impl FnOnce() -> bool) {
+    /// Takes in that the total was `total` at `at_ms`, holding every writer's increments
+    /// only up to `heard_until` if that is earlier (the first of their newest states to
+    /// arrive: a writer cut off since adds nothing it wrote after). A faster sample
+    /// raises the rate at once. A slower one lowers it only as taken up to `heard_until`,
+    /// the same increments over that shorter span, and only if that span is a sample's
+    /// and it is still slower; else it is not taken, and the next one spans its time too.
+    pub fn observe(&mut self, total: u64, at_ms: u64, heard_until: Option<u64>) {
         if at_ms < self.at_ms + Rate::SAMPLE_MS_MIN || total < self.total {
             return;
         }
-        let secs = (at_ms - self.at_ms) as f64 / 1_000.0;
-        let sample = (total - self.total) as f64 / secs;
-        let keep = 0.5f64.powf(secs / Rate::HALF_LIFE_SECS);
-        // Rising at once to a faster sample keeps the bound conservative; falling slowly.
-        self.per_sec = if sample > self.per_sec {
-            sample
-        } else if may_fall() {
-            self.per_sec * keep + sample * (1.0 - keep)
-        } else {
+        let per_sec =
+            |until: u64| (total - self.total) as f64 * 1_000.0 / (until - self.at_ms) as f64;
+        if per_sec(at_ms) > self.per_sec {
+            self.per_sec = per_sec(at_ms);
+            (self.total, self.at_ms) = (total, at_ms);
             return;
-        };
-        self.total = total;
-        self.at_ms = at_ms;
+        }
+        let until = heard_until.map_or(at_ms, |heard| heard.min(at_ms));
+        if until < self.at_ms + Rate::SAMPLE_MS_MIN || per_sec(until) >= self.per_sec {
+            return;
+        }
+        // Falling slowly, from the time up to which the total is whole.
+        let keep = 0.5f64.powf((until - self.at_ms) as f64 / 1_000.0 / Rate::HALF_LIFE_SECS);
+        self.per_sec = self.per_sec * keep + per_sec(until) * (1.0 - keep);
+        (self.total, self.at_ms) = (total, until);
     }
 
     /// Increments per second.
@@ -398,22 +403,21 @@ impl ViewState {
     /// replicas' increments for its remote rate, the value of `me`'s other lives, and how
     /// far below zero the other nodes are.
     ///
-    /// The rate falls only on a sample taken once every live member holding a lane of the
-    /// key has been heard since the last: one cut off adds nothing to the samples, and the
-    /// rate would fall to the others' while its own admissions, unseen, go on. The bound
-    /// is the rate times the staleness (`decide`), so it holds the cut-off member's rate.
+    /// The rate falls only as measured up to the first arrival of the newest states of the
+    /// live members holding a lane of the key ([`Rate::observe`]): one cut off adds
+    /// nothing to the samples after its last, and the rate would fall to the others' while
+    /// its own admissions, unseen, go on. The bound is the rate times the staleness
+    /// (`decide`), so it holds the cut-off member's rate.
     pub fn take_in(&mut self, key: &Key, counter: &PnCounter, me: ReplicaId, now_ms: u64) {
         self.taking_in(key);
         let remote = || counter.slots().iter().filter(|slot| slot.replica != me);
         let remote_incr = remote().fold(0u64, |total, slot| total.saturating_add(slot.lane.incr));
         match self.remote_rates.get_mut(key) {
             Some(rate) => {
-                let sampled_at = rate.at_ms;
-                let heard_since = |slot: &tally_crdt::Slot| {
-                    let arrived = self.heard_live.get(&slot.replica);
-                    arrived.is_none_or(|&arrived| arrived > sampled_at)
-                };
-                rate.observe(remote_incr, now_ms, || remote().all(heard_since));
+                let heard_until = remote()
+                    .filter_map(|slot| self.heard_live.get(&slot.replica).copied())
+                    .min();
+                rate.observe(remote_incr, now_ms, heard_until);
             }
             None => {
                 // A key's first sample in a window comes 100 ms in at the soonest: until
@@ -734,17 +738,59 @@ mod tests {
     }
 
     #[test]
+    fn a_keys_rate_holds_when_a_live_origin_is_cut_off_just_after_a_sample() {
+        let replica = |node| ReplicaId::new(NodeId(node), Generation(1));
+        let (me, two, three) = (replica(1), replica(2), replica(3));
+        let members = vec![
+            (NodeId(2), two, State::Alive),
+            (NodeId(3), three, State::Alive),
+        ];
+        let set = |state: &mut ViewState, ms: u64, three_stamp: u64| {
+            let stamps = BTreeMap::from([(two, Stamp(ms)), (three, Stamp(three_stamp))]);
+            state.set_members(members.clone(), stamps, at(ms));
+        };
+        let key = user_1();
+        let rate = |state: &ViewState| state.remote_rate(KeyRef::from(&key));
+        let mut state = ViewState::default();
+        let mut counter = PnCounter::new();
+        set(&mut state, 0, 0);
+        state.take_in(&key, &counter, me, 0);
+        counter.incr(two, 1).unwrap();
+        counter.incr(three, 1_000).unwrap();
+        set(&mut state, 1_000, 1_000);
+        state.take_in(&key, &counter, me, 1_000);
+        assert_eq!(rate(&state), 1_001.0);
+        // Node 3 is heard once more 50 ms after that sample, with 50 more, and is then cut
+        // off; node 2 goes on at one a second, merged once a second.
+        counter.incr(three, 50).unwrap();
+        set(&mut state, 1_050, 1_050);
+        state.take_in(&key, &counter, me, 1_050);
+        for ms in (2_000..=3_900).step_by(100) {
+            set(&mut state, ms, 1_050);
+            if ms % 1_000 == 0 {
+                counter.incr(two, 1).unwrap();
+            }
+            state.take_in(&key, &counter, me, ms);
+        }
+        assert_eq!(
+            rate(&state),
+            1_001.0,
+            "held: node 3's admissions since 1.05 s are unseen"
+        );
+    }
+
+    #[test]
     fn a_rate_rises_at_once_and_decays_over_its_half_life() {
         let mut rate = Rate::start(0, 0, 0.0);
-        rate.observe(90, 10, || true);
+        rate.observe(90, 10, None);
         assert_eq!(
             rate.per_sec(),
             0.0,
             "a burst within one sample span is no rate yet"
         );
-        rate.observe(100, 1_000, || true);
+        rate.observe(100, 1_000, None);
         assert_eq!(rate.per_sec(), 100.0);
-        rate.observe(100, 3_000, || true);
+        rate.observe(100, 3_000, None);
         assert!((rate.per_sec() - 50.0).abs() < 1e-9, "{}", rate.per_sec());
     }
 
