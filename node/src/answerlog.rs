@@ -289,9 +289,20 @@ impl AnswerLog {
 /// first (its file is whole).
 pub fn recover(dir: &Path, now_unix_secs: u64) -> Result<(Vec<AnsweredId>, u64), LogError> {
     let io = LogError::io_at;
-    let mut lives = Vec::new();
+    let mut paths = Vec::new();
     for entry in std::fs::read_dir(dir).map_err(io(dir))? {
-        let path = entry.map_err(io(dir))?.path();
+        paths.push(entry.map_err(io(dir))?.path());
+    }
+    // Before anything is changed: a log left out would have its answers counted again.
+    if let Some(path) = paths.iter().find(|path| is_misnamed_log(path)) {
+        let why = "an answer log's name, but its generation is not written as a node \
+                   writes one (answers-5.log, not answers-05.log): rename it, or move it \
+                   away; not started, so as not to count its answers' retries again";
+        let source = std::io::Error::new(std::io::ErrorKind::InvalidData, why);
+        return Err(io(path)(source));
+    }
+    let mut lives = Vec::new();
+    for path in paths {
         match file_generation(&path) {
             Some((generation, "log")) => lives.push((generation, path)),
             // A rewrite's copy (a start's, or a running life's) cut off by a crash.
@@ -320,6 +331,14 @@ pub fn recover(dir: &Path, now_unix_secs: u64) -> Result<(Vec<AnsweredId>, u64),
         }
     }
     Ok((kept.into_iter().rev().flatten().collect(), newest_kept))
+}
+
+/// Whether `path` is named as an answer log but for its generation, not written as a node
+/// writes one.
+fn is_misnamed_log(path: &Path) -> bool {
+    let name = path.file_name().and_then(|name| name.to_str());
+    name.is_some_and(|name| name.starts_with("answers-") && name.ends_with(".log"))
+        && file_generation(path).is_none()
 }
 
 /// The generation and the extension of an `answers-<generation>.<extension>` file.
@@ -449,6 +468,24 @@ mod tests {
         );
         // Rewritten with what each kept: the next start finds the same.
         assert_eq!(seqs(&recover(&dir, NOW).unwrap().0), expected);
+        std::fs::remove_dir_all(dir).unwrap();
+    }
+
+    #[test]
+    fn a_log_named_with_its_generation_written_otherwise_stops_the_start() {
+        let dir = dir("misnamed");
+        life(&dir, 5, [answer(1, live())]);
+        std::fs::copy(dir.join("answers-5.log"), dir.join("answers-05.log")).unwrap();
+        let before = std::fs::read(dir.join("answers-5.log")).unwrap();
+        let err = recover(&dir, NOW).unwrap_err().to_string();
+        assert!(
+            err.contains("answers-05.log") && err.contains("rename"),
+            "{err}"
+        );
+        let after = std::fs::read(dir.join("answers-5.log")).unwrap();
+        assert!(before == after, "the start changed a log before it stopped");
+        std::fs::remove_file(dir.join("answers-05.log")).unwrap();
+        assert_eq!(seqs(&recover(&dir, NOW).unwrap().0), [1]);
         std::fs::remove_dir_all(dir).unwrap();
     }
 
