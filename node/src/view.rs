@@ -696,84 +696,88 @@ mod tests {
         assert_eq!(state.remote_rate(KeyRef::from(&key(5))), 0.0);
     }
 
+    /// Node 1's view of `user_1()` written by nodes 2 and 3, both alive: 1,000 by node 3
+    /// and `by_two` by node 2 in the first second, sampled at 0 and at 1 s.
+    struct TwoWriters {
+        me: ReplicaId,
+        two: ReplicaId,
+        three: ReplicaId,
+        key: Key,
+        state: ViewState,
+        counter: PnCounter,
+    }
+
+    impl TwoWriters {
+        fn start(by_two: u64) -> TwoWriters {
+            let replica = |node| ReplicaId::new(NodeId(node), Generation(1));
+            let mut writers = TwoWriters {
+                me: replica(1),
+                two: replica(2),
+                three: replica(3),
+                key: user_1(),
+                state: ViewState::default(),
+                counter: PnCounter::new(),
+            };
+            writers.take_in(0, 0);
+            writers.counter.incr(writers.two, by_two).unwrap();
+            writers.counter.incr(writers.three, 1_000).unwrap();
+            writers.take_in(1_000, 1_000);
+            writers
+        }
+
+        /// Sets the members at `ms`, node 2's stamp `ms` and node 3's `three_stamp`, and
+        /// takes the key in at `ms`.
+        fn take_in(&mut self, ms: u64, three_stamp: u64) {
+            let members = vec![
+                (NodeId(2), self.two, State::Alive),
+                (NodeId(3), self.three, State::Alive),
+            ];
+            let stamps = BTreeMap::from([(self.two, Stamp(ms)), (self.three, Stamp(three_stamp))]);
+            self.state.set_members(members, stamps, at(ms));
+            self.state.take_in(&self.key, &self.counter, self.me, ms);
+        }
+
+        fn rate(&self) -> f64 {
+            self.state.remote_rate(KeyRef::from(&self.key))
+        }
+    }
+
     #[test]
     fn a_keys_rate_holds_while_a_live_origin_of_it_is_unheard_and_falls_once_it_is_heard() {
-        let replica = |node| ReplicaId::new(NodeId(node), Generation(1));
-        let (me, two, three) = (replica(1), replica(2), replica(3));
-        let members = vec![
-            (NodeId(2), two, State::Alive),
-            (NodeId(3), three, State::Alive),
-        ];
-        let set = |state: &mut ViewState, ms: u64, three_stamp: u64| {
-            let stamps = BTreeMap::from([(two, Stamp(ms)), (three, Stamp(three_stamp))]);
-            state.set_members(members.clone(), stamps, at(ms));
-        };
-        let key = user_1();
-        let rate = |state: &ViewState| state.remote_rate(KeyRef::from(&key));
-        let mut state = ViewState::default();
-        let mut counter = PnCounter::new();
-        set(&mut state, 0, 0);
-        state.take_in(&key, &counter, me, 0);
-        counter.incr(two, 10).unwrap();
-        counter.incr(three, 1_000).unwrap();
-        set(&mut state, 1_000, 1_000);
-        state.take_in(&key, &counter, me, 1_000);
-        assert_eq!(rate(&state), 1_010.0);
+        let mut writers = TwoWriters::start(10);
+        assert_eq!(writers.rate(), 1_010.0);
         // Node 3 is cut off: its stamp stays at 1 s while node 2 goes on at 10 a second.
         for ms in (1_100..=3_900).step_by(100) {
-            set(&mut state, ms, 1_000);
-            counter.incr(two, 1).unwrap();
-            state.take_in(&key, &counter, me, ms);
+            writers.counter.incr(writers.two, 1).unwrap();
+            writers.take_in(ms, 1_000);
         }
         assert_eq!(
-            rate(&state),
+            writers.rate(),
             1_010.0,
             "held: node 3's admissions are unseen"
         );
         // Heard again, with nothing more of the key: the rate falls over the whole span.
-        set(&mut state, 4_000, 4_000);
-        counter.incr(two, 1).unwrap();
-        state.take_in(&key, &counter, me, 4_100);
-        assert!(rate(&state) < 400.0, "{}", rate(&state));
+        writers.counter.incr(writers.two, 1).unwrap();
+        writers.take_in(4_000, 4_000);
+        assert!(writers.rate() < 400.0, "{}", writers.rate());
     }
 
     #[test]
     fn a_keys_rate_holds_when_a_live_origin_is_cut_off_just_after_a_sample() {
-        let replica = |node| ReplicaId::new(NodeId(node), Generation(1));
-        let (me, two, three) = (replica(1), replica(2), replica(3));
-        let members = vec![
-            (NodeId(2), two, State::Alive),
-            (NodeId(3), three, State::Alive),
-        ];
-        let set = |state: &mut ViewState, ms: u64, three_stamp: u64| {
-            let stamps = BTreeMap::from([(two, Stamp(ms)), (three, Stamp(three_stamp))]);
-            state.set_members(members.clone(), stamps, at(ms));
-        };
-        let key = user_1();
-        let rate = |state: &ViewState| state.remote_rate(KeyRef::from(&key));
-        let mut state = ViewState::default();
-        let mut counter = PnCounter::new();
-        set(&mut state, 0, 0);
-        state.take_in(&key, &counter, me, 0);
-        counter.incr(two, 1).unwrap();
-        counter.incr(three, 1_000).unwrap();
-        set(&mut state, 1_000, 1_000);
-        state.take_in(&key, &counter, me, 1_000);
-        assert_eq!(rate(&state), 1_001.0);
+        let mut writers = TwoWriters::start(1);
+        assert_eq!(writers.rate(), 1_001.0);
         // Node 3 is heard once more 50 ms after that sample, with 50 more, and is then cut
         // off; node 2 goes on at one a second, merged once a second.
-        counter.incr(three, 50).unwrap();
-        set(&mut state, 1_050, 1_050);
-        state.take_in(&key, &counter, me, 1_050);
+        writers.counter.incr(writers.three, 50).unwrap();
+        writers.take_in(1_050, 1_050);
         for ms in (2_000..=3_900).step_by(100) {
-            set(&mut state, ms, 1_050);
             if ms % 1_000 == 0 {
-                counter.incr(two, 1).unwrap();
+                writers.counter.incr(writers.two, 1).unwrap();
             }
-            state.take_in(&key, &counter, me, ms);
+            writers.take_in(ms, 1_050);
         }
         assert_eq!(
-            rate(&state),
+            writers.rate(),
             1_001.0,
             "held: node 3's admissions since 1.05 s are unseen"
         );
