@@ -153,12 +153,13 @@ impl Rate {
     const SAMPLE_MS_MIN: u64 = 100;
 
     /// Takes in that the total was `total` at `at_ms`, holding every writer's increments
-    /// only up to `heard_until` if that is earlier (the first of their newest states to
-    /// arrive: a writer cut off since adds nothing it wrote after). A faster sample
-    /// raises the rate at once. A slower one lowers it only as taken up to `heard_until`,
-    /// the same increments over that shorter span, and only if that span is a sample's
-    /// and it is still slower; else it is not taken, and the next one spans its time too.
-    pub fn observe(&mut self, total: u64, at_ms: u64, heard_until: Option<u64>) {
+    /// only up to `heard_until()` if that is earlier (the first of their newest states to
+    /// arrive: a writer cut off since adds nothing it wrote after; asked only of a slower
+    /// sample). A faster sample raises the rate at once. A slower one lowers it only as
+    /// taken up to `heard_until()`, the same increments over that shorter span, and only if
+    /// that span is a sample's and it is still slower; else it is not taken, and the next
+    /// one spans its time too.
+    pub fn observe(&mut self, total: u64, at_ms: u64, heard_until: impl FnOnce() -> Option<u64>) {
         if at_ms < self.at_ms + Rate::SAMPLE_MS_MIN || total < self.total {
             return;
         }
@@ -169,7 +170,7 @@ impl Rate {
             (self.total, self.at_ms) = (total, at_ms);
             return;
         }
-        let until = heard_until.map_or(at_ms, |heard| heard.min(at_ms));
+        let until = heard_until().map_or(at_ms, |heard| heard.min(at_ms));
         if until < self.at_ms + Rate::SAMPLE_MS_MIN || per_sec(until) >= self.per_sec {
             return;
         }
@@ -414,9 +415,11 @@ impl ViewState {
         let remote_incr = remote().fold(0u64, |total, slot| total.saturating_add(slot.lane.incr));
         match self.remote_rates.get_mut(key) {
             Some(rate) => {
-                let heard_until = remote()
-                    .filter_map(|slot| self.heard_live.get(&slot.replica).copied())
-                    .min();
+                let heard_until = || {
+                    remote()
+                        .filter_map(|slot| self.heard_live.get(&slot.replica).copied())
+                        .min()
+                };
                 rate.observe(remote_incr, now_ms, heard_until);
             }
             None => {
@@ -786,15 +789,15 @@ mod tests {
     #[test]
     fn a_rate_rises_at_once_and_decays_over_its_half_life() {
         let mut rate = Rate::start(0, 0, 0.0);
-        rate.observe(90, 10, None);
+        rate.observe(90, 10, || None);
         assert_eq!(
             rate.per_sec(),
             0.0,
             "a burst within one sample span is no rate yet"
         );
-        rate.observe(100, 1_000, None);
+        rate.observe(100, 1_000, || None);
         assert_eq!(rate.per_sec(), 100.0);
-        rate.observe(100, 3_000, None);
+        rate.observe(100, 3_000, || None);
         assert!((rate.per_sec() - 50.0).abs() < 1e-9, "{}", rate.per_sec());
     }
 
