@@ -1462,12 +1462,17 @@ async fn a_one_way_cut_neither_wedges_nor_evicts_and_every_write_arrives() {
     // this wait: most likely a connection with node 3 made late, which the count cannot
     // tell from one between nodes 1 and 2.)
     let mut settled = established();
+    let settling = tokio::time::Instant::now() + Duration::from_secs(30);
     loop {
         tokio::time::sleep(Duration::from_secs(2)).await;
         let now = established();
         if now == settled {
             break;
         }
+        assert!(
+            tokio::time::Instant::now() < settling,
+            "the connections made kept rising for 30 s"
+        );
         settled = now;
     }
     let cut = cluster.cut_one_way(&[1], &[2]);

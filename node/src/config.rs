@@ -103,9 +103,8 @@ pub struct Config {
     pub keys_max: usize,
     /// On the region: the most application sessions (processes that name checks with a
     /// `CheckId`) whose check ids its ledger holds; a check under a new one past it is
-    /// refused until windows end.
-    #[serde(default = "defaults::check_id_sessions_max")]
-    pub check_id_sessions_max: usize,
+    /// refused until windows end. [`Config::check_id_sessions_max`] if not given.
+    pub check_id_sessions_max: Option<usize>,
     /// The most a lane from a peer may hold (its two totals together) per second its
     /// window has run: a lane past it is left out, and this node falls behind its origin
     /// until the window is old enough.
@@ -245,9 +244,6 @@ mod defaults {
     pub fn keys_max() -> usize {
         1_000_000
     }
-    pub fn check_id_sessions_max() -> usize {
-        262_144
-    }
     pub fn lane_rate_max_per_sec() -> u64 {
         1_000_000_000
     }
@@ -277,7 +273,17 @@ mod defaults {
     }
 }
 
+/// The default of `check_id_sessions_max`: some 110 MiB of a region's ledger at one check
+/// per session.
+const CHECK_ID_SESSIONS_MAX: usize = 262_144;
+
 impl Config {
+    /// The most application sessions whose check ids a region's ledger holds:
+    /// `check_id_sessions_max`, 262,144 if not given.
+    pub fn check_id_sessions_max(&self) -> usize {
+        self.check_id_sessions_max.unwrap_or(CHECK_ID_SESSIONS_MAX)
+    }
+
     /// Reads and checks `file`.
     pub fn load(file: &Path) -> Result<Config, ConfigError> {
         Config::load_with_flags(file, |_| false)
@@ -464,7 +470,7 @@ impl Config {
         }
         for (name, value) in [
             ("keys_max", self.keys_max),
-            ("check_id_sessions_max", self.check_id_sessions_max),
+            ("check_id_sessions_max", self.check_id_sessions_max()),
         ] {
             positive(value as u64, name).map_err(|why| bad(name.into(), why))?;
             if value > KEYS_MAX {
@@ -573,6 +579,12 @@ impl Config {
                     "is empty: give a path (relative to the working directory, or absolute)".into(),
                 ));
             }
+        }
+        if self.check_id_sessions_max.is_some() && self.role != Role::Region {
+            return Err(bad(
+                "check_id_sessions_max".into(),
+                "only a region (role = \"region\") holds check ids' sessions".into(),
+            ));
         }
         if self.new_ledger && self.role != Role::Region {
             return Err(bad(
@@ -800,7 +812,7 @@ window_secs = 60
         assert_eq!(config.node(), NodeId(1));
         assert_eq!(config.rules[0].mode, RuleMode::Approximate);
         assert_eq!(config.keys_max, 1_000_000);
-        assert_eq!(config.check_id_sessions_max, 262_144);
+        assert_eq!(config.check_id_sessions_max(), 262_144);
         assert_eq!(config.gossip_seeds()[0].node, NodeId(2));
     }
 
@@ -878,6 +890,27 @@ window_secs = 60
         );
         let without = region.replace("region = { node = 9, addr = \"127.0.0.9:7001\" }\n", "");
         assert!(parse(&without).is_ok());
+    }
+
+    #[test]
+    fn check_id_sessions_max_is_a_regions_and_within_bounds() {
+        let region =
+            |line: &str| format!("role = \"region\"\ndata_dir = \"/tmp/r\"\n{line}\n{GOOD}");
+        let config = parse(&region("check_id_sessions_max = 1000")).unwrap();
+        assert_eq!(config.check_id_sessions_max(), 1_000);
+        for bad in [
+            "check_id_sessions_max = 0",
+            "check_id_sessions_max = 1073741825",
+        ] {
+            let err = parse(&region(bad)).unwrap_err().to_string();
+            assert!(err.contains("check_id_sessions_max"), "{bad}: {err}");
+        }
+        let edge = format!("check_id_sessions_max = 1000\n{GOOD}");
+        let err = parse(&edge).unwrap_err().to_string();
+        assert!(
+            err.contains("check_id_sessions_max") && err.contains("only a region"),
+            "{err}"
+        );
     }
 
     #[test]
@@ -1016,17 +1049,6 @@ window_secs = 60
             (
                 GOOD.replace("node_id = 1", "node_id = 1\nkeys_max = 4294967296"),
                 "keys_max",
-            ),
-            (
-                GOOD.replace("node_id = 1", "node_id = 1\ncheck_id_sessions_max = 0"),
-                "check_id_sessions_max",
-            ),
-            (
-                GOOD.replace(
-                    "node_id = 1",
-                    "node_id = 1\ncheck_id_sessions_max = 1073741825",
-                ),
-                "check_id_sessions_max",
             ),
             (GOOD.replace("127.0.0.1:7001", "[::]:7001"), "listen_gossip"),
             (

@@ -206,7 +206,7 @@ pub async fn run(config: Config, shutdown: impl Future<Output = ()>) -> Result<(
         (Role::Region, Some(dir)) => {
             let caps = Caps {
                 keys: config.keys_max,
-                sessions: config.check_id_sessions_max,
+                sessions: config.check_id_sessions_max(),
             };
             let (service, opened) = RegionService::open(
                 dir,

@@ -40,9 +40,11 @@ pub struct ViewState {
     pub keys: usize,
     /// Per key, how fast the other replicas' increments have been rising.
     pub remote_rates: HashMap<Key, Rate>,
-    // For each live member's current replica, when its newest stamp first arrived here
-    // (monotonic milliseconds): a key's rate falls only as measured up to the first of
-    // these among its live origins (`ViewState::take_in`).
+    // For each live member's current replica, when its newest stamp was made, on this
+    // node's monotonic clock (milliseconds): when it first arrived, less its lag behind
+    // this node's wall clock then, as its age is taken (a stamp relayed by another member
+    // arrives a round or two after it was made). A key's rate falls only as measured up
+    // to the first of these among its live origins (`ViewState::take_in`).
     heard_live: HashMap<ReplicaId, u64>,
     /// Seeds standing in for the cluster until this node's table has matched a peer's (see
     /// [`unheard_seeds`]).
@@ -316,8 +318,12 @@ impl ViewState {
         self.heard_live = (members.iter())
             .filter(|(_, _, state)| matches!(state, State::Alive | State::Suspect))
             .filter_map(|(_, replica, _)| {
-                let (_, arrived) = self.arrivals.held.get(replica)?;
-                Some((*replica, arrived.mono.as_millis() as u64))
+                let (stamp, arrived) = self.arrivals.held.get(replica)?;
+                let lag = arrived.wall.0.saturating_sub(stamp.0);
+                Some((
+                    *replica,
+                    (arrived.mono.as_millis() as u64).saturating_sub(lag),
+                ))
             })
             .collect();
         (self.members, self.stamps, self.summary) = (members, stamps, summary);
@@ -784,6 +790,19 @@ mod tests {
             1_001.0,
             "held: node 3's admissions since 1.05 s are unseen"
         );
+    }
+
+    #[test]
+    fn a_keys_rate_counts_a_state_relayed_late_only_up_to_its_stamp() {
+        let mut writers = TwoWriters::start(1);
+        assert_eq!(writers.rate(), 1_001.0);
+        // Node 3 is cut off from this node at 1 s and goes on at 1,000 a second: its state
+        // of 1.5 s comes through another member at 2.5 s. The sample up to then holds
+        // half a second of node 3's writes, not a second and a half.
+        writers.counter.incr(writers.two, 1).unwrap();
+        writers.counter.incr(writers.three, 500).unwrap();
+        writers.take_in(2_500, 1_500);
+        assert_eq!(writers.rate(), 1_001.0, "held: node 3's rate is unchanged");
     }
 
     #[test]
