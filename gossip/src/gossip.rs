@@ -294,11 +294,13 @@ impl Gossip {
     }
 
     /// The seeds a round knocks on. With no live peer, every seed, each round, until one
-    /// answers. With live peers, every seed this node holds no row for, at waits that
-    /// double from a gossip interval to [`SEED_KNOCK_EVERY_MAX`]: a node that found a
-    /// peer before its seeds (a knock lost, a seed started late) gossips only with the
-    /// part of the cluster it found, and two such parts, one seed in each, would stay
-    /// apart for good, each deciding connected on its own part's counts.
+    /// answers. With live peers, every seed this node holds no row for, or a row of a life
+    /// that left, at waits that double from a gossip interval to [`SEED_KNOCK_EVERY_MAX`]:
+    /// a node that found a peer before its seeds (a knock lost, a seed started late)
+    /// gossips only with the part of the cluster it found, and two such parts, one seed in
+    /// each, would stay apart for good, each deciding connected on its own part's counts.
+    /// Nothing else sends to a member that left, so a seed stopped and started again
+    /// (whose own seeds, if any, all left too) would never be heard again.
     fn seeds_to_knock(&mut self, no_live_peer: bool, now: Duration) -> Vec<NodeId> {
         let me = self.config.node();
         let members = &self.members;
@@ -311,7 +313,7 @@ impl Gossip {
             return unheard.collect();
         }
         let unheard: Vec<NodeId> = unheard
-            .filter(|&seed| members.state(seed).is_none())
+            .filter(|&seed| members.state(seed).is_none_or(|state| state == State::Left))
             .collect();
         self.seed_knocks.retain(|seed, _| unheard.contains(seed));
         let first_wait = self.config.gossip_interval;
@@ -2468,6 +2470,35 @@ mod tests {
             gossip.seed_knocks.is_empty(),
             "a seed with a row is forgotten"
         );
+    }
+
+    #[test]
+    fn a_node_with_live_peers_knocks_on_a_seed_whose_life_left() {
+        let mut config = Config::new(node(1).replica(), "n1");
+        config.seeds = vec![crate::Seed {
+            node: NodeId(3),
+            addr: "n3".into(),
+        }];
+        let every = config.gossip_interval;
+        let mut gossip = Gossip::new(config);
+        gossip.members.merge(&[node(2).members.me()], &[]);
+        let left = MemberEntry {
+            left: true,
+            ..node(3).members.me()
+        };
+        gossip.members.merge(&[left], &[]);
+        assert_eq!(gossip.members.state(NodeId(3)), Some(State::Left));
+        // Stopped and started again at its address, with no seeds of its own (the first
+        // node of a cluster): only a knock tells it of the others.
+        assert_eq!(gossip.seeds_to_knock(false, every), [NodeId(3)]);
+        // Its new life answers: a row of it, and no more knocks.
+        let again = Gossip::new(Config::new(
+            ReplicaId::new(NodeId(3), Generation(2)),
+            "n3".to_owned(),
+        ));
+        gossip.members.merge(&[again.members.me()], &[]);
+        assert_eq!(gossip.members.state(NodeId(3)), Some(State::Alive));
+        assert_eq!(gossip.seeds_to_knock(false, every * 100), [] as [NodeId; 0]);
     }
 
     #[test]
