@@ -548,6 +548,31 @@ async fn a_node_stopped_under_load_hands_every_write_it_acknowledged_to_its_peer
     }
 }
 
+/// A node that is everyone's seed and has none of its own (the first node of a cluster),
+/// stopped gracefully and started again, is found again: its peers knock on a seed whose
+/// life left. Before, nothing sent to a member that left, and the node stayed alone,
+/// deciding connected on its own counts while the others did on theirs.
+#[tokio::test(flavor = "current_thread")]
+async fn a_seed_with_no_seeds_of_its_own_stopped_gracefully_and_started_again_is_found_again() {
+    let mut cluster = Cluster::configure(NET, 3, 2_000, false, &[1]);
+    cluster.spawn_all();
+    cluster.members_alive_eventually().await;
+    cluster.stop_gracefully(1).await;
+    for node in &cluster.nodes[1..] {
+        cluster::eventually(Duration::from_secs(5), "node 1 to be seen as left", || {
+            node.metric("tally_members", &[("state", "left")]) == Some(1.0)
+        })
+        .await;
+    }
+    cluster.node(1).restart(true);
+    cluster.members_alive_eventually().await;
+    let one = cluster.nodes[0].client().await;
+    let two = cluster.nodes[1].client().await;
+    one.incr("count", "found", 5).await.unwrap();
+    two.incr("count", "found", 7).await.unwrap();
+    wait_read(&cluster, &[1, 2, 3], "count", "found", 12).await;
+}
+
 #[tokio::test(flavor = "current_thread")]
 async fn metrics_parse_and_show_staleness_rising_for_a_killed_peer() {
     let mut cluster = Cluster::start(NET, 3);
