@@ -166,14 +166,14 @@ pub struct Gossip {
     // Lanes of other nodes' earlier lives to send back to them once the frame that showed
     // them is handled (`correct_owner`).
     corrections: Vec<(NodeId, Message)>,
-    // Per seed this node holds no row for, knocked on while it has live peers: when to
-    // knock next (monotonic) and the wait after that one.
+    // Per seed this node holds no row for (or a row of a life that left), knocked on while
+    // it has live peers: when to knock next (monotonic) and the wait after that one.
     seed_knocks: BTreeMap<NodeId, (Duration, Duration)>,
 }
 
-/// The longest wait between knocks on a seed this node holds no row for while it has live
-/// peers: a seed listed under a wrong id, or not running yet, costs its address a
-/// handshake from each node this often.
+/// The longest wait between knocks on a seed this node holds no row for (or a row of a life
+/// that left) while it has live peers: a seed listed under a wrong id, not running yet, or
+/// gone for good, costs its address a handshake from each node this often.
 pub const SEED_KNOCK_EVERY_MAX: Duration = Duration::from_secs(30);
 
 impl Gossip {
@@ -409,7 +409,8 @@ impl Gossip {
     /// One anti-entropy round: heartbeat and fresh lanes to every live peer (with eager
     /// push), a digest to
     /// `fanout` of them (to every seed if none is live, and to the seeds it holds no row
-    /// for, [`Gossip::seeds_to_knock`]), a probe of one dead member, failure detection,
+    /// for or a row of a life that left, [`Gossip::seeds_to_knock`]), a probe of one dead
+    /// member, failure detection,
     /// expiry.
     fn round(&mut self, now: Now) {
         self.rounds += 1;
@@ -1149,16 +1150,23 @@ impl Gossip {
         }
     }
 
+    /// Where `node` is sent to: the address its row gives, else its seed's. A seed whose
+    /// life left is knocked on at its seed's address: it may start again elsewhere, at the
+    /// address it is configured by (a fixed name in front of a new host).
     fn addr_of(&self, node: NodeId) -> String {
+        let seed = || {
+            let seed = self.config.seeds.iter().find(|seed| seed.node == node);
+            seed.map(|seed| seed.addr.clone())
+        };
+        if self.members.state(node) == Some(State::Left) {
+            if let Some(addr) = seed() {
+                return addr;
+            }
+        }
         if let Some(addr) = self.members.addr(node).filter(|addr| !addr.is_empty()) {
             return addr.to_owned();
         }
-        self.config
-            .seeds
-            .iter()
-            .find(|seed| seed.node == node)
-            .map(|seed| seed.addr.clone())
-            .unwrap_or_default()
+        seed().unwrap_or_default()
     }
 }
 
@@ -2477,7 +2485,7 @@ mod tests {
         let mut config = Config::new(node(1).replica(), "n1");
         config.seeds = vec![crate::Seed {
             node: NodeId(3),
-            addr: "n3".into(),
+            addr: "seed-3".into(),
         }];
         let every = config.gossip_interval;
         let mut gossip = Gossip::new(config);
@@ -2488,9 +2496,10 @@ mod tests {
         };
         gossip.members.merge(&[left], &[]);
         assert_eq!(gossip.members.state(NodeId(3)), Some(State::Left));
-        // Stopped and started again at its address, with no seeds of its own (the first
-        // node of a cluster): only a knock tells it of the others.
+        // Stopped and started again, with no seeds of its own (the first node of a
+        // cluster): only a knock tells it of the others, at its configured address.
         assert_eq!(gossip.seeds_to_knock(false, every), [NodeId(3)]);
+        assert_eq!(gossip.addr_of(NodeId(3)), "seed-3");
         // Its new life answers: a row of it, and no more knocks.
         let again = Gossip::new(Config::new(
             ReplicaId::new(NodeId(3), Generation(2)),
