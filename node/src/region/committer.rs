@@ -229,8 +229,10 @@ fn run(mut storage: Box<dyn Storage>, receiver: mpsc::Receiver<Work>, stats: &Co
     }
 }
 
-/// Replaces the log with `entries`. A failure that left the log as it was is counted and
-/// reported, and appends go on; any other fails the committer.
+/// Replaces the log with `entries`. A copy that found no room, leaving the log as it was,
+/// is counted and reported, and appends go on; any other failure fails the committer: one
+/// past the rename leaves the log unknown, and one before it (a copy whose write or sync
+/// failed, `EIO`) is a disk that failed a sync, after which nothing is acknowledged.
 fn compact(
     storage: &mut dyn Storage,
     entries: &[u8],
@@ -244,7 +246,7 @@ fn compact(
         Err(ReplaceError {
             err,
             log_whole: true,
-        }) => {
+        }) if is_no_room(&err) => {
             stats.compactions_failed.fetch_add(1, Ordering::Relaxed);
             eprintln!(
                 "tallyd: region log: a compaction failed before it replaced the log ({err}); \
@@ -254,6 +256,14 @@ fn compact(
         }
         Err(ReplaceError { err, .. }) => *failed = Some(CommitError::from(err)),
     }
+}
+
+/// Whether `err` says the file system, or the user's quota on it, is full.
+fn is_no_room(err: &std::io::Error) -> bool {
+    matches!(
+        err.kind(),
+        std::io::ErrorKind::StorageFull | std::io::ErrorKind::QuotaExceeded
+    )
 }
 
 impl From<std::io::Error> for CommitError {
@@ -667,12 +677,14 @@ mod tests {
     /// A disk with room for `room` bytes, allocated in chunks of 4: an allocation past it
     /// fails like a full file system, and an append inside the allocation cannot. A
     /// replacement needs room for its copy beside the log, and fails before its rename
-    /// without it; or, with `rename_fails`, it fails at its rename for any size.
+    /// without it; or, with `rename_fails`, it fails at its rename for any size; or, with
+    /// `copy_sync_fails`, its copy's sync fails (`EIO`), before the rename.
     struct FullStorage {
         written: Arc<Mutex<Vec<u8>>>,
         allocated: usize,
         room: usize,
         rename_fails: bool,
+        copy_sync_fails: bool,
     }
 
     impl Storage for FullStorage {
@@ -709,6 +721,12 @@ mod tests {
                     log_whole: true,
                 });
             }
+            if self.copy_sync_fails {
+                return Err(ReplaceError {
+                    err: std::io::Error::from_raw_os_error(5),
+                    log_whole: true,
+                });
+            }
             if self.rename_fails {
                 return Err(ReplaceError::unknown(std::io::Error::from_raw_os_error(5)));
             }
@@ -726,6 +744,7 @@ mod tests {
             allocated: 0,
             room: 10,
             rename_fails: false,
+            copy_sync_fails: false,
         }));
         assert!(committer
             .submit(vec![1; 6], 1)
@@ -790,6 +809,7 @@ mod tests {
             allocated: 0,
             room: 16,
             rename_fails: false,
+            copy_sync_fails: false,
         }));
         let appended = |bytes: Vec<u8>| committer.submit(bytes, 1).blocking_recv().unwrap();
         assert_eq!(appended(vec![1; 6]), Ok(()));
@@ -809,13 +829,31 @@ mod tests {
 
     #[test]
     fn a_compaction_that_fails_at_its_rename_fails_closed() {
-        let written = Arc::new(Mutex::new(Vec::new()));
-        let committer = Committer::start(Box::new(FullStorage {
-            written: written.clone(),
+        a_compaction_failed_by_the_disk_fails_closed(FullStorage {
+            written: Arc::new(Mutex::new(Vec::new())),
             allocated: 0,
             room: 64,
             rename_fails: true,
-        }));
+            copy_sync_fails: false,
+        });
+    }
+
+    /// TESTING.md D5: a failed sync, of the copy as of the log, and nothing is acknowledged
+    /// after it, though the log itself was not touched and would still sync.
+    #[test]
+    fn a_compaction_whose_copy_fails_its_sync_fails_closed() {
+        a_compaction_failed_by_the_disk_fails_closed(FullStorage {
+            written: Arc::new(Mutex::new(Vec::new())),
+            allocated: 0,
+            room: 64,
+            rename_fails: false,
+            copy_sync_fails: true,
+        });
+    }
+
+    fn a_compaction_failed_by_the_disk_fails_closed(storage: FullStorage) {
+        let written = storage.written.clone();
+        let committer = Committer::start(Box::new(storage));
         assert!(committer
             .submit(vec![1; 6], 1)
             .blocking_recv()
