@@ -10,7 +10,9 @@
 //!   over origins of rate x staleness is at most this.)
 //! - **isolated** (some live member staler): admit iff
 //!   `own + cost <= limit / locations + slack`, where `own` counts this node's lanes of
-//!   every life it has had (a restart does not give it a second share), and under a
+//!   every life it has had as merged here (a restart does not give it a second share; but
+//!   a life that lost its state knows its earlier lives' lanes only from its first merge,
+//!   and until then may admit a share again: ARCHITECTURE.md, BOUND), and under a
 //!   `sliding` rule its own previous window, weighted as a connected decision weighs
 //!   everyone's. A window's count is net: decrements make room. The bound is
 //!   `locations x slack` plus what was admitted before isolation beyond the shares: an
