@@ -1,5 +1,6 @@
 //! Every decoder of untrusted bytes, fed arbitrary bytes and mutations of valid frames
-//! (TESTING.md S8, S9, S10): each returns a value or a typed error, and never panics.
+//! (TESTING.md S8, S9, S10): each returns a value or a typed error, and never panics; and
+//! names that are not UTF-8 and unknown variant tags are refused (S9).
 //! Allocation is bounded by the decoders' limits (bincode's `with_limit`), which the
 //! lengths of 2^64 - 1 below run into.
 
@@ -355,6 +356,136 @@ fn lengths_of_a_tebibyte_and_of_two_to_the_64_are_refused_by_the_decoders_limits
         assert_eq!(region_log::replay(&log[..8 + first_len]).0.len(), 1);
         assert_eq!(region_log::replay(&record), (Vec::new(), 0));
     }
+}
+
+/// `frame` with the first `marker` (a name inside it) overwritten in place by as many bytes
+/// that are not UTF-8.
+fn not_utf8(frame: &[u8], marker: &[u8]) -> Vec<u8> {
+    let at = frame
+        .windows(marker.len())
+        .position(|window| window == marker)
+        .unwrap();
+    let mut bad = frame.to_vec();
+    for (i, byte) in bad[at..at + marker.len()].iter_mut().enumerate() {
+        *byte = if i % 2 == 0 { 0xff } else { 0xfe };
+    }
+    assert!(std::str::from_utf8(&bad[at..at + marker.len()]).is_err());
+    bad
+}
+
+/// `a` with the first byte where it differs from `b` (two encodings of one type that differ
+/// only in a variant: the byte is that variant's tag) set past every variant's tag.
+fn with_an_unknown_tag(a: &[u8], b: &[u8]) -> Vec<u8> {
+    let at = a.iter().zip(b).position(|(x, y)| x != y).unwrap();
+    assert!(
+        a[at] < 16 && b[at] < 16,
+        "a tag at {at}: {} and {}",
+        a[at],
+        b[at]
+    );
+    let mut unknown = a.to_vec();
+    unknown[at] = 250;
+    unknown
+}
+
+/// TESTING.md S9: a name that is not UTF-8, and a variant tag past every variant, are
+/// refused by every decoder with an error (not only survived), as are trailing bytes
+/// (`gossip::wire` and `client::wire` test those).
+#[test]
+fn names_not_utf8_and_unknown_tags_are_refused_by_every_decoder() {
+    let seeds = seeds();
+    let frame = |name: &str| seeds.iter().find(|(n, _)| *n == name).unwrap().1.clone();
+    let gossip = |bytes: &[u8]| gossip_wire::decode(bytes, gossip_wire::FRAME_BYTES_LIMIT);
+
+    // Names that are not UTF-8.
+    for (name, marker) in [
+        ("gossip", &b"127.0.0.1:7000"[..]),
+        ("gossip push", b"alice"),
+        ("gossip delta", b"carol"),
+    ] {
+        let bad = not_utf8(&frame(name), marker);
+        assert!(gossip(&bad).is_err(), "{name}: {:?}", gossip(&bad));
+    }
+    let request = not_utf8(&frame("request"), b"user-1");
+    assert!(client_wire::decode_body::<Request>(&request).is_err());
+    assert!(client_wire::decode_request(&request).is_err());
+    let response = not_utf8(&frame("response"), b"quota");
+    assert!(client_wire::decode_body::<Response>(&response).is_err());
+    assert!(region_wire::decode_checks(&not_utf8(&frame("checks"), b"acct")).is_none());
+    let storage = region_wire::encode_answers(&[(1, ExactAnswer::Storage("disk full".into()))]);
+    assert!(region_wire::decode_answers(&not_utf8(&storage[4..], b"disk full")).is_none());
+    let log = checksums_fixed(not_utf8(&frame("log"), b"acct"));
+    assert_eq!(
+        region_log::replay(&log).0.len(),
+        0,
+        "a record whose key is not UTF-8 ends the replay"
+    );
+
+    // Unknown variant tags.
+    // Two messages with no stamps, so that their frames differ first at the body's tag.
+    let replica = ReplicaId::new(NodeId(3), Generation(1_796_000_000_000));
+    let members = gossip_wire::encode(
+        replica,
+        &Message::Members {
+            members: Vec::new(),
+        },
+    );
+    let syn = gossip_wire::encode(
+        replica,
+        &Message::Syn {
+            digest: Digest::default(),
+            unlisted: Stamp(0),
+            members_hash: 0,
+            covers: Cover::All,
+        },
+    );
+    assert!(gossip(&members).is_ok() && gossip(&syn).is_ok());
+    let unknown = with_an_unknown_tag(&members, &syn);
+    assert!(gossip(&unknown).is_err(), "{:?}", gossip(&unknown));
+    let body = |request: Request| {
+        let mut frame = Vec::new();
+        client_wire::encode_frame(&request, &mut frame);
+        frame[4..].to_vec()
+    };
+    let status = body(Request {
+        id: 7,
+        op: Op::Status,
+    });
+    let get = body(Request {
+        id: 7,
+        op: Op::Get {
+            rule: "api".into(),
+            subject: "user-1".into(),
+        },
+    });
+    let unknown = with_an_unknown_tag(&status, &get);
+    assert!(client_wire::decode_body::<Request>(&unknown).is_err());
+    assert!(client_wire::decode_request(&unknown).is_err());
+    let refused = |result: Refusal| {
+        let mut frame = Vec::new();
+        client_wire::encode_frame(
+            &Response {
+                id: 9,
+                result: Err(result),
+            },
+            &mut frame,
+        );
+        frame[4..].to_vec()
+    };
+    let unknown = with_an_unknown_tag(
+        &refused(Refusal::Overflow),
+        &refused(Refusal::UnknownRule { rule: "api".into() }),
+    );
+    assert!(client_wire::decode_body::<Response>(&unknown).is_err());
+    let answered = |answer| region_wire::encode_answers(&[(1, answer)])[4..].to_vec();
+    let unknown = with_an_unknown_tag(
+        &answered(ExactAnswer::Forgotten),
+        &answered(ExactAnswer::Decided(Outcome {
+            allowed: true,
+            count: 4,
+        })),
+    );
+    assert!(region_wire::decode_answers(&unknown).is_none());
 }
 
 proptest! {
