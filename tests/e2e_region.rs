@@ -355,6 +355,77 @@ async fn a_region_cut_off_fails_exact_checks_within_the_timeout_while_approximat
     assert!(metric >= 20.0, "region_unavailable: {metric}");
 }
 
+/// TESTING.md N10 with the network cut (nft), not the region paused: for 14 s, past QUIC's
+/// 10 s idle timeout, so the edge's connection to the region is lost and its redials fail
+/// meanwhile. Every exact check on the cut edge gets `RegionUnavailable` within the rule's
+/// 300 ms (with 700 ms for scheduling; the client itself would wait 2 s), while its
+/// approximate rule keeps answering and the edge on the other side keeps its exact
+/// answers. Healed, the cut edge's exact checks answer `Exact` again.
+#[tokio::test(flavor = "current_thread")]
+async fn a_region_cut_off_by_the_network_past_the_idle_timeout_fails_exact_checks_in_time() {
+    let cluster = Cluster::start_with(NET, 3, 60_000, true);
+    let (cut_edge, other_edge) = (
+        cluster.nodes[1].client().await,
+        cluster.nodes[2].client().await,
+    );
+    assert_eq!(
+        cut_edge.check("quota", "netcut", 1).await.unwrap().mode,
+        Mode::Exact
+    );
+    let connections = || cluster.nodes[1].metric_now("tally_quic_connections_total", &[]);
+    let before = connections();
+    let cut = cluster.partition(&[1, 3], &[2]);
+    let started = tokio::time::Instant::now();
+    let (mut unavailable, mut slowest) = (0, Duration::ZERO);
+    while started.elapsed() < Duration::from_secs(14) {
+        let asked = tokio::time::Instant::now();
+        match cut_edge.check("quota", "netcut", 1).await {
+            Err(Error::Refused(Refusal::RegionUnavailable { rule, why })) => {
+                assert_eq!(rule, "quota");
+                assert_eq!(why, "no answer within 300 ms", "the rule's own timeout");
+                unavailable += 1;
+            }
+            other => panic!(
+                "an exact check cut off from its region, {:?} into the cut, answered {other:?}",
+                started.elapsed()
+            ),
+        }
+        slowest = slowest.max(asked.elapsed());
+        let approximate = cut_edge.check("api", "netcut", 1).await.unwrap();
+        assert_ne!(approximate.mode, Mode::Exact);
+        assert!(approximate.allowed);
+        let across = other_edge.check("quota", "netcut-other", 1).await.unwrap();
+        assert_eq!(
+            across.mode,
+            Mode::Exact,
+            "the other edge still reaches the region"
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    assert!(unavailable >= 20, "{unavailable} exact checks in the cut");
+    assert!(
+        slowest < Duration::from_secs(1),
+        "the slowest exact check in the cut took {slowest:?}, past the rule's 300 ms"
+    );
+    cut.heal();
+    let mut back = false;
+    for _ in 0..200 {
+        if let Ok(decision) = cut_edge.check("quota", "netcut", 1).await {
+            assert_eq!((decision.mode, decision.allowed), (Mode::Exact, true));
+            back = true;
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert!(back, "exact checks answer again once the cut heals");
+    let after = connections();
+    assert!(
+        after > before,
+        "the cut edge connected anew ({before} connections, then {after}): the cut outlived \
+         its connection to the region"
+    );
+}
+
 #[tokio::test(flavor = "current_thread")]
 async fn a_region_at_its_key_cap_refuses_new_keys_checks_with_keys_full_and_decides_held_ones() {
     let mut cluster = Cluster::start_with(NET, 2, 2_000, true);
