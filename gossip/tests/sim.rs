@@ -213,8 +213,14 @@ fn duplicated_reordered_and_replayed_frames_merge_idempotently() {
         };
         let mut sim = Sim::new(config);
         write_for(&mut sim, 5, 3 * SECOND);
-        sim.run_for(30 * SECOND);
+        sim.run_for(60 * SECOND);
         write_for(&mut sim, 5, SECOND);
+        // Replays up to a minute old have been delivered meanwhile (TESTING.md N7).
+        let (replayed, oldest) = sim.network().replays();
+        assert!(
+            replayed > 100 && oldest >= 55 * SECOND,
+            "seed {seed}: {replayed} replays, the oldest {oldest:?} old"
+        );
         heal_and_check(
             &mut sim,
             "duplicated_reordered_and_replayed_frames_merge_idempotently",

@@ -689,14 +689,14 @@ pub fn replay_hint(test: &str, seed: u64) -> String {
     format!("TALLY_SIM_SEED={seed} cargo test -p tally-gossip --features sim --release --test sim {test}")
 }
 
-/// The seeds a test runs: `TALLY_SIM_SEED` alone if set, else `count` seeds from `first`.
+/// The seeds a test runs: `TALLY_SIM_SEED` alone if set, else `count` seeds from `first`,
+/// or as many as `TALLY_SIM_SEEDS` says (for a long run by hand: TESTING.md asks 10^4 of
+/// some).
 pub fn seeds(first: u64, count: u64) -> Vec<u64> {
-    match std::env::var("TALLY_SIM_SEED")
-        .ok()
-        .and_then(|s| s.parse().ok())
-    {
+    let var = |name| std::env::var(name).ok().and_then(|s| s.parse().ok());
+    match var("TALLY_SIM_SEED") {
         Some(seed) => vec![seed],
-        None => (first..first + count).collect(),
+        None => (first..first + var("TALLY_SIM_SEEDS").unwrap_or(count)).collect(),
     }
 }
 

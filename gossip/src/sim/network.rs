@@ -38,6 +38,12 @@ impl Faults {
     }
 }
 
+/// Frames kept for replay: at most one for each this much of sent time, and at most
+/// [`HISTORY_FRAMES_MAX`], so that the frames kept span 100 s however busy the network
+/// is, and a replay can be as old as [`Faults::replay_age_max`] (TESTING.md N7: 60 s).
+const HISTORY_EVERY: Duration = Duration::from_millis(10);
+const HISTORY_FRAMES_MAX: usize = 10_000;
+
 /// A frame in flight.
 #[derive(Debug, Clone)]
 pub(super) struct Frame {
@@ -57,6 +63,8 @@ pub struct Network {
     nodes: usize,
     bytes_sent: u64,
     largest_frame: usize,
+    replayed: u64,
+    replayed_oldest: Duration,
 }
 
 impl Network {
@@ -71,6 +79,8 @@ impl Network {
             nodes,
             bytes_sent: 0,
             largest_frame: 0,
+            replayed: 0,
+            replayed_oldest: Duration::ZERO,
         }
     }
 
@@ -109,6 +119,11 @@ impl Network {
         self.bytes_sent
     }
 
+    /// Old frames sent again so far, and the age of the oldest of them when it was.
+    pub fn replays(&self) -> (u64, Duration) {
+        (self.replayed, self.replayed_oldest)
+    }
+
     /// The largest frame handed to the network so far, in bytes.
     pub fn largest_frame(&self) -> usize {
         self.largest_frame
@@ -128,15 +143,18 @@ impl Network {
             }
             if !self.history.is_empty() {
                 let pick = self.rng.gen_range(0..self.history.len());
-                let old = self.history[pick].1.clone();
+                let (sent_at, old) = self.history[pick].clone();
                 if !self.blocked.contains(&(old.from, old.to)) {
+                    self.replayed += 1;
+                    self.replayed_oldest = self.replayed_oldest.max(now - sent_at);
                     self.schedule(old, now);
                 }
             }
         }
-        if self.faults.replay > 0.0 {
+        let kept_last = self.history.back().map(|(at, _)| *at);
+        if self.faults.replay > 0.0 && kept_last.is_none_or(|at| now >= at + HISTORY_EVERY) {
             self.history.push_back((now, frame.clone()));
-            if self.history.len() > 10_000 {
+            if self.history.len() > HISTORY_FRAMES_MAX {
                 self.history.pop_front();
             }
         }
