@@ -377,19 +377,28 @@ fn pause_past_the_failure_detector_and_resume_counts_nothing_twice() {
     }
 }
 
+/// TESTING.md L4. Every restart takes a new generation, as `tallyd`'s does: half keep
+/// their state (`restart_as_tallyd`: the earlier lives' own lanes re-published in the new
+/// life), half lose it.
 #[test]
 fn thousands_of_restarts_keep_lanes_per_key_bounded() {
     let mut config = SimConfig::new(4, 900);
     config.window_secs = 10;
     let mut sim = Sim::new(config);
+    let first = sim.replica(3);
     for cycle in 0..2_000u64 {
         sim.incr(3, "hot", 1);
         sim.incr(0, "hot", 1);
         sim.run_for(Duration::from_millis(20));
-        sim.crash(3, cycle % 2 == 0);
+        let keep_state = cycle % 2 == 0;
+        sim.crash(3, keep_state);
         sim.run_for(Duration::from_millis(5));
-        sim.restart(3);
+        sim.restart_as_tallyd(3);
     }
+    assert!(
+        sim.replica(3).generation.0 >= first.generation.0 + 2_000,
+        "every restart took a new generation"
+    );
     // Past two window lengths every retired generation's lanes have expired.
     sim.run_for(25 * SECOND);
     write_for(&mut sim, 4, SECOND);

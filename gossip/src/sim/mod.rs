@@ -23,7 +23,7 @@ use network::Network;
 use std::collections::BTreeMap;
 use std::time::Duration;
 use tally_crdt::{
-    CounterMap, Generation, Key, Lane, NodeId, ReplicaId, Rule, Stamp, Subject, Window,
+    CounterMap, Generation, Key, Lane, NodeId, ReplicaId, Rule, Stamp, Subject, Version, Window,
 };
 
 /// The wall clock at simulated time zero (2026-01-01T00:00:00Z), in milliseconds.
@@ -284,6 +284,47 @@ impl Sim {
             node.generation = wall.max(node.generation + 1);
         }
         self.boot(index, saved);
+    }
+
+    /// Restarts a crashed node as `tallyd` starts on its data dir: in a new generation,
+    /// holding only its earlier lives' own lanes of the snapshot its crash kept (what its
+    /// lane logs hold), re-published above every version a peer may hold of them
+    /// (`lanelog::Recovered::republish_floor`: the new generation in microseconds). A node
+    /// whose crash kept nothing restarts as [`Sim::restart`] restarts it.
+    pub fn restart_as_tallyd(&mut self, index: usize) {
+        if self.nodes[index].gossip.is_some() {
+            return;
+        }
+        let Some(saved) = self.nodes[index].saved.take() else {
+            self.restart(index);
+            return;
+        };
+        let wall = self.wall(index);
+        let node = &mut self.nodes[index];
+        node.generation = wall.0.max(node.generation + 1);
+        // It holds no other node's lanes until it learns them again: MONO starts over for
+        // it as an observer, as for a node that lost its state.
+        node.seen.clear();
+        node.seen_changes = None;
+        let replica = self.replica(index);
+        let floor = Version(replica.generation.0.saturating_mul(1_000));
+        let mut map = CounterMap::new();
+        let mut lives = Vec::new();
+        for (key, counter) in saved.iter() {
+            for slot in counter.slots() {
+                if slot.replica.node != replica.node {
+                    continue;
+                }
+                if !lives.contains(&slot.replica) {
+                    lives.push(slot.replica);
+                    map.raise_version(slot.replica, floor);
+                }
+                map.write(slot.replica, key, slot.lane, wall);
+            }
+        }
+        self.boot(index, Some(map));
+        let node = &mut self.nodes[index];
+        node.gossip = (node.gossip.take()).map(|gossip| gossip.with_republished(lives));
     }
 
     /// Stops delivering to node `index` and stops its timers, as `kill -STOP` would.
