@@ -237,6 +237,18 @@ fn bincode_is_pinned_to_2_0_1_wherever_it_appears() {
     assert_none(check_bincode_pinned(&workspace(), &lock));
 }
 
+/// TESTING.md S11 where the advisory database cannot be fetched: a crate, or a version of
+/// one, enters Cargo.lock only with a change to the list of reviewed dependencies, when the
+/// review by hand is due again.
+#[test]
+fn every_crate_from_the_registry_in_the_lock_is_in_the_dependency_review_list() {
+    let lock = Lock::parse(&read("Cargo.lock"));
+    assert_none(check_dependencies_reviewed(
+        &lock,
+        &read("docs/dependencies-reviewed.txt"),
+    ));
+}
+
 #[test]
 fn every_bincode_config_carries_a_decode_limit() {
     let ws = workspace();
@@ -612,6 +624,31 @@ fn check_no_runtime_deps_transitively(ws: &Workspace, lock: &Lock) -> Vec<String
 }
 
 /// `root -> a -> b -> package`, from the `via` links.
+/// The crates.io packages of `lock` that `reviewed` (`name version` a line, `#` comments)
+/// does not list, and the listed ones the lock no longer holds.
+fn check_dependencies_reviewed(lock: &Lock, reviewed: &str) -> Vec<String> {
+    let listed: BTreeSet<(&str, &str)> = reviewed
+        .lines()
+        .map(str::trim)
+        .filter(|line| !line.is_empty() && !line.starts_with('#'))
+        .filter_map(|line| line.split_once(' '))
+        .collect();
+    let locked: BTreeSet<(&str, &str)> = (lock.packages.iter())
+        .filter(|package| package.registry)
+        .map(|package| (package.name.as_str(), package.version.as_str()))
+        .collect();
+    let unreviewed = locked.difference(&listed).map(|(name, version)| {
+        format!(
+            "{name} {version} is in Cargo.lock but not in docs/dependencies-reviewed.txt: \
+             review its advisories (ARCHITECTURE.md, \"Dependency advisories\"), then list it"
+        )
+    });
+    let gone = listed.difference(&locked).map(|(name, version)| {
+        format!("{name} {version} is listed as reviewed but no longer in Cargo.lock: remove it")
+    });
+    unreviewed.chain(gone).collect()
+}
+
 fn chain(via: &BTreeMap<String, String>, package: &str, root: &str) -> String {
     let mut links = vec![package.to_string()];
     let mut at = package;
@@ -787,6 +824,8 @@ struct Lock {
 struct LockedPackage {
     name: String,
     version: String,
+    /// Whether it comes from crates.io (the workspace's own packages have no source).
+    registry: bool,
     /// `(name, Some(version))` when the lock had to say which version.
     deps: Vec<(String, Option<String>)>,
 }
@@ -811,6 +850,7 @@ impl Lock {
             .map(|p| LockedPackage {
                 name: field(p, "name"),
                 version: field(p, "version"),
+                registry: field(p, "source").starts_with("registry+"),
                 deps: p
                     .get("dependencies")
                     .and_then(Value::as_array)
