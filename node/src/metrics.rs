@@ -380,7 +380,7 @@ pub fn render(sources: &Sources<'_>) -> String {
             ),
             (
                 "region_log_compactions_failed",
-                "Compactions of the region log that failed before replacing it (no room for the copy, say), leaving it as it was",
+                "Compactions of the region log that could not make their copy or found no room for it, leaving the log as it was",
                 load(&commit.compactions_failed),
             ),
             (

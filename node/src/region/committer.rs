@@ -10,10 +10,13 @@
 //! compaction, every record then queued and every later one is refused: the committer never
 //! retries and then acknowledges. A full disk fails the allocation, before any of the group
 //! that needed it is written. The one failure it goes on after is a compaction's that left
-//! the log as it was, before its rename ([`ReplaceError::log_whole`]): the log still holds
-//! every record, and takes appends as before.
+//! the log as it was, before its rename, and was no failed write or sync but for want of
+//! room ([`ReplaceError::harmless`]): the log still holds every record, and takes appends
+//! as before.
+//!
+//! [`ReplaceError::harmless`]: super::log::ReplaceError::harmless
 
-use super::log::{ReplaceError, Storage, GROUP_BYTES_MAX};
+use super::log::{Storage, GROUP_BYTES_MAX};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::mpsc;
 use std::sync::Arc;
@@ -40,7 +43,8 @@ pub struct CommitStats {
     pub appended: AtomicU64,
     /// Compactions done.
     pub compactions: AtomicU64,
-    /// Compactions that failed before they replaced the log, which was left as it was.
+    /// Compactions that failed harmlessly before they replaced the log, which was left as
+    /// it was: the copy not made, or no room for it.
     pub compactions_failed: AtomicU64,
 }
 
@@ -120,7 +124,8 @@ impl Committer {
     /// which together must be the entries of the state that everything submitted before it
     /// left. The two are joined on the committer's thread: a snapshot can be large, and
     /// copying it would hold up the caller. Its outcome is counted in the stats: a
-    /// compaction that failed and left the log as it was is no failure of the committer's.
+    /// compaction that failed harmlessly, leaving the log as it was, is no failure of the
+    /// committer's.
     pub fn compact(&self, snapshot: Vec<u8>, since: Vec<u8>) {
         self.queue(Work::Compact { snapshot, since });
     }
@@ -229,10 +234,13 @@ fn run(mut storage: Box<dyn Storage>, receiver: mpsc::Receiver<Work>, stats: &Co
     }
 }
 
-/// Replaces the log with `entries`. A copy that found no room, leaving the log as it was,
-/// is counted and reported, and appends go on; any other failure fails the committer: one
-/// past the rename leaves the log unknown, and one before it (a copy whose write or sync
-/// failed, `EIO`) is a disk that failed a sync, after which nothing is acknowledged.
+/// Replaces the log with `entries`. A failure that left the log as it was and is no
+/// failed write or sync ([`ReplaceError::harmless`]: the copy not made, or no room for it)
+/// is counted and reported, and appends go on; any other fails the committer: one past the
+/// rename leaves the log unknown, and a copy whose write or sync failed (`EIO`) is a disk
+/// that failed a sync, after which nothing is acknowledged.
+///
+/// [`ReplaceError::harmless`]: super::log::ReplaceError::harmless
 fn compact(
     storage: &mut dyn Storage,
     entries: &[u8],
@@ -243,27 +251,17 @@ fn compact(
         Ok(()) => {
             stats.compactions.fetch_add(1, Ordering::Relaxed);
         }
-        Err(ReplaceError {
-            err,
-            log_whole: true,
-        }) if is_no_room(&err) => {
+        Err(failure) if failure.harmless() => {
             stats.compactions_failed.fetch_add(1, Ordering::Relaxed);
             eprintln!(
-                "tallyd: region log: a compaction failed before it replaced the log ({err}); \
+                "tallyd: region log: a compaction failed before it replaced the log ({}); \
                  the log is as it was and takes appends, and the next compaction is due once \
-                 it has grown as much again"
+                 it has grown as much again",
+                failure.err
             );
         }
-        Err(ReplaceError { err, .. }) => *failed = Some(CommitError::from(err)),
+        Err(failure) => *failed = Some(CommitError::from(failure.err)),
     }
-}
-
-/// Whether `err` says the file system, or the user's quota on it, is full.
-fn is_no_room(err: &std::io::Error) -> bool {
-    matches!(
-        err.kind(),
-        std::io::ErrorKind::StorageFull | std::io::ErrorKind::QuotaExceeded
-    )
 }
 
 impl From<std::io::Error> for CommitError {
@@ -276,7 +274,7 @@ impl From<std::io::Error> for CommitError {
 
 #[cfg(test)]
 mod tests {
-    use super::super::log::{self, Entry, Record, RequestId};
+    use super::super::log::{self, Entry, Record, ReplaceError, ReplaceStep, RequestId};
     use super::super::{Decided, ExactCheck, Ledger};
     use super::*;
     use std::sync::Mutex;
@@ -676,15 +674,14 @@ mod tests {
 
     /// A disk with room for `room` bytes, allocated in chunks of 4: an allocation past it
     /// fails like a full file system, and an append inside the allocation cannot. A
-    /// replacement needs room for its copy beside the log, and fails before its rename
-    /// without it; or, with `rename_fails`, it fails at its rename for any size; or, with
-    /// `copy_sync_fails`, its copy's sync fails (`EIO`), before the rename.
+    /// replacement needs room for its copy beside the log, and fails writing it without
+    /// it; or, with `replace_fails`, it fails at that step with that OS error whatever the
+    /// room.
     struct FullStorage {
         written: Arc<Mutex<Vec<u8>>>,
         allocated: usize,
         room: usize,
-        rename_fails: bool,
-        copy_sync_fails: bool,
+        replace_fails: Option<(ReplaceStep, i32)>,
     }
 
     impl Storage for FullStorage {
@@ -715,20 +712,17 @@ mod tests {
         }
 
         fn replace(&mut self, bytes: &[u8]) -> Result<(), ReplaceError> {
+            if let Some((step, errno)) = self.replace_fails {
+                return Err(ReplaceError {
+                    err: std::io::Error::from_raw_os_error(errno),
+                    step,
+                });
+            }
             if self.allocated + bytes.len() > self.room {
                 return Err(ReplaceError {
                     err: std::io::Error::from_raw_os_error(28),
-                    log_whole: true,
+                    step: ReplaceStep::Copy,
                 });
-            }
-            if self.copy_sync_fails {
-                return Err(ReplaceError {
-                    err: std::io::Error::from_raw_os_error(5),
-                    log_whole: true,
-                });
-            }
-            if self.rename_fails {
-                return Err(ReplaceError::unknown(std::io::Error::from_raw_os_error(5)));
             }
             *self.written.lock().unwrap() = bytes.to_vec();
             self.allocated = bytes.len().next_multiple_of(4);
@@ -743,8 +737,7 @@ mod tests {
             written: written.clone(),
             allocated: 0,
             room: 10,
-            rename_fails: false,
-            copy_sync_fails: false,
+            replace_fails: None,
         }));
         assert!(committer
             .submit(vec![1; 6], 1)
@@ -808,8 +801,7 @@ mod tests {
             written: written.clone(),
             allocated: 0,
             room: 16,
-            rename_fails: false,
-            copy_sync_fails: false,
+            replace_fails: None,
         }));
         let appended = |bytes: Vec<u8>| committer.submit(bytes, 1).blocking_recv().unwrap();
         assert_eq!(appended(vec![1; 6]), Ok(()));
@@ -827,14 +819,33 @@ mod tests {
         assert_eq!(*written.lock().unwrap(), [7, 7, 7, 7, 3]);
     }
 
+    /// A copy that could not be made (`EMFILE`: out of file descriptors) wrote nothing and
+    /// failed no sync: the log takes appends as before.
+    #[test]
+    fn a_compaction_whose_copy_cannot_be_made_leaves_the_log_taking_appends() {
+        let written = Arc::new(Mutex::new(Vec::new()));
+        let committer = Committer::start(Box::new(FullStorage {
+            written: written.clone(),
+            allocated: 0,
+            room: 64,
+            replace_fails: Some((ReplaceStep::Create, 24)),
+        }));
+        let appended = |bytes: Vec<u8>| committer.submit(bytes, 1).blocking_recv().unwrap();
+        assert_eq!(appended(vec![1; 6]), Ok(()));
+        committer.compact(vec![9; 6], Vec::new());
+        assert_eq!(appended(vec![2; 2]), Ok(()), "appended after the failure");
+        let stats = committer.stats();
+        assert_eq!(stats.compactions_failed.load(Ordering::Relaxed), 1);
+        assert_eq!(*written.lock().unwrap(), [1, 1, 1, 1, 1, 1, 2, 2]);
+    }
+
     #[test]
     fn a_compaction_that_fails_at_its_rename_fails_closed() {
         a_compaction_failed_by_the_disk_fails_closed(FullStorage {
             written: Arc::new(Mutex::new(Vec::new())),
             allocated: 0,
             room: 64,
-            rename_fails: true,
-            copy_sync_fails: false,
+            replace_fails: Some((ReplaceStep::Rename, 5)),
         });
     }
 
@@ -846,8 +857,7 @@ mod tests {
             written: Arc::new(Mutex::new(Vec::new())),
             allocated: 0,
             room: 64,
-            rename_fails: false,
-            copy_sync_fails: true,
+            replace_fails: Some((ReplaceStep::Copy, 5)),
         });
     }
 

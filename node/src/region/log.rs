@@ -189,10 +189,22 @@ pub trait Storage: Send {
 pub struct ReplaceError {
     /// What failed, as the OS reported it.
     pub err: std::io::Error,
-    /// The log is certainly as it was, and takes appends as before: the replacement
-    /// failed before its rename (no room for the copy, say). Otherwise whether the log was
-    /// replaced, and whether this storage still writes to it, is not known.
-    pub log_whole: bool,
+    /// Where.
+    pub step: ReplaceStep,
+}
+
+/// Where a replacement of the log failed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ReplaceStep {
+    /// Making the copy's file (out of file descriptors, say): nothing was written, and the
+    /// log is as it was.
+    Create,
+    /// Writing or syncing the copy: the log is as it was, but unless for want of room the
+    /// disk failed a write or a sync.
+    Copy,
+    /// From the rename on: whether the log was replaced, and whether this storage still
+    /// writes to it, is not known.
+    Rename,
 }
 
 impl ReplaceError {
@@ -200,9 +212,34 @@ impl ReplaceError {
     pub fn unknown(err: std::io::Error) -> ReplaceError {
         ReplaceError {
             err,
-            log_whole: false,
+            step: ReplaceStep::Rename,
         }
     }
+
+    /// Whether the log is certainly as it was, and takes appends as before: the
+    /// replacement failed before its rename.
+    pub fn log_whole(&self) -> bool {
+        self.step != ReplaceStep::Rename
+    }
+
+    /// Whether acknowledging may go on: the log is as it was, and no write or sync failed
+    /// but for want of room (a disk that failed a sync, of the copy or of the log, may have
+    /// dropped pages, and nothing after it is acknowledged).
+    pub fn harmless(&self) -> bool {
+        match self.step {
+            ReplaceStep::Create => true,
+            ReplaceStep::Copy => is_no_room(&self.err),
+            ReplaceStep::Rename => false,
+        }
+    }
+}
+
+/// Whether `err` says the file system, or the user's quota on it, is full.
+pub fn is_no_room(err: &std::io::Error) -> bool {
+    matches!(
+        err.kind(),
+        std::io::ErrorKind::StorageFull | std::io::ErrorKind::QuotaExceeded
+    )
 }
 
 /// The file is allocated ahead of the log's end in chunks of this many bytes (after an
@@ -278,19 +315,23 @@ impl Storage for FileStorage {
         let tmp = self.path.with_extension("compact");
         let end = (HEADER_BYTES + bytes.len()) as u64;
         let allocated = (end + self.chunk_bytes).next_multiple_of(self.chunk_bytes);
-        let written = File::create(&tmp).and_then(|mut file| {
-            file.write_all(&header(bytes.len() as u64))?;
-            file.write_all(bytes)?;
-            checksummed::write_zeros(&file, &mut end.clone(), allocated)?;
-            file.sync_all()
-        });
+        let mut file = File::create(&tmp).map_err(|err| ReplaceError {
+            err,
+            step: ReplaceStep::Create,
+        })?;
+        let written = file
+            .write_all(&header(bytes.len() as u64))
+            .and_then(|()| file.write_all(bytes))
+            .and_then(|()| checksummed::write_zeros(&file, &mut end.clone(), allocated))
+            .and_then(|()| file.sync_all());
+        drop(file);
         if let Err(err) = written {
             // A compaction that failed (a full disk, say) leaves no file taking room, and
             // the log as it was: nothing of it was touched.
             let _ = std::fs::remove_file(&tmp);
             return Err(ReplaceError {
                 err,
-                log_whole: true,
+                step: ReplaceStep::Copy,
             });
         }
         // From the rename on, a failure may leave the log replaced, or replaced but not
@@ -1002,7 +1043,8 @@ mod tests {
         // The copy cannot be created: a directory stands where it goes.
         std::fs::create_dir(path.with_extension("compact")).unwrap();
         let err = storage.replace(&encoded(&[entry(7)])).unwrap_err();
-        assert!(err.log_whole, "{err}");
+        assert!(err.log_whole() && err.harmless(), "{err}");
+        assert_eq!(err.step, ReplaceStep::Create);
         assert_eq!(std::fs::read(&path).unwrap(), before, "the log untouched");
         commit(&mut storage, &encoded(&[entry(2)]));
         drop(storage);
@@ -1016,7 +1058,7 @@ mod tests {
         std::fs::create_dir(&path).unwrap();
         std::fs::write(path.join("in the way"), b"").unwrap();
         let err = storage.replace(&encoded(&[entry(7)])).unwrap_err();
-        assert!(!err.log_whole, "{err}");
+        assert!(!err.log_whole() && !err.harmless(), "{err}");
         std::fs::remove_dir_all(dir).unwrap();
     }
 
