@@ -14,12 +14,12 @@ mod decoders;
 use decoders::{checksums_fixed, decode_all, gossip_seeds, seeds};
 use proptest::collection::vec;
 use proptest::prelude::*;
-use tally_client::wire::{self as client_wire, Op, Refusal, Request, Response};
+use tally_client::wire::{self as client_wire, CheckId, Op, Refusal, Request, Response};
 use tally_crdt::{Digest, Generation, NodeId, ReplicaId, Stamp};
 use tally_gossip::message::{Cover, Message};
 use tally_gossip::wire as gossip_wire;
-use tally_node::region::log as region_log;
-use tally_node::region::wire::{self as region_wire, ExactAnswer, Outcome};
+use tally_node::region::log::{self as region_log, Entry, Record, RequestId};
+use tally_node::region::wire::{self as region_wire, ExactAnswer, ExactCheck, Outcome};
 
 #[test]
 fn the_seeds_are_valid_frames() {
@@ -238,6 +238,43 @@ fn names_not_utf8_and_unknown_tags_are_refused_by_every_decoder() {
         &refused(Refusal::UnknownRule { rule: "api".into() }),
     );
     assert!(client_wire::decode_body::<Response>(&unknown).is_err());
+    let checks = |check: &ExactCheck| region_wire::encode_checks(&[check.as_ref()])[4..].to_vec();
+    let check = ExactCheck {
+        id: RequestId {
+            node: 2,
+            generation: 9,
+            seq: 300,
+        },
+        check_id: None,
+        rule: "quota".into(),
+        subject: "acct".into(),
+        window_index: 500_000,
+        window_secs: 3_600,
+        cost: 2,
+    };
+    let named = ExactCheck {
+        check_id: Some(CheckId { session: 1, seq: 3 }),
+        ..check.clone()
+    };
+    let unknown = with_an_unknown_tag(&checks(&check), &checks(&named));
+    assert!(region_wire::decode_checks(&unknown).is_none());
+    // A log record whose entry names no kind of entry, its checksum made to match: the
+    // replay ends at it.
+    let entry_log = |entry: &Entry<&str>| {
+        let mut log = Vec::new();
+        region_log::encode(entry, &mut log);
+        log
+    };
+    let decided = entry_log(&Entry::Decided(Record::decided(&check, true)));
+    let floor = entry_log(&Entry::Floor {
+        node: 2,
+        generation: 9,
+        base: 4,
+    });
+    assert_eq!(region_log::replay(&decided).0.len(), 1);
+    let unknown = with_an_unknown_tag(&decided[8..], &floor[8..]);
+    let unknown = checksums_fixed([&decided[..8], &unknown[..]].concat());
+    assert_eq!(region_log::replay(&unknown).0.len(), 0);
     let answered = |answer| region_wire::encode_answers(&[(1, answer)])[4..].to_vec();
     let unknown = with_an_unknown_tag(
         &answered(ExactAnswer::Forgotten),

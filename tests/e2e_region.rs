@@ -225,7 +225,7 @@ async fn region_kill9_at_random_moments_loses_no_acknowledged_check_and_never_pa
 /// the crash is a copy of its image taken while the region runs: the disk without what the
 /// filesystem still held in memory, as a power loss would leave it (a `kill -9` alone keeps
 /// the page cache, so it cannot tell an answer sent before its sync from one sent after).
-/// Two edges send pipelines of exact checks, so groups of more than one share a sync;
+/// Two edges send pipelines of exact checks, so that syncs hold more than one record each;
 /// halfway the kernel writes back what it holds, as its flusher would. After the crash the
 /// region's count of each subject is at least what it acknowledged, and at most that plus
 /// the checks whose answers were lost.
@@ -269,14 +269,14 @@ async fn after_a_machine_crash_the_region_holds_every_check_it_acknowledged() {
             }
         }
     }
-    let metric = |name| cluster.nodes[0].metric(name, &[]).unwrap_or(0.0);
+    let metric = |name| cluster.nodes[0].metric_now(name, &[]);
     let (records, syncs) = (
         metric("tally_region_log_records_total"),
         metric("tally_region_log_syncs_total"),
     );
     assert!(
         records > syncs && syncs >= 1.0,
-        "group commit: {records} records in {syncs} syncs"
+        "batches of more than one record a sync (D4): {records} records in {syncs} syncs"
     );
     assert!(
         acked.values().sum::<u64>() > 500,
@@ -284,7 +284,9 @@ async fn after_a_machine_crash_the_region_holds_every_check_it_acknowledged() {
     );
 
     // The control: a file written now and never synced is not in the crash image, so the
-    // image shows what only a sync puts on the disk.
+    // image shows what only a sync puts on the disk. The region is stopped first, so that
+    // no sync of its own can put the file's creation on the disk meanwhile.
+    cluster.nodes[0].signal("STOP");
     std::fs::write(data_dir.join("never-synced"), b"lost").unwrap();
     let crashed = cluster.dir.join("crashed.img");
     disk.crash_image(&crashed);
