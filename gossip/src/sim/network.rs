@@ -38,9 +38,11 @@ impl Faults {
     }
 }
 
-/// Frames kept for replay: at most one for each this much of sent time, and at most
-/// [`HISTORY_FRAMES_MAX`], so that the frames kept span 100 s however busy the network
-/// is, and a replay can be as old as [`Faults::replay_age_max`] (TESTING.md N7: 60 s).
+/// Frames kept for replay: one for each this much of sent time, drawn evenly from the
+/// frames sent in it (every node's rounds fall on the same instants, so the first would
+/// always be one node's), and at most [`HISTORY_FRAMES_MAX`], so that the frames kept span
+/// 100 s however busy the network is, and a replay can be as old as
+/// [`Faults::replay_age_max`] (TESTING.md N7: 60 s).
 const HISTORY_EVERY: Duration = Duration::from_millis(10);
 const HISTORY_FRAMES_MAX: usize = 10_000;
 
@@ -60,6 +62,10 @@ pub struct Network {
     sequence: u64,
     blocked: BTreeSet<(usize, usize)>,
     history: VecDeque<(Duration, Frame)>,
+    // How many frames were sent in the history's newest slot, and the draws of which one
+    // it keeps: a generator of their own, so that the faults' draws do not depend on it.
+    slot_sent: u64,
+    history_rng: ChaCha8Rng,
     nodes: usize,
     bytes_sent: u64,
     largest_frame: usize,
@@ -76,6 +82,8 @@ impl Network {
             sequence: 0,
             blocked: BTreeSet::new(),
             history: VecDeque::new(),
+            slot_sent: 0,
+            history_rng: ChaCha8Rng::seed_from_u64(seed ^ 0x4849_5354_4f52_5921),
             nodes,
             bytes_sent: 0,
             largest_frame: 0,
@@ -151,12 +159,8 @@ impl Network {
                 }
             }
         }
-        let kept_last = self.history.back().map(|(at, _)| *at);
-        if self.faults.replay > 0.0 && kept_last.is_none_or(|at| now >= at + HISTORY_EVERY) {
-            self.history.push_back((now, frame.clone()));
-            if self.history.len() > HISTORY_FRAMES_MAX {
-                self.history.pop_front();
-            }
+        if self.faults.replay > 0.0 {
+            self.keep_for_replay(&frame, now);
         }
         if self.faults.loss > 0.0 && self.rng.gen_bool(self.faults.loss) {
             return;
@@ -165,6 +169,27 @@ impl Network {
             self.schedule(frame.clone(), now);
         }
         self.schedule(frame, now);
+    }
+
+    /// Keeps `frame`, sent at `now`, for replay: as its slot's first, or in place of the
+    /// slot's kept one with a chance of one in the frames sent in the slot so far, so that
+    /// each frame of a slot is kept alike.
+    fn keep_for_replay(&mut self, frame: &Frame, now: Duration) {
+        let slot_start = self.history.back().map(|(at, _)| *at);
+        if slot_start.is_none_or(|at| now >= at + HISTORY_EVERY) {
+            self.history.push_back((now, frame.clone()));
+            self.slot_sent = 1;
+            if self.history.len() > HISTORY_FRAMES_MAX {
+                self.history.pop_front();
+            }
+            return;
+        }
+        self.slot_sent += 1;
+        if self.history_rng.gen_range(0..self.slot_sent) == 0 {
+            if let Some((_, kept)) = self.history.back_mut() {
+                *kept = frame.clone();
+            }
+        }
     }
 
     /// When the next deliverable frame is due.
