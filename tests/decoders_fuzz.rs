@@ -11,14 +11,14 @@
 
 mod decoders;
 
-use decoders::{checksums_fixed, decode_all, gossip_seeds, seeds};
+use decoders::{checksums_fixed, decode_all, exact_check, gossip_seeds, seeds};
 use proptest::collection::vec;
 use proptest::prelude::*;
 use tally_client::wire::{self as client_wire, CheckId, Op, Refusal, Request, Response};
 use tally_crdt::{Digest, Generation, NodeId, ReplicaId, Stamp};
 use tally_gossip::message::{Cover, Message};
 use tally_gossip::wire as gossip_wire;
-use tally_node::region::log::{self as region_log, Entry, Record, RequestId};
+use tally_node::region::log::{self as region_log, Entry, Record};
 use tally_node::region::wire::{self as region_wire, ExactAnswer, ExactCheck, Outcome};
 
 #[test]
@@ -239,19 +239,7 @@ fn names_not_utf8_and_unknown_tags_are_refused_by_every_decoder() {
     );
     assert!(client_wire::decode_body::<Response>(&unknown).is_err());
     let checks = |check: &ExactCheck| region_wire::encode_checks(&[check.as_ref()])[4..].to_vec();
-    let check = ExactCheck {
-        id: RequestId {
-            node: 2,
-            generation: 9,
-            seq: 300,
-        },
-        check_id: None,
-        rule: "quota".into(),
-        subject: "acct".into(),
-        window_index: 500_000,
-        window_secs: 3_600,
-        cost: 2,
-    };
+    let check = exact_check();
     let named = ExactCheck {
         check_id: Some(CheckId { session: 1, seq: 3 }),
         ..check.clone()

@@ -140,6 +140,23 @@ pub fn gossip_seeds(replica: ReplicaId) -> Vec<(&'static str, Vec<u8>)> {
         .collect()
 }
 
+/// An exact check forwarded to the region, with no application check id.
+pub fn exact_check() -> ExactCheck {
+    ExactCheck {
+        id: RequestId {
+            node: 2,
+            generation: 9,
+            seq: 300,
+        },
+        check_id: None,
+        rule: "quota".into(),
+        subject: "acct".into(),
+        window_index: 500_000,
+        window_secs: 3_600,
+        cost: 2,
+    }
+}
+
 /// Valid frames of every decoder, to mutate.
 pub fn seeds() -> Vec<(&'static str, Vec<u8>)> {
     let replica = ReplicaId::new(NodeId(3), Generation(1_796_000_000_000));
@@ -159,19 +176,7 @@ pub fn seeds() -> Vec<(&'static str, Vec<u8>)> {
         },
         &mut request,
     );
-    let check = ExactCheck {
-        id: RequestId {
-            node: 2,
-            generation: 9,
-            seq: 300,
-        },
-        check_id: None,
-        rule: "quota".into(),
-        subject: "acct".into(),
-        window_index: 500_000,
-        window_secs: 3_600,
-        cost: 2,
-    };
+    let check = exact_check();
     let named = ExactCheck {
         check_id: Some(CheckId {
             session: u64::MAX,
