@@ -59,8 +59,8 @@ fn row(edges: u64, mode: &str, outcome: &Outcome) {
         "| {edges} | {mode} ({}) | {} | {overshoot} | {:.1} | {} |",
         modes.join(", "),
         outcome.allowed,
-        outcome.max_bound,
-        overshoot as f64 <= outcome.max_bound
+        outcome.bound(),
+        overshoot as f64 <= outcome.bound()
     );
 }
 

@@ -235,10 +235,13 @@ fn write_configs(dir: &Path, nodes: &[u64], rules: &str) -> anyhow::Result<()> {
 /// What the workload saw, per edge.
 #[derive(Debug, Default)]
 struct Seen {
-    /// Decisions of `api` on the hot subject, by mode, and the largest bound an admission
-    /// reported.
+    /// Decisions of `api` on the hot subject, by mode, and the largest finite bound an
+    /// admission reported.
     modes: BTreeMap<&'static str, u64>,
     hot_max_bound: f64,
+    /// Admissions of the hot subject under an infinite bound (a node that held no other
+    /// member's state yet): each may be all overshoot.
+    hot_unbounded: u64,
     /// Checks of the hot subject with no answer (timed out, or the connection went) that
     /// the sidecar may have admitted and counted.
     hot_unknown: u64,
@@ -328,7 +331,11 @@ async fn demo(args: &DemoArgs, cluster: &mut DemoCluster) -> anyhow::Result<()> 
                         let mut seen = seen.lock().expect("demo state");
                         record(&mut seen, &decision);
                         if decision.allowed {
-                            seen.hot_max_bound = seen.hot_max_bound.max(decision.bound);
+                            if decision.bound.is_finite() {
+                                seen.hot_max_bound = seen.hot_max_bound.max(decision.bound);
+                            } else {
+                                seen.hot_unbounded += 1;
+                            }
                             *truth.lock().expect("demo state") += 1;
                         }
                     }
@@ -476,7 +483,8 @@ async fn demo(args: &DemoArgs, cluster: &mut DemoCluster) -> anyhow::Result<()> 
     // Every admission counts one on the hot key, so the count the nodes agree on is what
     // was admitted, the checks with no answer included.
     let allowed = u64::try_from(counted).unwrap_or(0);
-    let bound = all.iter().map(|s| s.hot_max_bound).fold(0.0, f64::max);
+    let bound = all.iter().map(|s| s.hot_max_bound).fold(0.0, f64::max)
+        + all.iter().map(|s| s.hot_unbounded).sum::<u64>() as f64;
     let overshoot = allowed.saturating_sub(hot_limit);
 
     println!("\nsummary");

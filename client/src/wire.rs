@@ -312,7 +312,9 @@ pub struct Decision {
     /// isolated mode `locations x slack` plus what the locations held beyond their shares
     /// when it turned isolated (this node's own excess, and the others' count, with their
     /// rate x `stale_after_ms` unseen, less one share); 0 for exact and for a
-    /// `deny` fallback; infinite for an `allow` fallback, which admits whatever the count.
+    /// `deny` fallback; infinite for an `allow` fallback, which admits whatever the count,
+    /// and for an approximate decision of a node that holds no other member's state yet
+    /// (just started: it knows nothing of what the others admitted).
     pub bound: f64,
 }
 

@@ -12,7 +12,7 @@
 //!   `own + cost <= limit / locations + slack`, where `own` counts this node's lanes of
 //!   every life it has had as merged here (a restart does not give it a second share; but
 //!   a life that lost its state knows its earlier lives' lanes only from its first merge,
-//!   and until then may admit a share again: ARCHITECTURE.md, BOUND), and under a
+//!   and until then may admit a share again), and under a
 //!   `sliding` rule its own previous window, weighted as a connected decision weighs
 //!   everyone's. A window's count is net: decrements make room. The bound is
 //!   `locations x slack` plus what was admitted before isolation beyond the shares: an
@@ -29,6 +29,11 @@
 //!   share: all they hold counts beyond the shares. A rule's configured `locations` sets
 //!   the share; where this node knows of more locations than that, each one past it may
 //!   admit a share as well, and the bound adds a share for each.
+//! - **unheard** (this node holds no other member's state yet, though it has members or
+//!   seeds: just started, or restarted, and cut off or not yet reached): decided as
+//!   above, but the bound is infinite. It knows nothing of what the others admitted,
+//!   nor, if it lost its state, what its earlier lives did, so no finite bound it could
+//!   report would hold (ARCHITECTURE.md, BOUND).
 //!
 //! A decision's `remaining` is what the rule that decided would still admit: the limit
 //! less the estimate when connected, the share less `own` when isolated.
@@ -313,6 +318,13 @@ impl Context<'_> {
                 + unconfigured as f64 * share as f64
                 + beyond_shares;
             (Mode::ApproximateIsolated, cost_i <= room, bound, room)
+        };
+        // Until it holds another member's state this node knows nothing of what the
+        // others admitted, nor, if it lost its state, what its earlier lives did.
+        let bound = if freshness.heard {
+            bound
+        } else {
+            f64::INFINITY
         };
         let decided = if allowed {
             Verdict {
@@ -828,6 +840,34 @@ mod tests {
         };
         assert!(why.starts_with("cut off; ") && why.contains("key"), "{why}");
         assert_eq!(keys_refused.load(Ordering::Relaxed), 1);
+    }
+
+    #[test]
+    fn a_node_that_holds_no_members_state_yet_reports_an_infinite_bound() {
+        let rule = rule(10, 1);
+        let (store, owned) = setup(&rule);
+        let key = KeyRef::from(&owned);
+        // Just started: its two seeds unheard.
+        let mut started = ViewState::default();
+        started.unheard_seeds = 2;
+        let decision = context(&store, &started).check(&rule, key, 1).unwrap();
+        assert!(decision.allowed, "it still admits on its share");
+        assert_eq!(decision.mode, Mode::ApproximateIsolated);
+        assert_eq!(decision.bound, f64::INFINITY);
+        // Its table has the members, but none of their state has arrived.
+        let table_only = view_of(&[(2, State::Alive), (3, State::Alive)], Stamp(0));
+        let decision = context(&store, &table_only).check(&rule, key, 1).unwrap();
+        assert_eq!(decision.bound, f64::INFINITY);
+        // One member's state arrived, stale: the isolated bound, finite.
+        let heard = view(Stamp(NOW.0 - 5_000));
+        let decision = context(&store, &heard).check(&rule, key, 1).unwrap();
+        assert_eq!(decision.mode, Mode::ApproximateIsolated);
+        assert_eq!(decision.bound, 2.0);
+        // Alone, with no members and no seeds: nothing unheard, the connected bound.
+        let alone = ViewState::default();
+        let decision = context(&store, &alone).check(&rule, key, 1).unwrap();
+        assert_eq!(decision.mode, Mode::ApproximateConnected);
+        assert_eq!(decision.bound, 0.0);
     }
 
     #[test]

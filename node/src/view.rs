@@ -228,6 +228,12 @@ pub struct Freshness {
     pub live: usize,
     /// Members known in any state but left, and unheard seeds; this node included.
     pub locations: usize,
+    /// Whether this node has heard what the others admitted: false while it has live
+    /// members or unheard seeds but holds no member's state yet. A node that has just
+    /// started, without its data dir or with it, has merged no other node's lanes (nor
+    /// its earlier lives', if it lost its state), so it knows nothing of what they
+    /// admitted, and no bound it could report would hold.
+    pub heard: bool,
 }
 
 impl View {
@@ -252,6 +258,8 @@ struct Summary {
     live: usize,
     /// Members that have not left.
     located: usize,
+    /// Whether some member's state has arrived since this node started (a stamp held).
+    heard: bool,
     /// Members by state: alive, suspect, dead, left.
     by_state: [u64; 4],
 }
@@ -297,6 +305,7 @@ impl ViewState {
             if *state != State::Left {
                 summary.located += 1;
             }
+            summary.heard |= vouched.get(replica).is_some_and(|&(stamp, _)| stamp.0 > 0);
             if matches!(state, State::Alive | State::Suspect) {
                 summary.live += 1;
                 let never = Duration::from_millis(now.wall.0);
@@ -403,6 +412,7 @@ impl ViewState {
             staleness,
             live: self.unheard_seeds + self.summary.live,
             locations: 1 + self.unheard_seeds + self.summary.located,
+            heard: self.summary.heard || self.unheard_seeds + self.summary.live == 0,
         }
     }
 
@@ -959,6 +969,7 @@ mod tests {
             "no seeds: alone, and fresh"
         );
         assert_eq!((alone.live, alone.locations), (0, 1));
+        assert!(alone.heard, "alone, there is no one to hear");
         let cut_off = ViewState {
             unheard_seeds: 2,
             ..ViewState::default()
@@ -966,6 +977,31 @@ mod tests {
         let freshness = cut_off.freshness(Stamp(1_000));
         assert_eq!(freshness.staleness, Duration::from_millis(1_000));
         assert_eq!((freshness.live, freshness.locations), (2, 3));
+        assert!(!freshness.heard);
+    }
+
+    #[test]
+    fn a_node_has_heard_once_some_members_state_arrived() {
+        let replica = |node| ReplicaId::new(NodeId(node), Generation(1));
+        let members = vec![
+            (NodeId(2), replica(2), State::Alive),
+            (NodeId(3), replica(3), State::Alive),
+        ];
+        let now = |ms| Now {
+            mono: Duration::from_millis(ms),
+            wall: Stamp(ms),
+        };
+        let mut state = ViewState::default();
+        // The table has both members; neither's state has arrived (a stamp of 0).
+        let none: BTreeMap<_, _> = [(replica(2), Stamp(0)), (replica(3), Stamp(0))].into();
+        state.set_members(members.clone(), none, now(1_000));
+        assert!(!state.freshness(Stamp(1_000)).heard);
+        // One member's state arrived, however stale.
+        let one: BTreeMap<_, _> = [(replica(2), Stamp(200)), (replica(3), Stamp(0))].into();
+        state.set_members(members, one, now(2_000));
+        let freshness = state.freshness(Stamp(2_000));
+        assert!(freshness.heard);
+        assert_eq!(freshness.staleness, Duration::from_millis(2_000));
     }
 
     #[test]

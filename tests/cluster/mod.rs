@@ -697,10 +697,21 @@ pub async fn eventually(limit: Duration, what: &str, mut ready: impl FnMut() -> 
 pub struct Outcome {
     /// Checks admitted.
     pub allowed: i128,
-    /// The largest bound an admitted check reported.
+    /// The largest finite bound an admitted check reported.
     pub max_bound: f64,
+    /// Admitted checks that reported an infinite bound (from a node that held no other
+    /// member's state yet): each may be all overshoot.
+    pub unbounded: i128,
     /// The modes that answered.
     pub modes: Vec<tally_client::Mode>,
+}
+
+impl Outcome {
+    /// The overshoot the admitted checks' bounds allow: the largest finite one, plus one
+    /// for each admitted under an infinite bound.
+    pub fn bound(&self) -> f64 {
+        self.max_bound + self.unbounded as f64
+    }
 }
 
 /// The nftables table of the cluster whose first node's address is `ip`.
@@ -775,13 +786,18 @@ pub async fn paced_checks(
     let mut outcome = Outcome {
         allowed: 0,
         max_bound: 0.0,
+        unbounded: 0,
         modes: Vec::new(),
     };
     while let Some(joined) = tasks.join_next().await {
         for decision in joined.unwrap() {
             if decision.allowed {
                 outcome.allowed += 1;
-                outcome.max_bound = outcome.max_bound.max(decision.bound);
+                if decision.bound.is_finite() {
+                    outcome.max_bound = outcome.max_bound.max(decision.bound);
+                } else {
+                    outcome.unbounded += 1;
+                }
             }
             if !outcome.modes.contains(&decision.mode) {
                 outcome.modes.push(decision.mode);
