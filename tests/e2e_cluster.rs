@@ -263,50 +263,62 @@ impl Load {
     }
 }
 
-async fn kill9_under_load_and_restart(keep_data: bool) {
+/// TESTING.md L1 (`keep_data` false: the data dir wiped) and L2 (kept): node 3 of four is
+/// killed with -9 and restarted `cycles` times while every node takes increments. Every
+/// life takes a new generation; no estimate goes down within a life (MONO), the restarted
+/// node reads what it acknowledged (RYW, with its data dir), and at the end every node
+/// holds every acknowledged increment (FINAL). A restart that reused its lost lane (its
+/// old generation, its versions counted again from the start) would have its new writes
+/// swallowed by the peers' larger lane under the same versions, and fail FINAL.
+async fn kill9_under_load_and_restart(keep_data: bool, cycles: usize) {
     let mut cluster = Cluster::start(NET, 4);
     let paused = Arc::new(Mutex::new(Vec::new()));
     let load = Load::start(&cluster, paused.clone()).await;
     tokio::time::sleep(Duration::from_millis(800)).await;
-    if !keep_data {
-        // Without a data dir, a crash loses the writes of its last push interval that no
-        // peer received yet: the victim's own load stops first (see ARCHITECTURE.md), and
-        // it dies only once every peer holds its state stamped after that, past a lane-log
-        // sync's grace (heartbeats go on for up to 1 s while its lanes wait for a sync).
-        paused.lock().unwrap().push(3);
-        let paused_at = tokio::time::Instant::now();
-        cluster::eventually(
-            Duration::from_secs(10),
-            "every peer to hold node 3's state from after its load paused",
-            || {
-                let since = paused_at.elapsed().as_secs_f64() - 1.5;
-                [0, 1, 3].iter().all(|&peer| {
-                    cluster.nodes[peer]
-                        .metric("tally_origin_staleness_seconds", &[("node", "3")])
-                        .is_some_and(|age| age < since)
-                })
-            },
-        )
-        .await;
+    let mut generations = vec![cluster.nodes[2].last_generation()];
+    for _ in 0..cycles {
+        if !keep_data {
+            // Without a data dir, a crash loses the writes of its last push interval that
+            // no peer received yet: the victim's own load stops first (see
+            // ARCHITECTURE.md), and it dies only once every peer holds its state stamped
+            // after that, past a lane-log sync's grace (heartbeats go on for up to 1 s
+            // while its lanes wait for a sync).
+            paused.lock().unwrap().push(3);
+            let paused_at = tokio::time::Instant::now();
+            cluster::eventually(
+                Duration::from_secs(10),
+                "every peer to hold node 3's state from after its load paused",
+                || {
+                    let since = paused_at.elapsed().as_secs_f64() - 1.5;
+                    [0, 1, 3].iter().all(|&peer| {
+                        cluster.nodes[peer]
+                            .metric("tally_origin_staleness_seconds", &[("node", "3")])
+                            .is_some_and(|age| age < since)
+                    })
+                },
+            )
+            .await;
+        }
+        // What node 3 acknowledged of the subject it alone writes, before the kill (or
+        // more).
+        let acked_on_3 = load.acked("node-3");
+        cluster.node(3).kill9();
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        cluster.node(3).restart(keep_data);
+        if keep_data {
+            // RYW across the crash: its lane log gives back every write it acknowledged.
+            let read = cluster.nodes[2].client().await.get("count", "node-3").await;
+            let read = read.unwrap().estimate;
+            assert!(acked_on_3 > 0, "node 3 acknowledged writes before its kill");
+            assert!(
+                read >= acked_on_3,
+                "RYW: node 3 read {read} after its restart, having acknowledged {acked_on_3}"
+            );
+        }
+        paused.lock().unwrap().clear();
+        tokio::time::sleep(Duration::from_millis(800)).await;
+        generations.push(cluster.nodes[2].last_generation());
     }
-    let generation = cluster.nodes[2].last_generation();
-    // What node 3 acknowledged of the subject it alone writes, before the kill (or more).
-    let acked_on_3 = load.acked("node-3");
-    cluster.node(3).kill9();
-    tokio::time::sleep(Duration::from_millis(500)).await;
-    cluster.node(3).restart(keep_data);
-    if keep_data {
-        // RYW across the crash: its lane log gives back every write it acknowledged.
-        let read = cluster.nodes[2].client().await.get("count", "node-3").await;
-        let read = read.unwrap().estimate;
-        assert!(acked_on_3 > 0, "node 3 acknowledged writes before its kill");
-        assert!(
-            read >= acked_on_3,
-            "RYW: node 3 read {read} after its restart, having acknowledged {acked_on_3}"
-        );
-    }
-    paused.lock().unwrap().clear();
-    tokio::time::sleep(Duration::from_millis(800)).await;
     let (ledger, observers) = load.finish().await;
     assert!(
         ledger.ok.values().sum::<i128>() > 0,
@@ -314,37 +326,35 @@ async fn kill9_under_load_and_restart(keep_data: bool) {
     );
     let reads = &observers[&3].reads_by_life;
     assert!(
-        reads.len() == 2 && reads.iter().all(|&reads| reads > 0),
-        "MONO was checked in both of node 3's lives: {reads:?}"
+        reads.len() == cycles + 1 && reads.iter().all(|&reads| reads > 0),
+        "MONO was checked in each of node 3's {} lives: {reads:?}",
+        cycles + 1
     );
     cluster.wait_members_alive();
     assert_final(&cluster, &ledger).await;
-    // The log holds every life's start line: the restart's is the last.
+    // The log holds every life's start line: the last restart's is the last.
     let log = std::fs::read_to_string(&cluster.nodes[2].log).unwrap();
     let start = (log.lines().rev())
         .find(|line| line.contains("earlier lives recovered"))
         .unwrap();
-    let lives = if keep_data {
-        "; 1 earlier"
-    } else {
-        "; 0 earlier"
-    };
-    assert!(start.contains(lives), "{start}");
-    assert_ne!(
-        cluster.nodes[2].last_generation(),
-        generation,
-        "the restart took a new generation"
+    let lives = format!("; {} earlier", if keep_data { cycles } else { 0 });
+    assert!(start.contains(&lives), "{start}");
+    let distinct: std::collections::BTreeSet<_> = generations.iter().collect();
+    assert_eq!(
+        distinct.len(),
+        generations.len(),
+        "every restart took a new generation: {generations:?}"
     );
 }
 
 #[tokio::test(flavor = "current_thread")]
 async fn kill9_under_load_with_the_data_dir_kept_loses_nothing_acknowledged() {
-    kill9_under_load_and_restart(true).await;
+    kill9_under_load_and_restart(true, 3).await;
 }
 
 #[tokio::test(flavor = "current_thread")]
 async fn kill9_with_the_data_dir_wiped_takes_a_new_generation_and_loses_nothing_peers_held() {
-    kill9_under_load_and_restart(false).await;
+    kill9_under_load_and_restart(false, 5).await;
 }
 
 /// TESTING.md L2 after a machine crash. Node 1's data dir is a loop-mounted ext4, and the
