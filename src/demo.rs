@@ -483,8 +483,15 @@ async fn demo(args: &DemoArgs, cluster: &mut DemoCluster) -> anyhow::Result<()> 
     // Every admission counts one on the hot key, so the count the nodes agree on is what
     // was admitted, the checks with no answer included.
     let allowed = u64::try_from(counted).unwrap_or(0);
-    let bound = all.iter().map(|s| s.hot_max_bound).fold(0.0, f64::max)
-        + all.iter().map(|s| s.hot_unbounded).sum::<u64>() as f64;
+    let max_bound = all.iter().map(|s| s.hot_max_bound).fold(0.0, f64::max);
+    let unbounded: u64 = all.iter().map(|s| s.hot_unbounded).sum();
+    // Each admission under an infinite bound may be all overshoot.
+    let bound = max_bound + unbounded as f64;
+    let unbounded_shown = if unbounded > 0 {
+        format!(", and {unbounded} admitted under an infinite bound")
+    } else {
+        String::new()
+    };
     let overshoot = allowed.saturating_sub(hot_limit);
 
     println!("\nsummary");
@@ -494,7 +501,7 @@ async fn demo(args: &DemoArgs, cluster: &mut DemoCluster) -> anyhow::Result<()> 
     );
     println!("  staleness decisions reported (stalest live member): p50 {stale_p50} ms, p99 {stale_p99} ms");
     println!(
-        "  overshoot on `api`: admitted {allowed} of limit {hot_limit}: overshoot {overshoot}, largest bound reported {bound:.1}"
+        "  overshoot on `api`: admitted {allowed} of limit {hot_limit}: overshoot {overshoot}, largest bound reported {max_bound:.1}{unbounded_shown}"
     );
     println!(
         "  exact path (edge -> region -> fsync -> edge): p50 {:.2} ms, p99 {:.2} ms over {} checks, {exact_denied} denied, {exact_errors} errors",

@@ -11,8 +11,9 @@
 //! - **isolated** (some live member staler): admit iff
 //!   `own + cost <= limit / locations + slack`, where `own` counts this node's lanes of
 //!   every life it has had as merged here (a restart does not give it a second share; but
-//!   a life that lost its state knows its earlier lives' lanes only from its first merge,
-//!   and until then may admit a share again), and under a
+//!   a life that lost its state knows its earlier lives' lanes only once they are merged
+//!   here again, and until then may admit part of a share again: ARCHITECTURE.md, BOUND),
+//!   and under a
 //!   `sliding` rule its own previous window, weighted as a connected decision weighs
 //!   everyone's. A window's count is net: decrements make room. The bound is
 //!   `locations x slack` plus what was admitted before isolation beyond the shares: an
@@ -29,11 +30,13 @@
 //!   share: all they hold counts beyond the shares. A rule's configured `locations` sets
 //!   the share; where this node knows of more locations than that, each one past it may
 //!   admit a share as well, and the bound adds a share for each.
-//! - **unheard** (this node holds no other member's state yet, though it has members or
-//!   seeds: just started, or restarted, and cut off or not yet reached): decided as
-//!   above, but the bound is infinite. It knows nothing of what the others admitted,
-//!   nor, if it lost its state, what its earlier lives did, so no finite bound it could
-//!   report would hold (ARCHITECTURE.md, BOUND).
+//! - **unheard** (a seed not heard yet, or a live member none of whose current life's
+//!   state has arrived: this node just started, or the member did): decided as isolated,
+//!   since such a member counts as stale, but the bound is infinite. That member's count
+//!   is unknown, not just stale, so no finite bound this node could report would hold.
+//!   Once every live member's state has arrived the bound is finite again, though a life
+//!   that lost its state may hear its earlier lives' lanes later than that: the gossip
+//!   repairs origin by origin (ARCHITECTURE.md, BOUND).
 //!
 //! A decision's `remaining` is what the rule that decided would still admit: the limit
 //! less the estimate when connected, the share less `own` when isolated.
@@ -319,8 +322,7 @@ impl Context<'_> {
                 + beyond_shares;
             (Mode::ApproximateIsolated, cost_i <= room, bound, room)
         };
-        // Until it holds another member's state this node knows nothing of what the
-        // others admitted, nor, if it lost its state, what its earlier lives did.
+        // Until some state of every live member has arrived, what they admitted is unknown.
         let bound = if freshness.heard {
             bound
         } else {

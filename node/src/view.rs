@@ -228,11 +228,11 @@ pub struct Freshness {
     pub live: usize,
     /// Members known in any state but left, and unheard seeds; this node included.
     pub locations: usize,
-    /// Whether this node has heard what the others admitted: false while it has live
-    /// members or unheard seeds but holds no member's state yet. A node that has just
-    /// started, without its data dir or with it, has merged no other node's lanes (nor
-    /// its earlier lives', if it lost its state), so it knows nothing of what they
-    /// admitted, and no bound it could report would hold.
+    /// Whether this node holds some state of every live member: false while a seed is
+    /// unheard or a live member's current replica has no stamp held here. Such a member's
+    /// count is unknown, not just stale: a node that has just started (with its data dir
+    /// or without) knows nothing yet of what the others admitted, and a member's new life
+    /// is unknown until its state arrives, so no bound this node could report would hold.
     pub heard: bool,
 }
 
@@ -258,8 +258,8 @@ struct Summary {
     live: usize,
     /// Members that have not left.
     located: usize,
-    /// Whether some member's state has arrived since this node started (a stamp held).
-    heard: bool,
+    /// Live members whose current replica has no stamp held: none of its state arrived.
+    unheard_live: usize,
     /// Members by state: alive, suspect, dead, left.
     by_state: [u64; 4],
 }
@@ -305,9 +305,10 @@ impl ViewState {
             if *state != State::Left {
                 summary.located += 1;
             }
-            summary.heard |= vouched.get(replica).is_some_and(|&(stamp, _)| stamp.0 > 0);
             if matches!(state, State::Alive | State::Suspect) {
                 summary.live += 1;
+                let held = vouched.get(replica).is_some_and(|&(stamp, _)| stamp.0 > 0);
+                summary.unheard_live += usize::from(!held);
                 let never = Duration::from_millis(now.wall.0);
                 let age = vouched.get(replica).map_or(never, |&(_, age)| age);
                 summary.oldest_live = Some(summary.oldest_live.map_or(age, |o| o.max(age)));
@@ -412,7 +413,7 @@ impl ViewState {
             staleness,
             live: self.unheard_seeds + self.summary.live,
             locations: 1 + self.unheard_seeds + self.summary.located,
-            heard: self.summary.heard || self.unheard_seeds + self.summary.live == 0,
+            heard: self.unheard_seeds + self.summary.unheard_live == 0,
         }
     }
 
@@ -981,7 +982,7 @@ mod tests {
     }
 
     #[test]
-    fn a_node_has_heard_once_some_members_state_arrived() {
+    fn a_node_has_heard_once_every_live_members_state_arrived() {
         let replica = |node| ReplicaId::new(NodeId(node), Generation(1));
         let members = vec![
             (NodeId(2), replica(2), State::Alive),
@@ -996,12 +997,32 @@ mod tests {
         let none: BTreeMap<_, _> = [(replica(2), Stamp(0)), (replica(3), Stamp(0))].into();
         state.set_members(members.clone(), none, now(1_000));
         assert!(!state.freshness(Stamp(1_000)).heard);
-        // One member's state arrived, however stale.
+        // One member's state arrived: the other's count is still unknown.
         let one: BTreeMap<_, _> = [(replica(2), Stamp(200)), (replica(3), Stamp(0))].into();
-        state.set_members(members, one, now(2_000));
-        let freshness = state.freshness(Stamp(2_000));
+        state.set_members(members.clone(), one, now(2_000));
+        assert!(!state.freshness(Stamp(2_000)).heard);
+        // Both arrived, however stale; a dead member's unheard new life does not count.
+        let both: BTreeMap<_, _> = [(replica(2), Stamp(200)), (replica(3), Stamp(300))].into();
+        state.set_members(members.clone(), both, now(3_000));
+        let freshness = state.freshness(Stamp(3_000));
         assert!(freshness.heard);
-        assert_eq!(freshness.staleness, Duration::from_millis(2_000));
+        assert_eq!(freshness.staleness, Duration::from_millis(2_800));
+        let dead_new_life = (NodeId(4), replica(4), State::Dead);
+        let stamps: BTreeMap<_, _> = [
+            (replica(2), Stamp(200)),
+            (replica(3), Stamp(300)),
+            (replica(4), Stamp(0)),
+        ]
+        .into();
+        let with_dead = [members.clone(), vec![dead_new_life]].concat();
+        state.set_members(with_dead, stamps, now(3_000));
+        assert!(state.freshness(Stamp(3_000)).heard);
+        // A member's new life, none of its state arrived yet: unknown again.
+        let new_life = ReplicaId::new(NodeId(3), Generation(2));
+        let restarted = vec![members[0], (NodeId(3), new_life, State::Alive)];
+        let stamps: BTreeMap<_, _> = [(replica(2), Stamp(200)), (new_life, Stamp(0))].into();
+        state.set_members(restarted, stamps, now(3_100));
+        assert!(!state.freshness(Stamp(3_100)).heard);
     }
 
     #[test]
