@@ -5,6 +5,9 @@
 //! A log record is built again around the claim, its length and checksum made to match, so
 //! that the claim reaches the record's decoder.
 //!
+//! Its negative control (TESTING.md: a decoder without a limit) is the client's request
+//! decoder with bincode's limit left out, which the same check must catch.
+//!
 //! A test binary of its own, with one test: the allocator's counts are the process's, so
 //! no other test may run beside it.
 
@@ -17,6 +20,7 @@ mod decoders;
 
 use stats_alloc::{Region, StatsAlloc, INSTRUMENTED_SYSTEM};
 use std::alloc::System;
+use tally_client::wire::Request;
 
 #[global_allocator]
 static ALLOCATOR: &StatsAlloc<System> = &INSTRUMENTED_SYSTEM;
@@ -114,6 +118,26 @@ fn lengths_of_2_to_the_32_40_and_64_in_every_field_allocate_under_8_mib() {
         }
     }
     assert!(tried > 2_000, "{tried} claims tried");
+    // The negative control: the client's request decoder, its version byte skipped, with
+    // bincode's limit left out, allocates what a claim asks before it finds the bytes
+    // missing. A claim of 64 MiB only: one of 2^40 would abort the process.
+    let unlimited = |body: &[u8]| {
+        let region = Region::new(ALLOCATOR);
+        let config = bincode::config::standard();
+        let _ = bincode::serde::decode_from_slice::<Request, _>(&body[1..], config);
+        region.change().bytes_allocated
+    };
+    let request = &frames.iter().find(|frame| frame.name == "request").unwrap();
+    let caught = (1..request.bytes.len())
+        .filter(|&at| request.bytes[at] < 251)
+        .map(|at| unlimited(&claiming_at(&request.bytes, at, 1 << 26)))
+        .max()
+        .unwrap();
+    assert!(
+        caught >= ALLOCATED_MAX,
+        "without a limit the request decoder allocated at most {caught} bytes for a claim \
+         of 64 MiB: the check could not see a decoder without a limit"
+    );
     eprintln!(
         "{tried} claims over {} frames: at most {} bytes allocated ({})",
         frames.len(),
