@@ -1604,8 +1604,10 @@ async fn writes_and_checks(clients: &[Client], total: &mut i128) -> Vec<Duration
 /// the limit (no gossip message too large to send, no frame refused as oversized), every
 /// node's gossip map holds all 200,000 keys within 60 s, every node reads every 100th key
 /// of each origin at its value, and no node's peak resident memory (the kernel's `VmHWM`)
-/// passes twice what it holds resident once converged. What an allocator keeps of a spike
-/// stays resident, so that last catches a catch-up that balloons, not a slow leak.
+/// passes twice the steady state before the heal, while each side held its own keys
+/// (TESTING.md's "memory <= 2x steady"; the catch-up itself doubles the keys a node holds).
+/// What an allocator keeps of a spike stays resident, so that last catches a catch-up that
+/// balloons, not a slow leak.
 #[tokio::test(flavor = "current_thread")]
 async fn a_long_partition_with_a_hundred_thousand_keys_a_side_heals_in_frames_under_the_limit() {
     const KEYS: u64 = 50_000;
@@ -1640,9 +1642,14 @@ async fn a_long_partition_with_a_hundred_thousand_keys_a_side_heals_in_frames_un
         || all_hold(2 * KEYS),
     )
     .await;
-    let peak_before: Vec<u64> = (cluster.nodes.iter())
+    // The steady state: what a node held resident at the most while its side took its own
+    // keys, before any catch-up. Every node holds as many keys then, so the largest of
+    // theirs is taken: one node's reads from 56 to 74 MiB between runs, with what its
+    // allocator happened to keep.
+    let steady_each: Vec<u64> = (cluster.nodes.iter())
         .map(|node| node.status_bytes("VmHWM"))
         .collect();
+    let steady = steady_each.iter().copied().max().unwrap();
 
     partition.heal();
     let healed = tokio::time::Instant::now();
@@ -1680,7 +1687,7 @@ async fn a_long_partition_with_a_hundred_thousand_keys_a_side_heals_in_frames_un
         }
     }
     let mut memory = Vec::new();
-    for (node, peak_before) in cluster.nodes.iter().zip(peak_before) {
+    for (node, steady_here) in cluster.nodes.iter().zip(steady_each) {
         for oversized in [
             "tally_gossip_frames_oversize_total",
             "tally_quic_frames_oversized_total",
@@ -1689,21 +1696,22 @@ async fn a_long_partition_with_a_hundred_thousand_keys_a_side_heals_in_frames_un
         }
         let (peak, converged) = (node.status_bytes("VmHWM"), node.status_bytes("VmRSS"));
         assert!(
-            peak <= 2 * converged,
-            "node {}: {peak} bytes resident at the most, {converged} once converged",
+            peak <= 2 * steady,
+            "node {}: {peak} bytes resident at the most, against a steady {steady} (the \
+             most a node held before the heal)",
             node.id
         );
         let mib = |bytes: u64| bytes as f64 / 1048576.0;
         memory.push(format!(
             "{:.1} / {:.1} / {:.1}",
-            mib(peak_before),
+            mib(steady_here),
             mib(peak),
             mib(converged)
         ));
     }
     eprintln!(
         "N8: every node held all {} keys {caught_up:?} after the heal; resident memory, MiB, \
-         at the most before the heal / at the most / once converged: {memory:?}",
+         before the heal (steady) / at the most / once converged: {memory:?}",
         4 * KEYS
     );
 }
