@@ -31,12 +31,14 @@
 //!   the share; where this node knows of more locations than that, each one past it may
 //!   admit a share as well, and the bound adds a share for each.
 //! - **unheard** (a seed not heard yet, or a live member none of whose current life's
-//!   state has arrived: this node just started, or the member did): decided as isolated,
-//!   since such a member counts as stale, but the bound is infinite. That member's count
-//!   is unknown, not just stale, so no finite bound this node could report would hold.
-//!   Once every live member's state has arrived the bound is finite again, though a life
-//!   that lost its state may hear its earlier lives' lanes later than that: the gossip
-//!   repairs origin by origin (ARCHITECTURE.md, BOUND).
+//!   state has arrived: this node just started, or the member did; and for a rate
+//!   sample's time, 100 ms, after this life first heard every live member): decided as
+//!   above, but the bound is infinite. Such a member's count is unknown, not just stale
+//!   (it counts as stale, so the decision is isolated), and a new life's rates read 0
+//!   until their first sample, so no finite bound this node could report would hold.
+//!   A life that lost its state may still hear its earlier lives' lanes later than
+//!   every live member's state: the gossip repairs origin by origin (ARCHITECTURE.md,
+//!   BOUND).
 //!
 //! A decision's `remaining` is what the rule that decided would still admit: the limit
 //! less the estimate when connected, the share less `own` when isolated.
@@ -322,7 +324,8 @@ impl Context<'_> {
                 + beyond_shares;
             (Mode::ApproximateIsolated, cost_i <= room, bound, room)
         };
-        // Until some state of every live member has arrived, what they admitted is unknown.
+        // What a member none of whose state has arrived admitted is unknown, and so is
+        // what they admit unseen before this life's rates are first sampled.
         let bound = if freshness.heard {
             bound
         } else {
@@ -860,7 +863,13 @@ mod tests {
         let table_only = view_of(&[(2, State::Alive), (3, State::Alive)], Stamp(0));
         let decision = context(&store, &table_only).check(&rule, key, 1).unwrap();
         assert_eq!(decision.bound, f64::INFINITY);
-        // One member's state arrived, stale: the isolated bound, finite.
+        // Its one member's state arrived fresh, 50 ms ago, when the members were first
+        // set: connected, but no rate has been sampled yet.
+        let just_heard = view(Stamp(NOW.0 - 50));
+        let decision = context(&store, &just_heard).check(&rule, key, 1).unwrap();
+        assert_eq!(decision.mode, Mode::ApproximateConnected);
+        assert_eq!(decision.bound, f64::INFINITY);
+        // Its one member's state arrived 5 s ago, stale now: the isolated bound, finite.
         let heard = view(Stamp(NOW.0 - 5_000));
         let decision = context(&store, &heard).check(&rule, key, 1).unwrap();
         assert_eq!(decision.mode, Mode::ApproximateIsolated);

@@ -74,6 +74,9 @@ pub struct ViewState {
     // over: at most the `live_until_unix_secs` of every key taken in since the last
     // `forget_ended_windows` walk (0 before the first), which walks none before it.
     ends_from: u64,
+    // When some state of every live member had first arrived in this life (wall time):
+    // the keys' rates have their first sample a `Rate::SAMPLE_MS_MIN` after.
+    heard_since: Option<Stamp>,
     /// Once the lane log's sync is overdue (`handoff`), how long before the members were
     /// last set (monotonic) the oldest write it holds back was queued: no peer has this
     /// node's writes since, and a peer may have declared it dead and stopped counting it,
@@ -152,7 +155,7 @@ impl Rate {
 
     /// Samples over shorter spans are merged into the next: gossip delivers in bursts
     /// (one push every few milliseconds), and a burst over one millisecond is not a rate.
-    const SAMPLE_MS_MIN: u64 = 100;
+    pub const SAMPLE_MS_MIN: u64 = 100;
 
     /// Takes in that the total was `total` at `at_ms`, holding every writer's increments
     /// only up to `heard_until()` if that is earlier (the first of their newest states to
@@ -228,11 +231,12 @@ pub struct Freshness {
     pub live: usize,
     /// Members known in any state but left, and unheard seeds; this node included.
     pub locations: usize,
-    /// Whether this node holds some state of every live member: false while a seed is
-    /// unheard or a live member's current replica has no stamp held here. Such a member's
-    /// count is unknown, not just stale: a node that has just started (with its data dir
-    /// or without) knows nothing yet of what the others admitted, and a member's new life
-    /// is unknown until its state arrives, so no bound this node could report would hold.
+    /// Whether this node knows enough of the others to bound what they admit: false while
+    /// a seed is unheard or a live member's current replica has no stamp held here (its
+    /// count is unknown, not just stale: a node that has just started, with its data dir
+    /// or without, knows nothing yet of what the others admitted, and a member's new life
+    /// is unknown until its state arrives), and, in this node's life, until a rate sample's
+    /// time after every live member was first heard (its keys' rates read 0 until then).
     pub heard: bool,
 }
 
@@ -336,6 +340,9 @@ impl ViewState {
                 ))
             })
             .collect();
+        if self.unheard_seeds + summary.unheard_live == 0 && self.heard_since.is_none() {
+            self.heard_since = Some(now.wall);
+        }
         (self.members, self.stamps, self.summary) = (members, stamps, summary);
         self.located = located;
         relocated
@@ -388,6 +395,7 @@ impl ViewState {
             located: self.located.clone(),
             own_held_for: self.own_held_for,
             ends_from: self.ends_from,
+            heard_since: self.heard_since,
         }
     }
 
@@ -413,8 +421,19 @@ impl ViewState {
             staleness,
             live: self.unheard_seeds + self.summary.live,
             locations: 1 + self.unheard_seeds + self.summary.located,
-            heard: self.unheard_seeds + self.summary.unheard_live == 0,
+            heard: self.heard(now),
         }
+    }
+
+    /// Whether, at wall time `now`, this node holds some state of every live member, and
+    /// has held it since before the keys' rates could take their first sample: until then
+    /// a new life's rates read 0 while the others admit unseen at theirs.
+    fn heard(&self, now: Stamp) -> bool {
+        if self.unheard_seeds + self.summary.unheard_live > 0 {
+            return false;
+        }
+        let sampled = |since: Stamp| now.0 >= since.0.saturating_add(Rate::SAMPLE_MS_MIN);
+        self.summary.live == 0 || self.heard_since.is_some_and(sampled)
     }
 
     /// Takes in `key`'s counter as gossip merged it, at monotonic time `now_ms`: the other
@@ -1001,12 +1020,14 @@ mod tests {
         let one: BTreeMap<_, _> = [(replica(2), Stamp(200)), (replica(3), Stamp(0))].into();
         state.set_members(members.clone(), one, now(2_000));
         assert!(!state.freshness(Stamp(2_000)).heard);
-        // Both arrived, however stale; a dead member's unheard new life does not count.
+        // Both arrived, however stale: heard once the keys' rates can have had their
+        // first sample. A dead member's unheard new life does not count.
         let both: BTreeMap<_, _> = [(replica(2), Stamp(200)), (replica(3), Stamp(300))].into();
         state.set_members(members.clone(), both, now(3_000));
-        let freshness = state.freshness(Stamp(3_000));
+        assert!(!state.freshness(Stamp(3_099)).heard, "no rate sampled yet");
+        let freshness = state.freshness(Stamp(3_100));
         assert!(freshness.heard);
-        assert_eq!(freshness.staleness, Duration::from_millis(2_800));
+        assert_eq!(freshness.staleness, Duration::from_millis(2_900));
         let dead_new_life = (NodeId(4), replica(4), State::Dead);
         let stamps: BTreeMap<_, _> = [
             (replica(2), Stamp(200)),
@@ -1015,14 +1036,19 @@ mod tests {
         ]
         .into();
         let with_dead = [members.clone(), vec![dead_new_life]].concat();
-        state.set_members(with_dead, stamps, now(3_000));
-        assert!(state.freshness(Stamp(3_000)).heard);
+        state.set_members(with_dead, stamps, now(3_100));
+        assert!(state.freshness(Stamp(3_100)).heard);
         // A member's new life, none of its state arrived yet: unknown again.
         let new_life = ReplicaId::new(NodeId(3), Generation(2));
         let restarted = vec![members[0], (NodeId(3), new_life, State::Alive)];
         let stamps: BTreeMap<_, _> = [(replica(2), Stamp(200)), (new_life, Stamp(0))].into();
-        state.set_members(restarted, stamps, now(3_100));
-        assert!(!state.freshness(Stamp(3_100)).heard);
+        state.set_members(restarted, stamps.clone(), now(3_200));
+        assert!(!state.freshness(Stamp(3_200)).heard);
+        // Its state arrived: heard again at once, the keys' rates measured already.
+        let stamps: BTreeMap<_, _> = [(replica(2), Stamp(200)), (new_life, Stamp(3_250))].into();
+        let restarted = vec![members[0], (NodeId(3), new_life, State::Alive)];
+        state.set_members(restarted, stamps, now(3_300));
+        assert!(state.freshness(Stamp(3_300)).heard);
     }
 
     #[test]
