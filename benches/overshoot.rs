@@ -55,8 +55,8 @@ fn main() {
 fn row(edges: u64, mode: &str, outcome: &Outcome) {
     let overshoot = (outcome.allowed - LIMIT).max(0);
     let modes: Vec<&str> = outcome.modes.iter().map(|m| m.as_str()).collect();
-    // Each admission under an infinite bound (from a node that some live member's state
-    // had not reached yet) may be all overshoot.
+    // Each admission under an infinite bound (from a node that had not heard every live
+    // member yet, or not for a rate sample's time) may be all overshoot.
     let unbounded = if outcome.unbounded > 0 {
         format!(" + {} unbounded", outcome.unbounded)
     } else {

@@ -239,8 +239,8 @@ struct Seen {
     /// admission reported.
     modes: BTreeMap<&'static str, u64>,
     hot_max_bound: f64,
-    /// Admissions of the hot subject under an infinite bound (a node that held no other
-    /// member's state yet): each may be all overshoot.
+    /// Admissions of the hot subject under an infinite bound (a node that had not heard
+    /// every live member yet, or not for a rate sample's time): each may be all overshoot.
     hot_unbounded: u64,
     /// Checks of the hot subject with no answer (timed out, or the connection went) that
     /// the sidecar may have admitted and counted.

@@ -120,7 +120,9 @@ fn lengths_of_2_to_the_32_40_and_64_in_every_field_allocate_under_8_mib() {
     assert!(tried > 2_000, "{tried} claims tried");
     // The negative control: the client's request decoder, its version byte skipped, with
     // bincode's limit left out, allocates what a claim asks before it finds the bytes
-    // missing. A claim of 64 MiB only: one of 2^40 would abort the process.
+    // missing. A claim of 64 MiB only: one of 2^40 would abort the process. The zeroed
+    // 64 MiB is never touched and is freed before the next claim, so it takes no memory
+    // but under strict overcommit (`vm.overcommit_memory = 2`) or a tight address limit.
     let unlimited = |body: &[u8]| {
         let region = Region::new(ALLOCATOR);
         let config = bincode::config::standard();

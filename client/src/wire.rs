@@ -313,8 +313,10 @@ pub struct Decision {
     /// when it turned isolated (this node's own excess, and the others' count, with their
     /// rate x `stale_after_ms` unseen, less one share); 0 for exact and for a
     /// `deny` fallback; infinite for an `allow` fallback, which admits whatever the count,
-    /// and for an approximate decision of a node that holds no other member's state yet
-    /// (just started: it knows nothing of what the others admitted).
+    /// and for an approximate decision while a seed or a live member's current life is
+    /// unheard at this node (it just started, or that member did: what it admitted is
+    /// unknown), and for 100 ms after the node first heard every live member (its rates
+    /// not yet sampled).
     pub bound: f64,
 }
 

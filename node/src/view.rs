@@ -74,9 +74,9 @@ pub struct ViewState {
     // over: at most the `live_until_unix_secs` of every key taken in since the last
     // `forget_ended_windows` walk (0 before the first), which walks none before it.
     ends_from: u64,
-    // When some state of every live member had first arrived in this life (wall time):
-    // the keys' rates have their first sample a `Rate::SAMPLE_MS_MIN` after.
-    heard_since: Option<Stamp>,
+    // When some state of every live member, one at least, had first arrived in this life
+    // (monotonic): the keys' rates have their first sample a `Rate::SAMPLE_MS_MIN` after.
+    heard_since: Option<Duration>,
     /// Once the lane log's sync is overdue (`handoff`), how long before the members were
     /// last set (monotonic) the oldest write it holds back was queued: no peer has this
     /// node's writes since, and a peer may have declared it dead and stopped counting it,
@@ -264,6 +264,8 @@ struct Summary {
     located: usize,
     /// Live members whose current replica has no stamp held: none of its state arrived.
     unheard_live: usize,
+    /// How long since every live member was first heard in this life, then (monotonic).
+    heard_for: Option<Duration>,
     /// Members by state: alive, suspect, dead, left.
     by_state: [u64; 4],
 }
@@ -340,9 +342,12 @@ impl ViewState {
                 ))
             })
             .collect();
-        if self.unheard_seeds + summary.unheard_live == 0 && self.heard_since.is_none() {
-            self.heard_since = Some(now.wall);
+        // Heard alone, with no one live, it has no rate to sample yet.
+        let all_heard = self.unheard_seeds + summary.unheard_live == 0 && summary.live > 0;
+        if all_heard && self.heard_since.is_none() {
+            self.heard_since = Some(now.mono);
         }
+        summary.heard_for = (self.heard_since).map(|since| now.mono.saturating_sub(since));
         (self.members, self.stamps, self.summary) = (members, stamps, summary);
         self.located = located;
         relocated
@@ -427,13 +432,18 @@ impl ViewState {
 
     /// Whether, at wall time `now`, this node holds some state of every live member, and
     /// has held it since before the keys' rates could take their first sample: until then
-    /// a new life's rates read 0 while the others admit unseen at theirs.
+    /// a new life's rates read 0 while the others admit unseen at theirs. The time since
+    /// is taken when the members were set, on the monotonic clock, plus the wall clock's
+    /// since, which a step back of it stops only until the next set.
     fn heard(&self, now: Stamp) -> bool {
         if self.unheard_seeds + self.summary.unheard_live > 0 {
             return false;
         }
-        let sampled = |since: Stamp| now.0 >= since.0.saturating_add(Rate::SAMPLE_MS_MIN);
-        self.summary.live == 0 || self.heard_since.is_some_and(sampled)
+        let since_set = Duration::from_millis(now.0.saturating_sub(self.summary.at.0));
+        let sampled = |heard_for: Duration| {
+            heard_for + since_set >= Duration::from_millis(Rate::SAMPLE_MS_MIN)
+        };
+        self.summary.live == 0 || self.summary.heard_for.is_some_and(sampled)
     }
 
     /// Takes in `key`'s counter as gossip merged it, at monotonic time `now_ms`: the other
@@ -1047,8 +1057,42 @@ mod tests {
         // Its state arrived: heard again at once, the keys' rates measured already.
         let stamps: BTreeMap<_, _> = [(replica(2), Stamp(200)), (new_life, Stamp(3_250))].into();
         let restarted = vec![members[0], (NodeId(3), new_life, State::Alive)];
-        state.set_members(restarted, stamps, now(3_300));
+        state.set_members(restarted.clone(), stamps.clone(), now(3_300));
         assert!(state.freshness(Stamp(3_300)).heard);
+        // The wall clock steps back an hour: the time since it heard them runs on.
+        let stepped = Now {
+            mono: Duration::from_millis(3_400),
+            wall: Stamp(3_400 + 3_600_000),
+        };
+        let mut ahead = ViewState::default();
+        ahead.set_members(restarted.clone(), stamps.clone(), stepped);
+        let back = Now {
+            mono: Duration::from_millis(3_500),
+            wall: Stamp(3_500),
+        };
+        ahead.set_members(restarted, stamps, back);
+        assert!(ahead.freshness(Stamp(3_500)).heard);
+    }
+
+    #[test]
+    fn a_node_alone_at_first_waits_a_rate_sample_once_it_hears_its_members() {
+        let replica = |node| ReplicaId::new(NodeId(node), Generation(1));
+        let now = |ms| Now {
+            mono: Duration::from_millis(ms),
+            wall: Stamp(ms),
+        };
+        let mut state = ViewState::default();
+        state.set_members(Vec::new(), BTreeMap::new(), now(1_000));
+        assert!(
+            state.freshness(Stamp(1_000)).heard,
+            "alone: nothing to hear"
+        );
+        let members = vec![(NodeId(2), replica(2), State::Alive)];
+        let stamps: BTreeMap<_, _> = [(replica(2), Stamp(1_900))].into();
+        state.set_members(members.clone(), stamps.clone(), now(2_000));
+        assert!(!state.freshness(Stamp(2_050)).heard, "no rate sampled yet");
+        state.set_members(members, stamps, now(2_100));
+        assert!(state.freshness(Stamp(2_100)).heard);
     }
 
     #[test]

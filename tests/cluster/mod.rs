@@ -699,8 +699,8 @@ pub struct Outcome {
     pub allowed: i128,
     /// The largest finite bound an admitted check reported.
     pub max_bound: f64,
-    /// Admitted checks that reported an infinite bound (from a node that held no other
-    /// member's state yet): each may be all overshoot.
+    /// Admitted checks that reported an infinite bound (from a node that had not heard
+    /// every live member yet, or not for a rate sample's time): each may be all overshoot.
     pub unbounded: i128,
     /// The modes that answered.
     pub modes: Vec<tally_client::Mode>,
