@@ -655,6 +655,9 @@ async fn approximate_overshoot_stays_within_the_reported_bound_connected_and_iso
     // Dead only after a long suspicion, so a paused peer keeps the others isolated.
     let cluster = Cluster::start_with(NET, 4, 60_000, false);
     cluster.wait_fresh(Duration::from_millis(300));
+    // Past the first rate sample of every node's life (100 ms after it heard the others),
+    // every bound is finite: a bound stuck infinite would pass the BOUND checks below.
+    tokio::time::sleep(Duration::from_millis(200)).await;
     let limit = 2_000i128;
 
     // Connected: one subject's checks spread over all four nodes at a fixed total rate of
@@ -680,6 +683,7 @@ async fn approximate_overshoot_stays_within_the_reported_bound_connected_and_iso
         outcome.allowed >= limit,
         "the limit was reached: {outcome:?}"
     );
+    assert_eq!(outcome.unbounded, 0, "{outcome:?}");
     assert!(
         overshoot as f64 <= outcome.bound(),
         "BOUND (connected): overshoot {overshoot} over the bound {} the decisions reported",
@@ -712,6 +716,7 @@ async fn approximate_overshoot_stays_within_the_reported_bound_connected_and_iso
         "{outcome:?}"
     );
     let overshoot = (outcome.allowed - limit).max(0);
+    assert_eq!(outcome.unbounded, 0, "{outcome:?}");
     assert!(
         overshoot as f64 <= outcome.bound(),
         "BOUND (isolated): overshoot {overshoot}, bound {}",
@@ -1380,6 +1385,7 @@ async fn both_sides_of_a_partition_admit_on_their_shares_within_the_bound_and_he
     )
     .await;
     assert_eq!(outcome.modes, [Mode::ApproximateIsolated], "{outcome:?}");
+    assert_eq!(outcome.unbounded, 0, "every member heard: {outcome:?}");
     // Each node on its share, node 1 less the 300 it admitted before.
     assert_eq!(outcome.allowed, share - 300 + 3 * share);
     // Each side holds its own admissions and none of the other's: the partition held.
