@@ -426,20 +426,20 @@ impl ViewState {
             staleness,
             live: self.unheard_seeds + self.summary.live,
             locations: 1 + self.unheard_seeds + self.summary.located,
-            heard: self.heard(now),
+            heard: self.heard(since_set),
         }
     }
 
-    /// Whether, at wall time `now`, this node holds some state of every live member, and
-    /// has held it since before the keys' rates could take their first sample: until then
-    /// a new life's rates read 0 while the others admit unseen at theirs. The time since
-    /// is taken when the members were set, on the monotonic clock, plus the wall clock's
-    /// since, which a step back of it stops only until the next set.
-    fn heard(&self, now: Stamp) -> bool {
+    /// Whether, `since_set` after the members were set, this node holds some state of
+    /// every live member, and has held it since before the keys' rates could take their
+    /// first sample: until then a new life's rates read 0 while the others admit unseen at
+    /// theirs. The time since is taken when the members were set, on the monotonic clock,
+    /// plus `since_set` on the wall clock, which a step back of it stops only until the
+    /// next set.
+    fn heard(&self, since_set: Duration) -> bool {
         if self.unheard_seeds + self.summary.unheard_live > 0 {
             return false;
         }
-        let since_set = Duration::from_millis(now.0.saturating_sub(self.summary.at.0));
         let sampled = |heard_for: Duration| {
             heard_for + since_set >= Duration::from_millis(Rate::SAMPLE_MS_MIN)
         };

@@ -188,9 +188,9 @@ struct Admitted {
     total: u64,
     /// The largest finite bound an admitting decision reported.
     max_bound: f64,
-    /// Admissions whose decision reported an infinite bound: a node that held no other
-    /// member's state yet (a new life) knows nothing of what the others admitted. Each
-    /// may be all overshoot.
+    /// Admissions whose decision reported an infinite bound: a node that had not heard every
+    /// live member yet (a new life, or its peers until they hear it), or not for a rate
+    /// sample's time. Each may be all overshoot.
     unbounded: u64,
     by_mode: BTreeMap<String, u64>,
     /// The first isolated admission after which the overshoot was past the bound that
