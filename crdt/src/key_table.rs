@@ -7,21 +7,24 @@ use foldhash::SharedSeed;
 use hashbrown::hash_table::Entry;
 use hashbrown::HashTable;
 use std::hash::{Hash, Hasher};
+use std::num::NonZeroU32;
 
 /// A held key's place in its [`KeyTable`]: fixed while the key is held, reused after.
 ///
 /// 32 bits, as the table's hash table and every origin's version index hold one per key
-/// or lane: a table holds fewer than 2^32 keys (each takes over 100 bytes).
+/// or lane: a table holds fewer than 2^32 - 1 keys (each takes over 80 bytes). Held as the
+/// position plus one, so that an `Option<KeyId>` is 32 bits too.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) struct KeyId(u32);
+pub(crate) struct KeyId(NonZeroU32);
 
 impl KeyId {
     fn at(self) -> usize {
-        self.0 as usize
+        self.0.get() as usize - 1
     }
 
-    fn of(at: usize) -> KeyId {
-        KeyId(u32::try_from(at).expect("a key table holds fewer than 2^32 keys"))
+    pub(crate) fn of(at: usize) -> KeyId {
+        let id = u32::try_from(at + 1).ok().and_then(NonZeroU32::new);
+        KeyId(id.expect("a key table holds fewer than 2^32 - 1 keys"))
     }
 }
 
@@ -157,7 +160,8 @@ impl KeyTable {
     /// held)` for every entry that changed id, so that whatever holds ids can follow.
     pub(crate) fn compact(&mut self, mut moved: impl FnMut(KeyId, KeyId, &Held)) {
         // Lowest last, so that `pop` takes the lowest free id.
-        self.free.sort_unstable_by_key(|id| std::cmp::Reverse(id.0));
+        self.free
+            .sort_unstable_by_key(|id| std::cmp::Reverse(id.at()));
         loop {
             while matches!(self.entries.last(), Some(None)) {
                 self.entries.pop();
@@ -279,7 +283,7 @@ mod tests {
         assert_eq!(table.len(), 10);
         assert_eq!(table.entries.len(), 10, "no free id is left");
         for (from, to, moved) in &moves {
-            assert!(to.0 < from.0);
+            assert!(to.at() < from.at());
             assert_eq!(table.id(moved), Some(*to));
         }
         for s in (0..100).step_by(10) {
@@ -287,7 +291,11 @@ mod tests {
             assert_eq!(table.get(id).unwrap().key, key(s));
         }
         let fresh = table.entry(&key(1_000)).0;
-        assert_eq!(fresh, KeyId(10), "the next id follows the compacted ones");
+        assert_eq!(
+            fresh,
+            KeyId::of(10),
+            "the next id follows the compacted ones"
+        );
     }
 
     #[test]

@@ -41,6 +41,7 @@ mod key;
 mod key_table;
 mod lane;
 mod map;
+mod version_index;
 
 pub use counter::{PnCounter, Slot};
 pub use delta::{

@@ -2,12 +2,12 @@
 
 use crate::delta::size;
 use crate::key_table::{KeyId, KeyTable};
+use crate::version_index::VersionIndex;
 use crate::{
     Delta, Digest, Generation, Key, Lane, LaneUpdate, NodeId, OriginDelta, Overflow, PnCounter,
     ReplicaId, Slot, Stamp, Version, Watermark, Window, DELTA_BYTES_MIN,
 };
 use std::collections::BTreeMap;
-use std::ops::Bound::{Excluded, Unbounded};
 
 /// Every counter a node holds, with the per-origin bookkeeping that delta sync needs.
 ///
@@ -54,7 +54,7 @@ struct Origin {
     watermark: Watermark,
     // Invariant: one entry per lane of this origin held in `keys`, at its version, naming
     // its key's id.
-    by_version: BTreeMap<Version, KeyId>,
+    by_version: VersionIndex,
     // Pushes merged whole past a gap, if any, above the watermark.
     ahead: Option<Run>,
 }
@@ -163,8 +163,8 @@ impl CounterMap {
             ReplicaId::new(node, Generation(0))..=ReplicaId::new(node, Generation(u64::MAX));
         self.origins
             .range(lives)
-            .flat_map(|(_, origin)| origin.by_version.values())
-            .filter_map(|&id| {
+            .flat_map(|(_, origin)| origin.by_version.ids())
+            .filter_map(|id| {
                 let held = self.keys.get(id)?;
                 Some((&held.key, &held.counter))
             })
@@ -213,8 +213,8 @@ impl CounterMap {
     /// (merged from a push that followed versions not held yet).
     pub fn top(&self, origin: ReplicaId) -> Version {
         self.origins.get(&origin).map_or(Version::ZERO, |origin| {
-            let last = origin.by_version.keys().next_back().copied();
-            origin.watermark.version.max(last.unwrap_or_default())
+            let last = origin.by_version.last().unwrap_or_default();
+            origin.watermark.version.max(last)
         })
     }
 
@@ -310,16 +310,11 @@ impl CounterMap {
         }
         // Above every version held of it, lanes taken past a gap included, so that the
         // new version names this lane alone.
-        let last = origin
-            .by_version
-            .keys()
-            .next_back()
-            .copied()
-            .unwrap_or_default();
+        let last = origin.by_version.last().unwrap_or_default();
         let version = origin.watermark.version.max(last).next();
         origin.watermark.version = version;
         if let Some(old) = counter.slot(replica) {
-            origin.by_version.remove(&old.version);
+            origin.by_version.remove(old.version);
         }
         origin.by_version.insert(version, id);
         self.changes += 1;
@@ -389,11 +384,7 @@ impl CounterMap {
             .filter_map(|(replica, origin)| {
                 let theirs = peer.origins.get(replica).copied().unwrap_or_default();
                 let lacks_lanes = origin.watermark.version > theirs.version
-                    || origin
-                        .by_version
-                        .range((Excluded(theirs.version), Unbounded))
-                        .next()
-                        .is_some();
+                    || origin.by_version.last() > Some(theirs.version);
                 let lacks_stamp = origin.watermark.stamp > theirs.stamp;
                 let lacks = lacks_lanes || lacks_stamp;
                 (lacks && pick(*replica, theirs)).then_some((replica, origin, theirs))
@@ -485,7 +476,7 @@ impl CounterMap {
             lanes: Vec::new(),
         };
         let after = Version(theirs.version.0.saturating_add(1));
-        for (&version, &id) in origin.by_version.range(after..) {
+        for (version, id) in origin.by_version.range_from(after) {
             let Some(held) = self.keys.get(id) else {
                 panic!("{replica}'s version {version:?} names key id {id:?}, which is not held");
             };
@@ -552,7 +543,7 @@ impl CounterMap {
                     break;
                 }
                 let named =
-                    (origin.by_version.get(&update.version)).and_then(|&id| self.keys.get(id));
+                    (origin.by_version.get(update.version)).and_then(|id| self.keys.get(id));
                 if named.is_some_and(|held| held.key != update.key) {
                     applied.lanes_clashing += left_out.len();
                     refused_at = lowest();
@@ -580,7 +571,7 @@ impl CounterMap {
                 let new_version = counter.slot(entry.origin).map(|slot| slot.version);
                 if old_version != new_version {
                     if let Some(old) = old_version {
-                        origin.by_version.remove(&old);
+                        origin.by_version.remove(old);
                     }
                     if let Some(new) = new_version {
                         origin.by_version.insert(new, id);
@@ -627,7 +618,7 @@ impl CounterMap {
             if let Some(held) = self.keys.remove(id) {
                 for slot in held.counter.slots() {
                     if let Some(origin) = self.origins.get_mut(&slot.replica) {
-                        origin.by_version.remove(&slot.version);
+                        origin.by_version.remove(slot.version);
                     }
                 }
             }
@@ -636,14 +627,8 @@ impl CounterMap {
             let origins = &mut self.origins;
             self.keys.compact(|from, to, held| {
                 for slot in held.counter.slots() {
-                    let origin = origins.get_mut(&slot.replica);
-                    if let Some(at) = origin.and_then(|o| o.by_version.get_mut(&slot.version)) {
-                        assert_eq!(
-                            *at, from,
-                            "{}'s version {:?} names another key",
-                            slot.replica, slot.version
-                        );
-                        *at = to;
+                    if let Some(origin) = origins.get_mut(&slot.replica) {
+                        origin.by_version.rename(slot.version, from, to);
                     }
                 }
             });
@@ -886,13 +871,13 @@ mod tests {
     /// version, and every held lane has one.
     fn assert_index_names_each_lane(map: &CounterMap) {
         for (replica, origin) in &map.origins {
-            for (version, &id) in &origin.by_version {
+            for (version, id) in origin.by_version.range_from(Version::ZERO) {
                 let held = map.keys.get(id).expect("the index names a held key");
                 let slot = held
                     .counter
                     .slot(*replica)
                     .expect("the key has the origin's lane");
-                assert_eq!(slot.version, *version, "{replica} at {}", held.key);
+                assert_eq!(slot.version, version, "{replica} at {}", held.key);
             }
         }
         let lanes: usize = map.iter().map(|(_, counter)| counter.lanes()).sum();
