@@ -124,6 +124,11 @@ fn make_keys(keys: &mut Vec<Key>) {
     }));
 }
 
+/// A lane as `CounterMap` holds it (`crdt/src/cells.rs`, which asserts its size): a 32-bit
+/// index into the map's table of origins, and the two totals and the version, each a `u64`
+/// in two 32-bit halves so that the lane is 4-byte aligned.
+type MapLane = [u32; 7];
+
 fn replica(node: u64) -> ReplicaId {
     ReplicaId::new(NodeId(node), Generation(1))
 }
@@ -141,11 +146,12 @@ fn print_sizes() {
         ("Slot (ReplicaId + Lane + Version)", size_of::<Slot>()),
         ("PnCounter (Box<[Slot]>)", size_of::<PnCounter>()),
         (
-            "Option<(Key, PnCounter)> key table entry",
-            size_of::<Option<(Key, PnCounter)>>(),
+            "Option<(Key, Box<[MapLane]>)> key table entry",
+            size_of::<Option<(Key, Box<[MapLane]>)>>(),
         ),
+        ("a CounterMap lane (origin index + Lane + Version)", size_of::<MapLane>()),
     ] {
-        println!("  {name:<40} {size:>4}");
+        println!("  {name:<50} {size:>4}");
     }
     println!();
 }
@@ -298,21 +304,15 @@ fn counter_map_parts(keys: &[Key], one_lane: Live) {
             if entries.len() == entries.capacity() {
                 entries.reserve_exact(entries.len() / 4 + 16);
             }
-            entries.push(Some((key.clone(), PnCounter::new())));
+            entries.push(Some((key.clone(), Box::<[MapLane]>::default())));
         }
         entries
     });
     drop(entries);
     let (lanes, lanes_live) = measure(|| {
-        keys.iter()
-            .map(|_| {
-                let mut counter = PnCounter::new();
-                counter
-                    .incr(replica(0), 1)
-                    .expect("one increment cannot overflow");
-                counter
-            })
-            .collect::<Vec<PnCounter>>()
+        (keys.iter())
+            .map(|_| Box::from([[1u32; 7]]))
+            .collect::<Vec<Box<[MapLane]>>>()
     });
     drop(lanes);
     let (index, index_live) = measure(|| {
@@ -328,15 +328,15 @@ fn counter_map_parts(keys: &[Key], one_lane: Live) {
         index
     });
     drop(index);
-    let vector = (keys_n() * size_of::<PnCounter>()) as isize;
+    let vector = (keys_n() * size_of::<Box<[MapLane]>>()) as isize;
     let lane_heap = lanes_live.bytes - vector;
     let ids = one_lane.bytes - entries_live.bytes - lane_heap - index_live.bytes;
     for (part, live) in [
         (
-            "key table entries, Vec<Option<(Key, PnCounter)>>",
+            "key table entries, Vec<Option<(Key, Box<[MapLane]>)>>",
             entries_live.bytes,
         ),
-        ("one-lane PnCounter's Box<[Slot]> heap", lane_heap),
+        ("one lane's Box<[MapLane]> heap", lane_heap),
         (
             "one origin's version index, 12 bytes an entry",
             index_live.bytes,

@@ -15,7 +15,7 @@
 use crdts::{CmRDT, CvRDT, PNCounter};
 use criterion::{criterion_group, criterion_main, BatchSize, BenchmarkId, Criterion};
 use std::hint::black_box;
-use tally_crdt::{Generation, NodeId, PnCounter, ReplicaId};
+use tally_crdt::{Counter, Generation, NodeId, PnCounter, ReplicaId};
 
 const REPLICAS: [u64; 3] = [8, 64, 256];
 

@@ -27,21 +27,22 @@ pub struct PnCounter {
     slots: Box<[Slot]>,
 }
 
-impl PnCounter {
-    /// An empty counter: value zero, no lanes.
-    pub fn new() -> PnCounter {
-        PnCounter::default()
-    }
+/// Reading a PN-counter's lanes: its value, and the parts of it that a decision takes.
+/// Implemented by [`PnCounter`] and by a counter held in a map ([`CounterRef`]).
+///
+/// [`CounterRef`]: crate::CounterRef
+pub trait Counter {
+    /// Every lane, in replica order.
+    fn slots(&self) -> impl Iterator<Item = Slot> + Clone + '_;
 
     /// The counter's value: the sum of every lane's `incr - decr`.
-    pub fn value(&self) -> i128 {
-        self.slots.iter().map(|slot| slot.lane.value()).sum()
+    fn value(&self) -> i128 {
+        self.slots().map(|slot| slot.lane.value()).sum()
     }
 
     /// The value of every lane except `replica`'s.
-    pub fn value_without(&self, replica: ReplicaId) -> i128 {
-        self.slots
-            .iter()
+    fn value_without(&self, replica: ReplicaId) -> i128 {
+        (self.slots())
             .filter(|slot| slot.replica != replica)
             .map(|slot| slot.lane.value())
             .sum()
@@ -49,9 +50,8 @@ impl PnCounter {
 
     /// The value of the lanes of `replica`'s node under other generations than
     /// `replica`'s: that node's other lives, such as the ones before its last restart.
-    pub fn value_of_other_lives(&self, replica: ReplicaId) -> i128 {
-        self.slots
-            .iter()
+    fn value_of_other_lives(&self, replica: ReplicaId) -> i128 {
+        (self.slots())
             .filter(|slot| slot.replica.node == replica.node && slot.replica != replica)
             .map(|slot| slot.lane.value())
             .sum()
@@ -60,47 +60,80 @@ impl PnCounter {
     /// How far below zero the nodes other than `node` are, summed over those whose lanes
     /// (of every life) net below zero: what counting each such node at no less than zero
     /// adds to the value of their lanes. 0 when none is below zero.
-    pub fn below_zero_of_nodes_but(&self, node: NodeId) -> i128 {
-        // Slots are sorted by replica, so each node's lives are next to each other.
-        self.slots
-            .chunk_by(|a, b| a.replica.node == b.replica.node)
-            .filter(|lives| lives[0].replica.node != node)
-            .map(|lives| -lives.iter().map(|slot| slot.lane.value()).sum::<i128>())
+    fn below_zero_of_nodes_but(&self, node: NodeId) -> i128 {
+        by_node(self.slots())
+            .filter(|&(of, _)| of != node)
+            .map(|(_, value)| -value)
             .filter(|&below| below > 0)
             .sum()
     }
 
     /// The value of the nodes `outside` picks, each over all its lives and counted at no
     /// less than zero. 0 when it picks none.
-    pub fn above_zero_of_nodes(&self, outside: impl Fn(NodeId) -> bool) -> i128 {
-        // Slots are sorted by replica, so each node's lives are next to each other.
-        self.slots
-            .chunk_by(|a, b| a.replica.node == b.replica.node)
-            .filter(|lives| outside(lives[0].replica.node))
-            .map(|lives| {
-                lives
-                    .iter()
-                    .map(|slot| slot.lane.value())
-                    .sum::<i128>()
-                    .max(0)
-            })
+    fn above_zero_of_nodes(&self, outside: impl Fn(NodeId) -> bool) -> i128 {
+        by_node(self.slots())
+            .filter(|&(node, _)| outside(node))
+            .map(|(_, value)| value.max(0))
             .sum()
     }
 
+    /// `replica`'s slot, if it has one.
+    fn slot(&self, replica: ReplicaId) -> Option<Slot> {
+        self.slots().find(|slot| slot.replica == replica)
+    }
+
     /// `replica`'s lane, or an empty lane if it has none.
-    pub fn lane(&self, replica: ReplicaId) -> Lane {
+    fn lane(&self, replica: ReplicaId) -> Lane {
         self.slot(replica).map(|slot| slot.lane).unwrap_or_default()
     }
 
-    /// `replica`'s slot, if it has one.
-    pub fn slot(&self, replica: ReplicaId) -> Option<&Slot> {
-        let at = self.find(replica).ok()?;
-        Some(&self.slots[at])
+    /// How many lanes the counter holds.
+    fn lanes(&self) -> usize {
+        self.slots().count()
+    }
+}
+
+/// Each node's value over all its lives, from slots in replica order (each node's lives
+/// next to each other).
+fn by_node(slots: impl Iterator<Item = Slot>) -> impl Iterator<Item = (NodeId, i128)> {
+    let mut slots = slots.peekable();
+    std::iter::from_fn(move || {
+        let first = slots.next()?;
+        let node = first.replica.node;
+        let mut value = first.lane.value();
+        while let Some(life) = slots.next_if(|slot| slot.replica.node == node) {
+            value += life.lane.value();
+        }
+        Some((node, value))
+    })
+}
+
+impl Counter for PnCounter {
+    fn slots(&self) -> impl Iterator<Item = Slot> + Clone + '_ {
+        self.slots.iter().copied()
     }
 
-    /// Every lane, in replica order.
-    pub fn slots(&self) -> &[Slot] {
-        &self.slots
+    fn slot(&self, replica: ReplicaId) -> Option<Slot> {
+        let at = self.find(replica).ok()?;
+        Some(self.slots[at])
+    }
+
+    fn lanes(&self) -> usize {
+        self.slots.len()
+    }
+}
+
+impl PnCounter {
+    /// An empty counter: value zero, no lanes.
+    pub fn new() -> PnCounter {
+        PnCounter::default()
+    }
+
+    /// A copy of `counter`'s lanes, as a counter of its own.
+    pub fn copy_of(counter: &impl Counter) -> PnCounter {
+        PnCounter {
+            slots: counter.slots().collect(),
+        }
     }
 
     /// Adds `amount` to `replica`'s increments. On overflow nothing changes.
@@ -174,11 +207,6 @@ impl PnCounter {
                 true
             }
         }
-    }
-
-    /// How many lanes the counter holds.
-    pub fn lanes(&self) -> usize {
-        self.slots.len()
     }
 
     fn find(&self, replica: ReplicaId) -> Result<usize, usize> {

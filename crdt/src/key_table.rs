@@ -1,7 +1,8 @@
-//! The counter map's keys: each held key with its counter, under a small id that the map's
+//! The counter map's keys: each held key with its counter's lanes, under a small id that the map's
 //! per-origin version indexes hold instead of a copy of the key.
 
-use crate::{Key, PnCounter};
+use crate::cells::Cells;
+use crate::Key;
 use foldhash::fast::FoldHasher;
 use foldhash::SharedSeed;
 use hashbrown::hash_table::Entry;
@@ -28,11 +29,11 @@ impl KeyId {
     }
 }
 
-/// A key and its counter.
+/// A key and its counter's lanes.
 #[derive(Debug, Clone)]
 pub(crate) struct Held {
     pub(crate) key: Key,
-    pub(crate) counter: PnCounter,
+    pub(crate) cells: Cells,
 }
 
 /// Keys and their counters, found by key or by id.
@@ -101,9 +102,9 @@ impl KeyTable {
         self.entries.get(id.at())?.as_ref()
     }
 
-    /// The id and counter of `key`, holding it with an empty counter (under a free id or
-    /// a new one) if it was not held.
-    pub(crate) fn entry(&mut self, key: &Key) -> (KeyId, &mut PnCounter) {
+    /// The id and lanes of `key`, holding it with no lanes (under a free id or a new one)
+    /// if it was not held.
+    pub(crate) fn entry(&mut self, key: &Key) -> (KeyId, &mut Cells) {
         let hash = self.hasher.hash_one(key);
         let (entries, hasher) = (&self.entries, &self.hasher);
         let found = self.ids.entry(
@@ -124,9 +125,9 @@ impl KeyTable {
         };
         let held = self.entries[id.at()].get_or_insert_with(|| Held {
             key: key.clone(),
-            counter: PnCounter::new(),
+            cells: Cells::default(),
         });
-        (id, &mut held.counter)
+        (id, &mut held.cells)
     }
 
     /// Stops holding `id`'s key, returning it with its counter.
@@ -230,7 +231,8 @@ fn hash_at(entries: &[Option<Held>], hasher: &KeyHasher, id: KeyId) -> u64 {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::{Generation, NodeId, ReplicaId, Rule, Subject, Window};
+    use crate::cells::Replicas;
+    use crate::{Generation, Lane, NodeId, ReplicaId, Rule, Subject, Version, Window};
 
     fn key(subject: usize) -> Key {
         Key::new(
@@ -246,11 +248,17 @@ mod tests {
         let ids: Vec<KeyId> = (0..100).map(|s| table.entry(&key(s)).0).collect();
         assert_eq!(table.len(), 100);
         assert_eq!(table.entry(&key(5)).0, ids[5], "held: same id");
-        let replica = ReplicaId::new(NodeId(1), Generation(1));
-        table.entry(&key(5)).1.incr(replica, 3).unwrap();
+        let mut replicas = Replicas::default();
+        let origin = replicas.add(ReplicaId::new(NodeId(1), Generation(1)));
+        let lane = Lane::new(3, 0);
+        table
+            .entry(&key(5))
+            .1
+            .merge(&replicas, origin, lane, Version(1));
 
         let removed = table.remove(ids[5]).unwrap();
-        assert_eq!((removed.key, removed.counter.value()), (key(5), 3));
+        assert_eq!(removed.key, key(5));
+        assert_eq!(removed.cells.get(origin), Some((lane, Version(1))));
         assert_eq!(table.id(&key(5)), None);
         assert!(table.get(ids[5]).is_none());
         assert!(table.remove(ids[5]).is_none(), "removed once");
@@ -258,7 +266,7 @@ mod tests {
 
         let reused = table.entry(&key(1_000)).0;
         assert_eq!(reused, ids[5]);
-        assert_eq!(table.get(reused).unwrap().counter.value(), 0);
+        assert_eq!(table.get(reused).unwrap().cells.get(origin), None);
         for (s, id) in ids.iter().enumerate().filter(|&(s, _)| s != 5) {
             assert_eq!(table.id(&key(s)), Some(*id), "key {s}");
         }

@@ -34,6 +34,7 @@
 //! ```
 #![warn(missing_docs)]
 
+mod cells;
 mod counter;
 mod delta;
 mod id;
@@ -43,7 +44,8 @@ mod lane;
 mod map;
 mod version_index;
 
-pub use counter::{PnCounter, Slot};
+pub use cells::CounterRef;
+pub use counter::{Counter, PnCounter, Slot};
 pub use delta::{
     Delta, Digest, LaneUpdate, OriginDelta, Stamp, Version, Watermark, DELTA_BYTES_MIN,
 };

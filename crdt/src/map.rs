@@ -1,11 +1,12 @@
 //! Many counters with versioned lanes: the state that gossip keeps in sync.
 
+use crate::cells::{CounterRef, OriginIndex, Replicas};
 use crate::delta::size;
 use crate::key_table::{KeyId, KeyTable};
 use crate::version_index::VersionIndex;
 use crate::{
-    Delta, Digest, Generation, Key, Lane, LaneUpdate, NodeId, OriginDelta, Overflow, PnCounter,
-    ReplicaId, Slot, Stamp, Version, Watermark, Window, DELTA_BYTES_MIN,
+    Counter, Delta, Digest, Generation, Key, Lane, LaneUpdate, NodeId, OriginDelta, Overflow,
+    ReplicaId, Stamp, Version, Watermark, Window, DELTA_BYTES_MIN,
 };
 use std::collections::BTreeMap;
 
@@ -21,6 +22,8 @@ use std::collections::BTreeMap;
 pub struct CounterMap {
     keys: KeyTable,
     origins: BTreeMap<ReplicaId, Origin>,
+    // Invariant: every origin in `origins` at its index, and no other.
+    replicas: Replicas,
     // Lanes from peers may add keys only while fewer than this are held.
     keys_max: usize,
     // A lane from a peer may hold at most this much per second of its window's age.
@@ -41,6 +44,7 @@ impl Default for CounterMap {
         CounterMap {
             keys: KeyTable::with_seed(0),
             origins: BTreeMap::new(),
+            replicas: Replicas::default(),
             keys_max: usize::MAX,
             lane_rate_max: u64::MAX,
             changes: 0,
@@ -49,8 +53,10 @@ impl Default for CounterMap {
 }
 
 /// What the map holds of one origin.
-#[derive(Debug, Clone, Default)]
+#[derive(Debug, Clone)]
 struct Origin {
+    // What its lanes name it by.
+    index: OriginIndex,
     watermark: Watermark,
     // Invariant: one entry per lane of this origin held in `keys`, at its version, naming
     // its key's id.
@@ -151,14 +157,14 @@ impl CounterMap {
     }
 
     /// The counter at `key`, if any lane of it is held.
-    pub fn counter(&self, key: &Key) -> Option<&PnCounter> {
+    pub fn counter(&self, key: &Key) -> Option<CounterRef<'_>> {
         let id = self.keys.id(key)?;
-        Some(&self.keys.get(id)?.counter)
+        Some(CounterRef::new(&self.keys.get(id)?.cells, &self.replicas))
     }
 
     /// Every key holding a lane of `node`, in any of its lives, with its counter: a key
     /// with lanes of several lives comes once for each.
-    pub fn keys_of(&self, node: NodeId) -> impl Iterator<Item = (&Key, &PnCounter)> {
+    pub fn keys_of(&self, node: NodeId) -> impl Iterator<Item = (&Key, CounterRef<'_>)> {
         let lives =
             ReplicaId::new(node, Generation(0))..=ReplicaId::new(node, Generation(u64::MAX));
         self.origins
@@ -166,18 +172,19 @@ impl CounterMap {
             .flat_map(|(_, origin)| origin.by_version.ids())
             .filter_map(|id| {
                 let held = self.keys.get(id)?;
-                Some((&held.key, &held.counter))
+                Some((&held.key, CounterRef::new(&held.cells, &self.replicas)))
             })
     }
 
     /// The value at `key`: zero if nothing is held.
     pub fn value(&self, key: &Key) -> i128 {
-        self.counter(key).map_or(0, PnCounter::value)
+        self.counter(key).map_or(0, |counter| counter.value())
     }
 
     /// Every key and its counter, in no particular order.
-    pub fn iter(&self) -> impl Iterator<Item = (&Key, &PnCounter)> {
-        self.keys.iter().map(|(_, held)| (&held.key, &held.counter))
+    pub fn iter(&self) -> impl Iterator<Item = (&Key, CounterRef<'_>)> {
+        (self.keys.iter())
+            .map(|(_, held)| (&held.key, CounterRef::new(&held.cells, &self.replicas)))
     }
 
     /// A number that rises whenever a lane rises or a counter is dropped, so a caller can
@@ -297,15 +304,15 @@ impl CounterMap {
         stamp: Stamp,
         fresh: bool,
     ) -> Version {
-        let (id, counter) = self.keys.entry(key);
-        let held = counter.lane(replica);
-        let origin = self.origins.entry(replica).or_default();
+        let origin = origin_entry(&mut self.origins, &mut self.replicas, replica);
+        let (id, cells) = self.keys.entry(key);
+        let held = cells.get(origin.index);
         origin.watermark.stamp = origin.watermark.stamp.max(stamp);
-        let mut lane = held;
+        let mut lane = held.map(|(lane, _)| lane).unwrap_or_default();
         lane.merge(totals);
-        if lane == held && !fresh {
-            if let Some(slot) = counter.slot(replica) {
-                return slot.version;
+        if let Some((held_lane, held_version)) = held {
+            if lane == held_lane && !fresh {
+                return held_version;
             }
         }
         // Above every version held of it, lanes taken past a gap included, so that the
@@ -313,16 +320,12 @@ impl CounterMap {
         let last = origin.by_version.last().unwrap_or_default();
         let version = origin.watermark.version.max(last).next();
         origin.watermark.version = version;
-        if let Some(old) = counter.slot(replica) {
-            origin.by_version.remove(old.version);
+        if let Some((_, old)) = held {
+            origin.by_version.remove(old);
         }
         origin.by_version.insert(version, id);
         self.changes += 1;
-        counter.merge_slot(Slot {
-            replica,
-            lane,
-            version,
-        });
+        cells.merge(&self.replicas, origin.index, lane, version);
         version
     }
 
@@ -333,14 +336,14 @@ impl CounterMap {
     /// a restart: the peers may hold that replica's lanes at versions this map never saw,
     /// and a lane written at a lower version would be ignored by them.
     pub fn raise_version(&mut self, origin: ReplicaId, floor: Version) {
-        let origin = self.origins.entry(origin).or_default();
+        let origin = origin_entry(&mut self.origins, &mut self.replicas, origin);
         origin.watermark.version = origin.watermark.version.max(floor);
     }
 
     /// Moves `origin`'s clock reading forward without a write: the origin says it has
     /// nothing newer than its watermark as of `stamp`.
     pub fn touch(&mut self, origin: ReplicaId, stamp: Stamp) {
-        let origin = self.origins.entry(origin).or_default();
+        let origin = origin_entry(&mut self.origins, &mut self.replicas, origin);
         origin.watermark.stamp = origin.watermark.stamp.max(stamp);
     }
 
@@ -457,7 +460,7 @@ impl CounterMap {
             at,
         );
         let whole = applied.lanes_refused + applied.lanes_throttled + applied.lanes_clashing == 0;
-        let origin = self.origins.entry(entry.origin).or_default();
+        let origin = origin_entry(&mut self.origins, &mut self.replicas, entry.origin);
         origin.ahead = whole.then(|| Run::with(origin.ahead, after, entry.through));
         applied
     }
@@ -498,7 +501,11 @@ impl CounterMap {
             *budget -= cost;
             entry.lanes.push(LaneUpdate {
                 key: held.key.clone(),
-                lane: held.counter.lane(replica),
+                lane: held
+                    .cells
+                    .get(origin.index)
+                    .map(|(lane, _)| lane)
+                    .unwrap_or_default(),
                 version,
             });
         }
@@ -525,7 +532,7 @@ impl CounterMap {
         let mut applied = Applied::default();
         let writer_now = now_unix_secs.saturating_add(LANE_RATE_SKEW_SECS);
         for entry in &delta.origins {
-            let origin = self.origins.entry(entry.origin).or_default();
+            let origin = origin_entry(&mut self.origins, &mut self.replicas, entry.origin);
             let mut refused_at = None;
             for (index, update) in entry.lanes.iter().enumerate() {
                 if !update.key.window.is_live(live_at_unix_secs) {
@@ -555,20 +562,16 @@ impl CounterMap {
                     refused_at = lowest();
                     break;
                 }
-                let (id, counter) = self.keys.entry(&update.key);
-                let old_version = counter.slot(entry.origin).map(|slot| slot.version);
-                let raised = counter.merge_slot(Slot {
-                    replica: entry.origin,
-                    lane: update.lane,
-                    version: update.version,
-                });
+                let (id, cells) = self.keys.entry(&update.key);
+                let old_version = cells.get(origin.index).map(|(_, version)| version);
+                let raised = cells.merge(&self.replicas, origin.index, update.lane, update.version);
                 if !raised {
                     continue;
                 }
                 applied.lanes_raised += 1;
                 self.changes += 1;
                 applied.keys.push(update.key.clone());
-                let new_version = counter.slot(entry.origin).map(|slot| slot.version);
+                let new_version = cells.get(origin.index).map(|(_, version)| version);
                 if old_version != new_version {
                     if let Some(old) = old_version {
                         origin.by_version.remove(old);
@@ -616,27 +619,48 @@ impl CounterMap {
         for &id in &expired {
             self.changes += 1;
             if let Some(held) = self.keys.remove(id) {
-                for slot in held.counter.slots() {
-                    if let Some(origin) = self.origins.get_mut(&slot.replica) {
-                        origin.by_version.remove(slot.version);
+                for (index, version) in held.cells.versions() {
+                    let replica = self.replicas.replica(index);
+                    if let Some(origin) = self.origins.get_mut(&replica) {
+                        origin.by_version.remove(version);
                     }
                 }
             }
         }
         if self.keys.is_sparse() {
-            let origins = &mut self.origins;
+            let (origins, replicas) = (&mut self.origins, &self.replicas);
             self.keys.compact(|from, to, held| {
-                for slot in held.counter.slots() {
-                    if let Some(origin) = origins.get_mut(&slot.replica) {
-                        origin.by_version.rename(slot.version, from, to);
+                for (index, version) in held.cells.versions() {
+                    if let Some(origin) = origins.get_mut(&replicas.replica(index)) {
+                        origin.by_version.rename(version, from, to);
                     }
                 }
             });
         }
-        self.origins
-            .retain(|replica, origin| !origin.by_version.is_empty() || keep_origin(*replica));
+        let replicas = &mut self.replicas;
+        self.origins.retain(|replica, origin| {
+            let keep = !origin.by_version.is_empty() || keep_origin(*replica);
+            if !keep {
+                replicas.remove(origin.index);
+            }
+            keep
+        });
         expired.len()
     }
+}
+
+/// `replica`'s entry in `origins`, added with a new index in `replicas` if not held.
+fn origin_entry<'a>(
+    origins: &'a mut BTreeMap<ReplicaId, Origin>,
+    replicas: &mut Replicas,
+    replica: ReplicaId,
+) -> &'a mut Origin {
+    origins.entry(replica).or_insert_with(|| Origin {
+        index: replicas.add(replica),
+        watermark: Watermark::default(),
+        by_version: VersionIndex::default(),
+        ahead: None,
+    })
 }
 
 /// The times a delta is applied at: the one windows end by (`tallyd` paces its wall clock
@@ -867,14 +891,14 @@ mod tests {
         assert!(origin.delta_for(&peer.digest(), 0, 0).is_empty());
     }
 
-    /// Every version-index entry names a held key whose lane of that origin is at that
-    /// version, and every held lane has one.
+    /// Every origin's index stands for it, every version-index entry names a held key whose
+    /// lane of that origin is at that version, and every held lane has one.
     fn assert_index_names_each_lane(map: &CounterMap) {
         for (replica, origin) in &map.origins {
+            assert_eq!(map.replicas.replica(origin.index), *replica);
             for (version, id) in origin.by_version.range_from(Version::ZERO) {
                 let held = map.keys.get(id).expect("the index names a held key");
-                let slot = held
-                    .counter
+                let slot = CounterRef::new(&held.cells, &map.replicas)
                     .slot(*replica)
                     .expect("the key has the origin's lane");
                 assert_eq!(slot.version, version, "{replica} at {}", held.key);

@@ -87,7 +87,7 @@ proptest! {
     #[test]
     fn lanes_never_decrease_under_merge(a in counter(6), b in counter(6)) {
         let after = merged(&a, &b);
-        for slot in a.slots().iter().chain(b.slots()) {
+        for slot in a.slots().chain(b.slots()) {
             prop_assert!(after.lane(slot.replica).covers(slot.lane));
         }
     }
@@ -174,11 +174,11 @@ proptest! {
         let mut full: BTreeMap<Key, PnCounter> = BTreeMap::new();
         for map in &maps {
             for (k, c) in map.iter() {
-                full.entry(k.clone()).or_default().merge(c);
+                full.entry(k.clone()).or_default().merge(&PnCounter::copy_of(&c));
             }
         }
         for map in &maps {
-            let held: BTreeMap<Key, PnCounter> = map.iter().map(|(k, c)| (k.clone(), c.clone())).collect();
+            let held: BTreeMap<Key, PnCounter> = map.iter().map(|(k, c)| (k.clone(), PnCounter::copy_of(&c))).collect();
             prop_assert_eq!(&held, &full);
             prop_assert_eq!(map.digest(), maps[0].digest());
         }
@@ -249,8 +249,8 @@ proptest! {
             .with_lane_rate_max(u64::MAX);
         sync_until_quiet(&mut maps, budget);
         for map in &maps[1..] {
-            let held: BTreeMap<&Key, &PnCounter> = map.iter().collect();
-            let capped: BTreeMap<&Key, &PnCounter> = maps[0].iter().collect();
+            let held: BTreeMap<&Key, PnCounter> = map.iter().map(|(k, c)| (k, PnCounter::copy_of(&c))).collect();
+            let capped: BTreeMap<&Key, PnCounter> = maps[0].iter().map(|(k, c)| (k, PnCounter::copy_of(&c))).collect();
             prop_assert_eq!(capped, held);
         }
     }
@@ -547,11 +547,7 @@ type Lanes = BTreeMap<(Key, ReplicaId), Lane>;
 
 fn snapshot_lanes(map: &CounterMap) -> Lanes {
     map.iter()
-        .flat_map(|(k, c)| {
-            c.slots()
-                .iter()
-                .map(move |s| ((k.clone(), s.replica), s.lane))
-        })
+        .flat_map(|(k, c)| c.slots().map(move |s| ((k.clone(), s.replica), s.lane)))
         .collect()
 }
 
@@ -563,9 +559,7 @@ fn assert_indexed(map: &CounterMap) -> Result<(), TestCaseError> {
     let mut indexed = Lanes::new();
     for entry in map.delta_for(&Digest::default(), usize::MAX, 0).origins {
         for update in entry.lanes {
-            let slot = map
-                .counter(&update.key)
-                .and_then(|c| c.slot(entry.origin).copied());
+            let slot = map.counter(&update.key).and_then(|c| c.slot(entry.origin));
             prop_assert_eq!(
                 slot.map(|s| s.version),
                 Some(update.version),

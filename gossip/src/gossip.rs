@@ -12,8 +12,8 @@ use rand_chacha::ChaCha8Rng;
 use std::collections::{BTreeMap, BTreeSet, VecDeque};
 use std::time::Duration;
 use tally_crdt::{
-    AppliedAt, CounterMap, Delta, Digest, Generation, Key, Lane, LaneUpdate, NodeId, OriginDelta,
-    ReplicaId, Slot, Stamp, Version, Watermark, DELTA_BYTES_MIN,
+    AppliedAt, Counter, CounterMap, Delta, Digest, Generation, Key, Lane, LaneUpdate, NodeId,
+    OriginDelta, ReplicaId, Slot, Stamp, Version, Watermark, DELTA_BYTES_MIN,
 };
 
 /// The least replica id: where a digest sent in parts starts, and starts again.
@@ -716,10 +716,7 @@ impl Gossip {
                     newer_life(origin)
                 }?;
                 let held = (origin_delta.lanes.iter())
-                    .map(|update| {
-                        let counter = self.map.counter(&update.key)?;
-                        counter.slot(origin).copied()
-                    })
+                    .map(|update| self.map.counter(&update.key)?.slot(origin))
                     .collect();
                 Some(EarlierLife { entry, owner, held })
             })
@@ -759,7 +756,7 @@ impl Gossip {
                 if update.version <= held.version || update.lane.covers(held.lane) {
                     return None;
                 }
-                let slot = *self.map.counter(&update.key)?.slot(origin)?;
+                let slot = self.map.counter(&update.key)?.slot(origin)?;
                 Some(LaneUpdate {
                     key: update.key.clone(),
                     lane: slot.lane,

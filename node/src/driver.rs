@@ -14,7 +14,7 @@ use crate::view::{unheard_seeds, View};
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Duration;
-use tally_crdt::{Key, Lane, ReplicaId, Version};
+use tally_crdt::{Counter, Key, Lane, ReplicaId, Version};
 use tally_gossip::membership::State;
 use tally_gossip::{Event, Gossip, Input, Output};
 use tokio::sync::{mpsc, watch};
@@ -292,7 +292,7 @@ impl Driver {
                     .keys_refused
                     .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
             }
-            view.take_in(key, counter, me, now_ms);
+            view.take_in(key, &counter, me, now_ms);
         }
     }
 

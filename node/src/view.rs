@@ -9,7 +9,7 @@
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::sync::{Mutex, MutexGuard};
 use std::time::Duration;
-use tally_crdt::{CounterMap, Key, KeyRef, NodeId, PnCounter, ReplicaId, Stamp};
+use tally_crdt::{Counter, CounterMap, Key, KeyRef, NodeId, ReplicaId, Stamp};
 use tally_gossip::membership::State;
 use tally_gossip::{Now, Seed, Stats};
 
@@ -455,9 +455,9 @@ impl ViewState {
     /// nothing to the samples after its last, and the rate would fall to the others' while
     /// its own admissions, unseen, go on. The bound is the rate times the staleness
     /// (`decide`), so it holds the cut-off member's rate.
-    pub fn take_in(&mut self, key: &Key, counter: &PnCounter, me: ReplicaId, now_ms: u64) {
+    pub fn take_in(&mut self, key: &Key, counter: &impl Counter, me: ReplicaId, now_ms: u64) {
         self.taking_in(key);
-        let remote = || counter.slots().iter().filter(|slot| slot.replica != me);
+        let remote = || counter.slots().filter(|slot| slot.replica != me);
         let remote_incr = remote().fold(0u64, |total, slot| total.saturating_add(slot.lane.incr));
         match self.remote_rates.get_mut(key) {
             Some(rate) => {
@@ -497,7 +497,7 @@ impl ViewState {
             let outside: Vec<Key> = self.outside.keys().cloned().collect();
             for key in outside {
                 match map.counter(&key) {
-                    Some(counter) => self.take_outside(&key, counter, me),
+                    Some(counter) => self.take_outside(&key, &counter, me),
                     None => {
                         self.outside.remove(&key);
                     }
@@ -506,7 +506,7 @@ impl ViewState {
         }
         for &node in &relocated.left {
             for (key, counter) in map.keys_of(node) {
-                self.take_outside(key, counter, me);
+                self.take_outside(key, &counter, me);
             }
         }
     }
@@ -514,7 +514,7 @@ impl ViewState {
     /// Takes in the value of `key`'s lanes of nodes that are not locations, as the members
     /// last set say: on every merge of the key (`take_in`), and again where members change
     /// ([`ViewState::take_relocated`]).
-    pub fn take_outside(&mut self, key: &Key, counter: &PnCounter, me: ReplicaId) {
+    pub fn take_outside(&mut self, key: &Key, counter: &impl Counter, me: ReplicaId) {
         self.taking_in(key);
         let outside = |node| node != me.node && !self.located.contains(&node);
         let value = counter.above_zero_of_nodes(outside);
@@ -583,7 +583,7 @@ fn sparse_get(map: &HashMap<Key, i128>, key: KeyRef<'_>) -> i128 {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use tally_crdt::{Generation, Window};
+    use tally_crdt::{Generation, PnCounter, Window};
 
     /// `api`'s key of `user-1` in its second minute.
     fn user_1() -> Key {
@@ -620,7 +620,7 @@ mod tests {
         let outside = |state: &ViewState| state.outside(KeyRef::from(&key));
         let joined = members(&mut state, &map, &[(2, State::Alive), (3, State::Alive)]);
         assert_eq!(joined.joined, [NodeId(2), NodeId(3)]);
-        state.take_in(&key, map.counter(&key).unwrap(), me, 0);
+        state.take_in(&key, &map.counter(&key).unwrap(), me, 0);
         assert_eq!(outside(&state), 7, "node 9 has no row");
         // Node 9's row comes; node 3 leaves.
         let rows = [(2, State::Alive), (3, State::Left), (9, State::Alive)];

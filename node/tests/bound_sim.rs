@@ -43,7 +43,7 @@ use std::collections::BTreeMap;
 use std::sync::atomic::AtomicU64;
 use std::time::Duration;
 use tally_client::Mode;
-use tally_crdt::{Key, PnCounter, ReplicaId};
+use tally_crdt::{Counter, Key, PnCounter, ReplicaId};
 use tally_gossip::membership::State;
 use tally_gossip::sim::{seeds, Faults, Sim, SimConfig};
 use tally_gossip::Now;
@@ -343,14 +343,15 @@ fn refresh(sim: &Sim, index: usize, node: &mut Deciding) {
     let (me, map) = (node.replica, gossip.map());
     let now_ms = now.mono.as_millis() as u64;
     for (key, counter) in map.iter() {
-        if node.published.get(key) == Some(counter) {
+        let counter = PnCounter::copy_of(&counter);
+        if node.published.get(key) == Some(&counter) {
             continue;
         }
         node.store
             .publish_remote(key, counter.value_without(me))
             .unwrap();
-        node.view.take_in(key, counter, me, now_ms);
-        node.published.insert(key.clone(), counter.clone());
+        node.view.take_in(key, &counter, me, now_ms);
+        node.published.insert(key.clone(), counter);
     }
     let members = gossip.members();
     let all = [State::Alive, State::Suspect, State::Dead, State::Left];

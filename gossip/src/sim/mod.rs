@@ -23,7 +23,8 @@ use network::Network;
 use std::collections::BTreeMap;
 use std::time::Duration;
 use tally_crdt::{
-    CounterMap, Generation, Key, Lane, NodeId, ReplicaId, Rule, Stamp, Subject, Version, Window,
+    Counter, CounterMap, Generation, Key, Lane, NodeId, ReplicaId, Rule, Stamp, Subject, Version,
+    Window,
 };
 
 /// The wall clock at simulated time zero (2026-01-01T00:00:00Z), in milliseconds.
@@ -746,7 +747,6 @@ fn lanes_of(map: &CounterMap) -> BTreeMap<(Key, ReplicaId), Lane> {
         .flat_map(|(key, counter)| {
             counter
                 .slots()
-                .iter()
                 .map(move |slot| ((key.clone(), slot.replica), slot.lane))
         })
         .collect()
