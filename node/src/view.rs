@@ -57,7 +57,7 @@ pub struct ViewState {
     /// decision counts them as this node's own.
     pub other_lives: HashMap<Key, i128>,
     /// Per key, how far below zero the other nodes whose count is below zero are, summed
-    /// (`PnCounter::below_zero_of_nodes_but`), where it is not zero: a node's count is
+    /// (`Counter::below_zero_of_nodes_but`), where it is not zero: a node's count is
     /// below zero when releases are counted in a later window than their acquires. An
     /// isolated decision adds it to the other nodes' count, so that each counts at no less
     /// than zero and none hides another's excess.
