@@ -149,7 +149,10 @@ fn print_sizes() {
             "Option<(Key, Box<[MapLane]>)> key table entry",
             size_of::<Option<(Key, Box<[MapLane]>)>>(),
         ),
-        ("a CounterMap lane (origin index + Lane + Version)", size_of::<MapLane>()),
+        (
+            "a CounterMap lane (origin index + Lane + Version)",
+            size_of::<MapLane>(),
+        ),
     ] {
         println!("  {name:<50} {size:>4}");
     }

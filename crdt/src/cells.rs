@@ -172,6 +172,11 @@ impl Counter for CounterRef<'_> {
         CounterRef::slots(*self)
     }
 
+    fn value(&self) -> i128 {
+        // Without looking up each lane's replica.
+        self.cells.0.iter().map(|cell| cell.lane().value()).sum()
+    }
+
     fn lanes(&self) -> usize {
         self.cells.0.len()
     }

@@ -30,6 +30,12 @@
 //!   share: all they hold counts beyond the shares. A rule's configured `locations` sets
 //!   the share; where this node knows of more locations than that, each one past it may
 //!   admit a share as well, and the bound adds a share for each.
+//! - **dead** (a member declared dead, or a seed still unheard past `dead_after`): in
+//!   either mode the bound adds what each such member may admit unseen. It may be alive
+//!   beyond a partition, reading this node dead too and deciding connected on the whole
+//!   limit, or isolated on its share: the larger of the two, less the share an isolated
+//!   decision already takes it to admit. So a member that crashed for good keeps a whole
+//!   limit in every bound until it is started again (and leaves, if stopped).
 //! - **unheard** (a seed not heard yet, or a live member none of whose current life's
 //!   state has arrived: this node just started, or the member did; and for a rate
 //!   sample's time, 100 ms, after this life first heard every live member): decided as
@@ -290,13 +296,18 @@ impl Context<'_> {
         let current = self.store.estimate(key);
         let previous = self.previous_window_part(rule, key, |key| self.store.estimate(key));
         let cost_i = i128::from(cost);
+        let locations = rule.locations.unwrap_or(freshness.locations as u64).max(1);
+        let share = (rule.limit / locations).saturating_add(rule.slack);
+        // A member declared dead may be alive beyond a partition, deciding on its side
+        // without this node's count: connected there (its side reads this one dead too), it
+        // admits up to the limit; isolated, up to its share. Neither shows here.
+        let dead_may_admit = freshness.dead as f64 * rule.limit.max(share) as f64;
         let (mode, allowed, bound, room) = if connected {
             let room = i128::from(rule.limit) - (current + previous);
-            let bound = self.view.remote_rate(key) * freshness.staleness.as_secs_f64();
+            let unseen = self.view.remote_rate(key) * freshness.staleness.as_secs_f64();
+            let bound = unseen + dead_may_admit;
             (Mode::ApproximateConnected, cost_i <= room, bound, room)
         } else {
-            let locations = rule.locations.unwrap_or(freshness.locations as u64).max(1);
-            let share = (rule.limit / locations).saturating_add(rule.slack);
             // This location's count: its lives before a restart admitted under the share
             // too, and they are still counted in the window. A sliding rule weighs this
             // location's previous window as a connected decision weighs everyone's.
@@ -319,9 +330,12 @@ impl Context<'_> {
                 (-room).max(0) as f64 + (in_shares - share as f64).max(0.0) + outside as f64;
             // Locations known here past the configured count each admit a share as well.
             let unconfigured = (freshness.locations as u64).saturating_sub(locations);
+            // A dead member is a location, taken here to admit its share; it may admit more.
+            let dead_beyond_share = dead_may_admit - freshness.dead as f64 * share as f64;
             let bound = locations as f64 * rule.slack as f64
                 + unconfigured as f64 * share as f64
-                + beyond_shares;
+                + beyond_shares
+                + dead_beyond_share;
             (Mode::ApproximateIsolated, cost_i <= room, bound, room)
         };
         // What a member none of whose state has arrived admitted is unknown, and so is
@@ -460,6 +474,7 @@ fn refusal(err: StoreError) -> Refusal {
 #[cfg(not(tally_loom))]
 mod tests {
     use super::*;
+    use crate::view::UnheardSeeds;
     use tally_crdt::{Generation, Key, NodeId, ReplicaId};
     use tally_gossip::membership::State;
 
@@ -715,9 +730,40 @@ mod tests {
     }
 
     #[test]
+    fn a_member_declared_dead_may_admit_a_whole_limit_unseen_and_every_bound_says_so() {
+        // Node 3 is dead here: it may be alive beyond a partition, reading this node dead
+        // too, and deciding connected on the whole limit without this node's count.
+        let rule = rule(100, 0);
+        let (store, owned) = setup(&rule);
+        let key = KeyRef::from(&owned);
+        let members = [(2, State::Alive), (3, State::Dead)];
+        let connected = view_of(&members, Stamp(NOW.0 - 100));
+        let decision = context(&store, &connected).check(&rule, key, 1).unwrap();
+        assert_eq!(decision.mode, Mode::ApproximateConnected);
+        assert_eq!(
+            decision.bound, 100.0,
+            "no remote rate: node 3's limit alone"
+        );
+
+        // Node 2 stale: isolated, on a share of 100 / 3 = 33. Node 3 is taken to admit its
+        // share like every location, and may admit 67 more.
+        let isolated = view_of(&members, Stamp(NOW.0 - 5_000));
+        let mut context = context(&store, &isolated);
+        let decisions: Vec<Decision> = (0..40)
+            .map(|_| context.check(&rule, key, 1).unwrap())
+            .collect();
+        assert!(decisions
+            .iter()
+            .all(|d| d.mode == Mode::ApproximateIsolated));
+        assert_eq!(decisions.iter().filter(|d| d.allowed).count(), 33 - 1);
+        assert!(decisions.iter().all(|d| d.bound == 67.0), "{decisions:?}");
+    }
+
+    #[test]
     fn an_isolated_bound_counts_a_share_for_each_location_known_past_those_configured() {
         // Configured for two locations, four known: each of the four may admit a share of
-        // 50, so the window can end at 200.
+        // 50, so the window can end at 200; node 4, dead, may admit the whole limit, 50
+        // past its share.
         let rule = RuleConfig {
             locations: Some(2),
             ..rule(100, 0)
@@ -731,7 +777,7 @@ mod tests {
             .map(|_| context.check(&rule, key, 1).unwrap())
             .collect();
         assert_eq!(decisions.iter().filter(|d| d.allowed).count(), 50);
-        assert!(decisions.iter().all(|d| d.bound == 100.0), "{decisions:?}");
+        assert!(decisions.iter().all(|d| d.bound == 150.0), "{decisions:?}");
     }
 
     #[test]
@@ -854,11 +900,18 @@ mod tests {
         let key = KeyRef::from(&owned);
         // Just started: its two seeds unheard.
         let mut started = ViewState::default();
-        started.unheard_seeds = 2;
+        started.unheard_seeds = UnheardSeeds { live: 2, dead: 0 };
         let decision = context(&store, &started).check(&rule, key, 1).unwrap();
         assert!(decision.allowed, "it still admits on its share");
         assert_eq!(decision.mode, Mode::ApproximateIsolated);
         assert_eq!(decision.bound, f64::INFINITY);
+        // Past `dead_after` still unheard, they count as members declared dead: it decides
+        // connected, alone, and each of them may have admitted the whole limit, 10.
+        let mut unmatched = ViewState::default();
+        unmatched.unheard_seeds = UnheardSeeds { live: 0, dead: 2 };
+        let decision = context(&store, &unmatched).check(&rule, key, 1).unwrap();
+        assert_eq!(decision.mode, Mode::ApproximateConnected);
+        assert_eq!(decision.bound, 20.0);
         // Its table has the members, but none of their state has arrived.
         let table_only = view_of(&[(2, State::Alive), (3, State::Alive)], Stamp(0));
         let decision = context(&store, &table_only).check(&rule, key, 1).unwrap();

@@ -150,9 +150,12 @@ pub fn render(sources: &Sources<'_>) -> String {
             .get_or_create(&vec![("state".to_owned(), state)])
             .set(count as i64);
     }
-    members
-        .get_or_create(&vec![("state".to_owned(), "unheard_seed".to_owned())])
-        .set(view.unheard_seeds as i64);
+    let seeds = view.unheard_seeds;
+    for (state, count) in [("unheard_seed", seeds.live), ("dead_seed", seeds.dead)] {
+        members
+            .get_or_create(&vec![("state".to_owned(), state.to_owned())])
+            .set(count as i64);
+    }
     registry.register("members", "Other members by state", members);
 
     let gossip = &view.gossip;

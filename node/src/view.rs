@@ -50,8 +50,8 @@ pub struct ViewState {
     /// [`unheard_seeds`]).
     /// Each counts as a live member with no stamp, so a node restarted while cut off
     /// decides isolated, on its share among them, not connected and alone on the whole
-    /// limit.
-    pub unheard_seeds: usize,
+    /// limit; past `dead_after`, as a member declared dead.
+    pub unheard_seeds: UnheardSeeds,
     /// Per key, the value of this node's lanes of its other lives (its replicas under
     /// other generations: the lives before a restart), where it is not zero. An isolated
     /// decision counts them as this node's own.
@@ -191,25 +191,46 @@ impl Rate {
     }
 }
 
-/// How many seeds stand in for members not yet heard: the distinct `seeds` until this
-/// node's table has matched a peer's (`table_matched`: before that it may hold only parts
-/// of the table, without some live members' rows) while it has served for less than
-/// `dead_after`, else 0. A known member silent that long is suspected and then dead after
-/// `dead_after` more; an unheard seed stops counting sooner, and then the node, still
-/// alone, decides connected, as it would with every member dead.
+/// Seeds standing in for members not yet heard, until this node's table has matched a
+/// peer's (before that it may hold only parts of the table, without some live members'
+/// rows).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct UnheardSeeds {
+    /// Seeds counted as live members with no stamp.
+    pub live: usize,
+    /// Seeds counted as members declared dead: never heard, and may be admitting beyond a
+    /// partition.
+    pub dead: usize,
+}
+
+/// The distinct `seeds`, until this node's table has matched a peer's (`table_matched`):
+/// live while it has served for less than `dead_after`, dead after. A known member silent
+/// that long is suspected and then dead after `dead_after` more; an unheard seed is taken
+/// as dead sooner, and then the node, still alone, decides connected, as it would with
+/// every member dead, and its bound counts what each may admit (`decide`).
 pub fn unheard_seeds(
     seeds: &[Seed],
     table_matched: bool,
     serving_for: Duration,
     dead_after: Duration,
-) -> usize {
-    if table_matched || serving_for >= dead_after {
-        return 0;
+) -> UnheardSeeds {
+    if table_matched {
+        return UnheardSeeds::default();
     }
     let mut nodes: Vec<NodeId> = seeds.iter().map(|seed| seed.node).collect();
     nodes.sort_unstable();
     nodes.dedup();
-    nodes.len()
+    if serving_for < dead_after {
+        UnheardSeeds {
+            live: nodes.len(),
+            dead: 0,
+        }
+    } else {
+        UnheardSeeds {
+            live: 0,
+            dead: nodes.len(),
+        }
+    }
 }
 
 /// The nodes that became locations ([`ViewState::set_members`]), and those that stopped
@@ -231,6 +252,10 @@ pub struct Freshness {
     pub live: usize,
     /// Members known in any state but left, and unheard seeds; this node included.
     pub locations: usize,
+    /// Members declared dead (not left), and seeds never heard past `dead_after`: each may
+    /// be alive beyond a partition, deciding on its side without this node's count, as
+    /// this node decides without its.
+    pub dead: usize,
     /// Whether this node knows enough of the others to bound what they admit: false while
     /// a seed is unheard or a live member's current replica has no stamp held here (its
     /// count is unknown, not just stale: a node that has just started, with its data dir
@@ -262,6 +287,8 @@ struct Summary {
     live: usize,
     /// Members that have not left.
     located: usize,
+    /// Members declared dead.
+    dead: usize,
     /// Live members whose current replica has no stamp held: none of its state arrived.
     unheard_live: usize,
     /// How long since every live member was first heard in this life, then (monotonic).
@@ -311,6 +338,7 @@ impl ViewState {
             if *state != State::Left {
                 summary.located += 1;
             }
+            summary.dead += usize::from(*state == State::Dead);
             if matches!(state, State::Alive | State::Suspect) {
                 summary.live += 1;
                 let held = vouched.get(replica).is_some_and(|&(stamp, _)| stamp.0 > 0);
@@ -343,7 +371,7 @@ impl ViewState {
             })
             .collect();
         // Heard alone, with no one live, it has no rate to sample yet.
-        let all_heard = self.unheard_seeds + summary.unheard_live == 0 && summary.live > 0;
+        let all_heard = self.unheard_seeds.live + summary.unheard_live == 0 && summary.live > 0;
         if all_heard && self.heard_since.is_none() {
             self.heard_since = Some(now.mono);
         }
@@ -407,7 +435,7 @@ impl ViewState {
     /// The live members' freshness at wall time `now`. A live member with no stamp held
     /// is as stale as the epoch: nothing of it has been seen. So is an unheard seed.
     pub fn freshness(&self, now: Stamp) -> Freshness {
-        let mut staleness = if self.unheard_seeds > 0 {
+        let mut staleness = if self.unheard_seeds.live > 0 {
             Duration::from_millis(now.0)
         } else {
             Duration::ZERO
@@ -424,8 +452,9 @@ impl ViewState {
         }
         Freshness {
             staleness,
-            live: self.unheard_seeds + self.summary.live,
-            locations: 1 + self.unheard_seeds + self.summary.located,
+            live: self.unheard_seeds.live + self.summary.live,
+            locations: 1 + self.unheard_seeds.live + self.unheard_seeds.dead + self.summary.located,
+            dead: self.unheard_seeds.dead + self.summary.dead,
             heard: self.heard(since_set),
         }
     }
@@ -437,7 +466,7 @@ impl ViewState {
     /// plus `since_set` on the wall clock, which a step back of it stops only until the
     /// next set.
     fn heard(&self, since_set: Duration) -> bool {
-        if self.unheard_seeds + self.summary.unheard_live > 0 {
+        if self.unheard_seeds.live + self.summary.unheard_live > 0 {
             return false;
         }
         let sampled = |heard_for: Duration| {
@@ -1001,7 +1030,7 @@ mod tests {
         assert_eq!((alone.live, alone.locations), (0, 1));
         assert!(alone.heard, "alone, there is no one to hear");
         let cut_off = ViewState {
-            unheard_seeds: 2,
+            unheard_seeds: UnheardSeeds { live: 2, dead: 0 },
             ..ViewState::default()
         };
         let freshness = cut_off.freshness(Stamp(1_000));
@@ -1096,7 +1125,7 @@ mod tests {
     }
 
     #[test]
-    fn seeds_stand_for_members_only_until_the_table_matches_a_peers_or_dead_after_has_passed() {
+    fn seeds_stand_for_live_members_until_dead_after_and_dead_ones_until_the_table_matches() {
         let seed = |node| Seed {
             node: NodeId(node),
             addr: format!("10.0.0.{node}:7001"),
@@ -1104,14 +1133,20 @@ mod tests {
         let seeds = [seed(2), seed(3), seed(2)];
         let dead_after = Duration::from_secs(10);
         let at = Duration::from_secs;
+        let (live, dead) = (
+            UnheardSeeds { live: 2, dead: 0 },
+            UnheardSeeds { live: 0, dead: 2 },
+        );
+        let none = UnheardSeeds::default();
         assert_eq!(
             unheard_seeds(&seeds, false, at(0), dead_after),
-            2,
+            live,
             "distinct"
         );
-        assert_eq!(unheard_seeds(&seeds, false, at(9), dead_after), 2);
-        assert_eq!(unheard_seeds(&seeds, false, at(10), dead_after), 0);
-        assert_eq!(unheard_seeds(&seeds, true, at(0), dead_after), 0);
-        assert_eq!(unheard_seeds(&[], false, at(0), dead_after), 0);
+        assert_eq!(unheard_seeds(&seeds, false, at(9), dead_after), live);
+        assert_eq!(unheard_seeds(&seeds, false, at(10), dead_after), dead);
+        assert_eq!(unheard_seeds(&seeds, true, at(0), dead_after), none);
+        assert_eq!(unheard_seeds(&seeds, true, at(10), dead_after), none);
+        assert_eq!(unheard_seeds(&[], false, at(10), dead_after), none);
     }
 }
