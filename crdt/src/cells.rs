@@ -145,7 +145,7 @@ impl Cell {
 }
 
 /// A counter held in a [`CounterMap`](crate::CounterMap), read through the map's table of replicas.
-#[derive(Debug, Clone, Copy)]
+#[derive(Clone, Copy)]
 pub struct CounterRef<'a> {
     cells: &'a Cells,
     replicas: &'a Replicas,
@@ -164,6 +164,13 @@ impl<'a> CounterRef<'a> {
             lane: cell.lane(),
             version: cell.version(),
         })
+    }
+}
+
+impl std::fmt::Debug for CounterRef<'_> {
+    /// Its slots, not the map's whole table of replicas.
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_list().entries(self.slots()).finish()
     }
 }
 
