@@ -15,7 +15,7 @@ use std::num::NonZeroU32;
 /// 32 bits, as the table's hash table and every origin's version index hold one per key
 /// or lane: a table holds fewer than 2^32 - 1 keys (each takes over 80 bytes). Held as the
 /// position plus one, so that an `Option<KeyId>` is 32 bits too.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
 pub(crate) struct KeyId(NonZeroU32);
 
 impl KeyId {

@@ -2,23 +2,34 @@
 
 use crate::key_table::KeyId;
 use crate::Version;
+use std::collections::BTreeMap;
 
 /// Each lane of one origin held in a map, by its version, naming its key's id.
 ///
 /// A vector sorted by version, 12 bytes an entry, rather than a `BTreeMap` (whose leaves
 /// ascending inserts leave half full: about 26 bytes a lane). Versions mostly arrive in
 /// ascending order (an origin's writes, its pushes, and deltas cut in version order), so an
-/// insert is almost always a push at the end; one below the top moves only the entries
-/// above it. A lane rewritten under a newer version leaves its old entry as a hole, and
-/// the holes are swept out once they are a fifth of the entries, so a lane costs at most
-/// 15 bytes here while holes wait, plus the vector's unused room.
+/// insert is almost always a push at the end. One below the vector's top (a gap being
+/// filled under pushes merged past it, or a sender's lanes out of order) goes into a small
+/// `BTreeMap` beside it instead, which is merged into the vector once it holds an eighth as
+/// many (so each such insert costs a few entry moves, not all those above it). A lane
+/// rewritten under a newer version leaves its old entry as a hole, and the holes are swept
+/// out once they are a fifth of the entries: a lane costs at most 15 bytes here while holes
+/// wait, plus the vector's unused room.
 #[derive(Debug, Clone, Default)]
 pub(crate) struct VersionIndex {
     // Invariant: versions ascend strictly; the last entry, if any, is held (not a hole);
-    // `holes` counts the entries whose id is `HOLE`.
+    // `holes` counts the entries whose id is `None`; no version is both here and in
+    // `below`.
     entries: Vec<Entry>,
     holes: usize,
+    // Invariant: at most `BELOW_MIN` or an eighth of `entries`, whichever is more.
+    below: BTreeMap<Version, KeyId>,
 }
+
+/// `below` is merged into the vector once it holds more than this, or more than an eighth
+/// of the vector's entries.
+const BELOW_MIN: usize = 64;
 
 /// A version and a key id, 4-byte aligned so that an entry is 12 bytes, not 16.
 #[derive(Debug, Clone, Copy)]
@@ -34,25 +45,21 @@ const _: () = assert!(
 
 impl Entry {
     fn new(version: Version, id: KeyId) -> Entry {
-        let bytes = version.0.to_le_bytes();
-        let half = |at: usize| {
-            u32::from_le_bytes([bytes[at], bytes[at + 1], bytes[at + 2], bytes[at + 3]])
-        };
         Entry {
-            version: [half(0), half(4)],
+            version: [version.0 as u32, (version.0 >> 32) as u32],
             id: Some(id),
         }
     }
 
     fn version(&self) -> Version {
-        Version(u64::from(self.version[0]) | u64::from(self.version[1]) << 32)
+        Version(u64::from(self.version[0]) | (u64::from(self.version[1]) << 32))
     }
 }
 
 impl VersionIndex {
     /// How many lanes are indexed.
     pub(crate) fn len(&self) -> usize {
-        self.entries.len() - self.holes
+        self.entries.len() - self.holes + self.below.len()
     }
 
     /// Whether no lane is indexed.
@@ -62,24 +69,27 @@ impl VersionIndex {
 
     /// The highest version indexed.
     pub(crate) fn last(&self) -> Option<Version> {
-        self.entries.last().map(Entry::version)
+        let below = self.below.keys().next_back().copied();
+        self.entries.last().map(Entry::version).max(below)
     }
 
     /// The key id at `version`, if a lane is indexed at it.
     pub(crate) fn get(&self, version: Version) -> Option<KeyId> {
-        let at = self.find(version).ok()?;
-        self.entries[at].id
+        match self.find(version) {
+            Ok(at) => self.entries[at].id,
+            Err(_) => self.below.get(&version).copied(),
+        }
     }
 
     /// Indexes `id`'s lane at `version`, replacing whatever was indexed at it.
     pub(crate) fn insert(&mut self, version: Version, id: KeyId) {
-        let entry = Entry::new(version, id);
-        if self.last().is_none_or(|last| last < version) {
+        let top = self.entries.last().map(Entry::version);
+        if top.is_none_or(|top| top < version) && !self.below.contains_key(&version) {
             if self.entries.len() == self.entries.capacity() {
                 // By a quarter, not doubling, as the key table grows.
                 self.entries.reserve_exact(self.entries.len() / 4 + 16);
             }
-            self.entries.push(entry);
+            self.entries.push(Entry::new(version, id));
             return;
         }
         match self.find(version) {
@@ -87,15 +97,21 @@ impl VersionIndex {
                 if self.entries[at].id.is_none() {
                     self.holes -= 1;
                 }
-                self.entries[at] = entry;
+                self.entries[at] = Entry::new(version, id);
             }
-            Err(at) => self.entries.insert(at, entry),
+            Err(_) => {
+                self.below.insert(version, id);
+                if self.below.len() > BELOW_MIN.max(self.entries.len() / 8) {
+                    self.sweep();
+                }
+            }
         }
     }
 
     /// Stops indexing the lane at `version`, if any.
     pub(crate) fn remove(&mut self, version: Version) {
         let Ok(at) = self.find(version) else {
+            self.below.remove(&version);
             return;
         };
         if self.entries[at].id.take().is_none() {
@@ -115,43 +131,51 @@ impl VersionIndex {
     /// compaction moves a key. Panics if `version` names another key: the index and the
     /// table disagree.
     pub(crate) fn rename(&mut self, version: Version, from: KeyId, to: KeyId) {
-        let Ok(at) = self.find(version) else {
+        let held = match self.find(version) {
+            Ok(at) => self.entries[at].id.as_mut(),
+            Err(_) => self.below.get_mut(&version),
+        };
+        let Some(id) = held else {
             return;
         };
-        let entry = &mut self.entries[at];
-        assert_eq!(
-            entry.id,
-            Some(from),
-            "version {version:?} names another key"
-        );
-        entry.id = Some(to);
+        assert_eq!(*id, from, "version {version:?} names another key");
+        *id = to;
     }
 
     /// Every indexed lane with a version of at least `from`, in version order.
     pub(crate) fn range_from(&self, from: Version) -> impl Iterator<Item = (Version, KeyId)> + '_ {
         let start = self.entries.partition_point(|entry| entry.version() < from);
-        self.entries[start..]
-            .iter()
+        let mut entries = (self.entries[start..].iter())
             .filter_map(|entry| Some((entry.version(), entry.id?)))
+            .peekable();
+        let mut below = (self.below.range(from..))
+            .map(|(&version, &id)| (version, id))
+            .peekable();
+        // The two merged: no version is in both.
+        std::iter::from_fn(move || match (entries.peek(), below.peek()) {
+            (Some(vector), Some(side)) if side.0 < vector.0 => below.next(),
+            (Some(_), _) => entries.next(),
+            (None, _) => below.next(),
+        })
     }
 
-    /// Every indexed lane's key id, in version order.
+    /// Every indexed lane's key id, in no particular order.
     pub(crate) fn ids(&self) -> impl Iterator<Item = KeyId> + '_ {
-        self.entries.iter().filter_map(|entry| entry.id)
+        (self.entries.iter().filter_map(|entry| entry.id)).chain(self.below.values().copied())
     }
 
     fn find(&self, version: Version) -> Result<usize, usize> {
         self.entries.binary_search_by_key(&version, Entry::version)
     }
 
-    /// Drops the holes, and the vector's room beyond a quarter more than it holds.
+    /// Merges `below` into the vector, in one pass, and drops the holes and the vector's
+    /// room beyond a quarter more than it holds.
     fn sweep(&mut self) {
-        self.entries.retain(|entry| entry.id.is_some());
-        self.holes = 0;
-        let room = self.entries.len() + self.entries.len() / 4 + 16;
-        if self.entries.capacity() > room {
-            self.entries.shrink_to(room);
-        }
+        let held = self.len();
+        let mut merged = Vec::with_capacity(held + held / 4 + 16);
+        merged
+            .extend((self.range_from(Version::ZERO)).map(|(version, id)| Entry::new(version, id)));
+        (self.entries, self.holes, self.below) = (merged, 0, BTreeMap::new());
     }
 }
 
@@ -165,13 +189,21 @@ mod tests {
     enum Op {
         Insert(u64, u32),
         Remove(u64),
+        Rename(u64, u32),
+    }
+
+    /// Versions with both halves in use, so both are read back.
+    fn version(v: u64) -> Version {
+        Version((v << 32) | v)
     }
 
     fn op() -> impl Strategy<Value = Op> {
-        // Few versions, so inserts often land below the top and on holes.
+        // Few versions for the operations, so inserts often land below the top (past
+        // `BELOW_MIN` of them, merged) and on holes.
         prop_oneof![
-            (0..64u64, 0..1_000u32).prop_map(|(v, id)| Op::Insert(v, id)),
-            (0..64u64).prop_map(Op::Remove),
+            4 => (0..400u64, 0..1_000u32).prop_map(|(v, id)| Op::Insert(v, id)),
+            2 => (0..400u64).prop_map(Op::Remove),
+            1 => (0..400u64, 0..1_000u32).prop_map(|(v, id)| Op::Rename(v, id)),
         ]
     }
 
@@ -179,34 +211,47 @@ mod tests {
         #![proptest_config(ProptestConfig::with_cases(1_000))]
 
         #[test]
-        fn the_index_answers_as_a_btree_map_of_versions_would(ops in prop::collection::vec(op(), 0..300)) {
+        fn the_index_answers_as_a_btree_map_of_versions_would(ops in prop::collection::vec(op(), 0..600)) {
             let mut index = VersionIndex::default();
             let mut model = BTreeMap::new();
             for op in ops {
                 match op {
                     Op::Insert(v, id) => {
-                        // Versions past 2^32 too, so both halves are read back.
-                        let version = Version(v << 26);
-                        index.insert(version, KeyId::of(id as usize));
-                        model.insert(version, KeyId::of(id as usize));
+                        index.insert(version(v), KeyId::of(id as usize));
+                        model.insert(version(v), KeyId::of(id as usize));
                     }
                     Op::Remove(v) => {
-                        index.remove(Version(v << 26));
-                        model.remove(&Version(v << 26));
+                        index.remove(version(v));
+                        model.remove(&version(v));
+                    }
+                    Op::Rename(v, to) => {
+                        if let Some(from) = model.get(&version(v)).copied() {
+                            index.rename(version(v), from, KeyId::of(to as usize));
+                            model.insert(version(v), KeyId::of(to as usize));
+                        }
                     }
                 }
                 prop_assert_eq!(index.len(), model.len());
                 prop_assert_eq!(index.last(), model.keys().next_back().copied());
                 prop_assert!(index.holes * 5 <= index.entries.len());
+                prop_assert!(index.below.len() <= BELOW_MIN.max(index.entries.len() / 8));
+                prop_assert!(index.entries.last().is_none_or(|last| last.id.is_some()));
+                prop_assert!(index.entries.windows(2).all(|w| w[0].version() < w[1].version()));
             }
             let all: Vec<_> = index.range_from(Version::ZERO).collect();
             let expected: Vec<_> = model.iter().map(|(v, id)| (*v, *id)).collect();
             prop_assert_eq!(all, expected);
-            for v in 0..64u64 {
-                let version = Version(v << 26);
-                prop_assert_eq!(index.get(version), model.get(&version).copied());
-                let above: Vec<_> = index.range_from(version).collect();
-                let expected: Vec<_> = model.range(version..).map(|(v, id)| (*v, *id)).collect();
+            let mut ids: Vec<_> = index.ids().collect();
+            let mut expected: Vec<_> = model.values().copied().collect();
+            ids.sort_unstable();
+            expected.sort_unstable();
+            prop_assert_eq!(ids, expected);
+            for v in 0..400u64 {
+                prop_assert_eq!(index.get(version(v)), model.get(&version(v)).copied());
+            }
+            for v in (0..400u64).step_by(37) {
+                let above: Vec<_> = index.range_from(version(v)).collect();
+                let expected: Vec<_> = model.range(version(v)..).map(|(v, id)| (*v, *id)).collect();
                 prop_assert_eq!(above, expected);
             }
         }
@@ -225,7 +270,7 @@ mod tests {
         }
         assert_eq!(
             index.holes, 24,
-            "24 of 123 entries, not past a fifth: not swept yet"
+            "24 of 124 entries, not past a fifth: not swept yet"
         );
         assert_eq!(index.len(), 100);
         index.remove(Version(25));
@@ -235,5 +280,23 @@ mod tests {
         assert_eq!(index.len(), 100);
         let first = index.range_from(Version::ZERO).next();
         assert_eq!(first, Some((Version(26), KeyId::of(26))));
+    }
+
+    #[test]
+    fn a_gap_filled_under_pushes_merged_past_it_goes_beside_the_vector_until_merged() {
+        let mut index = VersionIndex::default();
+        // Pushes past a gap, then the gap's lanes, each below the vector's top.
+        for v in 10_001..=10_100 {
+            index.insert(Version(v), KeyId::of(v as usize));
+        }
+        for v in 1..=10_000 {
+            index.insert(Version(v), KeyId::of(v as usize));
+            assert!(index.below.len() <= BELOW_MIN.max(index.entries.len() / 8));
+        }
+        assert!(index.entries.len() > 8_000, "merged into the vector");
+        assert_eq!(index.len(), 10_100);
+        let all: Vec<u64> = index.range_from(Version::ZERO).map(|(v, _)| v.0).collect();
+        assert_eq!(all, (1..=10_100).collect::<Vec<_>>());
+        assert_eq!(index.get(Version(5_000)), Some(KeyId::of(5_000)));
     }
 }
