@@ -293,6 +293,7 @@ pub async fn run(config: Config, shutdown: impl Future<Output = ()>) -> Result<(
         false,
         std::time::Duration::ZERO,
         gossip_config.dead_after,
+        |_| false,
     );
     let metrics = Arc::new(Metrics::default());
     metrics

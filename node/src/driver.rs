@@ -319,6 +319,7 @@ impl Driver {
             self.gossip.table_matched(),
             self.clock.mono().saturating_sub(serving_since),
             config.dead_after,
+            |seed| rows.iter().any(|(node, _, _)| *node == seed),
         );
         let relocated = view.set_members(rows, stamps, self.clock.now());
         view.take_relocated(&relocated, map, me);

@@ -204,15 +204,17 @@ pub struct UnheardSeeds {
 }
 
 /// The distinct `seeds`, until this node's table has matched a peer's (`table_matched`):
-/// live while it has served for less than `dead_after`, dead after. A known member silent
-/// that long is suspected and then dead after `dead_after` more; an unheard seed is taken
-/// as dead sooner, and then the node, still alone, decides connected, as it would with
-/// every member dead, and its bound counts what each may admit (`decide`).
+/// all of them live while it has served for less than `dead_after`; after, those it holds
+/// no row of (`has_row`) dead. A known member silent that long is suspected and then dead
+/// after `dead_after` more; an unheard seed is taken as dead sooner, and then the node,
+/// still alone, decides connected, as it would with every member dead, and its bound
+/// counts what each may admit (`decide`). A seed with a row counts as its row says.
 pub fn unheard_seeds(
     seeds: &[Seed],
     table_matched: bool,
     serving_for: Duration,
     dead_after: Duration,
+    has_row: impl Fn(NodeId) -> bool,
 ) -> UnheardSeeds {
     if table_matched {
         return UnheardSeeds::default();
@@ -228,7 +230,7 @@ pub fn unheard_seeds(
     } else {
         UnheardSeeds {
             live: 0,
-            dead: nodes.len(),
+            dead: nodes.into_iter().filter(|&node| !has_row(node)).count(),
         }
     }
 }
@@ -1125,7 +1127,7 @@ mod tests {
     }
 
     #[test]
-    fn seeds_stand_for_live_members_until_dead_after_and_dead_ones_until_the_table_matches() {
+    fn seeds_stand_for_live_members_until_dead_after_and_those_with_no_row_for_dead_ones_after() {
         let seed = |node| Seed {
             node: NodeId(node),
             addr: format!("10.0.0.{node}:7001"),
@@ -1138,15 +1140,23 @@ mod tests {
             UnheardSeeds { live: 0, dead: 2 },
         );
         let none = UnheardSeeds::default();
+        let unheard = |seeds, matched, at| unheard_seeds(seeds, matched, at, dead_after, |_| false);
+        assert_eq!(unheard(&seeds, false, at(0)), live, "distinct");
+        assert_eq!(unheard(&seeds, false, at(9)), live);
+        assert_eq!(unheard(&seeds, false, at(10)), dead);
+        assert_eq!(unheard(&seeds, true, at(0)), none);
+        assert_eq!(unheard(&seeds, true, at(10)), none);
+        assert_eq!(unheard(&[], false, at(10)), none);
+        // Past `dead_after`, a seed with a row counts as its row says, not as dead again.
+        let row_of_3 = |node| node == NodeId(3);
         assert_eq!(
-            unheard_seeds(&seeds, false, at(0), dead_after),
-            live,
-            "distinct"
+            unheard_seeds(&seeds, false, at(10), dead_after, row_of_3),
+            UnheardSeeds { live: 0, dead: 1 }
         );
-        assert_eq!(unheard_seeds(&seeds, false, at(9), dead_after), live);
-        assert_eq!(unheard_seeds(&seeds, false, at(10), dead_after), dead);
-        assert_eq!(unheard_seeds(&seeds, true, at(0), dead_after), none);
-        assert_eq!(unheard_seeds(&seeds, true, at(10), dead_after), none);
-        assert_eq!(unheard_seeds(&[], false, at(10), dead_after), none);
+        assert_eq!(
+            unheard_seeds(&seeds, false, at(9), dead_after, row_of_3),
+            live,
+            "before, every seed stands for a member not heard yet"
+        );
     }
 }

@@ -169,7 +169,13 @@ impl Deciding {
     fn new(sim: &Sim, index: usize) -> Deciding {
         let mut view = ViewState::default();
         let gossip = sim.gossip(index).unwrap().config();
-        view.unheard_seeds = unheard_seeds(&gossip.seeds, false, Duration::ZERO, gossip.dead_after);
+        view.unheard_seeds = unheard_seeds(
+            &gossip.seeds,
+            false,
+            Duration::ZERO,
+            gossip.dead_after,
+            |_| false,
+        );
         let mut node = Deciding {
             replica: sim.replica(index),
             serving_since: sim.time(),
@@ -367,6 +373,7 @@ fn refresh(sim: &Sim, index: usize, node: &mut Deciding) {
         gossip.table_matched(),
         now.mono.saturating_sub(node.serving_since),
         config.dead_after,
+        |seed| rows.iter().any(|(node, _, _)| *node == seed),
     );
     let relocated = node.view.set_members(rows, stamps, now);
     node.view.take_relocated(&relocated, map, me);
