@@ -36,10 +36,10 @@ pub(crate) struct Held {
     pub(crate) cells: Cells,
 }
 
-/// Keys and their counters, found by key or by id.
+/// Keys and their counters' lanes, found by key or by id.
 ///
 /// The hash table holds ids only (8 bytes and a control byte a bucket), and hashes an id
-/// by the key it names, so each key is held once, beside its counter.
+/// by the key it names, so each key is held once, beside its lanes.
 #[derive(Debug, Clone)]
 pub(crate) struct KeyTable {
     // Invariant: the id of every entry that is `Some`, once, at its key's hash.
@@ -97,7 +97,7 @@ impl KeyTable {
             .copied()
     }
 
-    /// The key and counter at `id`, if `id` is held.
+    /// The key and lanes at `id`, if `id` is held.
     pub(crate) fn get(&self, id: KeyId) -> Option<&Held> {
         self.entries.get(id.at())?.as_ref()
     }
@@ -130,7 +130,7 @@ impl KeyTable {
         (id, &mut held.cells)
     }
 
-    /// Stops holding `id`'s key, returning it with its counter.
+    /// Stops holding `id`'s key, returning it with its lanes.
     pub(crate) fn remove(&mut self, id: KeyId) -> Option<Held> {
         let held = self.entries.get_mut(id.at())?.take()?;
         let hash = self.hasher.hash_one(&held.key);
@@ -141,7 +141,7 @@ impl KeyTable {
         Some(held)
     }
 
-    /// Every held id with its key and counter, in no particular order.
+    /// Every held id with its key and lanes, in no particular order.
     pub(crate) fn iter(&self) -> impl Iterator<Item = (KeyId, &Held)> {
         self.entries
             .iter()

@@ -349,8 +349,12 @@ impl CounterMap {
 
     /// `replica`'s lane at `key`, or an empty lane.
     pub fn lane(&self, key: &Key, replica: ReplicaId) -> Lane {
-        self.counter(key)
-            .map_or(Lane::default(), |c| c.lane(replica))
+        let lane = || {
+            let index = self.origins.get(&replica)?.index;
+            let (lane, _) = self.keys.get(self.keys.id(key)?)?.cells.get(index)?;
+            Some(lane)
+        };
+        lane().unwrap_or_default()
     }
 
     /// The lanes a peer with digest `peer` lacks, per origin in version order, cut so the
@@ -969,6 +973,36 @@ mod tests {
         assert_index_names_each_lane(&map);
         assert_eq!(map.value(&key(90, 3_600)), 2 + 5);
         assert_eq!(map.value(&key(500, 3_600)), 5);
+    }
+
+    #[test]
+    fn an_origin_dropped_at_expiry_frees_its_index_for_the_next_and_no_lane_names_it() {
+        let mut map = CounterMap::new();
+        let life = |node, generation| ReplicaId::new(NodeId(node), Generation(generation));
+        let (short, long) = (key(1, 10), key(2, 3_600));
+        // Node 3 writes in both windows (its index the first), node 5's first life only in
+        // the short one (the second).
+        map.incr(life(3, 1), &short, 2, Stamp(1)).unwrap();
+        map.incr(life(3, 1), &long, 7, Stamp(1)).unwrap();
+        map.incr(life(5, 1), &short, 4, Stamp(1)).unwrap();
+        let freed = map.origins[&life(5, 1)].index;
+        let later = short.window.live_until_unix_secs();
+        map.expire(later, |replica| replica != life(5, 1));
+        assert!(
+            !map.origins.contains_key(&life(5, 1)),
+            "retired with no lanes"
+        );
+
+        // The next origin takes the freed index, above node 3's; its lane sorts by replica,
+        // before node 3's.
+        map.incr(life(1, 1), &long, 9, Stamp(2)).unwrap();
+        assert_eq!(map.origins[&life(1, 1)].index, freed);
+        let counter = map.counter(&long).unwrap();
+        let replicas: Vec<ReplicaId> = counter.slots().map(|slot| slot.replica).collect();
+        assert_eq!(replicas, [life(1, 1), life(3, 1)]);
+        assert_eq!(map.value(&long), 7 + 9);
+        assert_eq!(map.lane(&long, life(5, 1)), Lane::default());
+        assert_index_names_each_lane(&map);
     }
 
     #[test]
