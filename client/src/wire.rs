@@ -312,7 +312,8 @@ pub struct Decision {
     /// isolated mode `locations x slack` plus what the locations held beyond their shares
     /// when it turned isolated (this node's own excess, and the others' count, with their
     /// rate x `stale_after_ms` unseen, less one share); in both, for each member declared
-    /// dead (alive, it may be beyond a partition), the larger of the limit and a share,
+    /// dead or whose state is `dead_after` old (alive, it may be beyond a partition), the
+    /// larger of the limit and a share,
     /// less the share isolated mode takes it to admit; 0 for exact and for a
     /// `deny` fallback; infinite for an `allow` fallback, which admits whatever the count,
     /// and for an approximate decision while a seed or a live member's current life is

@@ -30,12 +30,16 @@
 //!   share: all they hold counts beyond the shares. A rule's configured `locations` sets
 //!   the share; where this node knows of more locations than that, each one past it may
 //!   admit a share as well, and the bound adds a share for each.
-//! - **dead** (a member declared dead, or a seed still unheard past `dead_after`): in
-//!   either mode the bound adds what each such member may admit unseen. It may be alive
-//!   beyond a partition, reading this node dead too and deciding connected on the whole
-//!   limit, or isolated on its share: the larger of the two, less the share an isolated
-//!   decision already takes it to admit. So a member that crashed for good keeps a whole
-//!   limit in every bound until it is started again (and leaves, if stopped).
+//! - **dead** (a member declared dead, a live member whose state here is at least
+//!   `dead_after` old, or a seed still unheard past `dead_after`): in either mode the
+//!   bound adds what each such member may admit unseen. It may be alive beyond a
+//!   partition, reading this node dead too and deciding connected on the whole limit, or
+//!   isolated on its share: the larger of the two, less the share an isolated decision
+//!   already takes it to admit. A live member that old may have declared this node dead
+//!   first (the failure detectors of two nodes do not agree to the round), or, after a
+//!   partition heals, be heard again before what it admitted meanwhile arrives. So a
+//!   member that crashed for good keeps a whole limit in every bound until it is started
+//!   again (and leaves, if stopped).
 //! - **unheard** (a seed not heard yet, or a live member none of whose current life's
 //!   state has arrived: this node just started, or the member did; and for a rate
 //!   sample's time, 100 ms, after this life first heard every live member): decided as
@@ -757,6 +761,32 @@ mod tests {
             .all(|d| d.mode == Mode::ApproximateIsolated));
         assert_eq!(decisions.iter().filter(|d| d.allowed).count(), 33 - 1);
         assert!(decisions.iter().all(|d| d.bound == 67.0), "{decisions:?}");
+    }
+
+    #[test]
+    fn a_live_member_whose_state_is_dead_after_old_may_have_admitted_a_whole_limit_unseen() {
+        // Node 2's state is 5 s old here: isolated, on a share of 50.
+        let rule = rule(100, 0);
+        let (store, owned) = setup(&rule);
+        let key = KeyRef::from(&owned);
+        let mut view = view_of(&[(2, State::Alive)], Stamp(NOW.0 - 5_000));
+        let decide = |view: &ViewState| context(&store, view).check(&rule, key, 1).unwrap();
+        let decision = decide(&view);
+        assert_eq!(decision.mode, Mode::ApproximateIsolated);
+        assert_eq!(
+            decision.bound, 0.0,
+            "no `dead_after` known: a share's worth of it"
+        );
+        view.dead_after = Some(Duration::from_secs(10));
+        assert_eq!(
+            decide(&view).bound,
+            0.0,
+            "its state younger than `dead_after`"
+        );
+        // Past `dead_after`, it may have declared this node dead and decided on the whole
+        // limit, 50 past its share.
+        view.dead_after = Some(Duration::from_secs(4));
+        assert_eq!(decide(&view).bound, 50.0);
     }
 
     #[test]

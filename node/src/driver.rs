@@ -321,6 +321,7 @@ impl Driver {
             config.dead_after,
             |seed| rows.iter().any(|(node, _, _)| *node == seed),
         );
+        view.dead_after = Some(config.dead_after);
         let relocated = view.set_members(rows, stamps, self.clock.now());
         view.take_relocated(&relocated, map, me);
         view.own_held_for = held_for;

@@ -77,6 +77,13 @@ pub struct ViewState {
     // When some state of every live member, one at least, had first arrived in this life
     // (monotonic): the keys' rates have their first sample a `Rate::SAMPLE_MS_MIN` after.
     heard_since: Option<Duration>,
+    // The age of each live (alive or suspect) member's newest stamp when the members were
+    // set, since the epoch for one with none held, in ascending order.
+    live_ages: Vec<Duration>,
+    /// How long a member goes unheard before it declares another dead: `dead_after`
+    /// (`None` where not set, as in a view of no gossip). A live member whose state here
+    /// is that old may have declared this node dead, and decided without its count.
+    pub dead_after: Option<Duration>,
     /// Once the lane log's sync is overdue (`handoff`), how long before the members were
     /// last set (monotonic) the oldest write it holds back was queued: no peer has this
     /// node's writes since, and a peer may have declared it dead and stopped counting it,
@@ -254,9 +261,10 @@ pub struct Freshness {
     pub live: usize,
     /// Members known in any state but left, and unheard seeds; this node included.
     pub locations: usize,
-    /// Members declared dead (not left), and seeds never heard past `dead_after`: each may
-    /// be alive beyond a partition, deciding on its side without this node's count, as
-    /// this node decides without its.
+    /// Members declared dead (not left), live members whose state here is at least
+    /// `dead_after` old, and seeds never heard past `dead_after`: each may be alive beyond
+    /// a partition, deciding on its side without this node's count, as this node decides
+    /// without its (or may have, and its state since has not arrived).
     pub dead: usize,
     /// Whether this node knows enough of the others to bound what they admit: false while
     /// a seed is unheard or a live member's current replica has no stamp held here (its
@@ -282,9 +290,6 @@ impl View {
 struct Summary {
     /// The wall time they were set at: ages below grow from it.
     at: Stamp,
-    /// The age of the oldest stamp of a live (alive or suspect) member then, since the
-    /// epoch for one with none held.
-    oldest_live: Option<Duration>,
     /// Live members.
     live: usize,
     /// Members that have not left.
@@ -334,6 +339,7 @@ impl ViewState {
             at: now.wall,
             ..Summary::default()
         };
+        let mut live_ages = Vec::new();
         for (_, replica, state) in &members {
             let counted = STATES.iter().position(|s| s == state);
             summary.by_state[counted.expect("invariant: STATES lists every state")] += 1;
@@ -346,8 +352,7 @@ impl ViewState {
                 let held = vouched.get(replica).is_some_and(|&(stamp, _)| stamp.0 > 0);
                 summary.unheard_live += usize::from(!held);
                 let never = Duration::from_millis(now.wall.0);
-                let age = vouched.get(replica).map_or(never, |&(_, age)| age);
-                summary.oldest_live = Some(summary.oldest_live.map_or(age, |o| o.max(age)));
+                live_ages.push(vouched.get(replica).map_or(never, |&(_, age)| age));
             }
         }
         let stamps = (vouched.into_iter())
@@ -378,7 +383,9 @@ impl ViewState {
             self.heard_since = Some(now.mono);
         }
         summary.heard_for = (self.heard_since).map(|since| now.mono.saturating_sub(since));
+        live_ages.sort_unstable();
         (self.members, self.stamps, self.summary) = (members, stamps, summary);
+        self.live_ages = live_ages;
         self.located = located;
         relocated
     }
@@ -428,6 +435,8 @@ impl ViewState {
             below_zero: HashMap::new(),
             outside: HashMap::new(),
             located: self.located.clone(),
+            live_ages: self.live_ages.clone(),
+            dead_after: self.dead_after,
             own_held_for: self.own_held_for,
             ends_from: self.ends_from,
             heard_since: self.heard_since,
@@ -446,7 +455,7 @@ impl ViewState {
         // since by the wall clock: a step back of it stops their growth only until the
         // next step, never takes them back.
         let since_set = Duration::from_millis(now.0.saturating_sub(self.summary.at.0));
-        if let Some(oldest) = self.summary.oldest_live {
+        if let Some(&oldest) = self.live_ages.last() {
             staleness = staleness.max(oldest + since_set);
         }
         if let Some(held) = self.own_held_for {
@@ -456,9 +465,23 @@ impl ViewState {
             staleness,
             live: self.unheard_seeds.live + self.summary.live,
             locations: 1 + self.unheard_seeds.live + self.unheard_seeds.dead + self.summary.located,
-            dead: self.unheard_seeds.dead + self.summary.dead,
+            dead: self.unheard_seeds.dead
+                + self.summary.dead
+                + self.live_past_dead_after(since_set),
             heard: self.heard(since_set),
         }
+    }
+
+    /// How many live members' state is at least `dead_after` old, `since_set` after the
+    /// members were set: each may have declared this node dead (beyond a partition, or
+    /// cut off one way), or may still hold what it admitted while it had, unseen here
+    /// (after a partition heals, until its state arrives).
+    fn live_past_dead_after(&self, since_set: Duration) -> usize {
+        let Some(dead_after) = self.dead_after else {
+            return 0;
+        };
+        let younger = (self.live_ages).partition_point(|&age| age + since_set < dead_after);
+        self.live_ages.len() - younger
     }
 
     /// Whether, `since_set` after the members were set, this node holds some state of

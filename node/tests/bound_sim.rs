@@ -375,6 +375,7 @@ fn refresh(sim: &Sim, index: usize, node: &mut Deciding) {
         config.dead_after,
         |seed| rows.iter().any(|(node, _, _)| *node == seed),
     );
+    node.view.dead_after = Some(config.dead_after);
     let relocated = node.view.set_members(rows, stamps, now);
     node.view.take_relocated(&relocated, map, me);
 }
