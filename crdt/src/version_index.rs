@@ -257,12 +257,17 @@ mod tests {
         }
     }
 
+    /// Each of `versions` indexed in turn, naming the key id of the same number.
+    fn insert_each(index: &mut VersionIndex, versions: std::ops::RangeInclusive<u64>) {
+        for v in versions {
+            index.insert(Version(v), KeyId::of(v as usize));
+        }
+    }
+
     #[test]
     fn a_rewritten_lane_leaves_a_hole_until_the_holes_are_a_fifth() {
         let mut index = VersionIndex::default();
-        for v in 1..=100 {
-            index.insert(Version(v), KeyId::of(v as usize));
-        }
+        insert_each(&mut index, 1..=100);
         // Each key rewritten once under a newer version: its old entry is a hole.
         for v in 1..=24 {
             index.remove(Version(v));
@@ -286,9 +291,7 @@ mod tests {
     fn a_gap_filled_under_pushes_merged_past_it_goes_beside_the_vector_until_merged() {
         let mut index = VersionIndex::default();
         // Pushes past a gap, then the gap's lanes, each below the vector's top.
-        for v in 10_001..=10_100 {
-            index.insert(Version(v), KeyId::of(v as usize));
-        }
+        insert_each(&mut index, 10_001..=10_100);
         for v in 1..=10_000 {
             index.insert(Version(v), KeyId::of(v as usize));
             assert!(index.below.len() <= BELOW_MIN.max(index.entries.len() / 8));
