@@ -302,9 +302,10 @@ impl Context<'_> {
         let cost_i = i128::from(cost);
         let locations = rule.locations.unwrap_or(freshness.locations as u64).max(1);
         let share = (rule.limit / locations).saturating_add(rule.slack);
-        // A member declared dead may be alive beyond a partition, deciding on its side
-        // without this node's count: connected there (its side reads this one dead too), it
-        // admits up to the limit; isolated, up to its share. Neither shows here.
+        // A member declared dead (or whose state is `dead_after` old, or a seed unheard past
+        // it) may be alive beyond a partition, deciding on its side without this node's
+        // count: connected there (its side reads this one dead too), it admits up to the
+        // limit; isolated, up to its share. Neither shows here.
         let dead_may_admit = freshness.dead as f64 * rule.limit.max(share) as f64;
         let (mode, allowed, bound, room) = if connected {
             let room = i128::from(rule.limit) - (current + previous);
