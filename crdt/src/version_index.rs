@@ -122,7 +122,9 @@ impl VersionIndex {
             self.entries.pop();
             self.holes -= 1;
         }
-        if self.holes > self.entries.len() / 5 {
+        // Popping the top may leave `below` past an eighth of the vector too.
+        let below_max = BELOW_MIN.max(self.entries.len() / 8);
+        if self.holes > self.entries.len() / 5 || self.below.len() > below_max {
             self.sweep();
         }
     }
@@ -297,6 +299,16 @@ mod tests {
             assert!(index.below.len() <= BELOW_MIN.max(index.entries.len() / 8));
         }
         assert!(index.entries.len() > 8_000, "merged into the vector");
+        // The top removed, with lanes beside the vector: still within an eighth of it.
+        let mut small = VersionIndex::default();
+        insert_each(&mut small, 2_000..=2_999);
+        insert_each(&mut small, 1..=125);
+        assert_eq!(small.below.len(), 125);
+        for v in 2_990..=2_999 {
+            small.remove(Version(v));
+            assert!(small.below.len() <= BELOW_MIN.max(small.entries.len() / 8));
+        }
+        assert_eq!(small.len(), 1_115);
         assert_eq!(index.len(), 10_100);
         let all: Vec<u64> = index.range_from(Version::ZERO).map(|(v, _)| v.0).collect();
         assert_eq!(all, (1..=10_100).collect::<Vec<_>>());
