@@ -1,5 +1,6 @@
 //! One origin's lanes in version order: what a delta for a peer is cut from.
 
+use crate::cells::Halves;
 use crate::key_table::KeyId;
 use crate::Version;
 use std::collections::BTreeMap;
@@ -34,7 +35,7 @@ const BELOW_MIN: usize = 64;
 /// A version and a key id, 4-byte aligned so that an entry is 12 bytes, not 16.
 #[derive(Debug, Clone, Copy)]
 struct Entry {
-    version: [u32; 2],
+    version: Halves,
     id: Option<KeyId>,
 }
 
@@ -46,13 +47,13 @@ const _: () = assert!(
 impl Entry {
     fn new(version: Version, id: KeyId) -> Entry {
         Entry {
-            version: [version.0 as u32, (version.0 >> 32) as u32],
+            version: Halves::of(version.0),
             id: Some(id),
         }
     }
 
     fn version(&self) -> Version {
-        Version(u64::from(self.version[0]) | (u64::from(self.version[1]) << 32))
+        Version(self.version.get())
     }
 }
 
