@@ -1,6 +1,6 @@
 //! The gossip state machine: anti-entropy, eager push, membership, staleness.
 
-use crate::membership::{Members, State, Transition};
+use crate::membership::{ForgetError, Members, State, Transition};
 use crate::message::{Cover, MemberEntry, Message};
 use crate::paced::OwnStamps;
 use crate::stats::Stats;
@@ -114,6 +114,14 @@ pub enum Event {
         seen: Version,
         /// The version this node has written.
         written: Version,
+    },
+    /// A peer's table holds this node's own life as gone though it has not left: an
+    /// operator forgot it ([`Gossip::forget`]), and the cluster no longer counts what it
+    /// admits. The node must leave (its acknowledged writes handed over, as at any stop)
+    /// and start again, which takes a new generation and makes it a member again.
+    Forgotten {
+        /// The peer whose table said so.
+        by: NodeId,
     },
 }
 
@@ -327,6 +335,14 @@ impl Gossip {
             }
         }
         knock
+    }
+
+    /// Forgets `node`, a member this node holds dead, for good ([`Members::forget`]): no
+    /// node then counts what it may admit unseen. The mark spreads with the table.
+    pub fn forget(&mut self, node: NodeId) -> Result<ReplicaId, ForgetError> {
+        let forgotten = self.members.forget(node);
+        self.emit_transitions();
+        forgotten
     }
 
     /// The membership table.
@@ -606,6 +622,10 @@ impl Gossip {
             self.send(to, &correction);
         }
         self.emit_transitions();
+        if self.members.take_forgotten() {
+            self.outbox
+                .push_back(Output::Event(Event::Forgotten { by: from }));
+        }
     }
 
     /// Merges a delta (or a push following version `after` of its one origin) from a sender,
@@ -2474,6 +2494,52 @@ mod tests {
         assert!(
             gossip.seed_knocks.is_empty(),
             "a seed with a row is forgotten"
+        );
+    }
+
+    #[test]
+    fn a_life_forgotten_while_it_runs_hears_so_from_the_first_table_a_peer_answers_with() {
+        let (mut one, mut three) = (node(1), node(3));
+        // Node 1 holds node 3 dead (a partition, say), and its operator forgets it.
+        one.members.merge(&[three.members.me()], &[NodeId(3)]);
+        assert_eq!(one.members.state(NodeId(3)), Some(State::Dead));
+        assert_eq!(one.forget(NodeId(3)), Ok(three.replica()));
+        assert!(
+            std::iter::from_fn(|| match one.poll_output() {
+                Output::Timeout(_) => None,
+                output => Some(output),
+            })
+            .any(|output| matches!(
+                output,
+                Output::Event(Event::Member(Transition {
+                    node: NodeId(3),
+                    state: State::Left,
+                    ..
+                }))
+            )),
+            "the forgetting is reported as the member leaving"
+        );
+        // Node 3 runs on and knows node 1: its round's digest reaches node 1, whose answer
+        // carries the table that holds node 3's life as gone.
+        three.members.merge(&[one.members.me()], &[]);
+        three.handle_input(Input::Timeout { now: now(0) });
+        assert!(deliver(&mut three, &mut one, now(1)));
+        assert!(deliver(&mut one, &mut three, now(2)));
+        let events: Vec<Event> = std::iter::from_fn(|| match three.poll_output() {
+            Output::Event(event) => Some(Some(event)),
+            Output::Send { .. } => Some(None),
+            Output::Timeout(_) => None,
+        })
+        .flatten()
+        .collect();
+        assert!(
+            events.contains(&Event::Forgotten { by: NodeId(1) }),
+            "{events:?}"
+        );
+        assert_eq!(
+            one.members.state(NodeId(3)),
+            Some(State::Left),
+            "its own row does not bring it back"
         );
     }
 

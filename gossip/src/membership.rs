@@ -58,6 +58,28 @@ pub struct Members {
     members: BTreeMap<NodeId, Member>,
     expected_interval: Duration,
     pending: Vec<Transition>,
+    // Whether a peer's table held this node's own life as gone while it had not left: an
+    // operator forgot it elsewhere ([`Members::forget`]).
+    forgotten: bool,
+}
+
+/// Why a member could not be forgotten.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum ForgetError {
+    /// The node asked to forget itself.
+    #[error("node {0} is this node; a node leaves by stopping")]
+    Myself(NodeId),
+    /// No row of the node is held here.
+    #[error("node {0} is not a member known to this node")]
+    NotAMember(NodeId),
+    /// The member is not dead here: it is heard, or only suspected.
+    #[error("node {node} is {state:?} here; only a member this node holds dead can be forgotten")]
+    NotDead {
+        /// The member.
+        node: NodeId,
+        /// Its state here.
+        state: State,
+    },
 }
 
 impl Members {
@@ -69,6 +91,7 @@ impl Members {
             members: BTreeMap::new(),
             expected_interval,
             pending: Vec::new(),
+            forgotten: false,
         };
         members.insert(me, State::Alive);
         members
@@ -117,10 +140,19 @@ impl Members {
     /// A dead member is still probed, and is alive again once heard. A row already held
     /// keeps its state: this node's own view wins over a sender's. A row held without an
     /// address (see [`Members::heard`]) takes the address of the same row gossiped.
+    ///
+    /// This node's own row is never taken from a peer. If a peer holds this node's life as
+    /// gone while it has not left, an operator forgot it ([`Members::forget`]) and the
+    /// cluster no longer counts it: [`Members::take_forgotten`] says so once.
     pub fn merge(&mut self, entries: &[MemberEntry], dead: &[NodeId]) {
         let dead: BTreeSet<NodeId> = dead.iter().copied().collect();
         for entry in entries {
             if entry.node == self.me {
+                let me = &self.members[&self.me];
+                if entry.left && entry.generation == me.entry.generation && me.state != State::Left
+                {
+                    self.forgotten = true;
+                }
                 continue;
             }
             let rank = |row: &MemberEntry| (row.generation, row.left);
@@ -258,6 +290,40 @@ impl Members {
         }
     }
 
+    /// Forgets `node`, a member this node holds dead, for good: its row is marked gone, as
+    /// if its life had left, and the mark spreads with the table, since within a
+    /// generation left beats alive. So no node keeps counting what a crashed member that
+    /// will not come back may have admitted unseen. Its lanes stay, like any gone life's,
+    /// until their windows end. A life of it started later has a newer generation and is
+    /// a member again; a life forgotten while alive beyond a partition learns it from the
+    /// first table that reaches it ([`Members::take_forgotten`]).
+    ///
+    /// Returns the life forgotten. A member already gone is forgotten already.
+    pub fn forget(&mut self, node: NodeId) -> Result<ReplicaId, ForgetError> {
+        if node == self.me {
+            return Err(ForgetError::Myself(node));
+        }
+        let member = (self.members.get_mut(&node)).ok_or(ForgetError::NotAMember(node))?;
+        match member.state {
+            State::Left => {}
+            State::Dead => {
+                member.entry.left = true;
+                member.state = State::Left;
+                self.pending.push(transition(member));
+            }
+            state @ (State::Alive | State::Suspect) => {
+                return Err(ForgetError::NotDead { node, state });
+            }
+        }
+        Ok(member.entry.replica())
+    }
+
+    /// Whether a peer's table held this node's own life as gone (an operator forgot it
+    /// there) since the last call.
+    pub fn take_forgotten(&mut self) -> bool {
+        std::mem::take(&mut self.forgotten)
+    }
+
     /// Marks this node as leaving.
     pub fn leave(&mut self) {
         if let Some(me) = self.members.get_mut(&self.me) {
@@ -392,6 +458,93 @@ mod tests {
         // 56 s would have made that about 145 s).
         members.check(SECOND * 80, 8.0, SECOND * 10);
         assert_eq!(members.state(NodeId(2)), Some(State::Suspect));
+    }
+
+    #[test]
+    fn only_a_member_held_dead_is_forgotten_and_its_mark_spreads_to_peers_holding_it_alive() {
+        let mut one = Members::new(entry(1, 1), SECOND);
+        one.merge(&[entry(2, 1), entry(3, 1)], &[]);
+        one.take_transitions();
+        assert_eq!(one.forget(NodeId(1)), Err(ForgetError::Myself(NodeId(1))));
+        assert_eq!(
+            one.forget(NodeId(9)),
+            Err(ForgetError::NotAMember(NodeId(9)))
+        );
+        let alive = ForgetError::NotDead {
+            node: NodeId(3),
+            state: State::Alive,
+        };
+        assert_eq!(one.forget(NodeId(3)), Err(alive));
+        assert_eq!(
+            one.state(NodeId(3)),
+            Some(State::Alive),
+            "refused: unchanged"
+        );
+        // Node 2 is heard; node 3 falls silent, is suspected, and is then dead.
+        for t in 0..5 {
+            one.heard(entry(2, 1).replica(), SECOND * t);
+            one.heard(entry(3, 1).replica(), SECOND * t);
+        }
+        one.heard(entry(2, 1).replica(), SECOND * 29);
+        one.check(SECOND * 30, 8.0, SECOND * 10);
+        let suspect = ForgetError::NotDead {
+            node: NodeId(3),
+            state: State::Suspect,
+        };
+        assert_eq!(one.forget(NodeId(3)), Err(suspect));
+        one.heard(entry(2, 1).replica(), SECOND * 40);
+        one.check(SECOND * 41, 8.0, SECOND * 10);
+        assert_eq!(one.state(NodeId(3)), Some(State::Dead));
+        one.take_transitions();
+        assert_eq!(one.forget(NodeId(3)), Ok(entry(3, 1).replica()));
+        assert_eq!(one.state(NodeId(3)), Some(State::Left));
+        let states: Vec<State> = one.take_transitions().iter().map(|t| t.state).collect();
+        assert_eq!(states, [State::Left]);
+        assert_eq!(
+            one.forget(NodeId(3)),
+            Ok(entry(3, 1).replica()),
+            "gone already"
+        );
+        assert!(one.take_transitions().is_empty());
+        assert_eq!(one.others_in(&[State::Dead]), [] as [NodeId; 0]);
+
+        // A peer that holds that life alive takes the mark with the table...
+        let mut two = Members::new(entry(2, 1), SECOND);
+        two.merge(&[entry(1, 1), entry(3, 1)], &[]);
+        two.merge(&one.entries(), &[]);
+        assert_eq!(two.state(NodeId(3)), Some(State::Left));
+        assert_ne!(two.hash(), Members::new(entry(2, 1), SECOND).hash());
+        // ...but a peer holding a later life of it keeps that life.
+        let mut four = Members::new(entry(4, 1), SECOND);
+        four.merge(&[entry(3, 2)], &[]);
+        four.merge(&one.entries(), &[]);
+        assert_eq!(four.state(NodeId(3)), Some(State::Alive));
+        assert_eq!(four.replica(NodeId(3)), Some(entry(3, 2).replica()));
+    }
+
+    #[test]
+    fn a_life_learns_once_that_it_was_forgotten_but_not_from_an_earlier_life_or_its_own_leave() {
+        let mut one = Members::new(entry(1, 1), SECOND);
+        one.merge(&[entry(3, 5)], &[NodeId(3)]);
+        one.forget(NodeId(3)).unwrap();
+        let mut three = Members::new(entry(3, 5), SECOND);
+        three.merge(&one.entries(), &[]);
+        assert!(three.take_forgotten());
+        assert!(!three.take_forgotten(), "said once");
+        assert_eq!(
+            three.state(NodeId(3)),
+            Some(State::Alive),
+            "its own row is its own"
+        );
+        // A later life of node 3 is not the life forgotten.
+        let mut later = Members::new(entry(3, 6), SECOND);
+        later.merge(&one.entries(), &[]);
+        assert!(!later.take_forgotten());
+        // A life that left is gone in its own eyes too.
+        let mut leaving = Members::new(entry(3, 5), SECOND);
+        leaving.leave();
+        leaving.merge(&one.entries(), &[]);
+        assert!(!leaving.take_forgotten());
     }
 
     #[test]
