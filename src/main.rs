@@ -1,6 +1,6 @@
 //! `tally`: the command-line tool. Makes cluster certificates, talks to a sidecar
-//! (`get`, `incr`, `decr`, `check`, `status`), runs the daemon (`tally daemon`, the same
-//! as `tallyd`), and runs the demo (`tally demo`).
+//! (`get`, `incr`, `decr`, `check`, `status`, and `forget` on its HTTP port), runs the
+//! daemon (`tally daemon`, the same as `tallyd`), and runs the demo (`tally demo`).
 
 mod demo;
 
@@ -58,6 +58,16 @@ enum Command {
     Status {
         #[command(flatten)]
         sidecar: Sidecar,
+    },
+    /// Forget a member the sidecar holds dead, for good, so that no node counts what it
+    /// may admit unseen any longer: for a node that crashed and will not come back. A life
+    /// of it started later is a member again.
+    Forget {
+        /// The member's node id.
+        node: u64,
+        /// The sidecar's HTTP address (its `listen_http`).
+        #[arg(long)]
+        http: std::net::SocketAddr,
     },
     /// Run a node (the same as `tallyd`).
     Daemon(DaemonArgs),
@@ -134,8 +144,36 @@ fn main() -> anyhow::Result<()> {
         }
         Command::Daemon(args) => Ok(tally_node::cli::run(&args)?),
         Command::Demo(args) => demo::run(&args),
+        Command::Forget { node, http } => forget(node, http),
         command => client_command(command),
     }
+}
+
+/// Asks the sidecar at `http` to forget `node` (`DELETE /members/<node>`), and prints what
+/// it answered: the life forgotten, or why not (an error).
+fn forget(node: u64, http: std::net::SocketAddr) -> anyhow::Result<()> {
+    use std::io::{Read, Write};
+    let timeout = Duration::from_secs(5);
+    let mut stream = std::net::TcpStream::connect_timeout(&http, timeout)
+        .with_context(|| format!("connect to the sidecar's HTTP port {http}"))?;
+    stream.set_read_timeout(Some(timeout))?;
+    write!(
+        stream,
+        "DELETE /members/{node} HTTP/1.1\r\nhost: {http}\r\n\r\n"
+    )?;
+    let mut answer = String::new();
+    stream
+        .read_to_string(&mut answer)
+        .with_context(|| format!("read the answer from {http}"))?;
+    let (head, body) = answer.split_once("\r\n\r\n").unwrap_or((&answer, ""));
+    let status = head.lines().next().unwrap_or_default();
+    anyhow::ensure!(
+        status.starts_with("HTTP/1.1 200"),
+        "{http} answered {status}: {}",
+        body.trim_end()
+    );
+    println!("{body}");
+    Ok(())
 }
 
 fn client_command(command: Command) -> anyhow::Result<()> {
@@ -148,9 +186,10 @@ fn client_command(command: Command) -> anyhow::Result<()> {
             Command::Incr(count) | Command::Decr(count) => &count.subject.sidecar,
             Command::Get(subject) | Command::Check { subject, .. } => &subject.sidecar,
             Command::Status { sidecar } => sidecar,
-            Command::Certs { .. } | Command::Daemon(_) | Command::Demo(_) => {
-                unreachable!("handled in main")
-            }
+            Command::Certs { .. }
+            | Command::Forget { .. }
+            | Command::Daemon(_)
+            | Command::Demo(_) => unreachable!("handled in main"),
         };
         let options = Options::default().with_timeout(Duration::from_millis(sidecar.timeout_ms));
         let client = Client::connect(sidecar.endpoint.clone(), options).await?;
@@ -174,9 +213,10 @@ fn client_command(command: Command) -> anyhow::Result<()> {
                 println!("{:?}", client.check(&s.rule, &s.subject, cost).await?);
             }
             Command::Status { .. } => println!("{:?}", client.status().await?),
-            Command::Certs { .. } | Command::Daemon(_) | Command::Demo(_) => {
-                unreachable!("handled in main")
-            }
+            Command::Certs { .. }
+            | Command::Forget { .. }
+            | Command::Daemon(_)
+            | Command::Demo(_) => unreachable!("handled in main"),
         }
         anyhow::Ok(())
     })

@@ -14,7 +14,7 @@
 mod cluster;
 
 use cluster::disk::LoopDisk;
-use cluster::{first_decided, paced_checks, turn_isolated, Cluster};
+use cluster::{eventually, first_decided, paced_checks, turn_isolated, Cluster};
 use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -1895,4 +1895,137 @@ impl Acknowledged {
         client.incr("count", &own, 1).await.unwrap();
         self.own[node] += 1;
     }
+}
+
+/// An operator forgets a member that crashed for good (`tally forget`). While it is dead,
+/// every decision's bound carries the whole limit it may have admitted unseen; once one
+/// node forgets it, every node lets that go, and still counts what it counted. A later
+/// life of it is a member again.
+#[tokio::test(flavor = "current_thread")]
+async fn a_crashed_member_forgotten_by_an_operator_leaves_every_bound_and_its_counts_stay() {
+    let mut cluster = Cluster::start_with(NET, 3, 1_500, false);
+    for (amount, node) in [10, 20, 30].into_iter().zip(&cluster.nodes) {
+        let client = node.client().await;
+        client.incr("count", "forgotten", amount).await.unwrap();
+    }
+    wait_read(&cluster, &[1, 2, 3], "count", "forgotten", 60).await;
+    let forgotten_life = cluster.nodes[2].last_generation();
+
+    cluster.node(3).kill9();
+    eventually(
+        Duration::from_secs(20),
+        "nodes 1 and 2 to hold node 3 dead",
+        || cluster.nodes[0].held_dead(3) && cluster.nodes[1].held_dead(3),
+    )
+    .await;
+    for node in &cluster.nodes[..2] {
+        let decision = node.client().await.check("api", "forgotten", 1).await;
+        let decision = decision.unwrap();
+        assert!(
+            decision.bound >= 2_000.0,
+            "node {}, node 3 dead: {decision:?}",
+            node.id
+        );
+    }
+
+    // Refused: a live member, the node itself, a node it never knew.
+    for (member, says) in [
+        (
+            2,
+            "node-2 is Alive here; only a member this node holds dead can be forgotten",
+        ),
+        (1, "node-1 is this node"),
+        (9, "node-9 is not a member"),
+    ] {
+        let refused = cluster.nodes[0].forget(member);
+        let stderr = String::from_utf8_lossy(&refused.stderr);
+        assert!(
+            !refused.status.success() && stderr.contains(says),
+            "{stderr}"
+        );
+    }
+    let forgot = cluster.nodes[0].forget(3);
+    assert!(forgot.status.success(), "{forgot:?}");
+    assert_eq!(
+        String::from_utf8_lossy(&forgot.stdout).trim(),
+        format!(r#"{{"forgotten":{{"generation":{forgotten_life},"node":3}}}}"#)
+    );
+    eventually(
+        Duration::from_secs(20),
+        "node 2 to take node 3 as gone",
+        || cluster.nodes[1].held_as(3, "Left"),
+    )
+    .await;
+    for node in &cluster.nodes[..2] {
+        let decision = node.client().await.check("api", "forgotten", 1).await;
+        let decision = decision.unwrap();
+        assert!(
+            decision.allowed && decision.bound < 2_000.0,
+            "node {}, node 3 forgotten: {decision:?}",
+            node.id
+        );
+    }
+    // Its lanes stay until their windows end.
+    wait_read(&cluster, &[1, 2], "count", "forgotten", 60).await;
+
+    cluster.node(3).restart(true);
+    let next_life = format!(
+        "member node 3 generation {} ",
+        cluster.nodes[2].last_generation()
+    );
+    eventually(
+        Duration::from_secs(20),
+        "nodes 1 and 2 to take node 3's next life",
+        || {
+            cluster.nodes[..2].iter().all(|node| {
+                (node.log_text().lines())
+                    .any(|line| line.contains(&next_life) && line.ends_with("is now Alive"))
+            })
+        },
+    )
+    .await;
+    let client = cluster.nodes[2].client().await;
+    client.incr("count", "forgotten", 5).await.unwrap();
+    wait_read(&cluster, &[1, 2, 3], "count", "forgotten", 65).await;
+}
+
+/// A member forgotten while it runs beyond a partition (an operator's mistake: it was only
+/// cut off) hears so once the partition heals. It stops as when asked to, handing its
+/// acknowledged writes to its peers, with an error that says why, and its next start is a
+/// member again.
+#[tokio::test(flavor = "current_thread")]
+async fn a_member_forgotten_while_cut_off_stops_with_its_writes_handed_over_and_rejoins() {
+    let mut cluster = Cluster::start_with(NET, 3, 1_500, false);
+    let partition = cluster.partition(&[1], &[2, 3]);
+    eventually(
+        Duration::from_secs(20),
+        "node 1 to hold node 3 dead",
+        || cluster.nodes[0].held_dead(3),
+    )
+    .await;
+    let forgot = cluster.nodes[0].forget(3);
+    assert!(forgot.status.success(), "{forgot:?}");
+    let client = cluster.nodes[2].client().await;
+    for _ in 0..7 {
+        client.incr("count", "cut off", 1).await.unwrap();
+    }
+    drop(client);
+
+    partition.heal();
+    let mut stopped = None;
+    eventually(Duration::from_secs(20), "node 3 to stop", || {
+        stopped = cluster.node(3).exited();
+        stopped.is_some()
+    })
+    .await;
+    assert!(!stopped.unwrap().success(), "{stopped:?}");
+    let log = cluster.nodes[2].log_text();
+    assert!(log.contains("was forgotten by the cluster"), "{log}");
+    wait_read(&cluster, &[1, 2], "count", "cut off", 7).await;
+    assert!(cluster.nodes[1].held_as(3, "Left"));
+
+    cluster.node(3).restart(true);
+    let client = cluster.nodes[2].client().await;
+    client.incr("count", "cut off", 1).await.unwrap();
+    wait_read(&cluster, &[1, 2, 3], "count", "cut off", 8).await;
 }

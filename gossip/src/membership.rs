@@ -67,13 +67,13 @@ pub struct Members {
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum ForgetError {
     /// The node asked to forget itself.
-    #[error("node {0} is this node; a node leaves by stopping")]
+    #[error("{0} is this node; a node leaves by stopping")]
     Myself(NodeId),
     /// No row of the node is held here.
-    #[error("node {0} is not a member known to this node")]
+    #[error("{0} is not a member this node knows")]
     NotAMember(NodeId),
     /// The member is not dead here: it is heard, or only suspected.
-    #[error("node {node} is {state:?} here; only a member this node holds dead can be forgotten")]
+    #[error("{node} is {state:?} here; only a member this node holds dead can be forgotten")]
     NotDead {
         /// The member.
         node: NodeId,

@@ -66,6 +66,18 @@ pub enum DaemonError {
     /// The gossip task stopped on a fatal event.
     #[error(transparent)]
     Driver(#[from] DriverError),
+    /// An operator forgot this life elsewhere (`DELETE /members/<node>` at a node that
+    /// held it dead), so the cluster no longer counted what it admitted: it stopped as
+    /// when asked to, handing its acknowledged writes to its peers.
+    #[error("node {me} generation {generation} was forgotten by the cluster (node {by}'s table holds it gone); it stopped, and starts again as a member under a new generation")]
+    Forgotten {
+        /// This node.
+        me: u64,
+        /// The life forgotten.
+        generation: u64,
+        /// The peer whose table said so.
+        by: u64,
+    },
     /// One of the node's long-lived tasks ended while the node ran ([`tasks`]); the node
     /// stopped, as it does when asked to.
     #[error("the {0} task ended while the node ran (a panic, if it was one, is printed above); the node stopped")]
@@ -86,6 +98,10 @@ fn collect_every(data_dir: bool, push_interval: std::time::Duration) -> std::tim
         every
     }
 }
+
+/// How many operators' requests to forget members may wait for the gossip task at once;
+/// more are answered busy.
+const FORGET_REQUESTS_MAX: usize = 8;
 
 /// Runs a node until `shutdown` completes, then leaves the cluster gracefully.
 ///
@@ -300,6 +316,8 @@ pub async fn run(config: Config, shutdown: impl Future<Output = ()>) -> Result<(
         .certificate_expires_unix_secs
         .store(certificate_expires, std::sync::atomic::Ordering::Relaxed);
     let (stop, stopped) = watch::channel(false);
+    let (forget, forget_requests) = tokio::sync::mpsc::channel(FORGET_REQUESTS_MAX);
+    let (forgotten, mut forgotten_by) = tokio::sync::oneshot::channel();
     let mut driver = Driver {
         gossip: Gossip::with_state(gossip_config, map)
             .with_republished(recovered.retired.iter().map(|(life, _)| *life))
@@ -315,6 +333,8 @@ pub async fn run(config: Config, shutdown: impl Future<Output = ()>) -> Result<(
         collect_every: collect_every(log.is_some(), config.push_interval()),
         handoff: Handoff::new(log.clone()),
         shutdown: stopped,
+        forget: forget_requests,
+        forgotten: Some(forgotten),
     };
 
     let exact_room = Arc::new(ExactRoom::default());
@@ -348,6 +368,7 @@ pub async fn run(config: Config, shutdown: impl Future<Output = ()>) -> Result<(
         forward: forward_stats,
         exact_room,
         region: region_stats,
+        forget,
     });
     driver.publish_restored();
     let client_task = watcher.spawn(
@@ -378,12 +399,18 @@ pub async fn run(config: Config, shutdown: impl Future<Output = ()>) -> Result<(
 
     let mut driver_task = tokio::spawn(driver.run());
     tokio::pin!(shutdown);
-    // The node stops when its gossip task ends, when it is asked to, or when another of
-    // its tasks ends.
+    // The node stops when its gossip task ends, when it is asked to, when it was
+    // forgotten, or when another of its tasks ends.
     let mut task_ended = None;
+    let mut forgotten = None;
     let driver_ended = tokio::select! {
         result = &mut driver_task => Some(result),
         () = &mut shutdown => None,
+        Ok(by) = &mut forgotten_by => {
+            eprintln!("tallyd: node {} forgot this life; stopping", by.0);
+            forgotten = Some(by);
+            None
+        }
         task = ended.first() => {
             eprintln!("tallyd: the {task} task ended while the node ran; stopping");
             task_ended = Some(task);
@@ -425,10 +452,15 @@ pub async fn run(config: Config, shutdown: impl Future<Output = ()>) -> Result<(
         region_task.abort();
         let _ = region_task.await;
     }
-    match result {
-        Ok(Err(driver)) => Err(DaemonError::from(driver)),
-        Ok(Ok(())) => task_ended.map_or(Ok(()), |task| Err(DaemonError::TaskEnded(task))),
-        Err(join) => std::panic::resume_unwind(join.into_panic()),
+    match (result, forgotten) {
+        (Ok(Err(driver)), _) => Err(DaemonError::from(driver)),
+        (Ok(Ok(())), Some(by)) => Err(DaemonError::Forgotten {
+            me: replica.node.0,
+            generation: replica.generation.0,
+            by: by.0,
+        }),
+        (Ok(Ok(())), None) => task_ended.map_or(Ok(()), |task| Err(DaemonError::TaskEnded(task))),
+        (Err(join), _) => std::panic::resume_unwind(join.into_panic()),
     }
 }
 

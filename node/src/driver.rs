@@ -14,10 +14,10 @@ use crate::view::{unheard_seeds, View};
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Duration;
-use tally_crdt::{Counter, Key, Lane, ReplicaId, Version};
-use tally_gossip::membership::State;
+use tally_crdt::{Counter, Key, Lane, NodeId, ReplicaId, Version};
+use tally_gossip::membership::{ForgetError, State};
 use tally_gossip::{Event, Gossip, Input, Output};
-use tokio::sync::{mpsc, watch};
+use tokio::sync::{mpsc, oneshot, watch};
 
 /// How long a stopping node gives its peers' writers to deliver their last frames (the
 /// last push and the goodbye) before it closes its connections.
@@ -41,6 +41,16 @@ pub enum DriverError {
         /// What this life wrote.
         written: Version,
     },
+}
+
+/// An operator's request to forget a member this node holds dead ([`Gossip::forget`]),
+/// with where its answer goes: the life forgotten, or why not.
+#[derive(Debug)]
+pub struct Forget {
+    /// The member.
+    pub node: NodeId,
+    /// The answer.
+    pub answer: oneshot::Sender<Result<ReplicaId, ForgetError>>,
 }
 
 /// The gossip task's parts.
@@ -69,6 +79,11 @@ pub struct Driver {
     pub handoff: Handoff,
     /// Turns true when the node should leave.
     pub shutdown: watch::Receiver<bool>,
+    /// Operators' requests to forget members.
+    pub forget: mpsc::Receiver<Forget>,
+    /// Told which peer said so, once a peer's table holds this life as forgotten: the
+    /// node must stop, as when asked to, and start again under a new generation.
+    pub forgotten: Option<oneshot::Sender<NodeId>>,
 }
 
 impl Driver {
@@ -140,6 +155,9 @@ impl Driver {
                 }
                 synced = self.handoff.synced(), if self.handoff.is_syncing() => {
                     self.synced(synced);
+                }
+                Some(Forget { node, answer }) = self.forget.recv() => {
+                    let _ = answer.send(self.gossip.forget(node));
                 }
                 // Windows end by the paced wall clock: a clock stepped forward ends none
                 // early, nor does the next start's (its reading is kept).
@@ -249,6 +267,11 @@ impl Driver {
                 }
                 Output::Event(Event::GenerationReused { seen, written }) => {
                     return Err(DriverError::GenerationReused { seen, written });
+                }
+                Output::Event(Event::Forgotten { by }) => {
+                    if let Some(forgotten) = self.forgotten.take() {
+                        let _ = forgotten.send(by);
+                    }
                 }
                 Output::Timeout(deadline) => return Ok(deadline),
             }

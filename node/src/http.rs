@@ -1,11 +1,12 @@
-//! `/metrics` (OpenMetrics text, which Prometheus reads) and `/status` (JSON) over HTTP on
-//! loopback.
+//! `/metrics` (OpenMetrics text, which Prometheus reads), `/status` (JSON), and an
+//! operator's `DELETE /members/<node>` over HTTP on loopback.
 //!
-//! Two read-only GET routes on a loopback port are all this serves, so it speaks the few
-//! lines of HTTP/1.1 they need itself (one request per connection, then close) rather than
-//! linking an HTTP stack.
+//! Three routes on a loopback port are all this serves, so it speaks the few lines of
+//! HTTP/1.1 they need itself (one request per connection, then close) rather than linking
+//! an HTTP stack.
 
 use crate::clock;
+use crate::driver::Forget;
 use crate::exact_room::ExactRoom;
 use crate::metrics::{self, Metrics, RegionStats, Sources};
 use crate::region::forward::ForwardStats;
@@ -15,10 +16,11 @@ use crate::view::View;
 use serde_json::json;
 use std::sync::Arc;
 use std::time::Duration;
-use tally_crdt::ReplicaId;
+use tally_crdt::{NodeId, ReplicaId};
+use tally_gossip::membership::ForgetError;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
-use tokio::sync::Semaphore;
+use tokio::sync::{mpsc, oneshot, Semaphore};
 
 /// The largest request head read before the connection is closed.
 const HEAD_BYTES_MAX: usize = 8 * 1024;
@@ -52,6 +54,42 @@ pub struct Endpoints {
     pub exact_room: Arc<ExactRoom>,
     /// The region's counters, on the region node.
     pub region: Option<RegionStats>,
+    /// Operators' requests to forget members, to the gossip task.
+    pub forget: mpsc::Sender<Forget>,
+}
+
+/// An answer: its status line's code and reason, content type, the methods its path
+/// takes if the request's was not one of them, and body.
+struct Answer {
+    status: &'static str,
+    kind: &'static str,
+    allow: Option<&'static str>,
+    body: String,
+}
+
+impl Answer {
+    fn new(status: &'static str, kind: &'static str, body: String) -> Answer {
+        Answer {
+            status,
+            kind,
+            allow: None,
+            body,
+        }
+    }
+
+    fn text(status: &'static str, body: impl std::fmt::Display) -> Answer {
+        Answer::new(status, "text/plain", format!("{body}\n"))
+    }
+
+    fn not_allowed(allow: &'static str) -> Answer {
+        Answer {
+            allow: Some(allow),
+            ..Answer::text(
+                "405 Method Not Allowed",
+                format!("only {allow} is served here"),
+            )
+        }
+    }
 }
 
 /// Serves `/metrics` and `/status` on `listener` until the node stops.
@@ -83,12 +121,13 @@ async fn exchange(endpoints: &Endpoints, mut stream: TcpStream) {
         .split(|&b| b == b'\r' || b == b'\n')
         .next()
         .unwrap_or_default();
-    let (status, kind, body) = endpoints.answer(&String::from_utf8_lossy(line));
-    let allow = if status.starts_with("405") {
-        "allow: GET\r\n"
-    } else {
-        ""
-    };
+    let Answer {
+        status,
+        kind,
+        allow,
+        body,
+    } = endpoints.answer(&String::from_utf8_lossy(line)).await;
+    let allow = allow.map_or(String::new(), |allow| format!("allow: {allow}\r\n"));
     let response = format!(
         "HTTP/1.1 {status}\r\ncontent-type: {kind}\r\n{allow}content-length: {}\r\nconnection: close\r\n\r\n{body}",
         body.len()
@@ -118,12 +157,14 @@ async fn read_head(stream: &mut TcpStream) -> Option<Vec<u8>> {
 }
 
 impl Endpoints {
-    fn answer(&self, request_line: &str) -> (&'static str, &'static str, String) {
+    async fn answer(&self, request_line: &str) -> Answer {
         let mut parts = request_line.split(' ');
         let (method, target) = (parts.next().unwrap_or(""), parts.next().unwrap_or(""));
         let path = target.split('?').next().unwrap_or_default();
-        match (method, path) {
-            ("GET", "/metrics") => (
+        match (method, path, path.strip_prefix("/members/")) {
+            ("DELETE", _, Some(node)) => self.forget(node).await,
+            (_, _, Some(_)) => Answer::not_allowed("DELETE"),
+            ("GET", "/metrics", _) => Answer::new(
                 "200 OK",
                 // prometheus-client writes OpenMetrics text (`_total` samples, `# EOF`).
                 "application/openmetrics-text; version=1.0.0; charset=utf-8",
@@ -138,16 +179,50 @@ impl Endpoints {
                     now: clock::wall(),
                 }),
             ),
-            ("GET", "/status") => ("200 OK", "application/json", self.status()),
-            ("GET", _) => (
+            ("GET", "/status", _) => Answer::new("200 OK", "application/json", self.status()),
+            ("GET", _, _) => Answer::text(
                 "404 Not Found",
-                "text/plain",
-                "not found: try /metrics or /status\n".into(),
+                "not found: try /metrics, /status or DELETE /members/<node>",
             ),
-            _ => (
-                "405 Method Not Allowed",
-                "text/plain",
-                "only GET is served\n".into(),
+            _ => Answer::not_allowed("GET"),
+        }
+    }
+
+    /// `DELETE /members/<node>`: forgets a member this node holds dead, for good
+    /// (`Gossip::forget`), so that no node counts what it may admit unseen any longer.
+    ///
+    /// DELETE is a method a page in a browser cannot send to another origin without asking
+    /// first (a CORS preflight, which this server refuses), so a page open on the
+    /// operator's machine cannot forget members through this loopback port.
+    async fn forget(&self, node: &str) -> Answer {
+        let Ok(node) = node.parse::<u64>() else {
+            return Answer::text("400 Bad Request", format!("not a node id: {node:?}"));
+        };
+        let (answer, answered) = oneshot::channel();
+        let request = Forget {
+            node: NodeId(node),
+            answer,
+        };
+        if self.forget.try_send(request).is_err() {
+            return Answer::text(
+                "503 Service Unavailable",
+                "the gossip task is stopped, or busy with other such requests; try again",
+            );
+        }
+        match answered.await {
+            Ok(Ok(replica)) => Answer::new(
+                "200 OK",
+                "application/json",
+                json!({ "forgotten": { "node": node, "generation": replica.generation.0 } })
+                    .to_string(),
+            ),
+            Ok(Err(err @ ForgetError::NotAMember(_))) => Answer::text("404 Not Found", err),
+            Ok(Err(err @ (ForgetError::Myself(_) | ForgetError::NotDead { .. }))) => {
+                Answer::text("409 Conflict", err)
+            }
+            Err(_) => Answer::text(
+                "503 Service Unavailable",
+                "the gossip task stopped before it answered",
             ),
         }
     }
@@ -191,6 +266,10 @@ mod tests {
     use tally_crdt::{Generation, NodeId};
 
     async fn start() -> std::net::SocketAddr {
+        start_with(mpsc::channel(1).0).await
+    }
+
+    async fn start_with(forget: mpsc::Sender<Forget>) -> std::net::SocketAddr {
         let replica = ReplicaId::new(NodeId(1), Generation(1));
         let endpoints = Arc::new(Endpoints {
             replica,
@@ -201,6 +280,7 @@ mod tests {
             forward: Arc::default(),
             exact_room: Arc::default(),
             region: None,
+            forget,
         });
         let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
         let addr = listener.local_addr().unwrap();
@@ -238,6 +318,61 @@ mod tests {
         let answer = ask(addr, "POST /metrics HTTP/1.1\r\n\r\n").await;
         assert!(answer.starts_with("HTTP/1.1 405"), "{answer}");
         assert!(answer.contains("\r\nallow: GET\r\n"), "{answer}");
+    }
+
+    #[tokio::test(flavor = "current_thread")]
+    async fn delete_members_forgets_through_the_gossip_task_and_answers_what_it_said() {
+        let (forget, mut requests) = mpsc::channel::<Forget>(1);
+        let addr = start_with(forget).await;
+        // The gossip task's side: node 3 is held dead, node 2 alive, node 1 is this one.
+        tokio::spawn(async move {
+            while let Some(Forget { node, answer }) = requests.recv().await {
+                let said = match node.0 {
+                    1 => Err(ForgetError::Myself(node)),
+                    2 => Err(ForgetError::NotDead {
+                        node,
+                        state: tally_gossip::membership::State::Alive,
+                    }),
+                    3 => Ok(ReplicaId::new(node, Generation(77))),
+                    _ => Err(ForgetError::NotAMember(node)),
+                };
+                let _ = answer.send(said);
+            }
+        });
+        let delete = |node: &str| format!("DELETE /members/{node} HTTP/1.1\r\nhost: a\r\n\r\n");
+        let answer = ask(addr, &delete("3")).await;
+        assert!(answer.starts_with("HTTP/1.1 200 OK\r\n"), "{answer}");
+        assert!(
+            answer.ends_with(r#"{"forgotten":{"generation":77,"node":3}}"#),
+            "{answer}"
+        );
+        for (node, status, says) in [
+            (
+                "2",
+                "409 Conflict",
+                "node-2 is Alive here; only a member this node holds dead",
+            ),
+            ("1", "409 Conflict", "node-1 is this node"),
+            ("9", "404 Not Found", "node-9 is not a member"),
+            ("x3", "400 Bad Request", "not a node id: \"x3\""),
+        ] {
+            let answer = ask(addr, &delete(node)).await;
+            assert!(
+                answer.starts_with(&format!("HTTP/1.1 {status}\r\n")),
+                "{answer}"
+            );
+            assert!(answer.contains(says), "{answer}");
+        }
+        // Only DELETE: a page in a browser can send a GET or a POST anywhere unasked.
+        for method in ["GET", "POST"] {
+            let answer = ask(addr, &format!("{method} /members/3 HTTP/1.1\r\n\r\n")).await;
+            assert!(answer.starts_with("HTTP/1.1 405"), "{answer}");
+            assert!(answer.contains("\r\nallow: DELETE\r\n"), "{answer}");
+        }
+        // With the gossip task gone, a clear refusal.
+        let addr = start().await;
+        let answer = ask(addr, &delete("3")).await;
+        assert!(answer.starts_with("HTTP/1.1 503"), "{answer}");
     }
 
     #[tokio::test(flavor = "current_thread")]

@@ -637,9 +637,24 @@ impl Node {
     /// Whether the node has taken member `id` for dead (its log says so at every change of
     /// a member's state).
     pub fn held_dead(&self, id: u64) -> bool {
+        self.held_as(id, "Dead")
+    }
+
+    /// Whether the node has taken member `id` to be in `state` (`Alive`, `Dead`, `Left`) at
+    /// some point, by its log.
+    pub fn held_as(&self, id: u64, state: &str) -> bool {
         let member = format!("member node {id} ");
-        (self.log_text().lines())
-            .any(|line| line.contains(&member) && line.ends_with("is now Dead"))
+        let state = format!("is now {state}");
+        (self.log_text().lines()).any(|line| line.contains(&member) && line.ends_with(&state))
+    }
+
+    /// Runs `tally forget <member>` against the node's HTTP port.
+    pub fn forget(&self, member: u64) -> std::process::Output {
+        Command::new(tally_bin())
+            .args(["forget", &member.to_string(), "--http"])
+            .arg(format!("{}:{HTTP_PORT}", self.ip))
+            .output()
+            .unwrap()
     }
 
     /// Asserts that the node never took a member for dead or gone (its log says so at
