@@ -39,7 +39,7 @@
 //!   first (the failure detectors of two nodes do not agree to the round), or, after a
 //!   partition heals, be heard again before what it admitted meanwhile arrives. So a
 //!   member that crashed for good keeps a whole limit in every bound until it is started
-//!   again (and leaves, if stopped).
+//!   again (and leaves, if stopped), or an operator forgets it (`Gossip::forget`).
 //! - **unheard** (a seed not heard yet, or a live member none of whose current life's
 //!   state has arrived: this node just started, or the member did; and for a rate
 //!   sample's time, 100 ms, after this life first heard every live member): decided as
