@@ -407,7 +407,7 @@ pub async fn run(config: Config, shutdown: impl Future<Output = ()>) -> Result<(
         result = &mut driver_task => Some(result),
         () = &mut shutdown => None,
         Ok(by) = &mut forgotten_by => {
-            eprintln!("tallyd: node {} forgot this life; stopping", by.0);
+            eprintln!("tallyd: node {}'s table holds this life as forgotten; stopping", by.0);
             forgotten = Some(by);
             None
         }
