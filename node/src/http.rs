@@ -92,7 +92,8 @@ impl Answer {
     }
 }
 
-/// Serves `/metrics` and `/status` on `listener` until the node stops.
+/// Serves `/metrics`, `/status` and `DELETE /members/<node>` on `listener` until the node
+/// stops.
 pub async fn serve(endpoints: Arc<Endpoints>, listener: TcpListener) {
     let room = Arc::new(Semaphore::new(CONNECTIONS_MAX));
     loop {
