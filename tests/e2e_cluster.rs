@@ -427,6 +427,59 @@ async fn after_a_machine_crash_the_log_holds_every_lane_peers_received_and_the_n
     );
 }
 
+/// A disk that fails (TESTING.md's D rows, on an edge): node 1's filesystem is shut down,
+/// so that every write and sync on it fails. The next write's record cannot be written to
+/// the lane log, and the node exits with status 74 (`EXIT_LOG_FAILED`) without answering
+/// it, before any peer can get it: the peers hold every acknowledged write and nothing
+/// else. With the disk back, the node starts again from its log and loses nothing
+/// acknowledged.
+#[tokio::test(flavor = "current_thread")]
+async fn a_node_whose_disk_fails_stops_unanswered_and_its_peers_hold_only_what_it_acknowledged() {
+    let mut cluster = Cluster::start(NET, 3);
+    let data_dir = cluster.nodes[0].data_dir().to_owned();
+    let disk = cluster.put_on_loop_disk(1, 32);
+    let client = cluster.nodes[0].client().await;
+    for _ in 0..20 {
+        client.incr("count", "failed disk", 1).await.unwrap();
+    }
+    wait_read(&cluster, &[1, 2, 3], "count", "failed disk", 20).await;
+
+    disk.fail();
+    let unanswered = client.incr("count", "failed disk", 1).await;
+    assert!(
+        unanswered.is_err(),
+        "acknowledged on a failed disk: {unanswered:?}"
+    );
+    drop(client);
+    let mut stopped = None;
+    eventually(Duration::from_secs(10), "node 1 to stop", || {
+        stopped = cluster.node(1).exited();
+        stopped.is_some()
+    })
+    .await;
+    assert_eq!(stopped.and_then(|status| status.code()), Some(74));
+    let log = cluster.nodes[0].log_text();
+    assert!(
+        log.contains("stopping: writes cannot be made durable"),
+        "{log}"
+    );
+    // The write that failed reaches no peer: they read the 20 acknowledged, and go on
+    // reading them.
+    for _ in 0..10 {
+        wait_read(&cluster, &[2, 3], "count", "failed disk", 20).await;
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+
+    drop(disk);
+    let image = cluster.dir.join("node-1.img");
+    let _disk = LoopDisk::mount(&image, &data_dir);
+    cluster.node(1).restart(true);
+    cluster.wait_members_alive();
+    let client = cluster.nodes[0].client().await;
+    client.incr("count", "failed disk", 1).await.unwrap();
+    wait_read(&cluster, &[1, 2, 3], "count", "failed disk", 21).await;
+}
+
 /// A lane-log sync that hangs: node 1's disk is throttled so that a sync of one block takes
 /// 16 s. Its writes, acknowledged from the page cache, wait for that sync before its peers
 /// get them; past a second (`SYNC_OVERDUE`) its gossip protocol waits too, so its heartbeats

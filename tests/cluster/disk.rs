@@ -49,6 +49,16 @@ impl LoopDisk {
         std::fs::copy(&self.image, to).unwrap();
     }
 
+    /// Shuts the filesystem down (`FS_IOC_SHUTDOWN` through `xfs_io`, which CI installs
+    /// with `xfsprogs`), as a disk that fails does: from now on every write and sync on it
+    /// fails with `EIO`. Unmounting and mounting the image again brings it back, its
+    /// journal replayed.
+    pub fn fail(&self) {
+        run(Command::new("xfs_io")
+            .args(["-x", "-c", "shutdown"])
+            .arg(&self.mount));
+    }
+
     /// Writes the filesystem's dirty pages back, as the kernel's flusher does on its own
     /// within half a minute.
     pub fn write_back(&self) {
