@@ -46,3 +46,23 @@ fn tally_certs_run_again_says_which_nodes_files_it_replaced_and_keeps_the_ca() {
     );
     std::fs::remove_dir_all(dir).unwrap();
 }
+
+#[test]
+fn tally_forget_with_no_sidecar_on_the_http_port_fails_naming_the_port() {
+    // A port just bound and let go: nothing listens there.
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap();
+    let output = Command::new(env!("CARGO_BIN_EXE_tally"))
+        .args(["forget", "3", "--http"])
+        .arg(port.to_string())
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(!output.status.success(), "{output:?}");
+    assert!(
+        stderr.contains(&format!("connect to the sidecar's HTTP port {port}")),
+        "{stderr}"
+    );
+}
