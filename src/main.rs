@@ -165,6 +165,10 @@ fn forget(node: u64, http: std::net::SocketAddr) -> anyhow::Result<()> {
     stream
         .read_to_string(&mut answer)
         .with_context(|| format!("read the answer from {http}"))?;
+    anyhow::ensure!(
+        !answer.is_empty(),
+        "{http} closed the connection without answering"
+    );
     let (head, body) = answer.split_once("\r\n\r\n").unwrap_or((&answer, ""));
     let status = head.lines().next().unwrap_or_default();
     anyhow::ensure!(

@@ -69,7 +69,7 @@ pub enum DaemonError {
     /// An operator forgot this life elsewhere (`DELETE /members/<node>` at a node that
     /// held it dead), so the cluster no longer counted what it admitted: it stopped as
     /// when asked to, handing its acknowledged writes to its peers.
-    #[error("node {me} generation {generation} was forgotten by the cluster (node {by}'s table holds it gone); it stopped, and starts again as a member under a new generation")]
+    #[error("node {me} generation {generation} was forgotten by the cluster (node {by}'s table holds it gone); it stopped: start it again to rejoin as a member under a new generation")]
     Forgotten {
         /// This node.
         me: u64,

@@ -36,6 +36,10 @@ const HEAD_TIMEOUT: Duration = Duration::from_secs(1);
 /// How long one connection may take, from accept to the last byte of the answer.
 const EXCHANGE_TIMEOUT: Duration = Duration::from_secs(5);
 
+/// How long `DELETE /members/<node>` waits for the gossip task's answer (which a stopping
+/// node's task may never give) before it answers 503: within `EXCHANGE_TIMEOUT`.
+const FORGET_ANSWER_TIMEOUT: Duration = Duration::from_secs(3);
+
 /// What the HTTP routes read.
 pub struct Endpoints {
     /// This node's replica.
@@ -118,16 +122,12 @@ async fn exchange(endpoints: &Endpoints, mut stream: TcpStream) {
     let Ok(Some(head)) = tokio::time::timeout(HEAD_TIMEOUT, read_head(&mut stream)).await else {
         return;
     };
-    let line = head
-        .split(|&b| b == b'\r' || b == b'\n')
-        .next()
-        .unwrap_or_default();
     let Answer {
         status,
         kind,
         allow,
         body,
-    } = endpoints.answer(&String::from_utf8_lossy(line)).await;
+    } = endpoints.answer(&String::from_utf8_lossy(&head)).await;
     let allow = allow.map_or(String::new(), |allow| format!("allow: {allow}\r\n"));
     let response = format!(
         "HTTP/1.1 {status}\r\ncontent-type: {kind}\r\n{allow}content-length: {}\r\nconnection: close\r\n\r\n{body}",
@@ -157,13 +157,44 @@ async fn read_head(stream: &mut TcpStream) -> Option<Vec<u8>> {
     }
 }
 
+/// The host the `Host` header of `head` names, without its port, if it has one.
+fn host(head: &str) -> Option<&str> {
+    let value = head.lines().skip(1).find_map(|line| {
+        let (name, value) = line.split_once(':')?;
+        name.trim()
+            .eq_ignore_ascii_case("host")
+            .then(|| value.trim())
+    })?;
+    Some(match value.strip_prefix('[') {
+        Some(v6) => v6.split(']').next().unwrap_or_default(),
+        None => value.rsplit_once(':').map_or(value, |(host, _port)| host),
+    })
+}
+
+/// Whether `host` names this machine's loopback: `localhost`, or a loopback address.
+fn is_loopback(host: &str) -> bool {
+    host.eq_ignore_ascii_case("localhost")
+        || host
+            .parse::<std::net::IpAddr>()
+            .is_ok_and(|ip| ip.is_loopback())
+}
+
 impl Endpoints {
-    async fn answer(&self, request_line: &str) -> Answer {
+    /// The answer to the request whose head is `head`.
+    async fn answer(&self, head: &str) -> Answer {
+        let request_line = head.lines().next().unwrap_or_default();
         let mut parts = request_line.split(' ');
         let (method, target) = (parts.next().unwrap_or(""), parts.next().unwrap_or(""));
         let path = target.split('?').next().unwrap_or_default();
         match (method, path, path.strip_prefix("/members/")) {
-            ("DELETE", _, Some(node)) => self.forget(node).await,
+            ("DELETE", _, Some(node)) if host(head).is_some_and(is_loopback) => {
+                self.forget(node).await
+            }
+            ("DELETE", _, Some(_)) => Answer::text(
+                "403 Forbidden",
+                "DELETE is served only to a request whose Host is localhost or a loopback \
+                 address",
+            ),
             (_, _, Some(_)) => Answer::not_allowed("DELETE"),
             ("GET", "/metrics", _) => Answer::new(
                 "200 OK",
@@ -193,8 +224,10 @@ impl Endpoints {
     /// (`Gossip::forget`), so that no node counts what it may admit unseen any longer.
     ///
     /// DELETE is a method a page in a browser cannot send to another origin without asking
-    /// first (a CORS preflight, which this server refuses), so a page open on the
-    /// operator's machine cannot forget members through this loopback port.
+    /// first (a CORS preflight, which this server refuses), and one whose Host is not the
+    /// loopback is refused (a page that reaches this port through its own name re-pointed
+    /// at 127.0.0.1, DNS rebinding, sends its own name), so a page open on the operator's
+    /// machine cannot forget members through this loopback port.
     async fn forget(&self, node: &str) -> Answer {
         let Ok(node) = node.parse::<u64>() else {
             return Answer::text("400 Bad Request", format!("not a node id: {node:?}"));
@@ -210,20 +243,20 @@ impl Endpoints {
                 "the gossip task is stopped, or busy with other such requests; try again",
             );
         }
-        match answered.await {
-            Ok(Ok(replica)) => Answer::new(
+        match tokio::time::timeout(FORGET_ANSWER_TIMEOUT, answered).await {
+            Ok(Ok(Ok(replica))) => Answer::new(
                 "200 OK",
                 "application/json",
                 json!({ "forgotten": { "node": node, "generation": replica.generation.0 } })
                     .to_string(),
             ),
-            Ok(Err(err @ ForgetError::NotAMember(_))) => Answer::text("404 Not Found", err),
-            Ok(Err(err @ (ForgetError::Myself(_) | ForgetError::NotDead { .. }))) => {
+            Ok(Ok(Err(err @ ForgetError::NotAMember(_)))) => Answer::text("404 Not Found", err),
+            Ok(Ok(Err(err @ (ForgetError::Myself(_) | ForgetError::NotDead { .. })))) => {
                 Answer::text("409 Conflict", err)
             }
-            Err(_) => Answer::text(
+            Ok(Err(_)) | Err(_) => Answer::text(
                 "503 Service Unavailable",
-                "the gossip task stopped before it answered",
+                "the gossip task did not answer: the node is stopping, or stopped",
             ),
         }
     }
@@ -340,7 +373,8 @@ mod tests {
                 let _ = answer.send(said);
             }
         });
-        let delete = |node: &str| format!("DELETE /members/{node} HTTP/1.1\r\nhost: a\r\n\r\n");
+        let delete =
+            |node: &str| format!("DELETE /members/{node} HTTP/1.1\r\nhost: 127.0.0.1:7200\r\n\r\n");
         let answer = ask(addr, &delete("3")).await;
         assert!(answer.starts_with("HTTP/1.1 200 OK\r\n"), "{answer}");
         assert!(
@@ -364,6 +398,22 @@ mod tests {
             );
             assert!(answer.contains(says), "{answer}");
         }
+        // Only to the loopback by name: a page that reached the port through its own name
+        // (DNS rebinding) sends that name.
+        for (host, status) in [
+            ("host: evil.example:7200\r\n", "403 Forbidden"),
+            ("host: 127.0.0.1.evil.example\r\n", "403 Forbidden"),
+            ("", "403 Forbidden"),
+            ("Host: localhost:7200\r\n", "200 OK"),
+            ("HOST: [::1]:7200\r\n", "200 OK"),
+            ("host: 127.3.2.1\r\n", "200 OK"),
+        ] {
+            let answer = ask(addr, &format!("DELETE /members/3 HTTP/1.1\r\n{host}\r\n")).await;
+            assert!(
+                answer.starts_with(&format!("HTTP/1.1 {status}\r\n")),
+                "{host:?}: {answer}"
+            );
+        }
         // Only DELETE: a page in a browser can send a GET or a POST anywhere unasked.
         for method in ["GET", "POST"] {
             let answer = ask(addr, &format!("{method} /members/3 HTTP/1.1\r\n\r\n")).await;
@@ -374,6 +424,25 @@ mod tests {
         let addr = start().await;
         let answer = ask(addr, &delete("3")).await;
         assert!(answer.starts_with("HTTP/1.1 503"), "{answer}");
+    }
+
+    #[tokio::test(flavor = "current_thread")]
+    async fn a_forget_the_gossip_task_never_answers_gets_a_503_within_the_exchange() {
+        let (forget, mut requests) = mpsc::channel::<Forget>(1);
+        let addr = start_with(forget).await;
+        // A stopping node's gossip task: it takes the request and never answers it.
+        let held = tokio::spawn(async move { requests.recv().await });
+        let request = "DELETE /members/3 HTTP/1.1\r\nhost: localhost\r\n\r\n";
+        let answer = ask(addr, request).await;
+        assert!(answer.starts_with("HTTP/1.1 503"), "{answer}");
+        assert!(
+            answer.contains("the gossip task did not answer"),
+            "{answer}"
+        );
+        assert!(
+            held.await.unwrap().is_some(),
+            "the request reached the task"
+        );
     }
 
     #[tokio::test(flavor = "current_thread")]
