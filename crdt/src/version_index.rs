@@ -24,7 +24,7 @@ pub(crate) struct VersionIndex {
     // `below`.
     entries: Vec<Entry>,
     holes: usize,
-    // Invariant: at most `BELOW_MIN` or an eighth of `entries`, whichever is more.
+    // Invariant: at most `below_max()` entries.
     below: BTreeMap<Version, KeyId>,
 }
 
@@ -102,11 +102,16 @@ impl VersionIndex {
             }
             Err(_) => {
                 self.below.insert(version, id);
-                if self.below.len() > BELOW_MIN.max(self.entries.len() / 8) {
+                if self.below.len() > self.below_max() {
                     self.sweep();
                 }
             }
         }
+    }
+
+    /// The most entries `below` holds before it is merged into the vector.
+    fn below_max(&self) -> usize {
+        BELOW_MIN.max(self.entries.len() / 8)
     }
 
     /// Stops indexing the lane at `version`, if any.
@@ -124,8 +129,7 @@ impl VersionIndex {
             self.holes -= 1;
         }
         // Popping the top may leave `below` past an eighth of the vector too.
-        let below_max = BELOW_MIN.max(self.entries.len() / 8);
-        if self.holes > self.entries.len() / 5 || self.below.len() > below_max {
+        if self.holes > self.entries.len() / 5 || self.below.len() > self.below_max() {
             self.sweep();
         }
     }
@@ -237,7 +241,7 @@ mod tests {
                 prop_assert_eq!(index.len(), model.len());
                 prop_assert_eq!(index.last(), model.keys().next_back().copied());
                 prop_assert!(index.holes * 5 <= index.entries.len());
-                prop_assert!(index.below.len() <= BELOW_MIN.max(index.entries.len() / 8));
+                prop_assert!(index.below.len() <= index.below_max());
                 prop_assert!(index.entries.last().is_none_or(|last| last.id.is_some()));
                 prop_assert!(index.entries.windows(2).all(|w| w[0].version() < w[1].version()));
             }
@@ -297,7 +301,7 @@ mod tests {
         insert_each(&mut index, 10_001..=10_100);
         for v in 1..=10_000 {
             index.insert(Version(v), KeyId::of(v as usize));
-            assert!(index.below.len() <= BELOW_MIN.max(index.entries.len() / 8));
+            assert!(index.below.len() <= index.below_max());
         }
         assert!(index.entries.len() > 8_000, "merged into the vector");
         // The top removed, with lanes beside the vector: still within an eighth of it.
@@ -307,7 +311,7 @@ mod tests {
         assert_eq!(small.below.len(), 125);
         for v in 2_990..=2_999 {
             small.remove(Version(v));
-            assert!(small.below.len() <= BELOW_MIN.max(small.entries.len() / 8));
+            assert!(small.below.len() <= small.below_max());
         }
         assert_eq!(small.len(), 1_115);
         assert_eq!(index.len(), 10_100);
