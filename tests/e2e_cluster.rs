@@ -48,6 +48,27 @@ impl Ledger {
     }
 }
 
+/// Spawns increments of `count` by `client`, one at a time, on the subjects
+/// `<prefix>-0` to `<prefix>-2` in turn, each recorded in `ledger`, until one gets no
+/// answer (its node stopping).
+fn count_until_unanswered(
+    client: Client,
+    ledger: Arc<Mutex<Ledger>>,
+    prefix: &'static str,
+) -> tokio::task::JoinHandle<()> {
+    tokio::spawn(async move {
+        for i in 0.. {
+            let subject = format!("{prefix}-{}", i % 3);
+            let result = client.incr("count", &subject, 1).await;
+            let answered = result.is_ok();
+            ledger.lock().unwrap().record(&subject, 1, &result);
+            if !answered {
+                break;
+            }
+        }
+    })
+}
+
 /// Waits until every running node reports, for every subject of `ledger`, one and the
 /// same value, within FINAL's range; returns the values.
 async fn assert_final(cluster: &Cluster, ledger: &Ledger) -> BTreeMap<String, i128> {
@@ -451,13 +472,8 @@ async fn a_node_whose_disk_fails_stops_unanswered_and_its_peers_hold_only_what_i
         "acknowledged on a failed disk: {unanswered:?}"
     );
     drop(client);
-    let mut stopped = None;
-    eventually(Duration::from_secs(10), "node 1 to stop", || {
-        stopped = cluster.node(1).exited();
-        stopped.is_some()
-    })
-    .await;
-    assert_eq!(stopped.and_then(|status| status.code()), Some(74));
+    let stopped = cluster.node(1).stopped(Duration::from_secs(10)).await;
+    assert_eq!(stopped.code(), Some(74));
     let log = cluster.nodes[0].log_text();
     assert!(
         log.contains("stopping: writes cannot be made durable"),
@@ -578,20 +594,7 @@ async fn a_node_stopped_under_load_hands_every_write_it_acknowledged_to_its_peer
     let mut acked_before = 0;
     for _ in 0..4 {
         let client = cluster.nodes[2].client().await;
-        let load = tokio::spawn({
-            let ledger = ledger.clone();
-            async move {
-                for i in 0.. {
-                    let subject = format!("stopped-{}", i % 3);
-                    let result = client.incr("count", &subject, 1).await;
-                    let answered = result.is_ok();
-                    ledger.lock().unwrap().record(&subject, 1, &result);
-                    if !answered {
-                        break;
-                    }
-                }
-            }
-        });
+        let load = count_until_unanswered(client, ledger.clone(), "stopped");
         tokio::time::sleep(Duration::from_millis(300)).await;
         cluster.stop_gracefully(3).await;
         load.await.unwrap();
@@ -2070,29 +2073,11 @@ async fn a_member_forgotten_while_cut_off_stops_with_its_writes_handed_over_and_
     // Node 3 counts on, alone and then through the heal, until it stops.
     let ledger = Arc::new(Mutex::new(Ledger::default()));
     let client = cluster.nodes[2].client().await;
-    let load = tokio::spawn({
-        let ledger = ledger.clone();
-        async move {
-            for i in 0.. {
-                let subject = format!("cut-off-{}", i % 3);
-                let result = client.incr("count", &subject, 1).await;
-                let answered = result.is_ok();
-                ledger.lock().unwrap().record(&subject, 1, &result);
-                if !answered {
-                    break;
-                }
-            }
-        }
-    });
+    let load = count_until_unanswered(client, ledger.clone(), "cut-off");
     tokio::time::sleep(Duration::from_millis(300)).await;
     partition.heal();
-    let mut stopped = None;
-    eventually(Duration::from_secs(20), "node 3 to stop", || {
-        stopped = cluster.node(3).exited();
-        stopped.is_some()
-    })
-    .await;
-    assert!(!stopped.unwrap().success(), "{stopped:?}");
+    let stopped = cluster.node(3).stopped(Duration::from_secs(20)).await;
+    assert!(!stopped.success(), "{stopped:?}");
     load.await.unwrap();
     let log = cluster.nodes[2].log_text();
     assert!(log.contains("was forgotten by the cluster"), "{log}");

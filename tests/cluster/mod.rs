@@ -461,6 +461,19 @@ impl Node {
         Some(status)
     }
 
+    /// Waits up to `limit` for the node's process to end on its own, and returns how it
+    /// ended.
+    pub async fn stopped(&mut self, limit: Duration) -> std::process::ExitStatus {
+        let mut status = None;
+        let what = format!("node {} to stop", self.id);
+        eventually(limit, &what, || {
+            status = self.exited();
+            status.is_some()
+        })
+        .await;
+        status.expect("eventually returns once it holds")
+    }
+
     /// Sends the signal `name` (STOP, CONT, TERM).
     pub fn signal(&self, name: &str) {
         let pid = self.child.as_ref().expect("node is running").id();
