@@ -631,6 +631,18 @@ impl Config {
                     ));
                 }
             }
+            let other = (self.seeds.iter().enumerate())
+                .find(|(_, seed)| seed.addr == region.addr && seed.node != region.node);
+            if let Some((i, seed)) = other {
+                return Err(bad(
+                    "region.addr".into(),
+                    format!(
+                        "{} is seeds[{i}].addr (node {}) too: two nodes cannot listen on one \
+                         address",
+                        region.addr, seed.node
+                    ),
+                ));
+            }
         }
         let mut names = std::collections::BTreeSet::new();
         for (i, rule) in self.rules.iter().enumerate() {
@@ -972,6 +984,14 @@ window_secs = 60
                 ),
                 "region.addr",
                 "port 0",
+            ),
+            (
+                GOOD.replace(
+                    "node_id = 1",
+                    "node_id = 1\nregion = { node = 9, addr = \"127.0.0.1:7002\" }",
+                ),
+                "region.addr",
+                "seeds[0].addr (node 2) too",
             ),
         ];
         for (text, key, why) in cases {

@@ -486,7 +486,7 @@ impl Service {
         cost: u64,
         id: CheckId,
     ) -> Result<Decision, Refusal> {
-        let answered = self.once(context, key, id, |context| {
+        let answered = self.once(context, key, id, "a check", |context| {
             context.check(rule, key, cost).map(Answered::Decided)
         })?;
         decided(answered)
@@ -510,7 +510,7 @@ impl Service {
         } else {
             (Answered::Decremented, "a decrement")
         };
-        let answered = self.once(context, key, id, |context| {
+        let answered = self.once(context, key, id, this, |context| {
             context.count(key, amount, incr).map(counted)
         })?;
         match answered {
@@ -520,16 +520,18 @@ impl Service {
         }
     }
 
-    /// `answer`'s answer under `id`, once: the remembered one while `id` is, else what
-    /// `answer` gives, remembered if it gave one.
+    /// `answer`'s answer under `id` to a request of the kind `this` ("a check", say),
+    /// once: the remembered one while `id` is, else what `answer` gives, remembered if it
+    /// gave one. An id remembered for another kind of request is refused.
     fn once(
         &self,
         context: &mut Context<'_>,
         key: KeyRef<'_>,
         id: CheckId,
+        this: &'static str,
         answer: impl FnOnce(&mut Context<'_>) -> Result<Answered, Refusal>,
     ) -> Result<Answered, Refusal> {
-        self.once_if(context, key, id, answer, |_| true)
+        self.once_if(context, key, id, this, answer, |_| true)
     }
 
     /// [`Service::once`], remembering only an answer that `keep` accepts.
@@ -538,12 +540,16 @@ impl Service {
         context: &mut Context<'_>,
         key: KeyRef<'_>,
         id: CheckId,
+        this: &'static str,
         answer: impl FnOnce(&mut Context<'_>) -> Result<Answered, Refusal>,
         keep: impl FnOnce(&Answered) -> bool,
     ) -> Result<Answered, Refusal> {
         let (now_ms, live_at) = (context.now.0, self.live_at_secs());
         let mut recent = self.recent.lock().unwrap_or_else(PoisonError::into_inner);
         if let Some(answered) = recent.get(id, now_ms, live_at) {
+            if answered.kind() != this {
+                return Err(id_reused(&answered, this));
+            }
             self.answered_again();
             return Ok(answered);
         }
@@ -563,7 +569,7 @@ impl Service {
     fn recalled(&self, context: &Context<'_>, id: CheckId) -> Result<Option<Decision>, Refusal> {
         let recent = self.recent.lock().unwrap_or_else(PoisonError::into_inner);
         let answered = recent.get(id, context.now.0, self.live_at_secs());
-        if answered.is_some() {
+        if answered.is_some_and(|answered| matches!(answered, Answered::Decided(_))) {
             self.answered_again();
         }
         answered.map(decided).transpose()
@@ -585,7 +591,7 @@ impl Service {
         let Some(id) = id else {
             return Ok(context.exact(rule, key, outcome));
         };
-        let answered = self.once(context, key, id, |context| {
+        let answered = self.once(context, key, id, "a check", |context| {
             Ok(Answered::Decided(context.exact(rule, key, outcome)))
         })?;
         decided(answered)
@@ -640,6 +646,7 @@ impl Service {
             context,
             key,
             id,
+            "a check",
             |context| count(context).map(Answered::Decided),
             |answered| matches!(answered, Answered::Decided(decision) if decision.allowed),
         )?;
@@ -1267,7 +1274,7 @@ mod tests {
     }
 
     #[test]
-    fn an_id_sent_with_another_kind_of_request_than_it_named_is_refused_and_counts_nothing() {
+    fn an_id_sent_with_another_kind_of_request_than_it_named_is_refused_counts_nothing_and_is_not_answered_again() {
         let service = service(10);
         let checked = CheckId { session: 9, seq: 1 };
         let incremented = CheckId { session: 9, seq: 2 };
@@ -1304,6 +1311,12 @@ mod tests {
             estimate(&service, "count"),
             8,
             "the refused requests counted nothing"
+        );
+        let again = &service.metrics.client_ids_answered_again;
+        assert_eq!(
+            again.load(Ordering::Relaxed),
+            0,
+            "a refused request was not answered again"
         );
     }
 
