@@ -106,7 +106,10 @@ impl Connection {
     pub(crate) fn call<'a>(&'a self, op: OpRef<'a>) -> Call<'a> {
         Call {
             shared: &self.shared,
-            stage: Stage::Unsent { op, since: None },
+            stage: Stage::Unsent {
+                op,
+                wait: Wait::default(),
+            },
         }
     }
 
@@ -118,7 +121,7 @@ impl Connection {
         PipelineCall {
             shared: &self.shared,
             ops,
-            since: None,
+            wait: Wait::default(),
             first_id: None,
             results: Vec::new(),
             collected: 0,
@@ -268,10 +271,18 @@ pub(crate) struct Call<'a> {
     stage: Stage<'a>,
 }
 
+/// A call's wait to be sent.
+#[derive(Default)]
+struct Wait {
+    /// The epoch of the first try, from which the call's timeout counts.
+    since: Option<u64>,
+    /// The round of [`State::room`] that holds this call's task, and the waker it holds.
+    listed: Option<(u64, Waker)>,
+}
+
 enum Stage<'a> {
-    /// Not in the outbox yet: not polled, or waiting for room. `since` is the epoch of the
-    /// first try, from which its timeout counts.
-    Unsent { op: OpRef<'a>, since: Option<u64> },
+    /// Not in the outbox yet: not polled, or waiting for room.
+    Unsent { op: OpRef<'a>, wait: Wait },
     /// In flight under `id`.
     Sent { id: u64 },
     /// The outcome was returned.
@@ -285,8 +296,8 @@ impl Future for Call<'_> {
         let call = self.get_mut();
         let shared = call.shared;
         match &mut call.stage {
-            Stage::Unsent { op, since } => {
-                match shared.send(slice::from_ref(op), since, cx.waker()) {
+            Stage::Unsent { op, wait } => {
+                match shared.send(slice::from_ref(op), wait, cx.waker()) {
                     Sent::InFlight(id) => {
                         // The slot holds this poll's waker already, so there is nothing to look
                         // at until it is woken.
@@ -327,8 +338,8 @@ impl Drop for Call<'_> {
 pub(crate) struct PipelineCall<'a> {
     shared: &'a Shared,
     ops: &'a [OpRef<'a>],
-    /// The epoch of the first try to send, from which the timeouts count.
-    since: Option<u64>,
+    /// Its wait to be sent.
+    wait: Wait,
     /// The id of the first request, once they are in flight; the others follow in order.
     first_id: Option<u64>,
     /// Each request's result, by its place in `ops`, as it comes in.
@@ -353,7 +364,7 @@ impl Future for PipelineCall<'_> {
         let shared = call.shared;
         let first_id = match call.first_id {
             Some(first_id) => first_id,
-            None => match shared.send(call.ops, &mut call.since, cx.waker()) {
+            None => match shared.send(call.ops, &mut call.wait, cx.waker()) {
                 Sent::InFlight(first_id) => {
                     call.first_id = Some(first_id);
                     call.results = call.ops.iter().map(|_| None).collect();
@@ -445,9 +456,11 @@ struct State {
     /// wake. Only `close` takes them.
     socket_writer: Option<Waker>,
     socket_reader: Option<Waker>,
-    /// Calls waiting for room in the outbox; woken together when there is room, and at
-    /// each tick to check their timeout.
+    /// Calls waiting for room in the outbox, each task once a round; woken together when
+    /// there is room, and at each tick to check their timeout.
     room: Vec<Waker>,
+    /// Rises each time `room` is taken: a call listed in an earlier round is listed again.
+    room_round: u64,
     /// The clock: sweeper ticks so far.
     epoch: u64,
     /// The next id when the last tick came: a tick that finds it unchanged and nothing in
@@ -490,7 +503,28 @@ impl State {
         if self.room.is_empty() || !self.has_room() {
             return Vec::new();
         }
+        self.take_room()
+    }
+
+    /// Every call waiting for room, starting the next round.
+    fn take_room(&mut self) -> Vec<Waker> {
+        self.room_round += 1;
         std::mem::take(&mut self.room)
+    }
+
+    /// Lists `waker`'s task as waiting for room, if `wait` is not listed in this round
+    /// already: a task polled again and again before room comes, by turns with other
+    /// tasks (a `select!` loop), or polling many calls (as a join does), is listed once.
+    fn wait_for_room(&mut self, wait: &mut Wait, waker: &Waker) {
+        let round = self.room_round;
+        let listed = |(at, listed): &(u64, Waker)| *at == round && listed.will_wake(waker);
+        if wait.listed.as_ref().is_some_and(listed) {
+            return;
+        }
+        if !self.room.last().is_some_and(|last| last.will_wake(waker)) {
+            self.room.push(waker.clone());
+        }
+        wait.listed = Some((round, waker.clone()));
     }
 }
 
@@ -508,6 +542,7 @@ impl Shared {
                 socket_writer: None,
                 socket_reader: None,
                 room: Vec::new(),
+                room_round: 0,
                 epoch: 0,
                 next_id_at_tick: 1,
                 sweeper_parked: false,
@@ -547,7 +582,7 @@ impl Shared {
 
     /// Encodes `ops` (at least one) into the outbox under consecutive ids and registers
     /// `waker` to wait for their answers.
-    fn send(&self, ops: &[OpRef<'_>], since: &mut Option<u64>, waker: &Waker) -> Sent {
+    fn send(&self, ops: &[OpRef<'_>], wait: &mut Wait, waker: &Waker) -> Sent {
         assert!(
             !ops.is_empty(),
             "invariant: a call sends at least one request"
@@ -558,8 +593,8 @@ impl Shared {
                 why: "the connection closed before the request was queued".into(),
             });
         }
-        let waited = since.is_some();
-        let since = *since.get_or_insert(state.epoch);
+        let waited = wait.since.is_some();
+        let since = *wait.since.get_or_insert(state.epoch);
         // A call waits for its timeout (or for room) only while the sweeper ticks.
         let sweeper =
             std::mem::take(&mut state.sweeper_parked).then(|| Arc::clone(&state.wake_sweeper));
@@ -589,11 +624,7 @@ impl Shared {
             };
             (Sent::InFlight(first_id), writer)
         } else {
-            // A task that polls again before room comes (or polls many calls, as a join
-            // does) is listed once, not once a poll.
-            if !state.room.last().is_some_and(|last| last.will_wake(waker)) {
-                state.room.push(waker.clone());
-            }
+            state.wait_for_room(wait, waker);
             (Sent::NoRoom, None)
         };
         drop(state);
@@ -774,7 +805,7 @@ impl Shared {
         state.epoch += 1;
         let epoch = state.epoch;
         state.in_flight.expire(&self.deadlines, epoch, wakers);
-        wakers.append(&mut state.room);
+        wakers.append(&mut state.take_room());
         state.sweeper_parked = idle;
         drop(state);
         wakers.drain(..).for_each(Waker::wake);
@@ -798,7 +829,7 @@ impl Shared {
             // been failed; the next link starts with an empty outbox and parks nothing.
             state.queued.clear();
             state.sweeper_parked = false;
-            wakers.append(&mut state.room);
+            wakers.append(&mut state.take_room());
             wakers.extend(state.writer.take());
             wakers.extend(state.socket_writer.take());
             wakers.extend(state.socket_reader.take());
@@ -1106,6 +1137,73 @@ mod tests {
         late_sweeper.abort();
     }
 
+    /// Two tasks whose calls wait for room, each polled again and again by turns (a
+    /// `select!` loop with another busy branch): each is listed once, not once a poll
+    /// (found in review: only the last listed waker was compared, so the list grew by one
+    /// a poll until the next tick).
+    #[tokio::test]
+    async fn tasks_polled_by_turns_while_they_wait_for_room_are_listed_once_each() {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let endpoint = Endpoint::Tcp(listener.local_addr().unwrap());
+        let connection = Arc::new(
+            Connection::open(&endpoint, Duration::from_secs(60))
+                .await
+                .unwrap(),
+        );
+        // Accepted, never read: the socket's buffers fill, then the outbox.
+        let (_sidecar, _) = listener.accept().await.unwrap();
+        let subject = "s".repeat(CLIENT_FRAME_BYTES_MAX - 100);
+        for _ in 0..200 {
+            let connection = Arc::clone(&connection);
+            let subject = subject.clone();
+            tokio::spawn(async move {
+                let _ = (connection.call(OpRef::Incr {
+                    rule: "r",
+                    subject: &subject,
+                    amount: 1,
+                    id: None,
+                }))
+                .await;
+            });
+            tokio::task::yield_now().await;
+        }
+        for _ in 0..50 {
+            tokio::task::yield_now().await;
+        }
+        assert!(!connection.shared.lock().has_room(), "the outbox is full");
+        let round = connection.shared.lock().room_round;
+        let pollers: Vec<_> = (0..2)
+            .map(|_| {
+                let connection = Arc::clone(&connection);
+                tokio::spawn(async move {
+                    let call = connection.call(OpRef::Get {
+                        rule: "r",
+                        subject: "s",
+                    });
+                    tokio::pin!(call);
+                    for _ in 0..1_000 {
+                        tokio::select! {
+                            biased;
+                            _ = &mut call => panic!("answered with the outbox full"),
+                            () = tokio::task::yield_now() => {}
+                        }
+                    }
+                })
+            })
+            .collect();
+        for poller in pollers {
+            poller.await.unwrap();
+        }
+        let state = connection.shared.lock();
+        assert_eq!(state.room_round, round, "no tick or room came between");
+        // The 200 filling calls that found no room, and the two tasks.
+        assert!(
+            state.room.len() <= 202,
+            "{} wakers listed for 202 tasks",
+            state.room.len()
+        );
+    }
+
     #[tokio::test]
     async fn a_call_that_waited_for_room_past_its_timeout_is_not_sent_once_room_comes() {
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
@@ -1121,15 +1219,16 @@ mod tests {
         // A call that began to wait for room at this epoch, and ticks enough to time it out
         // since, as if the outbox had been full all along. There is room now.
         let shared = &connection.shared;
-        let mut since = Some(shared.lock().epoch);
-        while !shared
-            .deadlines
-            .expired(since.unwrap(), shared.lock().epoch)
-        {
+        let since = shared.lock().epoch;
+        while !shared.deadlines.expired(since, shared.lock().epoch) {
             shared.lock().epoch += 1;
         }
         assert!(shared.lock().has_room());
-        let sent = shared.send(&ops, &mut since, Waker::noop());
+        let mut wait = Wait {
+            since: Some(since),
+            listed: None,
+        };
+        let sent = shared.send(&ops, &mut wait, Waker::noop());
         assert!(
             matches!(sent, Sent::Failed(Error::NotSent { .. })),
             "sent, to end in a Timeout that says it may have counted"

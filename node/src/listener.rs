@@ -1274,7 +1274,8 @@ mod tests {
     }
 
     #[test]
-    fn an_id_sent_with_another_kind_of_request_than_it_named_is_refused_counts_nothing_and_is_not_answered_again() {
+    fn an_id_sent_with_another_kind_of_request_than_it_named_is_refused_counts_nothing_and_is_not_answered_again(
+    ) {
         let service = service(10);
         let checked = CheckId { session: 9, seq: 1 };
         let incremented = CheckId { session: 9, seq: 2 };
