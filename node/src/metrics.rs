@@ -229,7 +229,8 @@ pub fn render(sources: &Sources<'_>) -> String {
         ),
         (
             "quic_frames_oversized",
-            "QUIC frames with a length out of bounds; their connection closed",
+            "QUIC frames with a length of zero or over the limit; a gossip frame's connection closed, \
+             a region session frame's stream reset",
             load(&transport.frames_oversized),
         ),
         (
