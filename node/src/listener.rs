@@ -1037,18 +1037,21 @@ mod tests {
         responses
     }
 
+    /// Answers `input` into `output` with room for every exact check, which go to `exact`.
+    fn handle(
+        service: &Service,
+        input: &[u8],
+        output: &mut Vec<u8>,
+        exact: &mut Vec<Exact>,
+    ) -> Handled {
+        service.handle_frames(input, output, exact, EXACT_IN_FLIGHT_MAX, &mut None, 0)
+    }
+
     /// Answers a batch with no exact check in it, whole.
     fn answer(service: &Service, requests: &[Request]) -> Vec<Response> {
         let input = frames(requests);
         let (mut output, mut exact) = (Vec::new(), Vec::new());
-        let handled = service.handle_frames(
-            &input,
-            &mut output,
-            &mut exact,
-            EXACT_IN_FLIGHT_MAX,
-            &mut None,
-            0,
-        );
+        let handled = handle(service, &input, &mut output, &mut exact);
         assert_eq!((handled.consumed, handled.bad), (input.len(), None));
         assert!(exact.is_empty(), "no exact rule here");
         responses(&output)
@@ -1392,14 +1395,7 @@ mod tests {
         let service = service(10);
         let input = frames(&[incr(4, "a"), quota_check(5, 2), quota_check(6, 0)]);
         let (mut output, mut exact) = (Vec::new(), Vec::new());
-        service.handle_frames(
-            &input,
-            &mut output,
-            &mut exact,
-            EXACT_IN_FLIGHT_MAX,
-            &mut None,
-            0,
-        );
+        handle(&service, &input, &mut output, &mut exact);
         assert!(exact.is_empty());
         let responses = responses(&output);
         let ids: Vec<_> = responses.iter().map(|r| r.id).collect();
@@ -1425,14 +1421,7 @@ mod tests {
         service.forwarder = Some(forwarder_to_nowhere());
         let input = frames(&[quota_check(5, 2), status(6)]);
         let (mut output, mut exact) = (Vec::new(), Vec::new());
-        service.handle_frames(
-            &input,
-            &mut output,
-            &mut exact,
-            EXACT_IN_FLIGHT_MAX,
-            &mut None,
-            0,
-        );
+        handle(&service, &input, &mut output, &mut exact);
         let ids: Vec<_> = responses(&output).iter().map(|r| r.id).collect();
         assert_eq!(ids, [6]);
         let [Exact {
@@ -1491,14 +1480,7 @@ mod tests {
         let (answers, mut answered) = mpsc::unbounded_channel();
         let (mut output, mut exact) = (Vec::new(), Vec::new());
         let twice = frames(&[quota_check(5, 2), quota_check(5, 2)]);
-        service.handle_frames(
-            &twice,
-            &mut output,
-            &mut exact,
-            EXACT_IN_FLIGHT_MAX,
-            &mut None,
-            0,
-        );
+        handle(&service, &twice, &mut output, &mut exact);
         assert_eq!(exact.len(), 2, "forwarded");
         service.forward(&mut exact, Instant::now(), &answers);
         let mut forwarded = Vec::new();
@@ -1521,13 +1503,11 @@ mod tests {
         // A later retry: the fallback's decision, here, not the region's, and nothing more
         // counted.
         output.clear();
-        service.handle_frames(
+        handle(
+            &service,
             &frames(&[quota_check(5, 2)]),
             &mut output,
             &mut exact,
-            EXACT_IN_FLIGHT_MAX,
-            &mut None,
-            0,
         );
         assert!(
             exact.is_empty(),
@@ -1569,13 +1549,11 @@ mod tests {
             (wire::Mode::Exact, 40)
         );
         output.clear();
-        service.handle_frames(
+        handle(
+            &service,
             &frames(&[quota_check(6, 2)]),
             &mut output,
             &mut exact,
-            EXACT_IN_FLIGHT_MAX,
-            &mut None,
-            0,
         );
         assert!(
             exact.is_empty(),
@@ -1583,13 +1561,11 @@ mod tests {
         );
         assert_same_but_for_reset(decisions(&responses(&output))[0], exact_first);
         // Another id is forwarded as before.
-        service.handle_frames(
+        handle(
+            &service,
             &frames(&[quota_check(7, 2)]),
             &mut output,
             &mut exact,
-            EXACT_IN_FLIGHT_MAX,
-            &mut None,
-            0,
         );
         assert_eq!(exact.len(), 1);
         let again = &service.metrics.client_ids_answered_again;
@@ -1611,14 +1587,7 @@ mod tests {
         service.forwarder = Some(forwarder_to_nowhere());
         let (mut output, mut exact) = (Vec::new(), Vec::new());
         let twice = frames(&[quota_check(8, 2), quota_check(8, 2)]);
-        service.handle_frames(
-            &twice,
-            &mut output,
-            &mut exact,
-            EXACT_IN_FLIGHT_MAX,
-            &mut None,
-            0,
-        );
+        handle(&service, &twice, &mut output, &mut exact);
         assert_eq!(exact.len(), 2);
         let unavailable = Refusal::RegionUnavailable {
             rule: "quota".into(),
@@ -2148,14 +2117,7 @@ mod tests {
         let input = frames(&[status(1), status(2), status(3)]);
         let whole = frames(&[status(1), status(2)]).len();
         let (mut output, mut exact) = (Vec::new(), Vec::new());
-        let handled = service.handle_frames(
-            &input[..input.len() - 1],
-            &mut output,
-            &mut exact,
-            EXACT_IN_FLIGHT_MAX,
-            &mut None,
-            0,
-        );
+        let handled = handle(&service, &input[..input.len() - 1], &mut output, &mut exact);
         assert_eq!(
             handled,
             Handled {
@@ -2175,28 +2137,14 @@ mod tests {
         let good = input.len();
         input.extend_from_slice(&u32::MAX.to_le_bytes());
         let (mut output, mut exact) = (Vec::new(), Vec::new());
-        let handled = service.handle_frames(
-            &input,
-            &mut output,
-            &mut exact,
-            EXACT_IN_FLIGHT_MAX,
-            &mut None,
-            0,
-        );
+        let handled = handle(&service, &input, &mut output, &mut exact);
         assert_eq!(handled.consumed, good);
         assert!(handled.bad.unwrap().contains("limit"));
         assert_eq!(responses(&output).len(), 1, "the good frame is answered");
 
         let garbage = [3, 0, 0, 0, 1, 0xff, 0xff];
         output.clear();
-        let handled = service.handle_frames(
-            &garbage,
-            &mut output,
-            &mut exact,
-            EXACT_IN_FLIGHT_MAX,
-            &mut None,
-            0,
-        );
+        let handled = handle(&service, &garbage, &mut output, &mut exact);
         assert_eq!(handled.consumed, 0);
         assert!(handled.bad.is_some() && output.is_empty());
     }
