@@ -47,6 +47,25 @@ pub struct Digest {
     pub origins: BTreeMap<ReplicaId, Watermark>,
 }
 
+/// What a holder has of one origin, to compare with another holder's when neither expects
+/// more of it (the origin is a retired life or a dead member's): equal watermarks say that
+/// both hold every lane whose version at the origin is current and at most that, but not
+/// that they hold the same earlier copies of lanes rewritten above it. Once every holder of
+/// a lane's current version has lost its state too, an earlier copy is all that is left of
+/// the lane, and one holder may have it where another does not (found in review, session
+/// 37).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Settled {
+    /// The origin.
+    pub origin: ReplicaId,
+    /// The holder's watermark version for it.
+    pub version: Version,
+    /// How many of its lanes the holder has.
+    pub lanes: u64,
+    /// A hash of the versions of those lanes: equal for equal sets, but by a collision.
+    pub versions_hash: u64,
+}
+
 /// One lane write, as sent: the key, the totals, and the origin's version for them.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct LaneUpdate {

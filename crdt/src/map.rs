@@ -6,7 +6,7 @@ use crate::key_table::{KeyId, KeyTable};
 use crate::version_index::VersionIndex;
 use crate::{
     Counter, Delta, Digest, Generation, Key, Lane, LaneUpdate, NodeId, OriginDelta, Overflow,
-    ReplicaId, Stamp, Version, Watermark, Window, DELTA_BYTES_MIN,
+    ReplicaId, Settled, Stamp, Version, Watermark, Window, DELTA_BYTES_MIN,
 };
 use std::collections::BTreeMap;
 
@@ -238,6 +238,101 @@ impl CounterMap {
                 .iter()
                 .map(|(replica, origin)| (*replica, origin.watermark))
                 .collect(),
+        }
+    }
+
+    /// What this map holds of `origin`, to compare with a peer's ([`CounterMap::repair_for`]),
+    /// if it holds anything of it.
+    pub fn settled(&self, origin: ReplicaId) -> Option<Settled> {
+        let held = self.origins.get(&origin)?;
+        Some(Settled {
+            origin,
+            version: held.watermark.version,
+            lanes: held.by_version.len() as u64,
+            versions_hash: held.by_version.versions_hash(),
+        })
+    }
+
+    /// What a peer whose holdings of origins that write no more are `theirs` may lack:
+    /// every lane held of each origin whose watermark here equals the peer's but whose lanes
+    /// differ ([`Settled`]), in version order, from the first if they all fit in `bytes_max`
+    /// (raised to [`DELTA_BYTES_MIN`]), else from a place `rotate` picks among them, as many
+    /// as fit. Each entry's `through` is the common watermark with no stamp, so it raises
+    /// nothing: the peer merges what it lacked, and the rest are repeats. Sent both ways,
+    /// the two holders end with the same lanes, and equal [`Settled`] summaries.
+    pub fn repair_for(&self, theirs: &[Settled], bytes_max: usize, rotate: usize) -> Delta {
+        let mut delta = Delta::default();
+        let mut budget = bytes_max.max(DELTA_BYTES_MIN) - size::DELTA_HEADER;
+        for theirs in theirs {
+            let differs = self.settled(theirs.origin).is_some_and(|mine| {
+                mine.version == theirs.version
+                    && (mine.lanes, mine.versions_hash) != (theirs.lanes, theirs.versions_hash)
+            });
+            if !differs {
+                continue;
+            }
+            let origin = &self.origins[&theirs.origin];
+            let held: Vec<(Version, KeyId)> = origin.by_version.range_from(Version::ZERO).collect();
+            if held.is_empty() {
+                // The peer holds lanes this map lacks: its own repair sends them.
+                continue;
+            }
+            if budget < size::ORIGIN_HEADER {
+                break;
+            }
+            budget -= size::ORIGIN_HEADER;
+            let key = |id| &self.key_held(theirs.origin, id).key;
+            let bytes: usize = held.iter().map(|&(_, id)| size::lane(key(id))).sum();
+            let start = if bytes <= budget {
+                0
+            } else {
+                rotate % held.len()
+            };
+            let mut entry = OriginDelta {
+                origin: theirs.origin,
+                through: Watermark {
+                    version: theirs.version,
+                    stamp: Stamp::default(),
+                },
+                lanes: Vec::new(),
+            };
+            for &(version, id) in &held[start..] {
+                let cost = size::lane(key(id));
+                if cost > budget {
+                    break;
+                }
+                budget -= cost;
+                entry.lanes.push(self.lane_update(origin, version, id));
+            }
+            let cut = entry.lanes.len() < held.len() - start;
+            delta.origins.push(entry);
+            if cut {
+                break;
+            }
+        }
+        delta
+    }
+
+    /// The key and lanes at `id`, which `origin`'s version index names. Panics if it is not
+    /// held: the index and the key table disagree.
+    fn key_held(&self, origin: ReplicaId, id: KeyId) -> &crate::key_table::Held {
+        let Some(held) = self.keys.get(id) else {
+            panic!("{origin}'s version index names key id {id:?}, which is not held");
+        };
+        held
+    }
+
+    /// `origin`'s lane of the key at `id`, sent under `version`.
+    fn lane_update(&self, origin: &Origin, version: Version, id: KeyId) -> LaneUpdate {
+        let held = self.key_held(self.replicas.replica(origin.index), id);
+        LaneUpdate {
+            key: held.key.clone(),
+            lane: held
+                .cells
+                .get(origin.index)
+                .map(|(lane, _)| lane)
+                .unwrap_or_default(),
+            version,
         }
     }
 
@@ -484,10 +579,7 @@ impl CounterMap {
         };
         let after = Version(theirs.version.0.saturating_add(1));
         for (version, id) in origin.by_version.range_from(after) {
-            let Some(held) = self.keys.get(id) else {
-                panic!("{replica}'s version {version:?} names key id {id:?}, which is not held");
-            };
-            let cost = size::lane(&held.key);
+            let cost = size::lane(&self.key_held(replica, id).key);
             if cost > *budget {
                 // The receiver will hold everything up to the last lane sent (never past
                 // what this map itself holds completely), and nothing shows that it has
@@ -503,15 +595,7 @@ impl CounterMap {
                 return (entry, true);
             }
             *budget -= cost;
-            entry.lanes.push(LaneUpdate {
-                key: held.key.clone(),
-                lane: held
-                    .cells
-                    .get(origin.index)
-                    .map(|(lane, _)| lane)
-                    .unwrap_or_default(),
-                version,
-            });
+            entry.lanes.push(self.lane_update(origin, version, id));
         }
         (entry, false)
     }
@@ -744,6 +828,79 @@ mod tests {
             })
             .count();
         assert_eq!(served, 25, "origin 11 served in {served} of 50 sends");
+    }
+
+    /// Keys whose subjects are as long as a subject may be, so that the smallest budget
+    /// holds one lane.
+    fn long_key(subject: usize) -> Key {
+        let subject = format!("{subject:0width$}", width = crate::SUBJECT_BYTES_MAX);
+        Key::new(
+            Rule::new("r").unwrap(),
+            Subject::new(subject).unwrap(),
+            Window::containing(600, 60).unwrap(),
+        )
+    }
+
+    /// Found in review (session 37). An origin writes k1 (v1) and k2 (v2); `y` takes both.
+    /// The origin rewrites k1 (v3) and writes k3 (v4); `n` takes all of it, and `x` takes
+    /// a send from `n` cut after k2, so `x` holds the origin through v2 without k1, whose
+    /// current version is above that. The origin and `n` then lose their state: `y`'s k1
+    /// at v1 is all that is left of k1, and `x` and `y` hold the origin at one watermark,
+    /// so no digest shows that `x` lacks it.
+    #[test]
+    fn an_earlier_copy_only_one_holder_has_of_an_origin_that_writes_no_more_reaches_the_other() {
+        let o = replica(1);
+        let (k1, k2, k3) = (long_key(1), long_key(2), long_key(3));
+        let mut origin = CounterMap::new();
+        origin.incr(o, &k1, 1, Stamp(1)).unwrap();
+        origin.incr(o, &k2, 1, Stamp(2)).unwrap();
+        let mut y = CounterMap::new();
+        y.apply(&origin.delta_for(&y.digest(), 1 << 16, 0), 600);
+        origin.incr(o, &k1, 1, Stamp(3)).unwrap();
+        origin.incr(o, &k3, 1, Stamp(4)).unwrap();
+        let mut n = CounterMap::new();
+        n.apply(&origin.delta_for(&n.digest(), 1 << 16, 0), 600);
+        let mut x = CounterMap::new();
+        let cut = n.delta_for(&x.digest(), 0, 0);
+        assert_eq!(cut.lanes(), 1, "the smallest budget carries one lane");
+        x.apply(&cut, 600);
+        assert_eq!(x.watermark(o).version, y.watermark(o).version);
+        assert_eq!((x.value(&k1), y.value(&k1)), (0, 1));
+        assert_eq!(x.delta_for(&y.digest(), 1 << 16, 0).lanes(), 0);
+        assert_eq!(
+            y.delta_for(&x.digest(), 1 << 16, 0).lanes(),
+            0,
+            "no digest shows it"
+        );
+
+        let (to_x, to_y) = (
+            y.repair_for(&[x.settled(o).unwrap()], 1 << 16, 0),
+            x.repair_for(&[y.settled(o).unwrap()], 1 << 16, 0),
+        );
+        assert_eq!(
+            (to_x.lanes(), to_y.lanes()),
+            (2, 1),
+            "each sends all it holds"
+        );
+        x.apply(&to_x, 600);
+        y.apply(&to_y, 600);
+        assert_eq!((x.value(&k1), x.value(&k2)), (1, 1));
+        assert_eq!(x.settled(o), y.settled(o), "they hold the same lanes");
+        assert_eq!(x.watermark(o).version, Version(2), "and no watermark moved");
+        assert!(y
+            .repair_for(&[x.settled(o).unwrap()], 1 << 16, 0)
+            .is_empty());
+
+        // Cut to one lane a send, from a place the rotation picks: one past what the peer
+        // lacks sends a repeat, and another rotation gets there.
+        let mut z = CounterMap::new();
+        z.apply(&cut, 600);
+        for rotate in [1, 0] {
+            let part = y.repair_for(&[z.settled(o).unwrap()], 0, rotate);
+            assert_eq!(part.lanes(), 1);
+            z.apply(&part, 600);
+            assert_eq!(z.settled(o) == y.settled(o), rotate == 0);
+        }
     }
 
     #[test]

@@ -26,6 +26,8 @@ pub(crate) struct VersionIndex {
     holes: usize,
     // Invariant: at most `below_max()` entries.
     below: BTreeMap<Version, KeyId>,
+    // Invariant: the xor of `mixed(version)` over every version indexed.
+    versions_hash: u64,
 }
 
 /// `below` is merged into the vector once it holds more than this, or more than an eighth
@@ -68,6 +70,13 @@ impl VersionIndex {
         self.len() == 0
     }
 
+    /// A hash of the set of versions indexed: equal for equal sets, whatever the order
+    /// they came in, and unequal for unequal sets but by a 64-bit collision. Two holders of
+    /// an origin with equal watermarks whose hashes differ hold different lanes of it.
+    pub(crate) fn versions_hash(&self) -> u64 {
+        self.versions_hash
+    }
+
     /// The highest version indexed.
     pub(crate) fn last(&self) -> Option<Version> {
         let below = self.below.keys().next_back().copied();
@@ -91,17 +100,21 @@ impl VersionIndex {
                 self.entries.reserve_exact(self.entries.len() / 4 + 16);
             }
             self.entries.push(Entry::new(version, id));
+            self.versions_hash ^= mixed(version);
             return;
         }
         match self.find(version) {
             Ok(at) => {
                 if self.entries[at].id.is_none() {
                     self.holes -= 1;
+                    self.versions_hash ^= mixed(version);
                 }
                 self.entries[at] = Entry::new(version, id);
             }
             Err(_) => {
-                self.below.insert(version, id);
+                if self.below.insert(version, id).is_none() {
+                    self.versions_hash ^= mixed(version);
+                }
                 if self.below.len() > self.below_max() {
                     self.sweep();
                 }
@@ -117,12 +130,15 @@ impl VersionIndex {
     /// Stops indexing the lane at `version`, if any.
     pub(crate) fn remove(&mut self, version: Version) {
         let Ok(at) = self.find(version) else {
-            self.below.remove(&version);
+            if self.below.remove(&version).is_some() {
+                self.versions_hash ^= mixed(version);
+            }
             return;
         };
         if self.entries[at].id.take().is_none() {
             return;
         }
+        self.versions_hash ^= mixed(version);
         self.holes += 1;
         while self.entries.last().is_some_and(|entry| entry.id.is_none()) {
             self.entries.pop();
@@ -186,6 +202,15 @@ impl VersionIndex {
     }
 }
 
+/// `version` spread over all 64 bits (splitmix64's finalizer), so that the xor of a set of
+/// versions, which mostly differ in their low bits, tells sets apart.
+fn mixed(version: Version) -> u64 {
+    let mut z = version.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
+    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    z ^ (z >> 31)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -239,6 +264,8 @@ mod tests {
                     }
                 }
                 prop_assert_eq!(index.len(), model.len());
+                let hash = model.keys().fold(0, |hash, &v| hash ^ mixed(v));
+                prop_assert_eq!(index.versions_hash(), hash);
                 prop_assert_eq!(index.last(), model.keys().next_back().copied());
                 prop_assert!(index.holes * 5 <= index.entries.len());
                 prop_assert!(index.below.len() <= index.below_max());
