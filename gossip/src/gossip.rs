@@ -13,7 +13,7 @@ use std::collections::{BTreeMap, BTreeSet, VecDeque};
 use std::time::Duration;
 use tally_crdt::{
     AppliedAt, Counter, CounterMap, Delta, Digest, Generation, Key, Lane, LaneUpdate, NodeId,
-    OriginDelta, ReplicaId, Slot, Stamp, Version, Watermark, DELTA_BYTES_MIN,
+    OriginDelta, ReplicaId, Settled, Slot, Stamp, Version, Watermark, DELTA_BYTES_MIN,
 };
 
 /// The least replica id: where a digest sent in parts starts, and starts again.
@@ -470,6 +470,12 @@ impl Gossip {
         self.members_next
             .retain(|&node, _| members.state(node).is_some());
         self.send_to(&targets, &syn);
+        if let Some(&peer) = targets.first() {
+            let origins = self.settled_origins();
+            if !origins.is_empty() {
+                self.send(peer, &Message::Settled { origins });
+            }
+        }
 
         self.members
             .check(now.mono, self.config.suspect_phi, self.config.dead_after);
@@ -485,6 +491,27 @@ impl Gossip {
         let members = &self.members;
         self.map
             .expire(live_at, |replica| members.is_live_replica(replica));
+    }
+
+    /// What this node holds of the origins that write no more (of no live member's current
+    /// life, this node's own included), for a [`Message::Settled`]: as many as half a frame
+    /// holds, from a place that moves on each round.
+    fn settled_origins(&self) -> Vec<Settled> {
+        let me = self.config.replica;
+        let settled: Vec<Settled> = (self.map.origins())
+            .filter(|&origin| origin != me && !self.members.is_live_replica(origin))
+            .filter_map(|origin| self.map.settled(origin))
+            .collect();
+        let most = self.config.frame_bytes_max / 2 / wire::SETTLED_ENTRY_BYTES_MAX;
+        if settled.len() <= most {
+            return settled;
+        }
+        let start = (self.rounds as usize) % settled.len();
+        let mut part: Vec<Settled> = (settled.iter().cycle().skip(start).take(most))
+            .copied()
+            .collect();
+        part.sort_unstable_by_key(|settled| settled.origin);
+        part
     }
 
     /// The time, in unix seconds, that windows end by here: the wall clock paced
@@ -615,6 +642,19 @@ impl Gossip {
                 Some(after),
             ),
             Message::Members { members } => self.members.merge(&members, &[]),
+            Message::Settled { origins } => {
+                let budget = self.config.frame_bytes_max - 256;
+                let delta = self.map.repair_for(&origins, budget, self.rng.gen());
+                if !delta.is_empty() {
+                    let repair = Message::Delta {
+                        to: envelope.from,
+                        delta,
+                        members: Vec::new(),
+                        dead: Vec::new(),
+                    };
+                    self.send(from, &repair);
+                }
+            }
         }
         // After the frame's rows are taken in, which may hold the address of a node that
         // re-published.
@@ -1161,6 +1201,7 @@ impl Gossip {
             Message::Push { lanes, .. } if lanes.lanes.is_empty() => (0, &mut by_message.heartbeat),
             Message::Push { lanes, .. } => (lanes.lanes.len(), &mut by_message.push),
             Message::Members { .. } => (0, &mut by_message.members),
+            Message::Settled { .. } => (0, &mut by_message.settled),
         };
         *kind_bytes += (frame.len() * peers.len()) as u64;
         for &to in peers {

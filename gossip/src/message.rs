@@ -2,7 +2,9 @@
 //! sends each in a compact form of its own; only [`MemberEntry`] goes on the wire as is.
 
 use serde::{Deserialize, Serialize};
-use tally_crdt::{Delta, Digest, Generation, NodeId, OriginDelta, ReplicaId, Stamp, Version};
+use tally_crdt::{
+    Delta, Digest, Generation, NodeId, OriginDelta, ReplicaId, Settled, Stamp, Version,
+};
 
 /// The longest address a member may advertise, in bytes.
 pub const ADDR_BYTES_MAX: usize = 256;
@@ -119,6 +121,14 @@ pub enum Message {
     Members {
         /// Entries to merge.
         members: Vec<MemberEntry>,
+    },
+    /// What I hold of origins that write no more (earlier lives, dead members' lives),
+    /// each with a summary of its lanes. A peer that holds one at the same watermark but
+    /// other lanes answers with a `Delta` of every lane it holds of it
+    /// ([`tally_crdt::CounterMap::repair_for`]): no digest shows that difference.
+    Settled {
+        /// One per origin, in replica order.
+        origins: Vec<Settled>,
     },
 }
 

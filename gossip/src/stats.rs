@@ -62,11 +62,13 @@ pub struct MessageBytes {
     pub heartbeat: u64,
     /// Membership announcements.
     pub members: u64,
+    /// Summaries of origins that write no more.
+    pub settled: u64,
 }
 
 impl MessageBytes {
     /// Every kind with its bytes, in a fixed order, for printing.
-    pub fn by_kind(&self) -> [(&'static str, u64); 6] {
+    pub fn by_kind(&self) -> [(&'static str, u64); 7] {
         [
             ("push", self.push),
             ("heartbeat", self.heartbeat),
@@ -74,6 +76,7 @@ impl MessageBytes {
             ("ack", self.ack),
             ("delta", self.delta),
             ("members", self.members),
+            ("settled", self.settled),
         ]
     }
 }
@@ -86,6 +89,7 @@ impl std::ops::AddAssign for MessageBytes {
         self.push += other.push;
         self.heartbeat += other.heartbeat;
         self.members += other.members;
+        self.settled += other.settled;
     }
 }
 

@@ -25,8 +25,8 @@ use crate::message::{Cover, Envelope, MemberEntry, Message, ADDR_BYTES_MAX};
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
 use tally_crdt::{
-    Delta, Digest, Generation, Key, Lane, LaneUpdate, NodeId, OriginDelta, ReplicaId, Rule, Stamp,
-    Subject, Version, Watermark, Window,
+    Delta, Digest, Generation, Key, Lane, LaneUpdate, NodeId, OriginDelta, ReplicaId, Rule,
+    Settled, Stamp, Subject, Version, Watermark, Window,
 };
 
 /// The wire format this build speaks.
@@ -79,8 +79,8 @@ const CONFIG: bincode::config::Configuration<
 /// # Panics
 ///
 /// If `message` breaks an invariant of its types that the frame relies on: a push of
-/// another origin's lanes or of lanes at or below its `after`, or an origin's lanes not
-/// in strictly ascending versions. [`tally_crdt::CounterMap`] builds no such message.
+/// another origin's lanes or of lanes at or below its `after`, an origin's lanes not in
+/// strictly ascending versions, or a `Settled`'s origins not ascending by node. [`tally_crdt::CounterMap`] builds no such message.
 pub fn encode(from: ReplicaId, message: &Message) -> Vec<u8> {
     let frame = Frame::new(from, message);
     let mut bytes = vec![WIRE_VERSION];
@@ -95,6 +95,10 @@ pub fn encode(from: ReplicaId, message: &Message) -> Vec<u8> {
 /// The most bytes one origin of a digest takes in a frame: its node gap, age, version and
 /// stamp, each a varint of at most 9 bytes.
 pub const DIGEST_ENTRY_BYTES_MAX: usize = 4 * 9;
+
+/// The most bytes one origin of a [`Message::Settled`] takes in a frame: its node gap, age,
+/// version, lane count and hash, each a varint of at most 9 bytes.
+pub const SETTLED_ENTRY_BYTES_MAX: usize = 5 * 9;
 
 /// The bytes `member` takes in a frame: its node id and generation, its address after its
 /// length, and its `left` flag.
@@ -151,7 +155,7 @@ fn check(envelope: &Envelope) -> Result<(), DecodeError> {
         Message::Ack { members, .. }
         | Message::Delta { members, .. }
         | Message::Members { members } => members.as_slice(),
-        Message::Syn { .. } | Message::Push { .. } => &[],
+        Message::Syn { .. } | Message::Push { .. } | Message::Settled { .. } => &[],
     };
     if let Some(member) = members.iter().find(|m| m.addr.len() > ADDR_BYTES_MAX) {
         return Err(field(
@@ -233,6 +237,23 @@ enum Body {
         from: Replica,
         until: Option<Replica>,
     },
+    /// A variant of its own, last, as `SynPart`: a node of an earlier build of this wire
+    /// version refuses only these.
+    Settled {
+        origins: Vec<SettledEntry>,
+    },
+}
+
+/// One origin of a [`Message::Settled`].
+#[derive(Debug, Serialize, Deserialize)]
+struct SettledEntry {
+    /// The node, as the gap from the previous entry's (from 0 for the first).
+    node_gap: u64,
+    /// The generation's age (see [`Replica`]).
+    age: u64,
+    version: u64,
+    lanes: u64,
+    versions_hash: u64,
 }
 
 /// One origin of a digest.
@@ -391,6 +412,9 @@ impl Frame {
             Message::Members { members } => Body::Members {
                 members: members.clone(),
             },
+            Message::Settled { origins } => Body::Settled {
+                origins: settled_entries(origins, newest),
+            },
         };
         Frame {
             from: Replica::new(from, newest),
@@ -497,6 +521,9 @@ impl Frame {
                 },
             },
             Body::Members { members } => Message::Members { members },
+            Body::Settled { origins } => Message::Settled {
+                origins: settled_from(origins, newest)?,
+            },
         };
         Ok(Envelope { from, message })
     }
@@ -711,7 +738,7 @@ fn newest_stamp(message: &Message) -> Stamp {
         }
         Message::Delta { delta, .. } => delta_stamps(delta).max(),
         Message::Push { lanes, .. } => Some(lanes.through.stamp),
-        Message::Members { .. } => None,
+        Message::Members { .. } | Message::Settled { .. } => None,
     };
     newest.unwrap_or_default()
 }
@@ -768,6 +795,54 @@ fn digest_from(entries: Vec<DigestEntry>, newest: Stamp) -> Result<Digest, Decod
         digest.origins.insert(replica, watermark);
     }
     Ok(digest)
+}
+
+fn settled_entries(origins: &[Settled], newest: Stamp) -> Vec<SettledEntry> {
+    let mut previous = 0;
+    (origins.iter())
+        .map(|settled| {
+            let node_gap = (settled.origin.node.0.checked_sub(previous))
+                .expect("invariant: a Settled's origins ascend");
+            previous = settled.origin.node.0;
+            SettledEntry {
+                node_gap,
+                age: age(settled.origin.generation, newest),
+                version: settled.version.0,
+                lanes: settled.lanes,
+                versions_hash: settled.versions_hash,
+            }
+        })
+        .collect()
+}
+
+fn settled_from(entries: Vec<SettledEntry>, newest: Stamp) -> Result<Vec<Settled>, DecodeError> {
+    let mut node = 0u64;
+    let mut origins: Vec<Settled> = Vec::with_capacity(entries.len());
+    for entry in entries {
+        node = node.checked_add(entry.node_gap).ok_or_else(|| {
+            field(
+                "settled.node_gap",
+                format!("node {node} + {}", entry.node_gap),
+            )
+        })?;
+        let origin = ReplicaId::new(NodeId(node), generation_from(entry.age, newest));
+        if let Some(previous) = origins.last().filter(|previous| previous.origin >= origin) {
+            return Err(field(
+                "settled",
+                format!(
+                    "{origin} follows {}: replicas must ascend, once each",
+                    previous.origin
+                ),
+            ));
+        }
+        origins.push(Settled {
+            origin,
+            version: Version(entry.version),
+            lanes: entry.lanes,
+            versions_hash: entry.versions_hash,
+        });
+    }
+    Ok(origins)
 }
 
 /// A generation's age: its distance below `newest`, wrapping (see [`Replica`]).
@@ -975,7 +1050,42 @@ mod tests {
             Message::Members {
                 members: vec![member(3)],
             },
+            Message::Settled {
+                origins: vec![settled(1, 0), settled(2, WALL - 1), settled(2, u64::MAX)],
+            },
         ]
+    }
+
+    fn settled(node: u64, generation: u64) -> Settled {
+        Settled {
+            origin: ReplicaId::new(NodeId(node), Generation(generation)),
+            version: Version(node * 1_000),
+            lanes: node * 10,
+            versions_hash: u64::MAX - node,
+        }
+    }
+
+    #[test]
+    fn a_settled_entry_takes_at_most_its_bound_and_origins_must_ascend() {
+        let extreme = Settled {
+            origin: ReplicaId::new(NodeId(u64::MAX), Generation(1)),
+            version: Version(u64::MAX),
+            lanes: u64::MAX,
+            versions_hash: u64::MAX,
+        };
+        let one = |origins: Vec<Settled>| encode(replica(3), &Message::Settled { origins });
+        let empty = one(Vec::new()).len();
+        assert!(one(vec![extreme]).len() - empty <= SETTLED_ENTRY_BYTES_MAX);
+        for origins in [
+            vec![settled(2, 5), settled(2, 1)],
+            vec![settled(2, 1), settled(2, 1)],
+        ] {
+            let refused = decode(&one(origins), FRAME_BYTES_LIMIT);
+            assert!(
+                matches!(&refused, Err(DecodeError::Field { field, .. }) if *field == "settled"),
+                "{refused:?}"
+            );
+        }
     }
 
     fn round_trip(message: &Message) -> Result<Envelope, DecodeError> {

@@ -552,6 +552,61 @@ fn mixed_faults_over_many_seeds_keep_final_and_mono() {
     }
 }
 
+/// Found in review (session 37), at seed 2 of 5: with the smallest frames, many long
+/// subjects a step, and restarts as `tallyd` makes them (a new generation, no state), nodes
+/// catch up an origin through cut sends, which take a holder's watermark past a lane whose
+/// current version is above it. Once the origin and every holder of that version lost their
+/// state, the lane's earlier copy lived on at some nodes only, at watermarks equal to the
+/// others', and FINAL failed for good ("node 0 holds Some(Lane { incr: 2, .. }) at ..
+/// Version(266) .., node 1 holds None at .. Version(266)"). `Message::Settled` repairs it.
+#[test]
+fn mixed_faults_with_small_frames_and_new_lives_keep_final() {
+    use rand::{Rng, SeedableRng};
+    for seed in seeds(1, 5) {
+        let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(seed);
+        let nodes = rng.gen_range(3..=6);
+        let mut config = SimConfig::new(nodes, seed);
+        config.frame_bytes_max = tally_gossip::Config::FRAME_BYTES_MIN;
+        config.eager_push = rng.gen_bool(0.7);
+        config.faults = Faults {
+            loss: rng.gen_range(0.0..0.2),
+            duplicate: rng.gen_range(0.0..0.2),
+            replay: rng.gen_range(0.0..0.05),
+            replay_age_max: Duration::from_secs(60),
+            delay_min: Duration::from_millis(1),
+            delay_max: Duration::from_millis(rng.gen_range(1..100)),
+        };
+        let mut sim = Sim::new(config);
+        for step in 0..60u64 {
+            for node in 0..nodes {
+                for k in 0..rng.gen_range(0..40) {
+                    let subject = format!("subject-{k}-{}", "x".repeat(rng.gen_range(1..200)));
+                    sim.incr(node, &subject, 1 + step % 3);
+                }
+                sim.incr(node, "hot", 1);
+            }
+            let node = rng.gen_range(0..nodes);
+            match rng.gen_range(0..12) {
+                0 => sim.crash(node, rng.gen_bool(0.5)),
+                1 => sim.restart(node),
+                2 => sim.pause(node),
+                3 => sim.resume(node),
+                4 => sim.network().cut(node, rng.gen_range(0..nodes)),
+                5 => sim.network().restore(node, rng.gen_range(0..nodes)),
+                6 => sim.set_skew(node, rng.gen_range(-5_000..5_000)),
+                7 => sim.restart_as_tallyd(node),
+                _ => {}
+            }
+            sim.run_for(Duration::from_millis(rng.gen_range(10..400)));
+        }
+        heal_and_check(
+            &mut sim,
+            "mixed_faults_with_small_frames_and_new_lives_keep_final",
+            60 * SECOND,
+        );
+    }
+}
+
 #[test]
 fn a_member_that_crashed_while_a_node_was_cut_off_is_found_dead_there_soon_after_the_heal() {
     // Node 0 is cut off for 30 s; meanwhile node 4 writes and, at 15 s, crashes for good.

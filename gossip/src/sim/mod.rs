@@ -238,36 +238,38 @@ impl Sim {
             return;
         }
         drop(gossip);
-        // A lane whose writer is gone (this life, or an earlier lost one) now lives only in
-        // what the other nodes hold of it: that is what survives.
+        self.truth_of_gone_writers();
+        self.nodes[index].own.clear();
+        self.nodes[index].seen.clear();
+        self.nodes[index].seen_changes = None;
+    }
+
+    /// Takes as the truth of each lane whose writer is gone (a life that lost its state,
+    /// or an earlier life of a node) what the nodes hold of it now, running or in a
+    /// snapshot: that is all that survives of it.
+    fn truth_of_gone_writers(&mut self) {
         let writers: Vec<ReplicaId> = (0..self.nodes.len())
-            .filter(|&i| i != index)
             .filter(|&i| self.nodes[i].gossip.is_some() || self.nodes[i].saved.is_some())
             .map(|i| self.replica(i))
+            .collect();
+        let holders: Vec<&CounterMap> = (self.nodes.iter())
+            .filter_map(|node| {
+                node.gossip
+                    .as_ref()
+                    .map(Gossip::map)
+                    .or(node.saved.as_ref())
+            })
             .collect();
         for ((key, replica), lane) in self.truth.iter_mut() {
             if writers.contains(replica) {
                 continue;
             }
             let mut survived = Lane::default();
-            for (other, node) in self.nodes.iter().enumerate() {
-                if other == index {
-                    continue;
-                }
-                let held = node
-                    .gossip
-                    .as_ref()
-                    .map(Gossip::map)
-                    .or(node.saved.as_ref());
-                if let Some(map) = held {
-                    survived.merge(map.lane(key, *replica));
-                }
+            for map in &holders {
+                survived.merge(map.lane(key, *replica));
             }
             *lane = survived;
         }
-        self.nodes[index].own.clear();
-        self.nodes[index].seen.clear();
-        self.nodes[index].seen_changes = None;
     }
 
     /// Restarts a crashed node: from its snapshot in the same generation if it kept its
@@ -326,6 +328,9 @@ impl Sim {
         self.boot(index, Some(map));
         let node = &mut self.nodes[index];
         node.gossip = (node.gossip.take()).map(|gossip| gossip.with_republished(lives));
+        // Its snapshot's copies of other nodes' lanes are gone, as a lane log holds only
+        // its own: a copy of a gone writer's lane that only it held is lost.
+        self.truth_of_gone_writers();
     }
 
     /// Stops delivering to node `index` and stops its timers, as `kill -STOP` would.
