@@ -66,6 +66,24 @@ pub struct Settled {
     pub versions_hash: u64,
 }
 
+/// The versions of an origin's lanes a holder has in a span, for a peer whose [`Settled`]
+/// summary of the origin differs at the same watermark to answer with the lanes the
+/// holder lacks there ([`crate::CounterMap::lanes_not_held`]).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct HeldVersions {
+    /// The origin.
+    pub origin: ReplicaId,
+    /// The holder's watermark version for it.
+    pub version: Version,
+    /// The span's first version.
+    pub from: Version,
+    /// The span's last version.
+    pub through: Version,
+    /// Every version of the origin's lanes the holder has in `[from, through]`.
+    // Invariant: ascending strictly, within the span.
+    pub versions: Vec<Version>,
+}
+
 /// One lane write, as sent: the key, the totals, and the origin's version for them.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct LaneUpdate {

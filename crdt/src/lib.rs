@@ -47,7 +47,8 @@ mod version_index;
 pub use cells::CounterRef;
 pub use counter::{Counter, PnCounter, Slot};
 pub use delta::{
-    Delta, Digest, LaneUpdate, OriginDelta, Settled, Stamp, Version, Watermark, DELTA_BYTES_MIN,
+    Delta, Digest, HeldVersions, LaneUpdate, OriginDelta, Settled, Stamp, Version, Watermark,
+    DELTA_BYTES_MIN,
 };
 pub use id::{Generation, NodeId, ReplicaId};
 pub use key::{

@@ -5,8 +5,8 @@ use crate::delta::size;
 use crate::key_table::{KeyId, KeyTable};
 use crate::version_index::VersionIndex;
 use crate::{
-    Counter, Delta, Digest, Generation, Key, Lane, LaneUpdate, NodeId, OriginDelta, Overflow,
-    ReplicaId, Settled, Stamp, Version, Watermark, Window, DELTA_BYTES_MIN,
+    Counter, Delta, Digest, Generation, HeldVersions, Key, Lane, LaneUpdate, NodeId, OriginDelta,
+    Overflow, ReplicaId, Settled, Stamp, Version, Watermark, Window, DELTA_BYTES_MIN,
 };
 use std::collections::BTreeMap;
 
@@ -241,8 +241,8 @@ impl CounterMap {
         }
     }
 
-    /// What this map holds of `origin`, to compare with a peer's ([`CounterMap::repair_for`]),
-    /// if it holds anything of it.
+    /// What this map holds of `origin`, to compare with a peer's
+    /// ([`CounterMap::settled_differs`]), if it holds anything of it.
     pub fn settled(&self, origin: ReplicaId) -> Option<Settled> {
         let held = self.origins.get(&origin)?;
         Some(Settled {
@@ -253,62 +253,83 @@ impl CounterMap {
         })
     }
 
-    /// What a peer whose holdings of origins that write no more are `theirs` may lack:
-    /// every lane held of each origin whose watermark here equals the peer's but whose lanes
-    /// differ ([`Settled`]), in version order, from the first if they all fit in `bytes_max`
-    /// (raised to [`DELTA_BYTES_MIN`]), else from a place `rotate` picks among them, as many
-    /// as fit. Each entry's `through` is the common watermark with no stamp, so it raises
-    /// nothing: the peer merges what it lacked, and the rest are repeats. Sent both ways,
-    /// the two holders end with the same lanes, and equal [`Settled`] summaries.
-    pub fn repair_for(&self, theirs: &[Settled], bytes_max: usize, rotate: usize) -> Delta {
+    /// Whether this map's holdings of an origin differ from a peer's `theirs` at the same
+    /// watermark: then one of them has lanes of it the other lacks, which no digest shows.
+    pub fn settled_differs(&self, theirs: &Settled) -> bool {
+        self.settled(theirs.origin).is_some_and(|mine| {
+            mine.version == theirs.version
+                && (mine.lanes, mine.versions_hash) != (theirs.lanes, theirs.versions_hash)
+        })
+    }
+
+    /// The versions of `origin`'s lanes held, at most `most` (at least 1) of them, from the
+    /// `start`-th (counted round from the first), for a peer to answer with what this map
+    /// lacks in their span ([`CounterMap::lanes_not_held`]). The span runs from just past
+    /// the version before the first listed (from 0 for the first), to the last listed (to
+    /// `u64::MAX` for the last), so the spans of lists from consecutive starts meet, and a
+    /// list of every lane covers every version. `None` if nothing of `origin` is held.
+    pub fn held_versions(
+        &self,
+        origin: ReplicaId,
+        start: usize,
+        most: usize,
+    ) -> Option<HeldVersions> {
+        let held = self.origins.get(&origin)?;
+        let count = held.by_version.len();
+        let start = start.checked_rem(count).unwrap_or(0);
+        let mut all = (held.by_version.range_from(Version::ZERO)).map(|(version, _)| version);
+        let before = start.checked_sub(1).and_then(|before| all.nth(before));
+        let versions: Vec<Version> = all.take(most.max(1)).collect();
+        let from = before.map_or(Version::ZERO, Version::next);
+        let through = if start + versions.len() >= count {
+            Version(u64::MAX)
+        } else {
+            versions.last().copied().unwrap_or_default()
+        };
+        Some(HeldVersions {
+            origin,
+            version: held.watermark.version,
+            from,
+            through,
+            versions,
+        })
+    }
+
+    /// The lanes of `theirs.origin` held here in the span of `theirs` whose versions it
+    /// does not list, if this map holds the origin at the same watermark: in version
+    /// order, as many as fit in `bytes_max` (raised to [`DELTA_BYTES_MIN`]). The entry's
+    /// `through` is the common watermark with no stamp, so it raises nothing.
+    pub fn lanes_not_held(&self, theirs: &HeldVersions, bytes_max: usize) -> Delta {
         let mut delta = Delta::default();
-        let mut budget = bytes_max.max(DELTA_BYTES_MIN) - size::DELTA_HEADER;
-        for theirs in theirs {
-            let differs = self.settled(theirs.origin).is_some_and(|mine| {
-                mine.version == theirs.version
-                    && (mine.lanes, mine.versions_hash) != (theirs.lanes, theirs.versions_hash)
-            });
-            if !differs {
+        let Some(origin) = (self.origins.get(&theirs.origin))
+            .filter(|origin| origin.watermark.version == theirs.version)
+        else {
+            return delta;
+        };
+        let mut budget = bytes_max.max(DELTA_BYTES_MIN) - size::DELTA_HEADER - size::ORIGIN_HEADER;
+        let mut entry = OriginDelta {
+            origin: theirs.origin,
+            through: Watermark {
+                version: theirs.version,
+                stamp: Stamp::default(),
+            },
+            lanes: Vec::new(),
+        };
+        let in_span = (origin.by_version.range_from(theirs.from))
+            .take_while(|&(version, _)| version <= theirs.through);
+        for (version, id) in in_span {
+            if theirs.versions.binary_search(&version).is_ok() {
                 continue;
             }
-            let origin = &self.origins[&theirs.origin];
-            let held: Vec<(Version, KeyId)> = origin.by_version.range_from(Version::ZERO).collect();
-            if held.is_empty() {
-                // The peer holds lanes this map lacks: its own repair sends them.
-                continue;
-            }
-            if budget < size::ORIGIN_HEADER {
+            let cost = size::lane(&self.key_held(theirs.origin, id).key);
+            if cost > budget {
                 break;
             }
-            budget -= size::ORIGIN_HEADER;
-            let key = |id| &self.key_held(theirs.origin, id).key;
-            let bytes: usize = held.iter().map(|&(_, id)| size::lane(key(id))).sum();
-            let start = if bytes <= budget {
-                0
-            } else {
-                rotate % held.len()
-            };
-            let mut entry = OriginDelta {
-                origin: theirs.origin,
-                through: Watermark {
-                    version: theirs.version,
-                    stamp: Stamp::default(),
-                },
-                lanes: Vec::new(),
-            };
-            for &(version, id) in &held[start..] {
-                let cost = size::lane(key(id));
-                if cost > budget {
-                    break;
-                }
-                budget -= cost;
-                entry.lanes.push(self.lane_update(origin, version, id));
-            }
-            let cut = entry.lanes.len() < held.len() - start;
+            budget -= cost;
+            entry.lanes.push(self.lane_update(origin, version, id));
+        }
+        if !entry.lanes.is_empty() {
             delta.origins.push(entry);
-            if cut {
-                break;
-            }
         }
         delta
     }
@@ -873,34 +894,117 @@ mod tests {
             "no digest shows it"
         );
 
-        let (to_x, to_y) = (
-            y.repair_for(&[x.settled(o).unwrap()], 1 << 16, 0),
-            x.repair_for(&[y.settled(o).unwrap()], 1 << 16, 0),
-        );
-        assert_eq!(
-            (to_x.lanes(), to_y.lanes()),
-            (2, 1),
-            "each sends all it holds"
-        );
+        let (x_held, y_held) = (x.settled(o).unwrap(), y.settled(o).unwrap());
+        assert!(x.settled_differs(&y_held) && y.settled_differs(&x_held));
+        // Each lists the versions it holds; the other answers with what the list lacks.
+        let to_x = y.lanes_not_held(&x.held_versions(o, 0, 100).unwrap(), 1 << 16);
+        let to_y = x.lanes_not_held(&y.held_versions(o, 0, 100).unwrap(), 1 << 16);
+        assert_eq!((to_x.lanes(), to_y.lanes()), (1, 0), "only x lacks a lane");
+        assert_eq!(to_x.origins[0].lanes[0].key, k1);
         x.apply(&to_x, 600);
-        y.apply(&to_y, 600);
         assert_eq!((x.value(&k1), x.value(&k2)), (1, 1));
         assert_eq!(x.settled(o), y.settled(o), "they hold the same lanes");
+        assert!(!x.settled_differs(&y.settled(o).unwrap()));
         assert_eq!(x.watermark(o).version, Version(2), "and no watermark moved");
-        assert!(y
-            .repair_for(&[x.settled(o).unwrap()], 1 << 16, 0)
+        // A holder at another watermark is answered nothing: anti-entropy serves it.
+        let behind = CounterMap::new().held_versions(o, 0, 100);
+        assert_eq!(behind, None);
+        let mut ahead = y.clone();
+        ahead.incr(o, &k3, 1, Stamp(5)).unwrap();
+        assert!(x
+            .lanes_not_held(&ahead.held_versions(o, 0, 100).unwrap(), 1 << 16)
             .is_empty());
+    }
 
-        // Cut to one lane a send, from a place the rotation picks: one past what the peer
-        // lacks sends a repeat, and another rotation gets there.
-        let mut z = CounterMap::new();
-        z.apply(&cut, 600);
-        for rotate in [1, 0] {
-            let part = y.repair_for(&[z.settled(o).unwrap()], 0, rotate);
-            assert_eq!(part.lanes(), 1);
-            z.apply(&part, 600);
-            assert_eq!(z.settled(o) == y.settled(o), rotate == 0);
+    /// The bytes of an entry of `lanes` lanes of [`long_key`]s.
+    fn long_keys_bytes(lanes: usize) -> usize {
+        size::DELTA_HEADER + size::ORIGIN_HEADER + lanes * size::lane(&long_key(0))
+    }
+
+    /// `o` writes `long_key(1..=n)`, and `y` takes them all; `o` rewrites `lacked` of them,
+    /// and `r` takes, from a node that took everything, a send of the lanes not rewritten
+    /// only: `r` and `y` hold `o` at one watermark, and only `y` has the earlier copies of
+    /// the keys in `lacked`.
+    fn earlier_copies_at_one_holder(
+        o: ReplicaId,
+        n: usize,
+        lacked: &[usize],
+    ) -> (CounterMap, CounterMap) {
+        let mut origin = CounterMap::new();
+        for k in 1..=n {
+            origin.incr(o, &long_key(k), 1, Stamp(1)).unwrap();
         }
+        let mut y = CounterMap::new();
+        y.apply(&origin.delta_for(&y.digest(), 1 << 20, 0), NOW);
+        for &k in lacked {
+            origin.incr(o, &long_key(k), 1, Stamp(2)).unwrap();
+        }
+        let mut all = CounterMap::new();
+        all.apply(&origin.delta_for(&all.digest(), 1 << 20, 0), NOW);
+        let mut r = CounterMap::new();
+        r.apply(
+            &all.delta_for(&r.digest(), long_keys_bytes(n - lacked.len()), 0),
+            NOW,
+        );
+        assert_eq!(r.watermark(o).version, y.watermark(o).version);
+        for &k in lacked {
+            assert_eq!(r.lane(&long_key(k), o), Lane::default());
+        }
+        (y, r)
+    }
+
+    /// A list cut short covers a span, and the spans of lists from consecutive starts meet,
+    /// so a holder that lists its versions a part at a time, one part after another, is
+    /// sent every lane it lacks, whether it lacks the first lane or others after it.
+    #[test]
+    fn versions_listed_a_part_at_a_time_get_every_lane_the_holder_lacks() {
+        let o = replica(1);
+        let n = 40;
+        let lacked = [1, 17, 39];
+        let (y, mut r) = earlier_copies_at_one_holder(o, n, &lacked);
+        let held = r.settled(o).unwrap().lanes as usize;
+        assert_eq!(held, n - lacked.len());
+        let (most, mut sent) = (8, Vec::new());
+        let mut start = 0;
+        while start < held {
+            let part = r.held_versions(o, start, most).unwrap();
+            assert_eq!(part.versions.len(), most.min(held - start));
+            let repair = y.lanes_not_held(&part, 1 << 16);
+            sent.extend(
+                repair
+                    .origins
+                    .iter()
+                    .flat_map(|e| &e.lanes)
+                    .map(|l| l.key.clone()),
+            );
+            start += most;
+        }
+        let expected: Vec<Key> = lacked.iter().map(|&k| long_key(k)).collect();
+        assert_eq!(sent, expected, "each lacked lane once, in version order");
+        for key in &sent {
+            r.apply(
+                &Delta {
+                    origins: vec![OriginDelta {
+                        origin: o,
+                        through: Watermark::default(),
+                        lanes: vec![LaneUpdate {
+                            key: key.clone(),
+                            lane: y.lane(key, o),
+                            version: y.counter(key).unwrap().slot(o).unwrap().version,
+                        }],
+                    }],
+                },
+                NOW,
+            );
+        }
+        assert_eq!(r.settled(o), y.settled(o));
+        // An answer cut to the budget takes the lacked lanes from the span's start.
+        let whole = r.clone();
+        let (_, r) = earlier_copies_at_one_holder(o, n, &lacked);
+        let cut = y.lanes_not_held(&r.held_versions(o, 0, n).unwrap(), long_keys_bytes(2));
+        let keys: Vec<&Key> = cut.origins[0].lanes.iter().map(|l| &l.key).collect();
+        assert_eq!(keys, [&long_key(1), &long_key(17)]);
+        assert_eq!(whole.settled(o), y.settled(o));
     }
 
     #[test]

@@ -497,9 +497,8 @@ impl Gossip {
     /// life, this node's own included), for a [`Message::Settled`]: as many as half a frame
     /// holds, from a place that moves on each round.
     fn settled_origins(&self) -> Vec<Settled> {
-        let me = self.config.replica;
         let settled: Vec<Settled> = (self.map.origins())
-            .filter(|&origin| origin != me && !self.members.is_live_replica(origin))
+            .filter(|&origin| self.writes_no_more(origin))
             .filter_map(|origin| self.map.settled(origin))
             .collect();
         let most = self.config.frame_bytes_max / 2 / wire::SETTLED_ENTRY_BYTES_MAX;
@@ -512,6 +511,12 @@ impl Gossip {
             .collect();
         part.sort_unstable_by_key(|settled| settled.origin);
         part
+    }
+
+    /// Whether `origin` is no live member's current life (nor this node's): an earlier
+    /// life, or a life of a member held dead or gone.
+    fn writes_no_more(&self, origin: ReplicaId) -> bool {
+        origin != self.config.replica && !self.members.is_live_replica(origin)
     }
 
     /// The time, in unix seconds, that windows end by here: the wall clock paced
@@ -643,16 +648,36 @@ impl Gossip {
             ),
             Message::Members { members } => self.members.merge(&members, &[]),
             Message::Settled { origins } => {
-                let budget = self.config.frame_bytes_max - 256;
-                let delta = self.map.repair_for(&origins, budget, self.rng.gen());
-                if !delta.is_empty() {
-                    let repair = Message::Delta {
-                        to: envelope.from,
-                        delta,
-                        members: Vec::new(),
-                        dead: Vec::new(),
-                    };
-                    self.send(from, &repair);
+                // Only origins that write no more here either: a sender missing rows of its
+                // table takes live ones for settled, whose next versions mend them anyway.
+                let differing: Vec<ReplicaId> = (origins.iter())
+                    .filter(|theirs| self.writes_no_more(theirs.origin))
+                    .filter(|theirs| self.map.settled_differs(theirs))
+                    .map(|theirs| theirs.origin)
+                    .collect();
+                if let Some(&origin) = differing.choose(&mut self.rng) {
+                    // Each round's list starts where the last one's ended, so that lists cut
+                    // to a frame go over every lane held, a part a round.
+                    let most = self.config.frame_bytes_max / 2 / wire::HELD_VERSION_BYTES_MAX;
+                    let start = (self.rounds as usize).wrapping_mul(most);
+                    if let Some(held) = self.map.held_versions(origin, start, most) {
+                        self.send(from, &Message::Held { held });
+                    }
+                }
+            }
+            Message::Held { held } => {
+                if self.writes_no_more(held.origin) {
+                    let budget = self.config.frame_bytes_max - 256;
+                    let delta = self.map.lanes_not_held(&held, budget);
+                    if !delta.is_empty() {
+                        let repair = Message::Delta {
+                            to: envelope.from,
+                            delta,
+                            members: Vec::new(),
+                            dead: Vec::new(),
+                        };
+                        self.send(from, &repair);
+                    }
                 }
             }
         }
@@ -1201,7 +1226,7 @@ impl Gossip {
             Message::Push { lanes, .. } if lanes.lanes.is_empty() => (0, &mut by_message.heartbeat),
             Message::Push { lanes, .. } => (lanes.lanes.len(), &mut by_message.push),
             Message::Members { .. } => (0, &mut by_message.members),
-            Message::Settled { .. } => (0, &mut by_message.settled),
+            Message::Settled { .. } | Message::Held { .. } => (0, &mut by_message.settled),
         };
         *kind_bytes += (frame.len() * peers.len()) as u64;
         for &to in peers {

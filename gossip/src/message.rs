@@ -3,7 +3,8 @@
 
 use serde::{Deserialize, Serialize};
 use tally_crdt::{
-    Delta, Digest, Generation, NodeId, OriginDelta, ReplicaId, Settled, Stamp, Version,
+    Delta, Digest, Generation, HeldVersions, NodeId, OriginDelta, ReplicaId, Settled, Stamp,
+    Version,
 };
 
 /// The longest address a member may advertise, in bytes.
@@ -124,11 +125,18 @@ pub enum Message {
     },
     /// What I hold of origins that write no more (earlier lives, dead members' lives),
     /// each with a summary of its lanes. A peer that holds one at the same watermark but
-    /// other lanes answers with a `Delta` of every lane it holds of it
-    /// ([`tally_crdt::CounterMap::repair_for`]): no digest shows that difference.
+    /// other lanes ([`tally_crdt::CounterMap::settled_differs`]), which no digest shows,
+    /// answers with a `Held` of that origin.
     Settled {
         /// One per origin, in replica order.
         origins: Vec<Settled>,
+    },
+    /// The versions I hold of an origin's lanes in a span, in answer to a `Settled`; the
+    /// peer answers with a `Delta` of the lanes it holds there that I lack
+    /// ([`tally_crdt::CounterMap::lanes_not_held`]).
+    Held {
+        /// The span and its versions.
+        held: HeldVersions,
     },
 }
 

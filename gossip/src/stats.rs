@@ -62,7 +62,7 @@ pub struct MessageBytes {
     pub heartbeat: u64,
     /// Membership announcements.
     pub members: u64,
-    /// Summaries of origins that write no more.
+    /// Summaries of origins that write no more, and the versions held of one.
     pub settled: u64,
 }
 

@@ -25,8 +25,8 @@ use crate::message::{Cover, Envelope, MemberEntry, Message, ADDR_BYTES_MAX};
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
 use tally_crdt::{
-    Delta, Digest, Generation, Key, Lane, LaneUpdate, NodeId, OriginDelta, ReplicaId, Rule,
-    Settled, Stamp, Subject, Version, Watermark, Window,
+    Delta, Digest, Generation, HeldVersions, Key, Lane, LaneUpdate, NodeId, OriginDelta, ReplicaId,
+    Rule, Settled, Stamp, Subject, Version, Watermark, Window,
 };
 
 /// The wire format this build speaks.
@@ -100,6 +100,9 @@ pub const DIGEST_ENTRY_BYTES_MAX: usize = 4 * 9;
 /// version, lane count and hash, each a varint of at most 9 bytes.
 pub const SETTLED_ENTRY_BYTES_MAX: usize = 5 * 9;
 
+/// The most bytes one version of a [`Message::Held`] takes in a frame: a varint.
+pub const HELD_VERSION_BYTES_MAX: usize = 9;
+
 /// The bytes `member` takes in a frame: its node id and generation, its address after its
 /// length, and its `left` flag.
 pub fn member_bytes(member: &MemberEntry) -> usize {
@@ -155,7 +158,10 @@ fn check(envelope: &Envelope) -> Result<(), DecodeError> {
         Message::Ack { members, .. }
         | Message::Delta { members, .. }
         | Message::Members { members } => members.as_slice(),
-        Message::Syn { .. } | Message::Push { .. } | Message::Settled { .. } => &[],
+        Message::Syn { .. }
+        | Message::Push { .. }
+        | Message::Settled { .. }
+        | Message::Held { .. } => &[],
     };
     if let Some(member) = members.iter().find(|m| m.addr.len() > ADDR_BYTES_MAX) {
         return Err(field(
@@ -241,6 +247,16 @@ enum Body {
     /// version refuses only these.
     Settled {
         origins: Vec<SettledEntry>,
+    },
+    /// After `Settled`, last, for the same reason.
+    Held {
+        origin: Replica,
+        version: u64,
+        from: u64,
+        through: u64,
+        /// Each version as its distance past the one before it, less one (the first past
+        /// `from`, not less one), so that the versions ascend strictly whatever is sent.
+        gaps: Vec<u64>,
     },
 }
 
@@ -415,6 +431,7 @@ impl Frame {
             Message::Settled { origins } => Body::Settled {
                 origins: settled_entries(origins, newest),
             },
+            Message::Held { held } => held_body(held, newest),
         };
         Frame {
             from: Replica::new(from, newest),
@@ -523,6 +540,15 @@ impl Frame {
             Body::Members { members } => Message::Members { members },
             Body::Settled { origins } => Message::Settled {
                 origins: settled_from(origins, newest)?,
+            },
+            Body::Held {
+                origin,
+                version,
+                from,
+                through,
+                gaps,
+            } => Message::Held {
+                held: held_from(origin.id(newest), version, (from, through), gaps)?,
             },
         };
         Ok(Envelope { from, message })
@@ -738,7 +764,7 @@ fn newest_stamp(message: &Message) -> Stamp {
         }
         Message::Delta { delta, .. } => delta_stamps(delta).max(),
         Message::Push { lanes, .. } => Some(lanes.through.stamp),
-        Message::Members { .. } | Message::Settled { .. } => None,
+        Message::Members { .. } | Message::Settled { .. } | Message::Held { .. } => None,
     };
     newest.unwrap_or_default()
 }
@@ -843,6 +869,57 @@ fn settled_from(entries: Vec<SettledEntry>, newest: Stamp) -> Result<Vec<Settled
         });
     }
     Ok(origins)
+}
+
+/// `held`'s body: its versions as gaps (see [`Body::Held`]).
+///
+/// # Panics
+///
+/// If its versions do not ascend strictly within its span.
+fn held_body(held: &HeldVersions, newest: Stamp) -> Body {
+    let mut previous: Option<Version> = None;
+    let gaps = (held.versions.iter())
+        .map(|&version| {
+            let gap = match previous {
+                None => version.0.checked_sub(held.from.0),
+                Some(previous) => version.0.checked_sub(previous.0 + 1),
+            };
+            previous = Some(version);
+            gap.expect("invariant: a Held's versions ascend strictly from its `from`")
+        })
+        .collect();
+    Body::Held {
+        origin: Replica::new(held.origin, newest),
+        version: held.version.0,
+        from: held.from.0,
+        through: held.through.0,
+        gaps,
+    }
+}
+
+fn held_from(
+    origin: ReplicaId,
+    version: u64,
+    (from, through): (u64, u64),
+    gaps: Vec<u64>,
+) -> Result<HeldVersions, DecodeError> {
+    let mut versions = Vec::with_capacity(gaps.len());
+    let mut next = Some(from);
+    for gap in gaps {
+        let version = next
+            .and_then(|next| next.checked_add(gap))
+            .filter(|&version| version <= through)
+            .ok_or_else(|| field("held.gaps", format!("a version past {through}")))?;
+        versions.push(Version(version));
+        next = version.checked_add(1);
+    }
+    Ok(HeldVersions {
+        origin,
+        version: Version(version),
+        from: Version(from),
+        through: Version(through),
+        versions,
+    })
 }
 
 /// A generation's age: its distance below `newest`, wrapping (see [`Replica`]).
@@ -1053,6 +1130,15 @@ mod tests {
             Message::Settled {
                 origins: vec![settled(1, 0), settled(2, WALL - 1), settled(2, u64::MAX)],
             },
+            Message::Held {
+                held: HeldVersions {
+                    origin: replica(4),
+                    version: Version(900),
+                    from: Version(10),
+                    through: Version(u64::MAX),
+                    versions: [10, 11, 300, 901, u64::MAX].map(Version).to_vec(),
+                },
+            },
         ]
     }
 
@@ -1063,6 +1149,32 @@ mod tests {
             lanes: node * 10,
             versions_hash: u64::MAX - node,
         }
+    }
+
+    #[test]
+    fn a_held_version_takes_at_most_its_bound_and_none_lies_past_the_span() {
+        let held = |versions: &[u64], through: u64| Message::Held {
+            held: HeldVersions {
+                origin: replica(4),
+                version: Version(5),
+                from: Version(0),
+                through: Version(through),
+                versions: versions.iter().copied().map(Version).collect(),
+            },
+        };
+        let empty = encode(replica(3), &held(&[], u64::MAX)).len();
+        let one = encode(replica(3), &held(&[u64::MAX], u64::MAX)).len();
+        assert!(one - empty <= HELD_VERSION_BYTES_MAX);
+        // Encoded with a span that holds them, then the span's end lowered on the wire.
+        let mut frame = encode(replica(3), &held(&[3, 7], 250));
+        let at = frame.len() - 4;
+        assert_eq!(frame[at], 250, "`through`, then two gaps: 3 and 3");
+        frame[at] = 5;
+        let refused = decode(&frame, FRAME_BYTES_LIMIT);
+        assert!(
+            matches!(&refused, Err(DecodeError::Field { field, .. }) if *field == "held.gaps"),
+            "{refused:?}"
+        );
     }
 
     #[test]
