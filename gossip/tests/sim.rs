@@ -513,6 +513,42 @@ fn a_clock_stepping_forward_past_the_windows_and_back_loses_nothing() {
     }
 }
 
+/// Loss, duplication and replays up to 60 s old at random rates, and delays up to a
+/// random bound.
+fn random_faults(rng: &mut impl rand::Rng) -> Faults {
+    Faults {
+        loss: rng.gen_range(0.0..0.2),
+        duplicate: rng.gen_range(0.0..0.2),
+        replay: rng.gen_range(0.0..0.05),
+        replay_age_max: Duration::from_secs(60),
+        delay_min: Duration::from_millis(1),
+        delay_max: Duration::from_millis(rng.gen_range(1..100)),
+    }
+}
+
+/// One of `kinds` draws for a random node: a crash (keeping its state or not), a
+/// restart, a pause, a resume, a link cut or restored, a clock skew, and with
+/// `tallyd_restarts` a restart as `tallyd` makes it; the other draws do nothing.
+fn random_fault(
+    sim: &mut Sim,
+    rng: &mut impl rand::Rng,
+    nodes: usize,
+    (kinds, tallyd_restarts): (u32, bool),
+) {
+    let node = rng.gen_range(0..nodes);
+    match rng.gen_range(0..kinds) {
+        0 => sim.crash(node, rng.gen_bool(0.5)),
+        1 => sim.restart(node),
+        2 => sim.pause(node),
+        3 => sim.resume(node),
+        4 => sim.network().cut(node, rng.gen_range(0..nodes)),
+        5 => sim.network().restore(node, rng.gen_range(0..nodes)),
+        6 => sim.set_skew(node, rng.gen_range(-5_000..5_000)),
+        7 if tallyd_restarts => sim.restart_as_tallyd(node),
+        _ => {}
+    }
+}
+
 #[test]
 fn mixed_faults_over_many_seeds_keep_final_and_mono() {
     use rand::{Rng, SeedableRng};
@@ -520,28 +556,11 @@ fn mixed_faults_over_many_seeds_keep_final_and_mono() {
         let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(seed);
         let nodes = rng.gen_range(3..=7);
         let mut config = SimConfig::new(nodes, seed);
-        config.faults = Faults {
-            loss: rng.gen_range(0.0..0.2),
-            duplicate: rng.gen_range(0.0..0.2),
-            replay: rng.gen_range(0.0..0.05),
-            replay_age_max: Duration::from_secs(60),
-            delay_min: Duration::from_millis(1),
-            delay_max: Duration::from_millis(rng.gen_range(1..100)),
-        };
+        config.faults = random_faults(&mut rng);
         let mut sim = Sim::new(config);
         for step in 0..40u64 {
             workload(&mut sim, nodes, step);
-            let node = rng.gen_range(0..nodes);
-            match rng.gen_range(0..10) {
-                0 => sim.crash(node, rng.gen_bool(0.5)),
-                1 => sim.restart(node),
-                2 => sim.pause(node),
-                3 => sim.resume(node),
-                4 => sim.network().cut(node, rng.gen_range(0..nodes)),
-                5 => sim.network().restore(node, rng.gen_range(0..nodes)),
-                6 => sim.set_skew(node, rng.gen_range(-5_000..5_000)),
-                _ => {}
-            }
+            random_fault(&mut sim, &mut rng, nodes, (10, false));
             sim.run_for(Duration::from_millis(rng.gen_range(10..300)));
         }
         heal_and_check(
@@ -568,14 +587,7 @@ fn mixed_faults_with_small_frames_and_new_lives_keep_final() {
         let mut config = SimConfig::new(nodes, seed);
         config.frame_bytes_max = tally_gossip::Config::FRAME_BYTES_MIN;
         config.eager_push = rng.gen_bool(0.7);
-        config.faults = Faults {
-            loss: rng.gen_range(0.0..0.2),
-            duplicate: rng.gen_range(0.0..0.2),
-            replay: rng.gen_range(0.0..0.05),
-            replay_age_max: Duration::from_secs(60),
-            delay_min: Duration::from_millis(1),
-            delay_max: Duration::from_millis(rng.gen_range(1..100)),
-        };
+        config.faults = random_faults(&mut rng);
         let mut sim = Sim::new(config);
         for step in 0..60u64 {
             for node in 0..nodes {
@@ -585,18 +597,7 @@ fn mixed_faults_with_small_frames_and_new_lives_keep_final() {
                 }
                 sim.incr(node, "hot", 1);
             }
-            let node = rng.gen_range(0..nodes);
-            match rng.gen_range(0..12) {
-                0 => sim.crash(node, rng.gen_bool(0.5)),
-                1 => sim.restart(node),
-                2 => sim.pause(node),
-                3 => sim.resume(node),
-                4 => sim.network().cut(node, rng.gen_range(0..nodes)),
-                5 => sim.network().restore(node, rng.gen_range(0..nodes)),
-                6 => sim.set_skew(node, rng.gen_range(-5_000..5_000)),
-                7 => sim.restart_as_tallyd(node),
-                _ => {}
-            }
+            random_fault(&mut sim, &mut rng, nodes, (12, true));
             sim.run_for(Duration::from_millis(rng.gen_range(10..400)));
         }
         heal_and_check(
