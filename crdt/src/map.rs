@@ -296,40 +296,50 @@ impl CounterMap {
     }
 
     /// The lanes of `theirs.origin` held here in the span of `theirs` whose versions it
-    /// does not list, if this map holds the origin at the same watermark: in version
-    /// order, as many as fit in `bytes_max` (raised to [`DELTA_BYTES_MIN`]). The entry's
-    /// `through` is the common watermark with no stamp, so it raises nothing.
-    pub fn lanes_not_held(&self, theirs: &HeldVersions, bytes_max: usize) -> Delta {
+    /// does not list, if this map holds the origin at the same watermark: as many as fit in
+    /// `bytes_max` (raised to [`DELTA_BYTES_MIN`]), from a place `rotate` picks among them,
+    /// going round from there, sent in version order. The entry's `through` is the common
+    /// watermark with no stamp, so it raises nothing.
+    ///
+    /// A lane unlisted there may be an earlier copy of a key the peer holds under a newer
+    /// version, which its merge takes nothing from; the list does not say. Taken always
+    /// from the lowest version, such copies could fill every answer and hold back the lanes
+    /// the peer lacks for good (found in review); from a place picked anew each time, every
+    /// unlisted lane is sent as often as any other.
+    pub fn lanes_not_held(&self, theirs: &HeldVersions, bytes_max: usize, rotate: usize) -> Delta {
         let mut delta = Delta::default();
         let Some(origin) = (self.origins.get(&theirs.origin))
             .filter(|origin| origin.watermark.version == theirs.version)
         else {
             return delta;
         };
+        let unlisted: Vec<(Version, KeyId)> = (origin.by_version.range_from(theirs.from))
+            .take_while(|&(version, _)| version <= theirs.through)
+            .filter(|(version, _)| theirs.versions.binary_search(version).is_err())
+            .collect();
         let mut budget = bytes_max.max(DELTA_BYTES_MIN) - size::DELTA_HEADER - size::ORIGIN_HEADER;
-        let mut entry = OriginDelta {
-            origin: theirs.origin,
-            through: Watermark {
-                version: theirs.version,
-                stamp: Stamp::default(),
-            },
-            lanes: Vec::new(),
-        };
-        let in_span = (origin.by_version.range_from(theirs.from))
-            .take_while(|&(version, _)| version <= theirs.through);
-        for (version, id) in in_span {
-            if theirs.versions.binary_search(&version).is_ok() {
-                continue;
-            }
+        let start = rotate.checked_rem(unlisted.len()).unwrap_or(0);
+        let mut taken = Vec::new();
+        for &(version, id) in unlisted[start..].iter().chain(&unlisted[..start]) {
             let cost = size::lane(&self.key_held(theirs.origin, id).key);
             if cost > budget {
                 break;
             }
             budget -= cost;
-            entry.lanes.push(self.lane_update(origin, version, id));
+            taken.push((version, id));
         }
-        if !entry.lanes.is_empty() {
-            delta.origins.push(entry);
+        taken.sort_unstable_by_key(|&(version, _)| version);
+        if !taken.is_empty() {
+            delta.origins.push(OriginDelta {
+                origin: theirs.origin,
+                through: Watermark {
+                    version: theirs.version,
+                    stamp: Stamp::default(),
+                },
+                lanes: (taken.into_iter())
+                    .map(|(version, id)| self.lane_update(origin, version, id))
+                    .collect(),
+            });
         }
         delta
     }
@@ -897,8 +907,8 @@ mod tests {
         let (x_held, y_held) = (x.settled(o).unwrap(), y.settled(o).unwrap());
         assert!(x.settled_differs(&y_held) && y.settled_differs(&x_held));
         // Each lists the versions it holds; the other answers with what the list lacks.
-        let to_x = y.lanes_not_held(&x.held_versions(o, 0, 100).unwrap(), 1 << 16);
-        let to_y = x.lanes_not_held(&y.held_versions(o, 0, 100).unwrap(), 1 << 16);
+        let to_x = y.lanes_not_held(&x.held_versions(o, 0, 100).unwrap(), 1 << 16, 0);
+        let to_y = x.lanes_not_held(&y.held_versions(o, 0, 100).unwrap(), 1 << 16, 0);
         assert_eq!((to_x.lanes(), to_y.lanes()), (1, 0), "only x lacks a lane");
         assert_eq!(to_x.origins[0].lanes[0].key, k1);
         x.apply(&to_x, 600);
@@ -912,7 +922,7 @@ mod tests {
         let mut ahead = y.clone();
         ahead.incr(o, &k3, 1, Stamp(5)).unwrap();
         assert!(x
-            .lanes_not_held(&ahead.held_versions(o, 0, 100).unwrap(), 1 << 16)
+            .lanes_not_held(&ahead.held_versions(o, 0, 100).unwrap(), 1 << 16, 0)
             .is_empty());
     }
 
@@ -969,7 +979,7 @@ mod tests {
         while start < held {
             let part = r.held_versions(o, start, most).unwrap();
             assert_eq!(part.versions.len(), most.min(held - start));
-            let repair = y.lanes_not_held(&part, 1 << 16);
+            let repair = y.lanes_not_held(&part, 1 << 16, 0);
             sent.extend(
                 repair
                     .origins
@@ -1001,10 +1011,157 @@ mod tests {
         // An answer cut to the budget takes the lacked lanes from the span's start.
         let whole = r.clone();
         let (_, r) = earlier_copies_at_one_holder(o, n, &lacked);
-        let cut = y.lanes_not_held(&r.held_versions(o, 0, n).unwrap(), long_keys_bytes(2));
+        let cut = y.lanes_not_held(&r.held_versions(o, 0, n).unwrap(), long_keys_bytes(2), 0);
         let keys: Vec<&Key> = cut.origins[0].lanes.iter().map(|l| &l.key).collect();
         assert_eq!(keys, [&long_key(1), &long_key(17)]);
         assert_eq!(whole.settled(o), y.settled(o));
+    }
+
+    /// A place picked for the `i`th list or answer in a test: spread over the integers, as
+    /// the gossip's random ones are.
+    fn place(i: usize) -> usize {
+        (i as u64)
+            .wrapping_mul(0x9E37_79B9_7F4A_7C15)
+            .rotate_left(29) as usize
+    }
+
+    /// Two holders of `o` at one watermark exchange lists and answers, each holder's list
+    /// at most `most` versions from the place `list_start` gives for the round, and each
+    /// answer at most `fit` lanes from a place picked as the gossip picks it, for `rounds`
+    /// rounds, both ways in turn. Returns the answers sent and the lanes they raised.
+    fn exchange(
+        x: &mut CounterMap,
+        y: &mut CounterMap,
+        (most, fit): (usize, usize),
+        list_start: impl Fn(usize) -> usize,
+        rounds: usize,
+    ) -> (usize, usize) {
+        let o = replica(1);
+        let (mut answers, mut raised) = (0, 0);
+        for round in 0..rounds {
+            let (holder, other) = if round % 2 == 0 {
+                (&mut *x, &*y)
+            } else {
+                (&mut *y, &*x)
+            };
+            if !holder.settled_differs(&other.settled(o).unwrap()) {
+                continue;
+            }
+            let held = holder.held_versions(o, list_start(round), most).unwrap();
+            let delta = other.lanes_not_held(&held, long_keys_bytes(fit), place(2 * round + 1));
+            answers += usize::from(!delta.is_empty());
+            raised += holder.apply(&delta, NOW).lanes_raised;
+        }
+        (answers, raised)
+    }
+
+    /// Found in review: each holder keeps earlier copies of keys the other holds under
+    /// newer versions. Those copies are unlisted at the other, but its merge takes nothing
+    /// from them; taken from the lowest version, they filled every answer, and while a
+    /// holder's lane count divided its list's length every list started at the first lane:
+    /// 2,000 answers in 1,000 rounds raised no lane. The origin wrote key `i` at `i`, key
+    /// `m + i` at `m + i`, key `i` again at `2m + i`, key `m + i` again at `3m + i`, then
+    /// `c`, `d` and `e`; `x` holds the first copies of the first keys and the second of the
+    /// others, with `c` and `e`, and `y` the reverse, with `d` and `e`.
+    #[test]
+    fn earlier_copies_of_keys_held_newer_do_not_hold_back_the_lanes_a_holder_lacks() {
+        let o = replica(1);
+        let (most, fit, m) = (140, 6, 9);
+        let lane = |k: usize, incr: u64, v: usize| LaneUpdate {
+            key: long_key(k),
+            lane: Lane::new(incr, 0),
+            version: Version(v as u64),
+        };
+        let holder = |mut lanes: Vec<LaneUpdate>| {
+            lanes.sort_by_key(|lane| lane.version);
+            let mut map = CounterMap::new();
+            let through = Watermark {
+                version: Version(4 * m as u64 + 3),
+                stamp: Stamp(9),
+            };
+            map.apply(
+                &Delta {
+                    origins: vec![OriginDelta {
+                        origin: o,
+                        through,
+                        lanes,
+                    }],
+                },
+                NOW,
+            );
+            map
+        };
+        let (c, d, e) = (1_000, 1_001, 1_002);
+        let mut xs: Vec<LaneUpdate> = (1..=m).map(|i| lane(i, 1, i)).collect();
+        xs.extend((1..=m).map(|i| lane(m + i, 2, 3 * m + i)));
+        xs.extend([lane(c, 1, 4 * m + 1), lane(e, 1, 4 * m + 3)]);
+        let mut ys: Vec<LaneUpdate> = (1..=m).map(|i| lane(m + i, 1, m + i)).collect();
+        ys.extend((1..=m).map(|i| lane(i, 2, 2 * m + i)));
+        ys.extend([lane(d, 1, 4 * m + 2), lane(e, 1, 4 * m + 3)]);
+        let (mut x, mut y) = (holder(xs), holder(ys));
+        assert_eq!(
+            most % (2 * m + 2),
+            0,
+            "the case that held every list at the first lane"
+        );
+        assert!(x.settled_differs(&y.settled(o).unwrap()));
+        // Every list from the first lane, as when a holder's lane count divided the
+        // length of its lists.
+        let (answers, raised) = exchange(&mut x, &mut y, (most, fit), |_| 0, 200);
+        assert_eq!(
+            x.settled(o),
+            y.settled(o),
+            "{answers} answers raised {raised} lanes"
+        );
+        assert_eq!((x.value(&long_key(d)), y.value(&long_key(c))), (1, 1));
+        assert_eq!(raised, 2 * m + 2, "each newer copy and `c` and `d`, once");
+    }
+
+    proptest::proptest! {
+        #![proptest_config(proptest::prelude::ProptestConfig::with_cases(500))]
+
+        /// Two holders of an origin at one watermark, each with any honest mix of its lanes
+        /// (none, an earlier copy, a later copy of each key, lanes past the watermark),
+        /// lists and answers of a few lanes: the exchange leaves both with the same lanes
+        /// and raises no watermark (from a reviewer's property test).
+        #[test]
+        fn holders_that_exchange_lists_and_answers_end_with_the_same_lanes(
+            writes in proptest::collection::vec(0usize..12, 1..40),
+            watermark in 0u64..45,
+            xs in proptest::collection::vec(proptest::option::of(0usize..5), 12),
+            ys in proptest::collection::vec(proptest::option::of(0usize..5), 12),
+            most in 1usize..6,
+            fit in 1usize..4,
+        ) {
+            let o = replica(1);
+            // Each key's copy: one of the versions the origin wrote it at, if any.
+            let holder = |picks: &[Option<usize>]| {
+                let mut lanes: Vec<LaneUpdate> = (picks.iter().enumerate())
+                    .filter_map(|(k, pick)| {
+                        let versions: Vec<u64> = (writes.iter().enumerate())
+                            .filter(|&(_, &key)| key == k)
+                            .map(|(i, _)| i as u64 + 1)
+                            .collect();
+                        let at = (*pick)? % versions.len().max(1);
+                        Some(LaneUpdate {
+                            key: long_key(k),
+                            lane: Lane::new(at as u64 + 1, 0),
+                            version: Version(*versions.get(at)?),
+                        })
+                    })
+                    .collect();
+                lanes.sort_by_key(|lane| lane.version);
+                let through = Watermark { version: Version(watermark), stamp: Stamp(7) };
+                let mut map = CounterMap::new();
+                map.apply(&Delta { origins: vec![OriginDelta { origin: o, through, lanes }] }, NOW);
+                map
+            };
+            let (mut x, mut y) = (holder(&xs), holder(&ys));
+            let held = (x.watermark(o), y.watermark(o));
+            exchange(&mut x, &mut y, (most, fit), |round| place(2 * round), 1_000);
+            proptest::prop_assert_eq!((x.watermark(o), y.watermark(o)), held);
+            proptest::prop_assert_eq!(x.settled(o), y.settled(o));
+        }
     }
 
     #[test]

@@ -656,10 +656,10 @@ impl Gossip {
                     .map(|theirs| theirs.origin)
                     .collect();
                 if let Some(&origin) = differing.choose(&mut self.rng) {
-                    // Each round's list starts where the last one's ended, so that lists cut
-                    // to a frame go over every lane held, a part a round.
+                    // From a place picked anew each time, so that lists cut to a frame go
+                    // over every lane held, whatever their count.
                     let most = self.config.frame_bytes_max / 2 / wire::HELD_VERSION_BYTES_MAX;
-                    let start = (self.rounds as usize).wrapping_mul(most);
+                    let start = self.rng.gen();
                     if let Some(held) = self.map.held_versions(origin, start, most) {
                         self.send(from, &Message::Held { held });
                     }
@@ -668,7 +668,7 @@ impl Gossip {
             Message::Held { held } => {
                 if self.writes_no_more(held.origin) {
                     let budget = self.config.frame_bytes_max - 256;
-                    let delta = self.map.lanes_not_held(&held, budget);
+                    let delta = self.map.lanes_not_held(&held, budget, self.rng.gen());
                     if !delta.is_empty() {
                         let repair = Message::Delta {
                             to: envelope.from,
