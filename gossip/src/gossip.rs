@@ -493,9 +493,9 @@ impl Gossip {
             .expire(live_at, |replica| members.is_live_replica(replica));
     }
 
-    /// What this node holds of the origins that write no more (of no live member's current
-    /// life, this node's own included), for a [`Message::Settled`]: as many as half a frame
-    /// holds, from a place that moves on each round.
+    /// What this node holds of the origins that write no more ([`Gossip::writes_no_more`]),
+    /// for a [`Message::Settled`]: as many as half a frame holds, from a place that moves on
+    /// each round.
     fn settled_origins(&self) -> Vec<Settled> {
         let settled: Vec<Settled> = (self.map.origins())
             .filter(|&origin| self.writes_no_more(origin))
