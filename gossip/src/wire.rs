@@ -80,7 +80,9 @@ const CONFIG: bincode::config::Configuration<
 ///
 /// If `message` breaks an invariant of its types that the frame relies on: a push of
 /// another origin's lanes or of lanes at or below its `after`, an origin's lanes not in
-/// strictly ascending versions, or a `Settled`'s origins not ascending by node. [`tally_crdt::CounterMap`] builds no such message.
+/// strictly ascending versions, a `Settled`'s origins not ascending by node, or a `Held`'s
+/// versions not ascending strictly from its `from`. [`tally_crdt::CounterMap`] builds no
+/// such message.
 pub fn encode(from: ReplicaId, message: &Message) -> Vec<u8> {
     let frame = Frame::new(from, message);
     let mut bytes = vec![WIRE_VERSION];
@@ -795,25 +797,47 @@ fn digest_entries(digest: &Digest, newest: Stamp) -> Vec<DigestEntry> {
         .collect()
 }
 
-fn digest_from(entries: Vec<DigestEntry>, newest: Stamp) -> Result<Digest, DecodeError> {
-    let mut digest = Digest::default();
-    let mut node = 0u64;
-    let mut previous: Option<ReplicaId> = None;
-    for entry in entries {
-        node = node.checked_add(entry.node_gap).ok_or_else(|| {
-            field(
-                "digest.node_gap",
-                format!("node {node} + {}", entry.node_gap),
-            )
-        })?;
-        let replica = ReplicaId::new(NodeId(node), generation_from(entry.age, newest));
-        if previous.is_some_and(|previous| previous >= replica) {
+/// Replicas listed in ascending order, each sent as its node's gap from the one before's
+/// (from 0 for the first) and its generation's age: read back one at a time, each refused
+/// unless it follows the one before. `list` and `gap` name the list and its gaps in errors.
+struct AscendingReplicas {
+    list: &'static str,
+    gap: &'static str,
+    node: u64,
+    previous: Option<ReplicaId>,
+}
+
+impl AscendingReplicas {
+    fn new(list: &'static str, gap: &'static str) -> AscendingReplicas {
+        AscendingReplicas {
+            list,
+            gap,
+            node: 0,
+            previous: None,
+        }
+    }
+
+    fn next(&mut self, node_gap: u64, age: u64, newest: Stamp) -> Result<ReplicaId, DecodeError> {
+        let node = self.node;
+        self.node = (node.checked_add(node_gap))
+            .ok_or_else(|| field(self.gap, format!("node {node} + {node_gap}")))?;
+        let replica = ReplicaId::new(NodeId(self.node), generation_from(age, newest));
+        if let Some(previous) = self.previous.filter(|&previous| previous >= replica) {
             return Err(field(
-                "digest",
-                format!("{replica} follows {previous:?}: replicas must ascend, once each"),
+                self.list,
+                format!("{replica} follows {previous}: replicas must ascend, once each"),
             ));
         }
-        previous = Some(replica);
+        self.previous = Some(replica);
+        Ok(replica)
+    }
+}
+
+fn digest_from(entries: Vec<DigestEntry>, newest: Stamp) -> Result<Digest, DecodeError> {
+    let mut digest = Digest::default();
+    let mut replicas = AscendingReplicas::new("digest", "digest.node_gap");
+    for entry in entries {
+        let replica = replicas.next(entry.node_gap, entry.age, newest)?;
         let watermark = Watermark {
             version: Version(entry.version),
             stamp: stamp_from(newest, entry.stamp_back)?,
@@ -842,33 +866,17 @@ fn settled_entries(origins: &[Settled], newest: Stamp) -> Vec<SettledEntry> {
 }
 
 fn settled_from(entries: Vec<SettledEntry>, newest: Stamp) -> Result<Vec<Settled>, DecodeError> {
-    let mut node = 0u64;
-    let mut origins: Vec<Settled> = Vec::with_capacity(entries.len());
-    for entry in entries {
-        node = node.checked_add(entry.node_gap).ok_or_else(|| {
-            field(
-                "settled.node_gap",
-                format!("node {node} + {}", entry.node_gap),
-            )
-        })?;
-        let origin = ReplicaId::new(NodeId(node), generation_from(entry.age, newest));
-        if let Some(previous) = origins.last().filter(|previous| previous.origin >= origin) {
-            return Err(field(
-                "settled",
-                format!(
-                    "{origin} follows {}: replicas must ascend, once each",
-                    previous.origin
-                ),
-            ));
-        }
-        origins.push(Settled {
-            origin,
-            version: Version(entry.version),
-            lanes: entry.lanes,
-            versions_hash: entry.versions_hash,
-        });
-    }
-    Ok(origins)
+    let mut replicas = AscendingReplicas::new("settled", "settled.node_gap");
+    (entries.into_iter())
+        .map(|entry| {
+            Ok(Settled {
+                origin: replicas.next(entry.node_gap, entry.age, newest)?,
+                version: Version(entry.version),
+                lanes: entry.lanes,
+                versions_hash: entry.versions_hash,
+            })
+        })
+        .collect()
 }
 
 /// `held`'s body: its versions as gaps (see [`Body::Held`]).
