@@ -124,10 +124,11 @@ fn make_keys(keys: &mut Vec<Key>) {
     }));
 }
 
-/// A lane as `CounterMap` holds it (`crdt/src/cells.rs`, which asserts its size): a 32-bit
-/// index into the map's table of origins, and the two totals and the version, each a `u64`
-/// in two 32-bit halves so that the lane is 4-byte aligned.
-type MapLane = [u32; 7];
+/// A lane as `CounterMap` holds it when it has no decrements and its increments and version
+/// fit 32 bits, as every lane here (`crdt/src/cells.rs`, which asserts its size): a 32-bit
+/// index into the map's table of origins (with the lane's width), the increments and the
+/// version. Other lanes take two or three of these.
+type MapLane = [u32; 3];
 
 fn replica(node: u64) -> ReplicaId {
     ReplicaId::new(NodeId(node), Generation(1))
@@ -150,7 +151,7 @@ fn print_sizes() {
             size_of::<Option<(Key, Box<[MapLane]>)>>(),
         ),
         (
-            "a CounterMap lane (origin index + Lane + Version)",
+            "a CounterMap lane's first part (origin, incr, version)",
             size_of::<MapLane>(),
         ),
     ] {
@@ -215,16 +216,7 @@ fn lane_store(keys: &[Key]) {
 
 /// Returns the map's live bytes with one own lane per key.
 fn counter_map(keys: &[Key]) -> Live {
-    let own = replica(0);
-    let (mut map, own_lanes) = measure(|| {
-        let mut map = CounterMap::new();
-        for key in keys {
-            map.incr(own, key, 1, Stamp(1))
-                .expect("one increment cannot overflow");
-        }
-        map
-    });
-    assert_eq!(map.len(), keys_n());
+    let (_, own_lanes) = measure(|| own_lanes_map(keys));
     println!("CounterMap, one own lane per key:");
     println!(
         "  structure: {:.1} bytes/key in {:.2} allocations/key (resident-set growth: {})",
@@ -232,7 +224,33 @@ fn counter_map(keys: &[Key]) -> Live {
         own_lanes.allocs_per(keys_n()),
         own_lanes.rss_per(keys_n()),
     );
+    // A lane takes more bytes once it has decrements (`crdt/src/cells.rs`): a rate limit's
+    // lanes have none; a quota that gives back what it took has them.
+    for (kind, lane) in [
+        ("increments only", Lane::new(2, 0)),
+        ("with decrements", Lane::new(2, 1)),
+    ] {
+        println!("  remote lanes, {kind}:");
+        remote_lanes(keys, own_lanes_map(keys), own_lanes, lane);
+    }
+    println!();
+    own_lanes
+}
 
+/// A map with one own lane for each of `keys`.
+fn own_lanes_map(keys: &[Key]) -> CounterMap {
+    let mut map = CounterMap::new();
+    for key in keys {
+        map.incr(replica(0), key, 1, Stamp(1))
+            .expect("one increment cannot overflow");
+    }
+    assert_eq!(map.len(), keys_n());
+    map
+}
+
+/// Adds lanes like `lane` of 1, then 4, then 16 remote replicas to every key of `map` (which
+/// holds `own_lanes`), printing the bytes each remote lane added.
+fn remote_lanes(keys: &[Key], mut map: CounterMap, own_lanes: Live, lane: Lane) {
     let mut remotes_held = 0;
     let mut total = Live {
         bytes: 0,
@@ -241,7 +259,7 @@ fn counter_map(keys: &[Key]) -> Live {
     };
     for remotes in REMOTE_REPLICAS {
         for node in remotes_held + 1..=remotes {
-            let delta = remote_delta(replica(node), keys);
+            let delta = remote_delta(replica(node), keys, lane);
             let ((), added) = measure(|| {
                 let applied = map.apply(&delta, NOW_UNIX_SECS);
                 assert_eq!(applied.lanes_raised, keys_n());
@@ -266,18 +284,16 @@ fn counter_map(keys: &[Key]) -> Live {
             own_lanes.per(keys_n()) + total.per(keys_n()),
         );
     }
-    println!();
-    own_lanes
 }
 
-/// A delta from `origin` carrying one lane for every key, in version order.
-fn remote_delta(origin: ReplicaId, keys: &[Key]) -> Delta {
+/// A delta from `origin` carrying `lane` for every key, in version order.
+fn remote_delta(origin: ReplicaId, keys: &[Key], lane: Lane) -> Delta {
     let lanes: Vec<LaneUpdate> = keys
         .iter()
         .zip(1..)
         .map(|(key, version)| LaneUpdate {
             key: key.clone(),
-            lane: Lane::new(2, 1),
+            lane,
             version: Version(version),
         })
         .collect();
@@ -314,19 +330,19 @@ fn counter_map_parts(keys: &[Key], one_lane: Live) {
     drop(entries);
     let (lanes, lanes_live) = measure(|| {
         (keys.iter())
-            .map(|_| Box::from([[1u32; 7]]))
+            .map(|_| Box::from([[1u32; 3]]))
             .collect::<Vec<Box<[MapLane]>>>()
     });
     drop(lanes);
     let (index, index_live) = measure(|| {
-        // An origin's version index: a vector of 12-byte entries (a version in two
-        // halves and a 32-bit key id), grown by a quarter when full, as the map grows it.
-        let mut index: Vec<[u32; 3]> = Vec::new();
+        // An origin's version index: a vector of 8-byte entries (a version's low half and
+        // a 32-bit key id), grown by a quarter when full, as the map grows it.
+        let mut index: Vec<[u32; 2]> = Vec::new();
         for (id, version) in (0..keys.len()).zip(1u64..) {
             if index.len() == index.capacity() {
                 index.reserve_exact(index.len() / 4 + 16);
             }
-            index.push([version as u32, (version >> 32) as u32, id as u32]);
+            index.push([version as u32, id as u32]);
         }
         index
     });
@@ -341,7 +357,7 @@ fn counter_map_parts(keys: &[Key], one_lane: Live) {
         ),
         ("one lane's Box<[MapLane]> heap", lane_heap),
         (
-            "one origin's version index, 12 bytes an entry",
+            "one origin's version index, 8 bytes an entry",
             index_live.bytes,
         ),
         ("key table's hash table of ids (the rest)", ids),

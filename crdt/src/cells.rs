@@ -1,11 +1,13 @@
-//! A counter as a map holds it: its lanes packed into 28 bytes each, naming their replica
-//! by a small index into the map's table of replicas rather than by its 16-byte id.
+//! A counter as a map holds it: each lane in 12 bytes when its decrements are zero and its
+//! increments and version fit 32 bits (most lanes of a rate limit), in 24 or 36 otherwise,
+//! naming its replica by a small index into the map's table of replicas rather than by its
+//! 16-byte id.
 
 use crate::counter::Counter;
 use crate::{Lane, ReplicaId, Slot, Version};
 
 /// An origin's place in its map's [`Replicas`] table: fixed while the map holds the
-/// origin, reused after.
+/// origin, reused after. Below 2^30, so that a lane's head word has room for its width.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) struct OriginIndex(u32);
 
@@ -30,7 +32,10 @@ impl Replicas {
             self.replicas[index.at()] = Some(replica);
             return index;
         }
-        let at = u32::try_from(self.replicas.len()).expect("a map holds fewer than 2^32 origins");
+        let at = u32::try_from(self.replicas.len())
+            .ok()
+            .filter(|&at| at <= ORIGIN_MASK)
+            .expect("a map holds fewer than 2^30 origins");
         self.replicas.push(Some(replica));
         OriginIndex(at)
     }
@@ -49,63 +54,121 @@ impl Replicas {
     }
 }
 
-/// A `u64` as two halves, 4-byte aligned, so that a struct of them and `u32`s packs with
-/// no padding: a cell is 28 bytes, not 32, and a version-index entry 12, not 16.
-#[derive(Debug, Clone, Copy)]
-pub(crate) struct Halves([u32; 2]);
+/// Twelve bytes of a counter's lanes: one lane's first part, or a later part of a wide lane.
+type Part = [u32; 3];
 
-impl Halves {
-    pub(crate) fn of(value: u64) -> Halves {
-        Halves([value as u32, (value >> 32) as u32])
-    }
+/// A lane's words, in the order its parts hold them: the head (its origin index, with the
+/// lane's width in parts in the top two bits), the low halves of its increments and
+/// version, then the low half of its decrements and the high halves of its increments and
+/// version, then the high half of its decrements. A lane takes the fewest parts that hold
+/// every word that is not zero: one for a lane with no decrements whose increments and
+/// version fit 32 bits, three only past 2^32 decrements.
+type Words = [u32; 9];
 
-    pub(crate) fn get(self) -> u64 {
-        u64::from(self.0[0]) | (u64::from(self.0[1]) << 32)
-    }
-}
+const WIDTH_SHIFT: u32 = 30;
+const ORIGIN_MASK: u32 = (1 << WIDTH_SHIFT) - 1;
 
-/// One lane: its origin's index, its totals and its version.
+/// One lane read out of its parts.
 #[derive(Debug, Clone, Copy)]
 struct Cell {
     origin: OriginIndex,
-    incr: Halves,
-    decr: Halves,
-    version: Halves,
+    lane: Lane,
+    version: Version,
 }
-
-const _: () = assert!(std::mem::size_of::<Cell>() == 28, "Cell grew past 28 bytes");
 
 impl Cell {
-    fn new(origin: OriginIndex, lane: Lane, version: Version) -> Cell {
-        Cell {
-            origin,
-            incr: Halves::of(lane.incr),
-            decr: Halves::of(lane.decr),
-            version: Halves::of(version.0),
+    /// The lane's words, and how many parts hold them.
+    fn words(&self) -> (Words, usize) {
+        let low = |value: u64| value as u32;
+        let high = |value: u64| (value >> 32) as u32;
+        let (incr, decr, version) = (self.lane.incr, self.lane.decr, self.version.0);
+        let mut words = [
+            self.origin.0,
+            low(incr),
+            low(version),
+            low(decr),
+            high(incr),
+            high(version),
+            high(decr),
+            0,
+            0,
+        ];
+        let width = if words[6] != 0 {
+            3
+        } else if words[3..6] != [0; 3] {
+            2
+        } else {
+            1
+        };
+        words[0] |= (width as u32) << WIDTH_SHIFT;
+        (words, width)
+    }
+
+    /// The lane whose head is `parts[0]`, and its width; `None` if `parts` is empty.
+    fn read(parts: &[Part]) -> Option<(Cell, usize)> {
+        let head = parts.first()?[0];
+        let width = (head >> WIDTH_SHIFT) as usize;
+        let mut words: Words = [0; 9];
+        for (to, from) in words.chunks_exact_mut(3).zip(&parts[..width]) {
+            to.copy_from_slice(from);
         }
-    }
-
-    fn lane(&self) -> Lane {
-        Lane::new(self.incr.get(), self.decr.get())
-    }
-
-    fn version(&self) -> Version {
-        Version(self.version.get())
+        let joined = |low: u32, high: u32| u64::from(low) | (u64::from(high) << 32);
+        let cell = Cell {
+            origin: OriginIndex(head & ORIGIN_MASK),
+            lane: Lane::new(joined(words[1], words[4]), joined(words[3], words[6])),
+            version: Version(joined(words[2], words[5])),
+        };
+        Some((cell, width))
     }
 }
 
-/// A counter's lanes, one per origin.
+/// Every lane laid out in `parts`, with the place of its first part.
+fn lanes_in(parts: &[Part]) -> impl Iterator<Item = (usize, Cell)> + Clone + '_ {
+    let mut at = 0;
+    std::iter::from_fn(move || {
+        let (cell, width) = Cell::read(&parts[at..])?;
+        let lane = (at, cell);
+        at += width;
+        Some(lane)
+    })
+}
+
+/// A counter's lanes, one per origin, each in one to three [`Part`]s.
 ///
-/// Invariant: sorted by the replica each cell's origin stands for, one cell per origin.
-/// A boxed slice: a counter gains a lane at a time, so its room is exactly its lanes.
+/// Invariant: the lanes follow one another with no gap, each as [`Cell::words`] lays it
+/// out, sorted by the replica each lane's origin stands for, one lane per origin. A boxed
+/// slice: a counter gains a lane at a time, so its room is exactly its lanes.
 #[derive(Debug, Clone, Default)]
-pub(crate) struct Cells(Box<[Cell]>);
+pub(crate) struct Cells(Box<[Part]>);
+
+const _: () = assert!(
+    std::mem::size_of::<Part>() == 12,
+    "a part grew past 12 bytes"
+);
 
 impl Cells {
+    /// Every lane, with the place of its first part.
+    fn cells(&self) -> impl Iterator<Item = (usize, Cell)> + '_ {
+        lanes_in(&self.0)
+    }
+
+    /// The lane of the origin at `index`, with the place of its first part, if held. Reads
+    /// only the heads of the lanes before it.
+    fn find(&self, index: OriginIndex) -> Option<(usize, Cell)> {
+        let mut at = 0;
+        while let Some(&[head, ..]) = self.0.get(at) {
+            if head & ORIGIN_MASK == index.0 {
+                return Cell::read(&self.0[at..]).map(|(cell, _)| (at, cell));
+            }
+            at += (head >> WIDTH_SHIFT) as usize;
+        }
+        None
+    }
+
     /// The lane of the origin at `index`, and its version, if held.
     pub(crate) fn get(&self, index: OriginIndex) -> Option<(Lane, Version)> {
-        let cell = self.0.iter().find(|cell| cell.origin == index)?;
-        Some((cell.lane(), cell.version()))
+        let (_, cell) = self.find(index)?;
+        Some((cell.lane, cell.version))
     }
 
     /// Merges a lane of the origin at `index` (standing for a replica in `replicas`): the
@@ -117,29 +180,63 @@ impl Cells {
         lane: Lane,
         version: Version,
     ) -> bool {
-        if let Some(cell) = self.0.iter_mut().find(|cell| cell.origin == index) {
-            let (mut merged, held_version) = (cell.lane(), cell.version());
+        if let Some((at, held)) = self.find(index) {
+            let mut merged = held.lane;
             merged.merge(lane);
-            let version = held_version.max(version);
-            let changed = merged != cell.lane() || version != held_version;
-            *cell = Cell::new(index, merged, version);
-            return changed;
+            let version = held.version.max(version);
+            if merged == held.lane && version == held.version {
+                return false;
+            }
+            let (_, width) = held.words();
+            self.replace(
+                at..at + width,
+                Cell {
+                    origin: index,
+                    lane: merged,
+                    version,
+                },
+            );
+            return true;
         }
         let replica = replicas.replica(index);
-        let at = self
-            .0
-            .partition_point(|cell| replicas.replica(cell.origin) < replica);
-        let mut cells = Vec::with_capacity(self.0.len() + 1);
-        cells.extend_from_slice(&self.0[..at]);
-        cells.push(Cell::new(index, lane, version));
-        cells.extend_from_slice(&self.0[at..]);
-        self.0 = cells.into_boxed_slice();
+        let at = (self.cells())
+            .find(|(_, cell)| replicas.replica(cell.origin) > replica)
+            .map_or(self.0.len(), |(at, _)| at);
+        self.replace(
+            at..at,
+            Cell {
+                origin: index,
+                lane,
+                version,
+            },
+        );
         true
+    }
+
+    /// Puts `cell`'s parts where the parts in `held` were: in place if it takes as many,
+    /// and otherwise in a new slice.
+    fn replace(&mut self, held: std::ops::Range<usize>, cell: Cell) {
+        let (words, width) = cell.words();
+        let mut parts = words
+            .chunks_exact(3)
+            .take(width)
+            .map(|part| [part[0], part[1], part[2]]);
+        if held.len() == width {
+            for (to, from) in self.0[held].iter_mut().zip(parts) {
+                *to = from;
+            }
+            return;
+        }
+        let mut cells = Vec::with_capacity(self.0.len() - held.len() + width);
+        cells.extend_from_slice(&self.0[..held.start]);
+        cells.extend(&mut parts);
+        cells.extend_from_slice(&self.0[held.end..]);
+        self.0 = cells.into_boxed_slice();
     }
 
     /// Every lane's origin index and version.
     pub(crate) fn versions(&self) -> impl Iterator<Item = (OriginIndex, Version)> + '_ {
-        self.0.iter().map(|cell| (cell.origin, cell.version()))
+        self.cells().map(|(_, cell)| (cell.origin, cell.version))
     }
 }
 
@@ -158,10 +255,11 @@ impl<'a> CounterRef<'a> {
     /// Every lane, in replica order, for as long as the map is borrowed
     /// ([`Counter::slots`] only for as long as this `CounterRef` is).
     pub fn slots(self) -> impl Iterator<Item = Slot> + Clone + 'a {
-        self.cells.0.iter().map(move |cell| Slot {
-            replica: self.replicas.replica(cell.origin),
-            lane: cell.lane(),
-            version: cell.version(),
+        let replicas = self.replicas;
+        lanes_in(&self.cells.0).map(move |(_, cell)| Slot {
+            replica: replicas.replica(cell.origin),
+            lane: cell.lane,
+            version: cell.version,
         })
     }
 }
@@ -180,11 +278,11 @@ impl Counter for CounterRef<'_> {
 
     fn value(&self) -> i128 {
         // Without looking up each lane's replica.
-        self.cells.0.iter().map(|cell| cell.lane().value()).sum()
+        self.cells.cells().map(|(_, cell)| cell.lane.value()).sum()
     }
 
     fn lanes(&self) -> usize {
-        self.cells.0.len()
+        self.cells.cells().count()
     }
 }
 
@@ -192,6 +290,72 @@ impl Counter for CounterRef<'_> {
 mod tests {
     use super::*;
     use crate::{Generation, NodeId};
+    use proptest::prelude::*;
+    use std::collections::BTreeMap;
+
+    /// A total or a version of any width: zero, 32 bits, or past them.
+    fn word() -> impl Strategy<Value = u64> {
+        prop_oneof![Just(0), 1..=u64::from(u32::MAX), any::<u64>()]
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(1_000))]
+
+        #[test]
+        fn cells_of_every_width_read_back_as_the_larger_of_each_total_and_version(
+            merges in prop::collection::vec((0..6u64, word(), word(), word()), 0..40),
+        ) {
+            let life = |node| ReplicaId::new(NodeId(5 - node), Generation(1));
+            let mut replicas = Replicas::default();
+            let indexes: Vec<OriginIndex> = (0..6).map(|node| replicas.add(life(node))).collect();
+            let mut cells = Cells::default();
+            let mut model: BTreeMap<ReplicaId, (Lane, Version)> = BTreeMap::new();
+            for (node, incr, decr, version) in merges {
+                let (lane, version) = (Lane::new(incr, decr), Version(version));
+                let before = model.get(&life(node)).copied();
+                let held = model.entry(life(node)).or_insert((lane, version));
+                held.0.merge(lane);
+                held.1 = held.1.max(version);
+                let changed = before != Some(*held);
+                prop_assert_eq!(cells.merge(&replicas, indexes[node as usize], lane, version), changed);
+                let counter = CounterRef::new(&cells, &replicas);
+                let slots: Vec<(ReplicaId, Lane, Version)> =
+                    counter.slots().map(|slot| (slot.replica, slot.lane, slot.version)).collect();
+                let expected: Vec<(ReplicaId, Lane, Version)> =
+                    model.iter().map(|(&replica, &(lane, version))| (replica, lane, version)).collect();
+                prop_assert_eq!(slots, expected);
+                prop_assert_eq!(counter.lanes(), model.len());
+                let width = |&(lane, version): &(Lane, Version)| {
+                    Cell { origin: OriginIndex(0), lane, version }.words().1
+                };
+                prop_assert_eq!(cells.0.len(), model.values().map(width).sum::<usize>());
+                for (node, index) in indexes.iter().enumerate() {
+                    prop_assert_eq!(cells.get(*index), model.get(&life(node as u64)).copied());
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn a_lane_takes_one_part_until_it_has_decrements_or_passes_32_bits() {
+        let width = |incr, decr, version| {
+            let lane = Lane::new(incr, decr);
+            (Cell {
+                origin: OriginIndex(ORIGIN_MASK),
+                lane,
+                version: Version(version),
+            })
+            .words()
+            .1
+        };
+        assert_eq!(width(u64::from(u32::MAX), 0, u64::from(u32::MAX)), 1);
+        assert_eq!(width(1, 1, 1), 2, "decrements");
+        assert_eq!(width(1 << 32, 0, 1), 2, "increments past 32 bits");
+        assert_eq!(width(1, 0, 1 << 32), 2, "a version past 32 bits");
+        assert_eq!(width(1, u64::from(u32::MAX), 1), 2);
+        assert_eq!(width(1, 1 << 32, 1), 3, "decrements past 32 bits");
+        assert_eq!(width(u64::MAX, u64::MAX, u64::MAX), 3);
+    }
 
     #[test]
     fn cells_keep_replica_order_whatever_order_origins_were_added_in() {

@@ -1,21 +1,22 @@
 //! One origin's lanes in version order: what a delta for a peer is cut from.
 
-use crate::cells::Halves;
 use crate::key_table::KeyId;
 use crate::Version;
 use std::collections::BTreeMap;
 
 /// Each lane of one origin held in a map, by its version, naming its key's id.
 ///
-/// A vector sorted by version, 12 bytes an entry, rather than a `BTreeMap` (whose leaves
-/// ascending inserts leave half full: about 26 bytes a lane). Versions mostly arrive in
+/// A vector sorted by version, 8 bytes an entry, rather than a `BTreeMap` (whose leaves
+/// ascending inserts leave half full: about 26 bytes a lane). An entry holds the low half
+/// of its version; the high halves are held once for each run of entries that share one
+/// (`highs`: one run until an origin passes 2^32 versions). Versions mostly arrive in
 /// ascending order (an origin's writes, its pushes, and deltas cut in version order), so an
 /// insert is almost always a push at the end. One below the vector's top (a gap being
 /// filled under pushes merged past it, or a sender's lanes out of order) goes into a small
 /// `BTreeMap` beside it instead, which is merged into the vector once it holds an eighth as
 /// many (so each such insert costs a few entry moves, not all those above it). A lane
 /// rewritten under a newer version leaves its old entry as a hole, and the holes are swept
-/// out once they are a fifth of the entries: a lane costs at most 15 bytes here while holes
+/// out once they are a fifth of the entries: a lane costs at most 10 bytes here while holes
 /// wait, plus the vector's unused room.
 #[derive(Debug, Clone, Default)]
 pub(crate) struct VersionIndex {
@@ -23,6 +24,9 @@ pub(crate) struct VersionIndex {
     // `holes` counts the entries whose id is `None`; no version is both here and in
     // `below`.
     entries: Vec<Entry>,
+    // Invariant: one run for each high half that the entries' versions have, in order, each
+    // starting where the first entry with that high half is (so the first at 0).
+    highs: Vec<High>,
     holes: usize,
     // Invariant: at most `below_max()` entries.
     below: BTreeMap<Version, KeyId>,
@@ -34,29 +38,20 @@ pub(crate) struct VersionIndex {
 /// of the vector's entries.
 const BELOW_MIN: usize = 64;
 
-/// A version and a key id, 4-byte aligned so that an entry is 12 bytes, not 16.
+/// The low half of a version and a key id.
 #[derive(Debug, Clone, Copy)]
 struct Entry {
-    version: Halves,
+    low: u32,
     id: Option<KeyId>,
 }
 
-const _: () = assert!(
-    std::mem::size_of::<Entry>() == 12,
-    "Entry grew past 12 bytes"
-);
+const _: () = assert!(std::mem::size_of::<Entry>() == 8, "Entry grew past 8 bytes");
 
-impl Entry {
-    fn new(version: Version, id: KeyId) -> Entry {
-        Entry {
-            version: Halves::of(version.0),
-            id: Some(id),
-        }
-    }
-
-    fn version(&self) -> Version {
-        Version(self.version.get())
-    }
+/// The high half of the versions of the entries from `from` up to the next run's start.
+#[derive(Debug, Clone, Copy)]
+struct High {
+    from: usize,
+    high: u32,
 }
 
 impl VersionIndex {
@@ -80,7 +75,12 @@ impl VersionIndex {
     /// The highest version indexed.
     pub(crate) fn last(&self) -> Option<Version> {
         let below = self.below.keys().next_back().copied();
-        self.entries.last().map(Entry::version).max(below)
+        let top = self
+            .entries
+            .len()
+            .checked_sub(1)
+            .map(|at| self.version_at(at));
+        top.max(below)
     }
 
     /// The key id at `version`, if a lane is indexed at it.
@@ -93,13 +93,13 @@ impl VersionIndex {
 
     /// Indexes `id`'s lane at `version`, replacing whatever was indexed at it.
     pub(crate) fn insert(&mut self, version: Version, id: KeyId) {
-        let top = self.entries.last().map(Entry::version);
+        let top = self
+            .entries
+            .len()
+            .checked_sub(1)
+            .map(|at| self.version_at(at));
         if top.is_none_or(|top| top < version) && !self.below.contains_key(&version) {
-            if self.entries.len() == self.entries.capacity() {
-                // By a quarter, not doubling, as the key table grows.
-                self.entries.reserve_exact(self.entries.len() / 4 + 16);
-            }
-            self.entries.push(Entry::new(version, id));
+            self.push(version, id);
             self.versions_hash ^= mixed(version);
             return;
         }
@@ -109,7 +109,7 @@ impl VersionIndex {
                     self.holes -= 1;
                     self.versions_hash ^= mixed(version);
                 }
-                self.entries[at] = Entry::new(version, id);
+                self.entries[at].id = Some(id);
             }
             Err(_) => {
                 if self.below.insert(version, id).is_none() {
@@ -143,6 +143,13 @@ impl VersionIndex {
         while self.entries.last().is_some_and(|entry| entry.id.is_none()) {
             self.entries.pop();
             self.holes -= 1;
+            if self
+                .highs
+                .last()
+                .is_some_and(|run| run.from == self.entries.len())
+            {
+                self.highs.pop();
+            }
         }
         // Popping the top may leave `below` past an eighth of the vector too.
         if self.holes > self.entries.len() / 5 || self.below.len() > self.below_max() {
@@ -167,9 +174,9 @@ impl VersionIndex {
 
     /// Every indexed lane with a version of at least `from`, in version order.
     pub(crate) fn range_from(&self, from: Version) -> impl Iterator<Item = (Version, KeyId)> + '_ {
-        let start = self.entries.partition_point(|entry| entry.version() < from);
-        let mut entries = (self.entries[start..].iter())
-            .filter_map(|entry| Some((entry.version(), entry.id?)))
+        let start = self.find(from).unwrap_or_else(|at| at);
+        let mut entries = (start..self.entries.len())
+            .filter_map(|at| Some((self.version_at(at), self.entries[at].id?)))
             .peekable();
         let mut below = (self.below.range(from..))
             .map(|(&version, &id)| (version, id))
@@ -187,18 +194,64 @@ impl VersionIndex {
         (self.entries.iter().filter_map(|entry| entry.id)).chain(self.below.values().copied())
     }
 
+    /// Where `version` is in the vector, or where it would go.
     fn find(&self, version: Version) -> Result<usize, usize> {
-        self.entries.binary_search_by_key(&version, Entry::version)
+        let (high, low) = ((version.0 >> 32) as u32, version.0 as u32);
+        let run = self.highs.partition_point(|run| run.high < high);
+        let start = self
+            .highs
+            .get(run)
+            .map_or(self.entries.len(), |run| run.from);
+        if self.highs.get(run).is_none_or(|run| run.high != high) {
+            return Err(start);
+        }
+        let end = self
+            .highs
+            .get(run + 1)
+            .map_or(self.entries.len(), |next| next.from);
+        (self.entries[start..end].binary_search_by_key(&low, |entry| entry.low))
+            .map(|at| start + at)
+            .map_err(|at| start + at)
+    }
+
+    /// The version of the entry at `at`.
+    fn version_at(&self, at: usize) -> Version {
+        let run = self.highs.partition_point(|run| run.from <= at) - 1;
+        Version((u64::from(self.highs[run].high) << 32) | u64::from(self.entries[at].low))
+    }
+
+    /// Puts `id`'s lane at `version`, above every version in the vector, at its end.
+    fn push(&mut self, version: Version, id: KeyId) {
+        let high = (version.0 >> 32) as u32;
+        if self.highs.last().is_none_or(|run| run.high != high) {
+            self.highs.push(High {
+                from: self.entries.len(),
+                high,
+            });
+        }
+        if self.entries.len() == self.entries.capacity() {
+            // By a quarter, not doubling, as the key table grows.
+            self.entries.reserve_exact(self.entries.len() / 4 + 16);
+        }
+        self.entries.push(Entry {
+            low: version.0 as u32,
+            id: Some(id),
+        });
     }
 
     /// Merges `below` into the vector, in one pass, and drops the holes and the vector's
     /// room beyond a quarter more than it holds.
     fn sweep(&mut self) {
         let held = self.len();
-        let mut merged = Vec::with_capacity(held + held / 4 + 16);
-        merged
-            .extend((self.range_from(Version::ZERO)).map(|(version, id)| Entry::new(version, id)));
-        (self.entries, self.holes, self.below) = (merged, 0, BTreeMap::new());
+        let mut merged = VersionIndex {
+            entries: Vec::with_capacity(held + held / 4 + 16),
+            ..VersionIndex::default()
+        };
+        for (version, id) in self.range_from(Version::ZERO) {
+            merged.push(version, id);
+        }
+        (self.entries, self.highs) = (merged.entries, merged.highs);
+        (self.holes, self.below) = (0, BTreeMap::new());
     }
 }
 
@@ -270,7 +323,11 @@ mod tests {
                 prop_assert!(index.holes * 5 <= index.entries.len());
                 prop_assert!(index.below.len() <= index.below_max());
                 prop_assert!(index.entries.last().is_none_or(|last| last.id.is_some()));
-                prop_assert!(index.entries.windows(2).all(|w| w[0].version() < w[1].version()));
+                let versions: Vec<_> = (0..index.entries.len()).map(|at| index.version_at(at)).collect();
+                prop_assert!(versions.windows(2).all(|w| w[0] < w[1]));
+                prop_assert_eq!(index.highs.first().map(|run| run.from), (!versions.is_empty()).then_some(0));
+                prop_assert!(index.highs.windows(2).all(|w| w[0].from < w[1].from && w[0].high < w[1].high));
+                prop_assert!(index.highs.iter().all(|run| run.from < versions.len()));
             }
             let all: Vec<_> = index.range_from(Version::ZERO).collect();
             let expected: Vec<_> = model.iter().map(|(v, id)| (*v, *id)).collect();
