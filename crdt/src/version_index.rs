@@ -17,7 +17,8 @@ use std::collections::BTreeMap;
 /// many (so each such insert costs a few entry moves, not all those above it). A lane
 /// rewritten under a newer version leaves its old entry as a hole, and the holes are swept
 /// out once they are a fifth of the entries: a lane costs at most 10 bytes here while holes
-/// wait, plus the vector's unused room.
+/// wait, plus the vector's unused room (and up to 16 more if a sender gives each lane a
+/// high half of its own: see [`High`]).
 #[derive(Debug, Clone, Default)]
 pub(crate) struct VersionIndex {
     // Invariant: versions ascend strictly; the last entry, if any, is held (not a hole);
@@ -48,10 +49,19 @@ struct Entry {
 const _: () = assert!(std::mem::size_of::<Entry>() == 8, "Entry grew past 8 bytes");
 
 /// The high half of the versions of the entries from `from` up to the next run's start.
+/// 8 bytes: an origin's versions count up one by one, so its index holds one run or two,
+/// but a sender may send any versions, and one that gives each lane a high half of its
+/// own costs a run a lane.
 #[derive(Debug, Clone, Copy)]
 struct High {
-    from: usize,
+    from: u32,
     high: u32,
+}
+
+impl High {
+    fn start(self) -> usize {
+        self.from as usize
+    }
 }
 
 impl VersionIndex {
@@ -146,7 +156,7 @@ impl VersionIndex {
             if self
                 .highs
                 .last()
-                .is_some_and(|run| run.from == self.entries.len())
+                .is_some_and(|run| run.start() == self.entries.len())
             {
                 self.highs.pop();
             }
@@ -201,14 +211,14 @@ impl VersionIndex {
         let start = self
             .highs
             .get(run)
-            .map_or(self.entries.len(), |run| run.from);
+            .map_or(self.entries.len(), |run| run.start());
         if self.highs.get(run).is_none_or(|run| run.high != high) {
             return Err(start);
         }
         let end = self
             .highs
             .get(run + 1)
-            .map_or(self.entries.len(), |next| next.from);
+            .map_or(self.entries.len(), |next| next.start());
         (self.entries[start..end].binary_search_by_key(&low, |entry| entry.low))
             .map(|at| start + at)
             .map_err(|at| start + at)
@@ -216,7 +226,7 @@ impl VersionIndex {
 
     /// The version of the entry at `at`.
     fn version_at(&self, at: usize) -> Version {
-        let run = self.highs.partition_point(|run| run.from <= at) - 1;
+        let run = self.highs.partition_point(|run| run.start() <= at) - 1;
         Version((u64::from(self.highs[run].high) << 32) | u64::from(self.entries[at].low))
     }
 
@@ -225,7 +235,8 @@ impl VersionIndex {
         let high = (version.0 >> 32) as u32;
         if self.highs.last().is_none_or(|run| run.high != high) {
             self.highs.push(High {
-                from: self.entries.len(),
+                from: u32::try_from(self.entries.len())
+                    .expect("an origin's index holds fewer than 2^32 entries"),
                 high,
             });
         }
@@ -325,9 +336,9 @@ mod tests {
                 prop_assert!(index.entries.last().is_none_or(|last| last.id.is_some()));
                 let versions: Vec<_> = (0..index.entries.len()).map(|at| index.version_at(at)).collect();
                 prop_assert!(versions.windows(2).all(|w| w[0] < w[1]));
-                prop_assert_eq!(index.highs.first().map(|run| run.from), (!versions.is_empty()).then_some(0));
+                prop_assert_eq!(index.highs.first().map(|run| run.start()), (!versions.is_empty()).then_some(0));
                 prop_assert!(index.highs.windows(2).all(|w| w[0].from < w[1].from && w[0].high < w[1].high));
-                prop_assert!(index.highs.iter().all(|run| run.from < versions.len()));
+                prop_assert!(index.highs.iter().all(|run| run.start() < versions.len()));
             }
             let all: Vec<_> = index.range_from(Version::ZERO).collect();
             let expected: Vec<_> = model.iter().map(|(v, id)| (*v, *id)).collect();
@@ -353,6 +364,32 @@ mod tests {
         for v in versions {
             index.insert(Version(v), KeyId::of(v as usize));
         }
+    }
+
+    /// The bytes `index` holds a lane, its vectors' room included.
+    fn bytes_a_lane(index: &VersionIndex) -> f64 {
+        let bytes = index.entries.capacity() * std::mem::size_of::<Entry>()
+            + index.highs.capacity() * std::mem::size_of::<High>();
+        bytes as f64 / index.len() as f64
+    }
+
+    #[test]
+    fn versions_that_each_have_a_high_half_of_their_own_cost_a_run_each_and_no_more() {
+        // Found in review: a sender may give every lane a high half of its own.
+        let mut index = VersionIndex::default();
+        for k in 1..=10_000u64 {
+            index.insert(Version(k << 32), KeyId::of(k as usize));
+        }
+        assert_eq!(index.highs.len(), 10_000);
+        let spread = bytes_a_lane(&index);
+        // An entry and its vector's room after a growth by a quarter (10), and a run and
+        // its vector's room after a doubling (16).
+        assert!(spread <= 26.0, "{spread:.1} bytes a lane");
+        let mut counted = VersionIndex::default();
+        insert_each(&mut counted, 1..=10_000);
+        assert_eq!(counted.highs.len(), 1);
+        let one_run = bytes_a_lane(&counted);
+        assert!(one_run <= 10.0, "{one_run:.1} bytes a lane");
     }
 
     #[test]
