@@ -57,14 +57,6 @@ impl Replicas {
 /// Twelve bytes of a counter's lanes: one lane's first part, or a later part of a wide lane.
 type Part = [u32; 3];
 
-/// A lane's words, in the order its parts hold them: the head (its origin index, with the
-/// lane's width in parts in the top two bits), the low halves of its increments and
-/// version, then the low half of its decrements and the high halves of its increments and
-/// version, then the high half of its decrements. A lane takes the fewest parts that hold
-/// every word that is not zero: one for a lane with no decrements whose increments and
-/// version fit 32 bits, three only past 2^32 decrements.
-type Words = [u32; 9];
-
 const WIDTH_SHIFT: u32 = 30;
 const ORIGIN_MASK: u32 = (1 << WIDTH_SHIFT) - 1;
 
@@ -77,46 +69,46 @@ struct Cell {
 }
 
 impl Cell {
-    /// The lane's words, and how many parts hold them.
-    fn words(&self) -> (Words, usize) {
+    /// The lane's parts, and how many of them it takes. The head holds its origin index
+    /// (with its width in the top two bits) and the low halves of its increments and
+    /// version; the second part the low half of its decrements and the high halves of its
+    /// increments and version; the third the high half of its decrements. A lane takes the
+    /// fewest parts that hold every word that is not zero: one for a lane with no
+    /// decrements whose increments and version fit 32 bits, three only past 2^32
+    /// decrements.
+    fn parts(&self) -> ([Part; 3], usize) {
         let low = |value: u64| value as u32;
         let high = |value: u64| (value >> 32) as u32;
         let (incr, decr, version) = (self.lane.incr, self.lane.decr, self.version.0);
-        let mut words = [
-            self.origin.0,
-            low(incr),
-            low(version),
-            low(decr),
-            high(incr),
-            high(version),
-            high(decr),
-            0,
-            0,
-        ];
-        let width = if words[6] != 0 {
+        let second = [low(decr), high(incr), high(version)];
+        let third = [high(decr), 0, 0];
+        let width = if third != [0; 3] {
             3
-        } else if words[3..6] != [0; 3] {
+        } else if second != [0; 3] {
             2
         } else {
             1
         };
-        words[0] |= (width as u32) << WIDTH_SHIFT;
-        (words, width)
+        let head = [
+            self.origin.0 | (width << WIDTH_SHIFT),
+            low(incr),
+            low(version),
+        ];
+        ([head, second, third], width as usize)
     }
 
     /// The lane whose head is `parts[0]`, and its width; `None` if `parts` is empty.
     fn read(parts: &[Part]) -> Option<(Cell, usize)> {
-        let head = parts.first()?[0];
+        let [head, incr, version] = *parts.first()?;
         let width = (head >> WIDTH_SHIFT) as usize;
-        let mut words: Words = [0; 9];
-        for (to, from) in words.chunks_exact_mut(3).zip(&parts[..width]) {
-            to.copy_from_slice(from);
-        }
+        // The words of the second and third parts, as `Cell::parts` lays them out.
+        let [decr, incr_high, version_high] = if width > 1 { parts[1] } else { [0; 3] };
+        let decr_high = if width > 2 { parts[2][0] } else { 0 };
         let joined = |low: u32, high: u32| u64::from(low) | (u64::from(high) << 32);
         let cell = Cell {
             origin: OriginIndex(head & ORIGIN_MASK),
-            lane: Lane::new(joined(words[1], words[4]), joined(words[3], words[6])),
-            version: Version(joined(words[2], words[5])),
+            lane: Lane::new(joined(incr, incr_high), joined(decr, decr_high)),
+            version: Version(joined(version, version_high)),
         };
         Some((cell, width))
     }
@@ -135,7 +127,7 @@ fn lanes_in(parts: &[Part]) -> impl Iterator<Item = (usize, Cell)> + Clone + '_ 
 
 /// A counter's lanes, one per origin, each in one to three [`Part`]s.
 ///
-/// Invariant: the lanes follow one another with no gap, each as [`Cell::words`] lays it
+/// Invariant: the lanes follow one another with no gap, each as [`Cell::parts`] lays it
 /// out, sorted by the replica each lane's origin stands for, one lane per origin. A boxed
 /// slice: a counter gains a lane at a time, so its room is exactly its lanes.
 #[derive(Debug, Clone, Default)]
@@ -187,7 +179,7 @@ impl Cells {
             if merged == held.lane && version == held.version {
                 return false;
             }
-            let (_, width) = held.words();
+            let (_, width) = held.parts();
             self.replace(
                 at..at + width,
                 Cell {
@@ -216,22 +208,15 @@ impl Cells {
     /// Puts `cell`'s parts where the parts in `held` were: in place if it takes as many,
     /// and otherwise in a new slice.
     fn replace(&mut self, held: std::ops::Range<usize>, cell: Cell) {
-        let (words, width) = cell.words();
-        let mut parts = words
-            .chunks_exact(3)
-            .take(width)
-            .map(|part| [part[0], part[1], part[2]]);
+        let (parts, width) = cell.parts();
+        let parts = &parts[..width];
         if held.len() == width {
-            for (to, from) in self.0[held].iter_mut().zip(parts) {
-                *to = from;
-            }
+            self.0[held].copy_from_slice(parts);
             return;
         }
-        let mut cells = Vec::with_capacity(self.0.len() - held.len() + width);
-        cells.extend_from_slice(&self.0[..held.start]);
-        cells.extend(&mut parts);
-        cells.extend_from_slice(&self.0[held.end..]);
-        self.0 = cells.into_boxed_slice();
+        self.0 = [&self.0[..held.start], parts, &self.0[held.end..]]
+            .concat()
+            .into_boxed_slice();
     }
 
     /// Every lane's origin index and version.
@@ -326,7 +311,7 @@ mod tests {
                 prop_assert_eq!(slots, expected);
                 prop_assert_eq!(counter.lanes(), model.len());
                 let width = |&(lane, version): &(Lane, Version)| {
-                    Cell { origin: OriginIndex(0), lane, version }.words().1
+                    Cell { origin: OriginIndex(0), lane, version }.parts().1
                 };
                 prop_assert_eq!(cells.0.len(), model.values().map(width).sum::<usize>());
                 for (node, index) in indexes.iter().enumerate() {
@@ -345,7 +330,7 @@ mod tests {
                 lane,
                 version: Version(version),
             })
-            .words()
+            .parts()
             .1
         };
         assert_eq!(width(u64::from(u32::MAX), 0, u64::from(u32::MAX)), 1);

@@ -1161,6 +1161,15 @@ mod tests {
             exchange(&mut x, &mut y, (most, fit), |round| place(2 * round), 1_000);
             proptest::prop_assert_eq!((x.watermark(o), y.watermark(o)), held);
             proptest::prop_assert_eq!(x.settled(o), y.settled(o));
+            let lanes = |map: &CounterMap| -> BTreeMap<Key, (Lane, Version)> {
+                (map.iter())
+                    .filter_map(|(key, counter)| {
+                        let slot = counter.slots().find(|slot| slot.replica == o)?;
+                        Some((key.clone(), (slot.lane, slot.version)))
+                    })
+                    .collect()
+            };
+            proptest::prop_assert_eq!(lanes(&x), lanes(&y));
         }
     }
 

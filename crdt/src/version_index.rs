@@ -185,8 +185,15 @@ impl VersionIndex {
     /// Every indexed lane with a version of at least `from`, in version order.
     pub(crate) fn range_from(&self, from: Version) -> impl Iterator<Item = (Version, KeyId)> + '_ {
         let start = self.find(from).unwrap_or_else(|at| at);
-        let mut entries = (start..self.entries.len())
-            .filter_map(|at| Some((self.version_at(at), self.entries[at].id?)))
+        // Each run's entries from `start` on, with the run's high half.
+        let ends = (self.highs.iter().skip(1).map(|next| next.start())).chain([self.entries.len()]);
+        let mut entries = (self.highs.iter().zip(ends))
+            .flat_map(move |(run, end)| {
+                let high = u64::from(run.high) << 32;
+                (self.entries[run.start().max(start)..end.max(start)].iter()).filter_map(
+                    move |entry| Some((Version(high | u64::from(entry.low)), entry.id?)),
+                )
+            })
             .peekable();
         let mut below = (self.below.range(from..))
             .map(|(&version, &id)| (version, id))

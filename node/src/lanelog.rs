@@ -372,7 +372,7 @@ impl LaneLog {
             return Err(LogError::Failed(why.clone()));
         }
         let end = self.written + self.pending.len() as u64;
-        debug_assert!(end <= self.allocated, "records are written over zeros");
+        assert!(end <= self.allocated, "records are written over zeros");
         if let Err(source) = self.file.write_all_at(&self.pending, self.written) {
             self.failed = Some(source.to_string());
             return Err(LogError::Io {

@@ -1110,7 +1110,9 @@ mod tests {
             amount: 1,
             id: None,
         };
-        for response in answer(&service, &batch) {
+        let responses = answer(&service, &batch);
+        assert_eq!(responses.len(), 2, "{responses:?}");
+        for response in responses {
             assert!(
                 matches!(&response.result, Err(Refusal::BadField { field, why })
                     if field == "rule" && why.contains("\"quota\" is exact")),

@@ -435,4 +435,10 @@ fn approximate_overshoot_stays_within_the_reported_bound_over_many_seeds_with_fa
         over * 10 >= runs * 8,
         "{over} of {runs} seeds passed the limit"
     );
+    // And most decide isolated at some point (87 of the 100 in CI), so the isolated
+    // admissions' bound is checked too.
+    assert!(
+        isolated * 2 >= runs,
+        "{isolated} of {runs} seeds decided isolated"
+    );
 }

@@ -390,7 +390,11 @@ impl<T> Held<T> {
         pending.id.seq = seq;
         let deadline = pending.arrived + Duration::from_millis(pending.timeout_ms);
         self.deadlines.push(pending.timeout_ms, deadline, seq);
-        debug_assert_eq!(self.base + self.checks.len() as u64, seq);
+        assert_eq!(
+            self.base + self.checks.len() as u64,
+            seq,
+            "a check is held at its sequence number"
+        );
         self.checks.push_back(Some(pending));
         self.live += 1;
     }

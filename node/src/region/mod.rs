@@ -470,7 +470,11 @@ impl Ledger {
     /// behind) then never gets that life's outcomes for its own numbers. `node` is never
     /// [`log::CLIENT_NODE`]: the applications' check ids stay.
     pub fn forget_lives_of(&mut self, node: u64) {
-        debug_assert_ne!(node, log::CLIENT_NODE);
+        assert_ne!(
+            node,
+            log::CLIENT_NODE,
+            "the applications' check ids are never forgotten"
+        );
         self.seen.retain(|&(seen, _), _| seen != node);
         self.lives.remove(&node);
     }

@@ -161,7 +161,10 @@ impl ExactAnswer {
 
 /// A frame of checks, length prefix included.
 pub fn encode_checks(checks: &[CheckRef<'_>]) -> Vec<u8> {
-    debug_assert!(checks.len() <= CHECKS_PER_FRAME_MAX);
+    assert!(
+        checks.len() <= CHECKS_PER_FRAME_MAX,
+        "a frame holds at most {CHECKS_PER_FRAME_MAX} checks"
+    );
     encode_frame(REGION_WIRE_VERSION, &checks)
 }
 
