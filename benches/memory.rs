@@ -147,8 +147,8 @@ fn print_sizes() {
         ("Slot (ReplicaId + Lane + Version)", size_of::<Slot>()),
         ("PnCounter (Box<[Slot]>)", size_of::<PnCounter>()),
         (
-            "Option<(Key, Box<[MapLane]>)> key table entry",
-            size_of::<Option<(Key, Box<[MapLane]>)>>(),
+            "Option<(Subject, u32, Box<[MapLane]>)> key table entry",
+            size_of::<Option<(Subject, u32, Box<[MapLane]>)>>(),
         ),
         (
             "a CounterMap lane's first part (origin, incr, version)",
@@ -311,19 +311,23 @@ fn remote_delta(origin: ReplicaId, keys: &[Key], lane: Lane) -> Delta {
 
 /// The counter map's parts, each built alone for the same keys and grown one key at a time
 /// as the map grows them, to show where its bytes go: its key table's entries (a vector of
-/// keys and counters, indexed by key id), one counter's lane vector, and the per-origin
-/// version-to-key-id B-tree that delta sync walks. The rest of `one_lane` is the key table's
-/// hash table of ids.
+/// subjects, scope ids and counters, indexed by key id), one counter's lanes, and the
+/// per-origin version index that delta sync walks. The rest of `one_lane` is the key
+/// table's hash table of ids (and its one scope: the keys' rule and window).
 fn counter_map_parts(keys: &[Key], one_lane: Live) {
     println!("CounterMap's parts, each alone, per key:");
     let (entries, entries_live) = measure(|| {
         let mut entries = Vec::new();
         for key in keys {
-            // Grown by a quarter when full, as the key table grows it.
+            // Grown by an eighth when full, as the key table grows it.
             if entries.len() == entries.capacity() {
-                entries.reserve_exact(entries.len() / 4 + 16);
+                entries.reserve_exact(entries.len() / 8 + 16);
             }
-            entries.push(Some((key.clone(), Box::<[MapLane]>::default())));
+            entries.push(Some((
+                key.subject.clone(),
+                0u32,
+                Box::<[MapLane]>::default(),
+            )));
         }
         entries
     });
@@ -336,11 +340,11 @@ fn counter_map_parts(keys: &[Key], one_lane: Live) {
     drop(lanes);
     let (index, index_live) = measure(|| {
         // An origin's version index: a vector of 8-byte entries (a version's low half and
-        // a 32-bit key id), grown by a quarter when full, as the map grows it.
+        // a 32-bit key id), grown by an eighth when full, as the map grows it.
         let mut index: Vec<[u32; 2]> = Vec::new();
         for (id, version) in (0..keys.len()).zip(1u64..) {
             if index.len() == index.capacity() {
-                index.reserve_exact(index.len() / 4 + 16);
+                index.reserve_exact(index.len() / 8 + 16);
             }
             index.push([version as u32, id as u32]);
         }
@@ -352,7 +356,7 @@ fn counter_map_parts(keys: &[Key], one_lane: Live) {
     let ids = one_lane.bytes - entries_live.bytes - lane_heap - index_live.bytes;
     for (part, live) in [
         (
-            "key table entries, Vec<Option<(Key, Box<[MapLane]>)>>",
+            "key table entries, Vec<Option<(Subject, u32, Box<..>)>>",
             entries_live.bytes,
         ),
         ("one lane's Box<[MapLane]> heap", lane_heap),

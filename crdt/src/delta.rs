@@ -139,7 +139,7 @@ impl Delta {
 /// The encoding they bound is `tally-gossip`'s wire format: a lane names a (rule, window)
 /// scope listed once per frame, and its version is implied unless a hole is needed.
 pub(crate) mod size {
-    use crate::{Key, RULE_BYTES_MAX, SUBJECT_BYTES_MAX};
+    use crate::{Key, KeyRef, RULE_BYTES_MAX, SUBJECT_BYTES_MAX};
 
     /// An origin header: replica id (node and generation), `through` version and stamp,
     /// the base its lanes' versions count up from, and the count prefixes of its lanes and
@@ -150,7 +150,7 @@ pub(crate) mod size {
 
     /// One lane update: its key (counted whole, as if its scope were new to the frame)
     /// and its scope index, two totals and a hole.
-    pub fn lane(key: &Key) -> usize {
+    pub fn lane(key: KeyRef<'_>) -> usize {
         key.encoded_len_max() + LANE_FIELDS
     }
 

@@ -193,12 +193,6 @@ impl Key {
         }
     }
 
-    /// An upper bound on the key's encoded size in bytes, for frame budgets: the strings
-    /// plus a length prefix each and the window's two integers at their widest.
-    pub fn encoded_len_max(&self) -> usize {
-        self.rule.0.len() + self.subject.0.len() + Key::ENCODED_FIXED_MAX
-    }
-
     /// The encoded size of everything in a key but its strings' bytes, at most.
     pub const ENCODED_FIXED_MAX: usize = 2 * 9 + 9 + 5;
 }
@@ -271,6 +265,17 @@ impl<'a> KeyRef<'a> {
         })
     }
 
+    /// A key held by its parts, as a map's key table holds it: [`KeyRef::to_key`] shares
+    /// its strings.
+    pub(crate) fn held(rule: &'a Rule, subject: &'a Subject, window: Window) -> KeyRef<'a> {
+        KeyRef {
+            rule,
+            subject: subject.as_str(),
+            window,
+            held_subject: Some(subject),
+        }
+    }
+
     /// The rule.
     pub fn rule(&self) -> &'a Rule {
         self.rule
@@ -284,6 +289,12 @@ impl<'a> KeyRef<'a> {
     /// The window.
     pub fn window(&self) -> Window {
         self.window
+    }
+
+    /// An upper bound on the key's encoded size in bytes, for frame budgets: the strings
+    /// plus a length prefix each and the window's two integers at their widest.
+    pub fn encoded_len_max(&self) -> usize {
+        self.rule.0.len() + self.subject.len() + Key::ENCODED_FIXED_MAX
     }
 
     /// The same parts in another window.

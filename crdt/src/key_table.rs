@@ -2,7 +2,8 @@
 //! per-origin version indexes hold instead of a copy of the key.
 
 use crate::cells::Cells;
-use crate::Key;
+use crate::scopes::{ScopeId, Scopes};
+use crate::{Key, KeyRef, Rule, Subject, Window};
 use foldhash::fast::FoldHasher;
 use foldhash::SharedSeed;
 use hashbrown::hash_table::Entry;
@@ -13,7 +14,7 @@ use std::num::NonZeroU32;
 /// A held key's place in its [`KeyTable`]: fixed while the key is held, reused after.
 ///
 /// 32 bits, as the table's hash table and every origin's version index hold one per key
-/// or lane: a table holds fewer than 2^32 - 1 keys (each takes over 80 bytes). Held as the
+/// or lane: a table holds fewer than 2^32 - 1 keys (each takes over 60 bytes). Held as the
 /// position plus one, so that an `Option<KeyId>` is 32 bits too.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
 pub(crate) struct KeyId(NonZeroU32);
@@ -29,17 +30,25 @@ impl KeyId {
     }
 }
 
-/// A key and its counter's lanes.
+/// A key, as its subject and its rule and window's [`ScopeId`], and its counter's lanes:
+/// 32 bytes, where a [`Key`] and the lanes would take 40.
 #[derive(Debug, Clone)]
-pub(crate) struct Held {
-    pub(crate) key: Key,
-    pub(crate) cells: Cells,
+struct Held {
+    subject: Subject,
+    scope: ScopeId,
+    cells: Cells,
 }
+
+const _: () = assert!(
+    std::mem::size_of::<Option<Held>>() == 32,
+    "a key table entry grew past 32 bytes"
+);
 
 /// Keys and their counters' lanes, found by key or by id.
 ///
-/// The hash table holds ids only (8 bytes and a control byte a bucket), and hashes an id
-/// by the key it names, so each key is held once, beside its lanes.
+/// The hash table holds ids only (4 bytes and a control byte a bucket), and hashes an id
+/// by the key it names, so each key is held once, beside its lanes; and each key's rule
+/// and window are held once for all the keys in them ([`Scopes`]).
 #[derive(Debug, Clone)]
 pub(crate) struct KeyTable {
     // Invariant: the id of every entry that is `Some`, once, at its key's hash.
@@ -47,6 +56,8 @@ pub(crate) struct KeyTable {
     // Invariant: `None` exactly at the ids in `free`.
     entries: Vec<Option<Held>>,
     free: Vec<KeyId>,
+    // Invariant: the scope of every entry that is `Some`, counting each entry once.
+    scopes: Scopes,
     hasher: KeyHasher,
 }
 
@@ -66,10 +77,19 @@ impl KeyHasher {
         }
     }
 
-    fn hash_one(&self, key: &Key) -> u64 {
+    fn hash_one(&self, value: impl Hash) -> u64 {
         let mut hasher = FoldHasher::with_seed(self.seed, &self.shared);
-        key.hash(&mut hasher);
+        value.hash(&mut hasher);
         hasher.finish()
+    }
+
+    /// The hash of a key by its parts: a [`Key`]'s and a [`KeyRef`]'s are the same.
+    fn key(&self, key: KeyRef<'_>) -> u64 {
+        self.hash_one(key)
+    }
+
+    fn scope(&self, rule: &Rule, window: Window) -> u64 {
+        self.hash_one((rule, window))
     }
 }
 
@@ -80,6 +100,7 @@ impl KeyTable {
             ids: HashTable::new(),
             entries: Vec::new(),
             free: Vec::new(),
+            scopes: Scopes::default(),
             hasher: KeyHasher::new(seed),
         }
     }
@@ -91,26 +112,25 @@ impl KeyTable {
 
     /// The id of `key`, if it is held.
     pub(crate) fn id(&self, key: &Key) -> Option<KeyId> {
-        let hash = self.hasher.hash_one(key);
-        self.ids
-            .find(hash, |&id| names(&self.entries, id, key))
-            .copied()
+        let hash = self.hasher.key(KeyRef::from(key));
+        self.ids.find(hash, |&id| self.names(id, key)).copied()
     }
 
     /// The key and lanes at `id`, if `id` is held.
-    pub(crate) fn get(&self, id: KeyId) -> Option<&Held> {
-        self.entries.get(id.at())?.as_ref()
+    pub(crate) fn get(&self, id: KeyId) -> Option<(KeyRef<'_>, &Cells)> {
+        let held = self.entries.get(id.at())?.as_ref()?;
+        Some((self.key_of(held), &held.cells))
     }
 
     /// The id and lanes of `key`, holding it with no lanes (under a free id or a new one)
     /// if it was not held.
     pub(crate) fn entry(&mut self, key: &Key) -> (KeyId, &mut Cells) {
-        let hash = self.hasher.hash_one(key);
-        let (entries, hasher) = (&self.entries, &self.hasher);
+        let hash = self.hasher.key(KeyRef::from(key));
+        let (entries, scopes, hasher) = (&self.entries, &self.scopes, &self.hasher);
         let found = self.ids.entry(
             hash,
-            |&id| names(entries, id, key),
-            |&id| hash_at(entries, hasher, id),
+            |&id| names(entries, scopes, id, key),
+            |&id| hash_at(entries, scopes, hasher, id),
         );
         let id = match found {
             Entry::Occupied(held) => *held.get(),
@@ -120,33 +140,41 @@ impl KeyTable {
                     .pop()
                     .unwrap_or_else(|| push_empty(&mut self.entries));
                 free.insert(id);
+                let hasher = &self.hasher;
+                let scope = (self.scopes).add_key(&key.rule, key.window, |rule, window| {
+                    hasher.scope(rule, window)
+                });
+                self.entries[id.at()] = Some(Held {
+                    subject: key.subject.clone(),
+                    scope,
+                    cells: Cells::default(),
+                });
                 id
             }
         };
-        let held = self.entries[id.at()].get_or_insert_with(|| Held {
-            key: key.clone(),
-            cells: Cells::default(),
-        });
+        let held = self.entries[id.at()].as_mut().expect("an id found is held");
         (id, &mut held.cells)
     }
 
-    /// Stops holding `id`'s key, returning it with its lanes.
-    pub(crate) fn remove(&mut self, id: KeyId) -> Option<Held> {
+    /// Stops holding `id`'s key, returning its lanes.
+    pub(crate) fn remove(&mut self, id: KeyId) -> Option<Cells> {
         let held = self.entries.get_mut(id.at())?.take()?;
-        let hash = self.hasher.hash_one(&held.key);
+        let hash = self.hasher.key(key_of(&self.scopes, &held));
         if let Ok(found) = self.ids.find_entry(hash, |&other| other == id) {
             found.remove();
         }
+        let hasher = &self.hasher;
+        (self.scopes).remove_key(held.scope, |rule, window| hasher.scope(rule, window));
         self.free.push(id);
-        Some(held)
+        Some(held.cells)
     }
 
     /// Every held id with its key and lanes, in no particular order.
-    pub(crate) fn iter(&self) -> impl Iterator<Item = (KeyId, &Held)> {
-        self.entries
-            .iter()
-            .enumerate()
-            .filter_map(|(at, held)| Some((KeyId::of(at), held.as_ref()?)))
+    pub(crate) fn iter(&self) -> impl Iterator<Item = (KeyId, KeyRef<'_>, &Cells)> {
+        (self.entries.iter().enumerate()).filter_map(|(at, held)| {
+            let held = held.as_ref()?;
+            Some((KeyId::of(at), self.key_of(held), &held.cells))
+        })
     }
 
     /// Whether fewer than a quarter of the ids given out (up to the highest, free ones
@@ -158,8 +186,8 @@ impl KeyTable {
 
     /// Moves the entries at the highest ids into the free ids below them until no id is
     /// free, and gives the room left over back to the allocator. Calls `moved(from, to,
-    /// held)` for every entry that changed id, so that whatever holds ids can follow.
-    pub(crate) fn compact(&mut self, mut moved: impl FnMut(KeyId, KeyId, &Held)) {
+    /// cells)` for every entry that changed id, so that whatever holds ids can follow.
+    pub(crate) fn compact(&mut self, mut moved: impl FnMut(KeyId, KeyId, &Cells)) {
         // Lowest last, so that `pop` takes the lowest free id.
         self.free
             .sort_unstable_by_key(|id| std::cmp::Reverse(id.at()));
@@ -177,53 +205,78 @@ impl KeyTable {
             let Some(held) = self.entries.pop().flatten() else {
                 continue;
             };
-            let hash = self.hasher.hash_one(&held.key);
+            let hash = self.hasher.key(key_of(&self.scopes, &held));
             if let Ok(mut found) = self.ids.find_entry(hash, |&id| id == from) {
                 *found.get_mut() = to;
             }
-            moved(from, to, &held);
+            moved(from, to, &held.cells);
             self.entries[to.at()] = Some(held);
         }
         self.entries.shrink_to_fit();
         self.free.shrink_to_fit();
-        let (entries, hasher) = (&self.entries, &self.hasher);
-        self.ids.shrink_to_fit(|&id| hash_at(entries, hasher, id));
+        let (entries, scopes, hasher) = (&self.entries, &self.scopes, &self.hasher);
+        self.ids
+            .shrink_to_fit(|&id| hash_at(entries, scopes, hasher, id));
     }
 
     /// The table, its hasher keyed by `seed` instead: every id stays.
     pub(crate) fn reseed(&mut self, seed: u64) {
         self.hasher = KeyHasher::new(seed);
+        let hasher = &self.hasher;
+        (self.scopes).rehash(|rule, window| hasher.scope(rule, window));
         let mut ids = HashTable::with_capacity(self.len());
-        for (id, held) in self.iter() {
-            let hash = self.hasher.hash_one(&held.key);
-            ids.insert_unique(hash, id, |&id| hash_at(&self.entries, &self.hasher, id));
+        let (entries, scopes) = (&self.entries, &self.scopes);
+        for (id, key, _) in self.iter() {
+            ids.insert_unique(hasher.key(key), id, |&id| {
+                hash_at(entries, scopes, hasher, id)
+            });
         }
         self.ids = ids;
     }
+
+    /// The key `held` holds.
+    fn key_of<'a>(&'a self, held: &'a Held) -> KeyRef<'a> {
+        key_of(&self.scopes, held)
+    }
+
+    /// Whether the entry at `id` holds `key`.
+    fn names(&self, id: KeyId, key: &Key) -> bool {
+        names(&self.entries, &self.scopes, id, key)
+    }
 }
 
-/// Appends an empty entry and returns its id. A full vector grows by a quarter, not by
-/// doubling as `Vec::push` would: at most a fifth of its room is left unused rather than
-/// half (an entry is 40 bytes, so 10 unused a key held at worst instead of 40), and a growth copies
-/// into 1.25 times the room rather than 2 (amortised, each entry is copied about five
-/// times rather than twice).
+/// Appends an empty entry and returns its id. A full vector grows by an eighth, not by
+/// doubling as `Vec::push` would: at most a ninth of its room is left unused rather than
+/// half (an entry is 32 bytes, so 4 unused a key held at worst instead of 32). Amortised,
+/// each entry is copied about nine times rather than twice, but a large vector grows in
+/// place where the allocator can move its pages rather than copy them.
 fn push_empty(entries: &mut Vec<Option<Held>>) -> KeyId {
     if entries.len() == entries.capacity() {
-        entries.reserve_exact(entries.len() / 4 + 16);
+        entries.reserve_exact(entries.len() / 8 + 16);
     }
     entries.push(None);
     KeyId::of(entries.len() - 1)
 }
 
+/// The key `held` holds, its rule and window from `scopes`.
+fn key_of<'a>(scopes: &'a Scopes, held: &'a Held) -> KeyRef<'a> {
+    let (rule, window) = scopes.get(held.scope);
+    KeyRef::held(rule, &held.subject, window)
+}
+
 /// Whether the entry at `id` holds `key`.
-fn names(entries: &[Option<Held>], id: KeyId, key: &Key) -> bool {
-    matches!(entries.get(id.at()), Some(Some(held)) if held.key == *key)
+fn names(entries: &[Option<Held>], scopes: &Scopes, id: KeyId, key: &Key) -> bool {
+    let Some(Some(held)) = entries.get(id.at()) else {
+        return false;
+    };
+    let (rule, window) = scopes.get(held.scope);
+    held.subject == key.subject && window == key.window && *rule == key.rule
 }
 
 /// The hash of the key at `id`, for the hash table's moves (every id it holds is held).
-fn hash_at(entries: &[Option<Held>], hasher: &KeyHasher, id: KeyId) -> u64 {
+fn hash_at(entries: &[Option<Held>], scopes: &Scopes, hasher: &KeyHasher, id: KeyId) -> u64 {
     match entries.get(id.at()) {
-        Some(Some(held)) => hasher.hash_one(&held.key),
+        Some(Some(held)) => hasher.key(key_of(scopes, held)),
         _ => 0,
     }
 }
@@ -257,8 +310,7 @@ mod tests {
             .merge(&replicas, origin, lane, Version(1));
 
         let removed = table.remove(ids[5]).unwrap();
-        assert_eq!(removed.key, key(5));
-        assert_eq!(removed.cells.get(origin), Some((lane, Version(1))));
+        assert_eq!(removed.get(origin), Some((lane, Version(1))));
         assert_eq!(table.id(&key(5)), None);
         assert!(table.get(ids[5]).is_none());
         assert!(table.remove(ids[5]).is_none(), "removed once");
@@ -266,7 +318,8 @@ mod tests {
 
         let reused = table.entry(&key(1_000)).0;
         assert_eq!(reused, ids[5]);
-        assert_eq!(table.get(reused).unwrap().cells.get(origin), None);
+        assert_eq!(table.get(reused).unwrap().1.get(origin), None);
+        assert_eq!(table.get(reused).unwrap().0.to_key(), key(1_000));
         for (s, id) in ids.iter().enumerate().filter(|&(s, _)| s != 5) {
             assert_eq!(table.id(&key(s)), Some(*id), "key {s}");
         }
@@ -286,17 +339,19 @@ mod tests {
         }
         assert!(table.is_sparse());
         let mut moves = Vec::new();
-        table.compact(|from, to, held| moves.push((from, to, held.key.clone())));
+        table.compact(|from, to, _| moves.push((from, to)));
         assert!(!table.is_sparse());
         assert_eq!(table.len(), 10);
         assert_eq!(table.entries.len(), 10, "no free id is left");
-        for (from, to, moved) in &moves {
+        assert_eq!(moves.len(), 9, "every key but the first moved down");
+        for &(from, to) in &moves {
             assert!(to.at() < from.at());
-            assert_eq!(table.id(moved), Some(*to));
+            let moved = table.get(to).unwrap().0.to_key();
+            assert_eq!(table.id(&moved), Some(to));
         }
         for s in (0..100).step_by(10) {
             let id = table.id(&key(s)).unwrap();
-            assert_eq!(table.get(id).unwrap().key, key(s));
+            assert_eq!(table.get(id).unwrap().0.to_key(), key(s));
         }
         let fresh = table.entry(&key(1_000)).0;
         assert_eq!(
@@ -310,11 +365,51 @@ mod tests {
     fn a_reseeded_table_finds_every_key_under_its_old_id() {
         let mut table = KeyTable::with_seed(1);
         let ids: Vec<KeyId> = (0..50).map(|s| table.entry(&key(s)).0).collect();
-        let hash_before = table.hasher.hash_one(&key(0));
+        let hash_before = table.hasher.key(KeyRef::from(&key(0)));
         table.reseed(2);
-        assert_ne!(table.hasher.hash_one(&key(0)), hash_before, "hashed anew");
+        assert_ne!(
+            table.hasher.key(KeyRef::from(&key(0))),
+            hash_before,
+            "hashed anew"
+        );
         for (s, id) in ids.iter().enumerate() {
             assert_eq!(table.id(&key(s)), Some(*id));
         }
+        assert_eq!(table.entry(&key(0)).0, ids[0]);
+        let added = table.entry(&key(50)).0;
+        assert_eq!(table.get(added).unwrap().0.to_key(), key(50));
+    }
+
+    #[test]
+    fn keys_that_differ_only_in_rule_or_window_are_held_apart_each_scope_held_once() {
+        let mut table = KeyTable::with_seed(3);
+        let (login, api) = (Rule::new("login").unwrap(), Rule::new("api").unwrap());
+        let (minute, hour) = (
+            Window::containing(600, 60).unwrap(),
+            Window::containing(600, 3_600).unwrap(),
+        );
+        let subject = Subject::new("user-1").unwrap();
+        let keys = [
+            Key::new(login.clone(), subject.clone(), minute),
+            Key::new(login.clone(), subject.clone(), hour),
+            Key::new(api.clone(), subject.clone(), minute),
+        ];
+        let ids: Vec<KeyId> = keys.iter().map(|key| table.entry(key).0).collect();
+        assert!(ids[0] != ids[1] && ids[1] != ids[2] && ids[0] != ids[2]);
+        for _ in 0..3 {
+            let other = Key::new(login.clone(), Subject::new("user-2").unwrap(), minute);
+            table.entry(&other);
+        }
+        table.remove(ids[0]).unwrap();
+        assert_eq!(table.id(&keys[0]), None);
+        for (key, id) in keys.iter().zip(&ids).skip(1) {
+            assert_eq!(table.id(key), Some(*id));
+            assert_eq!(table.get(*id).unwrap().0.to_key(), *key);
+        }
+        let user_2 = Key::new(login, Subject::new("user-2").unwrap(), minute);
+        let id = table
+            .id(&user_2)
+            .expect("its scope outlived the key removed from it");
+        assert_eq!(table.get(id).unwrap().0.to_key(), user_2);
     }
 }

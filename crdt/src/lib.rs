@@ -42,6 +42,7 @@ mod key;
 mod key_table;
 mod lane;
 mod map;
+mod scopes;
 mod version_index;
 
 pub use cells::CounterRef;

@@ -1,12 +1,12 @@
 //! Many counters with versioned lanes: the state that gossip keeps in sync.
 
-use crate::cells::{CounterRef, OriginIndex, Replicas};
+use crate::cells::{Cells, CounterRef, OriginIndex, Replicas};
 use crate::delta::size;
 use crate::key_table::{KeyId, KeyTable};
 use crate::version_index::VersionIndex;
 use crate::{
-    Counter, Delta, Digest, Generation, HeldVersions, Key, Lane, LaneUpdate, NodeId, OriginDelta,
-    Overflow, ReplicaId, Settled, Stamp, Version, Watermark, Window, DELTA_BYTES_MIN,
+    Counter, Delta, Digest, Generation, HeldVersions, Key, KeyRef, Lane, LaneUpdate, NodeId,
+    OriginDelta, Overflow, ReplicaId, Settled, Stamp, Version, Watermark, Window, DELTA_BYTES_MIN,
 };
 use std::collections::BTreeMap;
 
@@ -158,21 +158,21 @@ impl CounterMap {
 
     /// The counter at `key`, if any lane of it is held.
     pub fn counter(&self, key: &Key) -> Option<CounterRef<'_>> {
-        let id = self.keys.id(key)?;
-        Some(CounterRef::new(&self.keys.get(id)?.cells, &self.replicas))
+        let (_, cells) = self.keys.get(self.keys.id(key)?)?;
+        Some(CounterRef::new(cells, &self.replicas))
     }
 
     /// Every key holding a lane of `node`, in any of its lives, with its counter: a key
     /// with lanes of several lives comes once for each.
-    pub fn keys_of(&self, node: NodeId) -> impl Iterator<Item = (&Key, CounterRef<'_>)> {
+    pub fn keys_of(&self, node: NodeId) -> impl Iterator<Item = (KeyRef<'_>, CounterRef<'_>)> {
         let lives =
             ReplicaId::new(node, Generation(0))..=ReplicaId::new(node, Generation(u64::MAX));
         self.origins
             .range(lives)
             .flat_map(|(_, origin)| origin.by_version.ids())
             .filter_map(|id| {
-                let held = self.keys.get(id)?;
-                Some((&held.key, CounterRef::new(&held.cells, &self.replicas)))
+                let (key, cells) = self.keys.get(id)?;
+                Some((key, CounterRef::new(cells, &self.replicas)))
             })
     }
 
@@ -182,9 +182,8 @@ impl CounterMap {
     }
 
     /// Every key and its counter, in no particular order.
-    pub fn iter(&self) -> impl Iterator<Item = (&Key, CounterRef<'_>)> {
-        (self.keys.iter())
-            .map(|(_, held)| (&held.key, CounterRef::new(&held.cells, &self.replicas)))
+    pub fn iter(&self) -> impl Iterator<Item = (KeyRef<'_>, CounterRef<'_>)> {
+        (self.keys.iter()).map(|(_, key, cells)| (key, CounterRef::new(cells, &self.replicas)))
     }
 
     /// A number that rises whenever a lane rises or a counter is dropped, so a caller can
@@ -321,7 +320,7 @@ impl CounterMap {
         let start = rotate.checked_rem(unlisted.len()).unwrap_or(0);
         let mut taken = Vec::new();
         for &(version, id) in unlisted[start..].iter().chain(&unlisted[..start]) {
-            let cost = size::lane(&self.key_held(theirs.origin, id).key);
+            let cost = size::lane(self.key_held(theirs.origin, id).0);
             if cost > budget {
                 break;
             }
@@ -346,7 +345,7 @@ impl CounterMap {
 
     /// The key and lanes at `id`, which `origin`'s version index names. Panics if it is not
     /// held: the index and the key table disagree.
-    fn key_held(&self, origin: ReplicaId, id: KeyId) -> &crate::key_table::Held {
+    fn key_held(&self, origin: ReplicaId, id: KeyId) -> (KeyRef<'_>, &Cells) {
         let Some(held) = self.keys.get(id) else {
             panic!("{origin}'s version index names key id {id:?}, which is not held");
         };
@@ -355,11 +354,10 @@ impl CounterMap {
 
     /// `origin`'s lane of the key at `id`, sent under `version`.
     fn lane_update(&self, origin: &Origin, version: Version, id: KeyId) -> LaneUpdate {
-        let held = self.key_held(self.replicas.replica(origin.index), id);
+        let (key, cells) = self.key_held(self.replicas.replica(origin.index), id);
         LaneUpdate {
-            key: held.key.clone(),
-            lane: held
-                .cells
+            key: key.to_key(),
+            lane: cells
                 .get(origin.index)
                 .map(|(lane, _)| lane)
                 .unwrap_or_default(),
@@ -477,7 +475,7 @@ impl CounterMap {
     pub fn lane(&self, key: &Key, replica: ReplicaId) -> Lane {
         let lane = || {
             let index = self.origins.get(&replica)?.index;
-            let (lane, _) = self.keys.get(self.keys.id(key)?)?.cells.get(index)?;
+            let (lane, _) = self.keys.get(self.keys.id(key)?)?.1.get(index)?;
             Some(lane)
         };
         lane().unwrap_or_default()
@@ -610,7 +608,7 @@ impl CounterMap {
         };
         let after = Version(theirs.version.0.saturating_add(1));
         for (version, id) in origin.by_version.range_from(after) {
-            let cost = size::lane(&self.key_held(replica, id).key);
+            let cost = size::lane(self.key_held(replica, id).0);
             if cost > *budget {
                 // The receiver will hold everything up to the last lane sent (never past
                 // what this map itself holds completely), and nothing shows that it has
@@ -670,7 +668,7 @@ impl CounterMap {
                 }
                 let named =
                     (origin.by_version.get(update.version)).and_then(|id| self.keys.get(id));
-                if named.is_some_and(|held| held.key != update.key) {
+                if named.is_some_and(|(key, _)| key != KeyRef::from(&update.key)) {
                     applied.lanes_clashing += left_out.len();
                     refused_at = lowest();
                     break;
@@ -732,13 +730,13 @@ impl CounterMap {
         let expired: Vec<KeyId> = self
             .keys
             .iter()
-            .filter(|(_, held)| !held.key.window.is_live(now_unix_secs))
-            .map(|(id, _)| id)
+            .filter(|(_, key, _)| !key.window().is_live(now_unix_secs))
+            .map(|(id, _, _)| id)
             .collect();
         for &id in &expired {
             self.changes += 1;
-            if let Some(held) = self.keys.remove(id) {
-                for (index, version) in held.cells.versions() {
+            if let Some(cells) = self.keys.remove(id) {
+                for (index, version) in cells.versions() {
                     let replica = self.replicas.replica(index);
                     if let Some(origin) = self.origins.get_mut(&replica) {
                         origin.by_version.remove(version);
@@ -748,8 +746,8 @@ impl CounterMap {
         }
         if self.keys.is_sparse() {
             let (origins, replicas) = (&mut self.origins, &self.replicas);
-            self.keys.compact(|from, to, held| {
-                for (index, version) in held.cells.versions() {
+            self.keys.compact(|from, to, cells| {
+                for (index, version) in cells.versions() {
                     if let Some(origin) = origins.get_mut(&replicas.replica(index)) {
                         origin.by_version.rename(version, from, to);
                     }
@@ -928,7 +926,7 @@ mod tests {
 
     /// The bytes of an entry of `lanes` lanes of [`long_key`]s.
     fn long_keys_bytes(lanes: usize) -> usize {
-        size::DELTA_HEADER + size::ORIGIN_HEADER + lanes * size::lane(&long_key(0))
+        size::DELTA_HEADER + size::ORIGIN_HEADER + lanes * size::lane(KeyRef::from(&long_key(0)))
     }
 
     /// `o` writes `long_key(1..=n)`, and `y` takes them all; `o` rewrites `lacked` of them,
@@ -1165,7 +1163,7 @@ mod tests {
                 (map.iter())
                     .filter_map(|(key, counter)| {
                         let slot = counter.slots().find(|slot| slot.replica == o)?;
-                        Some((key.clone(), (slot.lane, slot.version)))
+                        Some((key.to_key(), (slot.lane, slot.version)))
                     })
                     .collect()
             };
@@ -1329,10 +1327,10 @@ mod tests {
             assert_eq!(map.replicas.replica(origin.index), *replica);
             for (version, id) in origin.by_version.range_from(Version::ZERO) {
                 let held = map.keys.get(id).expect("the index names a held key");
-                let slot = CounterRef::new(&held.cells, &map.replicas)
+                let slot = CounterRef::new(held.1, &map.replicas)
                     .slot(*replica)
                     .expect("the key has the origin's lane");
-                assert_eq!(slot.version, version, "{replica} at {}", held.key);
+                assert_eq!(slot.version, version, "{replica} at {}", held.0.to_key());
             }
         }
         let lanes: usize = map.iter().map(|(_, counter)| counter.lanes()).sum();
@@ -1347,7 +1345,10 @@ mod tests {
         map.incr(life(2, 2), &key(2, 60), 1, Stamp(1)).unwrap();
         map.incr(life(3, 1), &key(3, 60), 1, Stamp(1)).unwrap();
         map.incr(life(1, 1), &key(4, 60), 1, Stamp(1)).unwrap();
-        let mut keys: Vec<Key> = map.keys_of(NodeId(2)).map(|(key, _)| key.clone()).collect();
+        let mut keys: Vec<Key> = map
+            .keys_of(NodeId(2))
+            .map(|(key, _)| key.to_key())
+            .collect();
         keys.sort();
         assert_eq!(keys, [key(1, 60), key(2, 60)]);
         assert_eq!(map.keys_of(NodeId(9)).count(), 0);

@@ -194,11 +194,11 @@ proptest! {
         let mut full: BTreeMap<Key, PnCounter> = BTreeMap::new();
         for map in &maps {
             for (k, c) in map.iter() {
-                full.entry(k.clone()).or_default().merge(&PnCounter::copy_of(&c));
+                full.entry(k.to_key()).or_default().merge(&PnCounter::copy_of(&c));
             }
         }
         for map in &maps {
-            let held: BTreeMap<Key, PnCounter> = map.iter().map(|(k, c)| (k.clone(), PnCounter::copy_of(&c))).collect();
+            let held: BTreeMap<Key, PnCounter> = map.iter().map(|(k, c)| (k.to_key(), PnCounter::copy_of(&c))).collect();
             prop_assert_eq!(&held, &full);
             prop_assert_eq!(map.digest(), maps[0].digest());
         }
@@ -269,8 +269,8 @@ proptest! {
             .with_lane_rate_max(u64::MAX);
         sync_until_quiet(&mut maps, budget);
         for map in &maps[1..] {
-            let held: BTreeMap<&Key, PnCounter> = map.iter().map(|(k, c)| (k, PnCounter::copy_of(&c))).collect();
-            let capped: BTreeMap<&Key, PnCounter> = maps[0].iter().map(|(k, c)| (k, PnCounter::copy_of(&c))).collect();
+            let held: BTreeMap<Key, PnCounter> = map.iter().map(|(k, c)| (k.to_key(), PnCounter::copy_of(&c))).collect();
+            let capped: BTreeMap<Key, PnCounter> = maps[0].iter().map(|(k, c)| (k.to_key(), PnCounter::copy_of(&c))).collect();
             prop_assert_eq!(capped, held);
         }
     }
@@ -491,7 +491,7 @@ proptest! {
             assert_indexed(map)?;
             let values: BTreeMap<Key, i128> = map
                 .iter()
-                .map(|(k, c)| (k.clone(), c.value()))
+                .map(|(k, c)| (k.to_key(), c.value()))
                 .filter(|&(_, value)| value != 0)
                 .collect();
             let expected: BTreeMap<Key, i128> =
@@ -567,7 +567,7 @@ type Lanes = BTreeMap<(Key, ReplicaId), Lane>;
 
 fn snapshot_lanes(map: &CounterMap) -> Lanes {
     map.iter()
-        .flat_map(|(k, c)| c.slots().map(move |s| ((k.clone(), s.replica), s.lane)))
+        .flat_map(|(k, c)| c.slots().map(move |s| ((k.to_key(), s.replica), s.lane)))
         .collect()
 }
 
@@ -605,10 +605,11 @@ fn assert_claims_only_held<'a>(
     for (origin, writer) in writers {
         let watermark = receiver.watermark(replica(origin)).version;
         for (k, counter) in writer.iter() {
+            let k = k.to_key();
             if let Some(slot) = counter.slot(replica(origin)) {
                 if slot.version <= watermark {
                     prop_assert!(
-                        receiver.lane(k, replica(origin)).covers(slot.lane),
+                        receiver.lane(&k, replica(origin)).covers(slot.lane),
                         "watermark {:?} of {} claims {} at {:?}",
                         watermark,
                         origin,

@@ -433,7 +433,7 @@ fn one_node_clock_skew_keeps_windows_fixed_by_the_key() {
         let behind = sim.gossip(3).unwrap().map();
         let windows: std::collections::BTreeSet<u64> = behind
             .iter()
-            .map(|(key, _)| key.window.start_unix_secs())
+            .map(|(key, _)| key.window().start_unix_secs())
             .collect();
         assert_eq!(windows.len(), 3, "windows held behind: {windows:?}");
     }

@@ -287,7 +287,7 @@ impl Driver {
             .gossip
             .map()
             .iter()
-            .map(|(key, _)| key.clone())
+            .map(|(key, _)| key.to_key())
             .collect();
         self.publish(me, &keys);
     }

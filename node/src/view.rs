@@ -560,7 +560,7 @@ impl ViewState {
         }
         for &node in &relocated.left {
             for (key, counter) in map.keys_of(node) {
-                self.take_outside(key, &counter, me);
+                self.take_outside(&key.to_key(), &counter, me);
             }
         }
     }

@@ -349,15 +349,15 @@ fn refresh(sim: &Sim, index: usize, node: &mut Deciding) {
     let (me, map) = (node.replica, gossip.map());
     let now_ms = now.mono.as_millis() as u64;
     for (key, counter) in map.iter() {
-        let counter = PnCounter::copy_of(&counter);
-        if node.published.get(key) == Some(&counter) {
+        let (key, counter) = (key.to_key(), PnCounter::copy_of(&counter));
+        if node.published.get(&key) == Some(&counter) {
             continue;
         }
         node.store
-            .publish_remote(key, counter.value_without(me))
+            .publish_remote(&key, counter.value_without(me))
             .unwrap();
-        node.view.take_in(key, &counter, me, now_ms);
-        node.published.insert(key.clone(), counter);
+        node.view.take_in(&key, &counter, me, now_ms);
+        node.published.insert(key, counter);
     }
     let members = gossip.members();
     let all = [State::Alive, State::Suspect, State::Dead, State::Left];

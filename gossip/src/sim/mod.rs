@@ -314,6 +314,7 @@ impl Sim {
         let mut map = CounterMap::new();
         let mut lives = Vec::new();
         for (key, counter) in saved.iter() {
+            let key = key.to_key();
             for slot in counter.slots() {
                 if slot.replica.node != replica.node {
                     continue;
@@ -322,7 +323,7 @@ impl Sim {
                     lives.push(slot.replica);
                     map.raise_version(slot.replica, floor);
                 }
-                map.write(slot.replica, key, slot.lane, wall);
+                map.write(slot.replica, &key, slot.lane, wall);
             }
         }
         self.boot(index, Some(map));
@@ -616,7 +617,7 @@ impl Sim {
         node.own = match &saved {
             Some(map) => map
                 .iter()
-                .map(|(key, counter)| (key.clone(), counter.lane(replica)))
+                .map(|(key, counter)| (key.to_key(), counter.lane(replica)))
                 .filter(|(_, lane)| *lane != Lane::default())
                 .collect(),
             None => BTreeMap::new(),
@@ -752,7 +753,7 @@ fn lanes_of(map: &CounterMap) -> BTreeMap<(Key, ReplicaId), Lane> {
         .flat_map(|(key, counter)| {
             counter
                 .slots()
-                .map(move |slot| ((key.clone(), slot.replica), slot.lane))
+                .map(move |slot| ((key.to_key(), slot.replica), slot.lane))
         })
         .collect()
 }
