@@ -83,8 +83,15 @@ impl KeyHasher {
         hasher.finish()
     }
 
-    /// The hash of a key by its parts: a [`Key`]'s and a [`KeyRef`]'s are the same.
-    fn key(&self, key: KeyRef<'_>) -> u64 {
+    /// The hash of `key`. Hashed whole, not through a [`KeyRef`] made of it: that
+    /// costs a third more on a look-up (the map bench's `value_of_100k_keys`, session 38).
+    fn key(&self, key: &Key) -> u64 {
+        self.hash_one(key)
+    }
+
+    /// The hash of a held key, by its parts: the same as its [`Key`]'s ([`Key`]'s
+    /// invariant).
+    fn held(&self, key: KeyRef<'_>) -> u64 {
         self.hash_one(key)
     }
 
@@ -112,8 +119,18 @@ impl KeyTable {
 
     /// The id of `key`, if it is held.
     pub(crate) fn id(&self, key: &Key) -> Option<KeyId> {
-        let hash = self.hasher.key(KeyRef::from(key));
-        self.ids.find(hash, |&id| self.names(id, key)).copied()
+        let hash = self.hasher.key(key);
+        self.ids.find(hash, |&id| self.holds(id, key)).copied()
+    }
+
+    /// The lanes at `id`, if `id` is held. Reads neither the key's strings nor its scope.
+    pub(crate) fn cells(&self, id: KeyId) -> Option<&Cells> {
+        Some(&self.entries.get(id.at())?.as_ref()?.cells)
+    }
+
+    /// Whether `id` holds `key`.
+    pub(crate) fn holds(&self, id: KeyId, key: &Key) -> bool {
+        names(&self.entries, &self.scopes, id, key)
     }
 
     /// The key and lanes at `id`, if `id` is held.
@@ -125,7 +142,7 @@ impl KeyTable {
     /// The id and lanes of `key`, holding it with no lanes (under a free id or a new one)
     /// if it was not held.
     pub(crate) fn entry(&mut self, key: &Key) -> (KeyId, &mut Cells) {
-        let hash = self.hasher.key(KeyRef::from(key));
+        let hash = self.hasher.key(key);
         let (entries, scopes, hasher) = (&self.entries, &self.scopes, &self.hasher);
         let found = self.ids.entry(
             hash,
@@ -159,7 +176,7 @@ impl KeyTable {
     /// Stops holding `id`'s key, returning its lanes.
     pub(crate) fn remove(&mut self, id: KeyId) -> Option<Cells> {
         let held = self.entries.get_mut(id.at())?.take()?;
-        let hash = self.hasher.key(key_of(&self.scopes, &held));
+        let hash = self.hasher.held(key_of(&self.scopes, &held));
         if let Ok(found) = self.ids.find_entry(hash, |&other| other == id) {
             found.remove();
         }
@@ -174,6 +191,18 @@ impl KeyTable {
         (self.entries.iter().enumerate()).filter_map(|(at, held)| {
             let held = held.as_ref()?;
             Some((KeyId::of(at), self.key_of(held), &held.cells))
+        })
+    }
+
+    /// Every held id whose key's window `matches`, in no particular order. Reads no key's
+    /// strings.
+    pub(crate) fn ids_in_windows<'a>(
+        &'a self,
+        matches: impl Fn(Window) -> bool + 'a,
+    ) -> impl Iterator<Item = KeyId> + 'a {
+        (self.entries.iter().enumerate()).filter_map(move |(at, held)| {
+            let (_, window) = self.scopes.get(held.as_ref()?.scope);
+            matches(window).then(|| KeyId::of(at))
         })
     }
 
@@ -205,7 +234,7 @@ impl KeyTable {
             let Some(held) = self.entries.pop().flatten() else {
                 continue;
             };
-            let hash = self.hasher.key(key_of(&self.scopes, &held));
+            let hash = self.hasher.held(key_of(&self.scopes, &held));
             if let Ok(mut found) = self.ids.find_entry(hash, |&id| id == from) {
                 *found.get_mut() = to;
             }
@@ -227,7 +256,7 @@ impl KeyTable {
         let mut ids = HashTable::with_capacity(self.len());
         let (entries, scopes) = (&self.entries, &self.scopes);
         for (id, key, _) in self.iter() {
-            ids.insert_unique(hasher.key(key), id, |&id| {
+            ids.insert_unique(hasher.held(key), id, |&id| {
                 hash_at(entries, scopes, hasher, id)
             });
         }
@@ -237,11 +266,6 @@ impl KeyTable {
     /// The key `held` holds.
     fn key_of<'a>(&'a self, held: &'a Held) -> KeyRef<'a> {
         key_of(&self.scopes, held)
-    }
-
-    /// Whether the entry at `id` holds `key`.
-    fn names(&self, id: KeyId, key: &Key) -> bool {
-        names(&self.entries, &self.scopes, id, key)
     }
 }
 
@@ -276,7 +300,7 @@ fn names(entries: &[Option<Held>], scopes: &Scopes, id: KeyId, key: &Key) -> boo
 /// The hash of the key at `id`, for the hash table's moves (every id it holds is held).
 fn hash_at(entries: &[Option<Held>], scopes: &Scopes, hasher: &KeyHasher, id: KeyId) -> u64 {
     match entries.get(id.at()) {
-        Some(Some(held)) => hasher.key(key_of(scopes, held)),
+        Some(Some(held)) => hasher.held(key_of(scopes, held)),
         _ => 0,
     }
 }
@@ -365,17 +389,17 @@ mod tests {
     fn a_reseeded_table_finds_every_key_under_its_old_id() {
         let mut table = KeyTable::with_seed(1);
         let ids: Vec<KeyId> = (0..50).map(|s| table.entry(&key(s)).0).collect();
-        let hash_before = table.hasher.key(KeyRef::from(&key(0)));
+        let hash_before = table.hasher.key(&key(0));
         table.reseed(2);
-        assert_ne!(
-            table.hasher.key(KeyRef::from(&key(0))),
-            hash_before,
-            "hashed anew"
-        );
+        assert_ne!(table.hasher.key(&key(0)), hash_before, "hashed anew");
         for (s, id) in ids.iter().enumerate() {
             assert_eq!(table.id(&key(s)), Some(*id));
         }
         assert_eq!(table.entry(&key(0)).0, ids[0]);
+        for (s, &id) in ids.iter().enumerate() {
+            let held = table.get(id).unwrap().0;
+            assert_eq!(table.hasher.held(held), table.hasher.key(&key(s)));
+        }
         let added = table.entry(&key(50)).0;
         assert_eq!(table.get(added).unwrap().0.to_key(), key(50));
     }

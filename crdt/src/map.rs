@@ -158,7 +158,7 @@ impl CounterMap {
 
     /// The counter at `key`, if any lane of it is held.
     pub fn counter(&self, key: &Key) -> Option<CounterRef<'_>> {
-        let (_, cells) = self.keys.get(self.keys.id(key)?)?;
+        let cells = self.keys.cells(self.keys.id(key)?)?;
         Some(CounterRef::new(cells, &self.replicas))
     }
 
@@ -475,7 +475,7 @@ impl CounterMap {
     pub fn lane(&self, key: &Key, replica: ReplicaId) -> Lane {
         let lane = || {
             let index = self.origins.get(&replica)?.index;
-            let (lane, _) = self.keys.get(self.keys.id(key)?)?.1.get(index)?;
+            let (lane, _) = self.keys.cells(self.keys.id(key)?)?.get(index)?;
             Some(lane)
         };
         lane().unwrap_or_default()
@@ -666,9 +666,8 @@ impl CounterMap {
                     refused_at = lowest();
                     break;
                 }
-                let named =
-                    (origin.by_version.get(update.version)).and_then(|id| self.keys.get(id));
-                if named.is_some_and(|(key, _)| key != KeyRef::from(&update.key)) {
+                let named = origin.by_version.get(update.version);
+                if named.is_some_and(|id| !self.keys.holds(id, &update.key)) {
                     applied.lanes_clashing += left_out.len();
                     refused_at = lowest();
                     break;
@@ -727,11 +726,8 @@ impl CounterMap {
     /// origin left with no lanes for which `keep_origin` is false (a retired generation,
     /// a dead node). Returns how many counters were dropped.
     pub fn expire(&mut self, now_unix_secs: u64, keep_origin: impl Fn(ReplicaId) -> bool) -> usize {
-        let expired: Vec<KeyId> = self
-            .keys
-            .iter()
-            .filter(|(_, key, _)| !key.window().is_live(now_unix_secs))
-            .map(|(id, _, _)| id)
+        let expired: Vec<KeyId> = (self.keys)
+            .ids_in_windows(|window| !window.is_live(now_unix_secs))
             .collect();
         for &id in &expired {
             self.changes += 1;
