@@ -271,9 +271,9 @@ impl KeyTable {
 
 /// Appends an empty entry and returns its id. A full vector grows by an eighth, not by
 /// doubling as `Vec::push` would: at most a ninth of its room is left unused rather than
-/// half (an entry is 32 bytes, so 4 unused a key held at worst instead of 32). Amortised,
-/// each entry is copied about nine times rather than twice, but a large vector grows in
-/// place where the allocator can move its pages rather than copy them.
+/// half (an entry is 32 bytes, so 4 unused a key held at worst instead of 32), for more
+/// copies while it grows: amortised, each entry is copied about nine times rather than
+/// twice.
 fn push_empty(entries: &mut Vec<Option<Held>>) -> KeyId {
     if entries.len() == entries.capacity() {
         entries.reserve_exact(entries.len() / 8 + 16);
