@@ -243,7 +243,16 @@ impl KeyTable {
         }
         self.entries.shrink_to_fit();
         self.free.shrink_to_fit();
-        let (entries, scopes, hasher) = (&self.entries, &self.scopes, &self.hasher);
+        // The scopes held afresh, for the keys left: a burst of scopes leaves no room
+        // behind (found in review).
+        let (old, hasher) = (&self.scopes, &self.hasher);
+        let mut scopes = Scopes::default();
+        for held in self.entries.iter_mut().flatten() {
+            let (rule, window) = old.get(held.scope);
+            held.scope = scopes.add_key(rule, window, |rule, window| hasher.scope(rule, window));
+        }
+        self.scopes = scopes;
+        let (entries, scopes) = (&self.entries, &self.scopes);
         self.ids
             .shrink_to_fit(|&id| hash_at(entries, scopes, hasher, id));
     }
@@ -402,6 +411,29 @@ mod tests {
         }
         let added = table.entry(&key(50)).0;
         assert_eq!(table.get(added).unwrap().0.to_key(), key(50));
+    }
+
+    #[test]
+    fn compacting_gives_back_the_room_of_the_scopes_no_key_is_in_any_more() {
+        let mut table = KeyTable::with_seed(1);
+        let rule = Rule::new("a").unwrap();
+        let in_window = |index| {
+            let window = Window::new(index, 1).unwrap();
+            Key::new(rule.clone(), Subject::new("s").unwrap(), window)
+        };
+        let ids: Vec<KeyId> = (0..1_000)
+            .map(|index| table.entry(&in_window(index)).0)
+            .collect();
+        for &id in &ids[..999] {
+            table.remove(id).unwrap();
+        }
+        assert_eq!(table.scopes.slots(), 1_000, "freed, not given back");
+        table.compact(|_, _, _| {});
+        assert_eq!(table.scopes.slots(), 1);
+        let id = table.id(&in_window(999)).unwrap();
+        assert_eq!(table.get(id).unwrap().0.to_key(), in_window(999));
+        let next = table.entry(&in_window(1_000)).0;
+        assert_eq!(table.get(next).unwrap().0.to_key(), in_window(1_000));
     }
 
     #[test]

@@ -101,6 +101,12 @@ impl Scopes {
         self.free.push(id);
     }
 
+    /// How many scopes there is room for, held or free.
+    #[cfg(test)]
+    pub(crate) fn slots(&self) -> usize {
+        self.scopes.len()
+    }
+
     /// The scopes hashed again by `hash`, as when the table's hasher changes.
     pub(crate) fn rehash(&mut self, hash: impl Fn(&Rule, Window) -> u64) {
         let mut ids = HashTable::with_capacity(self.ids.len());
