@@ -243,16 +243,9 @@ impl KeyTable {
         }
         self.entries.shrink_to_fit();
         self.free.shrink_to_fit();
-        // The scopes held afresh, for the keys left: a burst of scopes leaves no room
-        // behind (found in review).
-        let (old, hasher) = (&self.scopes, &self.hasher);
-        let mut scopes = Scopes::default();
-        for held in self.entries.iter_mut().flatten() {
-            let (rule, window) = old.get(held.scope);
-            held.scope = scopes.add_key(rule, window, |rule, window| hasher.scope(rule, window));
-        }
-        self.scopes = scopes;
-        let (entries, scopes) = (&self.entries, &self.scopes);
+        // A burst of scopes leaves no room behind (found in review).
+        self.hold_scopes_afresh();
+        let (entries, scopes, hasher) = (&self.entries, &self.scopes, &self.hasher);
         self.ids
             .shrink_to_fit(|&id| hash_at(entries, scopes, hasher, id));
     }
@@ -260,8 +253,8 @@ impl KeyTable {
     /// The table, its hasher keyed by `seed` instead: every id stays.
     pub(crate) fn reseed(&mut self, seed: u64) {
         self.hasher = KeyHasher::new(seed);
+        self.hold_scopes_afresh();
         let hasher = &self.hasher;
-        (self.scopes).rehash(|rule, window| hasher.scope(rule, window));
         let mut ids = HashTable::with_capacity(self.len());
         let (entries, scopes) = (&self.entries, &self.scopes);
         for (id, key, _) in self.iter() {
@@ -270,6 +263,17 @@ impl KeyTable {
             });
         }
         self.ids = ids;
+    }
+
+    /// The scopes held anew, under the table's hasher, for the keys held and no others.
+    fn hold_scopes_afresh(&mut self) {
+        let (old, hasher) = (&self.scopes, &self.hasher);
+        let mut scopes = Scopes::default();
+        for held in self.entries.iter_mut().flatten() {
+            let (rule, window) = old.get(held.scope);
+            held.scope = scopes.add_key(rule, window, |rule, window| hasher.scope(rule, window));
+        }
+        self.scopes = scopes;
     }
 
     /// The key `held` holds.
@@ -411,6 +415,11 @@ mod tests {
         }
         let added = table.entry(&key(50)).0;
         assert_eq!(table.get(added).unwrap().0.to_key(), key(50));
+        assert_eq!(
+            table.scopes.slots(),
+            1,
+            "found in its scope under the new hasher"
+        );
     }
 
     #[test]

@@ -39,10 +39,7 @@ impl Scopes {
     /// The rule and window of `id`. Panics if no key is in it: a key names a scope its
     /// table no longer holds.
     pub(crate) fn get(&self, id: ScopeId) -> (&Rule, Window) {
-        let scope = self.scopes[id.at()]
-            .as_ref()
-            .expect("a key names a scope its table holds");
-        (&scope.rule, scope.window)
+        held(&self.scopes, id)
     }
 
     /// The scope of `rule` and `window`, held for one more key, under a new id if no key
@@ -59,7 +56,7 @@ impl Scopes {
             held_window == window && held_rule == rule
         });
         if let Some(&id) = found {
-            let scope = self.scopes[id.at()].as_mut().expect("an id held is held");
+            let scope = self.scopes[id.at()].as_mut().expect("an id found is held");
             scope.keys += 1;
             return id;
         }
@@ -106,27 +103,14 @@ impl Scopes {
     pub(crate) fn slots(&self) -> usize {
         self.scopes.len()
     }
-
-    /// The scopes hashed again by `hash`, as when the table's hasher changes.
-    pub(crate) fn rehash(&mut self, hash: impl Fn(&Rule, Window) -> u64) {
-        let mut ids = HashTable::with_capacity(self.ids.len());
-        let scopes = &self.scopes;
-        for (at, scope) in scopes.iter().enumerate() {
-            if let Some(scope) = scope {
-                let id = ScopeId(at as u32);
-                ids.insert_unique(hash(&scope.rule, scope.window), id, |&id| {
-                    let (rule, window) = held(scopes, id);
-                    hash(rule, window)
-                });
-            }
-        }
-        self.ids = ids;
-    }
 }
 
-/// The rule and window of `id`, which is held.
+/// The rule and window of `id`. Panics if no key is in it: a key names a scope its table
+/// no longer holds.
 fn held(scopes: &[Option<Scope>], id: ScopeId) -> (&Rule, Window) {
-    let scope = scopes[id.at()].as_ref().expect("an id held is held");
+    let scope = scopes[id.at()]
+        .as_ref()
+        .expect("a key names a scope its table holds");
     (&scope.rule, scope.window)
 }
 
@@ -169,7 +153,6 @@ mod tests {
             ScopeId(3),
             "forgotten"
         );
-        scopes.rehash(|rule, window| hash(rule, window) + 1);
-        assert_eq!(scopes.add_key(&api, minute, |r, w| hash(r, w) + 1), other);
+        assert_eq!(scopes.add_key(&api, minute, hash), other);
     }
 }

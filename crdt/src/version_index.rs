@@ -85,12 +85,7 @@ impl VersionIndex {
     /// The highest version indexed.
     pub(crate) fn last(&self) -> Option<Version> {
         let below = self.below.keys().next_back().copied();
-        let top = self
-            .entries
-            .len()
-            .checked_sub(1)
-            .map(|at| self.version_at(at));
-        top.max(below)
+        self.top().max(below)
     }
 
     /// The key id at `version`, if a lane is indexed at it.
@@ -103,12 +98,7 @@ impl VersionIndex {
 
     /// Indexes `id`'s lane at `version`, replacing whatever was indexed at it.
     pub(crate) fn insert(&mut self, version: Version, id: KeyId) {
-        let top = self
-            .entries
-            .len()
-            .checked_sub(1)
-            .map(|at| self.version_at(at));
-        if top.is_none_or(|top| top < version) && !self.below.contains_key(&version) {
+        if self.top().is_none_or(|top| top < version) && !self.below.contains_key(&version) {
             self.push(version, id);
             self.versions_hash ^= mixed(version);
             return;
@@ -229,6 +219,12 @@ impl VersionIndex {
         (self.entries[start..end].binary_search_by_key(&low, |entry| entry.low))
             .map(|at| start + at)
             .map_err(|at| start + at)
+    }
+
+    /// The highest version in the vector (`below` aside).
+    fn top(&self) -> Option<Version> {
+        let last = self.entries.len().checked_sub(1)?;
+        Some(self.version_at(last))
     }
 
     /// The version of the entry at `at`.
