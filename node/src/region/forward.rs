@@ -895,6 +895,7 @@ mod tests {
             check_id: None,
             ticket,
         };
+        let mut checked = 0;
         for round in 0..16 {
             let (frames, mut to_region) = mpsc::channel(8);
             let sessions = Sessions {
@@ -908,13 +909,20 @@ mod tests {
             let (answers, mut answered) = mpsc::unbounded_channel();
             // Long enough that the answer is sent before it passes on a slow machine (200 ms
             // was not, once, in CI's loom step, which runs the loom models beside it).
-            forwarder.submit([check(0, 600)], Instant::now(), &answers);
+            let submitted = Instant::now();
+            forwarder.submit([check(0, 600)], submitted, &answers);
             let frame = to_region.recv().await.unwrap();
             let (_, checks) = wire::decode_checks(&frame.body).unwrap();
             // The session task takes what else it has ready (its first purge) and waits.
             for _ in 0..4 {
                 tokio::task::yield_now().await;
             }
+            if submitted.elapsed() >= ms(550) {
+                // A machine too busy to send the answer before the deadline: this round
+                // could not show which branch wins (seen once in CI, round 4).
+                continue;
+            }
+            checked += 1;
             let denied = ExactAnswer::Decided(Outcome {
                 allowed: false,
                 count: 9,
@@ -940,6 +948,7 @@ mod tests {
                 first.iter().map(|f| &f.result).collect::<Vec<_>>()
             );
         }
+        assert!(checked >= 8, "only {checked} of 16 rounds answered in time");
     }
 
     fn pending(seq: u64, timeout_ms: u64, answers: &Answers<u64>) -> Box<Pending<u64>> {
