@@ -1,6 +1,6 @@
 //! A counter as a map holds it: each lane in 12 bytes when its decrements are zero and its
-//! increments and version fit 32 bits (most lanes of a rate limit), in 24 or 36 otherwise,
-//! naming its replica by a small index into the map's table of replicas rather than by its
+//! increments and version fit 32 bits (most lanes of a rate limit), in 16 when its
+//! decrements fit 32 bits too, in 24 or 28 otherwise, naming its replica by a small index into the map's table of replicas rather than by its
 //! 16-byte id.
 
 use crate::counter::Counter;
@@ -54,13 +54,13 @@ impl Replicas {
     }
 }
 
-/// Twelve bytes of a counter's lanes: one lane's first part, or a later part of a wide lane.
-type Part = [u32; 3];
-
 const WIDTH_SHIFT: u32 = 30;
 const ORIGIN_MASK: u32 = (1 << WIDTH_SHIFT) - 1;
+/// How many words a lane takes, by the width code in the top two bits of its head.
+const WORDS: [usize; 4] = [3, 4, 6, 7];
+const WORDS_MAX: usize = 7;
 
-/// One lane read out of its parts.
+/// One lane read out of its words.
 #[derive(Debug, Clone, Copy)]
 struct Cell {
     origin: OriginIndex,
@@ -69,90 +69,89 @@ struct Cell {
 }
 
 impl Cell {
-    /// The lane's parts, and how many of them it takes. The head holds its origin index
-    /// (with its width in the top two bits) and the low halves of its increments and
-    /// version; the second part the low half of its decrements and the high halves of its
-    /// increments and version; the third the high half of its decrements. A lane takes the
-    /// fewest parts that hold every word that is not zero: one for a lane with no
-    /// decrements whose increments and version fit 32 bits, three only past 2^32
-    /// decrements.
-    fn parts(&self) -> ([Part; 3], usize) {
+    /// The lane's words, and how many of them it takes. In order: the head (its origin
+    /// index, with its width code in the top two bits), the low halves of its increments
+    /// and version, the low half of its decrements, the high halves of its increments and
+    /// version, and the high half of its decrements. A lane takes the fewest of the four
+    /// widths in [`WORDS`] that hold every word that is not zero: 12 bytes for a lane with
+    /// no decrements whose increments and version fit 32 bits, 16 with decrements that fit
+    /// too, 28 only past 2^32 decrements.
+    fn words(&self) -> ([u32; WORDS_MAX], usize) {
         let low = |value: u64| value as u32;
         let high = |value: u64| (value >> 32) as u32;
         let (incr, decr, version) = (self.lane.incr, self.lane.decr, self.version.0);
-        let second = [low(decr), high(incr), high(version)];
-        let third = [high(decr), 0, 0];
-        let width = if third != [0; 3] {
-            3
-        } else if second != [0; 3] {
-            2
-        } else {
-            1
-        };
-        let head = [
-            self.origin.0 | (width << WIDTH_SHIFT),
+        let mut words = [
+            self.origin.0,
             low(incr),
             low(version),
+            low(decr),
+            high(incr),
+            high(version),
+            high(decr),
         ];
-        ([head, second, third], width as usize)
+        let code = if words[6] != 0 {
+            3
+        } else if words[4] != 0 || words[5] != 0 {
+            2
+        } else if words[3] != 0 {
+            1
+        } else {
+            0
+        };
+        words[0] |= code << WIDTH_SHIFT;
+        (words, WORDS[code as usize])
     }
 
-    /// The lane whose head is `parts[0]`, and its width; `None` if `parts` is empty.
-    fn read(parts: &[Part]) -> Option<(Cell, usize)> {
-        let [head, incr, version] = *parts.first()?;
-        let width = (head >> WIDTH_SHIFT) as usize;
-        // The words of the second and third parts, as `Cell::parts` lays them out.
-        let [decr, incr_high, version_high] = if width > 1 { parts[1] } else { [0; 3] };
-        let decr_high = if width > 2 { parts[2][0] } else { 0 };
+    /// The lane whose head is `words[0]`, and its width in words; `None` if `words` is
+    /// empty.
+    fn read(words: &[u32]) -> Option<(Cell, usize)> {
+        let head = *words.first()?;
+        let width = WORDS[(head >> WIDTH_SHIFT) as usize];
+        let word = |at: usize| if at < width { words[at] } else { 0 };
         let joined = |low: u32, high: u32| u64::from(low) | (u64::from(high) << 32);
         let cell = Cell {
             origin: OriginIndex(head & ORIGIN_MASK),
-            lane: Lane::new(joined(incr, incr_high), joined(decr, decr_high)),
-            version: Version(joined(version, version_high)),
+            lane: Lane::new(joined(word(1), word(4)), joined(word(3), word(6))),
+            version: Version(joined(word(2), word(5))),
         };
         Some((cell, width))
     }
 }
 
-/// Every lane laid out in `parts`, with the place of its first part.
-fn lanes_in(parts: &[Part]) -> impl Iterator<Item = (usize, Cell)> + Clone + '_ {
+/// Every lane laid out in `words`, with the place of its head.
+fn lanes_in(words: &[u32]) -> impl Iterator<Item = (usize, Cell)> + Clone + '_ {
     let mut at = 0;
     std::iter::from_fn(move || {
-        let (cell, width) = Cell::read(&parts[at..])?;
+        let (cell, width) = Cell::read(&words[at..])?;
         let lane = (at, cell);
         at += width;
         Some(lane)
     })
 }
 
-/// A counter's lanes, one per origin, each in one to three [`Part`]s.
+/// A counter's lanes, one per origin, each in three to seven 32-bit words.
 ///
-/// Invariant: the lanes follow one another with no gap, each as [`Cell::parts`] lays it
+/// Invariant: the lanes follow one another with no gap, each as [`Cell::words`] lays it
 /// out, sorted by the replica each lane's origin stands for, one lane per origin. A boxed
 /// slice: a counter gains a lane at a time, so its room is exactly its lanes.
 #[derive(Debug, Clone, Default)]
-pub(crate) struct Cells(Box<[Part]>);
-
-const _: () = assert!(
-    std::mem::size_of::<Part>() == 12,
-    "a part grew past 12 bytes"
-);
+pub(crate) struct Cells(Box<[u32]>);
 
 impl Cells {
-    /// Every lane, with the place of its first part.
+    /// Every lane, with the place of its head.
     fn cells(&self) -> impl Iterator<Item = (usize, Cell)> + '_ {
         lanes_in(&self.0)
     }
 
-    /// The lane of the origin at `index`, with the place of its first part, if held. Reads
-    /// only the heads of the lanes before it.
+    /// The lane of the origin at `index`, with the place of its head, if held. Reads only
+    /// the heads of the lanes before it.
     fn find(&self, index: OriginIndex) -> Option<(usize, Cell)> {
         let mut at = 0;
-        while let Some(&[head, ..]) = self.0.get(at) {
+        while let Some(&head) = self.0.get(at) {
             if head & ORIGIN_MASK == index.0 {
                 return Cell::read(&self.0[at..]).map(|(cell, _)| (at, cell));
             }
-            at += (head >> WIDTH_SHIFT) as usize;
+            at += WORDS[(head >> WIDTH_SHIFT) as usize];
         }
         None
     }
@@ -179,7 +178,7 @@ impl Cells {
             if merged == held.lane && version == held.version {
                 return false;
             }
-            let (_, width) = held.parts();
+            let (_, width) = held.words();
             self.replace(
                 at..at + width,
                 Cell {
@@ -205,16 +204,16 @@ impl Cells {
         true
     }
 
-    /// Puts `cell`'s parts where the parts in `held` were: in place if it takes as many,
+    /// Puts `cell`'s words where the words in `held` were: in place if it takes as many,
     /// and otherwise in a new slice.
     fn replace(&mut self, held: std::ops::Range<usize>, cell: Cell) {
-        let (parts, width) = cell.parts();
-        let parts = &parts[..width];
+        let (words, width) = cell.words();
+        let words = &words[..width];
         if held.len() == width {
-            self.0[held].copy_from_slice(parts);
+            self.0[held].copy_from_slice(words);
             return;
         }
-        self.0 = [&self.0[..held.start], parts, &self.0[held.end..]]
+        self.0 = [&self.0[..held.start], words, &self.0[held.end..]]
             .concat()
             .into_boxed_slice();
     }
@@ -311,7 +310,7 @@ mod tests {
                 prop_assert_eq!(slots, expected);
                 prop_assert_eq!(counter.lanes(), model.len());
                 let width = |&(lane, version): &(Lane, Version)| {
-                    Cell { origin: OriginIndex(0), lane, version }.parts().1
+                    Cell { origin: OriginIndex(0), lane, version }.words().1
                 };
                 prop_assert_eq!(cells.0.len(), model.values().map(width).sum::<usize>());
                 for (node, index) in indexes.iter().enumerate() {
@@ -322,7 +321,7 @@ mod tests {
     }
 
     #[test]
-    fn a_lane_takes_one_part_until_it_has_decrements_or_passes_32_bits() {
+    fn a_lane_takes_three_words_until_it_has_decrements_or_passes_32_bits() {
         let width = |incr, decr, version| {
             let lane = Lane::new(incr, decr);
             (Cell {
@@ -330,16 +329,17 @@ mod tests {
                 lane,
                 version: Version(version),
             })
-            .parts()
+            .words()
             .1
         };
-        assert_eq!(width(u64::from(u32::MAX), 0, u64::from(u32::MAX)), 1);
-        assert_eq!(width(1, 1, 1), 2, "decrements");
-        assert_eq!(width(1 << 32, 0, 1), 2, "increments past 32 bits");
-        assert_eq!(width(1, 0, 1 << 32), 2, "a version past 32 bits");
-        assert_eq!(width(1, u64::from(u32::MAX), 1), 2);
-        assert_eq!(width(1, 1 << 32, 1), 3, "decrements past 32 bits");
-        assert_eq!(width(u64::MAX, u64::MAX, u64::MAX), 3);
+        assert_eq!(width(u64::from(u32::MAX), 0, u64::from(u32::MAX)), 3);
+        assert_eq!(width(1, 1, 1), 4, "decrements");
+        assert_eq!(width(1, u64::from(u32::MAX), u64::from(u32::MAX)), 4);
+        assert_eq!(width(1 << 32, 0, 1), 6, "increments past 32 bits");
+        assert_eq!(width(1, 0, 1 << 32), 6, "a version past 32 bits");
+        assert_eq!(width(1, 1, 1 << 50), 6, "a republished lane's version");
+        assert_eq!(width(1, 1 << 32, 1), 7, "decrements past 32 bits");
+        assert_eq!(width(u64::MAX, u64::MAX, u64::MAX), 7);
     }
 
     #[test]
