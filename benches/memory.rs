@@ -125,9 +125,10 @@ fn make_keys(keys: &mut Vec<Key>) {
 }
 
 /// A lane as `CounterMap` holds it when it has no decrements and its increments and version
-/// fit 32 bits, as every lane here (`crdt/src/cells.rs`, which asserts its size): a 32-bit
-/// index into the map's table of origins (with the lane's width), the increments and the
-/// version. Other lanes take two or three of these.
+/// fit 32 bits, as every own lane here (`crdt/src/cells.rs`): three 32-bit words, an index
+/// into the map's table of origins (with the lane's width), the increments and the
+/// version. A lane with decrements that fit 32 bits takes a fourth word; lanes past 32
+/// bits six or seven.
 type MapLane = [u32; 3];
 
 fn replica(node: u64) -> ReplicaId {
@@ -147,11 +148,11 @@ fn print_sizes() {
         ("Slot (ReplicaId + Lane + Version)", size_of::<Slot>()),
         ("PnCounter (Box<[Slot]>)", size_of::<PnCounter>()),
         (
-            "Option<(Subject, u32, Box<[MapLane]>)> key table entry",
-            size_of::<Option<(Subject, u32, Box<[MapLane]>)>>(),
+            "Option<(Subject, Box<[u32]>)> key table entry",
+            size_of::<Option<(Subject, Box<[u32]>)>>(),
         ),
         (
-            "a CounterMap lane's first part (origin, incr, version)",
+            "a CounterMap lane, no decrements (origin, incr, version)",
             size_of::<MapLane>(),
         ),
     ] {
@@ -311,31 +312,30 @@ fn remote_delta(origin: ReplicaId, keys: &[Key], lane: Lane) -> Delta {
 
 /// The counter map's parts, each built alone for the same keys and grown one key at a time
 /// as the map grows them, to show where its bytes go: its key table's entries (a vector of
-/// subjects, scope ids and counters, indexed by key id), one counter's lanes, and the
+/// subjects and counters indexed by key id, and beside it one of scope ids), one counter's
+/// lanes, and the
 /// per-origin version index that delta sync walks. The rest of `one_lane` is the key
 /// table's hash table of ids (and its one scope: the keys' rule and window).
 fn counter_map_parts(keys: &[Key], one_lane: Live) {
     println!("CounterMap's parts, each alone, per key:");
     let (entries, entries_live) = measure(|| {
-        let mut entries = Vec::new();
+        let (mut entries, mut scopes) = (Vec::new(), Vec::new());
         for key in keys {
-            // Grown by an eighth when full, as the key table grows it.
+            // Grown by an eighth when full, as the key table grows them.
             if entries.len() == entries.capacity() {
                 entries.reserve_exact(entries.len() / 8 + 16);
+                scopes.reserve_exact(scopes.len() / 8 + 16);
             }
-            entries.push(Some((
-                key.subject.clone(),
-                0u32,
-                Box::<[MapLane]>::default(),
-            )));
+            entries.push(Some((key.subject.clone(), Box::<[u32]>::default())));
+            scopes.push(0u32);
         }
-        entries
+        (entries, scopes)
     });
     drop(entries);
     let (lanes, lanes_live) = measure(|| {
         (keys.iter())
-            .map(|_| Box::from([[1u32; 3]]))
-            .collect::<Vec<Box<[MapLane]>>>()
+            .map(|_| Box::from([1u32; 3]))
+            .collect::<Vec<Box<[u32]>>>()
     });
     drop(lanes);
     let (index, index_live) = measure(|| {
@@ -351,15 +351,15 @@ fn counter_map_parts(keys: &[Key], one_lane: Live) {
         index
     });
     drop(index);
-    let vector = (keys_n() * size_of::<Box<[MapLane]>>()) as isize;
+    let vector = (keys_n() * size_of::<Box<[u32]>>()) as isize;
     let lane_heap = lanes_live.bytes - vector;
     let ids = one_lane.bytes - entries_live.bytes - lane_heap - index_live.bytes;
     for (part, live) in [
         (
-            "key table entries, Vec<Option<(Subject, u32, Box<..>)>>",
+            "key table entries, Vec<Option<(Subject, Box<..>)>> + Vec<u32>",
             entries_live.bytes,
         ),
-        ("one lane's Box<[MapLane]> heap", lane_heap),
+        ("one lane's Box<[u32]> heap", lane_heap),
         (
             "one origin's version index, 8 bytes an entry",
             index_live.bytes,

@@ -30,19 +30,96 @@ impl KeyId {
     }
 }
 
-/// A key, as its subject and its rule and window's [`ScopeId`], and its counter's lanes:
-/// 32 bytes, where a [`Key`] and the lanes would take 40.
+/// A key's subject and its counter's lanes: 24 bytes. With its rule and window's
+/// [`ScopeId`], held beside it in [`Entries`], a key and its lanes take 28 bytes where a
+/// [`Key`] and the lanes would take 40.
 #[derive(Debug, Clone)]
 struct Held {
     subject: Subject,
-    scope: ScopeId,
     cells: Cells,
 }
 
 const _: () = assert!(
-    std::mem::size_of::<Option<Held>>() == 32,
-    "a key table entry grew past 32 bytes"
+    std::mem::size_of::<Option<Held>>() == 24,
+    "a key table entry grew past 24 bytes"
 );
+
+/// The entries of a [`KeyTable`] by id, and beside them their keys' scopes: two vectors,
+/// as one of entries holding their scope would take 32 bytes an entry, 4 of them padding.
+#[derive(Debug, Clone, Default)]
+struct Entries {
+    held: Vec<Option<Held>>,
+    // Invariant: as long as `held`; beside each entry that is `Some`, its key's scope
+    // (beside a free one, the scope its last key was in, read by nothing).
+    scopes: Vec<ScopeId>,
+}
+
+impl Entries {
+    /// How many ids are given out, the free ones included.
+    fn len(&self) -> usize {
+        self.held.len()
+    }
+
+    /// The entry at `id` and its key's scope, if `id` is held.
+    fn get(&self, id: KeyId) -> Option<(&Held, ScopeId)> {
+        let held = self.held.get(id.at())?.as_ref()?;
+        Some((held, self.scopes[id.at()]))
+    }
+
+    /// Every held entry, with its id and scope.
+    fn iter(&self) -> impl Iterator<Item = (KeyId, &Held, ScopeId)> {
+        let entries = self.held.iter().zip(&self.scopes).enumerate();
+        entries.filter_map(|(at, (held, &scope))| Some((KeyId::of(at), held.as_ref()?, scope)))
+    }
+
+    /// Holds `held` in `scope` at `id`, a free id or the next one. The vectors grow by an
+    /// eighth when full, not by doubling as `Vec::push` would: at most a ninth of their
+    /// room is left unused rather than half (28 bytes a key, so about 3 a key held at worst
+    /// instead of 28), for more copies while they grow: amortised, each entry is copied
+    /// about nine times rather than twice.
+    fn put(&mut self, id: Option<KeyId>, held: Held, scope: ScopeId) -> KeyId {
+        if let Some(id) = id {
+            self.held[id.at()] = Some(held);
+            self.scopes[id.at()] = scope;
+            return id;
+        }
+        if self.held.len() == self.held.capacity() {
+            let more = self.held.len() / 8 + 16;
+            self.held.reserve_exact(more);
+            self.scopes.reserve_exact(more);
+        }
+        self.held.push(Some(held));
+        self.scopes.push(scope);
+        KeyId::of(self.held.len() - 1)
+    }
+
+    /// Frees `id`, returning its entry and scope.
+    fn take(&mut self, id: KeyId) -> Option<(Held, ScopeId)> {
+        let held = self.held.get_mut(id.at())?.take()?;
+        Some((held, self.scopes[id.at()]))
+    }
+
+    /// Drops the free ids at the top.
+    fn trim(&mut self) {
+        while matches!(self.held.last(), Some(None)) {
+            self.held.pop();
+            self.scopes.pop();
+        }
+    }
+
+    /// Takes the entry at the highest id, with its id and scope, if that id is held.
+    fn pop(&mut self) -> Option<(KeyId, Held, ScopeId)> {
+        let from = KeyId::of(self.held.len().checked_sub(1)?);
+        let held = self.held.pop()??;
+        let scope = self.scopes.pop()?;
+        Some((from, held, scope))
+    }
+
+    fn shrink_to_fit(&mut self) {
+        self.held.shrink_to_fit();
+        self.scopes.shrink_to_fit();
+    }
+}
 
 /// Keys and their counters' lanes, found by key or by id.
 ///
@@ -54,7 +131,7 @@ pub(crate) struct KeyTable {
     // Invariant: the id of every entry that is `Some`, once, at its key's hash.
     ids: HashTable<KeyId>,
     // Invariant: `None` exactly at the ids in `free`.
-    entries: Vec<Option<Held>>,
+    entries: Entries,
     free: Vec<KeyId>,
     // Invariant: the scope of every entry that is `Some`, counting each entry once.
     scopes: Scopes,
@@ -105,7 +182,7 @@ impl KeyTable {
     pub(crate) fn with_seed(seed: u64) -> KeyTable {
         KeyTable {
             ids: HashTable::new(),
-            entries: Vec::new(),
+            entries: Entries::default(),
             free: Vec::new(),
             scopes: Scopes::default(),
             hasher: KeyHasher::new(seed),
@@ -125,7 +202,7 @@ impl KeyTable {
 
     /// The lanes at `id`, if `id` is held. Reads neither the key's strings nor its scope.
     pub(crate) fn cells(&self, id: KeyId) -> Option<&Cells> {
-        Some(&self.entries.get(id.at())?.as_ref()?.cells)
+        Some(&self.entries.get(id)?.0.cells)
     }
 
     /// Whether `id` holds `key`.
@@ -135,8 +212,8 @@ impl KeyTable {
 
     /// The key and lanes at `id`, if `id` is held.
     pub(crate) fn get(&self, id: KeyId) -> Option<(KeyRef<'_>, &Cells)> {
-        let held = self.entries.get(id.at())?.as_ref()?;
-        Some((self.key_of(held), &held.cells))
+        let (held, scope) = self.entries.get(id)?;
+        Some((key_of(&self.scopes, held, scope), &held.cells))
     }
 
     /// The id and lanes of `key`, holding it with no lanes (under a free id or a new one)
@@ -152,46 +229,40 @@ impl KeyTable {
         let id = match found {
             Entry::Occupied(held) => *held.get(),
             Entry::Vacant(free) => {
-                let id = self
-                    .free
-                    .pop()
-                    .unwrap_or_else(|| push_empty(&mut self.entries));
-                free.insert(id);
                 let hasher = &self.hasher;
                 let scope = (self.scopes).add_key(&key.rule, key.window, |rule, window| {
                     hasher.scope(rule, window)
                 });
-                self.entries[id.at()] = Some(Held {
+                let held = Held {
                     subject: key.subject.clone(),
-                    scope,
                     cells: Cells::default(),
-                });
+                };
+                let id = self.entries.put(self.free.pop(), held, scope);
+                free.insert(id);
                 id
             }
         };
-        let held = self.entries[id.at()].as_mut().expect("an id found is held");
-        (id, &mut held.cells)
+        let held = self.entries.held[id.at()].as_mut();
+        (id, &mut held.expect("an id found is held").cells)
     }
 
     /// Stops holding `id`'s key, returning its lanes.
     pub(crate) fn remove(&mut self, id: KeyId) -> Option<Cells> {
-        let held = self.entries.get_mut(id.at())?.take()?;
-        let hash = self.hasher.held(key_of(&self.scopes, &held));
+        let (held, scope) = self.entries.take(id)?;
+        let hash = self.hasher.held(key_of(&self.scopes, &held, scope));
         if let Ok(found) = self.ids.find_entry(hash, |&other| other == id) {
             found.remove();
         }
         let hasher = &self.hasher;
-        (self.scopes).remove_key(held.scope, |rule, window| hasher.scope(rule, window));
+        (self.scopes).remove_key(scope, |rule, window| hasher.scope(rule, window));
         self.free.push(id);
         Some(held.cells)
     }
 
     /// Every held id with its key and lanes, in no particular order.
     pub(crate) fn iter(&self) -> impl Iterator<Item = (KeyId, KeyRef<'_>, &Cells)> {
-        (self.entries.iter().enumerate()).filter_map(|(at, held)| {
-            let held = held.as_ref()?;
-            Some((KeyId::of(at), self.key_of(held), &held.cells))
-        })
+        (self.entries.iter())
+            .map(|(id, held, scope)| (id, key_of(&self.scopes, held, scope), &held.cells))
     }
 
     /// Every held id whose key's window `matches`, in no particular order. Reads no key's
@@ -200,9 +271,9 @@ impl KeyTable {
         &'a self,
         matches: impl Fn(Window) -> bool + 'a,
     ) -> impl Iterator<Item = KeyId> + 'a {
-        (self.entries.iter().enumerate()).filter_map(move |(at, held)| {
-            let (_, window) = self.scopes.get(held.as_ref()?.scope);
-            matches(window).then(|| KeyId::of(at))
+        (self.entries.iter()).filter_map(move |(id, _, scope)| {
+            let (_, window) = self.scopes.get(scope);
+            matches(window).then_some(id)
         })
     }
 
@@ -221,25 +292,22 @@ impl KeyTable {
         self.free
             .sort_unstable_by_key(|id| std::cmp::Reverse(id.at()));
         loop {
-            while matches!(self.entries.last(), Some(None)) {
-                self.entries.pop();
-            }
+            self.entries.trim();
             let Some(to) = self.free.pop() else {
                 break;
             };
             if to.at() >= self.entries.len() {
                 continue;
             }
-            let from = KeyId::of(self.entries.len() - 1);
-            let Some(held) = self.entries.pop().flatten() else {
+            let Some((from, held, scope)) = self.entries.pop() else {
                 continue;
             };
-            let hash = self.hasher.held(key_of(&self.scopes, &held));
+            let hash = self.hasher.held(key_of(&self.scopes, &held, scope));
             if let Ok(mut found) = self.ids.find_entry(hash, |&id| id == from) {
                 *found.get_mut() = to;
             }
             moved(from, to, &held.cells);
-            self.entries[to.at()] = Some(held);
+            self.entries.put(Some(to), held, scope);
         }
         self.entries.shrink_to_fit();
         self.free.shrink_to_fit();
@@ -269,52 +337,41 @@ impl KeyTable {
     fn hold_scopes_afresh(&mut self) {
         let (old, hasher) = (&self.scopes, &self.hasher);
         let mut scopes = Scopes::default();
-        for held in self.entries.iter_mut().flatten() {
-            let (rule, window) = old.get(held.scope);
-            held.scope = scopes.add_key(rule, window, |rule, window| hasher.scope(rule, window));
+        let entries = &mut self.entries;
+        for (held, scope) in entries.held.iter().zip(&mut entries.scopes) {
+            if held.is_some() {
+                let (rule, window) = old.get(*scope);
+                *scope = scopes.add_key(rule, window, |rule, window| hasher.scope(rule, window));
+            }
         }
         self.scopes = scopes;
     }
-
-    /// The key `held` holds.
-    fn key_of<'a>(&'a self, held: &'a Held) -> KeyRef<'a> {
-        key_of(&self.scopes, held)
-    }
 }
 
-/// Appends an empty entry and returns its id. A full vector grows by an eighth, not by
-/// doubling as `Vec::push` would: at most a ninth of its room is left unused rather than
-/// half (an entry is 32 bytes, so 4 unused a key held at worst instead of 32), for more
-/// copies while it grows: amortised, each entry is copied about nine times rather than
-/// twice.
-fn push_empty(entries: &mut Vec<Option<Held>>) -> KeyId {
-    if entries.len() == entries.capacity() {
-        entries.reserve_exact(entries.len() / 8 + 16);
-    }
-    entries.push(None);
-    KeyId::of(entries.len() - 1)
-}
-
-/// The key `held` holds, its rule and window from `scopes`.
-fn key_of<'a>(scopes: &'a Scopes, held: &'a Held) -> KeyRef<'a> {
-    let (rule, window) = scopes.get(held.scope);
+/// The key `held` holds, in `scope`.
+fn key_of<'a>(scopes: &'a Scopes, held: &'a Held, scope: ScopeId) -> KeyRef<'a> {
+    let (rule, window) = scopes.get(scope);
     KeyRef::held(rule, &held.subject, window)
 }
 
 /// Whether the entry at `id` holds `key`.
-fn names(entries: &[Option<Held>], scopes: &Scopes, id: KeyId, key: &Key) -> bool {
-    let Some(Some(held)) = entries.get(id.at()) else {
+fn names(entries: &Entries, scopes: &Scopes, id: KeyId, key: &Key) -> bool {
+    // The subject first, read beside the lanes: the scope only for a key that matched it.
+    let Some(Some(held)) = entries.held.get(id.at()) else {
         return false;
     };
-    let (rule, window) = scopes.get(held.scope);
-    held.subject == key.subject && window == key.window && *rule == key.rule
+    if held.subject != key.subject {
+        return false;
+    }
+    let (rule, window) = scopes.get(entries.scopes[id.at()]);
+    window == key.window && *rule == key.rule
 }
 
 /// The hash of the key at `id`, for the hash table's moves (every id it holds is held).
-fn hash_at(entries: &[Option<Held>], scopes: &Scopes, hasher: &KeyHasher, id: KeyId) -> u64 {
-    match entries.get(id.at()) {
-        Some(Some(held)) => hasher.held(key_of(scopes, held)),
-        _ => 0,
+fn hash_at(entries: &Entries, scopes: &Scopes, hasher: &KeyHasher, id: KeyId) -> u64 {
+    match entries.get(id) {
+        Some((held, scope)) => hasher.held(key_of(scopes, held, scope)),
+        None => 0,
     }
 }
 
