@@ -110,7 +110,9 @@ impl Entries {
     /// Takes the entry at the highest id, with its id and scope, if that id is held.
     fn pop(&mut self) -> Option<(KeyId, Held, ScopeId)> {
         let from = KeyId::of(self.held.len().checked_sub(1)?);
-        let held = self.held.pop()??;
+        // A free top id stays, in both vectors (found in review).
+        self.held.last()?.as_ref()?;
+        let held = self.held.pop().flatten()?;
         let scope = self.scopes.pop()?;
         Some((from, held, scope))
     }
@@ -453,6 +455,21 @@ mod tests {
             KeyId::of(10),
             "the next id follows the compacted ones"
         );
+    }
+
+    #[test]
+    fn taking_the_top_entry_when_its_id_is_free_leaves_both_vectors_as_they_were() {
+        let mut table = KeyTable::with_seed(1);
+        table.entry(&key(0));
+        let top = table.entry(&key(1)).0;
+        table.remove(top).unwrap();
+        assert!(table.entries.pop().is_none(), "the top id is free");
+        assert_eq!(table.entries.held.len(), 2);
+        assert_eq!(table.entries.scopes.len(), 2, "in step with the entries");
+        table.entries.trim();
+        let (id, held, _) = table.entries.pop().expect("the top id is held now");
+        assert_eq!((id, held.subject), (KeyId::of(0), key(0).subject));
+        assert_eq!(table.entries.scopes.len(), 0);
     }
 
     #[test]
