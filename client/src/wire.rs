@@ -15,6 +15,7 @@
 
 use serde::{Deserialize, Serialize};
 
+pub mod form;
 mod hot_path;
 
 pub use hot_path::{decode_request, encode_response};

@@ -17,9 +17,10 @@
 //!
 //! [`Request`]: super::Request
 
+use super::form::{put_check_id, put_i128, put_str, put_varint, Reader};
 use super::{
-    decode_body, decode_body_borrowed, encode_frame, CheckId, Decision, Estimate, FrameError, Mode,
-    OpRef, Reply, RequestRef, Response, CLIENT_FRAME_BYTES_MAX, CLIENT_WIRE_VERSION,
+    decode_body, decode_body_borrowed, encode_frame, Decision, Estimate, FrameError, Mode, OpRef,
+    Reply, RequestRef, Response, CLIENT_FRAME_BYTES_MAX, CLIENT_WIRE_VERSION,
 };
 
 /// Appends `request` as one frame: the bytes `encode_frame` writes for the [`Request`]
@@ -35,7 +36,7 @@ pub(crate) fn encode_request(request: &RequestRef<'_>, out: &mut Vec<u8>) {
 ///
 /// [`Request`]: super::Request
 pub fn decode_request(body: &[u8]) -> Result<RequestRef<'_>, FrameError> {
-    match Reader::new(body).and_then(Reader::request) {
+    match reader(body).and_then(request) {
         Some(request) => Ok(request),
         None => decode_body_borrowed(body),
     }
@@ -63,7 +64,7 @@ pub fn encode_response(response: &Response, out: &mut Vec<u8>) {
 /// Decodes one frame body (after the length prefix) holding a [`Response`], as
 /// `decode_body::<Response>` does.
 pub(crate) fn decode_response(body: &[u8]) -> Result<Response, FrameError> {
-    match Reader::new(body).and_then(Reader::counting_response) {
+    match reader(body).and_then(counting_response) {
         Some(response) => Ok(response),
         None => decode_body(body),
     }
@@ -72,7 +73,7 @@ pub(crate) fn decode_response(body: &[u8]) -> Result<Response, FrameError> {
 /// The id a response's body (after the length prefix) starts with, if the body is of this
 /// wire version: the call an answer is for, even when the rest does not decode.
 pub(crate) fn response_id(body: &[u8]) -> Option<u64> {
-    Reader::new(body)?.u64()
+    reader(body)?.u64()
 }
 
 // Variant indexes, in the order the enums in `wire` declare their variants (bincode
@@ -83,8 +84,6 @@ const OP_GET: u8 = 2;
 const OP_CHECK: u8 = 3;
 const OP_STATUS: u8 = 4;
 const RESULT_OK: u8 = 0;
-const OPTION_NONE: u8 = 0;
-const OPTION_SOME: u8 = 1;
 const REPLY_COUNTED: u8 = 0;
 const REPLY_ESTIMATE: u8 = 1;
 const REPLY_DECISION: u8 = 2;
@@ -94,13 +93,6 @@ const MODES: [Mode; 4] = [
     Mode::Exact,
     Mode::RegionFallback,
 ];
-
-// Varint forms.
-const SINGLE_BYTE_MAX: u8 = 250;
-const U16_BYTE: u8 = 251;
-const U32_BYTE: u8 = 252;
-const U64_BYTE: u8 = 253;
-const U128_BYTE: u8 = 254;
 
 /// Appends one frame: the length prefix, the version byte, and what `body` writes.
 fn framed(out: &mut Vec<u8>, body: impl FnOnce(&mut Vec<u8>)) {
@@ -161,17 +153,6 @@ fn put_request(out: &mut Vec<u8>, request: &RequestRef<'_>) {
     }
 }
 
-fn put_check_id(out: &mut Vec<u8>, id: Option<CheckId>) {
-    match id {
-        None => out.push(OPTION_NONE),
-        Some(CheckId { session, seq }) => {
-            out.push(OPTION_SOME);
-            put_varint(out, session);
-            put_varint(out, seq);
-        }
-    }
-}
-
 /// An `Ok` answer's id and reply variant.
 fn put_answer(out: &mut Vec<u8>, id: u64, reply: u8) {
     put_varint(out, id);
@@ -200,213 +181,97 @@ fn put_decision(out: &mut Vec<u8>, decision: &Decision) {
     out.extend_from_slice(&decision.bound.to_le_bytes());
 }
 
-fn put_varint(out: &mut Vec<u8>, n: u64) {
-    if let Ok(byte @ 0..=SINGLE_BYTE_MAX) = u8::try_from(n) {
-        out.push(byte);
-    } else if let Ok(n) = u16::try_from(n) {
-        out.push(U16_BYTE);
-        out.extend_from_slice(&n.to_le_bytes());
-    } else if let Ok(n) = u32::try_from(n) {
-        out.push(U32_BYTE);
-        out.extend_from_slice(&n.to_le_bytes());
-    } else {
-        out.push(U64_BYTE);
-        out.extend_from_slice(&n.to_le_bytes());
+/// A reader of the body's bincode, past its version byte; `None` if the body is over the
+/// limit or in another version.
+fn reader(body: &[u8]) -> Option<Reader<'_>> {
+    if body.len() > CLIENT_FRAME_BYTES_MAX {
+        return None;
+    }
+    match body.split_first()? {
+        (&CLIENT_WIRE_VERSION, rest) => Some(Reader::new(rest)),
+        _ => None,
     }
 }
 
-/// A `u128`, in the form bincode gives it.
-fn put_u128(out: &mut Vec<u8>, n: u128) {
-    match u64::try_from(n) {
-        Ok(n) => put_varint(out, n),
-        Err(_) => {
-            out.push(U128_BYTE);
-            out.extend_from_slice(&n.to_le_bytes());
-        }
-    }
+/// A whole body's request.
+fn request<'a>(mut body: Reader<'a>) -> Option<RequestRef<'a>> {
+    let id = body.u64()?;
+    let op = match body.variant()? {
+        OP_INCR => OpRef::Incr {
+            rule: body.str()?,
+            subject: body.str()?,
+            amount: body.u64()?,
+            id: body.check_id()?,
+        },
+        OP_DECR => OpRef::Decr {
+            rule: body.str()?,
+            subject: body.str()?,
+            amount: body.u64()?,
+            id: body.check_id()?,
+        },
+        OP_GET => OpRef::Get {
+            rule: body.str()?,
+            subject: body.str()?,
+        },
+        OP_CHECK => OpRef::Check {
+            rule: body.str()?,
+            subject: body.str()?,
+            cost: body.u64()?,
+            id: body.check_id()?,
+        },
+        OP_STATUS => OpRef::Status,
+        _ => return None,
+    };
+    body.is_empty().then_some(RequestRef { id, op })
 }
 
-/// An `i128`, zigzagged: 0, -1, 1, -2, 2, ... as 0, 1, 2, 3, 4, ...
-fn put_i128(out: &mut Vec<u8>, n: i128) {
-    put_u128(out, ((n << 1) ^ (n >> 127)) as u128);
+/// A whole body's `Ok` answer to a counting op.
+fn counting_response(mut body: Reader<'_>) -> Option<Response> {
+    let id = body.u64()?;
+    if body.variant()? != RESULT_OK {
+        return None;
+    }
+    let reply = match body.variant()? {
+        REPLY_COUNTED => Reply::Counted(estimate(&mut body)?),
+        REPLY_ESTIMATE => Reply::Estimate(estimate(&mut body)?),
+        REPLY_DECISION => Reply::Decision(decision(&mut body)?),
+        _ => return None,
+    };
+    body.is_empty().then_some(Response {
+        id,
+        result: Ok(reply),
+    })
 }
 
-fn put_str(out: &mut Vec<u8>, text: &str) {
-    put_varint(out, text.len() as u64);
-    out.extend_from_slice(text.as_bytes());
+fn estimate(body: &mut Reader<'_>) -> Option<Estimate> {
+    Some(Estimate {
+        estimate: body.i128()?,
+        window: body.u64()?,
+        staleness_ms: body.u64()?,
+    })
 }
 
-/// Reads bincode values off the front of a body; `None` for what it does not take.
-struct Reader<'a> {
-    rest: &'a [u8],
-}
-
-impl<'a> Reader<'a> {
-    /// A reader of the body's bincode, past its version byte; `None` if the body is over
-    /// the limit or in another version.
-    fn new(body: &'a [u8]) -> Option<Reader<'a>> {
-        if body.len() > CLIENT_FRAME_BYTES_MAX {
-            return None;
-        }
-        match body.split_first()? {
-            (&CLIENT_WIRE_VERSION, rest) => Some(Reader { rest }),
-            _ => None,
-        }
-    }
-
-    /// A whole body's request.
-    fn request(mut self) -> Option<RequestRef<'a>> {
-        let id = self.u64()?;
-        let op = match self.variant()? {
-            OP_INCR => OpRef::Incr {
-                rule: self.str()?,
-                subject: self.str()?,
-                amount: self.u64()?,
-                id: self.check_id()?,
-            },
-            OP_DECR => OpRef::Decr {
-                rule: self.str()?,
-                subject: self.str()?,
-                amount: self.u64()?,
-                id: self.check_id()?,
-            },
-            OP_GET => OpRef::Get {
-                rule: self.str()?,
-                subject: self.str()?,
-            },
-            OP_CHECK => OpRef::Check {
-                rule: self.str()?,
-                subject: self.str()?,
-                cost: self.u64()?,
-                id: self.check_id()?,
-            },
-            OP_STATUS => OpRef::Status,
-            _ => return None,
-        };
-        self.rest.is_empty().then_some(RequestRef { id, op })
-    }
-
-    /// A whole body's `Ok` answer to a counting op.
-    fn counting_response(mut self) -> Option<Response> {
-        let id = self.u64()?;
-        if self.variant()? != RESULT_OK {
-            return None;
-        }
-        let reply = match self.variant()? {
-            REPLY_COUNTED => Reply::Counted(self.estimate()?),
-            REPLY_ESTIMATE => Reply::Estimate(self.estimate()?),
-            REPLY_DECISION => Reply::Decision(self.decision()?),
-            _ => return None,
-        };
-        self.rest.is_empty().then_some(Response {
-            id,
-            result: Ok(reply),
-        })
-    }
-
-    fn bytes<const N: usize>(&mut self) -> Option<[u8; N]> {
-        let (bytes, rest) = self.rest.split_first_chunk::<N>()?;
-        self.rest = rest;
-        Some(*bytes)
-    }
-
-    fn byte(&mut self) -> Option<u8> {
-        self.bytes::<1>().map(|[byte]| byte)
-    }
-
-    /// A variant index in its one-byte form.
-    fn variant(&mut self) -> Option<u8> {
-        self.byte().filter(|&index| index <= SINGLE_BYTE_MAX)
-    }
-
-    fn u128(&mut self) -> Option<u128> {
-        Some(match self.byte()? {
-            byte @ 0..=SINGLE_BYTE_MAX => byte.into(),
-            U16_BYTE => u16::from_le_bytes(self.bytes()?).into(),
-            U32_BYTE => u32::from_le_bytes(self.bytes()?).into(),
-            U64_BYTE => u64::from_le_bytes(self.bytes()?).into(),
-            U128_BYTE => u128::from_le_bytes(self.bytes()?),
-            _ => return None,
-        })
-    }
-
-    fn u64(&mut self) -> Option<u64> {
-        // bincode refuses the 128-bit form for a u64 (a length included), whatever its
-        // value: so does this, for the fallback to refuse.
-        if self.rest.first() == Some(&U128_BYTE) {
-            return None;
-        }
-        u64::try_from(self.u128()?).ok()
-    }
-
-    fn i128(&mut self) -> Option<i128> {
-        let zigzag = self.u128()?;
-        let magnitude = (zigzag >> 1) as i128;
-        Some(if zigzag & 1 == 0 {
-            magnitude
-        } else {
-            !magnitude
-        })
-    }
-
-    fn bool(&mut self) -> Option<bool> {
-        match self.byte()? {
-            0 => Some(false),
-            1 => Some(true),
-            _ => None,
-        }
-    }
-
-    /// An `Option<CheckId>`: `None` (the outer `Option`) for a tag other than 0 or 1.
-    fn check_id(&mut self) -> Option<Option<CheckId>> {
-        match self.byte()? {
-            OPTION_NONE => Some(None),
-            OPTION_SOME => Some(Some(CheckId {
-                session: self.u64()?,
-                seq: self.u64()?,
-            })),
-            _ => None,
-        }
-    }
-
-    fn f64(&mut self) -> Option<f64> {
-        self.bytes().map(f64::from_le_bytes)
-    }
-
-    /// A string borrowed from the body.
-    fn str(&mut self) -> Option<&'a str> {
-        let len = usize::try_from(self.u64()?).ok()?;
-        let (text, rest) = self.rest.split_at_checked(len)?;
-        self.rest = rest;
-        std::str::from_utf8(text).ok()
-    }
-
-    fn estimate(&mut self) -> Option<Estimate> {
-        Some(Estimate {
-            estimate: self.i128()?,
-            window: self.u64()?,
-            staleness_ms: self.u64()?,
-        })
-    }
-
-    fn decision(&mut self) -> Option<Decision> {
-        Some(Decision {
-            allowed: self.bool()?,
-            estimate: self.i128()?,
-            limit: self.u64()?,
-            remaining: self.u64()?,
-            reset_after_ms: self.u64()?,
-            mode: *MODES.get(usize::from(self.variant()?))?,
-            staleness_ms: self.u64()?,
-            bound: self.f64()?,
-        })
-    }
+fn decision(body: &mut Reader<'_>) -> Option<Decision> {
+    Some(Decision {
+        allowed: body.bool()?,
+        estimate: body.i128()?,
+        limit: body.u64()?,
+        remaining: body.u64()?,
+        reset_after_ms: body.u64()?,
+        mode: *MODES.get(usize::from(body.variant()?))?,
+        staleness_ms: body.u64()?,
+        bound: body.f64()?,
+    })
 }
 
 #[cfg(test)]
 mod tests {
-    use super::super::{encode_frame, Op, Refusal, Request, Status};
+    use super::super::{encode_frame, CheckId, Op, Refusal, Request, Status};
     use super::*;
+
+    // Varint forms (`form.rs`).
+    const U16_BYTE: u8 = 251;
+    const U128_BYTE: u8 = 254;
 
     const U64S: [u64; 10] = [
         0,
@@ -444,7 +309,7 @@ mod tests {
 
     /// What the hand decoder makes of a body holding an answer.
     fn counting(body: &[u8]) -> Option<Response> {
-        Reader::new(body).and_then(Reader::counting_response)
+        reader(body).and_then(counting_response)
     }
 
     /// Each op with these fields, borrowed and owned; the counting ops with and without an
@@ -529,7 +394,7 @@ mod tests {
                         assert_eq!(frame, expected, "id {id}, {borrowed:?}");
                         let body = &frame[4..];
                         assert_eq!(
-                            Reader::new(body).and_then(Reader::request),
+                            reader(body).and_then(super::request),
                             Some(request),
                             "decoded by hand"
                         );
@@ -594,7 +459,7 @@ mod tests {
         // The op's variant index (0) in the 3-byte form: bincode reads it, this decoder not.
         let (head, tail) = frame[4..].split_at(2);
         let body = [head, &[U16_BYTE, 0, 0], &tail[1..]].concat();
-        assert_eq!(Reader::new(&body).and_then(Reader::request), None);
+        assert_eq!(reader(&body).and_then(super::request), None);
         assert_eq!(decode_request(&body), Ok(request));
         assert_eq!(decode_body::<Request>(&body), Ok(request.to_request()));
     }
@@ -648,7 +513,7 @@ mod tests {
         for body in bodies {
             let expected = decode_body::<Request>(&body);
             assert!(expected.is_err(), "bincode takes {body:?}: {expected:?}");
-            assert_eq!(Reader::new(&body).and_then(Reader::request), None);
+            assert_eq!(reader(&body).and_then(request), None);
             assert_eq!(
                 decode_request(&body).map(|request| request.to_request()),
                 expected
