@@ -5,6 +5,8 @@
 //! Varints: a byte up to 250, else 251, 252 or 253 and a little-endian `u16`, `u32` or
 //! `u64`, or 254 and a `u128`; signed integers zigzagged first; enum variants and `Option`
 //! tags as varint indexes; strings as a varint length and UTF-8.
+//!
+//! Every function is `#[inline]`: tallyd's region protocol calls them from another crate.
 
 use super::CheckId;
 
@@ -19,6 +21,7 @@ const OPTION_NONE: u8 = 0;
 const OPTION_SOME: u8 = 1;
 
 /// Appends a `u64` (or any unsigned integer, a length, a variant index).
+#[inline]
 pub fn put_varint(out: &mut Vec<u8>, n: u64) {
     if let Ok(byte @ 0..=SINGLE_BYTE_MAX) = u8::try_from(n) {
         out.push(byte);
@@ -35,6 +38,7 @@ pub fn put_varint(out: &mut Vec<u8>, n: u64) {
 }
 
 /// Appends a `u128`.
+#[inline]
 pub fn put_u128(out: &mut Vec<u8>, n: u128) {
     match u64::try_from(n) {
         Ok(n) => put_varint(out, n),
@@ -46,17 +50,20 @@ pub fn put_u128(out: &mut Vec<u8>, n: u128) {
 }
 
 /// Appends an `i128`, zigzagged: 0, -1, 1, -2, 2, ... as 0, 1, 2, 3, 4, ...
+#[inline]
 pub fn put_i128(out: &mut Vec<u8>, n: i128) {
     put_u128(out, ((n << 1) ^ (n >> 127)) as u128);
 }
 
 /// Appends a string.
+#[inline]
 pub fn put_str(out: &mut Vec<u8>, text: &str) {
     put_varint(out, text.len() as u64);
     out.extend_from_slice(text.as_bytes());
 }
 
 /// Appends an `Option<CheckId>`.
+#[inline]
 pub fn put_check_id(out: &mut Vec<u8>, id: Option<CheckId>) {
     match id {
         None => out.push(OPTION_NONE),
@@ -78,15 +85,18 @@ pub struct Reader<'a> {
 
 impl<'a> Reader<'a> {
     /// A reader of `bytes`, from their first.
+    #[inline]
     pub fn new(bytes: &'a [u8]) -> Reader<'a> {
         Reader { rest: bytes }
     }
 
     /// Whether every byte has been read.
+    #[inline]
     pub fn is_empty(&self) -> bool {
         self.rest.is_empty()
     }
 
+    #[inline]
     fn bytes<const N: usize>(&mut self) -> Option<[u8; N]> {
         let (bytes, rest) = self.rest.split_first_chunk::<N>()?;
         self.rest = rest;
@@ -94,16 +104,19 @@ impl<'a> Reader<'a> {
     }
 
     /// One byte, as it is.
+    #[inline]
     pub fn byte(&mut self) -> Option<u8> {
         self.bytes::<1>().map(|[byte]| byte)
     }
 
     /// A variant index in its one-byte form.
+    #[inline]
     pub fn variant(&mut self) -> Option<u8> {
         self.byte().filter(|&index| index <= SINGLE_BYTE_MAX)
     }
 
     /// A `u128`.
+    #[inline]
     pub fn u128(&mut self) -> Option<u128> {
         Some(match self.byte()? {
             byte @ 0..=SINGLE_BYTE_MAX => byte.into(),
@@ -116,6 +129,7 @@ impl<'a> Reader<'a> {
     }
 
     /// A `u64`.
+    #[inline]
     pub fn u64(&mut self) -> Option<u64> {
         // bincode refuses the 128-bit form for a u64 (a length included), whatever its
         // value: so does this, for the fallback to refuse.
@@ -126,6 +140,7 @@ impl<'a> Reader<'a> {
     }
 
     /// A `u32`.
+    #[inline]
     pub fn u32(&mut self) -> Option<u32> {
         // As for a u64: bincode refuses a u32 in the 64-bit form, whatever its value.
         if self.rest.first() == Some(&U64_BYTE) {
@@ -135,6 +150,7 @@ impl<'a> Reader<'a> {
     }
 
     /// An `i128`.
+    #[inline]
     pub fn i128(&mut self) -> Option<i128> {
         let zigzag = self.u128()?;
         let magnitude = (zigzag >> 1) as i128;
@@ -146,6 +162,7 @@ impl<'a> Reader<'a> {
     }
 
     /// A `bool`.
+    #[inline]
     pub fn bool(&mut self) -> Option<bool> {
         match self.byte()? {
             0 => Some(false),
@@ -155,6 +172,7 @@ impl<'a> Reader<'a> {
     }
 
     /// An `Option<CheckId>`: `None` (the outer `Option`) for a tag other than 0 or 1.
+    #[inline]
     pub fn check_id(&mut self) -> Option<Option<CheckId>> {
         match self.byte()? {
             OPTION_NONE => Some(None),
@@ -167,11 +185,13 @@ impl<'a> Reader<'a> {
     }
 
     /// An `f64`.
+    #[inline]
     pub fn f64(&mut self) -> Option<f64> {
         self.bytes().map(f64::from_le_bytes)
     }
 
     /// A string borrowed from the body.
+    #[inline]
     pub fn str(&mut self) -> Option<&'a str> {
         let len = usize::try_from(self.u64()?).ok()?;
         let (text, rest) = self.rest.split_at_checked(len)?;
