@@ -1,5 +1,5 @@
 //! Plain values in the form bincode 2.0.1's standard config gives them, written and read by
-//! hand: the hot paths of the client protocol ([`super::hot_path`]) and of tallyd's region
+//! hand: the hot paths of the client protocol (`wire/hot_path.rs`) and of tallyd's region
 //! protocol build on these, and their tests hold each to bincode's own bytes.
 //!
 //! Varints: a byte up to 250, else 251, 252 or 253 and a little-endian `u16`, `u32` or
