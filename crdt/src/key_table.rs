@@ -14,7 +14,7 @@ use std::num::NonZeroU32;
 /// A held key's place in its [`KeyTable`]: fixed while the key is held, reused after.
 ///
 /// 32 bits, as the table's hash table and every origin's version index hold one per key
-/// or lane: a table holds fewer than 2^32 - 1 keys (each takes over 60 bytes). Held as the
+/// or lane: a table holds fewer than 2^32 - 1 keys (each takes over 50 bytes). Held as the
 /// position plus one, so that an `Option<KeyId>` is 32 bits too.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
 pub(crate) struct KeyId(NonZeroU32);
