@@ -1,7 +1,7 @@
 //! A counter as a map holds it: each lane in 12 bytes when its decrements are zero and its
 //! increments and version fit 32 bits (most lanes of a rate limit), in 16 when its
-//! decrements fit 32 bits too, in 24 or 28 otherwise, naming its replica by a small index into the map's table of replicas rather than by its
-//! 16-byte id.
+//! decrements fit 32 bits too, in 24 or 28 otherwise, naming its replica by a small index
+//! into the map's table of replicas rather than by its 16-byte id.
 
 use crate::counter::Counter;
 use crate::{Lane, ReplicaId, Slot, Version};
