@@ -6,27 +6,29 @@ use std::collections::BTreeMap;
 
 /// Each lane of one origin held in a map, by its version, naming its key's id.
 ///
-/// A vector sorted by version, 8 bytes an entry, rather than a `BTreeMap` (whose leaves
-/// ascending inserts leave half full: about 26 bytes a lane). An entry holds the low half
-/// of its version; the high halves are held once for each run of entries that share one
-/// (`highs`: one run until an origin passes 2^32 versions). Versions mostly arrive in
-/// ascending order (an origin's writes, its pushes, and deltas cut in version order), so an
-/// insert is almost always a push at the end. One below the vector's top (a gap being
-/// filled under pushes merged past it, or a sender's lanes out of order) goes into a small
-/// `BTreeMap` beside it instead, which is merged into the vector once it holds an eighth as
-/// many (so each such insert costs a few entry moves, not all those above it). A lane
-/// rewritten under a newer version leaves its old entry as a hole, and the holes are swept
-/// out once they are a fifth of the entries: a lane costs at most 10 bytes here while holes
-/// wait, plus the vector's unused room (and up to 16 more if a sender gives each lane a
-/// high half of its own: see [`High`]).
+/// A vector sorted by version, 6 bytes an entry, rather than a `BTreeMap` (whose leaves
+/// ascending inserts leave half full: about 26 bytes a lane). An entry holds the low 16
+/// bits of its version; the high 48 are held once for each run of entries that share them
+/// (`highs`: an origin's versions count up one by one, so a run holds every lane it wrote
+/// in 65,536 versions, and the runs cost at most 12 bytes for each 65,536 versions it gave
+/// out, whatever lanes are left). Versions mostly arrive in ascending order (an origin's
+/// writes, its pushes, and deltas cut in version order), so an insert is almost always a
+/// push at the end. One below the vector's top (a gap being filled under pushes merged
+/// past it, or a sender's lanes out of order) goes into a small `BTreeMap` beside it
+/// instead, which is merged into the vector once it holds an eighth as many (so each such
+/// insert costs a few entry moves, not all those above it). A lane rewritten under a newer
+/// version leaves its old entry as a hole, and the holes are swept out once they are a
+/// fifth of the entries: a lane costs at most 7.5 bytes here while holes wait, plus the
+/// vector's unused room (and up to 12 more if a sender gives each lane a run of its own:
+/// see [`High`]).
 #[derive(Debug, Clone, Default)]
 pub(crate) struct VersionIndex {
     // Invariant: versions ascend strictly; the last entry, if any, is held (not a hole);
     // `holes` counts the entries whose id is `None`; no version is both here and in
     // `below`.
     entries: Vec<Entry>,
-    // Invariant: one run for each high half that the entries' versions have, in order, each
-    // starting where the first entry with that high half is (so the first at 0).
+    // Invariant: one run for each high part that the entries' versions have, in order, each
+    // starting where the first entry with that high part is (so the first at 0).
     highs: Vec<High>,
     holes: usize,
     // Invariant: at most `below_max()` entries.
@@ -39,23 +41,41 @@ pub(crate) struct VersionIndex {
 /// of the vector's entries.
 const BELOW_MIN: usize = 64;
 
-/// The low half of a version and a key id.
+/// The low bits of a version and a key id. Packed: its fields are read and written by
+/// value, never borrowed.
 #[derive(Debug, Clone, Copy)]
+#[repr(C, packed(2))]
 struct Entry {
-    low: u32,
+    low: u16,
     id: Option<KeyId>,
 }
 
-const _: () = assert!(std::mem::size_of::<Entry>() == 8, "Entry grew past 8 bytes");
+const _: () = assert!(std::mem::size_of::<Entry>() == 6, "Entry grew past 6 bytes");
 
-/// The high half of the versions of the entries from `from` up to the next run's start.
-/// 8 bytes: an origin's versions count up one by one, so its index holds one run or two,
-/// but a sender may send any versions, and one that gives each lane a high half of its
-/// own costs a run a lane.
+/// How many of a version's bits an entry holds; its run holds the rest.
+const LOW_BITS: u32 = 16;
+
+/// The high part of the versions of the entries from `from` up to the next run's start.
+/// 12 bytes (packed, as [`Entry`]): an origin's versions count up one by one, so a run
+/// holds its lanes of 65,536 versions, but a sender may send any versions, and one that
+/// gives each lane a high part of its own costs a run a lane.
 #[derive(Debug, Clone, Copy)]
+#[repr(C, packed(4))]
 struct High {
     from: u32,
-    high: u32,
+    high: u64,
+}
+
+const _: () = assert!(std::mem::size_of::<High>() == 12, "High grew past 12 bytes");
+
+/// `version`'s high part (a run's) and its low bits (an entry's).
+fn split(version: Version) -> (u64, u16) {
+    (version.0 >> LOW_BITS, version.0 as u16)
+}
+
+/// The version whose high part is `high` and low bits `low`.
+fn joined(high: u64, low: u16) -> Version {
+    Version((high << LOW_BITS) | u64::from(low))
 }
 
 impl High {
@@ -105,7 +125,7 @@ impl VersionIndex {
         }
         match self.find(version) {
             Ok(at) => {
-                if self.entries[at].id.is_none() {
+                if { self.entries[at].id }.is_none() {
                     self.holes -= 1;
                     self.versions_hash ^= mixed(version);
                 }
@@ -135,12 +155,17 @@ impl VersionIndex {
             }
             return;
         };
-        if self.entries[at].id.take().is_none() {
+        if { self.entries[at].id }.is_none() {
             return;
         }
+        self.entries[at].id = None;
         self.versions_hash ^= mixed(version);
         self.holes += 1;
-        while self.entries.last().is_some_and(|entry| entry.id.is_none()) {
+        while self
+            .entries
+            .last()
+            .is_some_and(|entry| { entry.id }.is_none())
+        {
             self.entries.pop();
             self.holes -= 1;
             if self
@@ -161,28 +186,32 @@ impl VersionIndex {
     /// compaction moves a key. Panics if `version` names another key: the index and the
     /// table disagree.
     pub(crate) fn rename(&mut self, version: Version, from: KeyId, to: KeyId) {
-        let held = match self.find(version) {
-            Ok(at) => self.entries[at].id.as_mut(),
-            Err(_) => self.below.get_mut(&version),
+        let found = self.find(version);
+        let held = match found {
+            Ok(at) => self.entries[at].id,
+            Err(_) => self.below.get(&version).copied(),
         };
         let Some(id) = held else {
             return;
         };
-        assert_eq!(*id, from, "version {version:?} names another key");
-        *id = to;
+        assert_eq!(id, from, "version {version:?} names another key");
+        match found {
+            Ok(at) => self.entries[at].id = Some(to),
+            Err(_) => {
+                self.below.insert(version, to);
+            }
+        }
     }
 
     /// Every indexed lane with a version of at least `from`, in version order.
     pub(crate) fn range_from(&self, from: Version) -> impl Iterator<Item = (Version, KeyId)> + '_ {
         let start = self.find(from).unwrap_or_else(|at| at);
-        // Each run's entries from `start` on, with the run's high half.
+        // Each run's entries from `start` on, with the run's high part.
         let ends = (self.highs.iter().skip(1).map(|next| next.start())).chain([self.entries.len()]);
         let mut entries = (self.highs.iter().zip(ends))
-            .flat_map(move |(run, end)| {
-                let high = u64::from(run.high) << 32;
-                (self.entries[run.start().max(start)..end.max(start)].iter()).filter_map(
-                    move |entry| Some((Version(high | u64::from(entry.low)), entry.id?)),
-                )
+            .flat_map(move |(&run, end)| {
+                (self.entries[run.start().max(start)..end.max(start)].iter())
+                    .filter_map(move |&entry| Some((joined(run.high, entry.low), entry.id?)))
             })
             .peekable();
         let mut below = (self.below.range(from..))
@@ -203,13 +232,13 @@ impl VersionIndex {
 
     /// Where `version` is in the vector, or where it would go.
     fn find(&self, version: Version) -> Result<usize, usize> {
-        let (high, low) = ((version.0 >> 32) as u32, version.0 as u32);
-        let run = self.highs.partition_point(|run| run.high < high);
+        let (high, low) = split(version);
+        let run = self.highs.partition_point(|run| { run.high } < high);
         let start = self
             .highs
             .get(run)
             .map_or(self.entries.len(), |run| run.start());
-        if self.highs.get(run).is_none_or(|run| run.high != high) {
+        if self.highs.get(run).is_none_or(|run| { run.high } != high) {
             return Err(start);
         }
         let end = self
@@ -230,13 +259,13 @@ impl VersionIndex {
     /// The version of the entry at `at`.
     fn version_at(&self, at: usize) -> Version {
         let run = self.highs.partition_point(|run| run.start() <= at) - 1;
-        Version((u64::from(self.highs[run].high) << 32) | u64::from(self.entries[at].low))
+        joined(self.highs[run].high, self.entries[at].low)
     }
 
     /// Puts `id`'s lane at `version`, above every version in the vector, at its end.
     fn push(&mut self, version: Version, id: KeyId) {
-        let high = (version.0 >> 32) as u32;
-        if self.highs.last().is_none_or(|run| run.high != high) {
+        let (high, low) = split(version);
+        if self.highs.last().is_none_or(|run| { run.high } != high) {
             self.highs.push(High {
                 from: u32::try_from(self.entries.len())
                     .expect("an origin's index holds fewer than 2^32 entries"),
@@ -247,10 +276,7 @@ impl VersionIndex {
             // By an eighth, not doubling, as the key table grows.
             self.entries.reserve_exact(self.entries.len() / 8 + 16);
         }
-        self.entries.push(Entry {
-            low: version.0 as u32,
-            id: Some(id),
-        });
+        self.entries.push(Entry { low, id: Some(id) });
     }
 
     /// Merges `below` into the vector, in one pass, and drops the holes and the vector's
@@ -291,9 +317,10 @@ mod tests {
         Rename(u64, u32),
     }
 
-    /// Versions with both halves in use, so both are read back.
+    /// Versions with bits in use above 32 as well as in an entry's low bits, so all are read
+    /// back; four to a run, so runs hold several entries and a run of one entry is common.
     fn version(v: u64) -> Version {
-        Version((v << 32) | v)
+        Version(((v / 4) << 36) | v)
     }
 
     fn op() -> impl Strategy<Value = Op> {
@@ -336,11 +363,13 @@ mod tests {
                 prop_assert_eq!(index.last(), model.keys().next_back().copied());
                 prop_assert!(index.holes * 5 <= index.entries.len());
                 prop_assert!(index.below.len() <= index.below_max());
-                prop_assert!(index.entries.last().is_none_or(|last| last.id.is_some()));
+                let last_held = index.entries.last().map(|last| last.id);
+                prop_assert!(last_held.is_none_or(|id| id.is_some()));
                 let versions: Vec<_> = (0..index.entries.len()).map(|at| index.version_at(at)).collect();
                 prop_assert!(versions.windows(2).all(|w| w[0] < w[1]));
                 prop_assert_eq!(index.highs.first().map(|run| run.start()), (!versions.is_empty()).then_some(0));
-                prop_assert!(index.highs.windows(2).all(|w| w[0].from < w[1].from && w[0].high < w[1].high));
+                let runs: Vec<(u32, u64)> = index.highs.iter().map(|&run| (run.from, run.high)).collect();
+                prop_assert!(runs.windows(2).all(|w| w[0].0 < w[1].0 && w[0].1 < w[1].1));
                 prop_assert!(index.highs.iter().all(|run| run.start() < versions.len()));
             }
             let all: Vec<_> = index.range_from(Version::ZERO).collect();
@@ -377,22 +406,28 @@ mod tests {
     }
 
     #[test]
-    fn versions_that_each_have_a_high_half_of_their_own_cost_a_run_each_and_no_more() {
-        // Found in review: a sender may give every lane a high half of its own.
+    fn versions_that_each_have_a_high_part_of_their_own_cost_a_run_each_and_no_more() {
+        // Found in review: a sender may give every lane a high part of its own.
         let mut index = VersionIndex::default();
         for k in 1..=10_000u64 {
             index.insert(Version(k << 32), KeyId::of(k as usize));
         }
         assert_eq!(index.highs.len(), 10_000);
         let spread = bytes_a_lane(&index);
-        // An entry and its vector's room after a growth by an eighth (9), and a run and
-        // its vector's room after a doubling (16).
-        assert!(spread <= 25.0, "{spread:.1} bytes a lane");
+        // An entry and its vector's room after a growth by an eighth (6.75), and a run and
+        // its vector's room after a doubling (24).
+        assert!(spread <= 31.0, "{spread:.1} bytes a lane");
+        // Counting up one by one, as an origin's versions do: a run for each 65,536.
         let mut counted = VersionIndex::default();
-        insert_each(&mut counted, 1..=10_000);
-        assert_eq!(counted.highs.len(), 1);
-        let one_run = bytes_a_lane(&counted);
-        assert!(one_run <= 9.0, "{one_run:.1} bytes a lane");
+        insert_each(&mut counted, 1..=200_000);
+        assert_eq!(counted.highs.len(), 4);
+        let in_runs = bytes_a_lane(&counted);
+        assert!(in_runs <= 6.8, "{in_runs:.2} bytes a lane");
+        let all: Vec<u64> = (counted.range_from(Version(65_530)).take(12))
+            .map(|(v, _)| v.0)
+            .collect();
+        assert_eq!(all, (65_530..65_542).collect::<Vec<_>>());
+        assert_eq!(counted.get(Version(131_072)), Some(KeyId::of(131_072)));
     }
 
     #[test]
