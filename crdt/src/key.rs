@@ -291,6 +291,16 @@ impl<'a> KeyRef<'a> {
         self.window
     }
 
+    /// Whether the subject is `subject`. Shared strings compare by pointer first: a key
+    /// looked up by a key that shares its subject (as the gossip side's keys share the lane
+    /// store's) is found without reading the string, a cache miss in a large map.
+    pub fn subject_is(&self, subject: &Subject) -> bool {
+        match self.held_subject {
+            Some(held) => held == subject,
+            None => self.subject == subject.as_str(),
+        }
+    }
+
     /// An upper bound on the key's encoded size in bytes, for frame budgets: the strings
     /// plus a length prefix each and the window's two integers at their widest.
     pub fn encoded_len_max(&self) -> usize {
@@ -305,11 +315,15 @@ impl<'a> KeyRef<'a> {
     /// The owned key: shares the rule's name, and the subject too if this was borrowed from
     /// a `Key`; copies the subject otherwise.
     pub fn to_key(&self) -> Key {
-        let subject = match self.held_subject {
+        Key::new(self.rule.clone(), self.to_subject(), self.window)
+    }
+
+    /// The subject, sharing its string if this was borrowed from a [`Key`].
+    pub fn to_subject(&self) -> Subject {
+        match self.held_subject {
             Some(held) => held.clone(),
             None => Subject(self.subject.into()),
-        };
-        Key::new(self.rule.clone(), subject, self.window)
+        }
     }
 }
 
@@ -326,15 +340,7 @@ impl<'a> From<&'a Key> for KeyRef<'a> {
 
 impl Equivalent<Key> for KeyRef<'_> {
     fn equivalent(&self, key: &Key) -> bool {
-        self.window == key.window
-            && *self.rule == key.rule
-            && match self.held_subject {
-                // Shared strings compare by pointer first: a key looked up by a key that
-                // shares its subject (as the gossip side's keys share the lane store's) is
-                // found without reading the string, a cache miss in a large map.
-                Some(held) => *held == key.subject,
-                None => self.subject == key.subject.as_str(),
-            }
+        self.window == key.window && *self.rule == key.rule && self.subject_is(&key.subject)
     }
 }
 

@@ -33,10 +33,13 @@
 //! collectors as negative controls that must lose a write) and the unit test
 //! `concurrent_writes_and_collections_lose_nothing`.
 
+mod held;
+
 use crate::sync::{AtomicU64, Mutex, MutexGuard, Ordering};
 use crossbeam_queue::SegQueue;
 use foldhash::fast::{FoldHasher, SeedableRandomState};
 use foldhash::SharedSeed;
+use held::{HeldKey, Scope, ScopeRef};
 use papaya::{Equivalent, Guard};
 use std::collections::HashMap;
 use std::fmt;
@@ -44,7 +47,7 @@ use std::hash::{BuildHasher, Hash, RandomState};
 // Not from `crate::sync`: the key count is not part of the slot protocol that the loom
 // models check, and the store's map and queue are not loom-aware anyway.
 use std::sync::atomic::AtomicUsize;
-use std::sync::OnceLock;
+use std::sync::{Arc, OnceLock};
 use tally_crdt::{Key, KeyRef, Lane, Overflow, ReplicaId};
 use tokio::sync::Notify;
 
@@ -54,13 +57,17 @@ pub struct LaneStore {
     keys_max: usize,
     // papaya rather than dashmap: reads and writes to existing keys never lock (dashmap
     // takes a shard lock for every read, so a hot key's readers contend on the shard's
-    // lock word), and its entries are one exact-size allocation each with a 9-byte table
-    // slot, where dashmap's tables double in place and sit half empty after each growth.
-    // Looked up by `KeyRef`, so that a write to a held key allocates nothing.
-    slots: papaya::HashMap<Key, Slot, KeyHasher>,
+    // lock word), and its entries are one exact-size allocation each (40 bytes: a 16-byte
+    // `HeldKey` and a 24-byte `Slot`) with a 9-byte table slot, where dashmap's tables
+    // double in place and sit half empty after each growth. Looked up by `KeyRef`, so that
+    // a write to a held key allocates nothing.
+    slots: papaya::HashMap<HeldKey, Slot, KeyHasher>,
+    // The scopes (rule and window) of the keys held, each held once; a scope no key holds
+    // is dropped by `reclaim`.
+    scopes: papaya::HashSet<Arc<Scope>, KeyHasher>,
     // Keys whose slot went from clean to dirty. A key is here at most once: its slot stays
     // dirty from the push until a collection pops it and takes the slot.
-    dirty: SegQueue<Key>,
+    dirty: SegQueue<HeldKey>,
     // Raised after each push to `dirty`, so the collector can sleep while nothing changes.
     queued: Notify,
     // The remote sums too large for their slots.
@@ -107,6 +114,7 @@ impl LaneStore {
             replica,
             keys_max,
             slots: papaya::HashMap::with_hasher(KeyHasher::new()),
+            scopes: papaya::HashSet::with_hasher(KeyHasher::new()),
             dirty: SegQueue::new(),
             queued: Notify::new(),
             outsized: Outsized::default(),
@@ -196,11 +204,12 @@ impl LaneStore {
             };
             let Some(slot) = self.slots.get(&key, &guard) else {
                 unreachable!(
-                    "queued key {key} has no slot: a queued key's slot stays dirty until \
-                     collected, and only a clean slot is removed"
+                    "queued key {} has no slot: a queued key's slot stays dirty until \
+                     collected, and only a clean slot is removed",
+                    key.to_key()
                 );
             };
-            out.push((key, slot.take()));
+            out.push((key.into_key(), slot.take()));
         }
     }
 
@@ -238,7 +247,7 @@ impl LaneStore {
         let guard = self.slots.guard();
         let mut removed = 0;
         for (key, _) in self.slots.iter(&guard) {
-            let until = key.window.live_until_unix_secs();
+            let until = key.window().live_until_unix_secs();
             if now_unix_secs >= until && self.unlink(key, Slot::retire, &guard) {
                 removed += 1;
             } else {
@@ -258,15 +267,23 @@ impl LaneStore {
     /// whose gossip task calls this once a second; writer threads of their own keep theirs
     /// until their batch fills. A flush is a system call (`membarrier`) even when there is
     /// nothing to free.
+    ///
+    /// Then drops the scopes that no key holds any more, the removed keys freed: a key
+    /// being made in one now keeps it (its count is past one) or, made from it just
+    /// before, keeps a copy the table no longer names. Keys compare by value, so that is
+    /// only a second copy.
     pub fn reclaim(&self) {
         self.slots.guard().flush();
+        self.scopes
+            .pin()
+            .retain(|scope| Arc::strong_count(scope) > 1);
     }
 
     /// Calls `f` with every key held and its own lane, as read at that moment.
     pub fn for_each_own(&self, mut f: impl FnMut(&Key, Lane)) {
         let guard = self.slots.guard();
         for (key, slot) in self.slots.iter(&guard) {
-            f(key, slot.own());
+            f(&key.to_key(), slot.own());
         }
     }
 
@@ -352,7 +369,7 @@ impl LaneStore {
         &self,
         key: KeyRef<'_>,
         guard: &'g impl Guard,
-    ) -> Result<(&'g Key, &'g Slot), StoreError> {
+    ) -> Result<(&'g HeldKey, &'g Slot), StoreError> {
         loop {
             if let Some(held) = self.slots.get_key_value(&key, guard) {
                 return Ok(held);
@@ -370,11 +387,8 @@ impl LaneStore {
                     .get_key_value(&key, guard)
                     .ok_or(StoreError::KeysFull { keys_max });
             }
-            if self
-                .slots
-                .try_insert(key.to_key(), Slot::new(), guard)
-                .is_err()
-            {
+            let held = HeldKey::new(&key, self.scope(&key));
+            if self.slots.try_insert(held, Slot::new(), guard).is_err() {
                 // Another thread created it meanwhile.
                 self.keys.fetch_sub(1, Ordering::Relaxed);
             } else {
@@ -387,10 +401,22 @@ impl LaneStore {
         }
     }
 
+    /// The scope `key` is in, as held: the one the table holds, or a new one, added.
+    fn scope(&self, key: &KeyRef<'_>) -> Arc<Scope> {
+        let scopes = self.scopes.pin();
+        let wanted = ScopeRef::of(key);
+        if let Some(scope) = scopes.get(&wanted) {
+            return Arc::clone(scope);
+        }
+        let scope = wanted.to_scope();
+        scopes.insert(Arc::clone(&scope));
+        scope
+    }
+
     /// Removes the key's slot if `which` says so, and gives its place back to `keys`.
     fn unlink<Q>(&self, key: &Q, mut which: impl FnMut(&Slot) -> bool, guard: &impl Guard) -> bool
     where
-        Q: Hash + Equivalent<Key> + ?Sized,
+        Q: Hash + Equivalent<HeldKey> + ?Sized,
     {
         let Ok(Some((_, slot))) = self.slots.remove_if(key, |_, slot| which(slot), guard) else {
             return false;
@@ -452,7 +478,7 @@ impl BuildHasher for KeyHasher {
 /// loom models check, so every atomic the protocol relies on lives here (with
 /// [`Outsized`], for remote sums too large for the slot).
 ///
-/// 24 bytes with std's atomics, one exact allocation of 48 together with its key in the
+/// 24 bytes with std's atomics, one exact allocation of 40 together with its key (a 16-byte `HeldKey`) in the
 /// map: the memory budget is 64 bytes per key, papaya's table included.
 #[derive(Debug)]
 struct Slot {
@@ -1077,12 +1103,34 @@ mod tests {
             0,
             "the old window's write is not collected yet"
         );
+        assert_eq!(store.scopes.len(), 2, "one scope a window");
         collected(&store);
         assert_eq!(store.expire(120), 1);
         assert_eq!(
             (store.len(), store.own(&old), store.own(&current)),
             (1, Lane::default(), Lane::new(1, 0))
         );
+        store.reclaim();
+        let held: Vec<_> = store.scopes.pin().iter().map(Arc::clone).collect();
+        let current_scope = ScopeRef::of(&KeyRef::from(&current)).to_scope();
+        assert_eq!(
+            held,
+            [current_scope],
+            "the old window's scope is dropped once its key is freed"
+        );
+    }
+
+    #[test]
+    fn keys_of_one_scope_share_it() {
+        let store = store(8);
+        for subject in ["a", "b", "c"] {
+            store.incr(&key(subject), 1).unwrap();
+        }
+        assert_eq!(store.scopes.len(), 1);
+        collected(&store);
+        let scopes = store.scopes.pin();
+        let scope = scopes.iter().next().unwrap();
+        assert_eq!(Arc::strong_count(scope), 4, "the table and the three keys");
     }
 
     #[test]
