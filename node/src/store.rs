@@ -478,8 +478,9 @@ impl BuildHasher for KeyHasher {
 /// loom models check, so every atomic the protocol relies on lives here (with
 /// [`Outsized`], for remote sums too large for the slot).
 ///
-/// 24 bytes with std's atomics, one exact allocation of 40 together with its key (a 16-byte `HeldKey`) in the
-/// map: the memory budget is 64 bytes per key, papaya's table included.
+/// 24 bytes with std's atomics, one exact allocation of 40 together with its key (a
+/// 16-byte `HeldKey`) in the map: the memory budget is 64 bytes per key, papaya's table
+/// included.
 #[derive(Debug)]
 struct Slot {
     // Invariant: the totals only grow, by checked adds, so a lane never wraps. The one
