@@ -368,7 +368,8 @@ mod tests {
                 let versions: Vec<_> = (0..index.entries.len()).map(|at| index.version_at(at)).collect();
                 prop_assert!(versions.windows(2).all(|w| w[0] < w[1]));
                 prop_assert_eq!(index.highs.first().map(|run| run.start()), (!versions.is_empty()).then_some(0));
-                let runs: Vec<(u32, u64)> = index.highs.iter().map(|&run| (run.from, run.high)).collect();
+                let runs: Vec<(u32, u64)> =
+                    index.highs.iter().map(|&run| (run.from, run.high)).collect();
                 prop_assert!(runs.windows(2).all(|w| w[0].0 < w[1].0 && w[0].1 < w[1].1));
                 prop_assert!(index.highs.iter().all(|run| run.start() < versions.len()));
             }
