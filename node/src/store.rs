@@ -221,10 +221,13 @@ impl LaneStore {
     /// (a merge keeps the larger total). The node writes only in the window of its wall
     /// clock, which windows are expired behind, so that happens only once the wall clock
     /// steps back past a window's life (a gap, ARCHITECTURE.md). A write racing the removal
-    /// lands either before it (and the key stays) or in the key's new slot: a new lane from
-    /// zero, so with writers on several threads a write to a window that is over can be
-    /// acknowledged and then ignored by peers holding the old totals. `tallyd` runs
-    /// writes and removals on one thread, where no write races a removal.
+    /// lands before it (and the key stays), in the key's new slot, or in both: a collection
+    /// between its add and its flag takes the add with the old totals, and the write, then
+    /// finding the slot retired, counts in the new slot too (found in review, session 40).
+    /// The new slot is a new lane from zero, so with writers on several threads a write to
+    /// a window that is over can be acknowledged and then ignored by peers holding the old
+    /// totals, or held in both the old totals and the new lane. `tallyd` runs writes and
+    /// removals on one thread, where no write races a removal.
     pub fn remove(&self, key: &Key) -> bool {
         let guard = self.slots.guard();
         self.unlink(key, Slot::retire, &guard)
