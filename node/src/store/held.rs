@@ -172,10 +172,8 @@ mod tests {
             assert!(!other.equivalent(&held), "{other}");
             assert_ne!(self::held(&other), held);
         }
-        let elsewhere = HeldKey::new(
-            &KeyRef::from(&key),
-            ScopeRef::of(&KeyRef::from(&key)).to_scope(),
-        );
+        // Another scope allocation for the same rule and window.
+        let elsewhere = self::held(&key);
         assert_eq!(
             elsewhere, held,
             "equal by value, whichever scope allocation"
