@@ -201,24 +201,12 @@ fn lane_store(keys: &[Key]) {
     );
     let settled = inserted.bytes + drained.bytes;
     println!(
-        "  after collect and reclaim (the dirty queue drained and the old tables freed, as \
-         tallyd's gossip task does): \
+        "  after collect and reclaim (the dirty queue drained, a growth the inserts left \
+         half done finished, and the old tables freed, as tallyd's gossip task does each \
+         second): \
          {:.1} bytes/key; with LaneStore::new: {:.1} bytes/key",
         settled as f64 / keys_n() as f64,
         (made.bytes + settled) as f64 / keys_n() as f64,
-    );
-    // papaya copies its old table only on inserts that run past its probe limit, so once
-    // they stop a growth can stay half done, both tables resident. tallyd's gossip task
-    // finishes it on the blocking pool once a second while keys are added
-    // (`LaneStore::finish_growth`), beside its `reclaim`.
-    let ((), finished) = measure(|| {
-        store.finish_growth();
-        store.reclaim();
-    });
-    println!(
-        "  after finish_growth and reclaim (a growth the inserts left half done finished, \
-         as tallyd's gossip task does within a second): {:.1} bytes/key",
-        (settled + finished.bytes) as f64 / keys_n() as f64,
     );
     println!(
         "  publishing a remote sum for every key adds {:.1} bytes/key (remote lanes are \

@@ -28,38 +28,6 @@ const LAST_FRAMES_DEADLINE: Duration = Duration::from_secs(1);
 /// far past a sync on a slow disk (milliseconds), below the default `stale_after_ms` (3 s).
 const SYNC_OVERDUE: Duration = Duration::from_secs(1);
 
-/// Finishes the lane store's table growths on the blocking pool, not the node's one
-/// thread ([`LaneStore::finish_growth`]): once a second while keys are added, so that a
-/// growth the inserts left half done holds both tables for about a second, and an expiry's
-/// walk seldom meets one to finish (which would hold the thread for the rest of the copy).
-#[derive(Debug, Default)]
-struct Growth {
-    // The key count when the last finish started.
-    keys: usize,
-    finishing: Option<tokio::task::JoinHandle<()>>,
-}
-
-impl Growth {
-    fn each_second(&mut self, store: &Arc<LaneStore>) {
-        if self
-            .finishing
-            .as_ref()
-            .is_some_and(|task| !task.is_finished())
-        {
-            return;
-        }
-        // A count that fell (an expiry) and rose back needs no finish, but starting one
-        // then costs only the hand-off: with no growth under way it does nothing.
-        let keys = store.len();
-        let grew = keys > self.keys;
-        self.keys = keys;
-        if grew {
-            let store = Arc::clone(store);
-            self.finishing = Some(tokio::task::spawn_blocking(move || store.finish_growth()));
-        }
-    }
-}
-
 /// Why the gossip task stopped on its own.
 #[derive(Debug, thiserror::Error)]
 pub enum DriverError {
@@ -141,7 +109,6 @@ impl Driver {
         let mut collect_due = false;
         let mut queued_at = Duration::ZERO;
         let mut expire = tokio::time::interval(Duration::from_secs(1));
-        let mut growth = Growth::default();
         let mut lanes = Vec::new();
         loop {
             let next = self.drain(me)?;
@@ -203,7 +170,6 @@ impl Driver {
                     let now_secs = paced.0 / 1_000;
                     self.store.expire(now_secs);
                     self.store.reclaim();
-                    growth.each_second(&self.store);
                     self.view.lock().forget_ended_windows(now_secs);
                 }
                 _ = self.shutdown.changed() => {
@@ -385,67 +351,5 @@ impl Driver {
         view.gossip = self.gossip.stats().clone();
         view.lanes = map.lanes();
         view.keys = map.len();
-    }
-}
-
-// The lane store runs on loom's atomics under `tally_loom`, which work only inside a model.
-#[cfg(test)]
-#[cfg(not(tally_loom))]
-mod tests {
-    use super::*;
-    use tally_crdt::{Generation, Rule, Subject, Window};
-
-    fn key(i: u32) -> Key {
-        Key::new(
-            Rule::new("quota").unwrap(),
-            Subject::new(format!("user-{i}")).unwrap(),
-            Window::containing(1_700_000_000, 60).unwrap(),
-        )
-    }
-
-    #[tokio::test]
-    async fn a_growth_is_finished_once_keys_were_added_and_never_twice_at_once() {
-        let store = Arc::new(LaneStore::new(
-            ReplicaId::new(NodeId(1), Generation(1)),
-            100_000,
-        ));
-        let mut growth = Growth::default();
-        growth.each_second(&store);
-        assert!(growth.finishing.is_none(), "no key was added");
-
-        for i in 0..50_000 {
-            store.incr(&key(i), 1).unwrap();
-        }
-        growth.each_second(&store);
-        let first = growth
-            .finishing
-            .take()
-            .expect("keys were added: a finish starts");
-        // While one runs, no other starts: put it back unfinished and ask again.
-        let (started, running) = oneshot::channel::<()>();
-        growth.finishing = Some(tokio::task::spawn_blocking(move || {
-            let _ = running.blocking_recv();
-        }));
-        store.incr(&key(50_000), 1).unwrap();
-        growth.each_second(&store);
-        assert_eq!(growth.keys, 50_000, "no finish started while one runs");
-        assert!(
-            !growth.finishing.as_ref().unwrap().is_finished(),
-            "the running finish is kept"
-        );
-        drop(started);
-        growth.finishing.take().unwrap().await.unwrap();
-        first.await.unwrap();
-
-        // The key added while it ran is seen at the next second's look.
-        growth.each_second(&store);
-        assert!(
-            growth.finishing.is_some(),
-            "the count rose past the last start"
-        );
-        growth.finishing.take().unwrap().await.unwrap();
-        growth.each_second(&store);
-        assert!(growth.finishing.is_none(), "no key was added since");
-        assert_eq!(store.len(), 50_001);
     }
 }

@@ -260,46 +260,40 @@ impl LaneStore {
         removed
     }
 
-    /// Frees the memory this thread retired: removed keys' slots, and the map's old tables.
+    /// Finishes a growth of the map that inserts left half done, then frees the memory
+    /// this thread retired: removed keys' slots, and the map's old tables.
     ///
-    /// papaya replaces its table as it grows and hands the old one to its reclamation
-    /// scheme, which frees retired memory a batch at a time, per thread, once the batch
-    /// fills; removals are rare between resizes, so without this the old tables would stay,
-    /// as much again as the live one. They sit in the batch of the thread that finished the
-    /// resize. In tallyd writes, merges and expiry all run on the runtime's one thread,
-    /// whose gossip task calls this once a second; writer threads of their own keep theirs
-    /// until their batch fills. A flush is a system call (`membarrier`) even when there is
-    /// nothing to free.
+    /// papaya copies its old table into a grown one a chunk at a time, and only on inserts
+    /// that run past its probe limit, so once inserts stop a growth can stay half done,
+    /// both tables resident (about 10 bytes a key more than the grown table alone). This
+    /// finishes the copy, on the calling thread: nothing when no growth is under way, and
+    /// otherwise what is left of the copy, as long as a walk of that many keys (see
+    /// BENCHMARKS.md, memory, session 41). The thread that finishes a copy retires the
+    /// old table.
+    ///
+    /// papaya hands old tables to its reclamation scheme, which frees retired memory a
+    /// batch at a time, per thread, once the batch fills; removals are rare between
+    /// resizes, so without the flush here the old tables would stay, as much again as the
+    /// live one. They sit in the batch of the thread that finished the resize. In tallyd
+    /// writes, merges and expiry all run on the runtime's one thread, whose gossip task
+    /// calls this once a second; writer threads of their own keep theirs until their batch
+    /// fills. A flush is a system call (`membarrier`) even when there is nothing to free.
     ///
     /// Then drops the scopes that no key holds any more, the removed keys freed: a key
     /// being made in one now keeps it (its count is past one) or, made from it just
     /// before, keeps a copy the table no longer names. Keys compare by value, so that is
     /// only a second copy.
     pub fn reclaim(&self) {
+        {
+            let guard = self.slots.guard();
+            // An iterator needs the whole table in one place: making one finishes a growth
+            // left half done.
+            let _ = self.slots.iter(&guard);
+        }
         self.slots.guard().flush();
         self.scopes
             .pin()
             .retain(|scope| Arc::strong_count(scope) > 1);
-    }
-
-    /// Finishes a growth of the key table that inserts left half done, then frees the old
-    /// table; does nothing when no growth is under way.
-    ///
-    /// papaya copies its old table into a grown one a chunk at a time, and only on inserts
-    /// that run past its probe limit, so once inserts stop a growth can stay half done,
-    /// both tables resident: about 10 bytes a key more than the grown table alone. The
-    /// next walk of every key ([`LaneStore::for_each_own`], an expiry that may end a
-    /// window) finishes the copy on its own thread, at about 0.4 us a slot left to copy.
-    /// Call this on a thread of its own, not a writer's: writers go on meanwhile, and
-    /// whoever meets a slot being copied waits for that slot alone.
-    pub fn finish_growth(&self) {
-        {
-            let guard = self.slots.guard();
-            // An iterator needs the whole table in one place: making one finishes the copy.
-            let _ = self.slots.iter(&guard);
-        }
-        // The thread that finished the copy retired the old table; free it from here.
-        self.slots.guard().flush();
     }
 
     /// Calls `f` with every key held and its own lane, as read at that moment.
