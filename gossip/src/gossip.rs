@@ -281,6 +281,12 @@ impl Gossip {
         Output::Timeout(deadline)
     }
 
+    /// Whether a push of own lanes is scheduled: lanes handed in ([`Input::LocalLanes`])
+    /// before its deadline go out with it. None is while no own lane waits to be pushed.
+    pub fn push_pending(&self) -> bool {
+        self.next_push.is_some()
+    }
+
     /// The counters as held here.
     pub fn map(&self) -> &CounterMap {
         &self.map
@@ -1486,6 +1492,73 @@ mod tests {
             }
         }
         assert_eq!(pushed, 1, "the unpushed lane went out before the goodbye");
+    }
+
+    /// What `tallyd`'s driver collects by (`Collecting::AtPush`): lanes handed in while a
+    /// push is pending, up to its deadline, go out in that push, and none is pending after.
+    #[test]
+    fn lanes_handed_in_while_a_push_is_pending_go_out_in_it() {
+        let mut gossip = node(1);
+        let announce = Message::Members {
+            members: vec![MemberEntry {
+                node: NodeId(2),
+                generation: Generation(1),
+                addr: "n2".into(),
+                left: false,
+            }],
+        };
+        receive_from_node_2(&mut gossip, wire::encode(node(2).replica(), &announce));
+        let key = |subject: &str| {
+            Key::new(
+                Rule::new("r").unwrap(),
+                Subject::new(subject).unwrap(),
+                Window::containing(WALL / 1_000, 60).unwrap(),
+            )
+        };
+        let drain = |gossip: &mut Gossip| {
+            let mut pushed = Vec::new();
+            loop {
+                match gossip.poll_output() {
+                    Output::Send { frame, .. } => {
+                        if let Message::Push { lanes, .. } =
+                            wire::decode(&frame, 1 << 20).unwrap().message
+                        {
+                            pushed.extend(lanes.lanes.into_iter().map(|lane| lane.key));
+                        }
+                    }
+                    Output::Event(_) => {}
+                    Output::Timeout(deadline) => return (pushed, deadline),
+                }
+            }
+        };
+        // The first round, which schedules the next a gossip interval on.
+        gossip.handle_input(Input::Timeout { now: now(1) });
+        drain(&mut gossip);
+        assert!(!gossip.push_pending(), "no own lane waits");
+
+        gossip.handle_input(Input::LocalLanes {
+            now: now(2),
+            lanes: vec![(key("first"), Lane::new(1, 0))],
+        });
+        assert!(gossip.push_pending());
+        let (pushed, deadline) = drain(&mut gossip);
+        assert!(pushed.is_empty(), "the push waits for its interval");
+        let push_interval = gossip.config().push_interval;
+        assert_eq!(deadline, Duration::from_millis(2) + push_interval);
+
+        // Handed in just before the deadline: it does not move, and the lane joins.
+        let last_ms = deadline.as_millis() as u64 - 1;
+        gossip.handle_input(Input::LocalLanes {
+            now: now(last_ms),
+            lanes: vec![(key("last"), Lane::new(1, 0))],
+        });
+        assert_eq!(drain(&mut gossip).1, deadline);
+        gossip.handle_input(Input::Timeout {
+            now: now(deadline.as_millis() as u64),
+        });
+        let (pushed, _) = drain(&mut gossip);
+        assert_eq!(pushed, [key("first"), key("last")]);
+        assert!(!gossip.push_pending(), "every own lane went out");
     }
 
     /// Feeds `gossip` a Syn from node 1 carrying `digest` and returns its Ack.

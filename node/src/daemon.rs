@@ -4,7 +4,7 @@
 use crate::clock::{self, Clock, ExpiryClock};
 use crate::config::{Config, Role};
 use crate::decide::Rules;
-use crate::driver::{Driver, DriverError};
+use crate::driver::{Collecting, Driver, DriverError};
 use crate::exact_room::ExactRoom;
 use crate::expiry_mark::{self, ExpiryMark};
 use crate::handoff::Handoff;
@@ -84,18 +84,19 @@ pub enum DaemonError {
     TaskEnded(&'static str),
 }
 
-/// How often the gossip task collects written lanes while writes come. Without a data dir,
-/// every millisecond: a write waits for one push batch, not for a collection and then a
-/// batch. With one, each collection is followed by a sync of the lane log (`handoff`), and
-/// a sync per millisecond cost a fifth of the sidecar's pipelined throughput
-/// (BENCHMARKS.md, runs 33 to 36): twice per push interval instead, so a write may wait up
-/// to half a push interval more.
-fn collect_every(data_dir: bool, push_interval: std::time::Duration) -> std::time::Duration {
-    let every = std::time::Duration::from_millis(1);
+/// When the gossip task collects written lanes. Without a data dir, just before the push
+/// that carries them ([`Collecting::AtPush`]): a write waits for one push batch, and a
+/// node under steady writes wakes once a push interval for it, where a collection every
+/// millisecond woke it a thousand times a second. With one, each collection is followed
+/// by a sync of the lane log (`handoff`) before its lanes reach the gossip, so they are
+/// collected ahead of the push, twice per push interval: a sync per millisecond cost a
+/// fifth of the sidecar's pipelined throughput (BENCHMARKS.md, runs 33 to 36), and a write
+/// may wait up to half a push interval more.
+fn collecting(data_dir: bool, push_interval: std::time::Duration) -> Collecting {
     if data_dir {
-        every.max(push_interval / 2)
+        Collecting::Every(std::time::Duration::from_millis(1).max(push_interval / 2))
     } else {
-        every
+        Collecting::AtPush
     }
 }
 
@@ -330,7 +331,7 @@ pub async fn run(config: Config, shutdown: impl Future<Output = ()>) -> Result<(
         clock,
         expiry,
         expiry_mark: config.data_dir.clone().map(ExpiryMark::new),
-        collect_every: collect_every(log.is_some(), config.push_interval()),
+        collecting: collecting(log.is_some(), config.push_interval()),
         handoff: Handoff::new(log.clone()),
         shutdown: stopped,
         forget: forget_requests,

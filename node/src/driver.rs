@@ -28,6 +28,30 @@ const LAST_FRAMES_DEADLINE: Duration = Duration::from_secs(1);
 /// far past a sync on a slow disk (milliseconds), below the default `stale_after_ms` (3 s).
 const SYNC_OVERDUE: Duration = Duration::from_secs(1);
 
+/// When the gossip task collects the lanes written since its last collection.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Collecting {
+    /// Just before the push that will carry them, or at once if none is scheduled (which
+    /// schedules one): a write waits for one push batch and is in it, however late in the
+    /// batch it came, and a node under steady writes wakes once a push interval, not once
+    /// a millisecond. Without a data directory.
+    AtPush,
+    /// On each tick of this interval while writes wait (at once after a quiet spell): with
+    /// a data directory, whose lane log is synced after each collection and before its
+    /// lanes reach the gossip, so they must be collected ahead of the push.
+    Every(Duration),
+}
+
+/// The next tick of `ticks`; never, without them.
+async fn tick(ticks: &mut Option<tokio::time::Interval>) {
+    match ticks {
+        Some(ticks) => {
+            ticks.tick().await;
+        }
+        None => std::future::pending().await,
+    }
+}
+
 /// Why the gossip task stopped on its own.
 #[derive(Debug, thiserror::Error)]
 pub enum DriverError {
@@ -73,8 +97,8 @@ pub struct Driver {
     pub expiry: ExpiryClock,
     /// Where its readings are kept, if the node has a data directory.
     pub expiry_mark: Option<ExpiryMark>,
-    /// How often written lanes are collected while writes come.
-    pub collect_every: Duration,
+    /// When written lanes are collected.
+    pub collecting: Collecting,
     /// Collected lanes on their way to the gossip, once the lane log is synced.
     pub handoff: Handoff,
     /// Turns true when the node should leave.
@@ -90,11 +114,10 @@ impl Driver {
     /// Runs until shutdown (then leaves the cluster gracefully) or a fatal event.
     ///
     /// It sleeps until something happens: a frame, the protocol's deadline, a write to
-    /// the lane store, or the second's expiry. Written lanes are collected on the next tick
-    /// of `collect_every` (at once after a quiet spell), but the tick is only waited for
-    /// while a write is waiting: an idle sidecar does not wake every millisecond. With a
-    /// data directory, collected lanes reach the gossip once the lane log is synced, and
-    /// none are collected while a sync runs ([`Handoff`]). The
+    /// the lane store, or the second's expiry. Written lanes are collected as `collecting`
+    /// says; a collection's timer is only waited for while a write is waiting, so an idle
+    /// sidecar does not wake. With a data directory, collected lanes reach the gossip once
+    /// the lane log is synced, and none are collected while a sync runs ([`Handoff`]). The
     /// protocol's timer is reset only when its deadline moves: registering a timer earlier
     /// than the runtime's next wake-up costs a system call.
     pub async fn run(mut self) -> Result<(), DriverError> {
@@ -102,8 +125,16 @@ impl Driver {
         let serving_since = self.clock.mono();
         let protocol = tokio::time::sleep(Duration::ZERO);
         tokio::pin!(protocol);
-        let mut collect = tokio::time::interval(self.collect_every);
-        collect.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        // The collection's ticks, with `Collecting::Every`.
+        let mut collect = match self.collecting {
+            Collecting::Every(every) => {
+                let mut ticks = tokio::time::interval(every);
+                ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+                Some(ticks)
+            }
+            Collecting::AtPush => None,
+        };
+        let at_push = collect.is_none();
         // Whether a key was queued since the last collection began, and when the first was
         // (monotonic).
         let mut collect_due = false;
@@ -138,18 +169,27 @@ impl Driver {
                 // Checked again: the sync may have become overdue while the loop slept.
                 () = &mut protocol, if held.is_none() => {
                     if self.held_for().is_none() {
+                        if at_push && collect_due {
+                            collect_due = false;
+                            self.collect(&mut lanes, queued_at);
+                        }
                         self.gossip.handle_input(Input::Timeout { now: self.clock.now() });
                     }
                 }
                 // A wake-up for keys the last collection took is no write to time.
                 () = self.store.queued(), if !collect_due => {
                     if self.store.has_queued() {
-                        collect_due = true;
                         queued_at = self.clock.mono();
+                        if at_push && !self.gossip.push_pending() {
+                            // Their lanes schedule the push that the next writes wait for.
+                            self.collect(&mut lanes, queued_at);
+                        } else {
+                            collect_due = true;
+                        }
                     }
                 }
                 // Keys written while a sync runs stay queued until it returns.
-                _ = collect.tick(), if collect_due && !self.handoff.is_syncing() => {
+                () = tick(&mut collect), if collect_due && !self.handoff.is_syncing() => {
                     collect_due = false;
                     self.collect(&mut lanes, queued_at);
                 }

@@ -17,7 +17,7 @@
 //! One sync at a time runs, on a blocking thread, and the driver collects no lanes while
 //! it does: keys written meanwhile stay queued in the store, and are collected once it has
 //! returned. So a node under load syncs at most once per collection (every half push
-//! interval with a data dir: `daemon::collect_every`), what waits is bounded by the
+//! interval with a data dir: `daemon::collecting`), what waits is bounded by the
 //! store's keys, and a write waits for at most two syncs. Lanes go to the gossip stamped
 //! with when they were collected, so the staleness peers measure includes the sync. A
 //! sync that runs past a limit (the driver's: a second, or a gossip interval) is

@@ -18,9 +18,11 @@
 //! simulated time, each running node publishes the remote sum of every counter that
 //! changed to its store and takes the counter into its view (`Driver::publish`), and sets
 //! its view's members and stamps (`Driver::refresh_view`). An admission is handed to the
-//! node's gossip 3 ms after it is made: `tallyd` collects its store every millisecond
-//! without a data dir and every half push interval with one (2.5 ms by default). A
-//! lane-log sync that holds writes back is not modelled.
+//! node's gossip 3 ms after it is made, and goes out in the next push (5 ms after the
+//! first lane a push waits for): `tallyd` with a data dir collects its store every half
+//! push interval (2.5 ms by default), and without one just before the push that carries
+//! the admission, which then reaches peers no later than here. A lane-log sync that
+//! holds writes back is not modelled.
 //!
 //! Rates are steady, and the limit is reached no sooner than three seconds into the run:
 //! the connected bound is a rate times a staleness, and a rate that has not been measured
@@ -54,9 +56,10 @@ use tally_node::view::{unheard_seeds, ViewState};
 
 /// How long each seed's cluster runs, in simulated milliseconds.
 const RUN_MS: u64 = 12_000;
-/// How long an admission waits in the store before the gossip collects it, at most:
-/// `tallyd` collects every millisecond without a data dir and every half push interval
-/// with one (`daemon::collect_every`; the simulator pushes every 5 ms).
+/// How long an admission waits in the store before the gossip collects it: `tallyd`
+/// collects every half push interval with a data dir, and without one just before the
+/// push that carries it, at most a push interval after the admission and sent at once
+/// (`daemon::collecting`; the simulator pushes every 5 ms).
 const COLLECT_EVERY_MS: u64 = 3;
 /// The one subject every node checks.
 const SUBJECT: &str = "s";
