@@ -282,7 +282,8 @@ impl Gossip {
     }
 
     /// Whether a push of own lanes is scheduled: lanes handed in ([`Input::LocalLanes`])
-    /// before its deadline go out with it. None is while no own lane waits to be pushed.
+    /// before its deadline go out in it. None is scheduled while no own lane waits for a
+    /// push.
     pub fn push_pending(&self) -> bool {
         self.next_push.is_some()
     }
@@ -1494,8 +1495,9 @@ mod tests {
         assert_eq!(pushed, 1, "the unpushed lane went out before the goodbye");
     }
 
-    /// What `tallyd`'s driver collects by (`Collecting::AtPush`): lanes handed in while a
-    /// push is pending, up to its deadline, go out in that push, and none is pending after.
+    /// The contract `tallyd`'s driver collects by (`Collecting::AtPush`): lanes handed in
+    /// while a push is pending, up to its deadline, go out in that push, and no push is
+    /// pending after it.
     #[test]
     fn lanes_handed_in_while_a_push_is_pending_go_out_in_it() {
         let mut gossip = node(1);
