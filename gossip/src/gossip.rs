@@ -1343,6 +1343,19 @@ mod tests {
         )
     }
 
+    /// Node 2 announces itself to `gossip`, and becomes its live peer.
+    fn announce_node_2(gossip: &mut Gossip) {
+        let announce = Message::Members {
+            members: vec![MemberEntry {
+                node: NodeId(2),
+                generation: Generation(1),
+                addr: "n2".into(),
+                left: false,
+            }],
+        };
+        receive_from_node_2(gossip, wire::encode(node(2).replica(), &announce));
+    }
+
     fn receive_from_node_2(gossip: &mut Gossip, frame: Vec<u8>) {
         gossip.handle_input(Input::Receive {
             now: now(1),
@@ -1458,16 +1471,7 @@ mod tests {
     #[test]
     fn leaving_pushes_the_lanes_still_waiting_for_their_batch() {
         let mut gossip = node(1);
-        // Node 2 announces itself and becomes a live peer.
-        let announce = Message::Members {
-            members: vec![MemberEntry {
-                node: NodeId(2),
-                generation: Generation(1),
-                addr: "n2".into(),
-                left: false,
-            }],
-        };
-        receive_from_node_2(&mut gossip, wire::encode(node(2).replica(), &announce));
+        announce_node_2(&mut gossip);
         let key = Key::new(
             Rule::new("r").unwrap(),
             Subject::new("mine").unwrap(),
@@ -1501,15 +1505,7 @@ mod tests {
     #[test]
     fn lanes_handed_in_while_a_push_is_pending_go_out_in_it() {
         let mut gossip = node(1);
-        let announce = Message::Members {
-            members: vec![MemberEntry {
-                node: NodeId(2),
-                generation: Generation(1),
-                addr: "n2".into(),
-                left: false,
-            }],
-        };
-        receive_from_node_2(&mut gossip, wire::encode(node(2).replica(), &announce));
+        announce_node_2(&mut gossip);
         let key = |subject: &str| {
             Key::new(
                 Rule::new("r").unwrap(),
