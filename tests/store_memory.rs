@@ -1,8 +1,8 @@
 //! The lane store's memory per key at rest, against issue 2's budget of 64 bytes a key
 //! with one own lane, papaya's table included. "At rest" is after the keys are written,
 //! their lanes collected and `LaneStore::reclaim` run, as tallyd's gossip task does once a
-//! second: it finishes a table growth the inserts left half done, and frees what is
-//! retired.
+//! second: past the most keys it has seen held, it finishes a table growth the inserts
+//! left half done, and it frees what is retired.
 //!
 //! At 60,000, 120,000 and 125,000 keys papaya's table has just grown, and the inserts
 //! mostly leave that copy half done (at 125,000 every time, in session 41's review), both

@@ -79,6 +79,8 @@ pub struct LaneStore {
     // `live_until_unix_secs` of every key held. An insert lowers it once the key is in the
     // map; `expire` sets it again from the keys it walks, and walks none before it.
     ends_from: std::sync::atomic::AtomicU64,
+    // The most keys `reclaim` has seen held: it finishes a growth of the map only past it.
+    keys_high: AtomicUsize,
 }
 
 /// What a write left behind: the key's own lane and its estimate just after the write.
@@ -120,6 +122,7 @@ impl LaneStore {
             outsized: Outsized::default(),
             keys: AtomicUsize::new(0),
             ends_from: std::sync::atomic::AtomicU64::new(u64::MAX),
+            keys_high: AtomicUsize::new(0),
         }
     }
 
@@ -260,16 +263,22 @@ impl LaneStore {
         removed
     }
 
-    /// Finishes a growth of the map that inserts left half done, then frees the memory
-    /// this thread retired: removed keys' slots, and the map's old tables.
+    /// Finishes a growth of the map that inserts left half done, if the store holds more
+    /// keys than it ever did at an earlier call, then frees the memory this thread
+    /// retired: removed keys' slots, and the map's old tables.
     ///
-    /// papaya copies its old table into a grown one a chunk at a time, and only on inserts
-    /// that run past its probe limit, so once inserts stop a growth can stay half done,
-    /// both tables resident (about 10 bytes a key more than the grown table alone). This
-    /// finishes the copy, on the calling thread: nothing when no growth is under way, and
-    /// otherwise what is left of the copy, as long as a walk of that many keys (see
-    /// BENCHMARKS.md, memory, session 41). The thread that finishes a copy retires the
-    /// old table.
+    /// papaya copies its old table into a new one a chunk at a time, and only on inserts
+    /// that run past its probe limit, so once inserts stop a copy can stay half done, both
+    /// tables resident (about 10 bytes a key more than the new table alone). Past its
+    /// highest key count, where papaya doubles its table, this finishes the copy on the
+    /// calling thread: what is left of it, about as long as a walk of that many keys (see
+    /// BENCHMARKS.md, memory, session 41); the thread that finishes a copy retires the old
+    /// table. Below it, it leaves papaya's inserts to finish a copy 64 entries at a time:
+    /// keys that expire and others that come in their place make papaya copy its table
+    /// into one of the same size every few minutes, and finishing each here held the
+    /// calling thread for 45 to 238 ms at 350,000 to 1.2M keys (found in review). A
+    /// doubling at a key count already seen (with many keys removed and as many added
+    /// since) is left to the inserts too.
     ///
     /// papaya hands old tables to its reclamation scheme, which frees retired memory a
     /// batch at a time, per thread, once the batch fills; removals are rare between
@@ -284,9 +293,11 @@ impl LaneStore {
     /// before, keeps a copy the table no longer names. Keys compare by value, so that is
     /// only a second copy.
     pub fn reclaim(&self) {
-        {
+        let keys = self.len();
+        if keys > self.keys_high.load(Ordering::Relaxed) {
+            self.keys_high.store(keys, Ordering::Relaxed);
             let guard = self.slots.guard();
-            // An iterator needs the whole table in one place: making one finishes a growth
+            // An iterator needs the whole table in one place: making one finishes a copy
             // left half done.
             let _ = self.slots.iter(&guard);
         }
