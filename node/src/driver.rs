@@ -169,7 +169,8 @@ impl Driver {
                 // Checked again: the sync may have become overdue while the loop slept.
                 () = &mut protocol, if held.is_none() => {
                     if self.held_for().is_none() {
-                        if at_push && collect_due {
+                        // Keys queued since the last wake-up was handled go too.
+                        if at_push && (collect_due || self.store.has_queued()) {
                             collect_due = false;
                             self.collect(&mut lanes, queued_at);
                         }

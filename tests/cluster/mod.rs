@@ -124,6 +124,21 @@ impl Cluster {
         Cluster::start_with(net, n, 2_000, false)
     }
 
+    /// [`Cluster::start`] with nodes that keep no data directory: their state is in memory
+    /// only, and their gossip task collects written lanes just before the push that
+    /// carries them (`driver::Collecting::AtPush`), where a node with one collects on a
+    /// tick ahead of it.
+    pub fn start_in_memory(net: u8, n: u64) -> Cluster {
+        let ids: Vec<u64> = (1..=n).collect();
+        let mut cluster = Cluster::configure(net, n, 2_000, false, &ids);
+        for node in &cluster.nodes {
+            node.keep_no_data_dir();
+        }
+        cluster.spawn_all();
+        cluster.wait_members_alive();
+        cluster
+    }
+
     /// [`Cluster::start`] with a failure detector that declares a silent member dead after
     /// `dead_after_ms` of suspicion, and node 1 the region if `region`.
     pub fn start_with(net: u8, n: u64, dead_after_ms: u64, region: bool) -> Cluster {
@@ -615,6 +630,18 @@ impl Node {
 
     pub fn data_dir(&self) -> &Path {
         &self.data_dir
+    }
+
+    /// Takes `data_dir` out of the node's config, before it starts.
+    fn keep_no_data_dir(&self) {
+        let config = std::fs::read_to_string(&self.config).unwrap();
+        let kept: String = config
+            .lines()
+            .filter(|line| !line.starts_with("data_dir ="))
+            .map(|line| format!("{line}\n"))
+            .collect();
+        assert_ne!(kept, config, "the config named a data_dir");
+        std::fs::write(&self.config, kept).unwrap();
     }
 
     /// The sample [`Node::metric`] reads, asked again for up to 10 s while the node's
