@@ -23,7 +23,8 @@
 //! N over the wall time of the measured phase, from spawning its tasks to the last answer.
 //! The generator's own work per request is kept small, since it shares the cores with the
 //! server: each of the C x P tasks makes its own share of the requests (no counter shared
-//! between them), records into a vector sized for its share, and reads the clock once per
+//! between them), records into a vector sized for its share (made, and each of its pages
+//! written, before the clock starts: see `Recording`), and reads the clock once per
 //! request, the moment an answer is back being the start of that task's next request (so a
 //! latency also holds the few instructions in between). One line goes to stdout:
 //!
@@ -278,18 +279,20 @@ async fn run(args: &Args) -> Result<Report, String> {
     let subjects: Arc<[String]> = subjects(args.keys).into();
 
     let (clients, subjects) = (&clients, &subjects);
-    let run_phase = |requests, record| async move {
+    let run_phase = |requests, recording| async move {
         if args.batch {
-            batched_phase(clients, args, subjects, requests, record).await
+            batched_phase(clients, args, subjects, requests, recording).await
         } else {
-            phase(clients, args, subjects, requests, record).await
+            phase(clients, args, subjects, requests, recording).await
         }
     };
     let warm_up = (args.requests / 10).max(1);
-    run_phase(warm_up, false).await?;
+    run_phase(warm_up, None).await?;
 
+    let tasks = args.connections * if args.batch { 1 } else { args.pipeline };
+    let recording = Recording::new(args.requests, tasks as u64);
     let started = now();
-    let latencies_ns = run_phase(args.requests, true).await?;
+    let latencies_ns = run_phase(args.requests, Some(recording)).await?;
     let elapsed = now().duration_since(started);
 
     assert_eq!(
@@ -321,15 +324,17 @@ fn report(mut latencies_ns: Vec<u64>, elapsed: Duration) -> Report {
 }
 
 /// Runs `requests` increments with P tasks on each connection, each making its share, and
-/// returns their latencies in nanoseconds if `record`.
+/// returns their latencies in nanoseconds into `recording`, if given.
 async fn phase(
     clients: &[Client],
     args: &Args,
     subjects: &Arc<[String]>,
     requests: u64,
-    record: bool,
+    recording: Option<Recording>,
 ) -> Result<Vec<u64>, String> {
     let workers = (clients.len() * args.pipeline) as u64;
+    let record = recording.is_some();
+    let (mut buffers, all) = Recording::split(recording);
     let mut tasks = JoinSet::new();
     for worker in 0..workers {
         // P workers per connection.
@@ -338,9 +343,9 @@ async fn phase(
         let rule = args.rule.clone();
         let op = args.op;
         // Worker w makes the requests w, w + workers, w + 2 x workers, ... below `requests`.
-        let share = requests / workers + u64::from(worker < requests % workers);
+        let share = share(requests, workers, worker);
+        let mut latencies_ns = buffers.next().unwrap_or_default();
         tasks.spawn(async move {
-            let mut latencies_ns = Vec::with_capacity(if record { share as usize } else { 0 });
             let mut sent = now();
             for ticket in (0..share).map(|turn| worker + turn * workers) {
                 let subject = &subjects[(ticket % subjects.len() as u64) as usize];
@@ -371,21 +376,23 @@ async fn phase(
             Ok(latencies_ns)
         });
     }
-    gather(tasks, if record { requests as usize } else { 0 }).await
+    gather(tasks, all).await
 }
 
 /// `--batch`: runs `requests` requests with one task per connection, each sending rounds of
 /// P requests as one [`Pipeline`] and waiting for all P answers; every request of a round
 /// records the round's time, from the send to the last answer. Returns the latencies in
-/// nanoseconds if `record`.
+/// nanoseconds, in `recording` if given.
 async fn batched_phase(
     clients: &[Client],
     args: &Args,
     subjects: &Arc<[String]>,
     requests: u64,
-    record: bool,
+    recording: Option<Recording>,
 ) -> Result<Vec<u64>, String> {
     let connections = clients.len() as u64;
+    let record = recording.is_some();
+    let (mut buffers, all) = Recording::split(recording);
     let mut tasks = JoinSet::new();
     for (connection, client) in (0..connections).zip(clients) {
         let client = client.clone();
@@ -393,9 +400,9 @@ async fn batched_phase(
         let rule = args.rule.clone();
         let (op, pipeline_len) = (args.op, args.pipeline as u64);
         // Connection c makes the requests c, c + C, c + 2 x C, ... below `requests`.
-        let share = requests / connections + u64::from(connection < requests % connections);
+        let share = share(requests, connections, connection);
+        let mut latencies_ns = buffers.next().unwrap_or_default();
         tasks.spawn(async move {
-            let mut latencies_ns = Vec::with_capacity(if record { share as usize } else { 0 });
             let mut pipeline = Pipeline::new();
             let mut made = 0;
             while made < share {
@@ -443,7 +450,7 @@ async fn batched_phase(
             Ok(latencies_ns)
         });
     }
-    gather(tasks, if record { requests as usize } else { 0 }).await
+    gather(tasks, all).await
 }
 
 /// A check's decision, which must be allowed: a throughput run wants every check counted.
@@ -462,13 +469,57 @@ fn expect_allowed(
     ))
 }
 
-/// Waits for every load task and returns their latencies together (room for `capacity`),
-/// or the first error.
+/// Where a measured phase's tasks record their latencies, one vector each, and where they
+/// are gathered: made, and every page of them written, before the phase's clock starts. A
+/// page first written during the phase costs a page fault there, which redis-benchmark,
+/// keeping a histogram, does not pay: a tenth of the load generator's CPU samples at (b)
+/// were the kernel zeroing fresh pages (`perf`, session 41).
+struct Recording {
+    per_task: Vec<Vec<u64>>,
+    all: Vec<u64>,
+}
+
+impl Recording {
+    /// Room for `requests` latencies over `tasks` tasks, each its [`share`].
+    fn new(requests: u64, tasks: u64) -> Recording {
+        Recording {
+            per_task: (0..tasks)
+                .map(|task| touched(share(requests, tasks, task)))
+                .collect(),
+            all: touched(requests),
+        }
+    }
+
+    /// Each task's vector in turn, and the one they are gathered in; empty without one.
+    fn split(recording: Option<Recording>) -> (std::vec::IntoIter<Vec<u64>>, Vec<u64>) {
+        let Recording { per_task, all } = recording.unwrap_or(Recording {
+            per_task: Vec::new(),
+            all: Vec::new(),
+        });
+        (per_task.into_iter(), all)
+    }
+}
+
+/// How many of `requests` task `task` of `tasks` makes: the requests `task`, `task +
+/// tasks`, `task + 2 x tasks`, ... below `requests`.
+fn share(requests: u64, tasks: u64, task: u64) -> u64 {
+    requests / tasks + u64::from(task < requests % tasks)
+}
+
+/// An empty vector with room for `len` latencies, each of its pages written once.
+fn touched(len: u64) -> Vec<u64> {
+    let mut latencies = vec![u64::MAX; len as usize];
+    std::hint::black_box(latencies.as_mut_slice());
+    latencies.clear();
+    latencies
+}
+
+/// Waits for every load task and returns their latencies together, in `all`, or the first
+/// error.
 async fn gather(
     mut tasks: JoinSet<Result<Vec<u64>, String>>,
-    capacity: usize,
+    mut all: Vec<u64>,
 ) -> Result<Vec<u64>, String> {
-    let mut all = Vec::with_capacity(capacity);
     while let Some(joined) = tasks.join_next().await {
         all.extend(joined.map_err(|err| format!("load task: {err}"))??);
     }
@@ -538,10 +589,11 @@ async fn run_region(args: &Args, region: SocketAddr) -> Result<Report, String> {
     let workers = args.connections * args.pipeline;
 
     let warm_up = (args.requests / 10).max(1);
-    region_phase(&target, workers, warm_up, false).await?;
+    region_phase(&target, workers, warm_up, None).await?;
 
+    let recording = touched(args.requests);
     let started = now();
-    let latencies_ns = region_phase(&target, workers, args.requests, true).await?;
+    let latencies_ns = region_phase(&target, workers, args.requests, Some(recording)).await?;
     let elapsed = now().duration_since(started);
 
     transport.close(Duration::ZERO).await;
@@ -568,12 +620,12 @@ struct RegionTarget {
 
 /// Runs `requests` exact checks through the one forwarder, `in_flight` at a time (as many
 /// new ones submitted together as each run of answers brings, as an edge's connections
-/// submit a batch), and returns their latencies in nanoseconds if `record`.
+/// submit a batch), and returns their latencies in nanoseconds, in `recording` if given.
 async fn region_phase(
     target: &RegionTarget,
     in_flight: usize,
     requests: u64,
-    record: bool,
+    recording: Option<Vec<u64>>,
 ) -> Result<Vec<u64>, String> {
     let unix_secs = tally_node::clock::wall().0 / 1_000;
     let window = Window::containing(unix_secs, target.rule.window_secs)
@@ -607,7 +659,8 @@ async fn region_phase(
     };
     let mut submitted = requests.min(in_flight as u64);
     submit(0, submitted);
-    let mut latencies_ns = Vec::with_capacity(if record { requests as usize } else { 0 });
+    let record = recording.is_some();
+    let mut latencies_ns = recording.unwrap_or_default();
     let mut done = 0;
     while done < requests {
         let run: Vec<Forwarded<_>> = answered.recv().await.expect("the sender is held here");
@@ -770,7 +823,7 @@ fn run_raw(args: &Args) -> Result<Report, String> {
     let warm_up = (rounds / 10).max(1);
     let mut input = Vec::with_capacity(64 * 1024);
     let mut chunk = vec![0u8; 64 * 1024];
-    let mut latencies_ns = Vec::with_capacity((rounds * per_round) as usize);
+    let mut latencies_ns = touched(rounds * per_round);
     let mut started = now();
     for round in 0..warm_up + rounds {
         if round == warm_up {
