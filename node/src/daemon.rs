@@ -86,8 +86,8 @@ pub enum DaemonError {
 
 /// When the gossip task collects written lanes. Without a data dir, just before the push
 /// that carries them ([`Collecting::AtPush`]): a write waits for one push batch, and a
-/// node under steady writes wakes once a push interval for it, where a collection every
-/// millisecond woke it a thousand times a second. With one, each collection is followed
+/// node under steady writes collects once a push interval, where a collection tick fired
+/// a thousand times a second. With one, each collection is followed
 /// by a sync of the lane log (`handoff`) before its lanes reach the gossip, so they are
 /// collected ahead of the push, twice per push interval: a sync per millisecond cost a
 /// fifth of the sidecar's pipelined throughput (BENCHMARKS.md, runs 33 to 36), and a write

@@ -33,8 +33,8 @@ const SYNC_OVERDUE: Duration = Duration::from_secs(1);
 pub enum Collecting {
     /// Just before the push that will carry them, or at once if none is scheduled (which
     /// schedules one): a write waits for one push batch and is in it, however late in the
-    /// batch it came, and a node under steady writes wakes once a push interval, not once
-    /// a millisecond. Without a data directory.
+    /// batch it came, and a node under steady writes collects once a push interval, not
+    /// once a millisecond. Without a data directory.
     AtPush,
     /// On each tick of this interval while writes wait (at once after a quiet spell): with
     /// a data directory, whose lane log is synced after each collection and before its
