@@ -474,6 +474,7 @@ fn expect_allowed(
 /// page first written during the phase costs a page fault there, which redis-benchmark,
 /// keeping a histogram, does not pay: a tenth of the load generator's CPU samples at (b)
 /// were the kernel zeroing fresh pages (`perf`, session 41).
+#[derive(Default)]
 struct Recording {
     per_task: Vec<Vec<u64>>,
     all: Vec<u64>,
@@ -492,10 +493,7 @@ impl Recording {
 
     /// Each task's vector in turn, and the one they are gathered in; empty without one.
     fn split(recording: Option<Recording>) -> (std::vec::IntoIter<Vec<u64>>, Vec<u64>) {
-        let Recording { per_task, all } = recording.unwrap_or(Recording {
-            per_task: Vec::new(),
-            all: Vec::new(),
-        });
+        let Recording { per_task, all } = recording.unwrap_or_default();
         (per_task.into_iter(), all)
     }
 }
