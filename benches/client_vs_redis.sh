@@ -21,8 +21,10 @@
 # both tallyds: what the sidecar's memory of ids costs, and with a data_dir its answer log
 # (`node/src/answerlog.rs`), against the plain increments of the same run.
 #
-# Settings: (a) C=1, P=1, N=N_A; (b) C=50, P=16, N=N_B. Environment overrides:
-# REPEATS (3), N_A (200000), N_B (2000000), and the ports REDIS_PORT (6399), REDIS_AOF_PORT
+# Settings: (a) C=1, P=1, N=N_A; (a1) the same with every server and load generator on
+# CPU PIN_CPU alone (see `place` in benches/redis_side.sh); (b) C=50, P=16, N=N_B.
+# Environment overrides: REPEATS (3), N_A (200000), N_B (2000000), PIN_CPU (the CPU that
+# takes the disk's interrupts, else 0), and the ports REDIS_PORT (6399), REDIS_AOF_PORT
 # (6400), TALLY_PORT (17100), TALLY_LOG_PORT (17110). About fifteen minutes once built, on 2
 # cores.
 #
@@ -47,6 +49,7 @@ TALLY_LOG_PORT=${TALLY_LOG_PORT:-17110}
 say() { echo "client_vs_redis: $*" >&2; }
 # shellcheck source=benches/redis_side.sh
 source benches/redis_side.sh  # the working directory is the repository root (above)
+PIN_CPU=${PIN_CPU:-$(disk_cpu)}
 
 pids=()
 work=$(mktemp -d -t tally-vs-redis.XXXXXX)
@@ -120,7 +123,7 @@ results="$work/results.tsv" # setting run side ops_per_sec p50_us p99_us
 # run_tally SIDE PORT SETTING RUN C P N [--raw [--redis] | --batch]
 run_tally() {
     local line
-    line=$("$work/client_load" --endpoint "127.0.0.1:$2" --connections "$5" --pipeline "$6" --requests "$7" ${8:-})
+    line=$(on_cpu "$cpu" "$work/client_load" --endpoint "127.0.0.1:$2" --connections "$5" --pipeline "$6" --requests "$7" ${8:-})
     echo "$line" >&2
     echo "$line" | awk -v setting="$3" -v run="$4" -v side="$1" '{
         for (i = 1; i <= NF; i++) { split($i, kv, "="); v[kv[1]] = kv[2] }
@@ -132,7 +135,7 @@ run_tally() {
 run_redis() {
     local line
     # --csv: "test","rps","avg_latency_ms","min_latency_ms","p50_latency_ms","p95_latency_ms","p99_latency_ms","max_latency_ms"
-    line=$(redis-benchmark -h 127.0.0.1 -p "$2" -t incr -n "$7" -c "$5" -P "$6" --csv | grep '^"INCR"')
+    line=$(on_cpu "$cpu" redis-benchmark -h 127.0.0.1 -p "$2" -t incr -n "$7" -c "$5" -P "$6" --csv | grep '^"INCR"')
     echo "$1 connections=$5 pipeline=$6 requests=$7 $line" >&2
     echo "$line" | tr -d '"' | awk -F, -v setting="$3" -v run="$4" -v side="$1" '{
         printf "%s\t%s\t%s\t%.0f\t%.1f\t%.1f\n", setting, run, side, $2, $5 * 1000, $7 * 1000
@@ -155,11 +158,12 @@ redis_sides() {
 }
 
 load_before=$(cut -d' ' -f1-3 /proc/loadavg)
-settings=("a 1 1 $N_A" "b 50 16 $N_B")
+settings=("a 1 1 $N_A" "a1 1 1 $N_A $PIN_CPU" "b 50 16 $N_B")
 for run in $(seq "$REPEATS"); do
     for setting in "${settings[@]}"; do
-        read -r name c p n <<<"$setting"
-        say "run $run, setting ($name): C=$c P=$p N=$n"
+        read -r name c p n cpu <<<"$setting"
+        place "$cpu" "${pids[@]}"
+        say "run $run, setting ($name): C=$c P=$p N=$n${cpu:+, on CPU $cpu alone}"
         # Odd runs measure tally first, even runs Redis first, so that a drift during a
         # run does not fall on one side every time.
         if ((run % 2)); then
@@ -193,7 +197,7 @@ table() {
             print "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"
             for (s = 1; s <= ns; s++) {
                 name = order[s]
-                label = name == "a" ? "(a) C=1 P=1 N=" na : "(b) C=50 P=16 N=" nb
+                label = name == "a" ? "(a) C=1 P=1 N=" na : name == "a1" ? "(a1) C=1 P=1 N=" na ", one CPU" : "(b) C=50 P=16 N=" nb
                 lt = lr = lo = ltp = lrp = lp = lt9 = lr9 = ""
                 for (i = 1; i <= runs; i++) {
                     key = name SUBSEP i

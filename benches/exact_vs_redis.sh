@@ -37,8 +37,10 @@
 # `tally_region_log_syncs_total` from its /metrics, for records per sync (the group
 # commit's size).
 #
-# Settings: (a) C=1, P=1, N=N_A; (b) C=50, P=16, N=N_B; (c) C=50, P=64, N=N_C. Environment
-# overrides: REPEATS (3), N_A (5000), N_B (200000), N_C (200000), SETTINGS ("a b c"),
+# Settings: (a) C=1, P=1, N=N_A; (a1) the same with every server and load generator on CPU
+# PIN_CPU alone (see `place` in benches/redis_side.sh); (b) C=50, P=16, N=N_B; (c) C=50,
+# P=64, N=N_C. Environment overrides: REPEATS (3), N_A (5000), N_B (200000), N_C (200000),
+# SETTINGS ("a a1 b c"), PIN_CPU (the CPU that takes the disk's interrupts, else 0),
 # PORT_BASE (18000: QUIC +1, +2, +11, +12; client +101, +102, +111, +112; http +201,
 # +202, +211, +212; redis +300), WORK_ROOT (target/bench-exact; must not be a tmpfs),
 # TMPFS_ROOT (/dev/shm), EDGE_CLIENT (tasks, or batch). About three and a half minutes once
@@ -55,7 +57,7 @@ REPEATS=${REPEATS:-3}
 N_A=${N_A:-5000}
 N_B=${N_B:-200000}
 N_C=${N_C:-200000}
-SETTINGS=${SETTINGS:-a b c}
+SETTINGS=${SETTINGS:-a a1 b c}
 PORT_BASE=${PORT_BASE:-18000}
 WORK_ROOT=${WORK_ROOT:-target/bench-exact}
 TMPFS_ROOT=${TMPFS_ROOT-/dev/shm}
@@ -70,6 +72,7 @@ REDIS_PORT=$((PORT_BASE + 300))
 say() { echo "exact_vs_redis: $*" >&2; }
 # shellcheck source=benches/redis_side.sh
 source benches/redis_side.sh  # the working directory is the repository root (above)
+PIN_CPU=${PIN_CPU:-$(disk_cpu)}
 
 mkdir -p "$WORK_ROOT"
 if [ "$(stat -f -c %T "$WORK_ROOT")" = tmpfs ]; then
@@ -250,7 +253,7 @@ measure() {
 # redis_line C P N: redis-benchmark's INCR figures as a client_load-shaped line.
 redis_line() {
     # --csv: "test","rps","avg_latency_ms","min_latency_ms","p50_latency_ms","p95_latency_ms","p99_latency_ms","max_latency_ms"
-    redis-benchmark -h 127.0.0.1 -p "$REDIS_PORT" -t incr -n "$3" -c "$1" -P "$2" --csv |
+    on_cpu "$cpu" redis-benchmark -h 127.0.0.1 -p "$REDIS_PORT" -t incr -n "$3" -c "$1" -P "$2" --csv |
         grep '^"INCR"' | tr -d '"' |
         awk -F, '{ printf "redis ops_per_sec=%.0f p50_us=%.1f p99_us=%.1f\n", $2, $5 * 1000, $7 * 1000 }'
 }
@@ -260,11 +263,13 @@ started=$(now_s)
 for run in $(seq "$REPEATS"); do
     for name in $SETTINGS; do
         case $name in
-        a) c=1 p=1 n=$N_A ;;
-        b) c=50 p=16 n=$N_B ;;
-        c) c=50 p=64 n=$N_C ;;
+        a) c=1 p=1 n=$N_A cpu= ;;
+        a1) c=1 p=1 n=$N_A cpu=$PIN_CPU ;;
+        b) c=50 p=16 n=$N_B cpu= ;;
+        c) c=50 p=64 n=$N_C cpu= ;;
         *) say "unknown setting $name"; exit 1 ;;
         esac
+        place "$cpu" "${pids[@]}"
         # client_load runs a tenth of N unrecorded first; its CPU covers both phases.
         tally_n=$((n + (n / 10 > 0 ? n / 10 : 1)))
         say "run $run, setting ($name): C=$c P=$p N=$n"
@@ -275,13 +280,13 @@ for run in $(seq "$REPEATS"); do
         fi
         for pair in $pairs; do
             if [ "$pair" = 0 ]; then suffix=; else suffix=-tmpfs; fi
-            measure "$name" "$run" "tally-edge$suffix" "$pair" "$tally_n" "$work/client_load" \
+            measure "$name" "$run" "tally-edge$suffix" "$pair" "$tally_n" on_cpu "$cpu" "$work/client_load" \
                 --endpoint "127.0.0.1:${edge_client[$pair]}" --op check --rule quota \
                 --connections "$c" --pipeline "$p" --requests "$n" "${edge_flags[@]}"
-            measure "$name" "$run" "tally-region$suffix" "$pair" "$tally_n" "$work/client_load" \
+            measure "$name" "$run" "tally-region$suffix" "$pair" "$tally_n" on_cpu "$cpu" "$work/client_load" \
                 --region "127.0.0.1:${region_quic[$pair]}" --certs "$work/certs" --node 3 \
                 --rule quota --connections "$c" --pipeline "$p" --requests "$n"
-            measure "$name" "$run" "tally-local$suffix" "$pair" "$tally_n" "$work/client_load" \
+            measure "$name" "$run" "tally-local$suffix" "$pair" "$tally_n" on_cpu "$cpu" "$work/client_load" \
                 --endpoint "127.0.0.1:${region_client[$pair]}" --op check --rule quota \
                 --connections "$c" --pipeline "$p" --requests "$n" "${edge_flags[@]}"
             if [ "$pair" = 0 ] && ((run % 2)); then
@@ -303,6 +308,7 @@ region_records=$(region_metric 0 tally_region_log_records)
 label() {
     case $1 in
     a) echo "(a) C=1 P=1 N=$N_A" ;;
+    a1) echo "(a1) C=1 P=1 N=$N_A, one CPU" ;;
     b) echo "(b) C=50 P=16 N=$N_B" ;;
     c) echo "(c) C=50 P=64 N=$N_C" ;;
     esac

@@ -65,3 +65,41 @@ wait_port() {
     tail -n 5 "$work"/*.log >&2
     exit 1
 }
+
+# The one-CPU settings (named with a trailing 1, as `a1`) run every server and the load
+# generator on one CPU alone, tally's side and Redis's alike. On the 2-vCPU VMs these benches
+# run on, a round trip between two processes on different vCPUs waits for a halted vCPU to
+# be woken, which the hypervisor takes tens of microseconds to do; on one CPU the two
+# processes hand the CPU to each other instead, so the round trip is the software's own
+# cost. See BENCHMARKS.md, "Session 42".
+
+# place CPU PID...: moves every thread of each PID to CPU; an empty CPU means every CPU.
+place() {
+    local cpu=${1:-0-$(($(nproc) - 1))}
+    shift
+    for pid in "$@"; do
+        taskset -apc "$cpu" "$pid" >/dev/null
+    done
+}
+
+# on_cpu CPU COMMAND...: runs COMMAND on CPU alone; an empty CPU runs it anywhere.
+on_cpu() {
+    local cpu=$1
+    shift
+    if [ -n "$cpu" ]; then
+        taskset -c "$cpu" "$@"
+    else
+        "$@"
+    fi
+}
+
+# disk_cpu: the CPU that took the most of the disks' completion interrupts (virtio-blk's
+# `-req.` queues, NVMe's), or 0 if none is named. A process waiting for a sync on another
+# CPU than the one its completion interrupt lands on waits for that CPU to wake it too:
+# on the VM of session 42, a preallocated sync read 185 us at p50 on the other CPU against
+# 120 us on this one.
+disk_cpu() {
+    awk '/-req\.|nvme/ { for (i = 2; i <= ncpu + 1; i++) n[i - 2] += $i }
+        NR == 1 { ncpu = NF }
+        END { best = 0; for (c in n) if (n[c] > n[best]) best = c; print best }' /proc/interrupts
+}
