@@ -73,6 +73,7 @@ say() { echo "exact_vs_redis: $*" >&2; }
 # shellcheck source=benches/redis_side.sh
 source benches/redis_side.sh  # the working directory is the repository root (above)
 PIN_CPU=${PIN_CPU:-$(disk_cpu)}
+check_pin_cpu "$PIN_CPU"
 
 mkdir -p "$WORK_ROOT"
 if [ "$(stat -f -c %T "$WORK_ROOT")" = tmpfs ]; then
@@ -272,7 +273,7 @@ for run in $(seq "$REPEATS"); do
         place "$cpu" "${pids[@]}"
         # client_load runs a tenth of N unrecorded first; its CPU covers both phases.
         tally_n=$((n + (n / 10 > 0 ? n / 10 : 1)))
-        say "run $run, setting ($name): C=$c P=$p N=$n"
+        say "run $run, setting ($name): C=$c P=$p N=$n${cpu:+, on CPU $cpu alone}"
         # Redis first in even runs, after the disk pair's tally rows in odd ones, so that a
         # drift during a run does not fall on one side every time.
         if ((run % 2 == 0)); then
@@ -308,7 +309,7 @@ region_records=$(region_metric 0 tally_region_log_records)
 label() {
     case $1 in
     a) echo "(a) C=1 P=1 N=$N_A" ;;
-    a1) echo "(a1) C=1 P=1 N=$N_A, one CPU" ;;
+    a1) echo "(a1) C=1 P=1 N=$N_A, on CPU $PIN_CPU" ;;
     b) echo "(b) C=50 P=16 N=$N_B" ;;
     c) echo "(c) C=50 P=64 N=$N_C" ;;
     esac

@@ -67,18 +67,33 @@ wait_port() {
 }
 
 # The one-CPU settings (named with a trailing 1, as `a1`) run every server and the load
-# generator on one CPU alone, tally's side and Redis's alike. On the 2-vCPU VMs these benches
-# run on, a round trip between two processes on different vCPUs waits for a halted vCPU to
-# be woken, which the hypervisor takes tens of microseconds to do; on one CPU the two
-# processes hand the CPU to each other instead, so the round trip is the software's own
-# cost. See BENCHMARKS.md, "Session 42".
+# generator on one CPU alone, tally's side and Redis's alike. On the 2-vCPU VM of session
+# 42, a round trip between processes on different vCPUs took 55 to 75 us where on one CPU
+# it took 6 to 9 (most likely the wait for the hypervisor to wake a halted vCPU: the
+# guest's halt polling is off there); on one CPU the processes hand the CPU to each other,
+# so the round trip is mostly the software's own cost. See BENCHMARKS.md, "Run 64".
 
-# place CPU PID...: moves every thread of each PID to CPU; an empty CPU means every CPU.
+# The CPUs this script may use, to give back what `place` took.
+cpus_allowed=$(awk '$1 == "Cpus_allowed_list:" { print $2 }' /proc/$$/status)
+pinned=
+
+# place CPU PID...: moves every thread of each PID to CPU; an empty CPU gives the threads
+# back every CPU the script may use (nothing to do if nothing was placed). A thread that
+# ends meanwhile (a blocking-pool thread idle long enough) is skipped.
 place() {
-    local cpu=${1:-0-$(($(nproc) - 1))}
+    local cpu=$1 pid task
     shift
+    if [ -z "$cpu" ] && [ -z "$pinned" ]; then
+        return
+    fi
+    pinned=$cpu
     for pid in "$@"; do
-        taskset -apc "$cpu" "$pid" >/dev/null
+        for task in /proc/"$pid"/task/*; do
+            if ! taskset -pc "${cpu:-$cpus_allowed}" "${task##*/}" >/dev/null 2>&1 && [ -d "$task" ]; then
+                say "could not move thread ${task##*/} of process $pid to CPU ${cpu:-$cpus_allowed}"
+                exit 1
+            fi
+        done
     done
 }
 
@@ -93,13 +108,22 @@ on_cpu() {
     fi
 }
 
-# disk_cpu: the CPU that took the most of the disks' completion interrupts (virtio-blk's
-# `-req.` queues, NVMe's), or 0 if none is named. A process waiting for a sync on another
-# CPU than the one its completion interrupt lands on waits for that CPU to wake it too:
-# on the VM of session 42, a preallocated sync read 185 us at p50 on the other CPU against
-# 120 us on this one.
+# disk_cpu: the CPU that took the most of the disks' completion interrupts since boot
+# (virtio-blk's `-req.N` queues, virtio-scsi's `-request`, NVMe's queues), or 0 if no
+# line names one. A process waiting for a sync on another CPU than the one its
+# completion interrupt lands on waits for that CPU to wake it too: on the VM of session
+# 42, a preallocated sync read 178 to 190 us at p50 on the other CPU against 119 to 121
+# us on this one.
 disk_cpu() {
-    awk '/-req\.|nvme/ { for (i = 2; i <= ncpu + 1; i++) n[i - 2] += $i }
-        NR == 1 { ncpu = NF }
+    awk 'NR == 1 { for (i = 1; i <= NF; i++) cpu[i] = substr($i, 4); ncpu = NF; next }
+        /-req\.|-request|nvme/ { for (i = 1; i <= ncpu; i++) n[cpu[i]] += $(i + 1) }
         END { best = 0; for (c in n) if (n[c] > n[best]) best = c; print best }' /proc/interrupts
+}
+
+# check_pin_cpu CPU: exits unless CPU is one this script may run a process on.
+check_pin_cpu() {
+    if ! taskset -c "$1" true 2>/dev/null; then
+        say "PIN_CPU=$1 is not a CPU this script may use ($cpus_allowed)"
+        exit 1
+    fi
 }
