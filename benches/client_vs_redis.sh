@@ -50,6 +50,7 @@ say() { echo "client_vs_redis: $*" >&2; }
 # shellcheck source=benches/redis_side.sh
 source benches/redis_side.sh  # the working directory is the repository root (above)
 PIN_CPU=${PIN_CPU:-$(disk_cpu)}
+check_pin_cpu "$PIN_CPU"
 
 pids=()
 work=$(mktemp -d -t tally-vs-redis.XXXXXX)
@@ -181,7 +182,7 @@ done
 # table TALLY_SIDE REDIS_SIDE: one row per setting and run, then the medians (of each
 # column; the ratios in that row are the medians of the runs' ratios).
 table() {
-    awk -F'\t' -v ts="$1" -v rs="$2" -v na="$N_A" -v nb="$N_B" '
+    awk -F'\t' -v ts="$1" -v rs="$2" -v na="$N_A" -v nb="$N_B" -v cpu="$PIN_CPU" '
         function median(list,   n, a, i, j, t) {
             n = split(list, a, " ")
             for (i = 2; i <= n; i++) for (j = i; j > 1 && a[j - 1] + 0 > a[j] + 0; j--) { t = a[j]; a[j] = a[j - 1]; a[j - 1] = t }
@@ -197,7 +198,7 @@ table() {
             print "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"
             for (s = 1; s <= ns; s++) {
                 name = order[s]
-                label = name == "a" ? "(a) C=1 P=1 N=" na : name == "a1" ? "(a1) C=1 P=1 N=" na ", one CPU" : "(b) C=50 P=16 N=" nb
+                label = name == "a" ? "(a) C=1 P=1 N=" na : name == "a1" ? "(a1) C=1 P=1 N=" na ", on CPU " cpu : "(b) C=50 P=16 N=" nb
                 lt = lr = lo = ltp = lrp = lp = lt9 = lr9 = ""
                 for (i = 1; i <= runs; i++) {
                     key = name SUBSEP i
