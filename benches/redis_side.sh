@@ -1,6 +1,7 @@
 # Shared by the scripts that run tallyd beside Redis (client_vs_redis.sh, exact_vs_redis.sh,
 # idle_vs_redis.sh): source it after defining `say`; its functions use the script's `work`
-# and `pids` when they are called. Functions only; it runs nothing itself.
+# and `pids` when they are called. Functions, and the two variables `place` keeps; it
+# starts nothing itself.
 
 # stop_started PATH...: kills every process in the array `pids` (what the script started),
 # waits for each, then removes the PATHs. For the script's EXIT trap.
