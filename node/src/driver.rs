@@ -134,7 +134,7 @@ impl Driver {
             }
             Collecting::AtPush => None,
         };
-        let at_push = collect.is_none();
+        let at_push = self.collecting == Collecting::AtPush;
         // Whether a key was queued since the last collection began, and when the first was
         // (monotonic).
         let mut collect_due = false;
