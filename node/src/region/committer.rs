@@ -1,7 +1,8 @@
 //! Group commit: one thread owns the region log, takes every record queued while it was
-//! busy, makes room for them in the log's allocation ahead (once per chunk of log, that
-//! writes and syncs zeros: see [`super::log`]), appends them with one write and makes them
-//! durable with one `sync_data`, then acknowledges them all. The more checks arrive during
+//! busy, makes room for them in the log's allocation ahead (zeros written and synced: a
+//! step at a time while it finds nothing queued, a chunk when a group needs it; see
+//! [`super::log`]), appends them with one write and makes them durable with one
+//! `sync_data`, then acknowledges them all. The more checks arrive during
 //! a sync, the more share the next. A compaction is queued like a record and done in its
 //! turn: the log is replaced whole by the entries of the state every earlier submission
 //! left.
@@ -155,22 +156,27 @@ fn run(mut storage: Box<dyn Storage>, receiver: mpsc::Receiver<Work>, stats: &Co
     loop {
         let first = match next.take() {
             Some(work) => work,
-            None => match receiver.try_recv() {
-                Ok(work) => work,
-                Err(mpsc::TryRecvError::Disconnected) => return,
-                Err(mpsc::TryRecvError::Empty) => {
-                    if failed.is_none() {
-                        // Nothing waits: allocate ahead now rather than in a group's path. A
-                        // failed sync fails closed like any other: its error is reported
-                        // once, so the next group's sync may well succeed. (A failed write,
-                        // a full disk, is met again by the next group's own reserve.)
-                        if let Err(err) = storage.reserve_ahead() {
-                            failed = Some(CommitError::from(err));
+            None => loop {
+                match receiver.try_recv() {
+                    Ok(work) => break work,
+                    Err(mpsc::TryRecvError::Disconnected) => return,
+                    Err(mpsc::TryRecvError::Empty) => {
+                        // Nothing waits: allocate ahead now rather than in a group's path,
+                        // a step at a time, looking for work between steps. A failed sync
+                        // fails closed like any other: its error is reported once, so the
+                        // next group's sync may well succeed. (A failed write, a full disk,
+                        // is met again by the next group's own reserve.)
+                        if failed.is_none() {
+                            match storage.reserve_ahead() {
+                                Ok(true) => continue,
+                                Ok(false) => {}
+                                Err(err) => failed = Some(CommitError::from(err)),
+                            }
                         }
-                    }
-                    match receiver.recv() {
-                        Ok(work) => work,
-                        Err(_) => return,
+                        match receiver.recv() {
+                            Ok(work) => break work,
+                            Err(_) => return,
+                        }
                     }
                 }
             },
@@ -346,7 +352,8 @@ mod tests {
         }
     }
 
-    // As `FileStorage`: zeros ahead in whole chunks, each allocation synced on its own.
+    // As `FileStorage`: zeros in whole chunks for a group, in steps ahead of need, each
+    // allocation synced on its own.
     impl Storage for SimStorage {
         fn reserve(&mut self, bytes: usize) -> std::io::Result<()> {
             let (needed, allocated) = {
@@ -365,21 +372,22 @@ mod tests {
             self.sync()
         }
 
-        fn reserve_ahead(&mut self) -> std::io::Result<()> {
+        fn reserve_ahead(&mut self) -> std::io::Result<bool> {
             let (end, allocated) = {
                 let disk = self.0.lock().unwrap();
                 (disk.end, disk.file.len())
             };
-            if allocated - end >= SIM_CHUNK_BYTES / 2 {
-                return Ok(());
+            if allocated - end >= SIM_CHUNK_BYTES {
+                return Ok(false);
             }
-            let zeros = vec![0; (allocated + 1).next_multiple_of(SIM_CHUNK_BYTES) - allocated];
+            let step = SIM_CHUNK_BYTES / log::AHEAD_STEPS as usize;
+            let zeros = vec![0; (allocated + 1).next_multiple_of(step) - allocated];
             {
                 let mut disk = self.io()?;
                 disk.write(allocated, &zeros);
                 disk.allocations += 1;
             }
-            self.sync()
+            self.sync().map(|()| true)
         }
 
         fn append(&mut self, bytes: &[u8]) -> std::io::Result<()> {
@@ -600,9 +608,9 @@ mod tests {
             Ok(())
         }
 
-        fn reserve_ahead(&mut self) -> std::io::Result<()> {
+        fn reserve_ahead(&mut self) -> std::io::Result<bool> {
             self.events.lock().unwrap().push("ahead".into());
-            Ok(())
+            Ok(false)
         }
 
         fn sync(&mut self) -> std::io::Result<()> {
@@ -615,6 +623,80 @@ mod tests {
         fn replace(&mut self, _bytes: &[u8]) -> Result<(), ReplaceError> {
             unreachable!("this test does not compact")
         }
+    }
+
+    /// A disk that always wants another step ahead, each one held until the test lets it
+    /// finish (or drops its end), telling the test when one begins; it records its steps,
+    /// appends (by size) and syncs, in order.
+    struct SteppedStorage {
+        events: Arc<Mutex<Vec<String>>>,
+        stepping: std::sync::mpsc::Sender<()>,
+        release: std::sync::mpsc::Receiver<()>,
+    }
+
+    impl Storage for SteppedStorage {
+        fn reserve(&mut self, _bytes: usize) -> std::io::Result<()> {
+            Ok(())
+        }
+
+        fn reserve_ahead(&mut self) -> std::io::Result<bool> {
+            self.events.lock().unwrap().push("step".into());
+            let _ = self.stepping.send(());
+            Ok(self.release.recv().is_ok())
+        }
+
+        fn append(&mut self, bytes: &[u8]) -> std::io::Result<()> {
+            self.events
+                .lock()
+                .unwrap()
+                .push(format!("append {}", bytes.len()));
+            Ok(())
+        }
+
+        fn sync(&mut self) -> std::io::Result<()> {
+            self.events.lock().unwrap().push("sync".into());
+            Ok(())
+        }
+
+        fn replace(&mut self, _bytes: &[u8]) -> Result<(), ReplaceError> {
+            unreachable!("this test does not compact")
+        }
+    }
+
+    #[test]
+    fn an_idle_committer_allocates_ahead_step_by_step_and_takes_a_group_between_two_steps() {
+        let events = Arc::new(Mutex::new(Vec::new()));
+        let (stepping, step_began) = std::sync::mpsc::channel();
+        let (let_go, release) = std::sync::mpsc::channel();
+        let began = || {
+            step_began
+                .recv_timeout(std::time::Duration::from_secs(10))
+                .expect("a step ahead begins")
+        };
+        let committer = Committer::start(Box::new(SteppedStorage {
+            events: events.clone(),
+            stepping,
+            release,
+        }));
+        // Idle, it takes a step, and another once that one is done.
+        began();
+        let_go.send(()).unwrap();
+        began();
+        // A group arrives during the second: it is written once that step is done, before
+        // any more.
+        let done = committer.submit(vec![1; 8], 1);
+        let_go.send(()).unwrap();
+        assert_eq!(done.blocking_recv().unwrap(), Ok(()));
+        // Idle again, it goes on with the steps.
+        began();
+        assert_eq!(
+            events.lock().unwrap()[..],
+            ["step", "step", "append 8", "sync", "step"]
+        );
+        // The held step fails to finish, as one that allocated nothing: the committer
+        // waits for work, and ends when dropped.
+        drop(let_go);
+        drop(committer);
     }
 
     #[test]
@@ -772,9 +854,9 @@ mod tests {
             Ok(())
         }
 
-        fn reserve_ahead(&mut self) -> std::io::Result<()> {
+        fn reserve_ahead(&mut self) -> std::io::Result<bool> {
             if self.failed.swap(true, Ordering::SeqCst) {
-                return Ok(());
+                return Ok(false);
             }
             Err(std::io::Error::from_raw_os_error(5))
         }
@@ -911,10 +993,13 @@ mod tests {
 
     #[test]
     fn after_a_failed_sync_nothing_is_acknowledged_ever_again() {
-        // The group's allocation (zeros, then their sync) and its append work; every I/O
-        // from the fourth (the group's sync) fails.
+        // Two chunks allocated, so that the committer allocates nothing ahead, whenever it
+        // finds the queue empty: the group's append works, and every I/O from the second
+        // (the group's sync) fails.
         let disk = Arc::new(Mutex::new(Disk {
-            fail_at: Some(3),
+            file: vec![0; 2 * SIM_CHUNK_BYTES],
+            durable: vec![0; 2 * SIM_CHUNK_BYTES],
+            fail_at: Some(1),
             ..Disk::default()
         }));
         let committer = Committer::start(Box::new(SimStorage(disk.clone())));
@@ -931,7 +1016,7 @@ mod tests {
             assert!(err.to_string().contains("injected I/O error"), "{err}");
         }
         let disk = disk.lock().unwrap();
-        assert_eq!(disk.ios, 4, "no I/O after the failure");
+        assert_eq!(disk.ios, 2, "no I/O after the failure");
         assert_eq!(
             disk.file[..disk.end],
             [1, 2, 3],

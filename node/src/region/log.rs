@@ -17,11 +17,13 @@
 //!
 //! The zeros are the log's allocation ahead of its end. A group is written over them and
 //! synced with `sync_data`, which then has only the group's blocks to write: the file's
-//! size and its block map were committed when the zeros were, by a sync of their own, once
-//! per [`CHUNK_BYTES`] of log. (Syncing an append that grows the file also commits the new
-//! size, which costs more: see `client_load --fsync-probe`.) Zeros written, not
-//! `fallocate`: the blocks of an `fallocate`d range are "unwritten" extents on ext4, so the
-//! first sync after writing into one still commits metadata (their conversion).
+//! size and its block map were committed when the zeros were, by a sync of their own: a
+//! chunk ([`CHUNK_BYTES`]) for a group that needs the room, or a step of one
+//! ([`AHEAD_STEPS`]) ahead of need while the committer is idle. (Syncing an append that
+//! grows the file also commits the new size, which costs more: see `client_load
+//! --fsync-probe`.) Zeros written, not `fallocate`: the blocks of an `fallocate`d range are
+//! "unwritten" extents on ext4, so the first sync after writing into one still commits
+//! metadata (their conversion).
 //!
 //! Recovery reads entries until the first one that is short, over-long, fails its checksum
 //! or has a length of 0: a body is never empty, so a zero length is the allocation's zeros,
@@ -165,13 +167,15 @@ pub trait Storage: Send {
     /// file's allocation, extends it by whole chunks of zeros and syncs them, so that the
     /// sync after the append commits no change of the file's size.
     fn reserve(&mut self, bytes: usize) -> std::io::Result<()>;
-    /// Allocates the next chunk now if the log's end is within half a chunk of the
-    /// allocation's end. The committer calls it while no group waits, so that a group
-    /// rarely waits for a chunk's zeros. Storage that allocates nothing ahead does nothing.
-    /// An error means the sync failed: a write that fails (a full disk) is no error here,
-    /// since it made nothing durable, and the next group's own reserve meets it again.
-    fn reserve_ahead(&mut self) -> std::io::Result<()> {
-        Ok(())
+    /// Allocates one step ([`AHEAD_STEPS`]) more now if less than a chunk is allocated
+    /// after the log's end; whether it did, so that the caller may ask for another. The
+    /// committer calls it while it finds no group waiting, so that a group rarely waits for
+    /// zeros, and one that arrives meanwhile waits for a step's at most, not a chunk's.
+    /// Storage that allocates nothing ahead does nothing. An error means the sync failed: a
+    /// write that fails (a full disk) is no error here, since it made nothing durable, and
+    /// the next group's own reserve meets it again.
+    fn reserve_ahead(&mut self) -> std::io::Result<bool> {
+        Ok(false)
     }
     /// Writes `bytes` at the log's end.
     fn append(&mut self, bytes: &[u8]) -> std::io::Result<()>;
@@ -253,8 +257,17 @@ pub fn is_no_room(err: &std::io::Error) -> bool {
 /// 4 MiB, within a growing file's 270 to 700 us, against 1.0 to 1.2 ms with 1 MiB and 590
 /// to 690 us with 256 KiB; p99.9 5.0 ms with 4 MiB. (`client_load --fsync-probe` times
 /// 16 KiB writes both ways, the waits included.) A chunk also holds a largest group
-/// ([`GROUP_BYTES_MAX`]).
+/// ([`GROUP_BYTES_MAX`]). Ahead of need, while the committer is idle, the allocation grows
+/// in smaller steps ([`AHEAD_STEPS`]).
 pub const CHUNK_BYTES: u64 = 4 * 1024 * 1024;
+
+/// While the committer is idle, the allocation ahead grows by a chunk over this many at a
+/// time (256 KiB of 4 MiB), up to a chunk after the log's end. A group that arrives during
+/// a step waits for it: under continuous load the gaps between groups are a sync or two
+/// long, and the zeros and sync of a step take about as long (218 us at p50 on this
+/// project's virtual disk, against 172 us for 64 bytes); a whole chunk's took 3.5 to 4.5 ms,
+/// with every check in flight queued behind it (BENCHMARKS.md, session 43).
+pub const AHEAD_STEPS: u64 = 16;
 
 /// The most bytes one group of records takes: the committer writes at most this much with
 /// one append.
@@ -287,17 +300,17 @@ impl Storage for FileStorage {
         self.allocate_to(needed.next_multiple_of(self.chunk_bytes))
     }
 
-    fn reserve_ahead(&mut self) -> std::io::Result<()> {
-        if self.allocated - self.end >= self.chunk_bytes / 2 {
-            return Ok(());
+    fn reserve_ahead(&mut self) -> std::io::Result<bool> {
+        if self.allocated - self.end >= self.chunk_bytes {
+            return Ok(false);
         }
-        let allocated = (self.allocated + 1).next_multiple_of(self.chunk_bytes);
+        let allocated = (self.allocated + 1).next_multiple_of(self.chunk_bytes / AHEAD_STEPS);
         if checksummed::write_zeros(&self.file, &mut self.allocated.clone(), allocated).is_err() {
-            return Ok(());
+            return Ok(false);
         }
         self.file.sync_data()?;
         self.allocated = allocated;
-        Ok(())
+        Ok(true)
     }
 
     fn append(&mut self, bytes: &[u8]) -> std::io::Result<()> {
@@ -881,23 +894,31 @@ mod tests {
     }
 
     #[test]
-    fn allocating_ahead_adds_a_chunk_only_within_half_a_chunk_of_the_allocations_end() {
+    fn allocating_ahead_adds_one_step_at_a_time_until_a_chunk_is_allocated_after_the_end() {
         let dir = temp_dir("region-ahead");
         let path = dir.join("region.log");
+        // Chunks of 64 bytes: steps of 4.
         let (mut storage, _, _) = open_small(&path, 64);
         let file_len = || std::fs::metadata(&path).unwrap().len();
-        // The header's 20 bytes and 10 more: 34 of the first chunk's 64 left, over half.
+        // The header's 20 bytes and 10 more: 34 of the first chunk's 64 left, under a chunk
+        // ahead. Each call adds one step, its zeros synced, and no more.
         commit(&mut storage, &[1; 10]);
         assert_eq!((storage.end, storage.allocated, file_len()), (30, 64, 64));
-        storage.reserve_ahead().unwrap();
-        assert_eq!((storage.allocated, file_len()), (64, 64));
-        // 10 more: 24 left, under half a chunk: the next chunk is allocated ahead.
-        commit(&mut storage, &[2; 10]);
-        storage.reserve_ahead().unwrap();
-        assert_eq!((storage.allocated, file_len()), (128, 128));
-        assert_zeros_after_end(&path, 40, "after allocating ahead");
+        assert!(storage.reserve_ahead().unwrap());
+        assert_eq!((storage.allocated, file_len()), (68, 68));
+        for _ in 0..7 {
+            assert!(storage.reserve_ahead().unwrap());
+        }
+        // 66 bytes after the end: a chunk or more, so nothing is added.
+        assert_eq!((storage.allocated, file_len()), (96, 96));
+        assert!(!storage.reserve_ahead().unwrap());
+        assert_eq!((storage.allocated, file_len()), (96, 96));
+        assert_zeros_after_end(&path, 30, "after allocating ahead");
         // The next group fits without an allocation of its own.
         commit(&mut storage, &[3; 60]);
+        assert_eq!((storage.end, storage.allocated, file_len()), (90, 96, 96));
+        // One that does not fit allocates whole chunks, as without the steps ahead.
+        commit(&mut storage, &[4; 10]);
         assert_eq!(
             (storage.end, storage.allocated, file_len()),
             (100, 128, 128)
