@@ -4,7 +4,7 @@
 
 use crate::exact_room::ExactRoom;
 use crate::region::committer::CommitStats;
-use crate::region::forward::{ForwardStats, LATENCY_BOUNDS_US};
+use crate::region::forward::ForwardStats;
 use crate::store::LaneStore;
 use crate::transport::TransportStats;
 use crate::view::View;
@@ -16,6 +16,7 @@ use prometheus_client::metrics::MetricType;
 use prometheus_client::registry::Registry;
 use std::sync::atomic::{AtomicI64, AtomicU64, Ordering};
 use std::sync::Arc;
+use std::time::Duration;
 use tally_client::wire::Mode;
 use tally_crdt::{ReplicaId, Stamp};
 use tally_gossip::membership::State;
@@ -46,6 +47,37 @@ pub struct Metrics {
     /// When this node's own certificate stops being valid, in unix seconds: its open
     /// connections are closed then, and peers refuse its handshakes after.
     pub certificate_expires_unix_secs: AtomicI64,
+}
+
+/// Bucket bounds of the latency histograms, in microseconds.
+pub const LATENCY_BOUNDS_US: [u64; 12] = [
+    100, 250, 500, 1_000, 2_500, 5_000, 10_000, 25_000, 50_000, 100_000, 250_000, 1_000_000,
+];
+
+/// Durations counted by bucket of [`LATENCY_BOUNDS_US`] (the last one past every bound),
+/// with their sum: one Prometheus histogram, in seconds.
+#[derive(Debug, Default)]
+pub struct LatencyHistogram {
+    counts: [AtomicU64; LATENCY_BOUNDS_US.len() + 1],
+    sum_us: AtomicU64,
+}
+
+impl LatencyHistogram {
+    /// Counts one duration.
+    pub fn record(&self, elapsed: Duration) {
+        let micros = elapsed.as_micros() as u64;
+        let bucket = LATENCY_BOUNDS_US
+            .iter()
+            .position(|bound| micros <= *bound)
+            .unwrap_or(LATENCY_BOUNDS_US.len());
+        self.counts[bucket].fetch_add(1, Ordering::Relaxed);
+        self.sum_us.fetch_add(micros, Ordering::Relaxed);
+    }
+
+    /// How many durations were counted.
+    pub fn count(&self) -> u64 {
+        self.counts.iter().map(load).sum()
+    }
 }
 
 impl Metrics {
@@ -219,7 +251,6 @@ pub fn render(sources: &Sources<'_>) -> String {
         counter(&mut registry, name, help, value);
     }
     let transport = sources.transport;
-    let load = |value: &AtomicU64| value.load(Ordering::Relaxed);
     let metrics = sources.metrics;
     let pairs = [
         (
@@ -323,10 +354,7 @@ pub fn render(sources: &Sources<'_>) -> String {
     registry.register(
         "region_latency_seconds",
         "Exact checks: time from reading the check to the region's durable answer",
-        LatencyBuckets {
-            counts: forward.latency.iter().map(load).collect(),
-            sum_us: load(&forward.latency_sum_us),
-        },
+        LatencyBuckets::read(&forward.latency),
     );
     let pairs = [
         (
@@ -411,6 +439,11 @@ pub fn render(sources: &Sources<'_>) -> String {
         for (name, help, value) in pairs {
             counter(&mut registry, name, help, value);
         }
+        registry.register(
+            "region_log_sync_seconds",
+            "Groups of exact decisions made durable, by the time their write and sync of the region log took",
+            LatencyBuckets::read(&commit.sync_latency),
+        );
         gauge(
             &mut registry,
             "region_lanes_owed",
@@ -489,6 +522,10 @@ fn origin_labels(node: u64, replica: ReplicaId, state: &str) -> Vec<(String, Str
     ]
 }
 
+fn load(value: &AtomicU64) -> u64 {
+    value.load(Ordering::Relaxed)
+}
+
 fn counter(registry: &mut Registry, name: &str, help: &str, value: u64) {
     let counter = Counter::<u64>::default();
     counter.inc_by(value);
@@ -539,11 +576,21 @@ impl EncodeMetric for Buckets {
     }
 }
 
-/// The exact path's latency buckets, encoded as a Prometheus histogram in seconds.
+/// A [`LatencyHistogram`] as read at a scrape, encoded as a Prometheus histogram in
+/// seconds.
 #[derive(Debug)]
 struct LatencyBuckets {
     counts: Vec<u64>,
     sum_us: u64,
+}
+
+impl LatencyBuckets {
+    fn read(histogram: &LatencyHistogram) -> LatencyBuckets {
+        LatencyBuckets {
+            counts: histogram.counts.iter().map(load).collect(),
+            sum_us: load(&histogram.sum_us),
+        }
+    }
 }
 
 impl EncodeMetric for LatencyBuckets {
@@ -627,6 +674,48 @@ mod tests {
         });
         assert!(text.contains("\ntally_exact_checks_waiting 2\n"), "{text}");
         assert!(text.contains("\ntally_exact_room_full_total 1\n"), "{text}");
+    }
+
+    #[test]
+    fn the_region_latency_and_the_region_logs_syncs_are_histograms_in_seconds() {
+        let forward = ForwardStats::default();
+        forward.latency.record(Duration::from_micros(100));
+        forward.latency.record(Duration::from_millis(3));
+        let region = RegionStats::default();
+        for micros in [40, 180, 4_500_000] {
+            region
+                .commit
+                .sync_latency
+                .record(Duration::from_micros(micros));
+        }
+        let store = LaneStore::new(ReplicaId::new(NodeId(1), Generation(1)), 8);
+        let text = render(&Sources {
+            metrics: &Metrics::default(),
+            view: &View::default(),
+            store: &store,
+            transport: &TransportStats::default(),
+            forward: &forward,
+            exact_room: &ExactRoom::default(),
+            region: Some(&region),
+            now: Stamp(0),
+        });
+        for line in [
+            // A bound holds what equals it; buckets are cumulative.
+            "tally_region_latency_seconds_bucket{le=\"0.0001\"} 1",
+            "tally_region_latency_seconds_bucket{le=\"0.0025\"} 1",
+            "tally_region_latency_seconds_bucket{le=\"0.005\"} 2",
+            "tally_region_latency_seconds_count 2",
+            "tally_region_latency_seconds_sum 0.0031",
+            "tally_region_log_sync_seconds_bucket{le=\"0.0001\"} 1",
+            "tally_region_log_sync_seconds_bucket{le=\"0.00025\"} 2",
+            "tally_region_log_sync_seconds_bucket{le=\"1.0\"} 2",
+            "tally_region_log_sync_seconds_bucket{le=\"+Inf\"} 3",
+            "tally_region_log_sync_seconds_count 3",
+            "tally_region_log_sync_seconds_sum 4.50022",
+        ] {
+            assert!(text.lines().any(|l| l == line), "{line} in\n{text}");
+        }
+        assert_eq!(region.commit.sync_latency.count(), 3);
     }
 
     #[test]

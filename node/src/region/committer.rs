@@ -18,6 +18,8 @@
 //! [`ReplaceError::harmless`]: super::log::ReplaceError::harmless
 
 use super::log::{Storage, GROUP_BYTES_MAX};
+use crate::clock::Clock;
+use crate::metrics::LatencyHistogram;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::mpsc;
 use std::sync::Arc;
@@ -38,6 +40,9 @@ pub struct CommitStats {
     pub records: AtomicU64,
     /// Syncs done (groups of at least one record).
     pub syncs: AtomicU64,
+    /// Groups made durable, by the time their write and sync took (the chunk of zeros
+    /// allocated first included, for a group that needed one).
+    pub sync_latency: LatencyHistogram,
     /// Records refused after a failure.
     pub refused: AtomicU64,
     /// Bytes appended to the log (compactions not included).
@@ -211,12 +216,14 @@ fn run(mut storage: Box<dyn Storage>, receiver: mpsc::Receiver<Work>, stats: &Co
             }
         }
         if failed.is_none() && !bytes.is_empty() {
+            let started = Clock::start();
             let written = storage
                 .reserve(bytes.len())
                 .and_then(|()| storage.append(&bytes))
                 .and_then(|()| storage.sync());
             match written {
                 Ok(()) => {
+                    stats.sync_latency.record(started.mono());
                     stats.syncs.fetch_add(1, Ordering::Relaxed);
                     stats
                         .appended
@@ -751,6 +758,7 @@ mod tests {
         }
         let stats = committer.stats();
         assert_eq!(stats.syncs.load(Ordering::Relaxed), 2);
+        assert_eq!(stats.sync_latency.count(), 2, "each sync timed");
         assert_eq!(stats.records.load(Ordering::Relaxed), 4);
     }
 

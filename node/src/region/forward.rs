@@ -21,6 +21,7 @@ use super::wire::CheckRef;
 use super::wire::{self, CHECKS_PER_FRAME_MAX, REGION_FRAME_BYTES_MAX};
 use super::{ExactAnswer, Outcome};
 use crate::clock::Clock;
+use crate::metrics::LatencyHistogram;
 use crate::transport::{FrameRead, Requester, Session, SessionReceive, SessionSend, Sessions};
 use std::collections::{BTreeSet, VecDeque};
 use std::future::Future;
@@ -33,19 +34,12 @@ use tally_crdt::{Key, NodeId, ReplicaId};
 use tokio::sync::mpsc;
 use tokio::time::{Instant, Sleep};
 
-/// Bucket bounds of the region latency histogram, in microseconds.
-pub const LATENCY_BOUNDS_US: [u64; 12] = [
-    100, 250, 500, 1_000, 2_500, 5_000, 10_000, 25_000, 50_000, 100_000, 250_000, 1_000_000,
-];
-
 /// Counters of the exact path at this node (an edge, or the region for its own clients),
 /// for the metrics.
 #[derive(Debug, Default)]
 pub struct ForwardStats {
-    /// Answers by latency bucket (the last one past every bound).
-    pub latency: [AtomicU64; LATENCY_BOUNDS_US.len() + 1],
-    /// Sum of answered latencies, in microseconds.
-    pub latency_sum_us: AtomicU64,
+    /// Checks the region decided, by their time from reading to the durable answer.
+    pub latency: LatencyHistogram,
     /// Checks that got no durable answer in time.
     pub unavailable: AtomicU64,
     /// Checks the region refused for its storage.
@@ -535,7 +529,7 @@ impl<T> Held<T> {
         match answer {
             ExactAnswer::Decided(outcome) => {
                 let elapsed = now.saturating_sub(pending.arrived);
-                self.stats.record_latency(elapsed);
+                self.stats.latency.record(elapsed);
                 Ok(outcome)
             }
             // The region answers so a check whose window is over by its clock, whose ids
@@ -637,18 +631,6 @@ impl<T> Drop for Held<T> {
         for pending in held.chain(incoming.collect::<Vec<_>>()) {
             pending.stopped(&self.stats);
         }
-    }
-}
-
-impl ForwardStats {
-    fn record_latency(&self, elapsed: Duration) {
-        let micros = elapsed.as_micros() as u64;
-        let bucket = LATENCY_BOUNDS_US
-            .iter()
-            .position(|bound| micros <= *bound)
-            .unwrap_or(LATENCY_BOUNDS_US.len());
-        self.latency[bucket].fetch_add(1, Ordering::Relaxed);
-        self.latency_sum_us.fetch_add(micros, Ordering::Relaxed);
     }
 }
 
