@@ -161,29 +161,9 @@ fn run(mut storage: Box<dyn Storage>, receiver: mpsc::Receiver<Work>, stats: &Co
     loop {
         let first = match next.take() {
             Some(work) => work,
-            None => loop {
-                match receiver.try_recv() {
-                    Ok(work) => break work,
-                    Err(mpsc::TryRecvError::Disconnected) => return,
-                    Err(mpsc::TryRecvError::Empty) => {
-                        // Nothing waits: allocate ahead now rather than in a group's path,
-                        // a step at a time, looking for work between steps. A failed sync
-                        // fails closed like any other: its error is reported once, so the
-                        // next group's sync may well succeed. (A failed write, a full disk,
-                        // is met again by the next group's own reserve.)
-                        if failed.is_none() {
-                            match storage.reserve_ahead() {
-                                Ok(true) => continue,
-                                Ok(false) => {}
-                                Err(err) => failed = Some(CommitError::from(err)),
-                            }
-                        }
-                        match receiver.recv() {
-                            Ok(work) => break work,
-                            Err(_) => return,
-                        }
-                    }
-                }
+            None => match next_work(&receiver, &mut *storage, &mut failed) {
+                Some(work) => work,
+                None => return,
             },
         };
         let first = match first {
@@ -244,6 +224,33 @@ fn run(mut storage: Box<dyn Storage>, receiver: mpsc::Receiver<Work>, stats: &Co
             };
             let _ = work.done.send(result);
         }
+    }
+}
+
+/// The next submission, once one is queued; `None` once the queue is closed and empty.
+/// While none is, the log is allocated ahead rather than in a group's path, a step at a
+/// time, looking for work between steps. A failed sync there fails closed like any other:
+/// its error is reported once, so the next group's sync may well succeed. (A failed write,
+/// a full disk, is met again by the next group's own reserve.)
+fn next_work(
+    receiver: &mpsc::Receiver<Work>,
+    storage: &mut dyn Storage,
+    failed: &mut Option<CommitError>,
+) -> Option<Work> {
+    loop {
+        match receiver.try_recv() {
+            Ok(work) => return Some(work),
+            Err(mpsc::TryRecvError::Disconnected) => return None,
+            Err(mpsc::TryRecvError::Empty) => {}
+        }
+        if failed.is_none() {
+            match storage.reserve_ahead() {
+                Ok(true) => continue,
+                Ok(false) => {}
+                Err(err) => *failed = Some(CommitError::from(err)),
+            }
+        }
+        return receiver.recv().ok();
     }
 }
 
@@ -359,8 +366,9 @@ mod tests {
         }
     }
 
-    // As `FileStorage`: zeros in whole chunks for a group, in steps ahead of need, each
-    // allocation synced on its own.
+    // As `FileStorage`: zeros to a chunk boundary for a group, in steps ahead of need, each
+    // allocation synced on its own. A write that fails here fails the committer, where the
+    // file's would be met again by the next group's reserve: the safer of the two.
     impl Storage for SimStorage {
         fn reserve(&mut self, bytes: usize) -> std::io::Result<()> {
             let (needed, allocated) = {
@@ -672,36 +680,47 @@ mod tests {
 
     #[test]
     fn an_idle_committer_allocates_ahead_step_by_step_and_takes_a_group_between_two_steps() {
+        use tokio::sync::oneshot::error::TryRecvError;
         let events = Arc::new(Mutex::new(Vec::new()));
         let (stepping, step_began) = std::sync::mpsc::channel();
-        let (let_go, release) = std::sync::mpsc::channel();
-        let began = || {
-            step_began
-                .recv_timeout(std::time::Duration::from_secs(10))
-                .expect("a step ahead begins")
-        };
+        let (sender, release) = std::sync::mpsc::channel();
         let committer = Committer::start(Box::new(SteppedStorage {
             events: events.clone(),
             stepping,
             release,
         }));
+        // Declared after the committer, so that a failing assertion drops it first: the
+        // step held then ends, and the committer's drop does not wait for it forever.
+        let let_go = sender;
+        let began = || {
+            step_began
+                .recv_timeout(std::time::Duration::from_secs(10))
+                .expect("a step ahead begins")
+        };
         // Idle, it takes a step, and another once that one is done.
         began();
         let_go.send(()).unwrap();
         began();
         // A group arrives during the second: it is written once that step is done, before
         // any more.
-        let done = committer.submit(vec![1; 8], 1);
+        let mut done = committer.submit(vec![1; 8], 1);
         let_go.send(()).unwrap();
-        assert_eq!(done.blocking_recv().unwrap(), Ok(()));
+        let answer = (0..10_000).find_map(|_| match done.try_recv() {
+            Err(TryRecvError::Empty) => {
+                std::thread::sleep(std::time::Duration::from_millis(1));
+                None
+            }
+            answer => Some(answer),
+        });
+        assert_eq!(answer, Some(Ok(Ok(()))), "the group is made durable");
         // Idle again, it goes on with the steps.
         began();
         assert_eq!(
             events.lock().unwrap()[..],
             ["step", "step", "append 8", "sync", "step"]
         );
-        // The held step fails to finish, as one that allocated nothing: the committer
-        // waits for work, and ends when dropped.
+        // The held step ends as one that allocated nothing: the committer waits for work,
+        // and ends when dropped.
         drop(let_go);
         drop(committer);
     }

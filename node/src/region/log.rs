@@ -164,13 +164,14 @@ pub enum Entry<S = String> {
 /// Where the log's bytes go: a file, or in tests a wrapper that fails on cue.
 pub trait Storage: Send {
     /// Makes room for `bytes` more after the log's end: if they would not fit inside the
-    /// file's allocation, extends it by whole chunks of zeros and syncs them, so that the
-    /// sync after the append commits no change of the file's size.
+    /// file's allocation, extends it with zeros to the next chunk boundary past them and
+    /// syncs them, so that the sync after the append commits no change of the file's size.
     fn reserve(&mut self, bytes: usize) -> std::io::Result<()>;
-    /// Allocates one step ([`AHEAD_STEPS`]) more now if less than a chunk is allocated
-    /// after the log's end; whether it did, so that the caller may ask for another. The
-    /// committer calls it while it finds no group waiting, so that a group rarely waits for
-    /// zeros, and one that arrives meanwhile waits for a step's at most, not a chunk's.
+    /// Allocates one step (a sixteenth of a chunk: [`AHEAD_STEPS`]) more now if less than a
+    /// chunk is allocated after the log's end; whether it did, so that the caller may ask
+    /// for another. The committer calls it while it finds no group waiting, so that a group
+    /// seldom needs a chunk of its own, and one that arrives meanwhile waits for a step's
+    /// zeros at most, not a chunk's.
     /// Storage that allocates nothing ahead does nothing. An error means the sync failed: a
     /// write that fails (a full disk) is no error here, since it made nothing durable, and
     /// the next group's own reserve meets it again.
@@ -246,8 +247,9 @@ pub fn is_no_room(err: &std::io::Error) -> bool {
     )
 }
 
-/// The file is allocated ahead of the log's end in chunks of this many bytes (after an
-/// allocation its length is a multiple of it). Every byte of log is written twice, as a
+/// The file is allocated ahead of the log's end in chunks of this many bytes when a group
+/// needs the room (the file then ends on a chunk boundary), and in steps of a sixteenth of
+/// one while the committer is idle ([`AHEAD_STEPS`]). Every byte of log is written twice, as a
 /// zero and then as itself, whatever the chunk size; the size decides how often, and for
 /// how long, a group waits for a chunk's zeros to be written and synced (about 1 ms per
 /// MiB on this project's virtual disk). The region's groups hold 16 to 25 KiB under load
@@ -256,17 +258,20 @@ pub fn is_no_room(err: &std::io::Error) -> bool {
 /// committer over this file committing 16 KiB groups one at a time: p99 380 to 480 us with
 /// 4 MiB, within a growing file's 270 to 700 us, against 1.0 to 1.2 ms with 1 MiB and 590
 /// to 690 us with 256 KiB; p99.9 5.0 ms with 4 MiB. (`client_load --fsync-probe` times
-/// 16 KiB writes both ways, the waits included.) A chunk also holds a largest group
-/// ([`GROUP_BYTES_MAX`]). Ahead of need, while the committer is idle, the allocation grows
-/// in smaller steps ([`AHEAD_STEPS`]).
+/// 16 KiB writes both ways, the waits included; those figures are from before the steps
+/// ahead.) A chunk also holds a largest group ([`GROUP_BYTES_MAX`]).
 pub const CHUNK_BYTES: u64 = 4 * 1024 * 1024;
 
-/// While the committer is idle, the allocation ahead grows by a chunk over this many at a
-/// time (256 KiB of 4 MiB), up to a chunk after the log's end. A group that arrives during
-/// a step waits for it: under continuous load the gaps between groups are a sync or two
-/// long, and the zeros and sync of a step take about as long (218 us at p50 on this
-/// project's virtual disk, against 172 us for 64 bytes); a whole chunk's took 3.5 to 4.5 ms,
-/// with every check in flight queued behind it (BENCHMARKS.md, session 43).
+/// While the committer is idle, the allocation ahead grows a sixteenth of a chunk at a time
+/// (256 KiB), until a chunk or more is allocated after the log's end. A group that arrives
+/// during a step waits for it. By hand on this project's virtual disk, zeros written past
+/// the file's end and synced took 305 us at p50 for 256 KiB (p90 336), 435 us for 512 KiB
+/// and 3.1 ms for 1 MiB, against 133 to 140 us for a sync of 64 bytes to 16 KiB written
+/// over zeros; the committer's whole chunks took 3.5 to 4.5 ms, with every check in flight
+/// queued behind them (BENCHMARKS.md, session 43). So a wait moves from a few groups in a
+/// thousand, for milliseconds, to about one group in sixteen of 16 KiB (one in thousands of
+/// a single check), for a step: the p99 of a group's commit rather than its p99.9 (not
+/// measured).
 pub const AHEAD_STEPS: u64 = 16;
 
 /// The most bytes one group of records takes: the committer writes at most this much with
@@ -304,7 +309,8 @@ impl Storage for FileStorage {
         if self.allocated - self.end >= self.chunk_bytes {
             return Ok(false);
         }
-        let allocated = (self.allocated + 1).next_multiple_of(self.chunk_bytes / AHEAD_STEPS);
+        let step = (self.chunk_bytes / AHEAD_STEPS).max(1);
+        let allocated = (self.allocated + 1).next_multiple_of(step);
         if checksummed::write_zeros(&self.file, &mut self.allocated.clone(), allocated).is_err() {
             return Ok(false);
         }
@@ -901,7 +907,7 @@ mod tests {
         let (mut storage, _, _) = open_small(&path, 64);
         let file_len = || std::fs::metadata(&path).unwrap().len();
         // The header's 20 bytes and 10 more: 34 of the first chunk's 64 left, under a chunk
-        // ahead. Each call adds one step, its zeros synced, and no more.
+        // ahead. Each call adds one step and no more.
         commit(&mut storage, &[1; 10]);
         assert_eq!((storage.end, storage.allocated, file_len()), (30, 64, 64));
         assert!(storage.reserve_ahead().unwrap());
