@@ -75,6 +75,7 @@ impl LatencyHistogram {
     }
 
     /// How many durations were counted.
+    #[cfg(test)]
     pub fn count(&self) -> u64 {
         self.counts.iter().map(load).sum()
     }
@@ -688,17 +689,22 @@ mod tests {
                 .sync_latency
                 .record(Duration::from_micros(micros));
         }
+        let metrics = Metrics::default();
+        let view = View::default();
+        let transport = TransportStats::default();
+        let exact_room = ExactRoom::default();
         let store = LaneStore::new(ReplicaId::new(NodeId(1), Generation(1)), 8);
-        let text = render(&Sources {
-            metrics: &Metrics::default(),
-            view: &View::default(),
+        let sources = Sources {
+            metrics: &metrics,
+            view: &view,
             store: &store,
-            transport: &TransportStats::default(),
+            transport: &transport,
             forward: &forward,
-            exact_room: &ExactRoom::default(),
+            exact_room: &exact_room,
             region: Some(&region),
             now: Stamp(0),
-        });
+        };
+        let text = render(&sources);
         for line in [
             // A bound holds what equals it; buckets are cumulative.
             "tally_region_latency_seconds_bucket{le=\"0.0001\"} 1",
@@ -715,7 +721,13 @@ mod tests {
         ] {
             assert!(text.lines().any(|l| l == line), "{line} in\n{text}");
         }
-        assert_eq!(region.commit.sync_latency.count(), 3);
+        // Only the region node logs syncs.
+        let text = render(&Sources {
+            region: None,
+            ..sources
+        });
+        assert!(text.contains("# TYPE tally_region_latency_seconds histogram"));
+        assert!(!text.contains("tally_region_log_sync_seconds"), "{text}");
     }
 
     #[test]

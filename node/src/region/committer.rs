@@ -41,7 +41,8 @@ pub struct CommitStats {
     /// Syncs done (groups of at least one record).
     pub syncs: AtomicU64,
     /// Groups made durable, by the time their write and sync took (the chunk of zeros
-    /// allocated first included, for a group that needed one).
+    /// allocated first included, for a group that needed one). Failed groups, steps
+    /// allocated ahead and compactions are not in it.
     pub sync_latency: LatencyHistogram,
     /// Records refused after a failure.
     pub refused: AtomicU64,
@@ -227,7 +228,8 @@ fn run(mut storage: Box<dyn Storage>, receiver: mpsc::Receiver<Work>, stats: &Co
     }
 }
 
-/// The next submission, once one is queued; `None` once the queue is closed and empty.
+/// The next work (a submission or a compaction), once one is queued; `None` once the
+/// queue is closed and empty.
 /// While none is, the log is allocated ahead rather than in a group's path, a step at a
 /// time, looking for work between steps. A failed sync there fails closed like any other:
 /// its error is reported once, so the next group's sync may well succeed. (A failed write,
@@ -730,15 +732,23 @@ mod tests {
         use tokio::sync::oneshot::error::TryRecvError;
         let events = Arc::new(Mutex::new(Vec::new()));
         let (syncing, sync_began) = std::sync::mpsc::channel();
-        let (let_go, release) = std::sync::mpsc::channel();
+        let (sender, release) = std::sync::mpsc::channel();
         let committer = Committer::start(Box::new(GatedStorage {
             events: events.clone(),
             syncing,
             release,
         }));
+        // Declared after the committer, so that a failing assertion drops it first: the
+        // sync held then ends, and the committer's drop does not wait for it forever.
+        let let_go = sender;
+        let sync_began = || {
+            sync_began
+                .recv_timeout(std::time::Duration::from_secs(10))
+                .expect("a sync begins")
+        };
 
         let mut first = committer.submit(vec![1; 8], 1);
-        sync_began.recv().unwrap();
+        sync_began();
         // Three more arrive while the first is being synced.
         let mut group: Vec<_> = (2..5)
             .map(|byte| committer.submit(vec![byte; 8], 1))
@@ -752,7 +762,7 @@ mod tests {
         assert_eq!(first.blocking_recv().unwrap(), Ok(()));
 
         // The three are written together and wait for one sync.
-        sync_began.recv().unwrap();
+        sync_began();
         for done in &mut group {
             assert_eq!(
                 done.try_recv(),

@@ -249,17 +249,18 @@ pub fn is_no_room(err: &std::io::Error) -> bool {
 
 /// The file is allocated ahead of the log's end in chunks of this many bytes when a group
 /// needs the room (the file then ends on a chunk boundary), and in steps of a sixteenth of
-/// one while the committer is idle ([`AHEAD_STEPS`]). Every byte of log is written twice, as a
-/// zero and then as itself, whatever the chunk size; the size decides how often, and for
-/// how long, a group waits for a chunk's zeros to be written and synced (about 1 ms per
-/// MiB on this project's virtual disk). The region's groups hold 16 to 25 KiB under load
-/// (BENCHMARKS.md, issue 5), so with 4 MiB fewer than 1 in 160 groups wait, and the wait
-/// (about 4 ms) stays out of the p99 of a group's commit. Measured on that disk, a
-/// committer over this file committing 16 KiB groups one at a time: p99 380 to 480 us with
-/// 4 MiB, within a growing file's 270 to 700 us, against 1.0 to 1.2 ms with 1 MiB and 590
-/// to 690 us with 256 KiB; p99.9 5.0 ms with 4 MiB. (`client_load --fsync-probe` times
-/// 16 KiB writes both ways, the waits included; those figures are from before the steps
-/// ahead.) A chunk also holds a largest group ([`GROUP_BYTES_MAX`]).
+/// one while the committer is idle ([`AHEAD_STEPS`]). Every byte of log is written twice,
+/// as a zero and then as itself, whatever the chunk size; the size decides how often, and
+/// for how long, a group waits for a chunk's zeros to be written and synced (about 1 ms
+/// per MiB on this project's virtual disk when it was chosen; 2.6 ms for 4 MiB by hand in
+/// session 43). The region's groups hold 16 to 25 KiB under load (BENCHMARKS.md, issue 5),
+/// so with 4 MiB fewer than 1 in 160 groups wait, and the wait (about 4 ms) stays out of
+/// the p99 of a group's commit. Measured on that disk, a committer over this file
+/// committing 16 KiB groups one at a time: p99 380 to 480 us with 4 MiB, within a growing
+/// file's 270 to 700 us, against 1.0 to 1.2 ms with 1 MiB and 590 to 690 us with 256 KiB;
+/// p99.9 5.0 ms with 4 MiB. (`client_load --fsync-probe` times 16 KiB writes both ways,
+/// the waits included; those figures are from before the steps ahead.) A chunk also holds
+/// a largest group ([`GROUP_BYTES_MAX`]).
 pub const CHUNK_BYTES: u64 = 4 * 1024 * 1024;
 
 /// While the committer is idle, the allocation ahead grows a sixteenth of a chunk at a time
@@ -267,11 +268,11 @@ pub const CHUNK_BYTES: u64 = 4 * 1024 * 1024;
 /// during a step waits for it. By hand on this project's virtual disk, zeros written past
 /// the file's end and synced took 305 us at p50 for 256 KiB (p90 336), 435 us for 512 KiB
 /// and 3.1 ms for 1 MiB, against 133 to 140 us for a sync of 64 bytes to 16 KiB written
-/// over zeros; the committer's whole chunks took 3.5 to 4.5 ms, with every check in flight
-/// queued behind them (BENCHMARKS.md, session 43). So a wait moves from a few groups in a
-/// thousand, for milliseconds, to about one group in sixteen of 16 KiB (one in thousands of
-/// a single check), for a step: the p99 of a group's commit rather than its p99.9 (not
-/// measured).
+/// over zeros; 4 MiB past the end took 2.6 ms that way, and the committer's whole chunks
+/// 3.5 to 4.5 ms, with every check in flight queued behind them (BENCHMARKS.md, session
+/// 43). So a wait moves from a few groups in a thousand, for milliseconds, to about one
+/// group in sixteen of 16 KiB (one in thousands of a single check), for a step: into the
+/// p95 of a group's commit and up, out of its p99.9 (not measured).
 pub const AHEAD_STEPS: u64 = 16;
 
 /// The most bytes one group of records takes: the committer writes at most this much with
