@@ -604,12 +604,33 @@ mod tests {
         );
     }
 
-    /// A disk whose every sync waits for the test to let it finish, telling the test when
-    /// one begins; it records its appends (by size), syncs and allocations ahead, in order.
+    /// Which of its I/Os a [`GatedStorage`] holds until the test lets it finish.
+    #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+    enum Gate {
+        Sync,
+        Ahead,
+    }
+
+    /// A disk that holds each I/O of one kind until the test lets it finish, telling the
+    /// test when one begins, and records its steps ahead, appends (by size) and syncs, in
+    /// order. Gating steps ahead, it always wants another; else none. A held I/O whose
+    /// release the test dropped ends at once: a step that allocated nothing, a failed sync.
     struct GatedStorage {
+        gate: Gate,
         events: Arc<Mutex<Vec<String>>>,
-        syncing: std::sync::mpsc::Sender<()>,
+        began: std::sync::mpsc::Sender<()>,
         release: std::sync::mpsc::Receiver<()>,
+    }
+
+    impl GatedStorage {
+        /// Holds an I/O of `kind` if that is the gated kind: whether it may go on.
+        fn hold(&self, kind: Gate) -> bool {
+            if kind != self.gate {
+                return true;
+            }
+            let _ = self.began.send(());
+            self.release.recv().is_ok()
+        }
     }
 
     impl Storage for GatedStorage {
@@ -627,125 +648,88 @@ mod tests {
 
         fn reserve_ahead(&mut self) -> std::io::Result<bool> {
             self.events.lock().unwrap().push("ahead".into());
-            Ok(false)
+            Ok(self.gate == Gate::Ahead && self.hold(Gate::Ahead))
         }
 
         fn sync(&mut self) -> std::io::Result<()> {
             self.events.lock().unwrap().push("sync".into());
-            self.syncing.send(()).unwrap();
-            self.release.recv().unwrap();
-            Ok(())
+            match self.hold(Gate::Sync) {
+                true => Ok(()),
+                false => Err(std::io::Error::other("the test let go of the sync")),
+            }
         }
 
         fn replace(&mut self, _bytes: &[u8]) -> Result<(), ReplaceError> {
-            unreachable!("this test does not compact")
+            unreachable!("these tests do not compact")
         }
     }
 
-    /// A disk that always wants another step ahead, each one held until the test lets it
-    /// finish (or drops its end), telling the test when one begins; it records its steps,
-    /// appends (by size) and syncs, in order.
-    struct SteppedStorage {
-        events: Arc<Mutex<Vec<String>>>,
-        stepping: std::sync::mpsc::Sender<()>,
-        release: std::sync::mpsc::Receiver<()>,
+    /// A committer over a [`GatedStorage`] holding `gate`, with what the test drives it by:
+    /// the disk's events, a wait for the next held I/O to begin, and the sender that lets
+    /// one finish. Bound in this order, the sender is dropped before the committer, so that
+    /// a failing assertion ends the I/O held and the committer's drop does not wait forever.
+    fn gated(
+        gate: Gate,
+    ) -> (
+        Committer,
+        Arc<Mutex<Vec<String>>>,
+        impl Fn(),
+        std::sync::mpsc::Sender<()>,
+    ) {
+        let events = Arc::new(Mutex::new(Vec::new()));
+        let (began, io_began) = std::sync::mpsc::channel();
+        let (let_go, release) = std::sync::mpsc::channel();
+        let committer = Committer::start(Box::new(GatedStorage {
+            gate,
+            events: events.clone(),
+            began,
+            release,
+        }));
+        let began = move || {
+            io_began
+                .recv_timeout(std::time::Duration::from_secs(10))
+                .expect("a held I/O begins")
+        };
+        (committer, events, began, let_go)
     }
 
-    impl Storage for SteppedStorage {
-        fn reserve(&mut self, _bytes: usize) -> std::io::Result<()> {
-            Ok(())
-        }
-
-        fn reserve_ahead(&mut self) -> std::io::Result<bool> {
-            self.events.lock().unwrap().push("step".into());
-            let _ = self.stepping.send(());
-            Ok(self.release.recv().is_ok())
-        }
-
-        fn append(&mut self, bytes: &[u8]) -> std::io::Result<()> {
-            self.events
-                .lock()
-                .unwrap()
-                .push(format!("append {}", bytes.len()));
-            Ok(())
-        }
-
-        fn sync(&mut self) -> std::io::Result<()> {
-            self.events.lock().unwrap().push("sync".into());
-            Ok(())
-        }
-
-        fn replace(&mut self, _bytes: &[u8]) -> Result<(), ReplaceError> {
-            unreachable!("this test does not compact")
-        }
+    /// The answer to a submission, waited for at most 10 s.
+    fn answer(
+        mut done: oneshot::Receiver<Result<(), CommitError>>,
+    ) -> Option<Result<(), CommitError>> {
+        (0..10_000).find_map(|_| match done.try_recv() {
+            Err(oneshot::error::TryRecvError::Empty) => {
+                std::thread::sleep(std::time::Duration::from_millis(1));
+                None
+            }
+            answer => answer.ok(),
+        })
     }
 
     #[test]
     fn an_idle_committer_allocates_ahead_step_by_step_and_takes_a_group_between_two_steps() {
-        use tokio::sync::oneshot::error::TryRecvError;
-        let events = Arc::new(Mutex::new(Vec::new()));
-        let (stepping, step_began) = std::sync::mpsc::channel();
-        let (sender, release) = std::sync::mpsc::channel();
-        let committer = Committer::start(Box::new(SteppedStorage {
-            events: events.clone(),
-            stepping,
-            release,
-        }));
-        // Declared after the committer, so that a failing assertion drops it first: the
-        // step held then ends, and the committer's drop does not wait for it forever.
-        let let_go = sender;
-        let began = || {
-            step_began
-                .recv_timeout(std::time::Duration::from_secs(10))
-                .expect("a step ahead begins")
-        };
+        let (committer, events, began, let_go) = gated(Gate::Ahead);
         // Idle, it takes a step, and another once that one is done.
         began();
         let_go.send(()).unwrap();
         began();
         // A group arrives during the second: it is written once that step is done, before
         // any more.
-        let mut done = committer.submit(vec![1; 8], 1);
+        let done = committer.submit(vec![1; 8], 1);
         let_go.send(()).unwrap();
-        let answer = (0..10_000).find_map(|_| match done.try_recv() {
-            Err(TryRecvError::Empty) => {
-                std::thread::sleep(std::time::Duration::from_millis(1));
-                None
-            }
-            answer => Some(answer),
-        });
-        assert_eq!(answer, Some(Ok(Ok(()))), "the group is made durable");
+        assert_eq!(answer(done), Some(Ok(())), "the group is made durable");
         // Idle again, it goes on with the steps.
         began();
         assert_eq!(
             events.lock().unwrap()[..],
-            ["step", "step", "append 8", "sync", "step"]
+            ["ahead", "ahead", "append 8", "sync", "ahead"]
         );
-        // The held step ends as one that allocated nothing: the committer waits for work,
-        // and ends when dropped.
-        drop(let_go);
-        drop(committer);
     }
 
     #[test]
     fn nothing_is_acknowledged_before_its_sync_and_one_sync_holds_a_whole_group() {
         use tokio::sync::oneshot::error::TryRecvError;
-        let events = Arc::new(Mutex::new(Vec::new()));
-        let (syncing, sync_began) = std::sync::mpsc::channel();
-        let (sender, release) = std::sync::mpsc::channel();
-        let committer = Committer::start(Box::new(GatedStorage {
-            events: events.clone(),
-            syncing,
-            release,
-        }));
-        // Declared after the committer, so that a failing assertion drops it first: the
-        // sync held then ends, and the committer's drop does not wait for it forever.
-        let let_go = sender;
-        let sync_began = || {
-            sync_began
-                .recv_timeout(std::time::Duration::from_secs(10))
-                .expect("a sync begins")
-        };
+        let (committer, events, sync_began, let_go) = gated(Gate::Sync);
 
         let mut first = committer.submit(vec![1; 8], 1);
         sync_began();
@@ -759,7 +743,7 @@ mod tests {
             "acknowledged before its sync"
         );
         let_go.send(()).unwrap();
-        assert_eq!(first.blocking_recv().unwrap(), Ok(()));
+        assert_eq!(answer(first), Some(Ok(())));
 
         // The three are written together and wait for one sync.
         sync_began();
@@ -773,17 +757,19 @@ mod tests {
         // Allocating ahead waits for an idle moment: perhaps before the first submission
         // arrived or after the last acknowledgement, never between a group's arrival and
         // its sync.
-        let events = events.lock().unwrap();
-        let busy = |event: &String| event != "ahead";
-        let first = events.iter().position(busy).unwrap();
-        let last = events.iter().rposition(busy).unwrap();
-        assert_eq!(
-            events[first..=last],
-            ["append 8", "sync", "append 24", "sync"]
-        );
+        {
+            let events = events.lock().unwrap();
+            let busy = |event: &String| event != "ahead";
+            let first = events.iter().position(busy).unwrap();
+            let last = events.iter().rposition(busy).unwrap();
+            assert_eq!(
+                events[first..=last],
+                ["append 8", "sync", "append 24", "sync"]
+            );
+        }
         let_go.send(()).unwrap();
         for done in group {
-            assert_eq!(done.blocking_recv().unwrap(), Ok(()));
+            assert_eq!(answer(done), Some(Ok(())));
         }
         let stats = committer.stats();
         assert_eq!(stats.syncs.load(Ordering::Relaxed), 2);
