@@ -664,33 +664,43 @@ mod tests {
         }
     }
 
-    /// A committer over a [`GatedStorage`] holding `gate`, with what the test drives it by:
-    /// the disk's events, a wait for the next held I/O to begin, and the sender that lets
-    /// one finish. Bound in this order, the sender is dropped before the committer, so that
-    /// a failing assertion ends the I/O held and the committer's drop does not wait forever.
-    fn gated(
-        gate: Gate,
-    ) -> (
-        Committer,
-        Arc<Mutex<Vec<String>>>,
-        impl Fn(),
-        std::sync::mpsc::Sender<()>,
-    ) {
-        let events = Arc::new(Mutex::new(Vec::new()));
-        let (began, io_began) = std::sync::mpsc::channel();
-        let (let_go, release) = std::sync::mpsc::channel();
-        let committer = Committer::start(Box::new(GatedStorage {
-            gate,
-            events: events.clone(),
-            began,
-            release,
-        }));
-        let began = move || {
-            io_began
+    /// A committer over a [`GatedStorage`], with what the test drives it by. Fields drop
+    /// in order: `let_go` first, so that a failing assertion ends the I/O held and the
+    /// committer's drop does not wait for it forever.
+    struct Gated {
+        /// Lets the I/O held finish.
+        let_go: std::sync::mpsc::Sender<()>,
+        committer: Committer,
+        /// The disk's events, in order.
+        events: Arc<Mutex<Vec<String>>>,
+        began: std::sync::mpsc::Receiver<()>,
+    }
+
+    impl Gated {
+        fn new(gate: Gate) -> Gated {
+            let events = Arc::new(Mutex::new(Vec::new()));
+            let (tell, began) = std::sync::mpsc::channel();
+            let (let_go, release) = std::sync::mpsc::channel();
+            let committer = Committer::start(Box::new(GatedStorage {
+                gate,
+                events: events.clone(),
+                began: tell,
+                release,
+            }));
+            Gated {
+                let_go,
+                committer,
+                events,
+                began,
+            }
+        }
+
+        /// Waits, at most 10 s, for the next held I/O to begin.
+        fn began(&self) {
+            self.began
                 .recv_timeout(std::time::Duration::from_secs(10))
-                .expect("a held I/O begins")
-        };
-        (committer, events, began, let_go)
+                .expect("a held I/O begins");
+        }
     }
 
     /// The answer to a submission, waited for at most 10 s.
@@ -708,20 +718,20 @@ mod tests {
 
     #[test]
     fn an_idle_committer_allocates_ahead_step_by_step_and_takes_a_group_between_two_steps() {
-        let (committer, events, began, let_go) = gated(Gate::Ahead);
+        let gated = Gated::new(Gate::Ahead);
         // Idle, it takes a step, and another once that one is done.
-        began();
-        let_go.send(()).unwrap();
-        began();
+        gated.began();
+        gated.let_go.send(()).unwrap();
+        gated.began();
         // A group arrives during the second: it is written once that step is done, before
         // any more.
-        let done = committer.submit(vec![1; 8], 1);
-        let_go.send(()).unwrap();
+        let done = gated.committer.submit(vec![1; 8], 1);
+        gated.let_go.send(()).unwrap();
         assert_eq!(answer(done), Some(Ok(())), "the group is made durable");
         // Idle again, it goes on with the steps.
-        began();
+        gated.began();
         assert_eq!(
-            events.lock().unwrap()[..],
+            gated.events.lock().unwrap()[..],
             ["ahead", "ahead", "append 8", "sync", "ahead"]
         );
     }
@@ -729,10 +739,11 @@ mod tests {
     #[test]
     fn nothing_is_acknowledged_before_its_sync_and_one_sync_holds_a_whole_group() {
         use tokio::sync::oneshot::error::TryRecvError;
-        let (committer, events, sync_began, let_go) = gated(Gate::Sync);
+        let gated = Gated::new(Gate::Sync);
+        let committer = &gated.committer;
 
         let mut first = committer.submit(vec![1; 8], 1);
-        sync_began();
+        gated.began();
         // Three more arrive while the first is being synced.
         let mut group: Vec<_> = (2..5)
             .map(|byte| committer.submit(vec![byte; 8], 1))
@@ -742,11 +753,11 @@ mod tests {
             Err(TryRecvError::Empty),
             "acknowledged before its sync"
         );
-        let_go.send(()).unwrap();
+        gated.let_go.send(()).unwrap();
         assert_eq!(answer(first), Some(Ok(())));
 
         // The three are written together and wait for one sync.
-        sync_began();
+        gated.began();
         for done in &mut group {
             assert_eq!(
                 done.try_recv(),
@@ -758,7 +769,7 @@ mod tests {
         // arrived or after the last acknowledgement, never between a group's arrival and
         // its sync.
         {
-            let events = events.lock().unwrap();
+            let events = gated.events.lock().unwrap();
             let busy = |event: &String| event != "ahead";
             let first = events.iter().position(busy).unwrap();
             let last = events.iter().rposition(busy).unwrap();
@@ -767,7 +778,7 @@ mod tests {
                 ["append 8", "sync", "append 24", "sync"]
             );
         }
-        let_go.send(()).unwrap();
+        gated.let_go.send(()).unwrap();
         for done in group {
             assert_eq!(answer(done), Some(Ok(())));
         }
