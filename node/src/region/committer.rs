@@ -229,11 +229,11 @@ fn run(mut storage: Box<dyn Storage>, receiver: mpsc::Receiver<Work>, stats: &Co
 }
 
 /// The next work (a submission or a compaction), once one is queued; `None` once the
-/// queue is closed and empty.
-/// While none is, the log is allocated ahead rather than in a group's path, a step at a
-/// time, looking for work between steps. A failed sync there fails closed like any other:
-/// its error is reported once, so the next group's sync may well succeed. (A failed write,
-/// a full disk, is met again by the next group's own reserve.)
+/// queue is closed and empty. While none is, the log is allocated ahead rather than in a
+/// group's path, a step at a time, looking for work between steps. A failed sync there
+/// fails closed like any other: its error is reported once, so the next group's sync may
+/// well succeed. (A failed write, a full disk, is met again by the next group's own
+/// reserve.)
 fn next_work(
     receiver: &mpsc::Receiver<Work>,
     storage: &mut dyn Storage,
@@ -653,9 +653,10 @@ mod tests {
 
         fn sync(&mut self) -> std::io::Result<()> {
             self.events.lock().unwrap().push("sync".into());
-            match self.hold(Gate::Sync) {
-                true => Ok(()),
-                false => Err(std::io::Error::other("the test let go of the sync")),
+            if self.hold(Gate::Sync) {
+                Ok(())
+            } else {
+                Err(std::io::Error::other("the test let go of the sync"))
             }
         }
 
