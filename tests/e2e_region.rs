@@ -278,6 +278,11 @@ async fn after_a_machine_crash_the_region_holds_every_check_it_acknowledged() {
         records > syncs && syncs >= 1.0,
         "batches of more than one record a sync (D4): {records} records in {syncs} syncs"
     );
+    assert_eq!(
+        metric("tally_region_log_sync_seconds_count"),
+        syncs,
+        "every sync in the sync histogram"
+    );
     assert!(
         acked.values().sum::<u64>() > 500,
         "the load was acknowledged: {acked:?}"
