@@ -14,7 +14,10 @@
 # run per setting, `client_load --raw`, drives the same tallyd without tally-client (frames
 # encoded once, blocking sockets), to tell the sidecar's cost from the client library's;
 # `client_load --raw --redis` drives the plain Redis the same way, so that one load
-# generator, with one clock, also times both servers.
+# generator, with one clock, also times both servers. At (a) both are driven once more by
+# `client_load --raw --poll`, which polls its socket rather than blocking on it: its vCPU
+# never idles, so the round trip leaves out the load generator's wake-up (tens of
+# microseconds on a VM) and times the servers'.
 # A fourth, `client_load --batch`, drives it with tally-client in redis-benchmark's shape:
 # each connection sends its P requests as one `Pipeline` and waits for all P answers.
 # Two more, `client_load --op incr-id`, send every increment under a new request id, to
@@ -148,6 +151,7 @@ tally_sides() {
     run_tally tally "$TALLY_PORT" "$@"
     run_tally tally-log "$TALLY_LOG_PORT" "$@"
     run_tally tally-raw "$TALLY_PORT" "$@" --raw
+    if [ "$1" = a ]; then run_tally tally-raw-poll "$TALLY_PORT" "$@" "--raw --poll"; fi
     run_tally tally-batch "$TALLY_PORT" "$@" --batch
     run_tally tally-named "$TALLY_PORT" "$@" "--op incr-id"
     run_tally tally-log-named "$TALLY_LOG_PORT" "$@" "--op incr-id"
@@ -156,6 +160,7 @@ redis_sides() {
     run_redis redis "$REDIS_PORT" "$@"
     run_redis redis-aof "$REDIS_AOF_PORT" "$@"
     run_tally redis-raw "$REDIS_PORT" "$@" "--raw --redis"
+    if [ "$1" = a ]; then run_tally redis-raw-poll "$REDIS_PORT" "$@" "--raw --redis --poll"; fi
 }
 
 load_before=$(cut -d' ' -f1-3 /proc/loadavg)
@@ -198,6 +203,7 @@ table() {
             print "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"
             for (s = 1; s <= ns; s++) {
                 name = order[s]
+                if (!((name SUBSEP 1) in t) || !((name SUBSEP 1) in r)) continue
                 label = name == "a" ? "(a) C=1 P=1 N=" na : name == "a1" ? "(a1) C=1 P=1 N=" na ", on CPU " cpu : "(b) C=50 P=16 N=" nb
                 lt = lr = lo = ltp = lrp = lp = lt9 = lr9 = ""
                 for (i = 1; i <= runs; i++) {
@@ -242,6 +248,12 @@ echo "one load generator for both servers: tallyd (no data_dir) and redis (no pe
     "driven by client_load --raw (with --redis: INCR in RESP), timed by the same clock:"
 echo
 table tally-raw redis-raw
+echo
+echo "one polling load generator for both servers, at (a): as above, with client_load --raw" \
+    "--poll, whose vCPU never idles while it waits (the servers' round trip without the load" \
+    "generator's wake-up):"
+echo
+table tally-raw-poll redis-raw-poll
 echo
 echo "tally-client in pipelines: tallyd (no data_dir) driven by client_load --batch (each" \
     "connection sends its P requests as one Pipeline and waits for all P answers; each" \
