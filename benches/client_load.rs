@@ -790,8 +790,9 @@ fn time_each(
     Ok(report(latencies_ns, now().duration_since(started)))
 }
 
-/// `--raw`: rounds of P pre-encoded requests on each of C blocking connections; a warm-up
-/// of a tenth of the rounds, then N / (C x P) rounds (at least one) timed.
+/// `--raw`: rounds of P pre-encoded requests on each of C connections (blocking, or polled
+/// with `--poll`); a warm-up of a tenth of the rounds, then N / (C x P) rounds (at least
+/// one) timed.
 fn run_raw(args: &Args) -> Result<Report, String> {
     let Endpoint::Tcp(addr) = &args.endpoint else {
         return Err(format!("--raw: {} is not a TCP endpoint", args.endpoint));
@@ -877,6 +878,7 @@ fn write_or_poll(stream: &mut TcpStream, mut bytes: &[u8]) -> Result<(), String>
             Ok(0) => return Err("write: the connection took nothing".to_string()),
             Ok(written) => bytes = &bytes[written..],
             Err(err) if err.kind() == std::io::ErrorKind::WouldBlock => std::hint::spin_loop(),
+            Err(err) if err.kind() == std::io::ErrorKind::Interrupted => {}
             Err(err) => return Err(format!("write: {err}")),
         }
     }

@@ -124,7 +124,7 @@ say "servers up: redis :$REDIS_PORT, redis AOF :$REDIS_AOF_PORT, tallyd :$TALLY_
 
 results="$work/results.tsv" # setting run side ops_per_sec p50_us p99_us
 
-# run_tally SIDE PORT SETTING RUN C P N [--raw [--redis] | --batch]
+# run_tally SIDE PORT SETTING RUN C P N [FLAGS: --raw [--redis] [--poll], --batch, --op ...]
 run_tally() {
     local line
     line=$(on_cpu "$cpu" "$work/client_load" --endpoint "127.0.0.1:$2" --connections "$5" --pipeline "$6" --requests "$7" ${8:-})
@@ -203,7 +203,11 @@ table() {
             print "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"
             for (s = 1; s <= ns; s++) {
                 name = order[s]
-                if (!((name SUBSEP 1) in t) || !((name SUBSEP 1) in r)) continue
+                # A side run at some settings only (the polling ones, at (a)) has no row at
+                # the others; one side without the other is a bug of this script.
+                has_t = (name SUBSEP 1) in t; has_r = (name SUBSEP 1) in r
+                if (!has_t && !has_r) continue
+                if (!has_t || !has_r) { print "table: " ts " and " rs " were not both run at (" name ")" > "/dev/stderr"; exit 1 }
                 label = name == "a" ? "(a) C=1 P=1 N=" na : name == "a1" ? "(a1) C=1 P=1 N=" na ", on CPU " cpu : "(b) C=50 P=16 N=" nb
                 lt = lr = lo = ltp = lrp = lp = lt9 = lr9 = ""
                 for (i = 1; i <= runs; i++) {
