@@ -171,10 +171,9 @@ pub trait Storage: Send {
     /// chunk is allocated after the log's end; whether it did, so that the caller may ask
     /// for another. The committer calls it while it finds no group waiting, so that a group
     /// seldom needs a chunk of its own, and one that arrives meanwhile waits for a step's
-    /// zeros at most, not a chunk's.
-    /// Storage that allocates nothing ahead does nothing. An error means the sync failed: a
-    /// write that fails (a full disk) is no error here, since it made nothing durable, and
-    /// the next group's own reserve meets it again.
+    /// zeros at most, not a chunk's. Storage that allocates nothing ahead does nothing. An
+    /// error means the sync failed: a write that fails (a full disk) is no error here, since
+    /// it made nothing durable, and the next group's own reserve meets it again.
     fn reserve_ahead(&mut self) -> std::io::Result<bool> {
         Ok(false)
     }
