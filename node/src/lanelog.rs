@@ -213,10 +213,14 @@ pub fn open(
     let (answered, answers_generation_max) = answerlog::recover(dir, now_unix_secs)?;
     // The last start re-published each earlier life's lanes from its generation times
     // 1000 up, one version per lane (`Recovered::republish_floor`): skip past them, a
-    // millisecond per thousand lanes, whatever the clock says now. Its generation is the
-    // newest log's (of lanes or answers), or the file's if that was lost.
+    // millisecond per thousand lanes or part of one, and two more, so that at least 2,000
+    // versions are left above them for that life's restamps, whatever the clock says now.
+    // Its generation is the newest log's (of lanes or answers), or the file's if that was
+    // lost.
     let previous = last.max(log_generation_max).max(answers_generation_max);
-    let generation = previous.saturating_add(2 + lanes_max / 1_000).max(wall_ms);
+    let generation = previous
+        .saturating_add(2 + lanes_max.div_ceil(1_000))
+        .max(wall_ms);
     if generation > GENERATION_MAX {
         let why = format!(
             "the next generation, {generation}, is past {GENERATION_MAX}: the file or a \
@@ -915,7 +919,7 @@ mod tests {
         // The wall clock stepped back: the generation still rises, past the versions the
         // last start could have re-published at (`republish_floor`).
         let (_, second) = open(&dir, NodeId(1), 2, NOW).unwrap();
-        assert_eq!(second.generation, Generation(7));
+        assert_eq!(second.generation, Generation(8));
         assert_eq!(second.retired.len(), 1);
         let (replica, mut lanes) = second.retired.into_iter().next().unwrap();
         assert_eq!(replica, ReplicaId::new(NodeId(1), Generation(5)));
@@ -1102,16 +1106,16 @@ mod tests {
         }
         log.flush().unwrap();
         drop(log);
-        // The next start re-publishes the 2,500 lanes, one version each above its floor;
-        // then the clock steps back an hour, and the generation file is lost, before the
-        // start after.
+        // The next start re-publishes the 2,500 lanes, one version each above its floor,
+        // and its restamps may use up to 2,000 more; then the clock steps back an hour,
+        // and the generation file is lost, before the start after.
         let (_, next) = open(&dir, NodeId(1), 3_600_000, NOW).unwrap();
-        let highest = next.republish_floor().0 + 2_500;
+        let highest = next.republish_floor().0 + 2_500 + 2_000;
         std::fs::remove_file(dir.join("generation")).unwrap();
         let (_, after) = open(&dir, NodeId(1), 5, NOW).unwrap();
         assert!(
-            after.republish_floor().0 > highest,
-            "{:?} is not above {highest}",
+            after.republish_floor().0 >= highest,
+            "{:?} is below {highest}",
             after.republish_floor()
         );
         std::fs::remove_dir_all(dir).unwrap();
