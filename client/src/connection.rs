@@ -1003,6 +1003,21 @@ enum Decoded {
     },
 }
 
+/// The most bytes of a sidecar's reason for refusing a frame that are kept: the reason is
+/// copied to every call still waiting (up to [`IN_FLIGHT_MAX`] and a pipeline), so
+/// one frame of up to 64 KiB must not become gigabytes (found in review, session 44).
+/// tallyd's reasons are a line long.
+const REASON_BYTES_MAX: usize = 512;
+
+/// `why`, cut to at most [`REASON_BYTES_MAX`] bytes at a character's boundary.
+fn clipped(why: &str) -> &str {
+    let mut end = why.len().min(REASON_BYTES_MAX);
+    while !why.is_char_boundary(end) {
+        end -= 1;
+    }
+    &why[..end]
+}
+
 /// Decodes the whole frames at the start of `input`, handing each to `handle` in order;
 /// returns how many bytes they took, and why the stream is broken if a frame's length is
 /// refused or a frame does not decode as far as its id.
@@ -1027,7 +1042,7 @@ fn decode_responses(input: &[u8], mut handle: impl FnMut(Decoded)) -> (usize, Op
                 id: 0,
                 result: Err(Refusal::Malformed { why }),
             }) => {
-                let why = format!("the sidecar refused this client's frame: {why}");
+                let why = format!("the sidecar refused this client's frame: {}", clipped(&why));
                 return (at + 4 + len, Some(Broken::Protocol(why)));
             }
             Ok(response) => handle(Decoded::Response(response)),
@@ -1260,6 +1275,27 @@ mod tests {
             assert_eq!(taken, 0);
             assert!(matches!(broken, Some(Broken::Protocol(_))), "{broken:?}");
         }
+    }
+
+    #[test]
+    fn a_sidecars_long_reason_for_refusing_a_frame_is_cut_before_every_call_gets_a_copy() {
+        let refused = |why: String| Response {
+            id: 0,
+            result: Err(Refusal::Malformed { why }),
+        };
+        let long = "\u{e9}".repeat(30_000);
+        let (taken, broken) = decode_responses(&frame(&refused(long)), |_| {});
+        assert!(taken > 60_000);
+        let Some(Broken::Protocol(why)) = broken else {
+            panic!("{broken:?}");
+        };
+        assert!(why.starts_with("the sidecar refused this client's frame: \u{e9}"));
+        assert!(why.len() <= 100 + REASON_BYTES_MAX, "{} bytes", why.len());
+        let (_, broken) = decode_responses(&frame(&refused("unknown op 9".into())), |_| {});
+        assert!(
+            matches!(&broken, Some(Broken::Protocol(why)) if why.ends_with(": unknown op 9")),
+            "{broken:?}"
+        );
     }
 
     #[test]
