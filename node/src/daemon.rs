@@ -13,6 +13,7 @@ use crate::lanelog::{self, LogError};
 use crate::listener::{self, Service};
 use crate::metrics::{Metrics, RegionStats};
 use crate::recent::RecentIds;
+use crate::refused_sums::RefusedSums;
 use crate::region::forward::{ForwardStats, Forwarder};
 use crate::region::service::{Caps, LedgerError, OpenError, RegionService};
 use crate::region::wire::REGION_FRAME_BYTES_MAX;
@@ -326,6 +327,7 @@ pub async fn run(config: Config, shutdown: impl Future<Output = ()>) -> Result<(
         transport,
         inbound,
         store: store.clone(),
+        refused_sums: RefusedSums::default(),
         view: view.clone(),
         metrics: metrics.clone(),
         clock,

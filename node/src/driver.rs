@@ -8,6 +8,7 @@ use crate::handoff::{Collected, Handoff};
 use crate::lanelog::LogError;
 use crate::listener::EXIT_LOG_FAILED;
 use crate::metrics::Metrics;
+use crate::refused_sums::RefusedSums;
 use crate::store::LaneStore;
 use crate::transport::{Inbound, Transport};
 use crate::view::{unheard_seeds, View};
@@ -87,6 +88,8 @@ pub struct Driver {
     pub inbound: mpsc::Receiver<Inbound>,
     /// The lane store the client path writes.
     pub store: Arc<LaneStore>,
+    /// Remote sums the store refused at its key cap, published again every second.
+    pub refused_sums: RefusedSums,
     /// What the rest of the node reads.
     pub view: Arc<View>,
     /// The live counters.
@@ -211,6 +214,10 @@ impl Driver {
                     let now_secs = paced.0 / 1_000;
                     self.store.expire(now_secs);
                     self.store.reclaim();
+                    let map = self.gossip.map();
+                    self.refused_sums.retry(&self.store, |key| {
+                        Some(map.counter(key)?.value_without(me))
+                    });
                     self.view.lock().forget_ended_windows(now_secs);
                 }
                 _ = self.shutdown.changed() => {
@@ -344,13 +351,12 @@ impl Driver {
             let Some(counter) = self.gossip.map().counter(key) else {
                 continue;
             };
-            // At the key cap a remote key is not held in the store: its estimate reads
-            // only what is counted here until its lanes change again after the store has
-            // room, or its window ends (ARCHITECTURE.md). Counted like a local refusal.
+            // At the key cap a remote key is not held in the store: kept, and published
+            // again after each second's expiry until the store takes it. Counted like a
+            // local refusal.
             if self
-                .store
-                .publish_remote(key, counter.value_without(me))
-                .is_err()
+                .refused_sums
+                .publish(&self.store, key, counter.value_without(me))
             {
                 self.metrics
                     .keys_refused

@@ -51,6 +51,7 @@ pub mod late;
 pub mod listener;
 pub mod metrics;
 pub mod recent;
+pub mod refused_sums;
 pub mod region;
 pub mod store;
 mod sync;

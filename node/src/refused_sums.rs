@@ -1,0 +1,112 @@
+//! Remote sums the lane store refused at its key cap, published again until it takes them.
+//!
+//! Near the cap the gossip's map can hold a key the lane store refuses: the two caps count
+//! different sets (ARCHITECTURE.md, "Threat model"). While the store lacks the key, a
+//! client's write to it is refused too (the store is full). But once expiry makes room, a
+//! client's write would create the key with a remote sum of zero, and if the key's lanes
+//! never changed again (a peer at the limit only denies, and a denial writes nothing), its
+//! estimate here would lack its peers' counts for the rest of its window: decided on this
+//! node's lane alone, under a bound that does not know (found in review, session 44). So a
+//! refused key is kept here, and the driver publishes it again every second, right after
+//! expiry, until the store takes it or the gossip's map no longer holds it.
+
+use crate::store::LaneStore;
+use std::collections::HashSet;
+use tally_crdt::Key;
+
+/// The keys whose remote sums the lane store refused, and has not taken since.
+#[derive(Debug, Default)]
+pub struct RefusedSums {
+    keys: HashSet<Key>,
+}
+
+impl RefusedSums {
+    /// Publishes `remote` as `key`'s remote sum in `store`; whether the store refused it (at
+    /// its key cap), in which case the key is kept to publish again.
+    pub fn publish(&mut self, store: &LaneStore, key: &Key, remote: i128) -> bool {
+        let refused = store.publish_remote(key, remote).is_err();
+        if refused {
+            self.keys.insert(key.clone());
+        } else {
+            self.keys.remove(key);
+        }
+        refused
+    }
+
+    /// Publishes every kept key's remote sum again, as `remote_sum` reads it now, and keeps
+    /// the ones the store refuses again. A key `remote_sum` has none for (the gossip's map
+    /// no longer holds it: its window ended) is dropped.
+    pub fn retry(&mut self, store: &LaneStore, remote_sum: impl Fn(&Key) -> Option<i128>) {
+        self.keys.retain(|key| match remote_sum(key) {
+            Some(remote) => store.publish_remote(key, remote).is_err(),
+            None => false,
+        });
+    }
+
+    /// How many keys are kept.
+    #[cfg(test)]
+    pub fn len(&self) -> usize {
+        self.keys.len()
+    }
+
+    /// Whether no key is kept.
+    #[cfg(test)]
+    pub fn is_empty(&self) -> bool {
+        self.keys.is_empty()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tally_crdt::{Generation, NodeId, ReplicaId, Rule, Subject, Window};
+
+    fn key_in(subject: &str, window: Window) -> Key {
+        Key::new(
+            Rule::new("api").unwrap(),
+            Subject::new(subject).unwrap(),
+            window,
+        )
+    }
+
+    #[test]
+    fn a_sum_refused_at_the_cap_is_taken_once_expiry_makes_room() {
+        let store = LaneStore::new(ReplicaId::new(NodeId(1), Generation(1)), 1);
+        let ended = key_in("old", Window::new(1, 60).unwrap());
+        let live = Window::new(1_000, 60).unwrap();
+        let hot = key_in("hot", live);
+        store.incr(&ended, 1).unwrap();
+        store.collect(&mut Vec::new());
+        let mut refused = RefusedSums::default();
+        assert!(refused.publish(&store, &hot, 100), "the store is full");
+        assert_eq!((store.estimate(&hot), refused.len()), (0, 1));
+        refused.retry(&store, |_| Some(100));
+        assert_eq!((store.estimate(&hot), refused.len()), (0, 1), "still full");
+
+        assert_eq!(store.expire(live.start_unix_secs()), 1);
+        // The peers' sum rose meanwhile: the retry publishes it as it is now.
+        refused.retry(&store, |_| Some(150));
+        assert_eq!(store.estimate(&hot), 150);
+        assert!(refused.is_empty());
+        // And a client's write counts on top of it, not from zero.
+        assert_eq!(store.incr(&hot, 1).unwrap().estimate, 151);
+    }
+
+    #[test]
+    fn a_refused_key_the_map_no_longer_holds_is_dropped_and_a_taken_one_forgotten() {
+        let store = LaneStore::new(ReplicaId::new(NodeId(1), Generation(1)), 1);
+        let window = Window::new(1_000, 60).unwrap();
+        let (a, b) = (key_in("a", window), key_in("b", window));
+        let mut refused = RefusedSums::default();
+        assert!(!refused.publish(&store, &a, 5));
+        assert!(refused.publish(&store, &b, 7));
+        refused.retry(&store, |_| None);
+        assert!(refused.is_empty(), "no sum to publish: dropped");
+        assert!(refused.publish(&store, &b, 7));
+        assert_eq!(refused.len(), 1);
+        assert!(store.remove(&a));
+        assert!(!refused.publish(&store, &b, 8), "taken");
+        assert!(refused.is_empty());
+        assert_eq!(store.estimate(&b), 8);
+    }
+}
