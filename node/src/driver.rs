@@ -215,7 +215,7 @@ impl Driver {
                     self.store.expire(now_secs);
                     self.store.reclaim();
                     let map = self.gossip.map();
-                    self.refused_sums.retry(&self.store, |key| {
+                    self.refused_sums.retry(&self.store, now_secs, |key| {
                         Some(map.counter(key)?.value_without(me))
                     });
                     self.view.lock().forget_ended_windows(now_secs);

@@ -34,12 +34,24 @@ impl RefusedSums {
     }
 
     /// Publishes every kept key's remote sum again, as `remote_sum` reads it now, and keeps
-    /// the ones the store refuses again. A key `remote_sum` has none for (the gossip's map
-    /// no longer holds it: its window ended) is dropped.
-    pub fn retry(&mut self, store: &LaneStore, remote_sum: impl Fn(&Key) -> Option<i128>) {
-        self.keys.retain(|key| match remote_sum(key) {
-            Some(remote) => store.publish_remote(key, remote).is_err(),
-            None => false,
+    /// the ones the store refuses again. A key whose window is no longer live at
+    /// `now_unix_secs` (the second the store just expired by) is dropped unpublished: the
+    /// gossip's map expires on its own rounds, so it may still hold the key, and the room
+    /// expiry just made is for live keys. So is a key `remote_sum` has none for.
+    pub fn retry(
+        &mut self,
+        store: &LaneStore,
+        now_unix_secs: u64,
+        remote_sum: impl Fn(&Key) -> Option<i128>,
+    ) {
+        self.keys.retain(|key| {
+            if !key.window.is_live(now_unix_secs) {
+                return false;
+            }
+            match remote_sum(key) {
+                Some(remote) => store.publish_remote(key, remote).is_err(),
+                None => false,
+            }
         });
     }
 
@@ -80,16 +92,38 @@ mod tests {
         let mut refused = RefusedSums::default();
         assert!(refused.publish(&store, &hot, 100), "the store is full");
         assert_eq!((store.estimate(&hot), refused.len()), (0, 1));
-        refused.retry(&store, |_| Some(100));
+        let now = live.start_unix_secs();
+        refused.retry(&store, now, |_| Some(100));
         assert_eq!((store.estimate(&hot), refused.len()), (0, 1), "still full");
 
-        assert_eq!(store.expire(live.start_unix_secs()), 1);
+        assert_eq!(store.expire(now), 1);
         // The peers' sum rose meanwhile: the retry publishes it as it is now.
-        refused.retry(&store, |_| Some(150));
+        refused.retry(&store, now, |_| Some(150));
         assert_eq!(store.estimate(&hot), 150);
         assert!(refused.is_empty());
         // And a client's write counts on top of it, not from zero.
         assert_eq!(store.incr(&hot, 1).unwrap().estimate, 151);
+    }
+
+    #[test]
+    fn a_refused_key_whose_window_ended_takes_none_of_the_room_expiry_made() {
+        let store = LaneStore::new(ReplicaId::new(NodeId(1), Generation(1)), 1);
+        let ended = Window::new(1, 60).unwrap();
+        store.incr(&key_in("own", ended), 1).unwrap();
+        store.collect(&mut Vec::new());
+        let mut refused = RefusedSums::default();
+        assert!(refused.publish(&store, &key_in("peer", ended), 100));
+        // The gossip's map, expiring on its own rounds, still holds the peer's key.
+        let now = ended.live_until_unix_secs();
+        assert_eq!(store.expire(now), 1);
+        refused.retry(&store, now, |_| Some(100));
+        assert!(refused.is_empty(), "dropped, not kept");
+        let fresh = key_in("fresh", Window::new(now / 60, 60).unwrap());
+        assert_eq!(
+            store.incr(&fresh, 1).unwrap().estimate,
+            1,
+            "the room is a live key's"
+        );
     }
 
     #[test]
@@ -100,7 +134,7 @@ mod tests {
         let mut refused = RefusedSums::default();
         assert!(!refused.publish(&store, &a, 5));
         assert!(refused.publish(&store, &b, 7));
-        refused.retry(&store, |_| None);
+        refused.retry(&store, window.start_unix_secs(), |_| None);
         assert!(refused.is_empty(), "no sum to publish: dropped");
         assert!(refused.publish(&store, &b, 7));
         assert_eq!(refused.len(), 1);
