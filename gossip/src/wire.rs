@@ -32,8 +32,22 @@ use tally_crdt::{
 /// The wire format this build speaks.
 pub const WIRE_VERSION: u8 = 4;
 
-/// The hard ceiling on any frame, encoded or decoded, whatever the configuration says.
-pub const FRAME_BYTES_LIMIT: usize = 4 * 1024 * 1024;
+/// What bincode may count while it decodes one frame's body (`with_limit`). It counts each
+/// value at its size in memory, not on the wire: a varint of one byte that decodes a `u64`,
+/// or a sequence's or a string's length, counts 8.
+pub const DECODE_COUNTED_BYTES_LIMIT: usize = 4 * 1024 * 1024;
+
+/// The most one byte of a frame can count toward [`DECODE_COUNTED_BYTES_LIMIT`]: a frame
+/// holds no integer wider than a `u64`.
+const COUNTED_PER_BYTE_MAX: usize = 8;
+
+/// The hard ceiling on any frame, encoded or decoded, whatever the configuration says
+/// (`frame_bytes_max` is at most this): a frame of it counts within
+/// [`DECODE_COUNTED_BYTES_LIMIT`] whatever it holds, so every frame a node may be
+/// configured to send decodes. (Until session 44 it was the counted limit itself, 4 MiB:
+/// with `frame_bytes_max` above about 1.1 MB, a full frame of lanes was refused, found in
+/// review.)
+pub const FRAME_BYTES_LIMIT: usize = DECODE_COUNTED_BYTES_LIMIT / COUNTED_PER_BYTE_MAX;
 
 /// Why a frame was refused. Nothing of a refused frame is applied.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -71,8 +85,8 @@ pub enum DecodeError {
 const CONFIG: bincode::config::Configuration<
     bincode::config::LittleEndian,
     bincode::config::Varint,
-    bincode::config::Limit<FRAME_BYTES_LIMIT>,
-> = bincode::config::standard().with_limit::<FRAME_BYTES_LIMIT>();
+    bincode::config::Limit<DECODE_COUNTED_BYTES_LIMIT>,
+> = bincode::config::standard().with_limit::<DECODE_COUNTED_BYTES_LIMIT>();
 
 /// Encodes a frame from `from` carrying `message`: the version byte, then the frame.
 ///
@@ -1205,6 +1219,53 @@ mod tests {
                 matches!(&refused, Err(DecodeError::Field { field, .. }) if *field == "settled"),
                 "{refused:?}"
             );
+        }
+    }
+
+    #[test]
+    fn a_frame_of_the_largest_size_a_node_may_send_decodes_however_many_lanes_it_holds() {
+        // Lanes of one scope, short subjects and one-byte totals: seven to nine bytes each
+        // on the wire, counted at 35 to 37 by bincode; and a `Held` of one-byte gaps, each
+        // counted at 8.
+        let window = now_window(60);
+        let subjects: Vec<String> = (0..FRAME_BYTES_LIMIT).map(|n| format!("{n:x}")).collect();
+        let lanes = |count: usize| {
+            let lanes = (subjects.iter().take(count).enumerate())
+                .map(|(at, subject)| LaneUpdate {
+                    key: key("r", subject, window),
+                    lane: Lane::new(1, 0),
+                    version: Version(at as u64 + 1),
+                })
+                .collect();
+            push(0, lanes, count as u64)
+        };
+        let held = |count: usize| Message::Held {
+            held: HeldVersions {
+                origin: replica(4),
+                version: Version(1),
+                from: Version(0),
+                through: Version(2 * count as u64 + 1),
+                versions: (1..=count as u64).map(|n| Version(2 * n)).collect(),
+            },
+        };
+        let shapes: [&dyn Fn(usize) -> Message; 2] = [&lanes, &held];
+        for message in shapes {
+            // The most items whose frame fits the limit, by halving the step.
+            let (mut count, mut step) = (0, FRAME_BYTES_LIMIT);
+            while step > 0 {
+                if encode(replica(3), &message(count + step)).len() <= FRAME_BYTES_LIMIT {
+                    count += step;
+                }
+                step /= 2;
+            }
+            let frame = encode(replica(3), &message(count));
+            assert!(
+                frame.len() > FRAME_BYTES_LIMIT - 64,
+                "{} bytes",
+                frame.len()
+            );
+            let decoded = decode(&frame, FRAME_BYTES_LIMIT);
+            assert!(decoded.is_ok(), "{} bytes: {decoded:?}", frame.len());
         }
     }
 

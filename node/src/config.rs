@@ -826,6 +826,8 @@ window_secs = 60
         assert_eq!(config.keys_max, 1_000_000);
         assert_eq!(config.check_id_sessions_max(), 262_144);
         assert_eq!(config.gossip_seeds()[0].node, NodeId(2));
+        let largest = GOOD.replace("node_id = 1", "node_id = 1\nframe_bytes_max = 524288");
+        assert_eq!(parse(&largest).unwrap().frame_bytes_max, 512 * 1024);
     }
 
     #[test]
@@ -1069,6 +1071,12 @@ window_secs = 60
             (
                 GOOD.replace("node_id = 1", "node_id = 1\nkeys_max = 4294967296"),
                 "keys_max",
+            ),
+            // Past the largest frame every peer can decode (4 MiB was taken until session
+            // 44, and peers refused its full frames).
+            (
+                GOOD.replace("node_id = 1", "node_id = 1\nframe_bytes_max = 524289"),
+                "frame_bytes_max",
             ),
             (GOOD.replace("127.0.0.1:7001", "[::]:7001"), "listen_gossip"),
             (
