@@ -479,6 +479,7 @@ fn refusal(err: StoreError) -> Refusal {
 #[cfg(not(tally_loom))]
 mod tests {
     use super::*;
+    use crate::refused_sums::RefusedSums;
     use crate::view::UnheardSeeds;
     use tally_crdt::{Generation, Key, NodeId, ReplicaId};
     use tally_gossip::membership::State;
@@ -531,6 +532,36 @@ mod tests {
             lane_log_refused: &REFUSED,
             keys_refused: &KEYS_REFUSED,
         }
+    }
+
+    #[test]
+    fn a_remote_sum_refused_at_the_key_cap_is_decided_on_once_expiry_makes_room() {
+        // The driver's steps by hand: a peer's 100 of the limit refused at the cap, a key
+        // of an ended window expired, the refused sum published again, then checks.
+        let rule = rule(100, 0);
+        let store = LaneStore::new(ReplicaId::new(NodeId(1), Generation(1)), 1);
+        let rules = Rules::new(std::slice::from_ref(&rule)).unwrap();
+        let owned = key(rules.get("api").unwrap(), "user-1", NOW)
+            .unwrap()
+            .to_key();
+        let ended = Window::new(owned.window.index() - 2, 60).unwrap();
+        store
+            .incr(KeyRef::from(&owned).in_window(ended), 1)
+            .unwrap();
+        store.collect(&mut Vec::new());
+        let mut refused = RefusedSums::default();
+        assert!(refused.publish(&store, &owned, 100), "the store is full");
+        let now_secs = NOW.0 / 1_000;
+        assert_eq!(store.expire(now_secs), 1);
+        refused.retry(&store, now_secs, |_| Some(100));
+        let view = view(Stamp(NOW.0 - 100));
+        let mut context = context(&store, &view);
+        let decision = context.check(&rule, KeyRef::from(&owned), 1).unwrap();
+        assert_eq!(decision.mode, Mode::ApproximateConnected);
+        assert!(
+            !decision.allowed,
+            "the peer's 100 fill the limit: {decision:?}"
+        );
     }
 
     fn setup(rule: &RuleConfig) -> (LaneStore, Key) {
