@@ -812,9 +812,12 @@ where
 /// still gets the answers of those waiting, and only then is the connection closed. A
 /// closed connection is not told from a half-closed one: a client that has gone has its
 /// exact checks still answered (within their rule's timeout), and a fallback counted, as
-/// every request read from it is. Nothing more is read while answers wait to be written,
-/// but exact checks are decided as the region answers them even then: a client that stops
-/// reading holds neither their ids nor the node's room for exact checks.
+/// every request read from it is, until a write to it fails (a reset). Then the task ends,
+/// and its exact checks are answered to no one: those not yet written to the region are
+/// dropped, and those written still count as sends of their ids waiting until their
+/// deadlines, since the region may decide them. Nothing more is read while answers wait to
+/// be written, but exact checks are decided as the region answers them even then: a
+/// client that stops reading holds neither their ids nor the node's room for exact checks.
 async fn serve_connection<S: AsyncRead + AsyncWrite + Unpin>(
     service: &Arc<Service>,
     mut stream: S,
@@ -2337,5 +2340,99 @@ mod tests {
         service.answer_exact(&mut vec![unavailable(3)], &mut output);
         service.late_admissions(&[4]);
         assert_eq!(service.store.estimate(&key), 3);
+    }
+
+    /// A written send of a check id whose connection went (its client reset it) may still
+    /// be decided at the region: until its deadline it counts as waiting, so a retry of the
+    /// id that gets no answer in time falls back to nothing (found in review, session 44:
+    /// the forwarder dropped it, and the retry's fallback counted beside the region's late
+    /// admission, which nothing reported).
+    #[tokio::test(flavor = "current_thread")]
+    async fn a_written_send_whose_connection_went_still_keeps_a_retry_of_its_id_from_falling_back()
+    {
+        use crate::region::wire::{self as region_wire, ExactAnswer};
+        let mut service = service(10);
+        service.rules = Rules::new(&[RuleConfig {
+            region_timeout_ms: 200,
+            on_region_unavailable: crate::config::OnRegionUnavailable::Allow,
+            ..RuleConfig::for_test("quota", 100, RuleMode::Exact)
+        }])
+        .unwrap();
+        let (frames_tx, mut to_region) = mpsc::channel(8);
+        let sessions = crate::transport::Sessions {
+            frames: frames_tx,
+            frame_bytes_max: region_wire::REGION_FRAME_BYTES_MAX,
+        };
+        let (late, mut late_reported) = mpsc::unbounded_channel();
+        service.forwarder = Some(Forwarder::local(
+            sessions,
+            service.replica,
+            crate::clock::Clock::start(),
+            Arc::default(),
+            late,
+        ));
+        // Connection 1 sends check id (9, 5); it is written to the region.
+        let (mut output, mut exact) = (Vec::new(), Vec::new());
+        handle(
+            &service,
+            &frames(&[quota_check(5, 2)]),
+            &mut output,
+            &mut exact,
+        );
+        let (answers1, answered1) = mpsc::unbounded_channel();
+        service.forward(&mut exact, Instant::now(), &answers1);
+        drop(answers1);
+        let frame1 = to_region.recv().await.unwrap();
+        let (_, checks) = region_wire::decode_checks(&frame1.body).unwrap();
+        let seq1 = checks[0].id.seq;
+        // Connection 1 ends (its client reset it: `serve_connection` returns on a failed
+        // write), before the region answered.
+        drop(answered1);
+        tokio::time::sleep(std::time::Duration::from_millis(150)).await;
+        assert_eq!(service.waiting.sends(), 1, "the written send still waits");
+        // The client retries the id on connection 2; held for want of room past its
+        // rule's timeout, it is answered as the region's silence would be.
+        output.clear();
+        let retry = Request {
+            id: 7,
+            op: Op::Check {
+                rule: "quota".into(),
+                subject: "a".into(),
+                cost: 2,
+                id: Some(CheckId { session: 9, seq: 5 }),
+            },
+        };
+        service.handle_frames(
+            &frames(&[retry]),
+            &mut output,
+            &mut exact,
+            0,
+            &mut None,
+            200,
+        );
+        let answer = responses(&output).pop().unwrap();
+        // Now the region decides the first send after all.
+        frame1.reply.send(region_wire::encode_answers(&[(
+            seq1,
+            ExactAnswer::Decided(Outcome {
+                allowed: true,
+                count: 2,
+            }),
+        )]));
+        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+        assert!(
+            late_reported.try_recv().is_err(),
+            "no fallback to take back"
+        );
+        assert_eq!(
+            estimate(&service, "quota"),
+            0,
+            "nothing counted at the edge"
+        );
+        assert!(
+            matches!(answer.result, Err(Refusal::RegionUnavailable { .. })),
+            "a retry falls back while its first send may still be decided at the region: {:?}",
+            answer.result
+        );
     }
 }

@@ -139,7 +139,11 @@ impl<T> Pending<T> {
         self.key.rule.as_str().to_owned()
     }
 
-    /// Whoever waits for the answer is gone: the check need not be sent (again).
+    /// Whoever waits for the answer is gone: the check need not be sent (again). One
+    /// written already is still held until it is answered or its deadline passes, since
+    /// the region may yet decide it: its ticket (at an edge, the count of its id's sends
+    /// waiting) keeps a retry of its id elsewhere from falling back and counting
+    /// meanwhile.
     fn abandoned(&self) -> bool {
         self.answers.is_closed()
     }
@@ -443,7 +447,9 @@ impl<T> Held<T> {
                 continue;
             };
             if pending.abandoned() {
-                self.remove(seq);
+                if pending.writes == 0 {
+                    self.remove(seq);
+                }
                 continue;
             }
             retries += u64::from(pending.writes > 0);
@@ -586,14 +592,15 @@ impl<T> Held<T> {
         }
     }
 
-    /// Drops the checks whose callers stopped waiting (they are never sent again), and
-    /// gives back the room a burst left.
+    /// Drops the checks whose callers stopped waiting before they were written (they are
+    /// never sent), and gives back the room a burst left. One written already is held
+    /// until its answer or its deadline ([`Pending::abandoned`]).
     fn purge(&mut self) {
         let abandoned: Vec<u64> = self
             .checks
             .iter()
             .flatten()
-            .filter(|pending| pending.abandoned())
+            .filter(|pending| pending.abandoned() && pending.writes == 0)
             .map(|pending| pending.id.seq)
             .collect();
         for seq in abandoned {
@@ -1244,6 +1251,30 @@ mod tests {
         held.purge();
         assert_eq!(held_seqs(&held), [1]);
         assert_eq!(first_deadline(&mut held), Some(ms(200)));
+    }
+
+    #[test]
+    fn a_written_check_whose_caller_went_is_held_to_its_deadline_and_not_written_again() {
+        let (gone, gone_answers) = mpsc::unbounded_channel();
+        let (staying, _staying_answers) = mpsc::unbounded_channel();
+        let (mut held, _checks, stats) = held();
+        held.insert(pending(0, 300, &gone));
+        held.insert(pending(1, 200, &staying));
+        assert_eq!(frame_seqs(&held.next_frame(ms(0)).unwrap()), [0, 1]);
+        drop(gone_answers);
+        // The region may still decide check 0: it stays, with its ticket.
+        held.purge();
+        assert_eq!(held_seqs(&held), [0, 1]);
+        held.resend_all();
+        assert_eq!(frame_seqs(&held.next_frame(ms(0)).unwrap()), [1]);
+        assert_eq!(held_seqs(&held), [0, 1]);
+        held.expire(ms(300));
+        assert!(held.is_empty(), "{:?}", held_seqs(&held));
+        assert_eq!(
+            stats.unavailable.load(Ordering::Relaxed),
+            1,
+            "check 1 alone answered"
+        );
     }
 
     #[test]
