@@ -16,6 +16,7 @@
 
 use anyhow::{bail, Context};
 use std::collections::BTreeMap;
+use std::os::unix::fs::DirBuilderExt;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::sync::{Arc, Mutex};
@@ -88,17 +89,29 @@ pub fn run(args: &DemoArgs) -> anyhow::Result<()> {
         .build()
         .context("tokio runtime")?;
     let dir = std::env::temp_dir().join(format!("tally-demo-{}", std::process::id()));
+    // A new directory, the user's alone, or none: one already there (another user's, or
+    // left by a demo killed with its pid) is neither used nor removed (found in review,
+    // session 44: another user could have planted the cluster CA the demo would reuse).
+    std::fs::DirBuilder::new()
+        .mode(0o700)
+        .create(&dir)
+        .with_context(|| {
+            format!(
+                "demo: {} (remove it if an earlier demo left it)",
+                dir.display()
+            )
+        })?;
     let mut cluster = DemoCluster {
         dir: dir.clone(),
         children: Vec::new(),
     };
-    // Stopped by Ctrl-C or SIGTERM, the demo still stops its nodes and removes its
+    // Stopped by Ctrl-C, SIGTERM or SIGHUP, the demo still stops its nodes and removes its
     // directory (the cluster CA's key with it): the cluster is dropped either way.
     let result = runtime.block_on(async {
         tokio::select! {
             result = demo(args, &mut cluster) => result,
             () = tally_node::cli::shutdown_signal() => {
-                Err(anyhow::anyhow!("demo: stopped by Ctrl-C or SIGTERM"))
+                Err(anyhow::anyhow!("demo: stopped by Ctrl-C, SIGTERM or SIGHUP"))
             }
         }
     });
@@ -275,7 +288,6 @@ async fn demo(args: &DemoArgs, cluster: &mut DemoCluster) -> anyhow::Result<()> 
         "tally demo: 1 region + {} edges on loopback, {} s at {} requests/s",
         args.edges, args.duration, args.rate
     );
-    std::fs::create_dir_all(&cluster.dir)?;
     print!("  certificates (cluster CA + {} nodes) ...", nodes.len());
     let ids: Vec<NodeId> = nodes.iter().map(|&id| NodeId(id)).collect();
     tally_node::certs::write_cluster(&cluster.dir.join("certs"), &ids)?;

@@ -609,7 +609,7 @@ async fn a_node_stopped_under_load_hands_every_write_it_acknowledged_to_its_peer
         let client = cluster.nodes[2].client().await;
         let load = count_until_unanswered(client, ledger.clone(), "stopped");
         tokio::time::sleep(Duration::from_millis(300)).await;
-        cluster.stop_gracefully(3).await;
+        cluster.stop_gracefully(3, "TERM").await;
         load.await.unwrap();
         for node in &cluster.nodes[..2] {
             cluster::eventually(Duration::from_secs(5), "node 3 to be seen as left", || {
@@ -630,13 +630,15 @@ async fn a_node_stopped_under_load_hands_every_write_it_acknowledged_to_its_peer
 /// A node that is everyone's seed and has none of its own (the first node of a cluster),
 /// stopped gracefully and started again, is found again: its peers knock on a seed whose
 /// life left. Before, nothing sent to a member that left, and the node stayed alone,
-/// deciding connected on its own counts while the others did on theirs.
+/// deciding connected on its own counts while the others did on theirs. Stopped by SIGHUP
+/// (its terminal closed), which is a graceful stop too: before session 44 it killed the
+/// node (exit 129), and its peers never saw it leave.
 #[tokio::test(flavor = "current_thread")]
 async fn a_seed_with_no_seeds_of_its_own_stopped_gracefully_and_started_again_is_found_again() {
     let mut cluster = Cluster::configure(NET, 3, 2_000, false, &[1]);
     cluster.spawn_all();
     cluster.members_alive_eventually().await;
-    cluster.stop_gracefully(1).await;
+    cluster.stop_gracefully(1, "HUP").await;
     for node in &cluster.nodes[1..] {
         cluster::eventually(Duration::from_secs(5), "node 1 to be seen as left", || {
             node.metric("tally_members", &[("state", "left")]) == Some(1.0)

@@ -1104,7 +1104,7 @@ async fn a_region_stopped_under_load_pushes_every_admission_it_acknowledged() {
             });
         }
         tokio::time::sleep(Duration::from_millis(300)).await;
-        cluster.stop_gracefully(1).await;
+        cluster.stop_gracefully(1, "TERM").await;
         // The region's last push reached the edge before it exited; its gossip task
         // publishes it to the estimates meanwhile.
         tokio::time::sleep(Duration::from_millis(300)).await;

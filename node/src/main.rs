@@ -1,5 +1,5 @@
 //! `tallyd`: the tally sidecar. `tallyd --config node.toml`, with flags that override the
-//! file's values. Stops gracefully (leaving the cluster) on SIGINT or SIGTERM.
+//! file's values. Stops gracefully (leaving the cluster) on SIGINT, SIGTERM or SIGHUP.
 
 use clap::Parser;
 use tally_node::cli::{self, DaemonArgs};

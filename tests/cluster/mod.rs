@@ -257,9 +257,10 @@ impl Cluster {
         &mut self.nodes[id as usize - 1]
     }
 
-    /// Stops node `id` with SIGTERM and waits until it has exited, with status 0.
-    pub async fn stop_gracefully(&mut self, id: u64) {
-        self.node(id).signal("TERM");
+    /// Stops node `id` with `signal` (`TERM`, `INT` or `HUP`: each is a graceful stop) and
+    /// waits until it has exited, with status 0.
+    pub async fn stop_gracefully(&mut self, id: u64, signal: &str) {
+        self.node(id).signal(signal);
         let mut status = None;
         eventually(Duration::from_secs(10), "the node to stop", || {
             status = self.node(id).exited();
