@@ -54,6 +54,18 @@ pub enum CertError {
         /// The file that is not.
         missing: PathBuf,
     },
+    /// The CA's key, kept from an earlier run, is readable or writable by others than its
+    /// owner: whoever can read it can make certificates the cluster trusts.
+    #[error(
+        "certs: {key} has mode {mode:o}: a cluster CA's key must be its owner's alone; \
+         `chmod 600` it if no one else has read it, or make a new CA"
+    )]
+    CaKeyExposed {
+        /// The key.
+        key: PathBuf,
+        /// Its permission bits.
+        mode: u32,
+    },
     /// The CA's key is not the key of the CA's certificate.
     #[error("certs: {key} is not the key of {cert}")]
     KeyMismatch {
@@ -169,6 +181,20 @@ impl Ca {
                 };
                 return Err(CertError::HalfACa { present, missing });
             }
+        }
+        let mode = std::fs::metadata(&key_path)
+            .map_err(|source| CertError::Io {
+                path: key_path.clone(),
+                source,
+            })?
+            .permissions()
+            .mode()
+            & 0o777;
+        if mode & 0o077 != 0 {
+            return Err(CertError::CaKeyExposed {
+                key: key_path,
+                mode,
+            });
         }
         let cert_pem = read(&cert_path)?;
         let key = KeyPair::from_pem(&read(&key_path)?).map_err(|err| CertError::Pem {
@@ -385,6 +411,25 @@ mod tests {
         let ca = read(&dir.join("ca.pem")).unwrap();
         write_cluster(&dir, &[NodeId(2)]).unwrap();
         assert_eq!(read(&dir.join("ca.pem")).unwrap(), ca, "the same CA");
+        std::fs::remove_dir_all(dir).unwrap();
+    }
+
+    #[test]
+    fn a_kept_ca_key_others_can_read_is_refused_and_nothing_is_issued() {
+        let dir = dir("exposed");
+        write_cluster(&dir, &[NodeId(1)]).unwrap();
+        let key = dir.join("ca.key");
+        std::fs::set_permissions(&key, std::fs::Permissions::from_mode(0o644)).unwrap();
+        let err = write_cluster(&dir, &[NodeId(2)]).unwrap_err();
+        assert!(
+            matches!(&err, CertError::CaKeyExposed { mode: 0o644, .. }),
+            "{err}"
+        );
+        assert!(err.to_string().contains("ca.key has mode 644"), "{err}");
+        assert!(!dir.join("node-2.pem").exists());
+        assert_eq!(mode(&key), 0o644, "not changed behind the operator's back");
+        std::fs::set_permissions(&key, std::fs::Permissions::from_mode(0o600)).unwrap();
+        write_cluster(&dir, &[NodeId(2)]).unwrap();
         std::fs::remove_dir_all(dir).unwrap();
     }
 
