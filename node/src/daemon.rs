@@ -120,10 +120,12 @@ pub async fn run(config: Config, shutdown: impl Future<Output = ()>) -> Result<(
     let node = config.node();
     // What can refuse the start comes before the data dir is claimed, so that a refused
     // start (another node's certificate, a bad rule, an address in use) leaves the dir as
-    // it was, not named for this node id nor given a new life. Its lock comes before the
-    // binds, so that a second process on the same config is told the directory is in use.
-    // The gossip port's bind needs the region's sessions, which need the dir: it comes
-    // after.
+    // it was, not named for this node id nor given a new life, nor a region's new ledger
+    // made. Its lock comes before the binds, so that a second process on the same config
+    // is told the directory is in use. The gossip socket is bound here too; its endpoint,
+    // which needs the region's sessions and so the dir, is made on it after (until
+    // session 44 the bind came after, and a region's first start refused on its gossip
+    // address left a ledger that refused `--new-ledger` again: found in review).
     let identity = tls::identity(&config.tls, node)?;
     let certificate_expires = identity.expires_unix_secs;
     let days_left = (certificate_expires - (now.wall.0 / 1_000) as i64) / 86_400;
@@ -162,6 +164,8 @@ pub async fn run(config: Config, shutdown: impl Future<Output = ()>) -> Result<(
     let http_listener = TcpListener::bind(config.listen_http)
         .await
         .map_err(bind("http", config.listen_http.to_string()))?;
+    let gossip_socket = std::net::UdpSocket::bind(config.listen_gossip)
+        .map_err(bind("gossip", config.listen_gossip.to_string()))?;
     // Where they were bound: a configured port 0 takes one the system picks.
     let bound = |listener: &TcpListener, configured| listener.local_addr().unwrap_or(configured);
     let (client_addr, http_addr) = (
@@ -260,8 +264,8 @@ pub async fn run(config: Config, shutdown: impl Future<Output = ()>) -> Result<(
     });
     // The region node's own exact checks go to its region task as the edges' do.
     let own_sessions = sessions.clone();
-    let (transport, inbound) = Transport::bind(
-        config.listen_gossip,
+    let (transport, inbound) = Transport::on_socket(
+        gossip_socket,
         identity,
         config.frame_bytes_max,
         transport_stats.clone(),
@@ -570,6 +574,20 @@ mod tests {
         let message = refused.unwrap_err().to_string();
         assert!(message.contains("--new-ledger"), "{message}");
 
+        // A first start refused on its gossip address makes no ledger: it can be run again.
+        let taken = std::net::UdpSocket::bind("127.0.0.1:0").unwrap();
+        let refused = start(Config {
+            listen_gossip: taken.local_addr().unwrap(),
+            ..region(true)
+        });
+        assert!(
+            matches!(refused, Err(DaemonError::Bind { what: "gossip", .. })),
+            "{refused:?}"
+        );
+        assert!(
+            !ledger.exists(),
+            "a start refused on its gossip address made its ledger"
+        );
         start(region(true)).unwrap();
         let made = std::fs::read(&ledger).expect("the first start made its ledger");
         let refused = start(region(true));

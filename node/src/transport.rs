@@ -225,6 +225,20 @@ impl Transport {
         stats: Arc<TransportStats>,
         sessions: Option<Sessions>,
     ) -> std::io::Result<(Transport, mpsc::Receiver<Inbound>)> {
+        let socket = std::net::UdpSocket::bind(addr)?;
+        Transport::on_socket(socket, identity, frame_bytes_max, stats, sessions)
+    }
+
+    /// [`Transport::bind`], on a socket bound already: a node binds its gossip address
+    /// before it claims its data dir, so that an address in use refuses the start before
+    /// anything is written there.
+    pub fn on_socket(
+        socket: std::net::UdpSocket,
+        identity: tls::Identity,
+        frame_bytes_max: usize,
+        stats: Arc<TransportStats>,
+        sessions: Option<Sessions>,
+    ) -> std::io::Result<(Transport, mpsc::Receiver<Inbound>)> {
         let largest = (sessions.as_ref()).map_or(frame_bytes_max, |sessions| {
             frame_bytes_max.max(sessions.frame_bytes_max)
         });
@@ -233,12 +247,12 @@ impl Transport {
             inbound_bytes_per_member: Limits::NODE.inbound_bytes_per_member.max(largest),
             ..Limits::NODE
         };
-        Transport::bind_within(addr, identity, frame_bytes_max, limits, stats, sessions)
+        Transport::bind_within(socket, identity, frame_bytes_max, limits, stats, sessions)
     }
 
-    /// [`Transport::bind`], within `limits`.
+    /// [`Transport::on_socket`], within `limits`.
     fn bind_within(
-        addr: SocketAddr,
+        socket: std::net::UdpSocket,
         identity: tls::Identity,
         frame_bytes_max: usize,
         limits: Limits,
@@ -258,12 +272,7 @@ impl Transport {
         config.cid_generator(move || Box::new(ids.clone()));
         let runtime = quinn::default_runtime()
             .ok_or_else(|| std::io::Error::other("no async runtime found"))?;
-        let mut endpoint = quinn::Endpoint::new(
-            config,
-            Some(identity.server),
-            std::net::UdpSocket::bind(addr)?,
-            runtime,
-        )?;
+        let mut endpoint = quinn::Endpoint::new(config, Some(identity.server), socket, runtime)?;
         endpoint.set_default_client_config(identity.client);
         let (inbound, receiver) = mpsc::channel(4_096);
         let shared = Arc::new(Shared {
@@ -1247,7 +1256,7 @@ mod tests {
         limits: Limits,
     ) -> (Transport, mpsc::Receiver<Inbound>) {
         Transport::bind_within(
-            "127.0.0.1:0".parse().unwrap(),
+            std::net::UdpSocket::bind("127.0.0.1:0").unwrap(),
             identity(dir, files, node),
             limits.inbound_bytes_per_member.min(1 << 16),
             limits,
@@ -1742,7 +1751,7 @@ mod tests {
             frame_bytes_max: 16_384,
         };
         let (two, _gossip_untaken) = Transport::bind_within(
-            "127.0.0.1:0".parse().unwrap(),
+            std::net::UdpSocket::bind("127.0.0.1:0").unwrap(),
             identity(&dir, &files[1], 2),
             16_384,
             limits,
