@@ -328,7 +328,7 @@ impl Service {
         };
         drop(waiting);
         if let Ok(decision) = &result {
-            self.metrics.decided(decision.mode, decision.allowed);
+            self.metrics.decided(decision);
         }
         let response = Response {
             id,
@@ -453,7 +453,7 @@ impl Service {
                         }
                     }
                 };
-                self.metrics.decided(decision.mode, decision.allowed);
+                self.metrics.decided(&decision);
                 Ok(Reply::Decision(decision))
             }
             OpRef::Status => Ok(Reply::Status(self.status(context))),

@@ -17,7 +17,7 @@ use prometheus_client::registry::Registry;
 use std::sync::atomic::{AtomicI64, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
-use tally_client::wire::Mode;
+use tally_client::wire::{Decision, Mode};
 use tally_crdt::{ReplicaId, Stamp};
 use tally_gossip::membership::State;
 use tally_gossip::Histogram;
@@ -27,6 +27,10 @@ use tally_gossip::Histogram;
 pub struct Metrics {
     // By mode (in `MODES` order), then denied and allowed.
     decisions: [[AtomicU64; 2]; MODES.len()],
+    // Approximate decisions' bounds over their rules' limits.
+    bound_ratios: RatioHistogram,
+    // Approximate decisions whose bound was infinite (a member not heard from yet).
+    decisions_unbounded: AtomicU64,
     /// Writes and gossiped keys refused because the store held `keys_max` keys (local or
     /// remote keys).
     pub keys_refused: AtomicU64,
@@ -81,10 +85,51 @@ impl LatencyHistogram {
     }
 }
 
+/// Bucket bounds of `tally_decision_bound_ratio`: an approximate decision's bound (the
+/// overshoot it may be part of) over its rule's limit.
+pub const BOUND_RATIO_BOUNDS: [f64; 8] = [0.0, 0.001, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0];
+
+/// Ratios counted by bucket of [`BOUND_RATIO_BOUNDS`] (the last one past every bound),
+/// with their sum in millionths: one Prometheus histogram.
+#[derive(Debug, Default)]
+struct RatioHistogram {
+    counts: [AtomicU64; BOUND_RATIO_BOUNDS.len() + 1],
+    sum_millionths: AtomicU64,
+}
+
+impl RatioHistogram {
+    /// Counts one finite ratio, at least 0.
+    fn record(&self, ratio: f64) {
+        let bucket = BOUND_RATIO_BOUNDS
+            .iter()
+            .position(|bound| ratio <= *bound)
+            .unwrap_or(BOUND_RATIO_BOUNDS.len());
+        self.counts[bucket].fetch_add(1, Ordering::Relaxed);
+        // A float-to-integer `as` saturates: a ratio past 1.8e13 adds its most.
+        let millionths = (ratio * 1e6).round() as u64;
+        self.sum_millionths.fetch_add(millionths, Ordering::Relaxed);
+    }
+}
+
 impl Metrics {
-    /// Counts one decision.
-    pub fn decided(&self, mode: Mode, allowed: bool) {
-        self.decisions[mode_index(mode)][usize::from(allowed)].fetch_add(1, Ordering::Relaxed);
+    /// Counts one decision, and an approximate one's bound over its rule's limit: what
+    /// operators watch the accuracy by (BRIEF.md, "staleness and accuracy").
+    pub fn decided(&self, decision: &Decision) {
+        self.decisions[mode_index(decision.mode)][usize::from(decision.allowed)]
+            .fetch_add(1, Ordering::Relaxed);
+        if !matches!(
+            decision.mode,
+            Mode::ApproximateConnected | Mode::ApproximateIsolated
+        ) {
+            return;
+        }
+        if decision.bound.is_finite() {
+            // A limit is at least 1 (`config.rs`).
+            self.bound_ratios
+                .record(decision.bound.max(0.0) / decision.limit.max(1) as f64);
+        } else {
+            self.decisions_unbounded.fetch_add(1, Ordering::Relaxed);
+        }
     }
 }
 
@@ -470,6 +515,17 @@ pub fn render(sources: &Sources<'_>) -> String {
         }
     }
     registry.register("decisions", "Decisions by mode and outcome", decisions);
+    registry.register(
+        "decision_bound_ratio",
+        "Approximate decisions by their bound (the overshoot they may be part of) over their rule's limit",
+        RatioBuckets::read(&metrics.bound_ratios),
+    );
+    counter(
+        &mut registry,
+        "decisions_unbounded",
+        "Approximate decisions whose bound was infinite: a member not heard from yet",
+        load(&metrics.decisions_unbounded),
+    );
 
     gauge(
         &mut registry,
@@ -610,6 +666,36 @@ impl EncodeMetric for LatencyBuckets {
     }
 }
 
+/// A [`RatioHistogram`] as read at a scrape, encoded as a Prometheus histogram.
+#[derive(Debug)]
+struct RatioBuckets {
+    counts: Vec<u64>,
+    sum_millionths: u64,
+}
+
+impl RatioBuckets {
+    fn read(histogram: &RatioHistogram) -> RatioBuckets {
+        RatioBuckets {
+            counts: histogram.counts.iter().map(load).collect(),
+            sum_millionths: load(&histogram.sum_millionths),
+        }
+    }
+}
+
+impl EncodeMetric for RatioBuckets {
+    fn encode(&self, mut encoder: MetricEncoder) -> Result<(), std::fmt::Error> {
+        let bounds = BOUND_RATIO_BOUNDS.iter().copied().chain([f64::INFINITY]);
+        let buckets: Vec<(f64, u64)> = bounds.zip(self.counts.iter().copied()).collect();
+        let count = self.counts.iter().sum();
+        let sum = self.sum_millionths as f64 / 1e6;
+        encoder.encode_histogram::<NoLabelSet>(sum, count, &buckets, None)
+    }
+
+    fn metric_type(&self) -> MetricType {
+        MetricType::Histogram
+    }
+}
+
 // The lane store runs on loom's atomics under `tally_loom`, which work only inside a model.
 #[cfg(test)]
 #[cfg(not(tally_loom))]
@@ -630,19 +716,9 @@ mod tests {
             (Mode::Exact, false),
             (Mode::RegionFallback, false),
         ] {
-            metrics.decided(mode, allowed);
+            metrics.decided(&decision(mode, allowed, 0.0));
         }
-        let store = LaneStore::new(ReplicaId::new(NodeId(1), Generation(1)), 8);
-        let text = render(&Sources {
-            metrics: &metrics,
-            view: &View::default(),
-            store: &store,
-            transport: &TransportStats::default(),
-            forward: &ForwardStats::default(),
-            exact_room: &ExactRoom::default(),
-            region: None,
-            now: Stamp(0),
-        });
+        let text = rendered(&metrics);
         let mut decisions: Vec<&str> = (text.lines())
             .filter(|line| line.starts_with("tally_decisions_total{"))
             .collect();
@@ -655,6 +731,71 @@ mod tests {
                 r#"tally_decisions_total{mode="region-fallback",outcome="denied"} 1"#,
             ]
         );
+    }
+
+    fn decision(mode: Mode, allowed: bool, bound: f64) -> Decision {
+        Decision {
+            allowed,
+            estimate: 0,
+            limit: 200,
+            remaining: 0,
+            reset_after_ms: 0,
+            mode,
+            staleness_ms: 0,
+            bound,
+        }
+    }
+
+    fn rendered(metrics: &Metrics) -> String {
+        let store = LaneStore::new(ReplicaId::new(NodeId(1), Generation(1)), 8);
+        render(&Sources {
+            metrics,
+            view: &View::default(),
+            store: &store,
+            transport: &TransportStats::default(),
+            forward: &ForwardStats::default(),
+            exact_room: &ExactRoom::default(),
+            region: None,
+            now: Stamp(0),
+        })
+    }
+
+    #[test]
+    fn approximate_decisions_bounds_over_their_limits_are_a_histogram_and_infinite_ones_counted() {
+        let metrics = Metrics::default();
+        for (mode, bound) in [
+            (Mode::ApproximateConnected, 0.0),
+            (Mode::ApproximateConnected, 1.5),
+            (Mode::ApproximateIsolated, 40.0),
+            (Mode::ApproximateIsolated, 1_000.0),
+            (Mode::ApproximateConnected, f64::INFINITY),
+            // Not approximate: counted in the decisions alone.
+            (Mode::Exact, 0.0),
+            (Mode::RegionFallback, f64::INFINITY),
+        ] {
+            metrics.decided(&decision(mode, true, bound));
+        }
+        let text = rendered(&metrics);
+        let lines: Vec<&str> = (text.lines())
+            .filter(|line| {
+                line.starts_with("tally_decision_bound_ratio")
+                    || line.starts_with("tally_decisions_unbounded")
+            })
+            .collect();
+        // Ratios 0, 0.0075, 0.2 and 5 of the limit of 200.
+        for expected in [
+            "tally_decision_bound_ratio_sum 5.2075",
+            "tally_decision_bound_ratio_count 4",
+            "tally_decision_bound_ratio_bucket{le=\"0.0\"} 1",
+            "tally_decision_bound_ratio_bucket{le=\"0.001\"} 1",
+            "tally_decision_bound_ratio_bucket{le=\"0.01\"} 2",
+            "tally_decision_bound_ratio_bucket{le=\"0.25\"} 3",
+            "tally_decision_bound_ratio_bucket{le=\"1.0\"} 3",
+            "tally_decision_bound_ratio_bucket{le=\"+Inf\"} 4",
+            "tally_decisions_unbounded_total 1",
+        ] {
+            assert!(lines.contains(&expected), "{expected} not in {lines:#?}");
+        }
     }
 
     #[test]
