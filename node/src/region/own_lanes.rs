@@ -104,13 +104,12 @@ impl OwnLanes {
         let mut room = true;
         let mut paid = 0u64;
         self.owed.retain(|key, cost| {
-            if !room {
-                return true;
-            }
-            // A cost owed to a window that is over is dropped: its lanes are gone everywhere.
-            if key.window.is_live(now_secs)
-                && count_in(&mut log, &self.store, key, *cost, &self.refused).is_err()
-            {
+            // A cost owed to a window that is over is dropped, the log full or not: its
+            // lanes are gone everywhere (found in review, session 44: after the first
+            // refusal they were kept, and grew with every window that ended).
+            let counted = !key.window.is_live(now_secs)
+                || (room && count_in(&mut log, &self.store, key, *cost, &self.refused).is_ok());
+            if !counted {
                 room = false;
                 return true;
             }
@@ -266,5 +265,35 @@ mod tests {
             region.reopen(),
             vec![(a, Lane::new(3, 0)), (b, Lane::new(7, 0))]
         );
+    }
+
+    #[test]
+    fn costs_owed_to_windows_that_are_over_are_dropped_while_the_log_is_still_full() {
+        let mut region = Region::open("owed-over");
+        let owed = region.lanes.owed_total();
+        let over = Window::containing(region.now / 1_000 - 7_200, 60).unwrap();
+        let old = |i: usize| {
+            Key::new(
+                Rule::new("quota").unwrap(),
+                Subject::new(format!("old-{i}")).unwrap(),
+                over,
+            )
+        };
+        let mut admitted = vec![(region.key("live"), 1)];
+        admitted.extend((0..64).map(|i| (old(i), 10)));
+        region.log.lock().unwrap().full_disk(true).unwrap();
+        region.lanes.count(&admitted);
+        assert_eq!(owed.load(Ordering::Relaxed), 641);
+        region.lanes.retry();
+        assert_eq!(
+            owed.load(Ordering::Relaxed),
+            1,
+            "only the live key's cost is owed, the log still full"
+        );
+        assert!(region.lanes.is_owing());
+        region.log.lock().unwrap().full_disk(false).unwrap();
+        region.lanes.retry();
+        assert!(!region.lanes.is_owing());
+        drop(region.reopen());
     }
 }
