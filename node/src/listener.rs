@@ -1100,6 +1100,30 @@ mod tests {
         assert_eq!(service.store.len(), 2);
     }
 
+    /// TESTING.md C2 at the client's door: an increment that would take a lane past
+    /// `u64::MAX` gets `Overflow` and counts nothing, and the lane stays as it was.
+    #[test]
+    fn an_increment_that_would_wrap_its_lane_is_refused_overflow_and_counts_nothing() {
+        let service = service(10);
+        let amount = |id, amount| Request {
+            id,
+            op: Op::Incr {
+                rule: "count".into(),
+                subject: "a".into(),
+                amount,
+                id: None,
+            },
+        };
+        let responses = answer(
+            &service,
+            &[amount(1, u64::MAX - 1), amount(2, 2), amount(3, 1)],
+        );
+        assert_eq!(counts(&responses[..1]), [i128::from(u64::MAX - 1)]);
+        assert_eq!(responses[1].result, Err(Refusal::Overflow));
+        assert_eq!(counts(&responses[2..]), [i128::from(u64::MAX)]);
+        assert_eq!(estimate(&service, "count"), i128::from(u64::MAX));
+    }
+
     #[test]
     fn an_increment_or_decrement_of_an_exact_rule_is_refused_naming_the_rule() {
         let service = service(10);
