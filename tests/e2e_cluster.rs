@@ -661,6 +661,8 @@ async fn metrics_parse_and_show_staleness_rising_for_a_killed_peer() {
     for name in [
         "tally_origin_staleness_seconds",
         "tally_propagation_delay_seconds",
+        "tally_decision_bound_ratio",
+        "tally_decisions_unbounded_total",
         "tally_members",
         "tally_gossip_bytes_in_total",
         "tally_gossip_decode_errors_total",
