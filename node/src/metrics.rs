@@ -400,7 +400,7 @@ pub fn render(sources: &Sources<'_>) -> String {
     registry.register(
         "region_latency_seconds",
         "Exact checks: time from reading the check to the region's durable answer",
-        LatencyBuckets::read(&forward.latency),
+        HistogramRead::latency(&forward.latency),
     );
     let pairs = [
         (
@@ -488,7 +488,7 @@ pub fn render(sources: &Sources<'_>) -> String {
         registry.register(
             "region_log_sync_seconds",
             "Groups of exact decisions made durable, by the time their write and sync of the region log took",
-            LatencyBuckets::read(&commit.sync_latency),
+            HistogramRead::latency(&commit.sync_latency),
         );
         gauge(
             &mut registry,
@@ -518,7 +518,7 @@ pub fn render(sources: &Sources<'_>) -> String {
     registry.register(
         "decision_bound_ratio",
         "Approximate decisions by their bound (the overshoot they may be part of) over their rule's limit",
-        RatioBuckets::read(&metrics.bound_ratios),
+        HistogramRead::ratio(&metrics.bound_ratios),
     );
     counter(
         &mut registry,
@@ -633,62 +633,44 @@ impl EncodeMetric for Buckets {
     }
 }
 
-/// A [`LatencyHistogram`] as read at a scrape, encoded as a Prometheus histogram in
-/// seconds.
+/// A histogram as read at a scrape, encoded as a Prometheus histogram: its counts by
+/// bucket of `bounds` (the last one past every bound) and their sum, in the units shown.
 #[derive(Debug)]
-struct LatencyBuckets {
+struct HistogramRead {
+    bounds: Vec<f64>,
     counts: Vec<u64>,
-    sum_us: u64,
+    sum: f64,
 }
 
-impl LatencyBuckets {
-    fn read(histogram: &LatencyHistogram) -> LatencyBuckets {
-        LatencyBuckets {
+impl HistogramRead {
+    /// A [`LatencyHistogram`], in seconds.
+    fn latency(histogram: &LatencyHistogram) -> HistogramRead {
+        HistogramRead {
+            bounds: LATENCY_BOUNDS_US
+                .iter()
+                .map(|bound| *bound as f64 / 1e6)
+                .collect(),
             counts: histogram.counts.iter().map(load).collect(),
-            sum_us: load(&histogram.sum_us),
+            sum: load(&histogram.sum_us) as f64 / 1e6,
+        }
+    }
+
+    /// A [`RatioHistogram`].
+    fn ratio(histogram: &RatioHistogram) -> HistogramRead {
+        HistogramRead {
+            bounds: BOUND_RATIO_BOUNDS.to_vec(),
+            counts: histogram.counts.iter().map(load).collect(),
+            sum: load(&histogram.sum_millionths) as f64 / 1e6,
         }
     }
 }
 
-impl EncodeMetric for LatencyBuckets {
+impl EncodeMetric for HistogramRead {
     fn encode(&self, mut encoder: MetricEncoder) -> Result<(), std::fmt::Error> {
-        let bounds = LATENCY_BOUNDS_US
-            .iter()
-            .map(|bound| *bound as f64 / 1e6)
-            .chain([f64::INFINITY]);
+        let bounds = self.bounds.iter().copied().chain([f64::INFINITY]);
         let buckets: Vec<(f64, u64)> = bounds.zip(self.counts.iter().copied()).collect();
         let count = self.counts.iter().sum();
-        encoder.encode_histogram::<NoLabelSet>(self.sum_us as f64 / 1e6, count, &buckets, None)
-    }
-
-    fn metric_type(&self) -> MetricType {
-        MetricType::Histogram
-    }
-}
-
-/// A [`RatioHistogram`] as read at a scrape, encoded as a Prometheus histogram.
-#[derive(Debug)]
-struct RatioBuckets {
-    counts: Vec<u64>,
-    sum_millionths: u64,
-}
-
-impl RatioBuckets {
-    fn read(histogram: &RatioHistogram) -> RatioBuckets {
-        RatioBuckets {
-            counts: histogram.counts.iter().map(load).collect(),
-            sum_millionths: load(&histogram.sum_millionths),
-        }
-    }
-}
-
-impl EncodeMetric for RatioBuckets {
-    fn encode(&self, mut encoder: MetricEncoder) -> Result<(), std::fmt::Error> {
-        let bounds = BOUND_RATIO_BOUNDS.iter().copied().chain([f64::INFINITY]);
-        let buckets: Vec<(f64, u64)> = bounds.zip(self.counts.iter().copied()).collect();
-        let count = self.counts.iter().sum();
-        let sum = self.sum_millionths as f64 / 1e6;
-        encoder.encode_histogram::<NoLabelSet>(sum, count, &buckets, None)
+        encoder.encode_histogram::<NoLabelSet>(self.sum, count, &buckets, None)
     }
 
     fn metric_type(&self) -> MetricType {
