@@ -197,6 +197,7 @@ mod tests {
             assert_eq!(read(&dir).unwrap(), Some(mark));
         }
         assert!(!dir.join("expiry.tmp").exists());
+        std::fs::remove_dir_all(dir).unwrap();
     }
 
     #[test]
@@ -211,6 +212,7 @@ mod tests {
                 "{garbled:?}: {err}"
             );
         }
+        std::fs::remove_dir_all(dir).unwrap();
     }
 
     #[test]
@@ -257,5 +259,6 @@ mod tests {
             read(&dir).unwrap().unwrap().boot.is_some(),
             clock::boot().is_some()
         );
+        std::fs::remove_dir_all(dir).unwrap();
     }
 }

@@ -155,11 +155,20 @@ mod tests {
         (now, lanes)
     }
 
-    fn log(name: &str) -> Arc<Mutex<LaneLog>> {
+    /// A test's directory, removed when the test ends, by a panic too.
+    struct Removed(std::path::PathBuf);
+
+    impl Drop for Removed {
+        fn drop(&mut self) {
+            let _ = std::fs::remove_dir_all(&self.0);
+        }
+    }
+
+    fn log(name: &str) -> (Arc<Mutex<LaneLog>>, Removed) {
         let dir = std::env::temp_dir().join(format!("tally-handoff-{name}-{}", std::process::id()));
         let _ = std::fs::remove_dir_all(&dir);
         let (log, _) = crate::lanelog::open(&dir, NodeId(1), NOW * 1_000, NOW).unwrap();
-        Arc::new(Mutex::new(log))
+        (Arc::new(Mutex::new(log)), Removed(dir))
     }
 
     #[test]
@@ -172,7 +181,8 @@ mod tests {
 
     #[tokio::test(flavor = "current_thread")]
     async fn lanes_wait_for_their_sync_and_keep_when_they_were_collected() {
-        let mut handoff = Handoff::new(Some(log("wait")));
+        let (log, _dir) = log("wait");
+        let mut handoff = Handoff::new(Some(log));
         let lanes = collected(1, &[("a", 1), ("b", 2)]);
         assert_eq!(handoff.collected(lanes.clone(), lanes.0.mono), None);
         assert!(handoff.is_syncing());
@@ -185,7 +195,8 @@ mod tests {
 
     #[tokio::test(flavor = "current_thread")]
     async fn a_sync_is_overdue_once_its_oldest_write_has_waited_longer_than_the_limit() {
-        let mut handoff = Handoff::new(Some(log("overdue")));
+        let (log, _dir) = log("overdue");
+        let mut handoff = Handoff::new(Some(log));
         let second = Duration::from_secs(1);
         let at = Duration::from_millis;
         assert_eq!(
@@ -217,14 +228,15 @@ mod tests {
             .build()
             .unwrap();
         let _entered = runtime.enter();
-        let mut handoff = Handoff::new(Some(log("twice")));
+        let (log, _dir) = log("twice");
+        let mut handoff = Handoff::new(Some(log));
         let _ = handoff.collected(collected(1, &[("a", 1)]), Duration::ZERO);
         let _ = handoff.collected(collected(2, &[("a", 2)]), Duration::ZERO);
     }
 
     #[tokio::test(flavor = "current_thread")]
     async fn a_failed_log_hands_over_nothing() {
-        let log = log("failed");
+        let (log, _dir) = log("failed");
         let mut handoff = Handoff::new(Some(log.clone()));
         log.lock().unwrap().fail("injected");
         assert_eq!(
