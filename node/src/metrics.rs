@@ -728,18 +728,23 @@ mod tests {
         }
     }
 
-    fn rendered(metrics: &Metrics) -> String {
+    /// The metrics of an edge node (no region) with `metrics`, `view` and `exact_room`.
+    fn rendered_with(metrics: &Metrics, view: &View, exact_room: &ExactRoom) -> String {
         let store = LaneStore::new(ReplicaId::new(NodeId(1), Generation(1)), 8);
         render(&Sources {
             metrics,
-            view: &View::default(),
+            view,
             store: &store,
             transport: &TransportStats::default(),
             forward: &ForwardStats::default(),
-            exact_room: &ExactRoom::default(),
+            exact_room,
             region: None,
             now: Stamp(0),
         })
+    }
+
+    fn rendered(metrics: &Metrics) -> String {
+        rendered_with(metrics, &View::default(), &ExactRoom::default())
     }
 
     #[test]
@@ -785,17 +790,7 @@ mod tests {
         let room = ExactRoom::new(4);
         let _slots = [room.try_take(), room.try_take()];
         room.count_full();
-        let store = LaneStore::new(ReplicaId::new(NodeId(1), Generation(1)), 8);
-        let text = render(&Sources {
-            metrics: &Metrics::default(),
-            view: &View::default(),
-            store: &store,
-            transport: &TransportStats::default(),
-            forward: &ForwardStats::default(),
-            exact_room: &room,
-            region: None,
-            now: Stamp(0),
-        });
+        let text = rendered_with(&Metrics::default(), &View::default(), &room);
         assert!(text.contains("\ntally_exact_checks_waiting 2\n"), "{text}");
         assert!(text.contains("\ntally_exact_room_full_total 1\n"), "{text}");
     }
@@ -872,17 +867,7 @@ mod tests {
                 wall: Stamp(0),
             },
         );
-        let store = LaneStore::new(replica(1), 8);
-        let text = render(&Sources {
-            metrics: &Metrics::default(),
-            view: &view,
-            store: &store,
-            transport: &TransportStats::default(),
-            forward: &ForwardStats::default(),
-            exact_room: &ExactRoom::default(),
-            region: None,
-            now: Stamp(0),
-        });
+        let text = rendered_with(&Metrics::default(), &view, &ExactRoom::default());
         let series: Vec<&str> = (text.lines())
             .filter(|line| line.starts_with("tally_origin_staleness_seconds{"))
             .collect();
