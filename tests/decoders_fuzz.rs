@@ -11,13 +11,16 @@
 
 mod decoders;
 
-use decoders::{checksums_fixed, decode_all, exact_check, gossip_seeds, seeds};
+use decoders::{checksums_fixed, decode_all, exact_check, gossip_seeds, is_log, seeds};
 use proptest::collection::vec;
 use proptest::prelude::*;
-use tally_client::wire::{self as client_wire, CheckId, Op, Refusal, Request, Response};
-use tally_crdt::{Digest, Generation, NodeId, ReplicaId, Stamp};
+use tally_client::wire::{self as client_wire, CheckId, Estimate, Op, Refusal, Request, Response};
+use tally_crdt::{Digest, Generation, NodeId, ReplicaId, Stamp, Window};
 use tally_gossip::message::{Cover, Message};
 use tally_gossip::wire as gossip_wire;
+use tally_node::answerlog;
+use tally_node::lanelog::{self, NotALane};
+use tally_node::recent::Answered;
 use tally_node::region::log::{self as region_log, Entry, Record};
 use tally_node::region::wire::{self as region_wire, ExactAnswer, ExactCheck, Outcome};
 
@@ -48,6 +51,14 @@ fn the_seeds_are_valid_frames() {
             .len(),
         2
     );
+    for lane_log in [
+        frame("lane log").clone(),
+        checksums_fixed(frame("lane log").clone()),
+    ] {
+        let (lanes, damaged) = lanelog::replay(&lane_log).unwrap();
+        assert_eq!((lanes.len(), damaged), (2, 0));
+    }
+    assert_eq!(answerlog::replay(frame("answer log")).len(), 2);
 }
 
 /// `frame` with the length before the first `marker` (a string of fewer than 251 bytes, so
@@ -116,6 +127,9 @@ fn lengths_of_a_tebibyte_and_of_two_to_the_64_are_refused_by_the_decoders_limits
         record.extend_from_slice(&body);
         assert_eq!(region_log::replay(&log[..8 + first_len]).0.len(), 1);
         assert_eq!(region_log::replay(&record), (Vec::new(), 0));
+        // A lane log's record that checks but does not decode stops the start.
+        let lane_log = checksums_fixed(claiming(&frame("lane log"), b"alice", len));
+        assert_eq!(lanelog::replay(&lane_log), Err(NotALane { at: 0 }));
     }
 }
 
@@ -180,6 +194,17 @@ fn names_not_utf8_and_unknown_tags_are_refused_by_every_decoder() {
         region_log::replay(&log).0.len(),
         0,
         "a record whose key is not UTF-8 ends the replay"
+    );
+    let lane_log = checksums_fixed(not_utf8(&frame("lane log"), b"bob"));
+    let second = frame("lane log")
+        .windows(3)
+        .position(|w| w == b"api")
+        .unwrap()
+        - 9;
+    assert_eq!(
+        lanelog::replay(&lane_log),
+        Err(NotALane { at: second }),
+        "a lane log's record whose key is not UTF-8 stops the start"
     );
 
     // Unknown variant tags.
@@ -272,6 +297,38 @@ fn names_not_utf8_and_unknown_tags_are_refused_by_every_decoder() {
         })),
     );
     assert!(region_wire::decode_answers(&unknown).is_none());
+    // An answer log's record whose answer names no kind of answer, its checksum made to
+    // match: skipped, and the answers around it kept.
+    let answer_log = |answered| {
+        let window = Window::new(29_933_335, 60).unwrap();
+        let mut log = Vec::new();
+        answerlog::encode(
+            &(CheckId { session: 1, seq: 3 }, answered, window),
+            &mut log,
+        );
+        log
+    };
+    let estimate = Estimate {
+        estimate: 4,
+        window: 29_933_335,
+        staleness_ms: 0,
+    };
+    let incremented = answer_log(Answered::Incremented(estimate));
+    let decremented = answer_log(Answered::Decremented(estimate));
+    assert_eq!(answerlog::replay(&incremented).len(), 1);
+    let unknown = with_an_unknown_tag(&incremented[8..], &decremented[8..]);
+    let unknown = checksums_fixed([&incremented[..8], &unknown[..]].concat());
+    let around = [&incremented[..], &unknown, &decremented].concat();
+    let kept = answerlog::replay(&around);
+    assert_eq!(
+        kept.iter()
+            .map(|(_, answered, _)| *answered)
+            .collect::<Vec<_>>(),
+        [
+            Answered::Incremented(estimate),
+            Answered::Decremented(estimate)
+        ]
+    );
 }
 
 proptest! {
@@ -311,7 +368,7 @@ proptest! {
             let at = at.index(bytes.len());
             bytes[at] = value;
         }
-        if *name == "log" {
+        if is_log(name) {
             // Past the checksums, to the entries' decoder.
             decode_all(&checksums_fixed(bytes.clone()));
         }

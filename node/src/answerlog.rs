@@ -316,7 +316,7 @@ pub fn recover(dir: &Path, now_unix_secs: u64) -> Result<(Vec<AnsweredId>, u64),
     let (mut kept, mut newest_kept) = (Vec::new(), 0);
     let mut room = RECENT_IDS_MAX;
     for (generation, path) in lives {
-        let live: Vec<AnsweredId> = replay(&path)?
+        let live: Vec<AnsweredId> = replay(&read_whole(&path)?)
             .into_iter()
             .filter(|(_, _, window)| window.is_live(now_unix_secs))
             .collect();
@@ -348,18 +348,17 @@ fn file_generation(path: &Path) -> Option<(u64, &str)> {
     Some((crate::lanelog::generation_named(generation)?, extension))
 }
 
-/// The answers in the file at `path`, in order, skipping a record that checks but does not
+/// The answers in a file's `bytes`, in order, skipping a record that checks but does not
 /// decode. Past a record that does not check (a torn tail, or damage after it was written),
 /// the next one is looked for at each byte after it: the answers behind damage are kept,
 /// where stopping there would drop them for good at the rewrite. A false record needs a
 /// checksum that matches by chance (one in 2^32) and a body that decodes; it would remember
 /// an answer under an id no one is likely to send.
-fn replay(path: &Path) -> Result<Vec<AnsweredId>, LogError> {
-    let bytes = read_whole(path)?;
+pub fn replay(bytes: &[u8]) -> Vec<AnsweredId> {
     let mut answers = VecDeque::new();
     let mut at = 0;
     while at < bytes.len() {
-        let Some((body, next)) = checksummed::read_body(&bytes, at) else {
+        let Some((body, next)) = checksummed::read_body(bytes, at) else {
             at += 1;
             continue;
         };
@@ -375,7 +374,7 @@ fn replay(path: &Path) -> Result<Vec<AnsweredId>, LogError> {
         }
         answers.push_back((record.id, record.answered, window));
     }
-    Ok(answers.into())
+    answers.into()
 }
 
 /// Replaces the file at `path` with `answers`, synced (`lanelog::open` syncs the directory
@@ -388,7 +387,8 @@ fn rewrite(path: &Path, answers: &[AnsweredId]) -> Result<(), LogError> {
     replace_by_copy(path, &body)
 }
 
-fn encode((id, answered, window): &AnsweredId, out: &mut Vec<u8>) {
+/// Appends the record of `answered` to `out`.
+pub fn encode((id, answered, window): &AnsweredId, out: &mut Vec<u8>) {
     let record = Record {
         id: *id,
         window_index: window.index(),
@@ -575,7 +575,7 @@ mod tests {
             "the last answers, the one given during the copy, and one more"
         );
         assert_eq!(
-            seqs(&replay(&log.path).unwrap()),
+            seqs(&replay(&read_whole(&log.path).unwrap())),
             (5..max + 5).collect::<Vec<_>>()
         );
         std::fs::remove_dir_all(dir).unwrap();
@@ -620,7 +620,10 @@ mod tests {
         assert!(log.stopped.is_none(), "logging again");
         log.append(answer(4, live()));
         log.flush();
-        assert_eq!(seqs(&replay(&log.path).unwrap()), [0, 1, 2, 3, 4]);
+        assert_eq!(
+            seqs(&replay(&read_whole(&log.path).unwrap())),
+            [0, 1, 2, 3, 4]
+        );
         std::fs::remove_dir_all(dir).unwrap();
     }
 
@@ -639,11 +642,17 @@ mod tests {
         log.sync_failed.store(true, Ordering::Release);
         log.compact_if_large();
         finish_compaction(&mut log);
-        assert_eq!(seqs(&replay(&log.path).unwrap()), [0, 1, 2, 3, 4]);
+        assert_eq!(
+            seqs(&replay(&read_whole(&log.path).unwrap())),
+            [0, 1, 2, 3, 4]
+        );
         assert!(!log.sync_failed.load(Ordering::Acquire), "rewritten once");
         log.append(answer(5, live()));
         log.flush();
-        assert_eq!(seqs(&replay(&log.path).unwrap()), [0, 1, 2, 3, 4, 5]);
+        assert_eq!(
+            seqs(&replay(&read_whole(&log.path).unwrap())),
+            [0, 1, 2, 3, 4, 5]
+        );
         std::fs::remove_dir_all(dir).unwrap();
     }
 }

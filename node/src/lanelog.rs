@@ -192,7 +192,7 @@ pub fn open(
             continue;
         };
         log_generation_max = log_generation_max.max(old);
-        let (lanes, dropped) = replay(&path)?;
+        let (lanes, dropped) = replay_file(&path)?;
         torn += dropped;
         // Counted with the expired ones: the last start re-published the log as it was.
         lanes_max = lanes_max.max(lanes.len() as u64);
@@ -558,7 +558,8 @@ impl LogSync {
     }
 }
 
-fn encode(key: &Key, incr: u64, decr: u64, out: &mut Vec<u8>) {
+/// Appends the record of a write of `incr` and `decr` to `key`'s lane to `out`.
+pub fn encode(key: &Key, incr: u64, decr: u64, out: &mut Vec<u8>) {
     let record = Record {
         rule: key.rule.as_str().to_owned(),
         subject: key.subject.as_str().to_owned(),
@@ -586,15 +587,14 @@ fn encode(key: &Key, incr: u64, decr: u64, out: &mut Vec<u8>) {
 /// A record before any damage that checks but does not decode, or names a key this build
 /// refuses, was written whole (by another build, or a fault past a crash): dropped, or read
 /// as the end, its totals and the records after it would be re-published below what peers
-/// hold, and nothing would lift them again. So it stops the start, naming the file.
-fn replay(path: &Path) -> Result<(Vec<(Key, Lane)>, usize), LogError> {
-    let bytes = read_whole(path)?;
+/// hold, and nothing would lift them again. So it stops the start ([`NotALane`]).
+pub fn replay(bytes: &[u8]) -> Result<(Vec<(Key, Lane)>, usize), NotALane> {
     let mut lanes: std::collections::HashMap<Key, Lane> = std::collections::HashMap::new();
     // `scanning`: past damage, until a record is found again.
     let (mut at, mut damaged, mut scanning) = (0, false, false);
     while at < bytes.len() {
-        let found = checksummed::read_body(&bytes, at)
-            .filter(|&(_, next)| !scanning || followed_well(&bytes, next));
+        let found = checksummed::read_body(bytes, at)
+            .filter(|&(_, next)| !scanning || followed_well(bytes, next));
         let Some((body, next)) = found else {
             // Zeros after the records are the allocation ahead.
             if !damaged && bytes[at..].iter().all(|&byte| byte == 0) {
@@ -611,14 +611,7 @@ fn replay(path: &Path) -> Result<(Vec<(Key, Lane)>, usize), LogError> {
                 at += 1;
                 continue;
             }
-            let why = format!(
-                "the record at byte {at} checks but is not a lane of a valid key: a log of \
-                 another build, or damaged after it was written; not started, so as not to \
-                 re-publish this life's lanes below what peers hold. Move the data \
-                 directory away to start afresh (a new generation: peers keep what they hold)"
-            );
-            let source = std::io::Error::new(std::io::ErrorKind::InvalidData, why);
-            return Err(LogError::io_at(path)(source));
+            return Err(NotALane { at });
         };
         (at, scanning) = (next, false);
         let lane = lanes.entry(key).or_default();
@@ -630,6 +623,27 @@ fn replay(path: &Path) -> Result<(Vec<(Key, Lane)>, usize), LogError> {
         );
     }
     Ok((lanes.into_iter().collect(), usize::from(damaged)))
+}
+
+/// A record of a lane log, before any damage, that checks but is not a lane of a valid key.
+#[derive(Debug, PartialEq, Eq, thiserror::Error)]
+#[error(
+    "the record at byte {at} checks but is not a lane of a valid key: a log of another \
+     build, or damaged after it was written; not started, so as not to re-publish this \
+     life's lanes below what peers hold. Move the data directory away to start afresh (a \
+     new generation: peers keep what they hold)"
+)]
+pub struct NotALane {
+    /// Where the record starts in the file.
+    pub at: usize,
+}
+
+/// The own lanes the log at `path` adds up to ([`replay`]).
+fn replay_file(path: &Path) -> Result<(Vec<(Key, Lane)>, usize), LogError> {
+    replay(&read_whole(path)?).map_err(|not_a_lane| {
+        let source = std::io::Error::new(std::io::ErrorKind::InvalidData, not_a_lane);
+        LogError::io_at(path)(source)
+    })
 }
 
 /// Whether what follows a record found past damage, at `next`, is what follows a record:
@@ -943,7 +957,7 @@ mod tests {
         assert_eq!(std::fs::metadata(&path).unwrap().len(), ALLOCATE_BYTES);
         let written = log.written as usize;
         drop(log);
-        let (lanes, torn) = replay(&path).unwrap();
+        let (lanes, torn) = replay_file(&path).unwrap();
         assert_eq!((lanes, torn), (vec![(key("a"), Lane::new(5, 0))], 0));
 
         // Half a record over the zeros, as a crash mid-write leaves it: a torn tail.
@@ -1027,7 +1041,7 @@ mod tests {
         let path = dir.join("lanes-1.log");
         for cut in 0..=whole.len() {
             std::fs::write(&path, &whole[..cut]).unwrap();
-            let (lanes, torn) = replay(&path).unwrap();
+            let (lanes, torn) = replay_file(&path).unwrap();
             let kept = ends.iter().filter(|&&end| end <= cut).count() - 1;
             let expected: u64 = (0..kept).map(|i| 1u64 << i).sum();
             assert_eq!(
@@ -1042,7 +1056,7 @@ mod tests {
         let mut flipped = whole.clone();
         flipped[ends[1] + 10] ^= 1;
         std::fs::write(&path, &flipped).unwrap();
-        let (lanes, torn) = replay(&path).unwrap();
+        let (lanes, torn) = replay_file(&path).unwrap();
         assert_eq!((lanes[0].1.incr, torn), (13, 1));
         // So is a record after a run of zeros in the middle, as a tail whose later blocks
         // reached the disk first leaves it, and after a run of garbage. A record found past
@@ -1053,7 +1067,7 @@ mod tests {
             gapped.extend_from_slice(&whole[ends[2]..]);
             gapped.extend_from_slice(&[0; 64]);
             std::fs::write(&path, &gapped).unwrap();
-            let (lanes, torn) = replay(&path).unwrap();
+            let (lanes, torn) = replay_file(&path).unwrap();
             assert_eq!((lanes[0].1.incr, torn), (15, 1), "{:?}", damage[0]);
         }
         let mut stray = whole[..ends[1]].to_vec();
@@ -1061,7 +1075,7 @@ mod tests {
         stray.extend_from_slice(&whole[ends[2]..ends[3]]);
         stray.extend_from_slice(&[0x5a; 40]);
         std::fs::write(&path, &stray).unwrap();
-        let (lanes, torn) = replay(&path).unwrap();
+        let (lanes, torn) = replay_file(&path).unwrap();
         assert_eq!((lanes[0].1.incr, torn), (1, 1));
         std::fs::remove_dir_all(dir).unwrap();
     }
@@ -1090,7 +1104,7 @@ mod tests {
             bytes.extend(&alien);
             encode(&key("a"), 2, 0, &mut bytes);
             std::fs::write(&path, &bytes).unwrap();
-            let err = replay(&path).unwrap_err().to_string();
+            let err = replay_file(&path).unwrap_err().to_string();
             assert!(err.contains("lanes-1.log"), "{err}");
             assert!(err.contains(&format!("at byte {}", good.len())), "{err}");
         }

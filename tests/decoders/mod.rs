@@ -2,15 +2,19 @@
 //! tests that feed them mutated frames (`decoders_fuzz`, `decoders_memory`).
 #![allow(dead_code, clippy::unwrap_used)]
 
-use tally_client::wire::{self as client_wire, CheckId, Op, Refusal, Request, Response};
+use tally_client::wire::{
+    self as client_wire, CheckId, Decision, Estimate, Mode, Op, Refusal, Request, Response,
+};
 use tally_crdt::{
     Delta, Digest, Generation, Key, Lane, LaneUpdate, NodeId, OriginDelta, ReplicaId, Rule, Stamp,
     Subject, Version, Watermark, Window,
 };
 use tally_gossip::message::{Cover, MemberEntry, Message};
 use tally_gossip::wire as gossip_wire;
+use tally_node::recent::Answered;
 use tally_node::region::log::{self as region_log, Entry, Record, RequestId};
 use tally_node::region::wire::{self as region_wire, ExactAnswer, ExactCheck, Outcome};
+use tally_node::{answerlog, lanelog};
 
 /// A gossip frame of every kind of message `replica` sends, with lanes in two scopes, a
 /// digest of three origins, and membership rows; named by kind.
@@ -205,6 +209,45 @@ pub fn seeds() -> Vec<(&'static str, Vec<u8>)> {
         },
         &mut log,
     );
+    let window = Window::new(29_933_335, 60).unwrap();
+    let mut lane_log = Vec::new();
+    let key = |rule, subject| {
+        Key::new(
+            Rule::new(rule).unwrap(),
+            Subject::new(subject).unwrap(),
+            window,
+        )
+    };
+    lanelog::encode(&key("login", "alice"), 3, 0, &mut lane_log);
+    lanelog::encode(&key("api", "bob"), 1 << 40, 7, &mut lane_log);
+    let mut answer_log = Vec::new();
+    let id = |seq| CheckId {
+        session: 1 << 40,
+        seq,
+    };
+    let decision = Decision {
+        allowed: true,
+        estimate: -3,
+        limit: 100,
+        remaining: 97,
+        reset_after_ms: 41_000,
+        mode: Mode::ApproximateIsolated,
+        staleness_ms: 250,
+        bound: 12.5,
+    };
+    answerlog::encode(
+        &(id(1), Answered::Decided(decision), window),
+        &mut answer_log,
+    );
+    let estimate = Estimate {
+        estimate: 1 << 70,
+        window: window.index(),
+        staleness_ms: 0,
+    };
+    answerlog::encode(
+        &(id(2), Answered::Incremented(estimate), window),
+        &mut answer_log,
+    );
     let mut response = Vec::new();
     client_wire::encode_frame(
         &Response {
@@ -225,8 +268,15 @@ pub fn seeds() -> Vec<(&'static str, Vec<u8>)> {
         ("checks", checks[4..].to_vec()),
         ("answers", answers[4..].to_vec()),
         ("log", log),
+        ("lane log", lane_log),
+        ("answer log", answer_log),
     ]);
     seeds
+}
+
+/// Whether the seed `name` is a log of checksummed records.
+pub fn is_log(name: &str) -> bool {
+    name.ends_with("log")
 }
 
 /// `log`'s records with each checksum made to match its body again: a mutated body then
@@ -254,4 +304,6 @@ pub fn decode_all(bytes: &[u8]) {
     let _ = region_wire::decode_checks(bytes);
     let _ = region_wire::decode_answers(bytes);
     let _ = region_log::replay(bytes);
+    let _ = lanelog::replay(bytes);
+    let _ = answerlog::replay(bytes);
 }
