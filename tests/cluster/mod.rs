@@ -19,6 +19,8 @@ use tally_client::{Client, Endpoint, Options};
 pub const GOSSIP_PORT: u16 = 7001;
 pub const CLIENT_PORT: u16 = 7100;
 pub const HTTP_PORT: u16 = 7200;
+/// Every node's `gossip_interval`: one round.
+pub const GOSSIP_INTERVAL: Duration = Duration::from_millis(100);
 
 /// The window of every test rule: a week, the longest there is, so that a test seldom
 /// spans a window's end (weeks end on Thursdays at 00:00 UTC; an hour's window ended under
@@ -202,13 +204,14 @@ impl Cluster {
                  listen_client = \"{ip}:{CLIENT_PORT}\"\n\
                  listen_http = \"{ip}:{HTTP_PORT}\"\n\
                  data_dir = \"{data}\"\n\
-                 gossip_interval_ms = 100\n\
+                 gossip_interval_ms = {gossip_interval_ms}\n\
                  dead_after_ms = {dead_after_ms}\n\
                  seeds = [{seeds}]\n\
                  tls = {{ ca = \"{ca}\", cert = \"{cert}\", key = \"{key}\" }}\n\
                  {RULES}{region_rules}",
                 ip = ip(id),
                 data = data_dir.display(),
+                gossip_interval_ms = GOSSIP_INTERVAL.as_millis(),
                 seeds = seeds.join(", "),
                 region_rules = if region { REGION_RULES } else { "" },
                 ca = certs.join("ca.pem").display(),
