@@ -1593,7 +1593,7 @@ async fn twenty_partitions_two_against_two_each_heal_to_every_write_on_both_side
 
 /// TESTING.md N2 with real processes: node 1's datagrams to node 2 are dropped, node 2's
 /// to node 1 arrive, for 15 s: far past `dead_after_ms` (2 s), and past the QUIC idle
-/// timeout (10 s) at node 2, which hears nothing from node 1, so their connection ends
+/// timeout (3 s) at node 2, which hears nothing from node 1, so their connection ends
 /// and no new one can be made while the cut holds. Nothing wedges and no one is evicted:
 /// node 1's writes reach node 2 through node 3, node 2's reach node 1, no node takes
 /// another for dead or gone, and once the cut is lifted nodes 1 and 2 connect again and

@@ -19,6 +19,18 @@ use tally_crdt::NodeId;
 /// The ALPN protocol name of node-to-node QUIC.
 pub const ALPN: &[u8] = b"tally/1";
 
+/// How long a connection with nothing to send waits before it pings its peer.
+pub const KEEP_ALIVE: Duration = Duration::from_secs(1);
+
+/// How long a connection lives that hears nothing from its peer: three keep-alives, each
+/// of which a live peer acknowledges within a round trip. While a link is cut, QUIC's
+/// probes for what it lost back off, doubling, so a connection that outlives the cut can
+/// stay silent after the heal for about as long as the cut lasted. Past this timeout the
+/// connection ends instead, and the next frame to the peer dials a new one, which gets
+/// through once the cut heals (docs/protocol.md, "After a partition heals"). It was 10 s
+/// until session 45: a cut of 9 s then kept exact checks unavailable for seconds after it.
+pub const IDLE_TIMEOUT: Duration = Duration::from_secs(3);
+
 /// Why the TLS identity could not be set up.
 #[derive(Debug, thiserror::Error)]
 pub enum TlsError {
@@ -320,11 +332,11 @@ fn transport() -> Arc<quinn::TransportConfig> {
         .send_window(4 << 20)
         // Nothing is sent as a datagram: a peer's would only be buffered, unread.
         .datagram_receive_buffer_size(None)
-        .keep_alive_interval(Some(Duration::from_secs(1)))
+        .keep_alive_interval(Some(KEEP_ALIVE))
         .max_idle_timeout(Some(
-            Duration::from_secs(10)
+            IDLE_TIMEOUT
                 .try_into()
-                .expect("invariant: 10 s is a valid QUIC idle timeout"),
+                .expect("invariant: IDLE_TIMEOUT is a valid QUIC idle timeout"),
         ));
     Arc::new(transport)
 }
