@@ -11,7 +11,7 @@
 
 mod decoders;
 
-use decoders::{checksums_fixed, decode_all, exact_check, gossip_seeds, is_log, seeds};
+use decoders::{checksums_fixed, decode_all, exact_check, gossip_seeds, is_log, record, seeds};
 use proptest::collection::vec;
 use proptest::prelude::*;
 use tally_client::wire::{self as client_wire, CheckId, Estimate, Op, Refusal, Request, Response};
@@ -121,15 +121,16 @@ fn lengths_of_a_tebibyte_and_of_two_to_the_64_are_refused_by_the_decoders_limits
         // A log record whose checksum covers the claim: refused by the record's decoder.
         let log = frame("log");
         let first_len = u32::from_le_bytes(log[..4].try_into().unwrap()) as usize;
-        let body = claiming(&log[8..8 + first_len], b"acct", len);
-        let mut record = (body.len() as u32).to_le_bytes().to_vec();
-        record.extend_from_slice(&crc32fast::hash(&body).to_le_bytes());
-        record.extend_from_slice(&body);
+        let claim = record(&claiming(&log[8..8 + first_len], b"acct", len));
         assert_eq!(region_log::replay(&log[..8 + first_len]).0.len(), 1);
-        assert_eq!(region_log::replay(&record), (Vec::new(), 0));
+        assert_eq!(region_log::replay(&claim), (Vec::new(), 0));
         // A lane log's record that checks but does not decode stops the start.
-        let lane_log = checksums_fixed(claiming(&frame("lane log"), b"alice", len));
-        assert_eq!(lanelog::replay(&lane_log), Err(NotALane { at: 0 }));
+        let lane_log = frame("lane log");
+        let first_len = u32::from_le_bytes(lane_log[..4].try_into().unwrap()) as usize;
+        let first = &lane_log[..8 + first_len];
+        assert_eq!(lanelog::replay(first).unwrap().0.len(), 1);
+        let claim = record(&claiming(&first[8..], b"alice", len));
+        assert_eq!(lanelog::replay(&claim), Err(NotALane { at: 0 }));
     }
 }
 

@@ -37,15 +37,7 @@ fn claiming_at(frame: &[u8], at: usize, len: u64) -> Vec<u8> {
     claiming
 }
 
-/// A region log record around `body`: its length, its checksum, then `body`.
-fn record(body: &[u8]) -> Vec<u8> {
-    let mut record = (body.len() as u32).to_le_bytes().to_vec();
-    record.extend_from_slice(&crc32fast::hash(body).to_le_bytes());
-    record.extend_from_slice(body);
-    record
-}
-
-/// The bodies of the records of a region log.
+/// The bodies of the records of a log.
 fn record_bodies(log: &[u8]) -> Vec<&[u8]> {
     let mut bodies = Vec::new();
     let mut at = 0;
@@ -89,9 +81,9 @@ fn lengths_of_2_to_the_32_40_and_64_in_every_field_allocate_under_8_mib() {
         if decoders::is_log(name) {
             for (i, body) in record_bodies(&frame).into_iter().enumerate() {
                 frames.push(Frame {
-                    name: format!("log record {i}"),
+                    name: format!("{name} record {i}"),
                     bytes: body.to_vec(),
-                    framed: record,
+                    framed: decoders::record,
                 });
             }
         } else {

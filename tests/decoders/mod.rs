@@ -274,6 +274,15 @@ pub fn seeds() -> Vec<(&'static str, Vec<u8>)> {
     seeds
 }
 
+/// A log record around `body`: its length, its checksum, then `body` (the format of every
+/// log: the region log, the lane log, the answer log).
+pub fn record(body: &[u8]) -> Vec<u8> {
+    let mut record = (body.len() as u32).to_le_bytes().to_vec();
+    record.extend_from_slice(&crc32fast::hash(body).to_le_bytes());
+    record.extend_from_slice(body);
+    record
+}
+
 /// Whether the seed `name` is a log of checksummed records.
 pub fn is_log(name: &str) -> bool {
     name.ends_with("log")
