@@ -8,11 +8,15 @@
 //! - counts on many subjects (`req`, approximate, no practical limit);
 //! - one hot subject checked against `api` (approximate, limit reached halfway), spread
 //!   over every edge at a fixed total rate;
-//! - exact checks against `quota`, forwarded to the region.
+//! - exact checks against `quota`, forwarded to the region;
 //!
-//! It keeps its own ledger of what was acknowledged, so it can print each node's estimate
-//! against the true total, and at the end the measured staleness against the documented
-//! window and the measured overshoot against the bound the decisions reported.
+//! and a probe of how soon a write on one edge is read on every other node.
+//!
+//! It keeps its own ledger of what was acknowledged (and of what got an error, which may
+//! have counted), so it can print each node's estimate against the true total, and at
+//! the end check the nodes' and the region's counts against it, the probe's staleness
+//! against the documented window, and the measured overshoot against the bound the
+//! decisions reported.
 
 use anyhow::{bail, Context};
 use std::collections::BTreeMap;
@@ -248,10 +252,13 @@ fn write_configs(dir: &Path, nodes: &[u64], rules: &str) -> anyhow::Result<()> {
 /// What the workload saw, per edge.
 #[derive(Debug, Default)]
 struct Seen {
-    /// Decisions of `api` on the hot subject, by mode, and the largest finite bound an
-    /// admission reported.
+    /// Decisions of `api` on the hot subject, by mode.
     modes: BTreeMap<&'static str, u64>,
-    hot_max_bound: f64,
+    /// The largest finite bound reported by an admission that may be part of an
+    /// overshoot: one whose estimate and bound together pass the limit. An admission
+    /// whose estimate plus bound stays within the limit says that nothing it is part of
+    /// passes it.
+    hot_bound_near_limit: f64,
     /// Admissions of the hot subject under an infinite bound (a node that had not heard
     /// every live member yet, or not for a rate sample's time): each may be all overshoot.
     hot_unbounded: u64,
@@ -262,13 +269,23 @@ struct Seen {
     hot_refused: u64,
     /// The staleness every decision reported, in milliseconds.
     staleness_ms: Vec<u64>,
-    /// Exact checks: client-observed latency in microseconds, and errors.
+    /// Exact checks: client-observed latency in microseconds, and errors
+    /// (`RegionUnavailable`, or no answer in time).
     exact_us: Vec<u64>,
     exact_errors: u64,
+    /// Exact checks answered with a decision that is not exact: none may be (`quota` has
+    /// no `on_region_unavailable`).
+    exact_not_exact: u64,
     /// Exact checks the region denied: its limit reached.
     exact_denied: u64,
-    /// Acknowledged counts on `req`.
+    /// Per subject of `quota`, the exact checks admitted, and those that got an error,
+    /// which the region may have counted.
+    quota_admitted: BTreeMap<u64, u64>,
+    quota_unknown: BTreeMap<u64, u64>,
+    /// Counts on `req`: acknowledged, and those that got an error (which the node may
+    /// have counted).
     req_acked: u64,
+    req_unknown: u64,
 }
 
 async fn demo(args: &DemoArgs, cluster: &mut DemoCluster) -> anyhow::Result<()> {
@@ -343,10 +360,11 @@ async fn demo(args: &DemoArgs, cluster: &mut DemoCluster) -> anyhow::Result<()> 
                         let mut seen = seen.lock().expect("demo state");
                         record(&mut seen, &decision);
                         if decision.allowed {
-                            if decision.bound.is_finite() {
-                                seen.hot_max_bound = seen.hot_max_bound.max(decision.bound);
-                            } else {
+                            if !decision.bound.is_finite() {
                                 seen.hot_unbounded += 1;
+                            } else if decision.estimate as f64 + decision.bound > hot_limit as f64 {
+                                seen.hot_bound_near_limit =
+                                    seen.hot_bound_near_limit.max(decision.bound);
                             }
                             *truth.lock().expect("demo state") += 1;
                         }
@@ -370,9 +388,13 @@ async fn demo(args: &DemoArgs, cluster: &mut DemoCluster) -> anyhow::Result<()> 
             while !*stopped.borrow() {
                 tick.tick().await;
                 i = i.wrapping_mul(6_364_136_223_846_793_005).wrapping_add(1);
-                let subject = format!("user-{}", (i >> 33) % 1_000);
-                if client.incr("req", &subject, 1).await.is_ok() {
-                    seen.lock().expect("demo state").req_acked += 1;
+                let subject = format!("user-{}", (i >> 33) % REQ_SUBJECTS);
+                let counted = client.incr("req", &subject, 1).await.is_ok();
+                let mut seen = seen.lock().expect("demo state");
+                if counted {
+                    seen.req_acked += 1;
+                } else {
+                    seen.req_unknown += 1;
                 }
             }
         });
@@ -388,20 +410,34 @@ async fn demo(args: &DemoArgs, cluster: &mut DemoCluster) -> anyhow::Result<()> 
                 tick.tick().await;
                 n += 1;
                 let started = clock.mono();
-                let subject = format!("acct-{}", n % QUOTA_SUBJECTS);
-                let result = client.check("quota", &subject, 1).await;
+                let subject = n % QUOTA_SUBJECTS;
+                let result = client.check("quota", &format!("acct-{subject}"), 1).await;
                 let micros = (clock.mono() - started).as_micros() as u64;
                 let mut seen = seen.lock().expect("demo state");
                 match result {
                     Ok(decision) if decision.mode == Mode::Exact => {
                         seen.exact_us.push(micros);
-                        seen.exact_denied += u64::from(!decision.allowed);
+                        if decision.allowed {
+                            *seen.quota_admitted.entry(subject).or_default() += 1;
+                        } else {
+                            seen.exact_denied += 1;
+                        }
                     }
-                    _ => seen.exact_errors += 1,
+                    Ok(_) => seen.exact_not_exact += 1,
+                    Err(_) => {
+                        seen.exact_errors += 1;
+                        *seen.quota_unknown.entry(subject).or_default() += 1;
+                    }
                 }
             }
         });
     }
+
+    let probe = tokio::spawn(probe_visibility(
+        nodes.iter().map(|&id| (id, clients[&id].clone())).collect(),
+        edges.clone(),
+        stopped.clone(),
+    ));
 
     println!(
         "{:>4} {:>6} {:>12} {:>12} {:>9} {:>9} {:>11} {:>10} {:>9}",
@@ -445,15 +481,30 @@ async fn demo(args: &DemoArgs, cluster: &mut DemoCluster) -> anyhow::Result<()> 
     }
     stop.send(true).ok();
     while load.join_next().await.is_some() {}
+    let (write_delays_us, probes_failed) = probe.await.context("the demo's probe task")?;
 
     // Let the last pushes land, then compare every node with the truth.
     tokio::time::sleep(SETTLE).await;
     let truth = *truth_hot.lock().expect("demo state");
-    let req_truth: u64 = seen
-        .iter()
-        .map(|s| s.lock().expect("demo state").req_acked)
-        .sum();
     let all: Vec<_> = seen.iter().map(|s| s.lock().expect("demo state")).collect();
+    let req_acked: u64 = all.iter().map(|s| s.req_acked).sum();
+    let req_unknown: u64 = all.iter().map(|s| s.req_unknown).sum();
+    // Every node's sum over the subjects of `req`: the counts acknowledged, give or take
+    // those that got an error.
+    let mut req_sums = Vec::new();
+    for &id in &nodes {
+        let mut sum = 0;
+        for n in 0..REQ_SUBJECTS {
+            match clients[&id].get("req", &format!("user-{n}")).await {
+                Ok(got) => sum += got.estimate,
+                Err(err) => return Err(anyhow::Error::new(err).context(cluster.stopped_nodes())),
+            }
+        }
+        req_sums.push(sum);
+    }
+    let req_counted = (i128::from(req_acked)..=i128::from(req_acked + req_unknown))
+        .contains(&req_sums[0])
+        && req_sums.iter().all(|&sum| sum == req_sums[0]);
     // A check with no answer may have been admitted: the count is at least the admissions
     // acknowledged and at most that many more.
     let unknown: u64 = all.iter().map(|s| s.hot_unknown).sum();
@@ -473,6 +524,7 @@ async fn demo(args: &DemoArgs, cluster: &mut DemoCluster) -> anyhow::Result<()> 
         .flat_map(|s| s.staleness_ms.iter().copied())
         .collect();
     let (stale_p50, stale_p99) = percentiles(&staleness);
+    let (write_p50_us, write_p99_us) = percentiles(&write_delays_us);
     let propagation = propagation_p99_ms(&nodes).await;
     let propagation_shown = propagation.map_or("none measured".to_owned(), |p99| format!("{p99}"));
     let exact: Vec<u64> = all
@@ -481,21 +533,48 @@ async fn demo(args: &DemoArgs, cluster: &mut DemoCluster) -> anyhow::Result<()> 
         .collect();
     let (exact_p50, exact_p99) = percentiles(&exact);
     let exact_errors: u64 = all.iter().map(|s| s.exact_errors).sum();
+    let exact_not_exact: u64 = all.iter().map(|s| s.exact_not_exact).sum();
     let exact_denied: u64 = all.iter().map(|s| s.exact_denied).sum();
     let hot_refused: u64 = all.iter().map(|s| s.hot_refused).sum();
-    // The region's count of each subject of `quota`: a check of more than the limit is
-    // denied and counts nothing, and its decision carries the count.
+    // The region's count of each subject of `quota` (a check of more than the limit is
+    // denied and counts nothing, and its decision carries the count), against the exact
+    // checks admitted and those that got an error; and every edge's estimate of it, which
+    // the region's own lanes carry.
     let mut quota_counts = Vec::new();
+    let mut quota_wrong = Vec::new();
     for n in 0..QUOTA_SUBJECTS {
         let subject = format!("acct-{n}");
         let asked = clients[&REGION].check("quota", &subject, quota_limit + 1);
-        quota_counts.push(asked.await?.estimate);
+        let count = asked.await?.estimate;
+        quota_counts.push(count);
+        let per_edge = |of: fn(&Seen) -> &BTreeMap<u64, u64>| -> i128 {
+            all.iter()
+                .map(|s| i128::from(of(s).get(&n).copied().unwrap_or(0)))
+                .sum()
+        };
+        let admitted = per_edge(|s| &s.quota_admitted);
+        let unknown = per_edge(|s| &s.quota_unknown);
+        if !(admitted..=admitted + unknown).contains(&count) {
+            quota_wrong.push(format!(
+                "{subject}: counted {count}, admitted {admitted} (+ up to {unknown} unanswered)"
+            ));
+        }
+        for &id in &edges {
+            let estimate = clients[&id].get("quota", &subject).await?.estimate;
+            if estimate != count {
+                quota_wrong.push(format!(
+                    "{subject}: node {id} estimates {estimate}, the region counted {count}"
+                ));
+            }
+        }
     }
     let quota_max = quota_counts.iter().copied().max().unwrap_or(0);
     // Every admission counts one on the hot key, so the count the nodes agree on is what
     // was admitted, the checks with no answer included.
     let allowed = u64::try_from(counted).unwrap_or(0);
-    let max_bound = all.iter().map(|s| s.hot_max_bound).fold(0.0, f64::max);
+    let max_bound = (all.iter())
+        .map(|s| s.hot_bound_near_limit)
+        .fold(0.0, f64::max);
     let unbounded: u64 = all.iter().map(|s| s.hot_unbounded).sum();
     // Each admission under an infinite bound may be all overshoot.
     let bound = max_bound + unbounded as f64;
@@ -507,33 +586,46 @@ async fn demo(args: &DemoArgs, cluster: &mut DemoCluster) -> anyhow::Result<()> 
     let overshoot = allowed.saturating_sub(hot_limit);
 
     println!("\nsummary");
-    println!("  converged: every node's hot estimate = {truth} admitted (+ up to {unknown} unanswered): {converged}; {req_truth} counts acknowledged on `req`");
+    println!("  converged: every node's hot estimate = {truth} admitted (+ up to {unknown} unanswered): {converged}");
+    println!("  counts on `req`: every node's sum over its {REQ_SUBJECTS} subjects = {req_acked} acknowledged (+ up to {req_unknown} unanswered): {req_counted}");
     println!(
-        "  staleness of writes (propagation delay, all nodes): p99 <= {propagation_shown} ms, documented window {STALENESS_WINDOW_MS} ms"
+        "  staleness of writes (acknowledged on one edge until read on every other node, {} reads): p50 {:.1} ms, p99 {:.1} ms, documented window {STALENESS_WINDOW_MS} ms{}",
+        write_delays_us.len(),
+        write_p50_us as f64 / 1_000.0,
+        write_p99_us as f64 / 1_000.0,
+        if probes_failed > 0 { format!(" ({probes_failed} probes got an error)") } else { String::new() }
     );
+    println!("  age of the newest state as it arrived (propagation histogram, all nodes): p99 <= {propagation_shown} ms");
     println!("  staleness decisions reported (stalest live member): p50 {stale_p50} ms, p99 {stale_p99} ms");
     println!(
-        "  overshoot on `api`: admitted {allowed} of limit {hot_limit}: overshoot {overshoot}, largest bound reported {max_bound:.1}{unbounded_shown}"
+        "  overshoot on `api`: admitted {allowed} of limit {hot_limit}: overshoot {overshoot}, largest bound reported near the limit {max_bound:.1}{unbounded_shown}"
     );
     println!(
-        "  exact path (edge -> region -> fsync -> edge): p50 {:.2} ms, p99 {:.2} ms over {} checks, {exact_denied} denied, {exact_errors} errors",
+        "  exact path (edge -> region -> fsync -> edge): p50 {:.2} ms, p99 {:.2} ms over {} checks, {exact_denied} denied, {exact_errors} errors, {exact_not_exact} answered not exact",
         exact_p50 as f64 / 1_000.0,
         exact_p99 as f64 / 1_000.0,
         exact.len()
     );
     println!(
-        "  exact counts at the region, {QUOTA_SUBJECTS} subjects of `quota`: at most {quota_max} of limit {quota_limit}"
+        "  exact counts at the region, {QUOTA_SUBJECTS} subjects of `quota`: at most {quota_max} of limit {quota_limit}; each the checks admitted (+ up to those unanswered), and every edge's estimate: {}",
+        quota_wrong.is_empty()
     );
     let mut failed = Vec::new();
     if !converged {
         failed.push("estimates did not converge to the truth".to_owned());
     }
-    match propagation {
-        Some(p99) if p99 > STALENESS_WINDOW_MS => {
-            failed.push("p99 staleness exceeded the documented window".to_owned());
-        }
-        Some(_) => {}
-        None => failed.push("no node's /metrics held a propagation delay".to_owned()),
+    if !req_counted {
+        failed.push(format!(
+            "the nodes' sums of `req` {req_sums:?} are not the {req_acked} counts acknowledged (+ up to {req_unknown})"
+        ));
+    }
+    if write_delays_us.is_empty() {
+        failed.push("no probe's write was read".to_owned());
+    } else if write_p99_us > STALENESS_WINDOW_MS * 1_000 {
+        failed.push("p99 staleness of writes exceeded the documented window".to_owned());
+    }
+    if propagation.is_none() {
+        failed.push("no node's /metrics held a propagation delay".to_owned());
     }
     if overshoot as f64 > bound {
         failed.push("overshoot exceeded the reported bound".to_owned());
@@ -548,8 +640,19 @@ async fn demo(args: &DemoArgs, cluster: &mut DemoCluster) -> anyhow::Result<()> 
             "the region counted {quota_max} on a subject of `quota`, past its limit {quota_limit}"
         ));
     }
+    if !quota_wrong.is_empty() {
+        failed.push(format!(
+            "the region's counts of `quota`: {}",
+            quota_wrong.join("; ")
+        ));
+    }
     if exact_denied == 0 {
         failed.push("no exact check was denied: `quota`'s limit was never reached".to_owned());
+    }
+    if exact_not_exact > 0 {
+        failed.push(format!(
+            "{exact_not_exact} checks of the exact rule `quota` were answered with a decision not made by the region"
+        ));
     }
     if failed.is_empty() {
         println!("  every promise held");
@@ -622,6 +725,73 @@ async fn wait_for_members(nodes: &[u64], others: usize) -> anyhow::Result<()> {
 
 /// The subjects of `quota` the exact checks are spread over; its limit is per subject.
 const QUOTA_SUBJECTS: u64 = 8;
+
+/// The subjects of `req` the counts are spread over.
+const REQ_SUBJECTS: u64 = 1_000;
+
+/// How often the demo probes how soon a write is read everywhere.
+const PROBE_EVERY: Duration = Duration::from_millis(50);
+
+/// How long a probe waits for every node to read its write; a node that has not by then
+/// is counted at this.
+const PROBE_WAIT_MAX: Duration = Duration::from_secs(2);
+
+/// Until `stopped`, every [`PROBE_EVERY`]: increments a subject of `req` on an edge (each
+/// in turn), and reads it on every other node (`clients`), every millisecond, until each
+/// holds it. Returns the microseconds from each increment's acknowledgement until each
+/// other node read it, and how many increments got an error. After an error the probes
+/// move to a new subject: the increment may have counted, and a node holding it could
+/// read the next one's total before that one arrives.
+async fn probe_visibility(
+    clients: Vec<(u64, Client)>,
+    edges: Vec<u64>,
+    stopped: tokio::sync::watch::Receiver<bool>,
+) -> (Vec<u64>, u64) {
+    let clock = Clock::start();
+    let mut tick = tokio::time::interval(PROBE_EVERY);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let (mut delays, mut failed, mut total) = (Vec::new(), 0, 0);
+    for n in 0.. {
+        tick.tick().await;
+        if *stopped.borrow() {
+            break;
+        }
+        let (writer, subject) = (edges[n % edges.len()], format!("probe-{failed}"));
+        let Some((_, client)) = clients.iter().find(|(id, _)| *id == writer) else {
+            break;
+        };
+        if client.incr("req", &subject, 1).await.is_err() {
+            (failed, total) = (failed + 1, 0);
+            continue;
+        }
+        total += 1;
+        let acked = clock.mono();
+        let mut waiting: Vec<&Client> = (clients.iter())
+            .filter(|(id, _)| *id != writer)
+            .map(|(_, client)| client)
+            .collect();
+        while !waiting.is_empty() {
+            if clock.mono() - acked >= PROBE_WAIT_MAX {
+                delays.extend(waiting.iter().map(|_| PROBE_WAIT_MAX.as_micros() as u64));
+                break;
+            }
+            let mut still = Vec::new();
+            for client in waiting {
+                let read = client.get("req", &subject).await;
+                if read.is_ok_and(|got| got.estimate >= total) {
+                    delays.push((clock.mono() - acked).as_micros() as u64);
+                } else {
+                    still.push(client);
+                }
+            }
+            waiting = still;
+            if !waiting.is_empty() {
+                tokio::time::sleep(Duration::from_millis(1)).await;
+            }
+        }
+    }
+    (delays, failed)
+}
 
 /// How fresh every member must be, in `/status`, before the workload starts.
 const FRESH_MS: u64 = 1_000;
