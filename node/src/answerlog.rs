@@ -7,11 +7,16 @@
 //! which costs a retry's count at most, never a lane. An answer is written out after the
 //! writes it made (`LaneLog::flush` writes the lane records first), so a process crash never
 //! leaves an answer remembered for a write the lane log lacks; it may leave a write whose
-//! answer is lost, and a retry of it then counts again. The file is synced about once a
-//! second, off the gossip's path (`AnswerLog::sync_in_background`: the lanes' gossip waits
-//! for the lane log's sync alone), so a machine crash loses the answers of about the last
-//! second, whose retries count again, and may keep an answer whose write it lost (the
-//! kernel may write either file's pages back first).
+//! answer is lost, and a retry of it then counts again. The answers written out since the
+//! last sync are synced with each collection's sync of the lane log, before it
+//! ([`AnswerLog::sync_handle`], `LogSync::sync`), so the answers to the writes a sync makes
+//! durable are durable too (since session 45, from review: before, they were synced only
+//! once a second, and a machine crash lost the answers of about the last second while it
+//! kept their writes, whose retries then counted again). Answers that wrote nothing (a
+//! denial) wait for the once-a-second sync (`AnswerLog::sync_in_background`), and the last
+//! ones for the sync at a graceful stop. A machine crash between the two syncs may keep an
+//! answer whose write it lost (answers go first: a retry then counts once too few, rather
+//! than twice).
 //!
 //! A start keeps the newest [`RECENT_IDS_MAX`] answers in live windows over every earlier
 //! life ([`recover`]), as many as the sidecar's memory holds, rewriting each earlier file
@@ -158,37 +163,46 @@ impl AnswerLog {
             stopped.ticks_left = stopped.ticks_left.saturating_sub(1);
             return;
         }
-        if !self.unsynced || self.syncing.swap(true, Ordering::AcqRel) {
+        if self.syncing.swap(true, Ordering::AcqRel) {
             return;
         }
-        let file = match self.file.try_clone() {
-            Ok(file) => file,
+        let syncing = self.syncing.clone();
+        match self.sync_handle() {
+            Some(answers) => {
+                tokio::task::spawn_blocking(move || {
+                    answers.sync();
+                    syncing.store(false, Ordering::Release);
+                });
+            }
+            None => syncing.store(false, Ordering::Release),
+        }
+    }
+
+    /// A handle that syncs the answers written out so far, off the node's thread
+    /// ([`AnswersSync::sync`]); `None` if none were written since the last handle was
+    /// taken, or while logging is stopped. A file that cannot be handed out (no file
+    /// descriptor left) stops the logging.
+    pub fn sync_handle(&mut self) -> Option<AnswersSync> {
+        if self.stopped.is_some() || !self.unsynced {
+            return None;
+        }
+        match self.file.try_clone() {
+            Ok(file) => {
+                self.unsynced = false;
+                Some(AnswersSync {
+                    path: self.path.clone(),
+                    file,
+                    failed: self.sync_failed.clone(),
+                })
+            }
             Err(source) => {
-                self.syncing.store(false, Ordering::Release);
-                return self.stop(&LogError::Io {
+                self.stop(&LogError::Io {
                     path: self.path.clone(),
                     source,
                 });
+                None
             }
-        };
-        self.unsynced = false;
-        let (path, syncing, failed) = (
-            self.path.clone(),
-            self.syncing.clone(),
-            self.sync_failed.clone(),
-        );
-        tokio::task::spawn_blocking(move || {
-            if let Err(err) = file.sync_data() {
-                if !failed.swap(true, Ordering::AcqRel) {
-                    eprintln!(
-                        "tallyd: warning: {}: {err}; the file's rewrite from memory \
-                         begins at the next batch",
-                        path.display()
-                    );
-                }
-            }
-            syncing.store(false, Ordering::Release);
-        });
+        }
     }
 
     /// Rewrites the file as the life's last answers once it has grown past its bound, or
@@ -279,6 +293,32 @@ impl AnswerLog {
              only (a retry sent to the next life counts again) until the file is rewritten \
              from memory, tried next in about {backoff} s"
         );
+    }
+}
+
+/// A sync of the answers written out when it was taken ([`AnswerLog::sync_handle`]).
+#[derive(Debug)]
+pub struct AnswersSync {
+    path: PathBuf,
+    file: File,
+    // The log's flag that a sync failed, which has its next batch rewrite it from memory.
+    failed: Arc<AtomicBool>,
+}
+
+impl AnswersSync {
+    /// Syncs the answers. A failure is reported on stderr (once until the rewrite) and has
+    /// the log's next [`AnswerLog::compact_if_large`] rewrite the file from memory: the
+    /// kernel may have dropped pages it could not write.
+    pub fn sync(self) {
+        if let Err(err) = self.file.sync_data() {
+            if !self.failed.swap(true, Ordering::AcqRel) {
+                eprintln!(
+                    "tallyd: warning: {}: {err}; the file's rewrite from memory begins at \
+                     the next batch",
+                    self.path.display()
+                );
+            }
+        }
     }
 }
 

@@ -270,9 +270,10 @@ impl Driver {
         }
     }
 
-    /// On shutdown: every lane written, collected and made durable for the last push.
-    /// Lanes whose sync has not returned within [`LAST_FRAMES_DEADLINE`] stay unsent (the
-    /// log holds them, and a restart re-publishes them).
+    /// On shutdown: every lane written, collected and made durable for the last push, and
+    /// the answers under request ids written out. Lanes whose sync has not returned within
+    /// [`LAST_FRAMES_DEADLINE`] stay unsent (the log holds them, and a restart re-publishes
+    /// them).
     async fn last_lanes(&mut self, lanes: &mut Vec<(Key, Lane)>) {
         let collected = tokio::time::timeout(LAST_FRAMES_DEADLINE, async {
             loop {
@@ -284,8 +285,12 @@ impl Driver {
                 let now = self.clock.mono();
                 self.collect(lanes, now);
                 if !self.handoff.is_syncing() {
-                    return;
+                    break;
                 }
+            }
+            // Answers that wrote nothing (a denial) had no collection's sync to go with.
+            if let Some(answers) = self.handoff.answers_sync() {
+                let _ = tokio::task::spawn_blocking(move || answers.sync()).await;
             }
         });
         if collected.await.is_err() {

@@ -24,6 +24,7 @@
 //! [`Handoff::overdue`]: the driver then holds its protocol, heartbeats included, until
 //! it returns, and the node decides as stale as the writes it holds back.
 
+use crate::answerlog::AnswersSync;
 use crate::lanelog::{LaneLog, LogError};
 use crate::store::LaneStore;
 use std::sync::{Arc, Mutex};
@@ -108,6 +109,14 @@ impl Handoff {
             log.sync_answers();
             crate::listener::write_out(&mut log, store);
         }
+    }
+
+    /// A sync of the answers the log holds under request ids that no sync has taken yet,
+    /// if any (at a graceful stop: a collection's sync takes the others).
+    pub fn answers_sync(&self) -> Option<AnswersSync> {
+        let log = self.log.as_ref()?;
+        let mut log = log.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+        log.answers_sync_handle()
     }
 
     /// Waits for the sync in flight (forever if none) and returns the lanes it made

@@ -37,7 +37,7 @@
 //! region log's syncs on the same disk. The zeros end the replay (a record is never
 //! empty); anything else after the last whole record is a torn tail.
 
-use crate::answerlog::{self, AnswerLog, AnsweredId};
+use crate::answerlog::{self, AnswerLog, AnsweredId, AnswersSync};
 use crate::checksummed;
 use crate::compaction::Compaction;
 use crate::recent::Answered;
@@ -393,9 +393,9 @@ impl LaneLog {
         Ok(())
     }
 
-    /// A handle for syncing what has been written to the log so far, to run off the
-    /// node's thread ([`LogSync::sync`]).
-    pub fn sync_handle(&self) -> Result<LogSync, LogError> {
+    /// A handle for syncing what has been written to the log so far, and the answers
+    /// written out with it, to run off the node's thread ([`LogSync::sync`]).
+    pub fn sync_handle(&mut self) -> Result<LogSync, LogError> {
         if let Some(why) = &self.failed {
             return Err(LogError::Failed(why.clone()));
         }
@@ -406,7 +406,14 @@ impl LaneLog {
         Ok(LogSync {
             path: self.path.clone(),
             file,
+            answers: self.answers.sync_handle(),
         })
+    }
+
+    /// A handle for syncing the answers written out so far, if any since the last: at a
+    /// graceful stop, for those that wrote nothing (a collection's sync takes the others).
+    pub fn answers_sync_handle(&mut self) -> Option<AnswersSync> {
+        self.answers.sync_handle()
     }
 
     /// The bytes of records written out (the file holds zeros after them).
@@ -546,11 +553,19 @@ impl LaneLog {
 pub struct LogSync {
     path: PathBuf,
     file: File,
+    // The answers written out since the last sync of them, if any.
+    answers: Option<AnswersSync>,
 }
 
 impl LogSync {
-    /// Makes every record written to the log before this handle was taken durable.
+    /// Makes every record written to the log before this handle was taken durable, and
+    /// first the answers written out with them: a write kept without its answer would be
+    /// counted again by a retry of its id (`answerlog`). A failed sync of the answers has
+    /// the answer log rewritten, and fails nothing here.
     pub fn sync(self) -> Result<(), LogError> {
+        if let Some(answers) = self.answers {
+            answers.sync();
+        }
         self.file.sync_data().map_err(|source| LogError::Io {
             path: self.path,
             source,
@@ -839,6 +854,37 @@ mod tests {
         let dir = std::env::temp_dir().join(format!("tally-log-{name}-{}", std::process::id()));
         let _ = std::fs::remove_dir_all(&dir);
         dir
+    }
+
+    #[test]
+    fn a_collections_sync_takes_the_answers_written_out_before_it_once() {
+        let dir = dir("answers-synced");
+        let (mut log, _) = open(&dir, NodeId(1), 5, NOW).unwrap();
+        let counted = Answered::Incremented(tally_client::wire::Estimate {
+            estimate: 2,
+            window: key("a").window.index(),
+            staleness_ms: 0,
+        });
+        log.append(&key("a"), 2, 0).unwrap();
+        log.append_answered(CheckId { session: 3, seq: 1 }, counted, key("a").window);
+        log.flush().unwrap();
+        let sync = log.sync_handle().unwrap();
+        assert!(
+            sync.answers.is_some(),
+            "the answer written out goes with the lanes"
+        );
+        sync.sync().unwrap();
+        log.append(&key("a"), 1, 0).unwrap();
+        log.flush().unwrap();
+        let sync = log.sync_handle().unwrap();
+        assert!(sync.answers.is_none(), "no answer written out since");
+        sync.sync().unwrap();
+        // One that wrote nothing is left to the stop's sync, or the next second's.
+        log.append_answered(CheckId { session: 3, seq: 2 }, counted, key("a").window);
+        log.flush().unwrap();
+        assert!(log.answers_sync_handle().is_some());
+        assert!(log.answers_sync_handle().is_none(), "taken once");
+        std::fs::remove_dir_all(dir).unwrap();
     }
 
     #[test]
