@@ -311,7 +311,7 @@ impl Sim {
         node.seen_changes = None;
         let replica = self.replica(index);
         let floor = Version(replica.generation.0.saturating_mul(1_000));
-        let mut map = CounterMap::new();
+        let mut map = new_map();
         let mut lives = Vec::new();
         for (key, counter) in saved.iter() {
             let key = key.to_key();
@@ -622,10 +622,7 @@ impl Sim {
                 .collect(),
             None => BTreeMap::new(),
         };
-        node.gossip = Some(match saved {
-            Some(map) => Gossip::with_state(config, map),
-            None => Gossip::new(config),
-        });
+        node.gossip = Some(Gossip::with_state(config, saved.unwrap_or_else(new_map)));
         node.wake_at = self.time;
     }
 
@@ -735,6 +732,16 @@ fn first_generation(seed: u64, index: usize) -> u64 {
 /// The command that replays a failing seed of a simulator test.
 pub fn replay_hint(test: &str, seed: u64) -> String {
     format!("TALLY_SIM_SEED={seed} cargo test -p tally-gossip --features sim --release --test sim {test}")
+}
+
+/// The rate a node's map holds peers' lanes to, and with it the check that a lane's
+/// window has begun: `tallyd`'s default `lane_rate_max_per_sec`, which it always sets
+/// (before session 45 the simulated maps had none: found in review).
+const LANE_RATE_MAX_PER_SEC: u64 = 1_000_000_000;
+
+/// A node's empty map, held to [`LANE_RATE_MAX_PER_SEC`] as `tallyd`'s is.
+fn new_map() -> CounterMap {
+    CounterMap::new().with_lane_rate_max(LANE_RATE_MAX_PER_SEC)
 }
 
 /// The seeds a test runs: `TALLY_SIM_SEED` alone if set, else `count` seeds from `first`,
