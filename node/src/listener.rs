@@ -422,7 +422,7 @@ impl Service {
                     },
                     RuleMode::Exact => {
                         let recalled = match check_id {
-                            Some(id) => self.recalled(context, id)?,
+                            Some(id) => self.recalled(context, &found.1, id)?,
                             None => None,
                         };
                         match (recalled, &self.forwarder) {
@@ -564,15 +564,41 @@ impl Service {
         Ok(answered)
     }
 
-    /// The decision given here under `id` (by the region, or by a fallback that counted),
-    /// if it is remembered.
-    fn recalled(&self, context: &Context<'_>, id: CheckId) -> Result<Option<Decision>, Refusal> {
+    /// The decision given here under `id` to a check of the exact rule `rule` (by the
+    /// region, or by a fallback that counted), if it is remembered. An approximate
+    /// decision under `id` is refused unless the rule falls back to one: it was given to
+    /// a check of an approximate rule (an application that reused the id, or two sessions'
+    /// ids that collide), and an exact rule never gets a silent approximate answer
+    /// (found in review, session 45: before, it got that decision, and the check was
+    /// never forwarded).
+    fn recalled(
+        &self,
+        context: &Context<'_>,
+        rule: &RuleConfig,
+        id: CheckId,
+    ) -> Result<Option<Decision>, Refusal> {
         let recent = self.recent.lock().unwrap_or_else(PoisonError::into_inner);
-        let answered = recent.get(id, context.now.0, self.live_at_secs());
-        if answered.is_some_and(|answered| matches!(answered, Answered::Decided(_))) {
-            self.answered_again();
+        let Some(answered) = recent.get(id, context.now.0, self.live_at_secs()) else {
+            return Ok(None);
+        };
+        let decision = decided(answered)?;
+        let approximate = !matches!(
+            decision.mode,
+            wire::Mode::Exact | wire::Mode::RegionFallback
+        );
+        if approximate && rule.on_region_unavailable != OnRegionUnavailable::Approximate {
+            return Err(Refusal::BadField {
+                field: "id".into(),
+                why: format!(
+                    "this id named a check of an approximate rule here, not of the exact \
+                     rule `{}`; a retry must repeat its request, and a new request needs a \
+                     new id",
+                    rule.name
+                ),
+            });
         }
-        answered.map(decided).transpose()
+        self.answered_again();
+        Ok(Some(decision))
     }
 
     /// The decision the region's `outcome` makes, remembered under `id`, if given, so a
@@ -1215,6 +1241,38 @@ mod tests {
             assert_same_but_for_reset(retried, first);
         }
         assert_eq!(estimate(&service, "count"), 20);
+    }
+
+    #[test]
+    fn an_approximate_checks_id_sent_with_a_check_of_an_exact_rule_is_refused() {
+        let service = service(10);
+        let named = CheckId { session: 9, seq: 1 };
+        let first = decisions(&answer(&service, &[check(1, Some(named))]));
+        assert_eq!(first[0].mode, wire::Mode::ApproximateConnected);
+        let exact = Request {
+            id: 2,
+            op: Op::Check {
+                rule: "quota".into(),
+                subject: "a".into(),
+                cost: 5,
+                id: Some(named),
+            },
+        };
+        match &answer(&service, &[exact])[0].result {
+            Err(Refusal::BadField { field, why }) => {
+                assert_eq!(field, "id");
+                assert!(why.contains("the exact rule `quota`"), "{why}");
+            }
+            other => panic!("an exact rule's check got {other:?}"),
+        }
+        assert_eq!(
+            service
+                .metrics
+                .client_ids_answered_again
+                .load(Ordering::Relaxed),
+            0,
+            "nothing was answered again"
+        );
     }
 
     /// `retried` is `first` given again, its time to the window's end counted later.
