@@ -282,6 +282,11 @@ impl Mode {
             Mode::RegionFallback => "region-fallback",
         }
     }
+
+    /// Whether the sidecar decided on its own estimate, connected or isolated.
+    pub fn is_approximate(self) -> bool {
+        matches!(self, Mode::ApproximateConnected | Mode::ApproximateIsolated)
+    }
 }
 
 /// A rule's answer to one check (BRIEF.md, "Rules and the three ways to answer").

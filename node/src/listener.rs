@@ -516,7 +516,7 @@ impl Service {
         match answered {
             Answered::Incremented(estimate) if incr => Ok(estimate),
             Answered::Decremented(estimate) if !incr => Ok(estimate),
-            other => Err(id_reused(&other, this)),
+            other => Err(id_reused(other.kind(), this)),
         }
     }
 
@@ -548,7 +548,7 @@ impl Service {
         let mut recent = self.recent.lock().unwrap_or_else(PoisonError::into_inner);
         if let Some(answered) = recent.get(id, now_ms, live_at) {
             if answered.kind() != this {
-                return Err(id_reused(&answered, this));
+                return Err(id_reused(answered.kind(), this));
             }
             self.answered_again();
             return Ok(answered);
@@ -582,20 +582,11 @@ impl Service {
             return Ok(None);
         };
         let decision = decided(answered)?;
-        let approximate = !matches!(
-            decision.mode,
-            wire::Mode::Exact | wire::Mode::RegionFallback
-        );
-        if approximate && rule.on_region_unavailable != OnRegionUnavailable::Approximate {
-            return Err(Refusal::BadField {
-                field: "id".into(),
-                why: format!(
-                    "this id named a check of an approximate rule here, not of the exact \
-                     rule `{}`; a retry must repeat its request, and a new request needs a \
-                     new id",
-                    rule.name
-                ),
-            });
+        if decision.mode.is_approximate()
+            && rule.on_region_unavailable != OnRegionUnavailable::Approximate
+        {
+            let this = format!("a check of the exact rule `{}`", rule.name);
+            return Err(id_reused("a check of an approximate rule", &this));
         }
         self.answered_again();
         Ok(Some(decision))
@@ -752,18 +743,17 @@ pub fn write_out(log: &mut LaneLog, store: &LaneStore) {
 fn decided(answered: Answered) -> Result<Decision, Refusal> {
     match answered {
         Answered::Decided(decision) => Ok(decision),
-        other => Err(id_reused(&other, "a check")),
+        other => Err(id_reused(other.kind(), "a check")),
     }
 }
 
-/// The refusal of `this` kind of request under an id that named another kind here.
-fn id_reused(first: &Answered, this: &str) -> Refusal {
+/// The refusal of `this` request under an id that `named` another kind here.
+fn id_reused(named: &str, this: &str) -> Refusal {
     Refusal::BadField {
         field: "id".into(),
         why: format!(
-            "this id named {} here, not {this}; a retry must repeat its request, and a new \
-             request needs a new id",
-            first.kind()
+            "this id named {named} here, not {this}; a retry must repeat its request, and a \
+             new request needs a new id"
         ),
     }
 }

@@ -117,10 +117,7 @@ impl Metrics {
     pub fn decided(&self, decision: &Decision) {
         self.decisions[mode_index(decision.mode)][usize::from(decision.allowed)]
             .fetch_add(1, Ordering::Relaxed);
-        if !matches!(
-            decision.mode,
-            Mode::ApproximateConnected | Mode::ApproximateIsolated
-        ) {
+        if !decision.mode.is_approximate() {
             return;
         }
         if decision.bound.is_finite() {
