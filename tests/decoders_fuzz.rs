@@ -15,12 +15,12 @@ use decoders::{checksums_fixed, decode_all, exact_check, gossip_seeds, is_log, r
 use proptest::collection::vec;
 use proptest::prelude::*;
 use tally_client::wire::{self as client_wire, CheckId, Estimate, Op, Refusal, Request, Response};
-use tally_crdt::{Digest, Generation, NodeId, ReplicaId, Stamp, Window};
+use tally_crdt::{Digest, Generation, KeyRef, NodeId, ReplicaId, Rule, Stamp, Window};
 use tally_gossip::message::{Cover, Message};
 use tally_gossip::wire as gossip_wire;
 use tally_node::answerlog;
 use tally_node::lanelog::{self, NotALane};
-use tally_node::recent::Answered;
+use tally_node::recent::{Answered, Asked, Remembered};
 use tally_node::region::log::{self as region_log, Entry, Record};
 use tally_node::region::wire::{self as region_wire, ExactAnswer, ExactCheck, Outcome};
 
@@ -302,11 +302,14 @@ fn names_not_utf8_and_unknown_tags_are_refused_by_every_decoder() {
     // match: skipped, and the answers around it kept.
     let answer_log = |answered| {
         let window = Window::new(29_933_335, 60).unwrap();
+        let rule = Rule::new("api").unwrap();
+        let remembered = Remembered {
+            answered,
+            asked: Asked::of(KeyRef::new(&rule, "bob", window).unwrap(), 4),
+            window,
+        };
         let mut log = Vec::new();
-        answerlog::encode(
-            &(CheckId { session: 1, seq: 3 }, answered, window),
-            &mut log,
-        );
+        answerlog::encode(&(CheckId { session: 1, seq: 3 }, remembered), &mut log);
         log
     };
     let estimate = Estimate {
@@ -323,7 +326,7 @@ fn names_not_utf8_and_unknown_tags_are_refused_by_every_decoder() {
     let kept = answerlog::replay(&around);
     assert_eq!(
         kept.iter()
-            .map(|(_, answered, _)| *answered)
+            .map(|(_, remembered)| remembered.answered)
             .collect::<Vec<_>>(),
         [
             Answered::Incremented(estimate),

@@ -18,7 +18,9 @@ use cluster::{eventually, first_decided, paced_checks, turn_isolated, Cluster, G
 use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
-use tally_client::{CheckId, Client, Decision, Endpoint, Error, Mode, Options, Pipeline, Reply};
+use tally_client::{
+    CheckId, Client, Decision, Endpoint, Error, Mode, Options, Pipeline, Refusal, Reply,
+};
 
 /// This file's loopback network: 127.1.x.y.
 const NET: u8 = 1;
@@ -974,6 +976,24 @@ async fn a_request_retried_under_its_id_after_its_sidecar_was_killed_and_restart
     assert_eq!(recounted, counted, "the first count");
     let again = cluster.nodes[0].metric("tally_client_ids_answered_again_total", &[]);
     assert_eq!(again, Some(2.0));
+    // What each id asked came back with it: sent with another subject or amount, it is
+    // refused, not given the first answer.
+    let reused = [
+        client
+            .check_with_id(checked, "api", "other", 7)
+            .await
+            .map(|_| ()),
+        client
+            .incr_with_id(incremented, "count", "crashed", 4)
+            .await
+            .map(|_| ()),
+    ];
+    for result in reused {
+        assert!(
+            matches!(&result, Err(Error::Refused(Refusal::BadField { field, .. })) if field == "id"),
+            "{result:?}"
+        );
+    }
     // Counted once: here (the retries' writes would be this node's own lanes), and at the
     // other node once it holds a write made after the retries (a node takes an origin's
     // lanes in version order).

@@ -135,9 +135,9 @@ impl Client {
     /// its window ends). An id it no longer remembers is counted again, and so is one sent
     /// to another sidecar, or after this one restarted without a data directory (with one,
     /// it logs what it answered under ids there, after the writes, and its next life
-    /// remembers them). An id that named another kind of
-    /// request there (a check, or a decrement) is refused: make one id per increment
-    /// ([`CheckId::new`]).
+    /// remembers them). An id that named another request there (a check, a decrement, or
+    /// an increment of another rule, subject or amount) is refused: make one id per
+    /// increment ([`CheckId::new`]) and send it again only with the same arguments.
     pub async fn incr_with_id(
         &self,
         id: CheckId,
@@ -229,8 +229,10 @@ impl Client {
     /// decided again; a send after the first check's window is over and forgotten is a new
     /// check in its own window.
     ///
-    /// Make the id once per check ([`CheckId::new`]) and pass the same one to every retry,
-    /// after an error that [`Error::is_retryable`]. An approximate rule is decided at the
+    /// Make the id once per check ([`CheckId::new`]) and pass the same one, with the same
+    /// rule, subject and cost, to every retry, after an error that
+    /// [`Error::is_retryable`]: a sidecar that remembers the id refuses it with other
+    /// arguments ([`Refusal::BadField`], `id`). An approximate rule is decided at the
     /// sidecar, which counts one id once in the same way while it remembers it (its most
     /// recent 65,536 ids; an older one is decided again), across its own restarts if it
     /// has a data directory, but not through another sidecar. The sidecar also remembers

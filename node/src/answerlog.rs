@@ -34,7 +34,7 @@
 use crate::checksummed;
 use crate::compaction::Compaction;
 use crate::lanelog::{read_whole, replace_by_copy, sync_dir, LogError};
-use crate::recent::{Answered, RECENT_IDS_MAX};
+use crate::recent::{Answered, Asked, Remembered, RECENT_IDS_MAX};
 use serde::{Deserialize, Serialize};
 use std::collections::VecDeque;
 use std::fs::{File, OpenOptions};
@@ -52,16 +52,18 @@ const COMPACT_BYTES: u64 = 16 << 20;
 /// The most ticks (one a second) between two tries of the file's rewrite from memory.
 const RETRY_MAX_TICKS: u32 = 64;
 
-/// An answer given under a request id, in the window it was given in.
-pub type AnsweredId = (CheckId, Answered, Window);
+/// An answer given under a request id.
+pub type AnsweredId = (CheckId, Remembered);
 
-/// One logged answer.
+/// One logged answer. (`asked` since session 46: a record an earlier build wrote does not
+/// decode, and is skipped.)
 #[derive(Debug, Serialize, Deserialize)]
 struct Record {
     id: CheckId,
     window_index: u64,
     window_secs: u32,
     answered: Answered,
+    asked: Asked,
 }
 
 /// Answers are held in memory only until the file's rewrite from memory succeeds.
@@ -358,7 +360,7 @@ pub fn recover(dir: &Path, now_unix_secs: u64) -> Result<(Vec<AnsweredId>, u64),
     for (generation, path) in lives {
         let live: Vec<AnsweredId> = replay(&read_whole(&path)?)
             .into_iter()
-            .filter(|(_, _, window)| window.is_live(now_unix_secs))
+            .filter(|(_, remembered)| remembered.window.is_live(now_unix_secs))
             .collect();
         let keep = live[live.len().saturating_sub(room)..].to_vec();
         room -= keep.len();
@@ -412,7 +414,12 @@ pub fn replay(bytes: &[u8]) -> Vec<AnsweredId> {
         if answers.len() == RECENT_IDS_MAX {
             answers.pop_front();
         }
-        answers.push_back((record.id, record.answered, window));
+        let remembered = Remembered {
+            answered: record.answered,
+            asked: record.asked,
+            window,
+        };
+        answers.push_back((record.id, remembered));
     }
     answers.into()
 }
@@ -428,12 +435,13 @@ fn rewrite(path: &Path, answers: &[AnsweredId]) -> Result<(), LogError> {
 }
 
 /// Appends the record of `answered` to `out`.
-pub fn encode((id, answered, window): &AnsweredId, out: &mut Vec<u8>) {
+pub fn encode((id, remembered): &AnsweredId, out: &mut Vec<u8>) {
     let record = Record {
         id: *id,
-        window_index: window.index(),
-        window_secs: window.len_secs(),
-        answered: *answered,
+        window_index: remembered.window.index(),
+        window_secs: remembered.window.len_secs(),
+        answered: remembered.answered,
+        asked: remembered.asked,
     };
     checksummed::append(&record, out);
 }
@@ -442,6 +450,7 @@ pub fn encode((id, answered, window): &AnsweredId, out: &mut Vec<u8>) {
 mod tests {
     use super::*;
     use tally_client::wire::{Decision, Mode};
+    use tally_crdt::{KeyRef, Rule};
 
     const NOW: u64 = 1_700_000_000;
 
@@ -463,11 +472,15 @@ mod tests {
             staleness_ms: 0,
             bound: 0.0,
         };
-        (
-            CheckId { session: 9, seq },
-            Answered::Decided(decision),
+        let remembered = Remembered {
+            answered: Answered::Decided(decision),
+            asked: Asked::of(
+                KeyRef::new(&Rule::new("api").unwrap(), "s", window).unwrap(),
+                seq,
+            ),
             window,
-        )
+        };
+        (CheckId { session: 9, seq }, remembered)
     }
 
     fn live() -> Window {
@@ -475,7 +488,7 @@ mod tests {
     }
 
     fn seqs(answers: &[AnsweredId]) -> Vec<u64> {
-        answers.iter().map(|(id, _, _)| id.seq).collect()
+        answers.iter().map(|(id, _)| id.seq).collect()
     }
 
     /// Writes `answers` as life `generation`'s file.

@@ -40,7 +40,7 @@
 use crate::answerlog::{self, AnswerLog, AnsweredId, AnswersSync};
 use crate::checksummed;
 use crate::compaction::Compaction;
-use crate::recent::Answered;
+use crate::recent::Remembered;
 use crate::store::LaneStore;
 use serde::{Deserialize, Serialize};
 use std::fs::{File, OpenOptions};
@@ -328,11 +328,11 @@ impl LaneLog {
         Ok(mark)
     }
 
-    /// Buffers `answered`, given under `id` in `window`, for the node's next life
+    /// Buffers the answer given under `id`, for the node's next life
     /// ([`Recovered::answered`]). Call after the answer's own writes were appended: it is
     /// written out after them.
-    pub fn append_answered(&mut self, id: CheckId, answered: Answered, window: Window) {
-        self.answers.append((id, answered, window));
+    pub fn append_answered(&mut self, id: CheckId, remembered: Remembered) {
+        self.answers.append((id, remembered));
     }
 
     /// Syncs the answers written out so far, on a blocking thread, off the gossip's path
@@ -839,6 +839,8 @@ mod tests {
     use super::*;
     #[cfg(not(tally_loom))]
     use crate::compaction::copy_path;
+    use crate::recent::{Answered, Asked};
+    use tally_crdt::KeyRef;
 
     const NOW: u64 = 1_767_225_600;
 
@@ -848,6 +850,20 @@ mod tests {
             Subject::new(subject).unwrap(),
             Window::containing(NOW, 60).unwrap(),
         )
+    }
+
+    /// An increment of `amount` on `key("a")`, answered with the count `amount`.
+    fn incremented(amount: u64) -> Remembered {
+        let key = key("a");
+        Remembered {
+            answered: Answered::Incremented(tally_client::wire::Estimate {
+                estimate: i128::from(amount),
+                window: key.window.index(),
+                staleness_ms: 0,
+            }),
+            asked: Asked::of(KeyRef::from(&key), amount),
+            window: key.window,
+        }
     }
 
     fn dir(name: &str) -> PathBuf {
@@ -860,13 +876,9 @@ mod tests {
     fn a_collections_sync_takes_the_answers_written_out_before_it_once() {
         let dir = dir("answers-synced");
         let (mut log, _) = open(&dir, NodeId(1), 5, NOW).unwrap();
-        let counted = Answered::Incremented(tally_client::wire::Estimate {
-            estimate: 2,
-            window: key("a").window.index(),
-            staleness_ms: 0,
-        });
+        let counted = incremented(2);
         log.append(&key("a"), 2, 0).unwrap();
-        log.append_answered(CheckId { session: 3, seq: 1 }, counted, key("a").window);
+        log.append_answered(CheckId { session: 3, seq: 1 }, counted);
         log.flush().unwrap();
         let sync = log.sync_handle().unwrap();
         assert!(
@@ -880,7 +892,7 @@ mod tests {
         assert!(sync.answers.is_none(), "no answer written out since");
         sync.sync().unwrap();
         // One that wrote nothing is left to the stop's sync, or the next second's.
-        log.append_answered(CheckId { session: 3, seq: 2 }, counted, key("a").window);
+        log.append_answered(CheckId { session: 3, seq: 2 }, counted);
         log.flush().unwrap();
         assert!(log.answers_sync_handle().is_some());
         assert!(log.answers_sync_handle().is_none(), "taken once");
@@ -893,27 +905,17 @@ mod tests {
         let (mut log, first) = open(&dir, NodeId(1), 5, NOW).unwrap();
         assert!(first.answered.is_empty());
         let id = CheckId { session: 3, seq: 1 };
-        let counted = Answered::Incremented(tally_client::wire::Estimate {
-            estimate: 2,
-            window: key("a").window.index(),
-            staleness_ms: 0,
-        });
+        let counted = incremented(2);
         log.append(&key("a"), 2, 0).unwrap();
-        log.append_answered(id, counted, key("a").window);
+        log.append_answered(id, counted);
         log.flush().unwrap();
         // One that wrote nothing (a denial, say) goes out alone.
         let denied = CheckId { session: 3, seq: 2 };
-        log.append_answered(denied, counted, key("a").window);
+        log.append_answered(denied, counted);
         log.flush().unwrap();
         drop(log);
         let (_, second) = open(&dir, NodeId(1), 6, NOW).unwrap();
-        assert_eq!(
-            second.answered,
-            [
-                (id, counted, key("a").window),
-                (denied, counted, key("a").window)
-            ]
-        );
+        assert_eq!(second.answered, [(id, counted), (denied, counted)]);
         assert_eq!(second.retired[0].1, [(key("a"), Lane::new(2, 0))]);
         std::fs::remove_dir_all(dir).unwrap();
     }

@@ -21,7 +21,7 @@ use crate::exact_room::{ExactRoom, ExactSlot};
 use crate::lanelog::LaneLog;
 use crate::late::LateFallbacks;
 use crate::metrics::Metrics;
-use crate::recent::{Answered, RecentIds, Waiting, WaitingSend};
+use crate::recent::{Answered, Asked, RecentIds, Remembered, Waiting, WaitingSend};
 use crate::region::forward::{Answers, Check, Forwarded, Forwarder};
 use crate::region::wire::Outcome;
 use crate::store::LaneStore;
@@ -311,7 +311,7 @@ impl Service {
         } = ticket;
         let key = KeyRef::from(&key);
         let result = match result {
-            Ok(outcome) => self.exact_once(context, &rule, key, check_id, outcome),
+            Ok(outcome) => self.exact_once(context, &rule, key, cost, check_id, outcome),
             // No fallback where another send of the id may yet be decided at the
             // region (it would count twice; a later retry gets the answer that send
             // gets), nor on a stopping node (its last push may have gone).
@@ -422,7 +422,7 @@ impl Service {
                     },
                     RuleMode::Exact => {
                         let recalled = match check_id {
-                            Some(id) => self.recalled(context, &found.1, id)?,
+                            Some(id) => self.recalled(context, &found.1, key, cost, id)?,
                             None => None,
                         };
                         match (recalled, &self.forwarder) {
@@ -486,7 +486,7 @@ impl Service {
         cost: u64,
         id: CheckId,
     ) -> Result<Decision, Refusal> {
-        let answered = self.once(context, key, id, "a check", |context| {
+        let answered = self.once(context, key, cost, id, "a check", |context| {
             context.check(rule, key, cost).map(Answered::Decided)
         })?;
         decided(answered)
@@ -510,7 +510,7 @@ impl Service {
         } else {
             (Answered::Decremented, "a decrement")
         };
-        let answered = self.once(context, key, id, this, |context| {
+        let answered = self.once(context, key, amount, id, this, |context| {
             context.count(key, amount, incr).map(counted)
         })?;
         match answered {
@@ -520,45 +520,57 @@ impl Service {
         }
     }
 
-    /// `answer`'s answer under `id` to a request of the kind `this` ("a check", say),
-    /// once: the remembered one while `id` is, else what `answer` gives, remembered if it
-    /// gave one. An id remembered for another kind of request is refused.
+    /// `answer`'s answer under `id` to a request of the kind `this` ("a check", say) of
+    /// `amount` on `key`, once: the remembered one while `id` is, else what `answer`
+    /// gives, remembered if it gave one. An id remembered for another request is refused.
     fn once(
         &self,
         context: &mut Context<'_>,
         key: KeyRef<'_>,
+        amount: u64,
         id: CheckId,
         this: &'static str,
         answer: impl FnOnce(&mut Context<'_>) -> Result<Answered, Refusal>,
     ) -> Result<Answered, Refusal> {
-        self.once_if(context, key, id, this, answer, |_| true)
+        self.once_if(context, key, amount, id, this, answer, |_| true)
     }
 
     /// [`Service::once`], remembering only an answer that `keep` accepts.
+    #[allow(clippy::too_many_arguments)]
     fn once_if(
         &self,
         context: &mut Context<'_>,
         key: KeyRef<'_>,
+        amount: u64,
         id: CheckId,
         this: &'static str,
         answer: impl FnOnce(&mut Context<'_>) -> Result<Answered, Refusal>,
         keep: impl FnOnce(&Answered) -> bool,
     ) -> Result<Answered, Refusal> {
         let (now_ms, live_at) = (context.now.0, self.live_at_secs());
+        let asked = Asked::of(key, amount);
         let mut recent = self.recent.lock().unwrap_or_else(PoisonError::into_inner);
-        if let Some(answered) = recent.get(id, now_ms, live_at) {
+        if let Some((answered, first)) = recent.get(id, now_ms, live_at) {
             if answered.kind() != this {
                 return Err(id_reused(answered.kind(), this));
+            }
+            if first != asked {
+                return Err(id_reused_for_another(this));
             }
             self.answered_again();
             return Ok(answered);
         }
         let answered = answer(context)?;
         if keep(&answered) {
-            recent.insert(id, answered, key.window(), live_at);
+            let remembered = Remembered {
+                answered,
+                asked,
+                window: key.window(),
+            };
+            recent.insert(id, remembered, live_at);
             // Logged after what the answer wrote, for this node's next life.
             if let Some(log) = context.log.as_deref_mut() {
-                log.append_answered(id, answered, key.window());
+                log.append_answered(id, remembered);
             }
         }
         Ok(answered)
@@ -575,10 +587,12 @@ impl Service {
         &self,
         context: &Context<'_>,
         rule: &RuleConfig,
+        key: KeyRef<'_>,
+        cost: u64,
         id: CheckId,
     ) -> Result<Option<Decision>, Refusal> {
         let recent = self.recent.lock().unwrap_or_else(PoisonError::into_inner);
-        let Some(answered) = recent.get(id, context.now.0, self.live_at_secs()) else {
+        let Some((answered, first)) = recent.get(id, context.now.0, self.live_at_secs()) else {
             return Ok(None);
         };
         let decision = decided(answered)?;
@@ -587,6 +601,9 @@ impl Service {
         {
             let this = format!("a check of the exact rule `{}`", rule.name);
             return Err(id_reused("a check of an approximate rule", &this));
+        }
+        if first != Asked::of(key, cost) {
+            return Err(id_reused_for_another("a check"));
         }
         self.answered_again();
         Ok(Some(decision))
@@ -602,13 +619,14 @@ impl Service {
         context: &mut Context<'_>,
         rule: &RuleConfig,
         key: KeyRef<'_>,
+        cost: u64,
         id: Option<CheckId>,
         outcome: Outcome,
     ) -> Result<Decision, Refusal> {
         let Some(id) = id else {
             return Ok(context.exact(rule, key, outcome));
         };
-        let answered = self.once(context, key, id, "a check", |context| {
+        let answered = self.once(context, key, cost, id, "a check", |context| {
             Ok(Answered::Decided(context.exact(rule, key, outcome)))
         })?;
         decided(answered)
@@ -662,6 +680,7 @@ impl Service {
         let answered = self.once_if(
             context,
             key,
+            cost,
             id,
             "a check",
             |context| count(context).map(Answered::Decided),
@@ -745,6 +764,15 @@ fn decided(answered: Answered) -> Result<Decision, Refusal> {
         Answered::Decided(decision) => Ok(decision),
         other => Err(id_reused(other.kind(), "a check")),
     }
+}
+
+/// The refusal of `this` kind of request under an id that named one of its kind with
+/// another rule, subject or amount here.
+fn id_reused_for_another(this: &str) -> Refusal {
+    id_reused(
+        &format!("{this} with another rule, subject or amount"),
+        "this one",
+    )
 }
 
 /// The refusal of `this` request under an id that `named` another kind here.
@@ -1402,6 +1430,73 @@ mod tests {
     }
 
     #[test]
+    fn an_id_sent_with_another_subject_amount_or_cost_than_it_named_is_refused_and_counts_nothing()
+    {
+        let service = service(10);
+        let checked = CheckId { session: 9, seq: 1 };
+        let incremented = CheckId { session: 9, seq: 2 };
+        let first = answer(
+            &service,
+            &[check(1, Some(checked)), count(2, true, Some(incremented))],
+        );
+        let with = |request: Request, change: &dyn Fn(&mut Op)| {
+            let mut request = request;
+            change(&mut request.op);
+            request
+        };
+        let reused = [
+            with(check(3, Some(checked)), &|op| {
+                if let Op::Check { subject, .. } = op {
+                    *subject = "b".into();
+                }
+            }),
+            with(check(4, Some(checked)), &|op| {
+                if let Op::Check { cost, .. } = op {
+                    *cost = 6;
+                }
+            }),
+            with(count(5, true, Some(incremented)), &|op| {
+                if let Op::Incr { amount, .. } = op {
+                    *amount = 4;
+                }
+            }),
+            with(count(6, true, Some(incremented)), &|op| {
+                if let Op::Incr { subject, .. } = op {
+                    *subject = "b".into();
+                }
+            }),
+        ];
+        for response in answer(&service, &reused) {
+            match &response.result {
+                Err(Refusal::BadField { field, why }) => {
+                    assert_eq!(field, "id");
+                    assert!(why.contains("another rule, subject or amount"), "{why}");
+                }
+                other => panic!("request {} got {other:?}", response.id),
+            }
+        }
+        assert_eq!(estimate(&service, "count"), 8, "5 checked and 3 counted");
+        let b = Request {
+            id: 7,
+            op: Op::Get {
+                rule: "count".into(),
+                subject: "b".into(),
+            },
+        };
+        assert!(
+            matches!(&answer(&service, &[b])[0].result, Ok(Reply::Estimate(e)) if e.estimate == 0),
+            "nothing counted on the other subject"
+        );
+        // The retries, as sent the first time, still get the first answers.
+        let retried = answer(
+            &service,
+            &[check(8, Some(checked)), count(9, true, Some(incremented))],
+        );
+        assert_same_but_for_reset(decisions(&retried[..1])[0], decisions(&first[..1])[0]);
+        assert_eq!(counts(&retried[1..]), counts(&first[1..]));
+    }
+
+    #[test]
     fn bad_requests_get_refusals_naming_the_field_and_count_nothing() {
         let service = service(10);
         let unknown = Request {
@@ -1591,6 +1686,25 @@ mod tests {
             "a retry of a counted fallback is not forwarded"
         );
         assert_same_but_for_reset(decisions(&responses(&output))[0], first);
+        assert_eq!(estimate(&service, "quota"), 2);
+        // The id sent with another cost: refused, not forwarded, and nothing counted.
+        output.clear();
+        handle(
+            &service,
+            &frames(&[quota_check(5, 3)]),
+            &mut output,
+            &mut exact,
+        );
+        assert!(exact.is_empty(), "not forwarded");
+        assert!(
+            matches!(
+                &responses(&output)[0].result,
+                Err(Refusal::BadField { field, why })
+                    if field == "id" && why.contains("another rule, subject or amount")
+            ),
+            "{:?}",
+            responses(&output)
+        );
         assert_eq!(estimate(&service, "quota"), 2);
 
         // The region's decision of a send that was forwarded while the fallback answered

@@ -21,9 +21,9 @@ use std::collections::hash_map::Entry;
 use std::collections::{HashMap, VecDeque};
 use std::sync::{Arc, Mutex, PoisonError};
 use tally_client::wire::{CheckId, Decision, Estimate};
-use tally_crdt::Window;
+use tally_crdt::{KeyRef, Window};
 
-/// How many ids a sidecar remembers: about 15 MB when full (a 96-byte entry in a table of
+/// How many ids a sidecar remembers: about 17 MB when full (a 112-byte entry in a table of
 /// 131,072, and the order).
 pub const RECENT_IDS_MAX: usize = 65_536;
 
@@ -49,13 +49,45 @@ impl Answered {
     }
 }
 
+/// What a request under an id asked for: a CRC-32 of its rule, subject and amount (a
+/// check's cost, an increment's or decrement's amount), so that a send of the id with
+/// another request is told from a retry, which repeats its request (since session 46:
+/// before, it got the first request's answer, and counted nothing). A CRC, not the
+/// store's hasher, whose seeds are secret and new each process: earlier lives' answers
+/// hold it. Two requests share one by chance once in 2^32; the second then gets the
+/// first's answer.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Asked(u32);
+
+impl Asked {
+    /// What a request of `amount` on `key` asks, whatever its window.
+    pub fn of(key: KeyRef<'_>, amount: u64) -> Asked {
+        let mut crc = crc32fast::Hasher::new();
+        for name in [key.rule().as_str(), key.subject()] {
+            crc.update(&(name.len() as u32).to_le_bytes());
+            crc.update(name.as_bytes());
+        }
+        crc.update(&amount.to_le_bytes());
+        Asked(crc.finalize())
+    }
+}
+
+/// An answer given under an id: what it answered, what it was asked, and the window it
+/// was given in.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Remembered {
+    pub answered: Answered,
+    pub asked: Asked,
+    pub window: Window,
+}
+
 /// The recent answers given under an id.
 #[derive(Debug)]
 pub struct RecentIds {
     // Each id's answer, its window, and the number of its insertion. Ids come from clients:
     // hashed as the store hashes subjects (foldhash under secret seeds), a few nanoseconds
     // where SipHash took tens, three times per named request.
-    answered: HashMap<CheckId, (Answered, Window, u64), KeyHasher>,
+    answered: HashMap<CheckId, (Remembered, u64), KeyHasher>,
     // Each insertion's id and number, oldest first. Invariant: every id of `answered` is
     // here under its number; an entry whose number is not its id's held one is a place
     // left by an id answered again, skipped when it comes to the front.
@@ -84,46 +116,55 @@ impl RecentIds {
     /// Remembers `answered`, oldest first, as [`RecentIds::insert`] would have, at
     /// `live_at_secs`: what earlier lives answered ([`crate::lanelog::Recovered::answered`]).
     pub fn remembering(
-        answered: impl IntoIterator<Item = (CheckId, Answered, Window)>,
+        answered: impl IntoIterator<Item = (CheckId, Remembered)>,
         live_at_secs: u64,
     ) -> RecentIds {
         let mut recent = RecentIds::default();
-        for (id, answered, window) in answered {
-            recent.insert(id, answered, window, live_at_secs);
+        for (id, remembered) in answered {
+            recent.insert(id, remembered, live_at_secs);
         }
         recent
     }
 
-    /// `id`'s answer, if it is held and its window is live at `live_at_secs` (the paced
-    /// wall clock windows end by); `None`: answer it now. A decision comes back as it was
-    /// given but for its `reset_after_ms`, which counts from wall-clock `now_ms`.
-    pub fn get(&self, id: CheckId, now_ms: u64, live_at_secs: u64) -> Option<Answered> {
-        let &(answered, window, _) = self.answered.get(&id)?;
+    /// `id`'s answer, and what it was asked, if it is held and its window is live at
+    /// `live_at_secs` (the paced wall clock windows end by); `None`: answer it now. A
+    /// decision comes back as it was given but for its `reset_after_ms`, which counts from
+    /// wall-clock `now_ms`.
+    pub fn get(&self, id: CheckId, now_ms: u64, live_at_secs: u64) -> Option<(Answered, Asked)> {
+        let &(
+            Remembered {
+                answered,
+                asked,
+                window,
+            },
+            _,
+        ) = self.answered.get(&id)?;
         if !window.is_live(live_at_secs) {
             return None;
         }
-        Some(match answered {
+        let answered = match answered {
             Answered::Decided(decision) => Answered::Decided(Decision {
                 reset_after_ms: reset_after_ms(window, now_ms),
                 ..decision
             }),
             counted @ (Answered::Incremented(_) | Answered::Decremented(_)) => counted,
-        })
+        };
+        Some((answered, asked))
     }
 
-    /// Remembers `id`'s answer, given in `window`; pushes out the oldest ids past the
-    /// bound, and those whose windows are no longer live at `live_at_secs`.
-    pub fn insert(&mut self, id: CheckId, answered: Answered, window: Window, live_at_secs: u64) {
+    /// Remembers the answer given under `id`; pushes out the oldest ids past the bound,
+    /// and those whose windows are no longer live at `live_at_secs`.
+    pub fn insert(&mut self, id: CheckId, remembered: Remembered, live_at_secs: u64) {
         self.inserted += 1;
-        self.answered.insert(id, (answered, window, self.inserted));
+        self.answered.insert(id, (remembered, self.inserted));
         self.order.push_back((id, self.inserted));
         while let Some(&(oldest, number)) = self.order.front() {
             let full = self.order.len() > self.max;
             // One look-up: the place is the id's own (not one it left by being answered
             // again), or nothing to drop.
             match self.answered.entry(oldest) {
-                Entry::Occupied(held) if held.get().2 == number => {
-                    if !full && held.get().1.is_live(live_at_secs) {
+                Entry::Occupied(held) if held.get().1 == number => {
+                    if !full && held.get().0.window.is_live(live_at_secs) {
                         break;
                     }
                     held.remove();
@@ -221,6 +262,15 @@ mod tests {
         })
     }
 
+    /// `answered`, given in `window` to one request.
+    fn remember(answered: Answered, window: Window) -> Remembered {
+        Remembered {
+            answered,
+            asked: Asked(7),
+            window,
+        }
+    }
+
     /// The window of `len_secs` from the epoch: it ends at `len_secs` and is live until
     /// twice that.
     fn window(len_secs: u32) -> Window {
@@ -231,7 +281,7 @@ mod tests {
     fn held(recent: &RecentIds, id: CheckId, now_ms: u64) -> Option<i128> {
         recent
             .get(id, now_ms, now_ms / 1_000)
-            .map(|answered| match answered {
+            .map(|(answered, _)| match answered {
                 Answered::Decided(decision) => decision.estimate,
                 Answered::Incremented(estimate) | Answered::Decremented(estimate) => {
                     estimate.estimate
@@ -243,9 +293,11 @@ mod tests {
     fn an_answer_is_given_again_while_its_window_is_live_its_reset_counted_from_now() {
         let mut recent = RecentIds::default();
         assert_eq!(recent.get(id(1, 1), 10_000, 10), None);
-        recent.insert(id(1, 1), decision(5), window(30), 10);
+        recent.insert(id(1, 1), remember(decision(5), window(30)), 10);
         let reset_at = |now_ms: u64| match recent.get(id(1, 1), now_ms, now_ms / 1_000) {
-            Some(Answered::Decided(decision)) => Some((decision.estimate, decision.reset_after_ms)),
+            Some((Answered::Decided(decision), _)) => {
+                Some((decision.estimate, decision.reset_after_ms))
+            }
             other => other.map(|_| panic!("a decision was remembered")),
         };
         assert_eq!(reset_at(10_000), Some((5, 20_000)));
@@ -269,22 +321,26 @@ mod tests {
             window: 0,
             staleness_ms: 3,
         };
-        recent.insert(id(1, 3), Answered::Incremented(count), window(30), 10);
+        recent.insert(
+            id(1, 3),
+            remember(Answered::Incremented(count), window(30)),
+            10,
+        );
         assert_eq!(
             recent.get(id(1, 3), 40_000, 40),
-            Some(Answered::Incremented(count)),
-            "a count is given again as it was"
+            Some((Answered::Incremented(count), Asked(7))),
+            "a count is given again as it was, with what it was asked"
         );
     }
 
     #[test]
     fn an_answer_stays_while_its_window_is_live_by_the_paced_clock_whatever_the_wall_says() {
         let mut recent = RecentIds::default();
-        recent.insert(id(1, 1), decision(5), window(30), 10);
+        recent.insert(id(1, 1), remember(decision(5), window(30)), 10);
         // The wall clock stepped an hour ahead; the paced one is a second on.
         assert_eq!(held(&recent, id(1, 1), 10_000), Some(5));
         assert!(recent.get(id(1, 1), 3_611_000, 11).is_some());
-        recent.insert(id(1, 2), decision(6), window(30), 11);
+        recent.insert(id(1, 2), remember(decision(6), window(30)), 11);
         assert!(
             recent.get(id(1, 1), 3_611_000, 11).is_some(),
             "not pushed out"
@@ -297,14 +353,14 @@ mod tests {
 
     #[test]
     fn an_entry_is_the_size_the_memory_bound_is_reckoned_with() {
-        assert_eq!(size_of::<(CheckId, (Answered, Window, u64))>(), 96);
+        assert_eq!(size_of::<(CheckId, (Remembered, u64))>(), 112);
     }
 
     #[test]
     fn the_oldest_ids_are_pushed_out_past_the_bound() {
         let mut recent = RecentIds::with_max(3);
         for seq in 1..=5 {
-            recent.insert(id(7, seq), decision(seq as i128), window(30), 10);
+            recent.insert(id(7, seq), remember(decision(seq as i128), window(30)), 10);
         }
         assert_eq!(recent.len(), 3);
         assert_eq!(
@@ -319,9 +375,9 @@ mod tests {
     #[test]
     fn ids_whose_windows_are_over_are_let_go_and_one_decided_again_is_held_once() {
         let mut recent = RecentIds::with_max(10);
-        recent.insert(id(1, 1), decision(1), window(10), 10);
-        recent.insert(id(1, 2), decision(2), window(30), 10);
-        recent.insert(id(1, 3), decision(3), window(30), 30);
+        recent.insert(id(1, 1), remember(decision(1), window(10)), 10);
+        recent.insert(id(1, 2), remember(decision(2), window(30)), 10);
+        recent.insert(id(1, 3), remember(decision(3), window(30)), 30);
         assert_eq!(
             recent.len(),
             2,
@@ -330,10 +386,10 @@ mod tests {
         // An id decided again in a later window takes a new place in the order: its old
         // place, at the front, does not push out the new decision.
         let mut again = RecentIds::with_max(2);
-        again.insert(id(1, 1), decision(1), window(10), 10);
-        again.insert(id(1, 2), decision(2), window(50), 10);
-        again.insert(id(1, 1), decision(7), window(40), 15);
-        again.insert(id(1, 3), decision(3), window(50), 15);
+        again.insert(id(1, 1), remember(decision(1), window(10)), 10);
+        again.insert(id(1, 2), remember(decision(2), window(50)), 10);
+        again.insert(id(1, 1), remember(decision(7), window(40)), 15);
+        again.insert(id(1, 3), remember(decision(3), window(50)), 15);
         assert_eq!(held(&again, id(1, 1), 15_000), Some(7));
         assert_eq!(
             held(&again, id(1, 2), 15_000),

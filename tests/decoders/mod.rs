@@ -6,12 +6,12 @@ use tally_client::wire::{
     self as client_wire, CheckId, Decision, Estimate, Mode, Op, Refusal, Request, Response,
 };
 use tally_crdt::{
-    Delta, Digest, Generation, Key, Lane, LaneUpdate, NodeId, OriginDelta, ReplicaId, Rule, Stamp,
-    Subject, Version, Watermark, Window,
+    Delta, Digest, Generation, Key, KeyRef, Lane, LaneUpdate, NodeId, OriginDelta, ReplicaId, Rule,
+    Stamp, Subject, Version, Watermark, Window,
 };
 use tally_gossip::message::{Cover, MemberEntry, Message};
 use tally_gossip::wire as gossip_wire;
-use tally_node::recent::Answered;
+use tally_node::recent::{Answered, Asked, Remembered};
 use tally_node::region::log::{self as region_log, Entry, Record, RequestId};
 use tally_node::region::wire::{self as region_wire, ExactAnswer, ExactCheck, Outcome};
 use tally_node::{answerlog, lanelog};
@@ -235,19 +235,20 @@ pub fn seeds() -> Vec<(&'static str, Vec<u8>)> {
         staleness_ms: 250,
         bound: 12.5,
     };
-    answerlog::encode(
-        &(id(1), Answered::Decided(decision), window),
-        &mut answer_log,
-    );
+    let remembered = |answered, key: &Key, amount| Remembered {
+        answered,
+        asked: Asked::of(KeyRef::from(key), amount),
+        window,
+    };
+    let check = remembered(Answered::Decided(decision), &key("login", "alice"), 1);
+    answerlog::encode(&(id(1), check), &mut answer_log);
     let estimate = Estimate {
         estimate: 1 << 70,
         window: window.index(),
         staleness_ms: 0,
     };
-    answerlog::encode(
-        &(id(2), Answered::Incremented(estimate), window),
-        &mut answer_log,
-    );
+    let count = remembered(Answered::Incremented(estimate), &key("api", "bob"), 1 << 40);
+    answerlog::encode(&(id(2), count), &mut answer_log);
     let mut response = Vec::new();
     client_wire::encode_frame(
         &Response {
