@@ -966,16 +966,47 @@ mod tests {
         });
     }
 
-    /// TESTING.md D5: a failed sync, of the copy as of the log, and nothing is acknowledged
+    /// TESTING.md D5: a failed write or sync of the copy, and nothing is acknowledged
     /// after it, though the log itself was not touched and would still sync.
     #[test]
-    fn a_compaction_whose_copy_fails_its_sync_fails_closed() {
+    fn a_compaction_whose_copy_fails_its_write_or_its_sync_fails_closed() {
         a_compaction_failed_by_the_disk_fails_closed(FullStorage {
             written: Arc::new(Mutex::new(Vec::new())),
             allocated: 0,
             room: 64,
             replace_fails: Some((ReplaceStep::Copy, 5)),
         });
+        a_compaction_failed_by_the_disk_fails_closed(FullStorage {
+            written: Arc::new(Mutex::new(Vec::new())),
+            allocated: 0,
+            room: 64,
+            replace_fails: Some((ReplaceStep::SyncCopy, 5)),
+        });
+    }
+
+    /// A sync of the copy that reports no room (ENOSPC) is a writeback error, as on
+    /// thin-provisioned storage, not a refused allocation: it fails closed too (found in
+    /// review, session 46).
+    #[test]
+    fn a_compaction_whose_copys_sync_reports_no_room_fails_closed() {
+        let storage = FullStorage {
+            written: Arc::new(Mutex::new(Vec::new())),
+            allocated: 0,
+            room: 64,
+            replace_fails: Some((ReplaceStep::SyncCopy, 28)),
+        };
+        let committer = Committer::start(Box::new(storage));
+        assert!(committer
+            .submit(vec![1; 6], 1)
+            .blocking_recv()
+            .unwrap()
+            .is_ok());
+        committer.compact(vec![9; 6], Vec::new());
+        let refused = committer.submit(vec![2; 2], 1).blocking_recv().unwrap();
+        assert!(
+            refused.is_err(),
+            "acknowledged after a failed sync: {refused:?}"
+        );
     }
 
     fn a_compaction_failed_by_the_disk_fails_closed(storage: FullStorage) {

@@ -203,9 +203,13 @@ pub enum ReplaceStep {
     /// Making the copy's file (out of file descriptors, say): nothing was written, and the
     /// log is as it was.
     Create,
-    /// Writing or syncing the copy: the log is as it was, but unless for want of room the
-    /// disk failed a write or a sync.
+    /// Writing the copy: the log is as it was, but unless for want of room the disk
+    /// failed a write.
     Copy,
+    /// Syncing the copy: the log is as it was, but the disk failed a sync, whatever it
+    /// reported (a sync's "no room" is a writeback error, on thin-provisioned or network
+    /// storage, not a refused allocation).
+    SyncCopy,
     /// From the rename on: whether the log was replaced, and whether this storage still
     /// writes to it, is not known.
     Rename,
@@ -226,14 +230,15 @@ impl ReplaceError {
         self.step != ReplaceStep::Rename
     }
 
-    /// Whether acknowledging may go on: the log is as it was, and no write or sync failed
-    /// but for want of room (a disk that failed a sync, of the copy or of the log, may have
-    /// dropped pages, and nothing after it is acknowledged).
+    /// Whether acknowledging may go on: the log is as it was, no write failed but for want
+    /// of room, and no sync failed (a disk that failed a sync, of the copy or of the log,
+    /// may have dropped pages, and nothing after it is acknowledged; found in review,
+    /// session 46: a sync of the copy that reported no room was taken for a refused write).
     pub fn harmless(&self) -> bool {
         match self.step {
             ReplaceStep::Create => true,
             ReplaceStep::Copy => is_no_room(&self.err),
-            ReplaceStep::Rename => false,
+            ReplaceStep::SyncCopy | ReplaceStep::Rename => false,
         }
     }
 }
@@ -342,16 +347,14 @@ impl Storage for FileStorage {
             .write_all(&header(bytes.len() as u64))
             .and_then(|()| file.write_all(bytes))
             .and_then(|()| checksummed::write_zeros(&file, &mut end.clone(), allocated))
-            .and_then(|()| file.sync_all());
+            .map_err(|err| (err, ReplaceStep::Copy))
+            .and_then(|()| file.sync_all().map_err(|err| (err, ReplaceStep::SyncCopy)));
         drop(file);
-        if let Err(err) = written {
+        if let Err((err, step)) = written {
             // A compaction that failed (a full disk, say) leaves no file taking room, and
             // the log as it was: nothing of it was touched.
             let _ = std::fs::remove_file(&tmp);
-            return Err(ReplaceError {
-                err,
-                step: ReplaceStep::Copy,
-            });
+            return Err(ReplaceError { err, step });
         }
         // From the rename on, a failure may leave the log replaced, or replaced but not
         // durably, while `self.file` still writes to the file it replaced.
