@@ -45,7 +45,18 @@ pub enum StartError {
     /// The runtime could not start.
     #[error("tokio runtime: {0}")]
     Runtime(std::io::Error),
-    /// The node failed to start or stopped on its own.
+    /// A value of the configuration could not be used at start-up: a TLS file that
+    /// cannot be read, a data directory, an address that cannot be bound.
+    #[error("config {file}: {key}: {source}")]
+    Setting {
+        /// The file (or "`file` with flags").
+        file: PathBuf,
+        /// The key, as a TOML path: `tls.ca`.
+        key: &'static str,
+        /// What failed.
+        source: DaemonError,
+    },
+    /// The node stopped on its own.
     #[error(transparent)]
     Daemon(#[from] DaemonError),
 }
@@ -56,6 +67,15 @@ impl DaemonArgs {
     /// `seeds[<their count> + i]` in errors.
     pub fn config(&self) -> Result<Config, ConfigError> {
         Config::load_with_flags(&self.config, |config| self.apply(config))
+    }
+
+    /// The configuration's name in errors: its file, or "`file` with flags".
+    fn named(&self) -> PathBuf {
+        if self.has_flags() {
+            PathBuf::from(format!("{} with flags", self.config.display()))
+        } else {
+            self.config.clone()
+        }
     }
 
     /// Sets the values the flags give; returns whether there were any.
@@ -71,6 +91,10 @@ impl DaemonArgs {
         }
         config.seeds.extend(self.seeds.iter().cloned());
         config.new_ledger = self.new_ledger;
+        self.has_flags()
+    }
+
+    fn has_flags(&self) -> bool {
         self.node_id.is_some()
             || self.listen_gossip.is_some()
             || self.listen_client.is_some()
@@ -88,6 +112,7 @@ pub fn run(args: &DaemonArgs) -> Result<(), StartError> {
         .enable_all()
         .build()
         .map_err(StartError::Runtime)?;
+    let keyed = config.clone();
     let ran = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
         runtime.block_on(daemon::run(config, shutdown_signal()))
     }));
@@ -96,7 +121,14 @@ pub fn run(args: &DaemonArgs) -> Result<(), StartError> {
     // panic too.
     runtime.shutdown_timeout(STOP_BLOCKING_WAIT);
     match ran {
-        Ok(ran) => Ok(ran?),
+        Ok(ran) => ran.map_err(|err| match err.key(&keyed) {
+            Some(key) => StartError::Setting {
+                file: args.named(),
+                key,
+                source: err,
+            },
+            None => StartError::Daemon(err),
+        }),
         Err(panic) => std::panic::resume_unwind(panic),
     }
 }
@@ -183,6 +215,43 @@ mod tests {
             err.contains("node-1.toml with flags") && err.contains("seeds[0].node"),
             "{err}"
         );
+        std::fs::remove_dir_all(dir).unwrap();
+    }
+
+    /// A path the file gives that the node cannot use is a bad value like any other: the
+    /// refusal names the key and the file (found in review, session 46: it named the path
+    /// alone).
+    #[test]
+    fn a_certificate_path_that_cannot_be_read_is_refused_naming_the_key_and_the_file() {
+        let dir = std::env::temp_dir().join(format!("tally-cli-tls-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let file = dir.join("node-1.toml");
+        std::fs::write(
+            &file,
+            "node_id = 1\n\
+             listen_gossip = \"127.0.0.1:0\"\n\
+             listen_client = \"127.0.0.1:0\"\n\
+             listen_http = \"127.0.0.1:0\"\n\
+             tls = { ca = \"no-such-ca.pem\", cert = \"node-1.pem\", key = \"node-1.key\" }\n",
+        )
+        .unwrap();
+        let refused = run(&no_flags(file.clone()));
+        assert!(
+            matches!(&refused, Err(StartError::Setting { key: "tls.ca", .. })),
+            "{refused:?}"
+        );
+        let err = refused.unwrap_err().to_string();
+        assert!(
+            err.starts_with(&format!("config {}: tls.ca: ", file.display()))
+                && err.contains("no-such-ca.pem"),
+            "{err}"
+        );
+        let with_flags = DaemonArgs {
+            listen_client: Some("127.0.0.1:0".parse().unwrap()),
+            ..no_flags(file)
+        };
+        let err = run(&with_flags).unwrap_err().to_string();
+        assert!(err.contains("node-1.toml with flags: tls.ca: "), "{err}");
         std::fs::remove_dir_all(dir).unwrap();
     }
 

@@ -506,6 +506,18 @@ impl Config {
         positive(self.fanout as u64, "fanout").map_err(|why| bad("fanout".into(), why))?;
         within(self.dead_after_ms, DEAD_AFTER_MS_MAX, "dead_after_ms")
             .map_err(|why| bad("dead_after_ms".into(), why))?;
+        if self.dead_after_ms <= self.gossip_interval_ms {
+            // Held by every approximate rule's `stale_after_ms` too, but a node with none
+            // (a region, or an edge of exact rules) must hold it as well (found in review,
+            // session 46).
+            return Err(bad(
+                "dead_after_ms".into(),
+                format!(
+                    "{} must be above gossip_interval_ms ({}): a member is heard once a round,                      and one suspected for less than a round would be declared dead before                      its next heartbeat could clear it",
+                    self.dead_after_ms, self.gossip_interval_ms
+                ),
+            ));
+        }
         positive(self.client_connections_max as u64, "client_connections_max")
             .map_err(|why| bad("client_connections_max".into(), why))?;
         if self.client_connections_max > tokio::sync::Semaphore::MAX_PERMITS {
@@ -1142,6 +1154,18 @@ window_secs = 60
             (
                 GOOD.replace("node_id = 1", "node_id = 1\ndead_after_ms = 3600001"),
                 "dead_after_ms",
+            ),
+            (
+                GOOD.replace(
+                    "node_id = 1",
+                    "node_id = 1\ngossip_interval_ms = 1000\ndead_after_ms = 1000",
+                )
+                .replace("window_secs = 60", "window_secs = 60\nmode = \"exact\"")
+                .replace(
+                    "node_id = 1",
+                    "node_id = 1\nregion = { node = 2, addr = \"127.0.0.1:7002\" }",
+                ),
+                "dead_after_ms: 1000 must be above gossip_interval_ms",
             ),
             (
                 GOOD.replace(

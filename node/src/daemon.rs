@@ -85,6 +85,36 @@ pub enum DaemonError {
     TaskEnded(&'static str),
 }
 
+impl DaemonError {
+    /// The key of `config` whose value this failure to start is about, if one is: a TLS
+    /// file that cannot be used, a data directory, an address or a socket that cannot be
+    /// bound, a rule's name. `None` for a node that stopped on its own.
+    pub fn key(&self, config: &Config) -> Option<&'static str> {
+        let tls = &config.tls;
+        match self {
+            DaemonError::Tls(TlsError::File { path, .. }) if *path == tls.ca => Some("tls.ca"),
+            DaemonError::Tls(TlsError::File { path, .. }) if *path == tls.key => Some("tls.key"),
+            DaemonError::Tls(
+                TlsError::File { .. } | TlsError::WrongNode { .. } | TlsError::NotValidNow { .. },
+            ) => Some("tls.cert"),
+            DaemonError::Tls(TlsError::NotFromCa { .. } | TlsError::Config(_)) => Some("tls"),
+            DaemonError::Log(_) | DaemonError::Ledger(_) | DaemonError::Region(_) => {
+                Some("data_dir")
+            }
+            DaemonError::Rule(_) => Some("rules"),
+            DaemonError::Bind { what, .. } => Some(match *what {
+                "client" => "listen_client",
+                "client socket" => "client_socket",
+                "http" => "listen_http",
+                _ => "listen_gossip",
+            }),
+            DaemonError::Driver(_) | DaemonError::Forgotten { .. } | DaemonError::TaskEnded(_) => {
+                None
+            }
+        }
+    }
+}
+
 /// When the gossip task collects written lanes. Without a data dir, just before the push
 /// that carries them ([`Collecting::AtPush`]): a write waits for one push batch, and a
 /// node under steady writes collects once a push interval, where a collection tick fired
@@ -531,6 +561,10 @@ mod tests {
         let config = |node: u64, client: &str| config_in(&dir, "", node, client);
         let refused = start(config(4, "127.0.0.1:0"));
         assert!(matches!(refused, Err(DaemonError::Tls(_))), "{refused:?}");
+        let key = |refused: &Result<(), DaemonError>, node, client| {
+            refused.as_ref().unwrap_err().key(&config(node, client))
+        };
+        assert_eq!(key(&refused, 4, "127.0.0.1:0"), Some("tls.cert"));
         assert!(!data.join("node").exists(), "claimed for node 4");
         let in_use = taken.local_addr().unwrap().to_string();
         let refused = start(config(3, &in_use));
@@ -538,6 +572,7 @@ mod tests {
             matches!(refused, Err(DaemonError::Bind { what: "client", .. })),
             "{refused:?}"
         );
+        assert_eq!(key(&refused, 3, &in_use), Some("listen_client"));
         assert!(
             !data.join("node").exists(),
             "claimed by a start that failed to bind"
@@ -570,6 +605,8 @@ mod tests {
             matches!(&refused, Err(DaemonError::Ledger(LedgerError::Missing { path })) if *path == ledger),
             "{refused:?}"
         );
+        let key = refused.as_ref().unwrap_err().key(&region(false));
+        assert_eq!(key, Some("data_dir"));
         assert!(!data.exists(), "a refused start made its data dir");
         let message = refused.unwrap_err().to_string();
         assert!(message.contains("--new-ledger"), "{message}");
