@@ -127,7 +127,13 @@ async fn exchange(endpoints: &Endpoints, mut stream: TcpStream) {
         kind,
         allow,
         body,
-    } = endpoints.answer(&String::from_utf8_lossy(&head)).await;
+    } = match &head {
+        Head::Whole(head) => endpoints.answer(&String::from_utf8_lossy(head)).await,
+        Head::TooLarge => Answer::text(
+            "431 Request Header Fields Too Large",
+            format!("a request head is at most {HEAD_BYTES_MAX} bytes"),
+        ),
+    };
     let allow = allow.map_or(String::new(), |allow| format!("allow: {allow}\r\n"));
     let response = format!(
         "HTTP/1.1 {status}\r\ncontent-type: {kind}\r\n{allow}content-length: {}\r\nconnection: close\r\n\r\n{body}",
@@ -135,26 +141,56 @@ async fn exchange(endpoints: &Endpoints, mut stream: TcpStream) {
     );
     let _ = stream.write_all(response.as_bytes()).await;
     let _ = stream.shutdown().await;
+    if let Head::TooLarge = head {
+        // The rest of the head is still coming: closing with it unread would reset the
+        // connection, and the client could lose the answer. Read it away for a while.
+        let mut rest = [0u8; 1024];
+        let drain = async { while matches!(stream.read(&mut rest).await, Ok(n) if n > 0) {} };
+        let _ = tokio::time::timeout(HEAD_TIMEOUT, drain).await;
+    }
 }
 
-/// A request head, up to its blank line or `HEAD_BYTES_MAX` bytes; `None` if the client
-/// goes first.
-async fn read_head(stream: &mut TcpStream) -> Option<Vec<u8>> {
+/// What a client sent before its blank line.
+enum Head {
+    /// The request line and the headers, up to and with the blank line.
+    Whole(Vec<u8>),
+    /// `HEAD_BYTES_MAX` bytes with no blank line among them.
+    TooLarge,
+}
+
+/// A request head; `None` if the client goes first.
+async fn read_head(stream: &mut TcpStream) -> Option<Head> {
     let mut head = Vec::new();
     let mut chunk = [0u8; 1024];
     loop {
+        // Only the bytes about to be read, and the three before them, can end the head.
+        let from = head.len().saturating_sub(3);
         match stream.read(&mut chunk).await {
             Ok(0) | Err(_) => return None,
             Ok(n) => head.extend_from_slice(&chunk[..n]),
         }
-        // Only the bytes just read, and the three before them, can complete the head.
-        let fresh = &head[head.len().saturating_sub(chunk.len() + 3)..];
-        let ended =
-            fresh.windows(4).any(|w| w == b"\r\n\r\n") || fresh.windows(2).any(|w| w == b"\n\n");
-        if ended || head.len() >= HEAD_BYTES_MAX {
-            return Some(head);
+        if let Some(end) = head_end(&head, from) {
+            // Nothing after the blank line is read as a header (found in review, session
+            // 46: a body's `Host:` line was taken for the header).
+            head.truncate(end);
+            return Some(Head::Whole(head));
+        }
+        if head.len() >= HEAD_BYTES_MAX {
+            // Found in review, session 46: it was answered as if it ended here.
+            return Some(Head::TooLarge);
         }
     }
+}
+
+/// Where the first blank line at or after `from` in `head` ends, if there is one.
+fn head_end(head: &[u8], from: usize) -> Option<usize> {
+    let after = &head[from..];
+    let crlf = after
+        .windows(4)
+        .position(|w| w == b"\r\n\r\n")
+        .map(|i| i + 4);
+    let lf = after.windows(2).position(|w| w == b"\n\n").map(|i| i + 2);
+    crlf.into_iter().chain(lf).min().map(|end| from + end)
 }
 
 /// The host the `Host` header of `head` names, without its port, if it has one.
@@ -414,6 +450,11 @@ mod tests {
                 "{host:?}: {answer}"
             );
         }
+        // A `Host:` line in the body is no header (found in review, session 46).
+        let with_a_body =
+            "DELETE /members/3 HTTP/1.1\r\ncontent-length: 17\r\n\r\nHost: localhost\r\n";
+        let answer = ask(addr, with_a_body).await;
+        assert!(answer.starts_with("HTTP/1.1 403 Forbidden\r\n"), "{answer}");
         // Only DELETE: a page in a browser can send a GET or a POST anywhere unasked.
         for method in ["GET", "POST"] {
             let answer = ask(addr, &format!("{method} /members/3 HTTP/1.1\r\n\r\n")).await;
@@ -424,6 +465,36 @@ mod tests {
         let addr = start().await;
         let answer = ask(addr, &delete("3")).await;
         assert!(answer.starts_with("HTTP/1.1 503"), "{answer}");
+    }
+
+    /// A head past `HEAD_BYTES_MAX` is refused (431), not answered as if it had ended
+    /// there (found in review, session 46), and the answer arrives whole, though the
+    /// client was still sending.
+    #[tokio::test(flavor = "current_thread")]
+    async fn a_request_head_over_the_limit_is_refused_not_answered() {
+        let addr = start().await;
+        let padding = "x".repeat(2 * HEAD_BYTES_MAX);
+        let answer = ask(
+            addr,
+            &format!("GET /metrics HTTP/1.1\r\nx-padding: {padding}\r\n\r\n"),
+        )
+        .await;
+        assert!(
+            answer.starts_with("HTTP/1.1 431 Request Header Fields Too Large\r\n"),
+            "{}",
+            answer.lines().next().unwrap_or_default()
+        );
+        assert!(answer.contains("at most 8192 bytes"), "{answer}");
+        let just_under = "x".repeat(HEAD_BYTES_MAX - 64);
+        let answer = ask(
+            addr,
+            &format!("GET /metrics HTTP/1.1\r\nx-padding: {just_under}\r\n\r\n"),
+        )
+        .await;
+        assert!(
+            answer.starts_with("HTTP/1.1 200 OK\r\n"),
+            "a head within the limit"
+        );
     }
 
     #[tokio::test(flavor = "current_thread")]
