@@ -35,6 +35,12 @@ pub struct Options {
     /// than one timer per request, one timer per connection looks at the requests in
     /// flight every eighth of `timeout`. With a 50 ms timeout a request fails after 50 to
     /// about 65 ms.
+    ///
+    /// That timer, and the reader of answers, run on the runtime the client connected on:
+    /// a call made from another runtime while that one is alive but not running (a
+    /// current-thread runtime outside its `block_on`) may be sent and then get neither its
+    /// answer nor `Timeout` until that runtime runs again. Connect on the runtime that
+    /// keeps running (found in review, session 46).
     pub timeout: Duration,
     /// How long connecting (or reconnecting) may take. Default 1 s.
     pub connect_timeout: Duration,

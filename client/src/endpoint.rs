@@ -54,6 +54,7 @@ impl From<SocketAddr> for Endpoint {
 /// Why a text is not an [`Endpoint`].
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[error("endpoint: {text:?} is neither `unix:/path/to.sock` nor `ip:port`")]
+#[non_exhaustive]
 pub struct ParseEndpointError {
     /// The text that did not parse.
     pub text: String,

@@ -421,6 +421,7 @@ pub enum Refusal {
 
 /// Why a frame was refused.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
 pub enum FrameError {
     /// The frame was empty.
     #[error("frame: empty")]

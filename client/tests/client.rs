@@ -931,3 +931,34 @@ fn a_reconnect_made_from_another_runtime_keeps_serving_once_that_runtime_idles()
     stop.send(()).unwrap();
     application.join().unwrap();
 }
+
+/// An answer that arrives one byte at a time (its length prefix split too) is still
+/// matched to its call, and a truncated one followed by the end of the stream fails the
+/// waiting call with `Disconnected`, not a panic or a hang (from review, session 46).
+#[tokio::test]
+async fn an_answer_trickled_byte_by_byte_is_decoded_and_a_truncated_one_disconnects() {
+    let (listener, endpoint) = listen().await;
+    let server = tokio::spawn(async move {
+        let (mut stream, _) = listener.accept().await.unwrap();
+        let answer = |id, count| {
+            let mut frame = Vec::new();
+            let result = Ok(Reply::Estimate(estimate(count)));
+            wire::encode_frame(&Response { id, result }, &mut frame);
+            frame
+        };
+        let first = read_request(&mut stream).await.unwrap();
+        for byte in answer(first.id, 11) {
+            stream.write_all(&[byte]).await.unwrap();
+            stream.flush().await.unwrap();
+            tokio::time::sleep(Duration::from_millis(2)).await;
+        }
+        let second = read_request(&mut stream).await.unwrap();
+        let frame = answer(second.id, 12);
+        stream.write_all(&frame[..frame.len() - 1]).await.unwrap();
+    });
+    let client = Client::connect(endpoint, options()).await.unwrap();
+    assert_eq!(client.get("r", "s").await.unwrap(), estimate(11));
+    let err = client.get("r", "s").await.unwrap_err();
+    assert!(matches!(err, Error::Disconnected), "{err:?}");
+    server.await.unwrap();
+}
