@@ -102,6 +102,11 @@ struct Inner {
 
 impl Client {
     /// Connects to the sidecar at `endpoint`, within `options.connect_timeout`.
+    ///
+    /// # Panics
+    ///
+    /// Outside a Tokio runtime, or on one built without its timers (`enable_time`, or
+    /// `enable_all`): the connect's and the requests' timeouts need them.
     pub async fn connect(endpoint: Endpoint, options: Options) -> Result<Client, Error> {
         let connection = open(&endpoint, options).await?;
         Ok(Client {
