@@ -481,7 +481,7 @@ mod tests {
     use super::*;
     use crate::refused_sums::RefusedSums;
     use crate::view::UnheardSeeds;
-    use tally_crdt::{Generation, Key, NodeId, ReplicaId};
+    use tally_crdt::{Generation, Key, NodeId, PnCounter, ReplicaId};
     use tally_gossip::membership::State;
 
     const NOW: Stamp = Stamp(1_767_225_630_000);
@@ -681,7 +681,7 @@ mod tests {
         let (store, owned) = setup(&rule);
         let key = KeyRef::from(&owned);
         let replica = |node| ReplicaId::new(NodeId(node), Generation(1));
-        let mut counter = tally_crdt::PnCounter::new();
+        let mut counter = PnCounter::new();
         counter.incr(replica(2), 10).unwrap();
         counter.decr(replica(2), 60).unwrap();
         counter.incr(replica(3), 250).unwrap();
@@ -690,7 +690,7 @@ mod tests {
             &[(2, State::Alive), (3, State::Alive)],
             Stamp(NOW.0 - 5_000),
         );
-        view.take_in(&owned, &counter, replica(1), 0);
+        view.take_in(&owned, &counter, || None::<PnCounter>, replica(1), 0);
         let mut context = context(&store, &view);
         let decision = context.check(&rule, key, 1).unwrap();
         assert_eq!(decision.mode, Mode::ApproximateIsolated);
@@ -713,7 +713,7 @@ mod tests {
         let key = KeyRef::from(&owned);
         let previous = key.in_window(owned.window.previous().unwrap()).to_key();
         let replica = |node| ReplicaId::new(NodeId(node), Generation(1));
-        let mut counter = tally_crdt::PnCounter::new();
+        let mut counter = PnCounter::new();
         counter.decr(replica(2), 100).unwrap();
         counter.incr(replica(3), 400).unwrap();
         store.publish_remote(&previous, 300).unwrap();
@@ -721,7 +721,7 @@ mod tests {
             &[(2, State::Alive), (3, State::Alive)],
             Stamp(NOW.0 - 5_000),
         );
-        view.take_in(&previous, &counter, replica(1), 0);
+        view.take_in(&previous, &counter, || None::<PnCounter>, replica(1), 0);
         let mut context = context(&store, &view);
         let decision = context.check(&rule, key, 1).unwrap();
         assert_eq!(decision.mode, Mode::ApproximateIsolated);
@@ -737,11 +737,11 @@ mod tests {
         let (store, owned) = setup(&rule);
         let key = KeyRef::from(&owned);
         let replica = |node| ReplicaId::new(NodeId(node), Generation(1));
-        let mut counter = tally_crdt::PnCounter::new();
+        let mut counter = PnCounter::new();
         counter.incr(replica(3), 60).unwrap();
         store.publish_remote(&owned, 60).unwrap();
         let mut view = view_of(&[(2, State::Alive), (3, State::Left)], Stamp(NOW.0 - 5_000));
-        view.take_in(&owned, &counter, replica(1), 0);
+        view.take_in(&owned, &counter, || None::<PnCounter>, replica(1), 0);
         let mut context = context(&store, &view);
         let decisions: Vec<Decision> = (0..60)
             .map(|_| context.check(&rule, key, 1).unwrap())

@@ -367,7 +367,15 @@ impl Driver {
                     .keys_refused
                     .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
             }
-            view.take_in(key, &counter, me, now_ms);
+            let previous = || {
+                let window = key.window.previous()?;
+                let key = Key {
+                    window,
+                    ..key.clone()
+                };
+                self.gossip.map().counter(&key)
+            };
+            view.take_in(key, &counter, previous, me, now_ms);
         }
     }
 

@@ -9,7 +9,7 @@
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::sync::{Mutex, MutexGuard};
 use std::time::Duration;
-use tally_crdt::{Counter, CounterMap, Key, KeyRef, NodeId, ReplicaId, Stamp};
+use tally_crdt::{Counter, CounterMap, Key, KeyRef, NodeId, ReplicaId, Slot, Stamp};
 use tally_gossip::membership::State;
 use tally_gossip::{Now, Seed, Stats};
 
@@ -502,23 +502,39 @@ impl ViewState {
 
     /// Takes in `key`'s counter as gossip merged it, at monotonic time `now_ms`: the other
     /// replicas' increments for its remote rate, the value of `me`'s other lives, and how
-    /// far below zero the other nodes are.
+    /// far below zero the other nodes are. `previous` gives the counter of the key's
+    /// window before, if the map holds it.
     ///
     /// The rate falls only as measured up to the first arrival of the newest states of the
-    /// live members holding a lane of the key ([`Rate::observe`]): one cut off adds
-    /// nothing to the samples after its last, and the rate would fall to the others' while
-    /// its own admissions, unseen, go on. The bound is the rate times the staleness
-    /// (`decide`), so it holds the cut-off member's rate.
-    pub fn take_in(&mut self, key: &Key, counter: &impl Counter, me: ReplicaId, now_ms: u64) {
+    /// live members holding a lane of the key, or of its window before ([`Rate::observe`]):
+    /// one cut off adds nothing to the samples after its last, and the rate would fall to
+    /// the others' while its own admissions, unseen, go on. The bound is the rate times the
+    /// staleness (`decide`), so it holds the cut-off member's rate. A key's rate in a new
+    /// window starts from its window before, so the writers of that window count too: one
+    /// cut off at the window's turn has no lane of the new window here (found in review,
+    /// session 46: the rate then fell to the others' while the cut-off writer went on).
+    pub fn take_in<C: Counter>(
+        &mut self,
+        key: &Key,
+        counter: &impl Counter,
+        previous: impl FnOnce() -> Option<C>,
+        me: ReplicaId,
+        now_ms: u64,
+    ) {
         self.taking_in(key);
         let remote = || counter.slots().filter(|slot| slot.replica != me);
         let remote_incr = remote().fold(0u64, |total, slot| total.saturating_add(slot.lane.incr));
         match self.remote_rates.get_mut(key) {
             Some(rate) => {
                 let heard_until = || {
-                    remote()
-                        .filter_map(|slot| self.heard_live.get(&slot.replica).copied())
-                        .min()
+                    let heard = |slot: Slot| self.heard_live.get(&slot.replica).copied();
+                    let before = previous().and_then(|counter| {
+                        (counter.slots())
+                            .filter(|slot| slot.replica != me)
+                            .filter_map(heard)
+                            .min()
+                    });
+                    remote().filter_map(heard).chain(before).min()
                 };
                 rate.observe(remote_incr, now_ms, heard_until);
             }
@@ -674,7 +690,7 @@ mod tests {
         let outside = |state: &ViewState| state.outside(KeyRef::from(&key));
         let joined = members(&mut state, &map, &[(2, State::Alive), (3, State::Alive)]);
         assert_eq!(joined.joined, [NodeId(2), NodeId(3)]);
-        state.take_in(&key, &map.counter(&key).unwrap(), me, 0);
+        state.take_in(&key, &map.counter(&key).unwrap(), no_previous, me, 0);
         assert_eq!(outside(&state), 7, "node 9 has no row");
         // Node 9's row comes; node 3 leaves.
         let rows = [(2, State::Alive), (3, State::Left), (9, State::Alive)];
@@ -712,9 +728,9 @@ mod tests {
             Window::new(key.window.index() + 10, key.window.len_secs()).unwrap(),
         );
         let mut state = ViewState::default();
-        state.take_in(&later, &PnCounter::new(), me, 0);
+        state.take_in(&later, &PnCounter::new(), no_previous, me, 0);
         state.forget_ended_windows(ended - 1);
-        state.take_in(&key, &PnCounter::new(), me, 0);
+        state.take_in(&key, &PnCounter::new(), no_previous, me, 0);
         state.forget_ended_windows(ended);
         assert_eq!(state.remote_rates.len(), 1, "the later window's key stays");
         assert!(!state.remote_rates.contains_key(&key));
@@ -729,7 +745,7 @@ mod tests {
         let mut counter = PnCounter::new();
         counter.incr(life(2), 9).unwrap();
         counter.incr(peer, 5).unwrap();
-        state.take_in(&key, &counter, life(2), 0);
+        state.take_in(&key, &counter, no_previous, life(2), 0);
         assert_eq!(
             state.other_lives(KeyRef::from(&key)),
             0,
@@ -741,12 +757,12 @@ mod tests {
         // from a peer that held it.
         counter.incr(life(1), 4).unwrap();
         counter.decr(life(1), 1).unwrap();
-        state.take_in(&key, &counter, life(2), 0);
+        state.take_in(&key, &counter, no_previous, life(2), 0);
         assert_eq!(state.other_lives(KeyRef::from(&key)), 3);
 
         // Its lanes netted out (a release counted later): nothing is kept for the key.
         counter.decr(life(1), 3).unwrap();
-        state.take_in(&key, &counter, life(2), 0);
+        state.take_in(&key, &counter, no_previous, life(2), 0);
         assert_eq!(state.other_lives(KeyRef::from(&key)), 0);
         assert!(state.other_lives.is_empty());
     }
@@ -760,14 +776,14 @@ mod tests {
         // This node below zero counts for nothing here: it is in its own count.
         counter.decr(life(1, 1), 5).unwrap();
         counter.incr(life(2, 1), 3).unwrap();
-        state.take_in(&key, &counter, life(1, 2), 0);
+        state.take_in(&key, &counter, no_previous, life(1, 2), 0);
         assert!(state.below_zero.is_empty());
         counter.decr(life(2, 1), 10).unwrap();
-        state.take_in(&key, &counter, life(1, 2), 0);
+        state.take_in(&key, &counter, no_previous, life(1, 2), 0);
         assert_eq!(state.below_zero(KeyRef::from(&key)), 7);
         // Node 2's next life brings it back to zero.
         counter.incr(life(2, 2), 7).unwrap();
-        state.take_in(&key, &counter, life(1, 2), 0);
+        state.take_in(&key, &counter, no_previous, life(1, 2), 0);
         assert_eq!(state.below_zero(KeyRef::from(&key)), 0);
         assert!(state.below_zero.is_empty());
     }
@@ -785,18 +801,23 @@ mod tests {
         };
         let mut state = ViewState::default();
         let mut counter = PnCounter::new();
-        state.take_in(&key(1), &counter, me, 0);
+        state.take_in(&key(1), &counter, no_previous, me, 0);
         counter.incr(peer, 200).unwrap();
-        state.take_in(&key(1), &counter, me, 1_000);
+        state.take_in(&key(1), &counter, no_previous, me, 1_000);
         assert_eq!(state.remote_rate(KeyRef::from(&key(1))), 200.0);
         // Before any lane of the new window is merged, too.
         assert_eq!(state.remote_rate(KeyRef::from(&key(2))), 200.0);
         let fresh = PnCounter::new();
-        state.take_in(&key(2), &fresh, me, 60_000);
+        state.take_in(&key(2), &fresh, no_previous, me, 60_000);
         assert_eq!(state.remote_rate(KeyRef::from(&key(2))), 200.0);
         // A key with no window before it here starts with no rate.
-        state.take_in(&key(5), &fresh, me, 240_000);
+        state.take_in(&key(5), &fresh, no_previous, me, 240_000);
         assert_eq!(state.remote_rate(KeyRef::from(&key(5))), 0.0);
+    }
+
+    /// No counter of the key's window before.
+    fn no_previous() -> Option<PnCounter> {
+        None
     }
 
     /// Node 1's view of `user_1()` written by nodes 2 and 3, both alive: 1,000 by node 3
@@ -837,7 +858,8 @@ mod tests {
             ];
             let stamps = BTreeMap::from([(self.two, Stamp(ms)), (self.three, Stamp(three_stamp))]);
             self.state.set_members(members, stamps, at(ms));
-            self.state.take_in(&self.key, &self.counter, self.me, ms);
+            self.state
+                .take_in(&self.key, &self.counter, no_previous, self.me, ms);
         }
 
         fn rate(&self) -> f64 {
@@ -863,6 +885,46 @@ mod tests {
         writers.counter.incr(writers.two, 1).unwrap();
         writers.take_in(4_000, 4_000);
         assert!(writers.rate() < 400.0, "{}", writers.rate());
+    }
+
+    /// A key's rate in a new window starts from its window before, so it holds while a
+    /// writer of that window is unheard, though that writer has no lane of the new one
+    /// here (found in review, session 46: the rate fell to node 2's, 528 a second by 3 s).
+    #[test]
+    fn a_keys_rate_in_a_new_window_holds_while_a_writer_of_the_window_before_is_unheard() {
+        // Node 3 is cut off at 1 s, at the window's turn; in window 2 node 2 writes one
+        // every 100 ms.
+        let mut writers = TwoWriters::start(10);
+        assert_eq!(writers.rate(), 1_010.0);
+        let next = Key {
+            window: Window::new(2, 60).unwrap(),
+            ..user_1()
+        };
+        let mut counter = PnCounter::new();
+        let in_next_window = |writers: &mut TwoWriters, counter: &PnCounter, ms, three| {
+            let members = vec![
+                (NodeId(2), writers.two, State::Alive),
+                (NodeId(3), writers.three, State::Alive),
+            ];
+            let stamps = BTreeMap::from([(writers.two, Stamp(ms)), (writers.three, Stamp(three))]);
+            writers.state.set_members(members, stamps, at(ms));
+            let before = Some(writers.counter.clone());
+            (writers.state).take_in(&next, counter, || before, writers.me, ms);
+        };
+        for ms in (1_100..=3_000).step_by(100) {
+            counter.incr(writers.two, 1).unwrap();
+            in_next_window(&mut writers, &counter, ms, 1_000);
+        }
+        let rate = |writers: &TwoWriters| writers.state.remote_rate(KeyRef::from(&next));
+        assert_eq!(
+            rate(&writers),
+            1_010.0,
+            "held: node 3's admissions are unseen"
+        );
+        // Heard again, with nothing of the new window: the rate falls.
+        counter.incr(writers.two, 1).unwrap();
+        in_next_window(&mut writers, &counter, 3_100, 3_100);
+        assert!(rate(&writers) < 1_010.0, "{}", rate(&writers));
     }
 
     #[test]

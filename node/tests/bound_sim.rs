@@ -359,7 +359,14 @@ fn refresh(sim: &Sim, index: usize, node: &mut Deciding) {
         node.store
             .publish_remote(&key, counter.value_without(me))
             .unwrap();
-        node.view.take_in(&key, &counter, me, now_ms);
+        let previous = || {
+            let window = key.window.previous()?;
+            map.counter(&Key {
+                window,
+                ..key.clone()
+            })
+        };
+        node.view.take_in(&key, &counter, previous, me, now_ms);
         node.published.insert(key, counter);
     }
     let members = gossip.members();
