@@ -224,9 +224,11 @@ pub async fn run(config: Config, shutdown: impl Future<Output = ()>) -> Result<(
                 retired: Vec::new(),
                 answered: Vec::new(),
                 torn: 0,
+                wait_ms: 0,
             },
         ),
     };
+    tokio::time::sleep(std::time::Duration::from_millis(recovered.wait_ms)).await;
     let replica = ReplicaId::new(node, recovered.generation);
     eprintln!(
         "tallyd: node {} generation {} starting; {} earlier lives recovered, {} torn log tails",

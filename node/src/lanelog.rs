@@ -10,7 +10,9 @@
 //! wall clock in ms, written and synced before the node serves: a replica id is never used
 //! by two lives, even when the generation file was lost (one that does not parse stops the
 //! start), or the data directory was wiped (the wall clock then keeps it new, unless it
-//! stepped back past the previous start).
+//! stepped back past the previous start). A generation ahead of the wall clock (a start
+//! soon after the last) is waited out before the node serves ([`Recovered::wait_ms`]), so
+//! that a later start with the directory wiped does not take it again.
 //!
 //! A life's writes are appended to `lanes-<generation>.log` before they are acknowledged
 //! and before the gossip task can see them (see `listener`), and the gossip sends them only
@@ -126,6 +128,9 @@ pub struct Recovered {
     pub answered: Vec<AnsweredId>,
     /// How many logs had a torn tail, dropped.
     pub torn: usize,
+    /// How long to wait before the node serves, so that the wall clock passes its
+    /// generation: 0 unless the generation runs ahead of it ([`open`]).
+    pub wait_ms: u64,
 }
 
 impl Recovered {
@@ -229,6 +234,16 @@ pub fn open(
         let source = std::io::Error::new(std::io::ErrorKind::InvalidData, why);
         return Err(io(&generation_file)(source));
     }
+    // A start soon after the last takes a generation ahead of the wall clock (past the
+    // versions the last start re-published), which the node waits out before it serves:
+    // a later start with this directory wiped takes the wall clock's, and must not take
+    // this one (found in review, session 46). A clock stepped back past the last start is
+    // not waited out: that could take hours, and a wiped start is not kept new then anyway.
+    let wait_ms = if previous < wall_ms {
+        (generation + 1).saturating_sub(wall_ms)
+    } else {
+        0
+    };
     let generation = Generation(generation);
     replace_synced(dir, "generation", generation.0.to_string().as_bytes())?;
     let recovered = Recovered {
@@ -236,6 +251,7 @@ pub fn open(
         retired,
         answered,
         torn,
+        wait_ms,
     };
     let path = dir.join(format!("lanes-{}.log", generation.0));
     // Written at offsets, over the zeros allocated ahead: not in append mode, where Linux
@@ -1486,6 +1502,37 @@ mod tests {
         drop(log);
         std::fs::remove_dir(copy).unwrap();
         assert_eq!(earlier_lanes(&dir), vec![(key("a"), Lane::new(4, 0))]);
+        std::fs::remove_dir_all(dir).unwrap();
+    }
+
+    /// A start soon after the last takes a generation ahead of the wall clock, and waits it
+    /// out, so that a later start with the directory wiped (TESTING.md L1), which takes the
+    /// wall clock's, cannot take it again (found in review, session 46: with no wait it
+    /// took the same one).
+    #[test]
+    fn a_generation_ahead_of_the_wall_clock_is_waited_out_so_a_wiped_start_takes_a_newer_one() {
+        let dir = dir("generation-ahead");
+        let (mut log, first) = open(&dir, NodeId(1), 1_000_000, NOW).unwrap();
+        assert_eq!(first.generation, Generation(1_000_000));
+        assert_eq!(first.wait_ms, 1, "its own millisecond");
+        for subject in 0..5_000 {
+            log.append(&key(&format!("s{subject}")), 1, 0).unwrap();
+        }
+        log.flush().unwrap();
+        drop(log);
+        // A crash loop: 1 ms later, past the 5,000 lanes the first life's start would have
+        // re-published, and two more.
+        let (_, second) = open(&dir, NodeId(1), 1_000_001, NOW).unwrap();
+        assert_eq!(second.generation, Generation(1_000_007));
+        assert_eq!(second.wait_ms, 7);
+        std::fs::remove_dir_all(&dir).unwrap();
+        let waited_out = 1_000_001 + second.wait_ms;
+        let (_, wiped) = open(&dir, NodeId(1), waited_out, NOW).unwrap();
+        assert!(wiped.generation > second.generation, "{wiped:?}");
+        drop(wiped);
+        // A clock stepped back past the last start is not waited out.
+        let (_, stepped_back) = open(&dir, NodeId(1), 500_000, NOW).unwrap();
+        assert_eq!(stepped_back.wait_ms, 0);
         std::fs::remove_dir_all(dir).unwrap();
     }
 }
