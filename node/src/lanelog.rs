@@ -1535,4 +1535,36 @@ mod tests {
         assert_eq!(stepped_back.wait_ms, 0);
         std::fs::remove_dir_all(dir).unwrap();
     }
+
+    /// A crash after a running life's compaction renamed its copy over the log, before
+    /// the directory's sync and the reopen: the next start finds every record (from
+    /// review, session 46).
+    #[cfg(not(tally_loom))]
+    #[test]
+    fn a_crash_between_a_compactions_rename_and_its_reopen_loses_nothing() {
+        let (dir, mut log, store) = a_life_holding_a("rename-crash");
+        log.compact_at = 0;
+        log.compact_if_large(&store).unwrap();
+        log.append(&key("a"), 2, 0).unwrap();
+        store.incr(&key("a"), 2).unwrap();
+        log.append(&key("b"), 4, 1).unwrap();
+        store.incr(&key("b"), 4).unwrap();
+        store.decr(&key("b"), 1).unwrap();
+        log.flush().unwrap();
+        let mut compaction = log.compaction.take().unwrap();
+        let path = log.path.clone();
+        let replaced = loop {
+            if let Some(replaced) = compaction.try_finish(&path) {
+                break replaced;
+            }
+            std::thread::sleep(std::time::Duration::from_millis(1));
+        };
+        replaced.unwrap();
+        drop(log);
+        assert_eq!(
+            earlier_lanes(&dir),
+            vec![(key("a"), Lane::new(5, 0)), (key("b"), Lane::new(4, 1))]
+        );
+        std::fs::remove_dir_all(dir).unwrap();
+    }
 }
