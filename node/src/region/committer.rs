@@ -958,30 +958,15 @@ mod tests {
 
     #[test]
     fn a_compaction_that_fails_at_its_rename_fails_closed() {
-        a_compaction_failed_by_the_disk_fails_closed(FullStorage {
-            written: Arc::new(Mutex::new(Vec::new())),
-            allocated: 0,
-            room: 64,
-            replace_fails: Some((ReplaceStep::Rename, 5)),
-        });
+        a_compaction_failed_by_the_disk_fails_closed(ReplaceStep::Rename, 5);
     }
 
     /// TESTING.md D5: a failed write or sync of the copy, and nothing is acknowledged
     /// after it, though the log itself was not touched and would still sync.
     #[test]
     fn a_compaction_whose_copy_fails_its_write_or_its_sync_fails_closed() {
-        a_compaction_failed_by_the_disk_fails_closed(FullStorage {
-            written: Arc::new(Mutex::new(Vec::new())),
-            allocated: 0,
-            room: 64,
-            replace_fails: Some((ReplaceStep::Copy, 5)),
-        });
-        a_compaction_failed_by_the_disk_fails_closed(FullStorage {
-            written: Arc::new(Mutex::new(Vec::new())),
-            allocated: 0,
-            room: 64,
-            replace_fails: Some((ReplaceStep::SyncCopy, 5)),
-        });
+        a_compaction_failed_by_the_disk_fails_closed(ReplaceStep::Copy, 5);
+        a_compaction_failed_by_the_disk_fails_closed(ReplaceStep::SyncCopy, 5);
     }
 
     /// A sync of the copy that reports no room (ENOSPC) is a writeback error, as on
@@ -989,28 +974,19 @@ mod tests {
     /// review, session 46).
     #[test]
     fn a_compaction_whose_copys_sync_reports_no_room_fails_closed() {
-        let storage = FullStorage {
-            written: Arc::new(Mutex::new(Vec::new())),
-            allocated: 0,
-            room: 64,
-            replace_fails: Some((ReplaceStep::SyncCopy, 28)),
-        };
-        let committer = Committer::start(Box::new(storage));
-        assert!(committer
-            .submit(vec![1; 6], 1)
-            .blocking_recv()
-            .unwrap()
-            .is_ok());
-        committer.compact(vec![9; 6], Vec::new());
-        let refused = committer.submit(vec![2; 2], 1).blocking_recv().unwrap();
-        assert!(
-            refused.is_err(),
-            "acknowledged after a failed sync: {refused:?}"
-        );
+        a_compaction_failed_by_the_disk_fails_closed(ReplaceStep::SyncCopy, 28);
     }
 
-    fn a_compaction_failed_by_the_disk_fails_closed(storage: FullStorage) {
-        let written = storage.written.clone();
+    /// A compaction whose replacement fails at `step` with `errno`: the committer refuses
+    /// the next submission, with the OS's error, and writes nothing more.
+    fn a_compaction_failed_by_the_disk_fails_closed(step: ReplaceStep, errno: i32) {
+        let written = Arc::new(Mutex::new(Vec::new()));
+        let storage = FullStorage {
+            written: written.clone(),
+            allocated: 0,
+            room: 64,
+            replace_fails: Some((step, errno)),
+        };
         let committer = Committer::start(Box::new(storage));
         assert!(committer
             .submit(vec![1; 6], 1)
@@ -1023,7 +999,8 @@ mod tests {
             .blocking_recv()
             .unwrap()
             .unwrap_err();
-        assert!(err.why.contains("Input/output error"), "{err}");
+        let reported = std::io::Error::from_raw_os_error(errno).to_string();
+        assert!(err.why.contains(&reported), "{err}");
         assert_eq!(
             *written.lock().unwrap(),
             [1; 6],
