@@ -513,7 +513,9 @@ impl Config {
             return Err(bad(
                 "dead_after_ms".into(),
                 format!(
-                    "{} must be above gossip_interval_ms ({}): a member is heard once a round,                      and one suspected for less than a round would be declared dead before                      its next heartbeat could clear it",
+                    "{} must be above gossip_interval_ms ({}): a member is heard once a round, \
+                     and one suspected for less than a round would be declared dead before \
+                     its next heartbeat could clear it",
                     self.dead_after_ms, self.gossip_interval_ms
                 ),
             ));

@@ -76,15 +76,18 @@ impl Asked {
 /// was given in.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct Remembered {
+    /// The answer.
     pub answered: Answered,
+    /// What it answered.
     pub asked: Asked,
+    /// The window it was given in: remembered while that is live.
     pub window: Window,
 }
 
 /// The recent answers given under an id.
 #[derive(Debug)]
 pub struct RecentIds {
-    // Each id's answer, its window, and the number of its insertion. Ids come from clients:
+    // Each id's remembered answer, and the number of its insertion. Ids come from clients:
     // hashed as the store hashes subjects (foldhash under secret seeds), a few nanoseconds
     // where SipHash took tens, three times per named request.
     answered: HashMap<CheckId, (Remembered, u64), KeyHasher>,
