@@ -228,6 +228,7 @@ pub async fn run(config: Config, shutdown: impl Future<Output = ()>) -> Result<(
             },
         ),
     };
+    // Until the wall clock passes the generation, before anything is served under it.
     tokio::time::sleep(std::time::Duration::from_millis(recovered.wait_ms)).await;
     let replica = ReplicaId::new(node, recovered.generation);
     eprintln!(
