@@ -1101,7 +1101,11 @@ mod tests {
         let handled = handle(service, &input, &mut output, &mut exact);
         assert_eq!((handled.consumed, handled.bad), (input.len(), None));
         assert!(exact.is_empty(), "no exact rule here");
-        responses(&output)
+        let responses = responses(&output);
+        let answered: Vec<u64> = responses.iter().map(|response| response.id).collect();
+        let asked: Vec<u64> = requests.iter().map(|request| request.id).collect();
+        assert_eq!(answered, asked, "one answer per request, in order");
+        responses
     }
 
     fn incr(id: u64, subject: &str) -> Request {

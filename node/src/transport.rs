@@ -1146,10 +1146,15 @@ const HEALTHY_STREAM_FRAMES: u32 = 64;
 /// what matters.
 async fn back_off(shared: &Shared, frames: &mut Queue, backoff: &mut Duration) {
     tokio::time::sleep(*backoff).await;
-    *backoff = (*backoff * 2).min(BACKOFF_MAX);
+    *backoff = next_backoff(*backoff);
     while frames.try_recv().is_some() {
         shared.stats.frames_dropped.fetch_add(1, Ordering::Relaxed);
     }
+}
+
+/// The wait after the next failure, `backoff` having been this one's.
+fn next_backoff(backoff: Duration) -> Duration {
+    (backoff * 2).min(BACKOFF_MAX)
 }
 
 /// A stream to `node`, on the connection held for it or a new one to `addr`.
@@ -1944,6 +1949,18 @@ mod tests {
             "closed by {closed:?}, not the next life's reset"
         );
         std::fs::remove_dir_all(dir).unwrap();
+    }
+
+    /// The waits between attempts double from 50 ms up to 1 s (from review, session 46:
+    /// the test below checks only that each wait is at least its due, which a backoff
+    /// at 1 s from the first failure passes).
+    #[test]
+    fn the_backoff_doubles_from_its_least_to_its_most() {
+        let waits: Vec<u128> = std::iter::successors(Some(BACKOFF_MIN), |&b| Some(next_backoff(b)))
+            .take(8)
+            .map(|wait| wait.as_millis())
+            .collect();
+        assert_eq!(waits, [50, 100, 200, 400, 800, 1_000, 1_000, 1_000]);
     }
 
     #[tokio::test(flavor = "current_thread")]
