@@ -6,8 +6,9 @@
 //! ahead, drawn from each seed (a partition's heal ends every fault but the
 //! delay, as `Network::heal` does). Each node checks one subject
 //! at a steady rate of its own; over the run, the cluster's admissions beyond the limit
-//! (the overshoot) must stay within the largest finite bound an admitting decision
-//! reported, plus one for each admission whose decision reported an infinite bound (a new
+//! (the overshoot) must stay within the largest finite bound reported by an admission that
+//! left the cluster past the limit, plus one for each admission whose decision reported an
+//! infinite bound (a new
 //! life that has not heard every live member yet, or its peers until they hear it; none
 //! may in a seed without a restart), as
 //! the end-to-end tests and the overshoot bench check it on real processes
@@ -195,7 +196,11 @@ impl Deciding {
 #[derive(Debug, Default)]
 struct Admitted {
     total: u64,
-    /// The largest finite bound an admitting decision reported.
+    /// The largest finite bound reported by an admission that left the cluster past the
+    /// limit: one of those the overshoot is made of. (Until session 46 the largest of any
+    /// admission, and isolated ones far below the limit report bounds of thousands, so an
+    /// overshoot of hundreds from connected decisions that reported bounds near 0 passed:
+    /// found in a review of the tests.)
     max_bound: f64,
     /// Admissions whose decision reported an infinite bound: a node that had not heard every
     /// live member yet (a new life, or its peers until they hear it), or not for a rate
@@ -296,10 +301,10 @@ fn run(seed: u64) -> (Scenario, Admitted) {
                 {
                     admitted.isolated_breach = Some((ms, index, overshoot, decision.bound));
                 }
-                if decision.bound.is_finite() {
-                    admitted.max_bound = admitted.max_bound.max(decision.bound);
-                } else {
+                if !decision.bound.is_finite() {
                     admitted.unbounded += 1;
+                } else if overshoot > 0 {
+                    admitted.max_bound = admitted.max_bound.max(decision.bound);
                 }
                 let mode = match decision.mode {
                     Mode::ApproximateConnected => "connected",
