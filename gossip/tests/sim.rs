@@ -5,6 +5,7 @@
 #![cfg(feature = "sim")]
 
 use std::time::Duration;
+use tally_crdt::Counter;
 use tally_gossip::membership::State;
 use tally_gossip::sim::{seeds, Faults, Sim, SimConfig};
 
@@ -47,15 +48,59 @@ fn heal_and_check(sim: &mut Sim, test: &str, limit: Duration) -> Duration {
     took.unwrap_or_default()
 }
 
+/// How long after node `from` counts one for `subject` every running node of `nodes`
+/// holds it, looked at every millisecond up to `limit`; `None` if not by then.
+fn visible_everywhere_after(
+    sim: &mut Sim,
+    nodes: usize,
+    from: usize,
+    subject: &str,
+    limit: Duration,
+) -> Option<Duration> {
+    let (key, replica) = (sim.key(from, subject), sim.replica(from));
+    assert!(sim.incr(from, subject, 1), "node {from} is running");
+    let start = sim.time();
+    loop {
+        let holds = |index: usize| {
+            sim.gossip(index).is_none_or(|gossip| {
+                let counter = gossip.map().counter(&key);
+                counter.is_some_and(|counter| counter.lane(replica).incr >= 1)
+            })
+        };
+        if (0..nodes).all(holds) {
+            return Some(sim.time() - start);
+        }
+        if sim.time() - start >= limit {
+            return None;
+        }
+        sim.run_for(Duration::from_millis(1));
+    }
+}
+
 #[test]
 fn fault_free_cluster_converges_to_the_truth_within_the_staleness_bound() {
     for seed in seeds(1, 5) {
         let mut config = SimConfig::new(8, seed);
         config.staleness_bound =
             Some(config.gossip_interval + config.push_interval * 2 + Duration::from_millis(5));
+        // A write reaches every node by eager push: batched for at most a push interval,
+        // then one link (docs/protocol.md, W_write), where anti-entropy alone takes rounds.
+        // (From a review of the tests, session 46: the staleness bound above is set by the
+        // idle heartbeat's round, so it passed with eager push switched off.)
+        let write_window =
+            config.push_interval + config.faults.delay_max + Duration::from_millis(1);
         let mut sim = Sim::new(config);
         sim.run_for(SECOND);
         write_for(&mut sim, 8, 2 * SECOND);
+        for from in 0..8 {
+            let took =
+                visible_everywhere_after(&mut sim, 8, from, &format!("probe-{from}"), SECOND);
+            assert!(
+                took.is_some_and(|took| took <= write_window),
+                "seed {seed}: a write on node {from} was everywhere after {took:?}, past \
+                 W_write = {write_window:?}"
+            );
+        }
         heal_and_check(
             &mut sim,
             "fault_free_cluster_converges_to_the_truth_within_the_staleness_bound",
