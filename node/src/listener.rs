@@ -1869,7 +1869,7 @@ mod tests {
     #[tokio::test(flavor = "current_thread")]
     async fn requests_far_past_one_read_are_all_answered_in_order() {
         let service = Arc::new(service(10));
-        let (mut client, server) = tokio::io::duplex(64 * 1024);
+        let (client, server) = tokio::io::duplex(64 * 1024);
         let serving = tokio::spawn({
             let service = Arc::clone(&service);
             async move { serve_connection(&service, server).await }
