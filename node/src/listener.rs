@@ -53,11 +53,13 @@ pub const EXACT_IN_FLIGHT_MAX: usize = 1_024;
 /// the most one read takes.
 const READ_BYTES: usize = 64 * 1024;
 
-/// The most room a connection's output buffer keeps between batches. A batch's answers can
-/// be about 8 times its requests' bytes (a refusal names what was wrong), so a read's
-/// batch may take up to about 1 MiB while it is written; the rest is given back once it is,
-/// not kept for the connection's life (found in review, session 46: each connection kept
-/// its largest batch, up to 2 MB, 2 GB over 1,024 connections).
+/// The answers a batch gives before the rest of its frames wait for them to be written,
+/// and the most room a connection's output buffer keeps between batches. A batch's answers
+/// can be about 8 times its requests' bytes (a refusal names what was wrong): a batch is
+/// cut at this much (and one answer past it), so a client that does not read holds no
+/// more, and what a larger one took is given back once written (found in review, session
+/// 46: each connection kept its largest batch's answers, up to 2 MB, 2 GB over 1,024
+/// connections).
 const OUTPUT_KEPT_BYTES: usize = 64 * 1024;
 
 /// Everything a request needs; shared by every connection.
@@ -132,6 +134,10 @@ pub struct Handled {
     /// `region_timeout_ms`: they are to be handled once there is room, or once the check
     /// has been held that long, before anything more is read.
     pub held: Option<u64>,
+    /// Whether it stopped with whole frames left because the answers passed
+    /// [`OUTPUT_KEPT_BYTES`]: those are to be handled once the answers are written, before
+    /// anything more is read.
+    pub full: bool,
 }
 
 /// What [`Service::handle`] made of one request.
@@ -168,13 +174,19 @@ impl Service {
     ) -> Handled {
         let mut consumed = 0;
         let mut answered = 0;
-        let mut held = None;
+        let (mut held, mut full) = (None, false);
         let bad = self.in_context(|context| loop {
             let (body, len) = match next_frame(&input[consumed..]) {
                 Ok(Some(frame)) => frame,
                 Ok(None) => return None,
                 Err(err) => return Some(err.to_string()),
             };
+            if output.len() >= OUTPUT_KEPT_BYTES {
+                // The rest waits until these answers are written: a client that does not
+                // read holds no more than this of them (found in review, session 46).
+                full = true;
+                return None;
+            }
             let request = match wire::decode_request(body) {
                 Ok(request) => request,
                 Err(err) => return Some(err.to_string()),
@@ -231,6 +243,7 @@ impl Service {
             consumed,
             bad,
             held,
+            full,
         }
     }
 
@@ -891,6 +904,8 @@ async fn serve_connection<S: AsyncRead + AsyncWrite + Unpin>(
     // Whether the client may still send, and whether it sent a bad frame.
     let mut sending = true;
     let mut bad_frame = false;
+    // Whether whole frames wait in `input` for the answers before them to be written.
+    let mut full = false;
     // If `input` starts with an exact check left unread for want of room: since when
     // frames have been held, and that check's rule's timeout, past which it is answered
     // without the region.
@@ -916,7 +931,7 @@ async fn serve_connection<S: AsyncRead + AsyncWrite + Unpin>(
         output.clear();
         output.shrink_to(OUTPUT_KEPT_BYTES);
         written = 0;
-        if !sending && in_flight == 0 && held.is_none() {
+        if !sending && in_flight == 0 && held.is_none() && !full {
             if bad_frame {
                 let _ = stream.shutdown().await;
             }
@@ -940,7 +955,7 @@ async fn serve_connection<S: AsyncRead + AsyncWrite + Unpin>(
                     }
                 }
             }
-        } else {
+        } else if !full {
             // Room for a read of READ_BYTES past a partial frame; a no-op while there is.
             // The read takes no more, though `reserve` may have made more room.
             input.reserve(READ_BYTES);
@@ -978,6 +993,7 @@ async fn serve_connection<S: AsyncRead + AsyncWrite + Unpin>(
             &mut kept,
             held_past_ms,
         );
+        full = handled.full;
         held = handled.held.map(|timeout_ms| Held {
             since: held.map_or(read_at, |hold| hold.since),
             timeout_ms,
@@ -2371,10 +2387,49 @@ mod tests {
                 consumed: whole,
                 bad: None,
                 held: None,
+                full: false,
             }
         );
         let ids: Vec<_> = responses(&output).iter().map(|r| r.id).collect();
         assert_eq!(ids, [1, 2]);
+    }
+
+    /// A batch stops once its answers pass `OUTPUT_KEPT_BYTES`, its other frames left for
+    /// after they are written; none is lost or answered twice (from review, session 46).
+    #[test]
+    fn a_batch_stops_once_its_answers_pass_the_room_kept_and_the_rest_waits() {
+        let service = service(10);
+        let unknown = |id| Request {
+            id,
+            op: Op::Get {
+                rule: "nope".into(),
+                subject: "a".into(),
+            },
+        };
+        let input = frames(&(1..=20_000).map(unknown).collect::<Vec<_>>());
+        let (mut output, mut exact) = (Vec::new(), Vec::new());
+        let mut rest = &input[..];
+        let mut ids = Vec::new();
+        let mut batches = 0;
+        while !rest.is_empty() {
+            output.clear();
+            let handled = handle(&service, rest, &mut output, &mut exact);
+            assert_eq!((handled.bad, handled.held), (None, None));
+            assert!(handled.consumed > 0, "each batch answers something");
+            let answers = responses(&output);
+            let one = output.len() / answers.len();
+            assert!(
+                output.len() < OUTPUT_KEPT_BYTES + one,
+                "{} bytes",
+                output.len()
+            );
+            rest = &rest[handled.consumed..];
+            assert_eq!(handled.full, !rest.is_empty());
+            ids.extend(answers.iter().map(|response| response.id));
+            batches += 1;
+        }
+        assert_eq!(ids, (1..=20_000).collect::<Vec<u64>>());
+        assert!(batches > 1, "the answers passed the room kept: {batches}");
     }
 
     #[test]
