@@ -134,8 +134,8 @@ pub struct Handled {
     /// `region_timeout_ms`: they are to be handled once there is room, or once the check
     /// has been held that long, before anything more is read.
     pub held: Option<u64>,
-    /// Whether it stopped with whole frames left because the answers passed
-    /// [`OUTPUT_KEPT_BYTES`]: those are to be handled once the answers are written, before
+    /// Whether it stopped with whole frames left because the answers passed 64 KiB
+    /// (`OUTPUT_KEPT_BYTES`): those are to be handled once the answers are written, before
     /// anything more is read.
     pub full: bool,
 }
