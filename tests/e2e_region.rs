@@ -780,6 +780,21 @@ async fn a_check_retried_under_its_id_counts_once_whatever_lost_its_answer() {
     cluster.node(2).kill9();
     cluster.node(2).restart(false);
     let edge_2 = cluster.nodes[1].client().await;
+    // The id sent with another check, through an edge that does not remember it: the
+    // region, whose log was compacted at its restart, refuses it and counts nothing.
+    let reused = loop {
+        match edge_2.check_with_id(id, "quota", "named-other", 5).await {
+            Err(Error::Refused(Refusal::RegionUnavailable { .. })) => {
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+            other => break other,
+        }
+    };
+    assert!(
+        matches!(&reused, Err(Error::Refused(Refusal::BadField { field, .. })) if field == "id"),
+        "{reused:?}"
+    );
+    assert_eq!(region_count(&edge_3, "named-other").await, 0);
     let after_edge_restart = check_until_answered(&edge_2, id).await;
     assert_eq!(decided(&after_edge_restart), decided(&first));
     assert_eq!(

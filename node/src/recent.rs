@@ -54,16 +54,22 @@ impl Answered {
 /// another request is told from a retry, which repeats its request (since session 46:
 /// before, it got the first request's answer, and counted nothing). A CRC, not the
 /// store's hasher, whose seeds are secret and new each process: earlier lives' answers
-/// hold it. Two requests share one by chance once in 2^32; the second then gets the
-/// first's answer.
+/// hold it, and so does the region's log, for the exact checks it decides under an
+/// application's id (since session 47). Two requests share one by chance once in 2^32;
+/// the second then gets the first's answer.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Asked(u32);
 
 impl Asked {
     /// What a request of `amount` on `key` asks, whatever its window.
     pub fn of(key: KeyRef<'_>, amount: u64) -> Asked {
+        Asked::named(key.rule().as_str(), key.subject(), amount)
+    }
+
+    /// What a request of `amount` on the subject `subject` of the rule named `rule` asks.
+    pub fn named(rule: &str, subject: &str, amount: u64) -> Asked {
         let mut crc = crc32fast::Hasher::new();
-        for name in [key.rule().as_str(), key.subject()] {
+        for name in [rule, subject] {
             crc.update(&(name.len() as u32).to_le_bytes());
             crc.update(name.as_bytes());
         }

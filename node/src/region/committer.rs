@@ -488,6 +488,7 @@ mod tests {
                     }
                     Decided::Repeat(_) => (Vec::new(), 0),
                     Decided::Forgotten => panic!("60 checks stay within RECENT_IDS"),
+                    Decided::IdReused => panic!("a retry repeats its check"),
                     Decided::KeysFull | Decided::SessionsFull => {
                         panic!("a ledger holds any number of keys and sessions by default")
                     }

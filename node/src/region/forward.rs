@@ -70,8 +70,9 @@ pub struct Forwarded<T> {
     /// The region's durable outcome; else `RegionUnavailable` (no answer in time, a region
     /// without the rule, a stopped forwarder), `Forgotten` (a retry of an id the region no
     /// longer remembers: decided once, never again), `Storage` (the region could not
-    /// make the decision durable), or `KeysFull` (the region's ledger holds its maximum of
-    /// keys and the check would add one: not decided).
+    /// make the decision durable), `KeysFull` (the region's ledger holds its maximum of
+    /// keys and the check would add one: not decided), or `BadField` on the id (the
+    /// region decided the check's [`CheckId`] for another check: not decided).
     pub result: Result<Outcome, Refusal>,
 }
 
@@ -557,6 +558,13 @@ impl<T> Held<T> {
                 rule: pending.rule(),
             }),
             ExactAnswer::KeysFull { keys_max } => Err(Refusal::KeysFull { keys_max }),
+            ExactAnswer::IdReused => Err(Refusal::BadField {
+                field: "id".into(),
+                why: "this id named a check with another rule, subject or cost at the region, \
+                      not this one; a retry must repeat its request, and a new request needs \
+                      a new id"
+                    .into(),
+            }),
             ExactAnswer::Storage(why) => {
                 self.stats.storage_errors.fetch_add(1, Ordering::Relaxed);
                 Err(Refusal::Storage {
@@ -1027,6 +1035,23 @@ mod tests {
             (1, ExactAnswer::UnknownRule),
         ]);
         assert_check_0_forgotten_and_1_unavailable(&mut answered);
+    }
+
+    #[test]
+    fn an_id_the_region_decided_for_another_check_is_refused_as_a_bad_id() {
+        let (answers, mut answered) = mpsc::unbounded_channel();
+        let (mut held, _checks, _stats) = held();
+        held.insert(pending(0, 10_000, &answers));
+        assert!(held.next_frame(ms(0)).is_some());
+        held.answer_frame(vec![(0, ExactAnswer::IdReused)]);
+        let results: Vec<_> = (drain(&mut answered).into_iter())
+            .map(|forwarded| forwarded.result)
+            .collect();
+        assert!(
+            matches!(&results[..], [Err(Refusal::BadField { field, why })]
+                if field == "id" && why.contains("another rule, subject or cost at the region")),
+            "{results:?}"
+        );
     }
 
     /// The forwarder stops with two checks held, one written to the region and one not:

@@ -50,6 +50,7 @@
 
 use super::ExactCheck;
 use crate::checksummed;
+use crate::recent::Asked;
 use serde::{Deserialize, Serialize};
 use std::fs::{File, OpenOptions};
 use std::io::{Read, Write};
@@ -134,7 +135,9 @@ pub enum Entry<S = String> {
         /// The lowest sequence number the ledger still answers.
         base: u64,
     },
-    /// A request id's outcome, for answering its retries.
+    /// A request id's outcome, for answering its retries: an edge's own id, which names
+    /// one check only, or an application's id in a log compacted before session 47
+    /// (format 4), what it asked not known ([`Entry::NamedOutcome`] since).
     Outcome {
         /// The request.
         id: RequestId,
@@ -158,6 +161,23 @@ pub enum Entry<S = String> {
         generation: u64,
         /// The first second at which no forgotten number's window is live.
         until_unix_secs: u64,
+    },
+    /// An application's request id's outcome ([`CLIENT_NODE`]), and what the check
+    /// asked, so that the id sent with another check is refused, not given this outcome.
+    /// Since session 47 ([`MAGIC`]'s format 5).
+    NamedOutcome {
+        /// The request.
+        id: RequestId,
+        /// What it asked: its rule, subject and cost.
+        asked: Asked,
+        /// Whether it was admitted.
+        allowed: bool,
+        /// The count after its decision.
+        count: u64,
+        /// Its window's index.
+        window_index: u64,
+        /// Its window's length.
+        window_secs: u32,
     },
 }
 
@@ -385,7 +405,12 @@ impl FileStorage {
 /// The first bytes of a region log: they name its format, so that a log of another format
 /// is refused at start rather than read as a torn tail and truncated. A new kind of entry
 /// takes a new one: a build that cannot decode an entry reads it as the log's end.
-pub const MAGIC: &[u8; 8] = b"tallyRL\x04";
+pub const MAGIC: &[u8; 8] = b"tallyRL\x05";
+
+/// The formats with this header before [`MAGIC`]: the one before
+/// [`Entry::NamedOutcome`]. Still read (their entries are a subset of this format's); a
+/// compaction writes [`MAGIC`].
+const MAGICS_WITH_HEADER_BEFORE: [&[u8; 8]; 1] = [b"tallyRL\x04"];
 
 /// The header's length: [`MAGIC`], the compacted entries' length and its crc32.
 pub const HEADER_BYTES: usize = 20;
@@ -436,7 +461,8 @@ fn read_header(bytes: &[u8]) -> Option<std::io::Result<(usize, usize)>> {
             Some(Ok((MAGIC.len(), 0)))
         };
     }
-    if !bytes.starts_with(MAGIC) {
+    let headed = |magic: &[u8; 8]| bytes.starts_with(magic);
+    if !headed(MAGIC) && !MAGICS_WITH_HEADER_BEFORE.iter().copied().any(headed) {
         return None;
     }
     if !checked(length, crc) {
@@ -629,7 +655,7 @@ mod tests {
             generation: 1,
             seq,
         };
-        match seq % 5 {
+        match seq % 6 {
             0 => Entry::Decided(Record {
                 id,
                 rule: "quota".into(),
@@ -656,10 +682,18 @@ mod tests {
                 generation: 1,
                 until_unix_secs: seq * 11,
             },
-            _ => Entry::Outcome {
+            4 => Entry::Outcome {
                 id,
                 allowed: true,
                 count: seq,
+                window_index: 500_000,
+                window_secs: 3_600,
+            },
+            _ => Entry::NamedOutcome {
+                id: RequestId::client(CheckId { session: 9, seq }),
+                asked: Asked::named("quota", &format!("acct-{seq}"), seq),
+                allowed: false,
+                count: seq * 3,
                 window_index: 500_000,
                 window_secs: 3_600,
             },
@@ -790,7 +824,7 @@ mod tests {
         // A group C, D whose C was torn while D reached the disk, then a new entry E of C's
         // length: if the bytes after the recovered end were left, E would end where D
         // starts, and the next recovery would read D, never acknowledged, as decided.
-        let (c, d, e) = (entry(4), entry(5), entry(9));
+        let (c, d, e) = (entry(4), entry(5), entry(10));
         assert_eq!(
             encoded(std::slice::from_ref(&c)).len(),
             encoded(std::slice::from_ref(&e)).len()
@@ -971,24 +1005,52 @@ mod tests {
             let decided = entry(0);
             let old = [magic.as_slice(), &encoded(std::slice::from_ref(&decided))].concat();
             std::fs::write(&path, &old).unwrap();
-            let (mut storage, entries, torn) = open(&path).unwrap();
-            assert_eq!((entries, torn), (vec![decided.clone()], 0));
-            commit(&mut storage, &encoded(&[entry(5)]));
-            let bytes = std::fs::read(&path).unwrap();
-            assert!(bytes.starts_with(*magic), "appends keep the format");
-            drop(storage);
-            let (mut storage, entries, _) = open(&path).unwrap();
-            assert_eq!(entries, [decided, entry(5)]);
-            storage.replace(&encoded(&[entry(3)])).unwrap();
-            let bytes = std::fs::read(&path).unwrap();
-            assert!(
-                bytes.starts_with(MAGIC),
-                "a compaction, which may hold FloorKept, writes this one"
-            );
-            drop(storage);
-            assert_eq!(open(&path).unwrap().1, [entry(3)]);
+            assert_format_appends_then_compacts_to_this_one(&path, magic, decided);
             std::fs::remove_dir_all(dir).unwrap();
         }
+    }
+
+    #[test]
+    fn logs_of_the_formats_with_this_header_before_are_read_and_compacted_to_this_one() {
+        for (i, magic) in MAGICS_WITH_HEADER_BEFORE.iter().enumerate() {
+            let dir = temp_dir(&format!("region-format-headed-{i}"));
+            let path = dir.join("region.log");
+            let decided = entry(0);
+            let mut old = header(0).to_vec();
+            old[..8].copy_from_slice(*magic);
+            old.extend_from_slice(&encoded(std::slice::from_ref(&decided)));
+            std::fs::write(&path, &old).unwrap();
+            assert_format_appends_then_compacts_to_this_one(&path, magic, decided);
+            std::fs::remove_dir_all(dir).unwrap();
+        }
+    }
+
+    /// Opens the log at `path`, of the format `magic` holding only `decided`; appends to it
+    /// in that format, then compacts it to this one.
+    fn assert_format_appends_then_compacts_to_this_one(
+        path: &Path,
+        magic: &[u8; 8],
+        decided: Entry,
+    ) {
+        let (mut storage, entries, torn) = open(path).unwrap();
+        assert_eq!((entries, torn), (vec![decided.clone()], 0));
+        commit(&mut storage, &encoded(&[entry(6)]));
+        let bytes = std::fs::read(path).unwrap();
+        assert!(
+            bytes.starts_with(magic),
+            "appends, decisions alone, keep the format"
+        );
+        drop(storage);
+        let (mut storage, entries, _) = open(path).unwrap();
+        assert_eq!(entries, [decided, entry(6)]);
+        storage.replace(&encoded(&[entry(3), entry(5)])).unwrap();
+        let bytes = std::fs::read(path).unwrap();
+        assert!(
+            bytes.starts_with(MAGIC),
+            "a compaction, which may hold FloorKept and NamedOutcome, writes this one"
+        );
+        drop(storage);
+        assert_eq!(open(path).unwrap().1, [entry(3), entry(5)]);
     }
 
     #[test]
@@ -1031,6 +1093,15 @@ mod tests {
                     };
                     assert!(err.to_string().contains(why), "byte {at}: {err}");
                     assert_eq!(std::fs::read(&path).unwrap(), damaged, "byte {at}: left");
+                }
+                // The format's byte flipped to the format before, whose entries this one's
+                // are but for `NamedOutcome`, which it reads as well.
+                Ok((_, recovered, torn))
+                    if MAGICS_WITH_HEADER_BEFORE
+                        .iter()
+                        .any(|magic| damaged.starts_with(*magic)) =>
+                {
+                    assert_eq!((recovered, torn), (whole.clone(), 0), "byte {at}");
                 }
                 Ok((_, recovered, torn)) => {
                     assert!(at >= compacted_end, "byte {at}, compacted, was cut");

@@ -20,6 +20,7 @@ mod own_lanes;
 pub mod service;
 pub mod wire;
 
+use crate::recent::Asked;
 use crate::store::KeyHasher;
 use log::{Entry, RequestId};
 use std::collections::{BTreeMap, HashMap, VecDeque};
@@ -141,13 +142,20 @@ enum Outcomes {
     /// most [`RECENT_IDS`] numbers.
     Dense(VecDeque<Option<(Outcome, Window)>>),
     /// An application session's, numbered sparsely: at most [`RECENT_CLIENT_IDS`].
-    Sparse(BTreeMap<u64, (Outcome, Window)>),
+    Sparse(BTreeMap<u64, Named>),
 }
 
-/// What the ledger holds of one sequence number.
+/// An application's id's outcome, its window, and what its check asked: `None` for one
+/// read from a log compacted before session 47, which did not hold it (any check under
+/// the id then gets the outcome, as every check did before). An edge's own numbers each
+/// name one check, and hold no more than their outcome and window.
+type Named = (Outcome, Window, Option<Asked>);
+
+/// What the ledger holds of one sequence number: its outcome, and for an application's id
+/// what its check asked.
 enum Held {
     Unseen,
-    Decided(Outcome),
+    Decided(Outcome, Option<Asked>),
     Forgotten,
 }
 
@@ -178,18 +186,22 @@ impl Recent {
             Outcomes::Dense(outcomes) => usize::try_from(offset)
                 .ok()
                 .and_then(|offset| outcomes.get(offset))
-                .and_then(Option::as_ref),
-            Outcomes::Sparse(outcomes) => outcomes.get(&seq),
+                .and_then(Option::as_ref)
+                .map(|(outcome, _)| (*outcome, None)),
+            Outcomes::Sparse(outcomes) => {
+                (outcomes.get(&seq)).map(|(outcome, _, asked)| (*outcome, *asked))
+            }
         };
         match held {
-            Some((outcome, _)) => Held::Decided(*outcome),
+            Some((outcome, asked)) => Held::Decided(outcome, asked),
             None => Held::Unseen,
         }
     }
 
-    /// Holds `seq`'s outcome, forgetting the oldest beyond the bound. A number below
-    /// `base` is not held (it was forgotten).
-    fn insert(&mut self, seq: u64, outcome: Outcome, window: Window) {
+    /// Holds `seq`'s outcome, forgetting the oldest beyond the bound, and for an
+    /// application session what its check `asked` ([`Named`]). A number below `base` is
+    /// not held (it was forgotten).
+    fn insert(&mut self, seq: u64, outcome: Outcome, window: Window, asked: Option<Asked>) {
         if seq < self.base {
             return;
         }
@@ -205,9 +217,9 @@ impl Recent {
                 slots[offset] = Some((outcome, window));
             }
             Outcomes::Sparse(held) => {
-                held.insert(seq, (outcome, window));
+                held.insert(seq, (outcome, window, asked));
                 if held.len() > RECENT_CLIENT_IDS {
-                    let (oldest, (_, window)) = held.pop_first().expect("invariant: not empty");
+                    let (oldest, (_, window, _)) = held.pop_first().expect("invariant: not empty");
                     self.base = oldest + 1;
                     self.floor_until = self.floor_until.max(window.live_until_unix_secs());
                 }
@@ -223,7 +235,7 @@ impl Recent {
             }
             Outcomes::Sparse(held) if floor > self.base => {
                 let kept = held.split_off(&floor);
-                for (_, window) in std::mem::replace(held, kept).values() {
+                for (_, window, _) in std::mem::replace(held, kept).values() {
                     self.floor_until = self.floor_until.max(window.live_until_unix_secs());
                 }
                 self.base = floor;
@@ -259,7 +271,7 @@ impl Recent {
     /// Adds the windows of the outcomes it forgets to `forgotten`: a window whose checks
     /// were all denied holds no count to record it.
     fn expire(&mut self, now_unix_secs: u64, forgotten: &mut Forgotten) -> bool {
-        let mut live = |(_, window): &(Outcome, Window)| {
+        let mut live = |window: &Window| {
             let live = window.is_live(now_unix_secs);
             if !live {
                 forgotten.add(*window);
@@ -271,7 +283,7 @@ impl Recent {
             Outcomes::Dense(outcomes) => {
                 let mut held_any = false;
                 for held in outcomes.iter_mut() {
-                    if held.as_ref().is_some_and(|held| !live(held)) {
+                    if held.as_ref().is_some_and(|(_, window)| !live(window)) {
                         *held = None;
                     }
                     held_any |= held.is_some();
@@ -284,22 +296,27 @@ impl Recent {
                 held_any
             }
             Outcomes::Sparse(outcomes) => {
-                outcomes.retain(|_, held| live(held));
+                outcomes.retain(|_, (_, window, _)| live(window));
                 !outcomes.is_empty()
             }
         };
         held_any || floor_live
     }
 
-    /// The outcomes held, by sequence number, in order.
-    fn held(&self) -> Box<dyn Iterator<Item = (u64, &(Outcome, Window))> + '_> {
+    /// The outcomes held, by sequence number, in order, each with its window and what
+    /// its check asked ([`Named`]).
+    fn held(&self) -> Box<dyn Iterator<Item = (u64, Named)> + '_> {
         match &self.outcomes {
             // `base + i` is a sequence number held, so it does not overflow.
-            Outcomes::Dense(outcomes) => Box::new(
-                (outcomes.iter().enumerate())
-                    .filter_map(|(i, held)| Some((self.base + i as u64, held.as_ref()?))),
-            ),
-            Outcomes::Sparse(outcomes) => Box::new(outcomes.iter().map(|(seq, held)| (*seq, held))),
+            Outcomes::Dense(outcomes) => {
+                Box::new((outcomes.iter().enumerate()).filter_map(|(i, held)| {
+                    let (outcome, window) = held.as_ref()?;
+                    Some((self.base + i as u64, (*outcome, *window, None)))
+                }))
+            }
+            Outcomes::Sparse(outcomes) => {
+                Box::new(outcomes.iter().map(|(seq, held)| (*seq, *held)))
+            }
         }
     }
 
@@ -336,6 +353,11 @@ pub enum Decided {
     New(Outcome),
     /// A retry of a decided request: its first outcome, nothing new to log.
     Repeat(Outcome),
+    /// A check under an application's id that named another check here (another rule,
+    /// subject or cost): not decided, nothing to log. An id names one check; the region
+    /// tells them apart by [`Asked`] since session 47 (before, this one got the first
+    /// check's outcome and was never counted).
+    IdReused,
     /// A retry of a request older than the last [`RECENT_IDS`] of its edge life (or
     /// [`RECENT_CLIENT_IDS`] of its application session): its
     /// outcome is forgotten, and it is not decided again (that could count it twice).
@@ -410,7 +432,8 @@ impl Ledger {
                     record.window_secs,
                 );
                 if let Some(key) = key {
-                    self.apply(record.id, &key, record.cost, record.allowed);
+                    let asked = Asked::named(&record.rule, &record.subject, record.cost);
+                    self.apply(record.id, &key, record.cost, record.allowed, asked);
                 }
             }
             Entry::Count {
@@ -449,18 +472,39 @@ impl Ledger {
                 count,
                 window_index,
                 window_secs,
-            } => {
-                if let Ok(window) = Window::new(*window_index, *window_secs) {
-                    let outcome = Outcome {
-                        allowed: *allowed,
-                        count: *count,
-                    };
-                    self.seen
-                        .entry((id.node, id.generation))
-                        .or_insert_with(|| Recent::new(id.node))
-                        .insert(id.seq, outcome, window);
-                }
-            }
+            } => self.replay_outcome(*id, *allowed, *count, (*window_index, *window_secs), None),
+            Entry::NamedOutcome {
+                id,
+                asked,
+                allowed,
+                count,
+                window_index,
+                window_secs,
+            } => self.replay_outcome(
+                *id,
+                *allowed,
+                *count,
+                (*window_index, *window_secs),
+                Some(*asked),
+            ),
+        }
+    }
+
+    /// Holds a compacted outcome of `id`, in the window of `(index, length)` if it is
+    /// within bounds.
+    fn replay_outcome(
+        &mut self,
+        id: RequestId,
+        allowed: bool,
+        count: u64,
+        (index, len_secs): (u64, u32),
+        asked: Option<Asked>,
+    ) {
+        if let Ok(window) = Window::new(index, len_secs) {
+            self.seen
+                .entry((id.node, id.generation))
+                .or_insert_with(|| Recent::new(id.node))
+                .insert(id.seq, Outcome { allowed, count }, window, asked);
         }
     }
 
@@ -520,18 +564,30 @@ impl Ledger {
                     until_unix_secs: recent.floor_until,
                 });
             }
-            for (seq, (outcome, window)) in recent.held() {
+            for (seq, (outcome, window, asked)) in recent.held() {
                 let id = RequestId {
                     node,
                     generation,
                     seq,
                 };
-                put(Entry::Outcome {
-                    id,
-                    allowed: outcome.allowed,
-                    count: outcome.count,
-                    window_index: window.index(),
-                    window_secs: window.len_secs(),
+                let (allowed, count) = (outcome.allowed, outcome.count);
+                let (window_index, window_secs) = (window.index(), window.len_secs());
+                put(match asked {
+                    Some(asked) => Entry::NamedOutcome {
+                        id,
+                        asked,
+                        allowed,
+                        count,
+                        window_index,
+                        window_secs,
+                    },
+                    None => Entry::Outcome {
+                        id,
+                        allowed,
+                        count,
+                        window_index,
+                        window_secs,
+                    },
                 });
             }
         }
@@ -562,17 +618,18 @@ impl Ledger {
         if allowed && held.is_none() && self.counts.len() >= self.keys_max {
             return Decided::KeysFull;
         }
-        Decided::New(self.apply(id, key, check.cost, allowed))
+        Decided::New(self.apply(id, key, check.cost, allowed, check.asked()))
     }
 
-    /// What the ledger holds of `check`'s request id, whatever its key: its first outcome
-    /// ([`Decided::Repeat`]), or that it was forgotten ([`Decided::Forgotten`]); `None` if
-    /// it was never decided.
+    /// What the ledger holds of `check`'s request id, whatever its window: its first
+    /// outcome ([`Decided::Repeat`]), that it named another check ([`Decided::IdReused`]),
+    /// or that it was forgotten ([`Decided::Forgotten`]); `None` if it was never decided.
     pub fn recall(&self, check: &ExactCheck) -> Option<Decided> {
         let id = check.dedupe_id();
         match self.seen.get(&(id.node, id.generation))?.get(id.seq) {
             Held::Unseen => None,
-            Held::Decided(outcome) => Some(Decided::Repeat(outcome)),
+            Held::Decided(_, Some(asked)) if asked != check.asked() => Some(Decided::IdReused),
+            Held::Decided(outcome, _) => Some(Decided::Repeat(outcome)),
             Held::Forgotten => Some(Decided::Forgotten),
         }
     }
@@ -625,7 +682,16 @@ impl Ledger {
         });
     }
 
-    fn apply(&mut self, id: RequestId, key: &Key, cost: u64, allowed: bool) -> Outcome {
+    /// Decides `id` on `key` as `allowed`, counting `cost` if so, and holds its outcome
+    /// (with what it `asked`, for an application's id).
+    fn apply(
+        &mut self,
+        id: RequestId,
+        key: &Key,
+        cost: u64,
+        allowed: bool,
+        asked: Asked,
+    ) -> Outcome {
         // A denied check holds no key: its count is what it was, 0 if none.
         let count = match (allowed, self.counts.get_mut(key)) {
             (true, Some(count)) => {
@@ -637,13 +703,14 @@ impl Ledger {
         };
         let outcome = Outcome { allowed, count };
         let life = (id.node, id.generation);
+        let asked = Some(asked);
         match self.seen.get_mut(&life) {
-            Some(recent) => recent.insert(id.seq, outcome, key.window),
+            Some(recent) => recent.insert(id.seq, outcome, key.window, asked),
             None => {
                 self.begin_life(id.node, id.generation);
                 self.sessions += usize::from(id.node == log::CLIENT_NODE);
                 let mut recent = Recent::new(id.node);
-                recent.insert(id.seq, outcome, key.window);
+                recent.insert(id.seq, outcome, key.window, asked);
                 self.seen.insert(life, recent);
             }
         }
@@ -678,7 +745,9 @@ fn life_of(entry: &Entry) -> Option<(u64, u64)> {
         | Entry::FloorKept {
             node, generation, ..
         } => Some((*node, *generation)),
-        Entry::Outcome { id, .. } => Some((id.node, id.generation)),
+        Entry::Outcome { id, .. } | Entry::NamedOutcome { id, .. } => {
+            Some((id.node, id.generation))
+        }
         Entry::Count { .. } => None,
     }
 }
@@ -1087,6 +1156,97 @@ mod tests {
             );
             assert_eq!(recovered.count(&key()), 4);
         }
+    }
+
+    #[test]
+    fn an_application_id_sent_with_another_check_is_refused_and_counts_nothing_after_replay_too() {
+        let mut ledger = Ledger::default();
+        let first = named(0xfeed, 7);
+        let Decided::New(outcome) = ledger.decide(&first, &key(), 10) else {
+            panic!("a new name is decided anew");
+        };
+        let records = [Entry::Decided(
+            log::Record::decided(&first, outcome.allowed).into_owned(),
+        )];
+        let mut snapshot = Vec::new();
+        Ledger::replay(&records).snapshot(&mut snapshot);
+        let (compacted, _) = log::replay(&snapshot);
+        assert!(
+            compacted
+                .iter()
+                .any(|entry| matches!(entry, Entry::NamedOutcome { .. })),
+            "{compacted:?}"
+        );
+        let others = [
+            ExactCheck {
+                subject: "acct-2".into(),
+                ..first.clone()
+            },
+            ExactCheck {
+                cost: 2,
+                ..first.clone()
+            },
+            ExactCheck {
+                rule: "quota-2".into(),
+                ..first.clone()
+            },
+        ];
+        // Sent again through an edge whose window has turned, it is the same check.
+        let later = ExactCheck {
+            window_index: first.window_index + 1,
+            ..first.clone()
+        };
+        for mut ledger in [ledger, Ledger::replay(&records), Ledger::replay(&compacted)] {
+            for other in &others {
+                let key = key_of(&other.rule, &other.subject, 500_000, 3_600).unwrap();
+                assert_eq!(
+                    ledger.decide(other, &key, 10),
+                    Decided::IdReused,
+                    "{other:?}"
+                );
+            }
+            assert_eq!(ledger.decide(&later, &key(), 10), Decided::Repeat(outcome));
+            let counts: Vec<(Key, u64)> = (ledger.counts())
+                .map(|(key, count)| (key.clone(), count))
+                .collect();
+            assert_eq!(counts, [(key(), 1)], "the first check alone is counted");
+        }
+    }
+
+    #[test]
+    fn an_application_ids_outcome_compacted_before_session_47_answers_any_check_under_it() {
+        let id = RequestId::client(CheckId {
+            session: 0xfeed,
+            seq: 7,
+        });
+        let compacted = Entry::Outcome {
+            id,
+            allowed: true,
+            count: 1,
+            window_index: 500_000,
+            window_secs: 3_600,
+        };
+        let mut ledger = Ledger::replay(std::slice::from_ref(&compacted));
+        let mut snapshot = Vec::new();
+        ledger.snapshot(&mut snapshot);
+        assert_eq!(
+            log::replay(&snapshot).0.last(),
+            Some(&compacted),
+            "what it asked stays unknown"
+        );
+        let other = ExactCheck {
+            subject: "acct-2".into(),
+            ..named(0xfeed, 7)
+        };
+        let key = key_of("quota", "acct-2", 500_000, 3_600).unwrap();
+        assert_eq!(
+            ledger.decide(&other, &key, 10),
+            Decided::Repeat(Outcome {
+                allowed: true,
+                count: 1
+            }),
+            "the first check's outcome, as before: never counted twice"
+        );
     }
 
     #[test]

@@ -75,7 +75,7 @@ pub struct Caps {
     /// Keys (the node's `keys_max`): an admission of one more is not decided.
     pub keys: usize,
     /// Application sessions whose check ids it holds (`check_id_sessions_max`): a check
-    /// under one more is not decided. Each costs some 440 bytes with its first check and 32 a check more,
+    /// under one more is not decided. Each costs some 530 bytes with its first check and 40 a check more,
     /// until its windows are over, so a stream of processes that each name a few checks
     /// would otherwise grow the ledger (and every snapshot of it) without bound.
     pub sessions: usize,
@@ -429,6 +429,7 @@ impl RegionService {
             // completes in order).
             Some(Decided::Repeat(outcome)) => return ExactAnswer::Decided(outcome),
             Some(Decided::Forgotten) => return ExactAnswer::Forgotten,
+            Some(Decided::IdReused) => return ExactAnswer::IdReused,
             _ => {}
         }
         let (name, rule) = match self.rules.get(&check.rule) {
@@ -477,6 +478,7 @@ impl RegionService {
             // committer completes in order).
             Decided::Repeat(outcome) => ExactAnswer::Decided(outcome),
             Decided::Forgotten => ExactAnswer::Forgotten,
+            Decided::IdReused => ExactAnswer::IdReused,
             Decided::KeysFull => {
                 self.keys_refused.fetch_add(1, Ordering::Relaxed);
                 ExactAnswer::KeysFull {

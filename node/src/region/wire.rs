@@ -15,19 +15,21 @@
 //! that many bytes (the transport's framing, as for gossip).
 
 use super::log::RequestId;
+use crate::recent::Asked;
 use serde::{Deserialize, Serialize};
 use tally_client::wire::form::{self, Reader};
 use tally_client::wire::CheckId;
 use tally_crdt::{RULE_BYTES_MAX, SUBJECT_BYTES_MAX};
 
 /// The region protocol version this build speaks: the first byte of every frame's body.
-/// Version 4 added the answer [`ExactAnswer::KeysFull`].
-pub const REGION_WIRE_VERSION: u8 = 4;
+/// Version 4 added the answer [`ExactAnswer::KeysFull`], version 5
+/// [`ExactAnswer::IdReused`].
+pub const REGION_WIRE_VERSION: u8 = 5;
 
 /// The earliest version of a frame of checks the region takes: an edge of an earlier build
-/// speaks it during an upgrade. Checks encode alike in both; the region answers each frame
-/// in its version, a version 3 frame without [`ExactAnswer::KeysFull`], which that edge
-/// could not decode ([`encode_answers_in`]).
+/// speaks it during an upgrade. Checks encode alike in all; the region answers each frame
+/// in its version, without the answers added after it, which that edge could not decode
+/// ([`encode_answers_in`]).
 pub const REGION_WIRE_VERSION_MIN: u8 = 3;
 
 /// The most checks an edge puts in one frame.
@@ -105,6 +107,11 @@ impl ExactCheck {
         self.check_id.map_or(self.id, RequestId::client)
     }
 
+    /// What the check asks: its rule, subject and cost, whatever its window.
+    pub fn asked(&self) -> Asked {
+        Asked::named(&self.rule, &self.subject, self.cost)
+    }
+
     /// The check, borrowed for encoding.
     pub fn as_ref(&self) -> CheckRef<'_> {
         CheckRef {
@@ -141,6 +148,10 @@ pub enum ExactAnswer {
         /// The region's maximum.
         keys_max: u64,
     },
+    /// The check names an application's id ([`ExactCheck::check_id`]) that the region
+    /// decided for another check: another rule, subject or cost. Not decided, nothing
+    /// counted: an id names one check.
+    IdReused,
 }
 
 /// A decision on the authoritative count.
@@ -173,6 +184,7 @@ const UNKNOWN_RULE: u8 = 1;
 const STORAGE: u8 = 2;
 const FORGOTTEN: u8 = 3;
 const KEYS_FULL: u8 = 4;
+const ID_REUSED: u8 = 5;
 
 /// A frame of checks, length prefix included.
 pub fn encode_checks(checks: &[CheckRef<'_>]) -> Vec<u8> {
@@ -188,20 +200,28 @@ pub fn encode_answers(answers: &[Answered]) -> Vec<u8> {
     framed(REGION_WIRE_VERSION, answers, put_answer)
 }
 
-/// A frame of answers in `version`, that of the frame of checks it answers: in version 3 a
-/// `KeysFull` answer goes as `Storage` naming the cap, which an edge of that version
-/// decodes (retryable, and no fallback of a rule answers it instead).
+/// A frame of answers in `version`, that of the frame of checks it answers: an answer
+/// added after that version goes as `Storage` saying why, which an edge of that version
+/// decodes (retryable, and no fallback of a rule answers it instead): before version 4 a
+/// `KeysFull`, before version 5 an `IdReused`.
 pub fn encode_answers_in(version: u8, answers: &[Answered]) -> Vec<u8> {
-    if version >= 4 {
+    if version >= REGION_WIRE_VERSION {
         return encode_answers(answers);
     }
     let answers: Vec<Answered> = (answers.iter().cloned())
         .map(|(seq, answer)| match answer {
-            ExactAnswer::KeysFull { keys_max } => (
+            ExactAnswer::KeysFull { keys_max } if version < 4 => (
                 seq,
                 ExactAnswer::storage(&format!(
                     "the region holds its maximum of {keys_max} keys; nothing counted"
                 )),
+            ),
+            ExactAnswer::IdReused => (
+                seq,
+                ExactAnswer::storage(
+                    "the check's id named another check (rule, subject or cost) at the \
+                     region; nothing counted: a new check needs a new id",
+                ),
             ),
             answer => (seq, answer),
         })
@@ -282,6 +302,7 @@ fn put_answer(out: &mut Vec<u8>, (seq, answer): &Answered) {
             out.push(KEYS_FULL);
             form::put_varint(out, *keys_max);
         }
+        ExactAnswer::IdReused => out.push(ID_REUSED),
     }
 }
 
@@ -350,6 +371,7 @@ fn answer(body: &mut Reader<'_>) -> Option<Answered> {
         KEYS_FULL => ExactAnswer::KeysFull {
             keys_max: body.u64()?,
         },
+        ID_REUSED => ExactAnswer::IdReused,
         _ => return None,
     };
     Some((seq, answer))
@@ -426,39 +448,49 @@ mod tests {
     }
 
     #[test]
-    fn an_edge_of_version_3_is_answered_in_version_3_its_keys_full_as_storage() {
-        let frame = encode_checks(&[check(1, "a").as_ref()]);
-        let mut earlier = body(&frame).to_vec();
-        earlier[0] = 3;
-        assert_eq!(decode_checks(&earlier), Some((3, vec![check(1, "a")])));
+    fn an_edge_of_an_earlier_version_is_answered_in_it_the_answers_added_since_as_storage() {
         let answers = [
             (1, ExactAnswer::KeysFull { keys_max: 9 }),
             (2, ExactAnswer::Forgotten),
+            (3, ExactAnswer::IdReused),
         ];
-        let in_3 = encode_answers_in(3, &answers);
-        assert_eq!(body(&in_3)[0], 3);
-        assert_eq!(
-            decode_answers(body(&in_3)),
-            None,
-            "not this build's version"
+        let keys_full =
+            ExactAnswer::Storage("the region holds its maximum of 9 keys; nothing counted".into());
+        let id_reused = ExactAnswer::Storage(
+            "the check's id named another check (rule, subject or cost) at the region; \
+             nothing counted: a new check needs a new id"
+                .into(),
         );
-        let mut as_4 = body(&in_3).to_vec();
-        as_4[0] = REGION_WIRE_VERSION;
-        assert_eq!(
-            decode_answers(&as_4),
-            Some(vec![
-                (
-                    1,
-                    ExactAnswer::Storage(
-                        "the region holds its maximum of 9 keys; nothing counted".into()
-                    )
-                ),
-                (2, ExactAnswer::Forgotten),
-            ]),
-            "version 3's variants encode alike in 4"
-        );
-        let in_4 = encode_answers_in(REGION_WIRE_VERSION, &answers);
-        assert_eq!(decode_answers(body(&in_4)), Some(answers.to_vec()));
+        let expected = [
+            (3, [keys_full, ExactAnswer::Forgotten, id_reused.clone()]),
+            (4, [answers[0].1.clone(), ExactAnswer::Forgotten, id_reused]),
+        ];
+        for (version, expected) in expected {
+            let frame = encode_checks(&[check(1, "a").as_ref()]);
+            let mut earlier = body(&frame).to_vec();
+            earlier[0] = version;
+            assert_eq!(
+                decode_checks(&earlier),
+                Some((version, vec![check(1, "a")]))
+            );
+            let answered = encode_answers_in(version, &answers);
+            assert_eq!(body(&answered)[0], version);
+            assert_eq!(
+                decode_answers(body(&answered)),
+                None,
+                "not this build's version"
+            );
+            let mut as_this = body(&answered).to_vec();
+            as_this[0] = REGION_WIRE_VERSION;
+            let expected: Vec<Answered> = (1..).zip(expected).collect();
+            assert_eq!(
+                decode_answers(&as_this),
+                Some(expected),
+                "version {version}'s variants encode alike in this one"
+            );
+        }
+        let in_this = encode_answers_in(REGION_WIRE_VERSION, &answers);
+        assert_eq!(decode_answers(body(&in_this)), Some(answers.to_vec()));
     }
 
     /// The frame bincode writes for `message`, as the region wrote every frame until
@@ -536,6 +568,7 @@ mod tests {
             ".{0,300}".prop_map(ExactAnswer::Storage),
             Just(ExactAnswer::Forgotten),
             varint().prop_map(|keys_max| ExactAnswer::KeysFull { keys_max }),
+            Just(ExactAnswer::IdReused),
         ];
         (varint(), answer)
     }
