@@ -179,6 +179,17 @@ pub enum Entry<S = String> {
         /// Its window's length.
         window_secs: u32,
     },
+    /// Every window of length `window_secs` up to the one of index `through_index` is
+    /// over for good: the ledger forgot its counts and ids, and refuses a check in it
+    /// though a wall clock stepped back reads it as live. Since session 47 ([`MAGIC`]'s
+    /// format 5; before, it was held in memory only, and a restart with the clock behind
+    /// could reopen a window whose records a compaction had dropped).
+    WindowsForgotten {
+        /// The windows' length.
+        window_secs: u32,
+        /// The newest window forgotten.
+        through_index: u64,
+    },
 }
 
 /// Where the log's bytes go: a file, or in tests a wrapper that fails on cue.
@@ -408,7 +419,7 @@ impl FileStorage {
 pub const MAGIC: &[u8; 8] = b"tallyRL\x05";
 
 /// The formats with this header before [`MAGIC`]: the one before
-/// [`Entry::NamedOutcome`]. Still read (their entries are a subset of this format's); a
+/// [`Entry::NamedOutcome`] and [`Entry::WindowsForgotten`]. Still read (their entries are a subset of this format's); a
 /// compaction writes [`MAGIC`].
 const MAGICS_WITH_HEADER_BEFORE: [&[u8; 8]; 1] = [b"tallyRL\x04"];
 

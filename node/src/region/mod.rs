@@ -47,6 +47,8 @@ pub struct Ledger {
     // The most application sessions `seen` holds: a check of a new one past it is not
     // decided.
     sessions_max: usize,
+    // The windows whose counts and ids `expire` forgot, over for good.
+    forgotten: Forgotten,
 }
 
 impl Default for Ledger {
@@ -59,16 +61,18 @@ impl Default for Ledger {
             keys_max: usize::MAX,
             sessions: 0,
             sessions_max: usize::MAX,
+            forgotten: Forgotten::default(),
         }
     }
 }
 
-/// Two ledgers are equal when they hold alike: the same counts and the same outcomes.
-/// (`lives` is rebuilt by a replay, in the order the lives came in, which the outcomes
-/// held already show; the caps are configuration, set after a replay.)
+/// Two ledgers are equal when they hold alike: the same counts, the same outcomes and the
+/// same windows forgotten. (`lives` is rebuilt by a replay, in the order the lives came
+/// in, which the outcomes held already show; the caps are configuration, set after a
+/// replay.)
 impl PartialEq for Ledger {
     fn eq(&self, other: &Ledger) -> bool {
-        self.counts == other.counts && self.seen == other.seen
+        self.counts == other.counts && self.seen == other.seen && self.forgotten == other.forgotten
     }
 }
 
@@ -84,10 +88,13 @@ impl Eq for Ledger {}
 pub const LIVES_PER_NODE: usize = 4;
 
 /// Per window length, the newest window whose counts a ledger has forgotten, and every
-/// one before it: over for good, whatever the wall clock says once it steps back.
-#[derive(Debug, Default, Clone)]
+/// one before it: over for good, whatever the wall clock says once it steps back. A
+/// compaction logs it (`Entry::WindowsForgotten`, since session 47), so it holds across
+/// restarts too.
+#[derive(Debug, Default, Clone, PartialEq, Eq)]
 pub struct Forgotten {
-    through: HashMap<u32, u64>,
+    // By window length, the newest window index forgotten.
+    through: BTreeMap<u32, u64>,
 }
 
 impl Forgotten {
@@ -487,6 +494,14 @@ impl Ledger {
                 (*window_index, *window_secs),
                 Some(*asked),
             ),
+            Entry::WindowsForgotten {
+                window_secs,
+                through_index,
+            } => {
+                if let Ok(window) = Window::new(*through_index, *window_secs) {
+                    self.forgotten.add(window);
+                }
+            }
         }
     }
 
@@ -532,6 +547,12 @@ impl Ledger {
             log::encode(&entry, out);
             entries += 1;
         };
+        for (&window_secs, &through_index) in &self.forgotten.through {
+            put(Entry::WindowsForgotten {
+                window_secs,
+                through_index,
+            });
+        }
         for (key, count) in &self.counts {
             put(Entry::Count {
                 rule: key.rule.as_str(),
@@ -658,9 +679,17 @@ impl Ledger {
         self.counts.iter().map(|(key, count)| (key, *count))
     }
 
-    /// Forgets windows that are over at `now_unix_secs`, and their request ids. Adds to
-    /// `forgotten`, per window length, the newest window whose counts it forgot.
-    pub fn expire(&mut self, now_unix_secs: u64, forgotten: &mut Forgotten) {
+    /// The windows whose counts or ids this ledger has forgotten: a check in one is never
+    /// decided, whatever the wall clock says.
+    pub fn forgotten(&self) -> &Forgotten {
+        &self.forgotten
+    }
+
+    /// Forgets windows that are over at `now_unix_secs`, and their request ids, noting
+    /// per window length the newest window whose counts or ids it forgot
+    /// ([`Ledger::forgotten`]).
+    pub fn expire(&mut self, now_unix_secs: u64) {
+        let forgotten = &mut self.forgotten;
         self.counts.retain(|key, _| {
             let live = key.window.is_live(now_unix_secs);
             if !live {
@@ -748,7 +777,7 @@ fn life_of(entry: &Entry) -> Option<(u64, u64)> {
         Entry::Outcome { id, .. } | Entry::NamedOutcome { id, .. } => {
             Some((id.node, id.generation))
         }
-        Entry::Count { .. } => None,
+        Entry::Count { .. } | Entry::WindowsForgotten { .. } => None,
     }
 }
 
@@ -897,7 +926,7 @@ mod tests {
         assert_eq!(decide_on(2, "acct-3", 500_000, 1), Decided::KeysFull);
         assert_eq!(ledger.counts().count(), 2);
         // Once their window is over, its keys make room.
-        ledger.expire((500_000 + 2) * 3_600, &mut Forgotten::default());
+        ledger.expire((500_000 + 2) * 3_600);
         let (check, key) = on(5, "acct-3", 500_002, 1);
         assert_eq!(ledger.decide(&check, &key, 10), admitted(1));
     }
@@ -960,7 +989,7 @@ mod tests {
         let (check, key) = in_window(named(3, 1), 500_000);
         assert_eq!(replayed.decide(&check, &key, 10), Decided::SessionsFull);
         // Once their window is over, the sessions make room.
-        ledger.expire((500_000 + 2) * 3_600, &mut Forgotten::default());
+        ledger.expire((500_000 + 2) * 3_600);
         assert_eq!(decide_in(&mut ledger, named(3, 1), 500_002), admitted(1));
     }
 
@@ -969,10 +998,9 @@ mod tests {
         let mut ledger = Ledger::default();
         let over = decide(&mut ledger, 1, 11, 10);
         assert!(matches!(over, Decided::New(Outcome { allowed: false, .. })));
-        let mut forgotten = Forgotten::default();
-        ledger.expire((500_000 + 10) * 3_600, &mut forgotten);
+        ledger.expire((500_000 + 10) * 3_600);
         assert!(
-            forgotten.covers(key().window),
+            ledger.forgotten().covers(key().window),
             "no count recorded it, its outcome does"
         );
     }
@@ -1293,12 +1321,12 @@ mod tests {
             ledger.decide(&named(1, app_seq), &short, u64::MAX);
         }
         let after_short = short.window.live_until_unix_secs();
-        ledger.expire(after_short, &mut Forgotten::default());
+        ledger.expire(after_short);
         assert_eq!(ledger.count(&short), 0, "the short window is collected");
         let mut entries = Vec::new();
         ledger.snapshot(&mut entries);
         let mut replayed = Ledger::replay(&log::replay(&entries).0);
-        replayed.expire(after_short, &mut Forgotten::default());
+        replayed.expire(after_short);
         for ledger in [&mut ledger, &mut replayed] {
             assert_eq!(
                 ledger.decide(&named(1, 0), &long, u64::MAX),
@@ -1306,10 +1334,7 @@ mod tests {
                 "a retry of the first check is never decided again while its window lives"
             );
             assert_eq!(ledger.count(&long), 1);
-            ledger.expire(
-                long.window.live_until_unix_secs(),
-                &mut Forgotten::default(),
-            );
+            ledger.expire(long.window.live_until_unix_secs());
             assert!(ledger.seen.is_empty(), "then the session is let go");
         }
     }
@@ -1390,21 +1415,28 @@ mod tests {
         }
         assert!(matches!(decide(&mut ledger, 5, 1, 100), Decided::New(_)));
         let end = key().window.start_unix_secs() + 3_600;
-        ledger.expire(end - 1, &mut Forgotten::default());
+        ledger.expire(end - 1);
         assert_eq!(ledger.count(&key()), 4, "a live window is kept");
         assert!(matches!(decide(&mut ledger, 1, 1, 100), Decided::Repeat(_)));
         // A number skipped below a decided one is still new after an expiry.
         assert!(matches!(decide(&mut ledger, 4, 1, 100), Decided::New(_)));
-        // One window length after it ends, nothing of it is held, and it stays over.
-        let mut forgotten = Forgotten::default();
-        ledger.expire(end + 3_600, &mut forgotten);
+        // One window length after it ends, nothing of it is held, and it stays over, in
+        // a snapshot too.
+        ledger.expire(end + 3_600);
         assert_eq!(ledger.count(&key()), 0);
         assert!(ledger.seen.is_empty());
+        let mut snapshot = Vec::new();
+        ledger.snapshot(&mut snapshot);
+        let (entries, _) = log::replay(&snapshot);
+        let replayed = Ledger::replay(&entries);
+        assert_eq!(replayed, ledger);
         let window = key().window;
-        assert!(forgotten.covers(window));
-        assert!(forgotten.covers(Window::new(window.index() - 1, 3_600).unwrap()));
-        assert!(!forgotten.covers(Window::new(window.index() + 1, 3_600).unwrap()));
-        assert!(!forgotten.covers(Window::new(window.index(), 60).unwrap()));
+        for forgotten in [ledger.forgotten(), replayed.forgotten()] {
+            assert!(forgotten.covers(window));
+            assert!(forgotten.covers(Window::new(window.index() - 1, 3_600).unwrap()));
+            assert!(!forgotten.covers(Window::new(window.index() + 1, 3_600).unwrap()));
+            assert!(!forgotten.covers(Window::new(window.index(), 60).unwrap()));
+        }
     }
 
     #[test]

@@ -13,7 +13,7 @@ use super::committer::{CommitError, Committer};
 use super::log::{self, Entry, Record, Storage};
 use super::own_lanes::OwnLanes;
 use super::wire::{self, Answered};
-use super::{key_in, Decided, ExactAnswer, ExactCheck, Forgotten, Ledger};
+use super::{key_in, Decided, ExactAnswer, ExactCheck, Ledger};
 use crate::clock::{self, ExpiryClock};
 use crate::config::RuleMode;
 use crate::decide::Rules;
@@ -52,9 +52,6 @@ pub struct RegionService {
     lanes_refused: Arc<AtomicU64>,
     // What the ledger's windows end by.
     expiry: ExpiryClock,
-    // The windows whose counts the ledger forgot: refused, though a wall clock stepped
-    // back would read them as live.
-    forgotten: Forgotten,
     /// Forwarded checks that named no exact rule here or no live window, and frames that
     /// did not decode or asked under another node's ids.
     pub bad_requests: Arc<AtomicU64>,
@@ -182,8 +179,7 @@ impl RegionService {
         let mut ledger = Ledger::replay(&entries);
         ledger.hold_at_most(caps.keys);
         ledger.hold_sessions_at_most(caps.sessions);
-        let mut forgotten = Forgotten::default();
-        ledger.expire(expiry.now_secs(), &mut forgotten);
+        ledger.expire(expiry.now_secs());
         ledger.forget_lives_of(store.replica().node.0);
         // Start from a compacted log: the state the entries left, without finished windows.
         let mut compacted = Vec::new();
@@ -228,7 +224,6 @@ impl RegionService {
             owed,
             lanes_refused,
             expiry,
-            forgotten,
             bad_requests: Arc::new(AtomicU64::new(0)),
             keys_max: caps.keys,
             keys_refused: Arc::new(AtomicU64::new(0)),
@@ -298,7 +293,7 @@ impl RegionService {
                 }
                 _ = stop.wait_for(|stop| *stop) => break,
                 _ = expire.tick() => {
-                    self.ledger.expire(self.expiry.now_secs(), &mut self.forgotten);
+                    self.ledger.expire(self.expiry.now_secs());
                     if snapshot.is_none() {
                         snapshot = self.start_compaction_if_due();
                     }
@@ -458,7 +453,7 @@ impl RegionService {
         .filter(|key| {
             key.window.is_live(now_secs)
                 && key.window.start_unix_secs() <= now_secs + tally_crdt::LANE_RATE_SKEW_SECS
-                && !self.forgotten.covers(key.window)
+                && !self.ledger.forgotten().covers(key.window)
         });
         let Some(key) = key else {
             self.bad_requests.fetch_add(1, Ordering::Relaxed);
@@ -637,15 +632,32 @@ mod tests {
         // Expired by a wall clock two hours ahead, since stepped back: this hour's window
         // was over then, and its counts and ids are gone.
         let ahead = clock::wall().0 / 1_000 + 2 * 3_600;
-        service.ledger.expire(ahead, &mut service.forgotten);
+        service.ledger.expire(ahead);
         assert!(service.ledger.counts.is_empty());
         // A new check and a retry of a decided one: neither is decided afresh.
-        let (answers, admitted, _) = service.decide_frame(&checks(20..21));
-        assert_eq!(answers, [(20, ExactAnswer::UnknownRule)]);
-        let (answers, _, _) = service.decide_frame(&checks(3..4));
-        assert_eq!(answers, [(3, ExactAnswer::UnknownRule)]);
-        assert!(admitted.is_empty());
+        let refused = |service: &mut RegionService| {
+            let (answers, admitted, _) = service.decide_frame(&checks(20..21));
+            assert_eq!(answers, [(20, ExactAnswer::UnknownRule)]);
+            let (answers, _, _) = service.decide_frame(&checks(3..4));
+            assert_eq!(answers, [(3, ExactAnswer::UnknownRule)]);
+            assert!(admitted.is_empty());
+        };
+        refused(&mut service);
+        // Nor after a restart, once a compaction has dropped the window's records (it was
+        // held in memory only until session 47).
+        service.compact_after_bytes = 0;
+        let snapshot = service.start_compaction_if_due().expect("due at once");
+        service.finish_compaction(snapshot.await.ok());
+        frame(&mut service, 30..31).await.unwrap().unwrap();
+        assert_eq!(
+            service.commit_stats().compactions.load(Ordering::Relaxed),
+            1
+        );
         drop(service);
+        let mut reopened = open(&dir);
+        assert!(reopened.ledger.counts.is_empty());
+        refused(&mut reopened);
+        drop(reopened);
         std::fs::remove_dir_all(&dir).unwrap();
     }
 
