@@ -439,7 +439,8 @@ impl Ledger {
                     record.window_secs,
                 );
                 if let Some(key) = key {
-                    let asked = Asked::named(&record.rule, &record.subject, record.cost);
+                    let asked = (record.id.node == log::CLIENT_NODE)
+                        .then(|| Asked::named(&record.rule, &record.subject, record.cost));
                     self.apply(record.id, &key, record.cost, record.allowed, asked);
                 }
             }
@@ -639,7 +640,8 @@ impl Ledger {
         if allowed && held.is_none() && self.counts.len() >= self.keys_max {
             return Decided::KeysFull;
         }
-        Decided::New(self.apply(id, key, check.cost, allowed, check.asked()))
+        let asked = (id.node == log::CLIENT_NODE).then(|| check.asked());
+        Decided::New(self.apply(id, key, check.cost, allowed, asked))
     }
 
     /// What the ledger holds of `check`'s request id, whatever its window: its first
@@ -712,14 +714,14 @@ impl Ledger {
     }
 
     /// Decides `id` on `key` as `allowed`, counting `cost` if so, and holds its outcome
-    /// (with what it `asked`, for an application's id).
+    /// (with what it `asked`: given for an application's id, [`Named`]).
     fn apply(
         &mut self,
         id: RequestId,
         key: &Key,
         cost: u64,
         allowed: bool,
-        asked: Asked,
+        asked: Option<Asked>,
     ) -> Outcome {
         // A denied check holds no key: its count is what it was, 0 if none.
         let count = match (allowed, self.counts.get_mut(key)) {
@@ -732,7 +734,6 @@ impl Ledger {
         };
         let outcome = Outcome { allowed, count };
         let life = (id.node, id.generation);
-        let asked = Some(asked);
         match self.seen.get_mut(&life) {
             Some(recent) => recent.insert(id.seq, outcome, key.window, asked),
             None => {
