@@ -273,7 +273,7 @@ mod defaults {
     }
 }
 
-/// The default of `check_id_sessions_max`: some 130 MiB of a region's ledger at one check
+/// The default of `check_id_sessions_max`: some 150 MiB of a region's ledger at one check
 /// per session.
 const CHECK_ID_SESSIONS_MAX: usize = 262_144;
 

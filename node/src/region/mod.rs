@@ -270,7 +270,7 @@ impl Recent {
     /// safe, because the edge fixed the window when it first sent it, and the region
     /// refuses a check of a window that is over whose id the ledger does not hold before it
     /// decides it (over by the wall clock, or [`Forgotten`], so that a clock stepped back
-    /// does not make it live again; but for a restart behind the last life's expiry). An application's
+    /// does not make it live again, across restarts too: a compaction logs it). An application's
     /// retry is given its window afresh by the edge it goes through, so one sent after the
     /// first check's window is over (and forgotten, one window length after its end) is a
     /// new check in its own window.
@@ -1574,5 +1574,160 @@ mod tests {
             );
         }
         assert_eq!(copy, ledger);
+    }
+
+    #[test]
+    fn a_random_stream_of_checks_expiries_and_compactions_replays_to_the_live_ledger() {
+        // A live ledger and its log (compacted now and then, the service's way: a copy's
+        // snapshot, then the records decided since), replayed after every step, must hold
+        // and decide alike: named and edge ids, ids reused with another check, windows
+        // expired (from a review, session 47).
+        let mut state: u64 = 0x9e37_79b9_7f4a_7c15;
+        let mut next = |n: u64| {
+            state ^= state << 13;
+            state ^= state >> 7;
+            state ^= state << 17;
+            state % n
+        };
+        for round in 0..100 {
+            let mut live = Ledger::default();
+            let mut log_bytes = Vec::new();
+            let mut copy: Option<(Ledger, Vec<u8>)> = None;
+            let mut now = 500_000 * 60;
+            for step in 0..300 {
+                match next(10) {
+                    0 => {
+                        now += next(90);
+                        live.expire(now);
+                    }
+                    1 if copy.is_none() => copy = Some((live.clone(), Vec::new())),
+                    2 => {
+                        if let Some((frozen, since)) = copy.take() {
+                            let mut compacted = Vec::new();
+                            frozen.snapshot(&mut compacted);
+                            compacted.extend_from_slice(&since);
+                            log_bytes = compacted;
+                        }
+                    }
+                    _ => {
+                        let named_id = next(3) != 0;
+                        let seq = next(12);
+                        let index = now / 60 + next(2) - next(2).min(now / 60);
+                        let mut check = ExactCheck {
+                            id: RequestId {
+                                node: 2,
+                                generation: 1,
+                                seq: step,
+                            },
+                            check_id: named_id.then_some(CheckId {
+                                session: next(3),
+                                seq,
+                            }),
+                            rule: "quota".into(),
+                            subject: format!("acct-{}", next(3)),
+                            window_index: index,
+                            window_secs: 60,
+                            cost: 1 + next(3),
+                        };
+                        if !named_id {
+                            check.id.seq = seq;
+                        }
+                        let key = key_of("quota", &check.subject, index, 60).unwrap();
+                        if !key.window.is_live(now) || live.forgotten().covers(key.window) {
+                            continue;
+                        }
+                        if let Decided::New(outcome) = live.decide(&check, &key, 6) {
+                            let mut record = Vec::new();
+                            log::encode(
+                                &Entry::Decided(log::Record::decided(&check, outcome.allowed)),
+                                &mut record,
+                            );
+                            log_bytes.extend_from_slice(&record);
+                            if let Some((_, since)) = &mut copy {
+                                since.extend_from_slice(&record);
+                            }
+                        }
+                    }
+                }
+                // A restart now: the log replayed, then expired at the same time.
+                let (entries, read) = log::replay(&log_bytes);
+                assert_eq!(read, log_bytes.len());
+                let mut replayed = Ledger::replay(&entries);
+                replayed.expire(now);
+                let mut live_expired = live.clone();
+                live_expired.expire(now);
+                assert_eq!(
+                    replayed.counts, live_expired.counts,
+                    "round {round} step {step}: counts"
+                );
+                let ids = |ledger: &Ledger| {
+                    let mut ids: Vec<_> = (ledger.seen.iter())
+                        .map(|(life, recent)| {
+                            let held: Vec<_> = recent.held().collect();
+                            (*life, recent.base, recent.floor_until, held)
+                        })
+                        .collect();
+                    ids.sort_by_key(|(life, ..)| *life);
+                    ids
+                };
+                assert_eq!(
+                    ids(&replayed),
+                    ids(&live_expired),
+                    "round {round} step {step}: ids"
+                );
+                // Decided alike from here, as the service decides (a window live and not
+                // forgotten).
+                for probe in 0..4u64 {
+                    let check = ExactCheck {
+                        id: RequestId {
+                            node: 2,
+                            generation: 1,
+                            seq: probe * 3,
+                        },
+                        check_id: (probe % 2 == 0).then_some(CheckId {
+                            session: probe % 3,
+                            seq: probe * 2,
+                        }),
+                        rule: "quota".into(),
+                        subject: format!("acct-{}", probe % 3),
+                        window_index: now / 60 - probe % 2,
+                        window_secs: 60,
+                        cost: 1 + probe % 3,
+                    };
+                    let key = key_of("quota", &check.subject, check.window_index, 60).unwrap();
+                    let decide = |ledger: &Ledger| {
+                        let mut ledger = ledger.clone();
+                        match ledger.recall(&check) {
+                            Some(held) => Some(held),
+                            None if !key.window.is_live(now)
+                                || ledger.forgotten().covers(key.window) =>
+                            {
+                                None
+                            }
+                            None => Some(ledger.decide(&check, &key, 6)),
+                        }
+                    };
+                    assert_eq!(
+                        decide(&replayed),
+                        decide(&live_expired),
+                        "round {round} step {step}: {check:?}"
+                    );
+                }
+                // Replayed with a clock stepped back (no expiry): a window the live ledger
+                // forgot is over, or its records are back.
+                let replayed = Ledger::replay(&entries);
+                for (len, through) in &live_expired.forgotten.through {
+                    let window = Window::new(*through, *len).unwrap();
+                    assert!(
+                        replayed.forgotten.covers(window)
+                            || replayed.counts.keys().any(|key| key.window == window)
+                            || replayed.seen.values().any(|recent| recent
+                                .held()
+                                .any(|(_, (_, held, _))| held == window)),
+                        "round {round} step {step}: window {window:?} reopened"
+                    );
+                }
+            }
+        }
     }
 }

@@ -72,7 +72,7 @@ pub struct Caps {
     /// Keys (the node's `keys_max`): an admission of one more is not decided.
     pub keys: usize,
     /// Application sessions whose check ids it holds (`check_id_sessions_max`): a check
-    /// under one more is not decided. Each costs some 530 bytes with its first check and 40 a check more,
+    /// under one more is not decided. Each costs some 590 bytes with its first check and 80 a check more,
     /// until its windows are over, so a stream of processes that each name a few checks
     /// would otherwise grow the ledger (and every snapshot of it) without bound.
     pub sessions: usize,
