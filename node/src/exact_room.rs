@@ -8,6 +8,7 @@
 //! requests wait in its socket; a held check whose rule's timeout passes, timed from the
 //! read that brought it, is answered as the region's silence would be (`listener`).
 
+use std::future::Future;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
@@ -49,11 +50,15 @@ impl ExactRoom {
     }
 
     /// A place for one check, once there is one: places given back go to those waiting in
-    /// the order they asked.
-    pub async fn take(&self) -> ExactSlot {
-        let place = Arc::clone(&self.places).acquire_owned().await;
-        let place = place.expect("invariant: the room's semaphore is never closed");
-        ExactSlot { _place: place }
+    /// the order they asked. The turn is the returned future's: kept while it is kept
+    /// (polled or not), lost when it is dropped, so a waiter keeps it across its waits.
+    pub fn take(&self) -> impl Future<Output = ExactSlot> + Send + 'static {
+        let places = Arc::clone(&self.places);
+        async move {
+            let place = places.acquire_owned().await;
+            let place = place.expect("invariant: the room's semaphore is never closed");
+            ExactSlot { _place: place }
+        }
     }
 
     /// Counts a connection that held an exact check because the room was full.

@@ -899,8 +899,10 @@ async fn serve_connection<S: AsyncRead + AsyncWrite + Unpin>(
     // place in the node's room.
     let room_max = service.exact_in_flight_max;
     let mut in_flight = 0;
-    // A place in the node's room, kept for the exact check held.
+    // A place in the node's room, kept for the exact check held, and the request for one
+    // while it waits: kept across turns of the loop, so the connection keeps its turn.
     let mut kept = None;
+    let mut asking = None;
     // Whether the client may still send, and whether it sent a bad frame.
     let mut sending = true;
     let mut bad_frame = false;
@@ -945,7 +947,10 @@ async fn serve_connection<S: AsyncRead + AsyncWrite + Unpin>(
             if !(in_flight < room_max && kept.is_some()) {
                 let due = hold.since + Duration::from_millis(hold.timeout_ms);
                 tokio::select! {
-                    slot = service.exact_room.take(), if in_flight < room_max && kept.is_none() => {
+                    slot = asking.get_or_insert_with(|| Box::pin(service.exact_room.take())),
+                        if in_flight < room_max && kept.is_none() =>
+                    {
+                        asking = None;
                         kept = Some(slot);
                     }
                     () = tokio::time::sleep_until(due) => held_past_ms = hold.timeout_ms,
@@ -998,6 +1003,12 @@ async fn serve_connection<S: AsyncRead + AsyncWrite + Unpin>(
             since: held.map_or(read_at, |hold| hold.since),
             timeout_ms,
         });
+        if held.is_none() {
+            // No check held: a place kept for one that was answered without it (a retry
+            // answered from memory, say), and a request for one, are given back, not kept
+            // while the connection idles (found in review, session 47).
+            (kept, asking) = (None, None);
+        }
         if held.is_some() && in_flight + exact.len() < room_max {
             service.exact_room.count_full();
         }
@@ -2341,6 +2352,200 @@ mod tests {
         let mut ids: Vec<_> = responses(&output).iter().map(|r| r.id).collect();
         ids.sort_unstable();
         assert_eq!(ids, (1..=40).collect::<Vec<_>>(), "each answered once");
+    }
+
+    /// Serves one connection of `service` on an in-memory stream, which the client half
+    /// writes `requests` to and keeps open (an idle client); returns the client's halves
+    /// and the serving task.
+    fn connection_open(
+        service: &Arc<Service>,
+        requests: &[Request],
+    ) -> (
+        tokio::io::ReadHalf<tokio::io::DuplexStream>,
+        tokio::io::WriteHalf<tokio::io::DuplexStream>,
+        tokio::task::JoinHandle<()>,
+    ) {
+        let (client, server) = tokio::io::duplex(64 * 1024);
+        let serving = tokio::spawn({
+            let service = Arc::clone(service);
+            async move { serve_connection(&service, server).await }
+        });
+        let (reading, mut writing) = tokio::io::split(client);
+        let sent = frames(requests);
+        // The pipe holds it all: written at once, without a task.
+        assert!(sent.len() < 64 * 1024);
+        let mut written = std::pin::pin!(writing.write_all(&sent));
+        let waker = std::task::Waker::noop();
+        let ready =
+            std::future::Future::poll(written.as_mut(), &mut std::task::Context::from_waker(waker));
+        assert!(ready.is_ready());
+        (reading, writing, serving)
+    }
+
+    /// Reads `count` answers from `reading`.
+    async fn read_responses(
+        reading: &mut tokio::io::ReadHalf<tokio::io::DuplexStream>,
+        count: usize,
+    ) -> Vec<Response> {
+        let (mut output, mut chunk) = (Vec::new(), vec![0; 64 * 1024]);
+        let read = async {
+            while responses(&output).len() < count {
+                let read = reading.read(&mut chunk).await.unwrap();
+                assert!(read > 0, "the connection closed");
+                output.extend_from_slice(&chunk[..read]);
+            }
+        };
+        tokio::time::timeout(Duration::from_secs(10), read)
+            .await
+            .expect("the answers come");
+        responses(&output)
+    }
+
+    /// An exact check of `rule` without a check id.
+    fn check_of(rule: &str, id: u64) -> Request {
+        Request {
+            id,
+            op: Op::Check {
+                rule: rule.into(),
+                subject: "a".into(),
+                cost: 1,
+                id: None,
+            },
+        }
+    }
+
+    /// Why `response` is `RegionUnavailable`.
+    fn unavailable_why(response: &Response) -> &str {
+        match &response.result {
+            Err(Refusal::RegionUnavailable { why, .. }) => why,
+            other => panic!("not unavailable: {other:?}"),
+        }
+    }
+
+    /// A check held for room, given a place, then answered from memory
+    /// (a retry of an id this sidecar decided) must not keep that place while its
+    /// connection idles.
+    #[tokio::test(flavor = "current_thread")]
+    async fn a_held_check_answered_from_memory_gives_back_the_place_it_was_given() {
+        let mut service = service_to_nowhere(50);
+        service.rules = Rules::new(&[
+            RuleConfig {
+                region_timeout_ms: 50,
+                on_region_unavailable: OnRegionUnavailable::Allow,
+                ..RuleConfig::for_test("quota", 100, RuleMode::Exact)
+            },
+            RuleConfig {
+                region_timeout_ms: 50,
+                ..RuleConfig::for_test("plain", 100, RuleMode::Exact)
+            },
+        ])
+        .unwrap();
+        // Room for one check a connection, and one in the node.
+        service.exact_in_flight_max = 1;
+        service.exact_room = Arc::new(ExactRoom::new(1));
+        let service = Arc::new(service);
+        // A check, and 20 ms later its retry under its id on the same connection: the
+        // retry is held for the connection's room. The first times out and falls back
+        // (admitted, counted, remembered); the retry, given the place the first gave back,
+        // is answered from memory, never forwarded.
+        let (mut reading, mut writing, serving) = connection_open(&service, &[quota_check(5, 2)]);
+        while service.waiting.sends() < 1 {
+            tokio::task::yield_now().await;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+        writing
+            .write_all(&frames(&[quota_check(5, 2)]))
+            .await
+            .unwrap();
+        let both = read_responses(&mut reading, 2).await;
+        let decided = decisions(&both);
+        assert_eq!(decided.len(), 2, "{both:?}");
+        assert_eq!(
+            (decided[0].mode, decided[0].allowed),
+            (wire::Mode::RegionFallback, true)
+        );
+        assert_eq!(
+            service
+                .metrics
+                .client_ids_answered_again
+                .load(Ordering::Relaxed),
+            1,
+            "the retry answered from memory"
+        );
+        // The connection idles with no check waiting: it holds no place.
+        let taken = once_still(|| service.exact_room.taken()).await;
+        assert_eq!(service.waiting.sends(), 0, "no check waits");
+        assert_eq!(
+            taken, 0,
+            "a place kept by an idle connection, with no check held"
+        );
+        // So another connection's check is forwarded (and times out at the region), not
+        // held for want of a place and answered without having been sent.
+        let (mut other, _other_writing, other_serving) =
+            connection_open(&service, &[check_of("plain", 7)]);
+        let answer = read_responses(&mut other, 1).await;
+        assert_eq!(unavailable_why(&answer[0]), "no answer within 50 ms");
+        serving.abort();
+        other_serving.abort();
+    }
+
+    /// Places given back go to the connections waiting in the order they
+    /// asked, whatever else a waiting connection does meanwhile (here: its own forwarded
+    /// check answered).
+    #[tokio::test(flavor = "current_thread")]
+    async fn a_connection_waiting_for_a_place_keeps_its_turn_while_its_checks_are_answered() {
+        let mut service = service_to_nowhere(600_000);
+        service.rules = Rules::new(&[
+            RuleConfig {
+                region_timeout_ms: 600_000,
+                ..RuleConfig::for_test("quota", 100, RuleMode::Exact)
+            },
+            RuleConfig {
+                region_timeout_ms: 100,
+                ..RuleConfig::for_test("fast", 100, RuleMode::Exact)
+            },
+            RuleConfig {
+                region_timeout_ms: 400,
+                ..RuleConfig::for_test("medium", 100, RuleMode::Exact)
+            },
+        ])
+        .unwrap();
+        service.exact_room = Arc::new(ExactRoom::new(2));
+        let service = Arc::new(service);
+        // One place taken for 600 s.
+        let (_f_reading, _f_writing, filling) = connection_open(&service, &[check_of("quota", 1)]);
+        while service.exact_room.taken() < 1 {
+            tokio::task::yield_now().await;
+        }
+        // A takes the other place with a 100 ms check, and waits for one for the next:
+        // A asks first.
+        let (_a_reading, _a_writing, a) =
+            connection_open(&service, &[check_of("fast", 2), quota_check(3, 1)]);
+        while service.exact_room.full() < 1 {
+            tokio::task::yield_now().await;
+        }
+        once_still(|| 0).await;
+        // B waits for a place too, after A.
+        let (mut b_reading, _b_writing, b) = connection_open(&service, &[check_of("medium", 4)]);
+        while service.exact_room.full() < 2 {
+            tokio::task::yield_now().await;
+        }
+        assert_eq!(
+            service.waiting.sends(),
+            0,
+            "no check with an id forwarded yet"
+        );
+        // At 100 ms A's fast check times out and gives its place back: it is A's, which
+        // asked first. So B's check, still held at its 400 ms, is answered unsent.
+        let answer = read_responses(&mut b_reading, 1).await;
+        assert_eq!(
+            unavailable_why(&answer[0]),
+            "no room to forward it within 400 ms",
+            "B's check took the place A asked for first"
+        );
+        for task in [filling, a, b] {
+            task.abort();
+        }
     }
 
     #[tokio::test]

@@ -550,7 +550,15 @@ impl<T> Held<T> {
             ExactAnswer::UnknownRule => Err(self.unavailable(
                 pending.rule(),
                 format!(
-                    "the region has no exact rule {:?} for this window",
+                    "the region has no live window of the exact rule {:?} for this check",
+                    pending.key.rule.as_str()
+                ),
+            )),
+            // Never decided, however often sent: the rule's fallback applies.
+            ExactAnswer::NoRule => Err(self.unavailable(
+                pending.rule(),
+                format!(
+                    "the region has no exact rule {:?} of this window's length",
                     pending.key.rule.as_str()
                 ),
             )),
@@ -1036,6 +1044,33 @@ mod tests {
         ]);
         assert_check_0_forgotten_and_1_unavailable(&mut answered);
     }
+
+    /// A region without the check's exact rule (misconfigured) answers
+    /// `NoRule` (region/service.rs, `decide`: the rule looked up after the ledger's
+    /// recall; `UnknownRule`, as for a window not live, until session 47), however often
+    /// the check is sent: it never decided it. Sent again after a
+    /// broken session, the check must get `RegionUnavailable`, and so its rule's
+    /// fallback, as it does sent once; not `Forgotten`.
+    #[test]
+    fn a_check_sent_again_to_a_region_without_its_rule_is_unavailable_not_forgotten() {
+        let (answers, mut answered) = mpsc::unbounded_channel();
+        let (mut held, _checks, _stats) = held();
+        held.insert(pending(0, 10_000, &answers));
+        assert!(held.next_frame(ms(0)).is_some());
+        held.resend_all();
+        assert!(held.next_frame(ms(1)).is_some());
+        held.answer_frame(vec![(0, REGION_WITHOUT_THE_RULE)]);
+        let results: Vec<_> = (drain(&mut answered).into_iter())
+            .map(|forwarded| forwarded.result)
+            .collect();
+        assert!(
+            matches!(&results[..], [Err(Refusal::RegionUnavailable { .. })]),
+            "{results:?}"
+        );
+    }
+
+    /// What a region without a check's exact rule answers it.
+    const REGION_WITHOUT_THE_RULE: ExactAnswer = ExactAnswer::NoRule;
 
     #[test]
     fn an_id_the_region_decided_for_another_check_is_refused_as_a_bad_id() {

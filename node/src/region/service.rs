@@ -434,9 +434,11 @@ impl RegionService {
             {
                 (name, rule)
             }
+            // Not decided on any session (the ledger recalls nothing of it): an edge that
+            // sent it again may answer its rule's fallback (found in review, session 47).
             _ => {
                 self.bad_requests.fetch_add(1, Ordering::Relaxed);
-                return ExactAnswer::UnknownRule;
+                return ExactAnswer::NoRule;
             }
         };
         // The edge fixes the window, but only one that is live by this node's clock (with
@@ -658,6 +660,38 @@ mod tests {
         assert!(reopened.ledger.counts.is_empty());
         refused(&mut reopened);
         drop(reopened);
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    /// The edge must tell a check the region never decided (no such
+    /// exact rule here: misconfigured) from one whose window is not live here (which it
+    /// may have decided on an earlier session): the first falls back, the second must not.
+    #[tokio::test]
+    async fn a_region_without_a_checks_rule_answers_otherwise_than_for_a_window_not_live() {
+        let dir = std::env::temp_dir().join(format!("tally-no-rule-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        let mut service = open(&dir);
+        let live = checks(0..1).remove(0);
+        let no_rule = ExactCheck {
+            rule: "nope".into(),
+            ..live.clone()
+        };
+        let (answers, _, _) = service.decide_frame(&[no_rule]);
+        let [(0, no_rule)] = &answers[..] else {
+            panic!("{answers:?}");
+        };
+        let over = ExactCheck {
+            window_index: live.window_index - 2,
+            ..live
+        };
+        let (answers, _, _) = service.decide_frame(&[over]);
+        let [(0, over)] = &answers[..] else {
+            panic!("{answers:?}");
+        };
+        assert_eq!(*over, ExactAnswer::UnknownRule);
+        assert_ne!(no_rule, over, "the edge cannot tell them apart");
+        assert_eq!(*no_rule, ExactAnswer::NoRule);
+        drop(service);
         std::fs::remove_dir_all(&dir).unwrap();
     }
 

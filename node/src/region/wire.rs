@@ -23,7 +23,7 @@ use tally_crdt::{RULE_BYTES_MAX, SUBJECT_BYTES_MAX};
 
 /// The region protocol version this build speaks: the first byte of every frame's body.
 /// Version 4 added the answer [`ExactAnswer::KeysFull`], version 5
-/// [`ExactAnswer::IdReused`].
+/// [`ExactAnswer::IdReused`] and [`ExactAnswer::NoRule`].
 pub const REGION_WIRE_VERSION: u8 = 5;
 
 /// The earliest version of a frame of checks the region takes: an edge of an earlier build
@@ -131,7 +131,8 @@ impl ExactCheck {
 pub enum ExactAnswer {
     /// Decided and durable.
     Decided(Outcome),
-    /// The region has no such exact rule, or the check's window is not live by its clock.
+    /// The check's window is not live by the region's clock (before version 5: or the
+    /// region has no such exact rule, now [`ExactAnswer::NoRule`]).
     UnknownRule,
     /// The region could not make the decision durable; nothing was acknowledged. The
     /// region's log error, cut to [`STORAGE_WHY_BYTES_MAX`].
@@ -152,6 +153,10 @@ pub enum ExactAnswer {
     /// decided for another check: another rule, subject or cost. Not decided, nothing
     /// counted: an id names one check.
     IdReused,
+    /// The region has no exact rule of the check's name and window length (a
+    /// misconfiguration), and no memory of the check: it never decided it, however often
+    /// it was sent. Version 5; an earlier edge gets `UnknownRule`.
+    NoRule,
 }
 
 /// A decision on the authoritative count.
@@ -185,6 +190,7 @@ const STORAGE: u8 = 2;
 const FORGOTTEN: u8 = 3;
 const KEYS_FULL: u8 = 4;
 const ID_REUSED: u8 = 5;
+const NO_RULE: u8 = 6;
 
 /// A frame of checks, length prefix included.
 pub fn encode_checks(checks: &[CheckRef<'_>]) -> Vec<u8> {
@@ -203,7 +209,8 @@ pub fn encode_answers(answers: &[Answered]) -> Vec<u8> {
 /// A frame of answers in `version`, that of the frame of checks it answers: an answer
 /// added after that version goes as `Storage` saying why, which an edge of that version
 /// decodes (retryable, and no fallback of a rule answers it instead): before version 4 a
-/// `KeysFull`, before version 5 an `IdReused`.
+/// `KeysFull`, before version 5 an `IdReused`; and before version 5 a `NoRule` goes as
+/// `UnknownRule`, as it did then.
 pub fn encode_answers_in(version: u8, answers: &[Answered]) -> Vec<u8> {
     if version >= REGION_WIRE_VERSION {
         return encode_answers(answers);
@@ -223,6 +230,7 @@ pub fn encode_answers_in(version: u8, answers: &[Answered]) -> Vec<u8> {
                      region; nothing counted: a new check needs a new id",
                 ),
             ),
+            ExactAnswer::NoRule => (seq, ExactAnswer::UnknownRule),
             answer => (seq, answer),
         })
         .collect();
@@ -303,6 +311,7 @@ fn put_answer(out: &mut Vec<u8>, (seq, answer): &Answered) {
             form::put_varint(out, *keys_max);
         }
         ExactAnswer::IdReused => out.push(ID_REUSED),
+        ExactAnswer::NoRule => out.push(NO_RULE),
     }
 }
 
@@ -372,6 +381,7 @@ fn answer(body: &mut Reader<'_>) -> Option<Answered> {
             keys_max: body.u64()?,
         },
         ID_REUSED => ExactAnswer::IdReused,
+        NO_RULE => ExactAnswer::NoRule,
         _ => return None,
     };
     Some((seq, answer))
@@ -453,6 +463,7 @@ mod tests {
             (1, ExactAnswer::KeysFull { keys_max: 9 }),
             (2, ExactAnswer::Forgotten),
             (3, ExactAnswer::IdReused),
+            (4, ExactAnswer::NoRule),
         ];
         let keys_full =
             ExactAnswer::Storage("the region holds its maximum of 9 keys; nothing counted".into());
@@ -462,8 +473,24 @@ mod tests {
                 .into(),
         );
         let expected = [
-            (3, [keys_full, ExactAnswer::Forgotten, id_reused.clone()]),
-            (4, [answers[0].1.clone(), ExactAnswer::Forgotten, id_reused]),
+            (
+                3,
+                [
+                    keys_full,
+                    ExactAnswer::Forgotten,
+                    id_reused.clone(),
+                    ExactAnswer::UnknownRule,
+                ],
+            ),
+            (
+                4,
+                [
+                    answers[0].1.clone(),
+                    ExactAnswer::Forgotten,
+                    id_reused,
+                    ExactAnswer::UnknownRule,
+                ],
+            ),
         ];
         for (version, expected) in expected {
             let frame = encode_checks(&[check(1, "a").as_ref()]);
@@ -569,6 +596,7 @@ mod tests {
             Just(ExactAnswer::Forgotten),
             varint().prop_map(|keys_max| ExactAnswer::KeysFull { keys_max }),
             Just(ExactAnswer::IdReused),
+            Just(ExactAnswer::NoRule),
         ];
         (varint(), answer)
     }
