@@ -211,7 +211,11 @@ pub async fn run(config: Config, shutdown: impl Future<Output = ()>) -> Result<(
             let mark = expiry_mark::read(dir)?;
             let resumed = mark.map(|mark| mark.resumed(clock::boot().as_ref()));
             expiry = ExpiryClock::resume(clock, resumed);
-            let (log, recovered) = lanelog::open(dir, node, now.wall.0, expiry.now_secs())?;
+            // Waits, blocking, before the generation is written, until the wall clock
+            // passes it (`Recovered::wait_ms`: at most about a second, at a million
+            // lanes, and nothing is served meanwhile).
+            let wait = std::thread::sleep;
+            let (log, recovered) = lanelog::open(dir, node, now.wall.0, expiry.now_secs(), wait)?;
             // Held until the process exits, not dropped with the node at shutdown, so that
             // no second process takes the directory while this one still runs at all.
             std::mem::forget(dir_lock);
@@ -228,15 +232,15 @@ pub async fn run(config: Config, shutdown: impl Future<Output = ()>) -> Result<(
             },
         ),
     };
-    // Until the wall clock passes the generation, before anything is served under it.
-    tokio::time::sleep(std::time::Duration::from_millis(recovered.wait_ms)).await;
     let replica = ReplicaId::new(node, recovered.generation);
     eprintln!(
-        "tallyd: node {} generation {} starting; {} earlier lives recovered, {} torn log tails",
+        "tallyd: node {} generation {} starting; {} earlier lives recovered, {} torn log tails, \
+         {} ms waited for the wall clock to pass the generation",
         node.0,
         replica.generation.0,
         recovered.retired.len(),
-        recovered.torn
+        recovered.torn,
+        recovered.wait_ms
     );
 
     // Earlier lives' logged lanes, re-published above any version a peer may hold.

@@ -176,7 +176,7 @@ mod tests {
     fn log(name: &str) -> (Arc<Mutex<LaneLog>>, Removed) {
         let dir = std::env::temp_dir().join(format!("tally-handoff-{name}-{}", std::process::id()));
         let _ = std::fs::remove_dir_all(&dir);
-        let (log, _) = crate::lanelog::open(&dir, NodeId(1), NOW * 1_000, NOW).unwrap();
+        let (log, _) = crate::lanelog::open(&dir, NodeId(1), NOW * 1_000, NOW, |_| {}).unwrap();
         (Arc::new(Mutex::new(log)), Removed(dir))
     }
 

@@ -11,8 +11,9 @@
 //! by two lives, even when the generation file was lost (one that does not parse stops the
 //! start), or the data directory was wiped (the wall clock then keeps it new, unless it
 //! stepped back past the previous start). A generation ahead of the wall clock (a start
-//! soon after the last) is waited out before the node serves ([`Recovered::wait_ms`]), so
-//! that a later start with the directory wiped does not take it again.
+//! soon after the last) is waited out before it is written, and so before the node serves
+//! ([`Recovered::wait_ms`]), so that a later start with the directory wiped does not take
+//! it again, and a start killed in the wait leaves nothing of its life.
 //!
 //! A life's writes are appended to `lanes-<generation>.log` before they are acknowledged
 //! and before the gossip task can see them (see `listener`), and the gossip sends them only
@@ -49,6 +50,7 @@ use std::fs::{File, OpenOptions};
 use std::io::{Read, Write};
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
+use std::time::Duration;
 use tally_client::wire::CheckId;
 use tally_crdt::{Generation, Key, Lane, NodeId, ReplicaId, Rule, Subject, Version, Window};
 
@@ -128,8 +130,9 @@ pub struct Recovered {
     pub answered: Vec<AnsweredId>,
     /// How many logs had a torn tail, dropped.
     pub torn: usize,
-    /// How long to wait before the node serves, so that the wall clock passes its
-    /// generation: 0 unless the generation runs ahead of it ([`open`]).
+    /// How long the start waited before it took its generation, so that the wall clock
+    /// passes it before the node serves: 0 unless the generation runs ahead of it
+    /// ([`open`]).
     pub wait_ms: u64,
 }
 
@@ -144,14 +147,16 @@ impl Recovered {
     }
 }
 
-/// Opens `dir` for `node`: checks that the directory is `node`'s (its `node` file), picks and
-/// syncs the new generation, replays earlier logs, deletes the ones whose windows are all
-/// over, and opens this life's log.
+/// Opens `dir` for `node`: checks that the directory is `node`'s (its `node` file), replays
+/// earlier logs, deletes the ones whose windows are all over, picks the new generation,
+/// `wait`s out how far it is ahead of the wall clock `wall_ms` (if it is), then syncs it
+/// and opens this life's log.
 pub fn open(
     dir: &Path,
     node: NodeId,
     wall_ms: u64,
     now_unix_secs: u64,
+    wait: impl FnOnce(Duration),
 ) -> Result<(LaneLog, Recovered), LogError> {
     let io = LogError::io_at;
     create_dir_durably(dir).map_err(io(dir))?;
@@ -235,15 +240,20 @@ pub fn open(
         return Err(io(&generation_file)(source));
     }
     // A start soon after the last takes a generation ahead of the wall clock (past the
-    // versions the last start re-published), which the node waits out before it serves:
-    // a later start with this directory wiped takes the wall clock's, and must not take
-    // this one (found in review, session 46). A clock stepped back past the last start is
-    // not waited out: that could take hours, and a wiped start is not kept new then anyway.
+    // versions the last start re-published), which it waits out before it serves: a later
+    // start with this directory wiped takes the wall clock's, and must not take this one
+    // (found in review, session 46). A clock stepped back past the last start is not waited
+    // out: that could take hours, and a wiped start is not kept new then anyway. The wait
+    // comes before anything of this life is written, so that a start killed in it leaves
+    // the directory as the last life did, and the next start is not ahead of a generation
+    // no life served (found in review, session 47: it read that one as a clock stepped
+    // back, waited nothing, and served under a generation the wall clock had not passed).
     let wait_ms = if previous < wall_ms {
         (generation + 1).saturating_sub(wall_ms)
     } else {
         0
     };
+    wait(Duration::from_millis(wait_ms));
     let generation = Generation(generation);
     replace_synced(dir, "generation", generation.0.to_string().as_bytes())?;
     let recovered = Recovered {
@@ -859,6 +869,16 @@ mod tests {
     use tally_crdt::KeyRef;
 
     const NOW: u64 = 1_767_225_600;
+
+    /// [`super::open`] with no wait: these tests' wall clocks are made up.
+    fn open(
+        dir: &Path,
+        node: NodeId,
+        wall_ms: u64,
+        now_unix_secs: u64,
+    ) -> Result<(LaneLog, Recovered), LogError> {
+        super::open(dir, node, wall_ms, now_unix_secs, |_| {})
+    }
 
     fn key(subject: &str) -> Key {
         Key::new(
@@ -1533,6 +1553,49 @@ mod tests {
         // A clock stepped back past the last start is not waited out.
         let (_, stepped_back) = open(&dir, NodeId(1), 500_000, NOW).unwrap();
         assert_eq!(stepped_back.wait_ms, 0);
+        std::fs::remove_dir_all(dir).unwrap();
+    }
+
+    /// A start killed while it waits out its generation writes nothing of its life, so
+    /// the next start is not ahead of a generation no life served: it waits out its own,
+    /// and a later start with the directory wiped takes a newer one (found in review,
+    /// session 47: the killed start had written its generation, the next read it as a
+    /// clock stepped back, waited nothing and served under a generation the wall clock
+    /// had not passed, which the wiped start then took again).
+    #[test]
+    fn a_start_killed_in_its_wait_leaves_the_next_one_waiting_out_its_own_generation() {
+        let dir = dir("killed-in-wait");
+        let (mut log, _) = open(&dir, NodeId(1), 1_000_000, NOW).unwrap();
+        for subject in 0..5_000 {
+            log.append(&key(&format!("s{subject}")), 1, 0).unwrap();
+        }
+        log.flush().unwrap();
+        drop(log);
+        // 1 ms later it must wait 7 ms (past the 5,000 lanes the last start re-published,
+        // and two more), and is killed in that wait.
+        let killed = std::panic::catch_unwind(|| {
+            super::open(&dir, NodeId(1), 1_000_001, NOW, |wait| {
+                assert_eq!(wait, Duration::from_millis(7));
+                panic!("killed in its wait");
+            })
+        });
+        assert!(killed.is_err());
+        let generation = std::fs::read_to_string(dir.join("generation")).unwrap();
+        assert_eq!(
+            generation, "1000000",
+            "the killed start's generation is not written"
+        );
+        for name in ["lanes-1000007.log", "answers-1000007.log"] {
+            assert!(!dir.join(name).exists(), "{name}");
+        }
+        let (_, next) = open(&dir, NodeId(1), 1_000_003, NOW).unwrap();
+        assert_eq!((next.generation, next.wait_ms), (Generation(1_000_007), 5));
+        let serves_at = 1_000_003 + next.wait_ms;
+        assert!(serves_at > next.generation.0);
+        // It serves 11 ms; then the directory is wiped and the node starts again.
+        std::fs::remove_dir_all(&dir).unwrap();
+        let (_, wiped) = open(&dir, NodeId(1), serves_at + 11, NOW).unwrap();
+        assert!(wiped.generation > next.generation, "{wiped:?}");
         std::fs::remove_dir_all(dir).unwrap();
     }
 

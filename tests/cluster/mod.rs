@@ -562,7 +562,7 @@ impl Node {
     pub fn last_generation(&self) -> u64 {
         let log = std::fs::read_to_string(&self.log).unwrap();
         let line = (log.lines().rev())
-            .find(|line| line.contains(" generation ") && line.ends_with("torn log tails"))
+            .find(|line| line.contains(" generation ") && line.contains("earlier lives recovered"))
             .expect("a start reports its generation");
         let after = line.split(" generation ").nth(1).unwrap();
         after.split(' ').next().unwrap().trim().parse().unwrap()

@@ -166,7 +166,8 @@ mod tests {
             let now = clock::wall().0;
             let dir = std::env::temp_dir()
                 .join(format!("tally-region-{name}-{}-{now}", std::process::id()));
-            let (log, recovered) = crate::lanelog::open(&dir, NodeId(1), now, now / 1_000).unwrap();
+            let (log, recovered) =
+                crate::lanelog::open(&dir, NodeId(1), now, now / 1_000, |_| {}).unwrap();
             let replica = ReplicaId::new(NodeId(1), recovered.generation);
             let store = Arc::new(LaneStore::new(replica, keys_max));
             let log = Arc::new(Mutex::new(log));
@@ -197,7 +198,8 @@ mod tests {
         fn reopen(self) -> Vec<(Key, Lane)> {
             let Region { dir, now, .. } = self;
             let later = now + 1;
-            let (_, next) = crate::lanelog::open(&dir, NodeId(1), later, later / 1_000).unwrap();
+            let (_, next) =
+                crate::lanelog::open(&dir, NodeId(1), later, later / 1_000, |_| {}).unwrap();
             std::fs::remove_dir_all(dir).unwrap();
             let mut lanes = next.retired[0].1.clone();
             lanes.sort_by(|x, y| x.0.subject.as_str().cmp(y.0.subject.as_str()));
