@@ -309,12 +309,11 @@ impl Endpoints {
             .members()
             .iter()
             .map(|(node, replica, state)| {
-                let stamp = view.stamps().get(replica).map_or(0, |s| s.0);
                 json!({
                     "node": node.0,
                     "generation": replica.generation.0,
                     "state": format!("{state:?}").to_lowercase(),
-                    "staleness_ms": now.0.saturating_sub(stamp),
+                    "staleness_ms": view.staleness_of(*replica, now).as_millis() as u64,
                 })
             })
             .collect();

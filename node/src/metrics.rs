@@ -105,9 +105,14 @@ impl RatioHistogram {
             .position(|bound| ratio <= *bound)
             .unwrap_or(BOUND_RATIO_BOUNDS.len());
         self.counts[bucket].fetch_add(1, Ordering::Relaxed);
-        // A float-to-integer `as` saturates: a ratio past 1.8e13 adds its most.
+        // A float-to-integer `as` saturates: a ratio past 1.8e13 adds its most. The sum
+        // saturates too, so that it never falls, which a scraper reads as a reset (found in
+        // review, session 47: at a rule's limit of 1 a few hundred isolated decisions
+        // wrapped it).
         let millionths = (ratio * 1e6).round() as u64;
-        self.sum_millionths.fetch_add(millionths, Ordering::Relaxed);
+        let _ = (self.sum_millionths).fetch_update(Ordering::Relaxed, Ordering::Relaxed, |sum| {
+            Some(sum.saturating_add(millionths))
+        });
     }
 }
 
@@ -202,8 +207,7 @@ pub fn render(sources: &Sources<'_>) -> String {
             // A member that left says nothing more; a series for each would grow forever.
             continue;
         }
-        let stamp = view.stamps().get(replica).copied().unwrap_or(Stamp(0));
-        let age = sources.now.0.saturating_sub(stamp.0) as f64 / 1_000.0;
+        let age = view.staleness_of(*replica, sources.now).as_secs_f64();
         staleness
             .get_or_create(&origin_labels(node.0, *replica, &format!("{state:?}")))
             .set(age);
@@ -780,6 +784,30 @@ mod tests {
         ] {
             assert!(lines.contains(&expected), "{expected} not in {lines:#?}");
         }
+    }
+
+    /// A histogram's `_sum` never falls, which a scraper reads as a reset: an isolated
+    /// decision's bound can be many times its limit (increments are not held to it), and
+    /// the sum saturates (found in review, session 47: it wrapped).
+    #[test]
+    fn the_bound_ratios_sum_saturates_and_never_falls() {
+        let metrics = Metrics::default();
+        let sum = |metrics: &Metrics| -> f64 {
+            let text = rendered(metrics);
+            let line = (text.lines())
+                .find(|line| line.starts_with("tally_decision_bound_ratio_sum "))
+                .expect("the sum");
+            line.rsplit(' ').next().unwrap().parse().unwrap()
+        };
+        let huge = decision(Mode::ApproximateIsolated, false, 200.0 * 1e13);
+        metrics.decided(&huge);
+        let first = sum(&metrics);
+        metrics.decided(&huge);
+        assert!(
+            sum(&metrics) >= first,
+            "it fell from {first} to {}",
+            sum(&metrics)
+        );
     }
 
     #[test]

@@ -24,12 +24,12 @@ pub struct View {
 pub struct ViewState {
     // Every other member: its node, current replica and state.
     members: Vec<(NodeId, ReplicaId, State)>,
-    // The newest origin stamp held for each other member's current replica, as far as
-    // `arrivals` vouches for it.
-    stamps: BTreeMap<ReplicaId, Stamp>,
-    // When each stamp in `stamps` arrived.
+    // The age of the newest origin stamp held for each other member's current replica,
+    // as far as `arrivals` vouches for it, when the members were set (`summary.at`).
+    ages: BTreeMap<ReplicaId, Duration>,
+    // When each stamp arrived.
     arrivals: Arrivals,
-    // What `freshness` needs of `members` and `stamps`, taken when they are set, so a
+    // What `freshness` needs of `members` and `ages`, taken when they are set, so a
     // decision reads it in constant time however many members there are.
     summary: Summary,
     /// The gossip's counters.
@@ -319,10 +319,16 @@ impl ViewState {
         std::array::from_fn(|i| (STATES[i], self.summary.by_state[i]))
     }
 
-    /// The newest origin stamp held for each other member's current replica, or when it
-    /// arrived here if that was earlier (an origin whose clock runs ahead).
-    pub fn stamps(&self) -> &BTreeMap<ReplicaId, Stamp> {
-        &self.stamps
+    /// How stale `replica`'s newest state held here is at wall time `now`, as decisions
+    /// read a live member's ([`ViewState::freshness`]): its age when the members were set,
+    /// which a step back of this node's wall clock does not take back, plus the time since.
+    /// As old as the epoch if none is held. What `/metrics` and `/status` report (found in
+    /// review, session 47: they read the wall clock alone, and a member gone quiet read
+    /// fresh for as long as a step back of it while its checks were already isolated).
+    pub fn staleness_of(&self, replica: ReplicaId, now: Stamp) -> Duration {
+        let since_set = Duration::from_millis(now.0.saturating_sub(self.summary.at.0));
+        let never = Duration::from_millis(now.0);
+        (self.ages.get(&replica)).map_or(never, |&age| age + since_set)
     }
 
     /// Replaces the members and their stamps, as held at `now`. Returns the nodes that
@@ -355,8 +361,8 @@ impl ViewState {
                 live_ages.push(vouched.get(replica).map_or(never, |&(_, age)| age));
             }
         }
-        let stamps = (vouched.into_iter())
-            .map(|(replica, (stamp, _))| (replica, stamp))
+        let ages = (vouched.into_iter())
+            .map(|(replica, (_, age))| (replica, age))
             .collect();
         let located: BTreeSet<NodeId> = (members.iter())
             .filter(|(_, _, state)| *state != State::Left)
@@ -384,7 +390,7 @@ impl ViewState {
         }
         summary.heard_for = (self.heard_since).map(|since| now.mono.saturating_sub(since));
         live_ages.sort_unstable();
-        (self.members, self.stamps, self.summary) = (members, stamps, summary);
+        (self.members, self.ages, self.summary) = (members, ages, summary);
         self.live_ages = live_ages;
         self.located = located;
         relocated
@@ -422,7 +428,7 @@ impl ViewState {
     pub fn reported(&self) -> ViewState {
         ViewState {
             members: self.members.clone(),
-            stamps: self.stamps.clone(),
+            ages: self.ages.clone(),
             arrivals: Arrivals::default(),
             summary: self.summary,
             gossip: self.gossip.clone(),
@@ -1036,17 +1042,26 @@ mod tests {
         let stamps =
             |now: u64| BTreeMap::from([(ahead, Stamp(now + 90_000)), (behind, Stamp(now - 500))]);
         state.set_members(members.clone(), stamps(100_000), at(100_000));
+        let staleness_of =
+            |state: &ViewState, replica, now| state.staleness_of(replica, Stamp(now));
         assert_eq!(
-            state.stamps()[&ahead],
-            Stamp(100_000),
+            staleness_of(&state, ahead, 100_000),
+            Duration::ZERO,
             "vouched for as of its arrival"
         );
-        assert_eq!(state.stamps()[&behind], Stamp(99_500), "taken as it is");
+        assert_eq!(
+            staleness_of(&state, behind, 100_000),
+            Duration::from_millis(500),
+            "taken as it is"
+        );
         // Node 3 goes on stamping; node 2 stops. Its stamp held is as old as its arrival.
         let mut held = stamps(107_000);
         held.insert(ahead, Stamp(190_000));
         state.set_members(members.clone(), held, at(107_000));
-        assert_eq!(state.stamps()[&ahead], Stamp(100_000));
+        assert_eq!(
+            staleness_of(&state, ahead, 107_000),
+            Duration::from_millis(7_000)
+        );
         assert_eq!(
             state.freshness(Stamp(107_000)).staleness,
             Duration::from_millis(7_000),
@@ -1058,7 +1073,7 @@ mod tests {
             BTreeMap::from([(ahead, Stamp(200_000))]),
             at(110_000),
         );
-        assert_eq!(state.stamps()[&ahead], Stamp(110_000));
+        assert_eq!(staleness_of(&state, ahead, 110_000), Duration::ZERO);
         assert_eq!(state.arrivals.held.len(), 1);
     }
 
@@ -1084,6 +1099,11 @@ mod tests {
             state.freshness(stepped).staleness,
             Duration::from_millis(7_500),
             "7 s quiet and half a second behind when it arrived, whatever the wall clock says"
+        );
+        assert_eq!(
+            state.staleness_of(peer, stepped),
+            Duration::from_millis(7_500),
+            "and so /metrics and /status report it (found in review, session 47: they read 0)"
         );
         assert_eq!(
             state.freshness(Stamp(stepped.0 + 1_000)).staleness,

@@ -23,7 +23,7 @@ use super::{ExactAnswer, Outcome};
 use crate::clock::Clock;
 use crate::metrics::LatencyHistogram;
 use crate::transport::{FrameRead, Requester, Session, SessionReceive, SessionSend, Sessions};
-use std::collections::{BTreeSet, VecDeque};
+use std::collections::{BTreeMap, VecDeque};
 use std::future::Future;
 use std::pin::Pin;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -343,9 +343,9 @@ struct Held<T> {
     next_seq: u64,
     clock: Clock,
     stats: Arc<ForwardStats>,
-    // The checks answered `RegionUnavailable`, the most recent `TIMED_OUT_HELD`, and
-    // where an admission of one answered later goes.
-    timed_out: BTreeSet<u64>,
+    // The checks answered `RegionUnavailable`, the most recent `TIMED_OUT_HELD`, with when
+    // each arrived, and where an admission of one answered later goes.
+    timed_out: BTreeMap<u64, Duration>,
     late: LateAdmissions,
 }
 
@@ -366,7 +366,7 @@ impl<T> Held<T> {
             next_seq: 0,
             clock,
             stats,
-            timed_out: BTreeSet::new(),
+            timed_out: BTreeMap::new(),
             late,
         }
     }
@@ -493,10 +493,16 @@ impl<T> Held<T> {
         let mut late = Vec::new();
         for (seq, answer) in frame {
             let Some(pending) = self.remove(seq) else {
-                let admitted =
-                    matches!(answer, ExactAnswer::Decided(Outcome { allowed: true, .. }));
-                if self.timed_out.remove(&seq) && admitted {
-                    late.push(seq);
+                let Some(arrived) = self.timed_out.remove(&seq) else {
+                    continue;
+                };
+                if let ExactAnswer::Decided(Outcome { allowed, .. }) = answer {
+                    // Decided after its timeout: its latency too (found in review, session
+                    // 47: the histogram stopped at the rules' timeouts).
+                    self.stats.latency.record(now.saturating_sub(arrived));
+                    if allowed {
+                        late.push(seq);
+                    }
                 }
                 continue;
             };
@@ -598,9 +604,10 @@ impl<T> Held<T> {
             let refusal = self.unavailable(pending.rule(), why);
             // Only a check written to the region can be decided there after all.
             let late_seq = (pending.writes > 0).then_some(seq);
+            let arrived = pending.arrived;
             pending.answer(Err(refusal), late_seq);
             if late_seq.is_some() {
-                self.timed_out.insert(seq);
+                self.timed_out.insert(seq, arrived);
                 if self.timed_out.len() > TIMED_OUT_HELD {
                     self.timed_out.pop_first();
                 }
@@ -1121,6 +1128,25 @@ mod tests {
             ),
             "{results:?}"
         );
+    }
+
+    /// `tally_region_latency_seconds` counts every check the region decided, one decided
+    /// after its rule's timeout too, so a region slower than a timeout shows how much
+    /// slower (found in review, session 47: the histogram stopped at the timeouts).
+    #[test]
+    fn a_check_the_region_decided_after_its_timeout_is_in_the_latency_histogram() {
+        let (answers, _answered) = mpsc::unbounded_channel();
+        let (mut held, _checks, stats) = held();
+        held.insert(pending(0, 100, &answers));
+        assert!(held.next_frame(ms(0)).is_some(), "written to the region");
+        held.expire(ms(100));
+        assert_eq!(stats.unavailable.load(Ordering::Relaxed), 1);
+        let denied = ExactAnswer::Decided(Outcome {
+            allowed: false,
+            count: 1,
+        });
+        held.answer_frame(vec![(0, denied)]);
+        assert_eq!(stats.latency.count(), 1);
     }
 
     #[test]
