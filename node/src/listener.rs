@@ -927,6 +927,13 @@ async fn serve_connection<S: AsyncRead + AsyncWrite + Unpin>(
                 Some(first) = answered.recv() => {
                     in_flight -= answer_queued(service, first, &mut answered, &mut forwarded, &mut output);
                 }
+                // The client takes no answer now: the connection gives back its place in the
+                // node's room and its turn for one, which it asks for again once its answers
+                // are written (found in review, session 47: a request left unpolled here was
+                // given a place all the same, held for as long as the client did not read).
+                () = std::future::ready(()), if kept.is_some() || asking.is_some() => {
+                    (kept, asking) = (None, None);
+                }
             }
             continue;
         }
@@ -2546,6 +2553,77 @@ mod tests {
         for task in [filling, a, b] {
             task.abort();
         }
+    }
+
+    /// A connection whose client has stopped reading keeps no place of the node's room.
+    /// Its request for a place (`asking`) is kept across turns, but while the connection
+    /// waits to write an answer it is not polled: a place given back was granted to it all
+    /// the same and held, unused, for as long as the client did not read, and another
+    /// connection's check was answered without ever being sent (found in review, session
+    /// 47).
+    #[tokio::test(flavor = "current_thread")]
+    async fn a_client_that_stops_reading_keeps_no_place_granted_to_its_request() {
+        let mut service = service_to_nowhere(600_000);
+        service.rules = Rules::new(&[
+            RuleConfig {
+                region_timeout_ms: 600_000,
+                ..RuleConfig::for_test("quota", 100, RuleMode::Exact)
+            },
+            RuleConfig {
+                region_timeout_ms: 100,
+                ..RuleConfig::for_test("fast", 100, RuleMode::Exact)
+            },
+            RuleConfig {
+                region_timeout_ms: 300,
+                ..RuleConfig::for_test("plain", 100, RuleMode::Exact)
+            },
+        ])
+        .unwrap();
+        service.exact_room = Arc::new(ExactRoom::new(2));
+        let service = Arc::new(service);
+        // One place taken for 600 s by another connection.
+        let (_f_reading, _f_writing, filling) = connection_open(&service, &[check_of("quota", 1)]);
+        while service.exact_room.taken() < 1 {
+            tokio::task::yield_now().await;
+        }
+        // C: a pipe of 16 bytes each way. Its client sends a status, a 100 ms check (which
+        // takes the last place) and a 600 s one (held for a place); it reads the status's
+        // answer, then stops reading.
+        let (client, server) = tokio::io::duplex(16);
+        let c = tokio::spawn({
+            let service = Arc::clone(&service);
+            async move { serve_connection(&service, server).await }
+        });
+        let (mut c_reading, mut c_writing) = tokio::io::split(client);
+        let sent = frames(&[status(2), check_of("fast", 3), check_of("quota", 4)]);
+        let c_writer = tokio::spawn(async move {
+            c_writing.write_all(&sent).await.unwrap();
+            c_writing
+        });
+        let status_answer = read_responses(&mut c_reading, 1).await;
+        assert_eq!(status_answer[0].id, 2);
+        while service.exact_room.full() < 1 {
+            tokio::task::yield_now().await;
+        }
+        // The 100 ms check times out; its answer does not fit in the pipe C's client does
+        // not read. Its place is given back.
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        let taken = once_still(|| service.exact_room.taken()).await;
+        eprintln!("places taken with one check waiting at the region: {taken}");
+        // D's check, asked after that: a place is free (no check but F's uses one), so it
+        // is forwarded, and times out at the region; not held and answered unsent.
+        let (mut d_reading, _d_writing, d) = connection_open(&service, &[check_of("plain", 5)]);
+        let answer = read_responses(&mut d_reading, 1).await;
+        assert_eq!(
+            unavailable_why(&answer[0]),
+            "no answer within 300 ms",
+            "D's check was never sent: the free place is held by C, whose client does not \
+             read (places taken: {taken}, checks waiting at the region: 1)"
+        );
+        for task in [filling, c, d] {
+            task.abort();
+        }
+        drop(c_writer);
     }
 
     #[tokio::test]
