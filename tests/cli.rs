@@ -66,3 +66,75 @@ fn tally_forget_with_no_sidecar_on_the_http_port_fails_naming_the_port() {
         "{stderr}"
     );
 }
+
+/// Runs `tally certs --out dir --nodes nodes`, whatever it returns.
+fn certs_run(dir: &std::path::Path, nodes: &str) -> std::process::Output {
+    Command::new(env!("CARGO_BIN_EXE_tally"))
+        .args(["certs", "--out"])
+        .arg(dir)
+        .args(["--nodes", nodes])
+        .env("RUST_BACKTRACE", "0")
+        .output()
+        .unwrap()
+}
+
+/// A first run that cannot write the CA's key (here a directory in the way of its temporary
+/// file; a full disk does the same) must not leave the CA's certificate without it: every
+/// later run is then refused as "half a CA" for a key that never existed.
+#[test]
+fn tally_certs_that_cannot_write_the_ca_key_leaves_no_ca_certificate_behind() {
+    let dir = std::env::temp_dir().join(format!("tally-cli-half-ca-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(dir.join("ca.key.tmp")).unwrap();
+    let output = certs_run(&dir, "1");
+    assert!(!output.status.success(), "{output:?}");
+    let left = dir.join("ca.pem").exists();
+    std::fs::remove_dir(dir.join("ca.key.tmp")).unwrap();
+    let again = certs_run(&dir, "1");
+    std::fs::remove_dir_all(&dir).unwrap();
+    assert!(
+        !left,
+        "ca.pem written without ca.key; the next run says: {}",
+        String::from_utf8_lossy(&again.stderr)
+    );
+}
+
+/// A renewal that cannot write the node's new key must leave the node's old pair as it
+/// was: its new certificate beside its old key is a pair the node refuses at its next
+/// start (`tls.key: ... does not go with the certificate`).
+#[test]
+fn tally_certs_renewal_that_cannot_write_the_key_keeps_the_old_pair() {
+    let dir = std::env::temp_dir().join(format!("tally-cli-half-node-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    certs(&dir, "1");
+    let (cert, key) = (
+        std::fs::read(dir.join("node-1.pem")).unwrap(),
+        std::fs::read(dir.join("node-1.key")).unwrap(),
+    );
+    std::fs::create_dir_all(dir.join("node-1.key.tmp")).unwrap();
+    let output = certs_run(&dir, "1");
+    assert!(!output.status.success(), "{output:?}");
+    let (cert_after, key_after) = (
+        std::fs::read(dir.join("node-1.pem")).unwrap(),
+        std::fs::read(dir.join("node-1.key")).unwrap(),
+    );
+    std::fs::remove_dir_all(&dir).unwrap();
+    assert_eq!(key_after, key, "the key was not written");
+    assert!(
+        cert_after == cert,
+        "node-1.pem was replaced while node-1.key was not: a mismatched pair"
+    );
+}
+
+#[test]
+fn tally_certs_refuses_a_node_id_listed_twice() {
+    let dir = std::env::temp_dir().join(format!("tally-cli-twice-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    let output = certs_run(&dir, "1,2,1");
+    let stderr = String::from_utf8_lossy(&output.stderr).into_owned();
+    let wrote = dir.join("node-1.pem").exists();
+    let _ = std::fs::remove_dir_all(&dir);
+    assert!(!output.status.success(), "{output:?}");
+    assert!(stderr.contains("node id 1 is listed twice"), "{stderr}");
+    assert!(!wrote, "nothing is written");
+}

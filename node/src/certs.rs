@@ -43,6 +43,9 @@ pub enum CertError {
     /// Node ids start at 1: 0 marks an application's check ids at the region.
     #[error("certs: node id 0 is reserved; node ids are at least 1")]
     NodeZero,
+    /// A node id listed twice: its second pair would replace its first.
+    #[error("certs: node id {0} is listed twice")]
+    NodeTwice(u64),
     /// One of the CA's two files is there and the other is not.
     #[error(
         "certs: {present} exists but {missing} does not; restore it, or move both away to \
@@ -169,8 +172,11 @@ impl Ca {
             (true, true) => {}
             (false, false) => {
                 let ca = Ca::generate("tally cluster CA")?;
-                write(&cert_path, &ca.cert_pem)?;
-                write_secret(&key_path, &ca.issuer.key().serialize_pem())?;
+                let key_pem = ca.issuer.key().serialize_pem();
+                replace_pair([
+                    (&key_path, &key_pem, SECRET),
+                    (&cert_path, &ca.cert_pem, PUBLIC),
+                ])?;
                 return Ok(ca);
             }
             (cert_there, _) => {
@@ -282,10 +288,9 @@ impl Ca {
     pub fn write_node(&self, dir: &Path, node: NodeId) -> Result<NodeFiles, CertError> {
         let files = NodeFiles::in_dir(dir, node);
         let (cert, key) = self.issue(node)?;
-        write(&files.cert, &cert)?;
-        write_secret(&files.key, &key)?;
+        replace_pair([(&files.key, &key, SECRET), (&files.cert, &cert, PUBLIC)])?;
         if !files.ca.exists() {
-            write(&files.ca, &self.cert_pem)?;
+            replace(&files.ca, &self.cert_pem, PUBLIC)?;
         }
         Ok(files)
     }
@@ -314,6 +319,10 @@ pub fn issue_cluster(dir: &Path, nodes: &[NodeId]) -> Result<(Ca, Vec<NodeFiles>
     if nodes.contains(&NodeId(0)) {
         return Err(CertError::NodeZero);
     }
+    let mut seen = std::collections::BTreeSet::new();
+    if let Some(twice) = nodes.iter().find(|node| !seen.insert(node.0)) {
+        return Err(CertError::NodeTwice(twice.0));
+    }
     std::fs::create_dir_all(dir).map_err(|source| CertError::Io {
         path: dir.to_owned(),
         source,
@@ -333,27 +342,51 @@ fn read(path: &Path) -> Result<String, CertError> {
     })
 }
 
-fn write(path: &Path, text: &str) -> Result<(), CertError> {
-    replace(path, text, 0o644)
-}
+/// A certificate's mode: readable by all.
+const PUBLIC: u32 = 0o644;
 
-/// Writes a private key readable by its owner alone (mode 0600).
-fn write_secret(path: &Path, text: &str) -> Result<(), CertError> {
-    replace(path, text, 0o600)
-}
+/// A private key's mode: readable by its owner alone.
+const SECRET: u32 = 0o600;
 
 /// Writes `text` as the file at `path` with `mode`: to a new file beside it, synced, then
 /// renamed over it. A file already there is replaced whole, never written into, so a
 /// symbolic link at `path` is replaced rather than followed (it could point anywhere), a
 /// reader sees the old file or the new one, and a file's old mode is not kept.
 fn replace(path: &Path, text: &str, mode: u32) -> Result<(), CertError> {
+    replace_pair([(path, text, mode)])
+}
+
+/// [`replace`] for files that go together (a key and its certificate): every one is
+/// written and synced beside its path before any is renamed over it, so a write that fails
+/// (a full disk) replaces none of them, and leaves none of its new files (found in review,
+/// session 47: a CA's certificate was left without its key, and a renewed node certificate
+/// beside the node's old key). A crash between the renames can still leave the first
+/// renamed (the key) beside the old second.
+fn replace_pair<const N: usize>(files: [(&Path, &str, u32); N]) -> Result<(), CertError> {
+    let mut staged = Vec::with_capacity(N);
+    for (path, text, mode) in files {
+        match stage(path, text, mode) {
+            Ok(tmp) => staged.push((tmp, path)),
+            Err(err) => {
+                for (tmp, _) in staged {
+                    let _ = std::fs::remove_file(tmp);
+                }
+                return Err(err);
+            }
+        }
+    }
+    for (tmp, path) in staged {
+        std::fs::rename(&tmp, path).map_err(io(path))?;
+    }
+    Ok(())
+}
+
+/// Writes `text` with `mode` to a new file beside `path` (`<path>.tmp`), synced; returns its
+/// path.
+fn stage(path: &Path, text: &str, mode: u32) -> Result<PathBuf, CertError> {
     let mut tmp = path.as_os_str().to_owned();
     tmp.push(".tmp");
     let tmp = PathBuf::from(tmp);
-    let io = |path: &Path| {
-        let path = path.to_owned();
-        move |source| CertError::Io { path, source }
-    };
     // One a run cut short left (if a link, the link itself goes).
     let _ = std::fs::remove_file(&tmp);
     let mut file = std::fs::OpenOptions::new()
@@ -362,11 +395,20 @@ fn replace(path: &Path, text: &str, mode: u32) -> Result<(), CertError> {
         .mode(mode)
         .open(&tmp)
         .map_err(io(&tmp))?;
-    file.set_permissions(std::fs::Permissions::from_mode(mode))
-        .map_err(io(&tmp))?;
-    file.write_all(text.as_bytes()).map_err(io(&tmp))?;
-    file.sync_all().map_err(io(&tmp))?;
-    std::fs::rename(&tmp, path).map_err(io(path))
+    let written = (file.set_permissions(std::fs::Permissions::from_mode(mode)))
+        .and_then(|()| file.write_all(text.as_bytes()))
+        .and_then(|()| file.sync_all());
+    if let Err(source) = written {
+        let _ = std::fs::remove_file(&tmp);
+        return Err(CertError::Io { path: tmp, source });
+    }
+    Ok(tmp)
+}
+
+/// The error of a file operation on `path`.
+fn io(path: &Path) -> impl FnOnce(std::io::Error) -> CertError {
+    let path = path.to_owned();
+    move |source| CertError::Io { path, source }
 }
 
 /// A validity period from [`VALID_FROM_BACK`] ago for `span`, by this machine's clock.
@@ -465,7 +507,12 @@ mod tests {
         assert!(!dir.join("node-2.pem").exists());
 
         let other = Ca::generate("another").unwrap();
-        write_secret(&dir.join("ca.key"), &other.issuer.key().serialize_pem()).unwrap();
+        replace(
+            &dir.join("ca.key"),
+            &other.issuer.key().serialize_pem(),
+            SECRET,
+        )
+        .unwrap();
         let err = write_cluster(&dir, &[NodeId(2)]).unwrap_err();
         assert!(matches!(err, CertError::KeyMismatch { .. }), "{err}");
         assert!(!dir.join("node-2.pem").exists());
@@ -487,8 +534,13 @@ mod tests {
         params.key_usages = vec![KeyUsagePurpose::KeyCertSign];
         (params.not_before, params.not_after) = (at(from), at(until));
         let cert = params.self_signed(ca.issuer.key()).unwrap();
-        write(&dir.join("ca.pem"), &cert.pem()).unwrap();
-        write_secret(&dir.join("ca.key"), &ca.issuer.key().serialize_pem()).unwrap();
+        replace(&dir.join("ca.pem"), &cert.pem(), PUBLIC).unwrap();
+        replace(
+            &dir.join("ca.key"),
+            &ca.issuer.key().serialize_pem(),
+            SECRET,
+        )
+        .unwrap();
     }
 
     #[test]

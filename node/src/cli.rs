@@ -63,7 +63,9 @@ pub enum StartError {
 
 impl DaemonArgs {
     /// The file's configuration with the flags applied, checked once they are: a file
-    /// that only the flags complete is taken. A seed added past the file's own is
+    /// that only the flags make valid (a region's `--data-dir`) is taken, though it must
+    /// hold every key without a default, which a flag may then override. A seed added past
+    /// the file's own is
     /// `seeds[<their count> + i]` in errors.
     pub fn config(&self) -> Result<Config, ConfigError> {
         Config::load_with_flags(&self.config, |config| self.apply(config))
