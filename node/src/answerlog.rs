@@ -165,11 +165,11 @@ impl AnswerLog {
             stopped.ticks_left = stopped.ticks_left.saturating_sub(1);
             return;
         }
-        if self.syncing.swap(true, Ordering::AcqRel) {
+        if !self.unsynced || self.syncing.swap(true, Ordering::AcqRel) {
             return;
         }
         let syncing = self.syncing.clone();
-        match self.sync_handle() {
+        match self.take_sync_handle() {
             Some(answers) => {
                 tokio::task::spawn_blocking(move || {
                     answers.sync();
@@ -182,10 +182,21 @@ impl AnswerLog {
 
     /// A handle that syncs the answers written out so far, off the node's thread
     /// ([`AnswersSync::sync`]); `None` if none were written since the last handle was
-    /// taken, or while logging is stopped. A file that cannot be handed out (no file
-    /// descriptor left) stops the logging.
+    /// taken and no sync of them is in flight, or while logging is stopped. A sync in
+    /// flight is not waited for but repeated: the once-a-second sync may not have run yet
+    /// when a collection's sync makes the writes those answers answered durable (found in
+    /// review, session 47: the collection then synced the writes alone). A file that cannot
+    /// be handed out (no file descriptor left) stops the logging.
     pub fn sync_handle(&mut self) -> Option<AnswersSync> {
-        if self.stopped.is_some() || !self.unsynced {
+        if !self.unsynced && !self.syncing.load(Ordering::Acquire) {
+            return None;
+        }
+        self.take_sync_handle()
+    }
+
+    /// A handle that syncs the answers written out so far; `None` while logging is stopped.
+    fn take_sync_handle(&mut self) -> Option<AnswersSync> {
+        if self.stopped.is_some() {
             return None;
         }
         match self.file.try_clone() {

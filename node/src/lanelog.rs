@@ -935,6 +935,50 @@ mod tests {
         std::fs::remove_dir_all(dir).unwrap();
     }
 
+    /// The answers written out since the last sync are synced with each collection's sync
+    /// of the lane log, so the answers to the writes a sync makes durable are durable too:
+    /// also when the once-a-second sync of the answers has taken them and not yet synced
+    /// them (here: its blocking thread has not run yet). Found in review, session 47: the
+    /// collection's sync then synced the write alone.
+    #[test]
+    fn a_collections_sync_covers_an_answer_the_seconds_sync_took_but_has_not_synced() {
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .max_blocking_threads(1)
+            .build()
+            .unwrap();
+        let _entered = runtime.enter();
+        // The one blocking thread busy (as with another sync under way): the second's sync
+        // of the answers waits for it.
+        let (release, busy) = std::sync::mpsc::channel::<()>();
+        let (started, is_busy) = std::sync::mpsc::channel::<()>();
+        let occupied = tokio::task::spawn_blocking(move || {
+            started.send(()).unwrap();
+            let _ = busy.recv();
+        });
+        is_busy.recv().unwrap();
+
+        let dir = dir("answers-second-sync");
+        let (mut log, _) = open(&dir, NodeId(1), 5, NOW).unwrap();
+        log.append(&key("a"), 2, 0).unwrap();
+        log.append_answered(CheckId { session: 3, seq: 1 }, incremented(2));
+        log.flush().unwrap();
+        // The node's tick: the answers' sync is handed to a blocking thread.
+        log.sync_answers();
+        // The collection that makes the write durable.
+        let sync = log.sync_handle().unwrap();
+        let covers_answer = sync.answers.is_some();
+        sync.sync().unwrap();
+        // The write is durable now; the answer's sync has not run.
+        release.send(()).unwrap();
+        runtime.block_on(occupied).unwrap();
+        assert!(
+            covers_answer,
+            "the lane sync returned with the write durable and its answer not synced: a \
+             machine crash now keeps the write and loses the answer, and a retry counts twice"
+        );
+        std::fs::remove_dir_all(dir).unwrap();
+    }
+
     #[test]
     fn an_answer_flushed_after_its_write_reaches_the_next_life() {
         let dir = dir("answered");

@@ -23,8 +23,8 @@ use std::sync::{Arc, Mutex, PoisonError};
 use tally_client::wire::{CheckId, Decision, Estimate};
 use tally_crdt::{KeyRef, Window};
 
-/// How many ids a sidecar remembers: about 17 MB when full (a 112-byte entry in a table of
-/// 131,072, and the order).
+/// How many ids a sidecar remembers: about 18 MB when full (a 112-byte entry in a table of
+/// 131,072, and the order, with as many places again left by ids answered again).
 pub const RECENT_IDS_MAX: usize = 65_536;
 
 /// What the sidecar answered under an id.
@@ -99,7 +99,8 @@ pub struct RecentIds {
     answered: HashMap<CheckId, (Remembered, u64), KeyHasher>,
     // Each insertion's id and number, oldest first. Invariant: every id of `answered` is
     // here under its number; an entry whose number is not its id's held one is a place
-    // left by an id answered again, skipped when it comes to the front.
+    // left by an id answered again, skipped when it comes to the front, and dropped once
+    // there are as many such places as ids held (so at most twice `max` entries).
     order: VecDeque<(CheckId, u64)>,
     inserted: u64,
     max: usize,
@@ -162,13 +163,15 @@ impl RecentIds {
     }
 
     /// Remembers the answer given under `id`; pushes out the oldest ids past the bound,
-    /// and those whose windows are no longer live at `live_at_secs`.
+    /// and those whose windows are no longer live at `live_at_secs`. The bound counts ids
+    /// held, not the places ids answered again left behind a live one (found in review,
+    /// session 47: with those counted, an id was pushed out with half the bound held).
     pub fn insert(&mut self, id: CheckId, remembered: Remembered, live_at_secs: u64) {
         self.inserted += 1;
         self.answered.insert(id, (remembered, self.inserted));
         self.order.push_back((id, self.inserted));
         while let Some(&(oldest, number)) = self.order.front() {
-            let full = self.order.len() > self.max;
+            let full = self.answered.len() > self.max;
             // One look-up: the place is the id's own (not one it left by being answered
             // again), or nothing to drop.
             match self.answered.entry(oldest) {
@@ -181,6 +184,11 @@ impl RecentIds {
                 _ => {}
             }
             self.order.pop_front();
+        }
+        if self.order.len() > 2 * self.max {
+            let answered = &self.answered;
+            (self.order)
+                .retain(|(id, number)| answered.get(id).is_some_and(|held| held.1 == *number));
         }
     }
 
@@ -358,6 +366,61 @@ mod tests {
             recent.get(id(1, 1), 3_611_000, 60).is_none(),
             "over by the paced clock"
         );
+    }
+
+    /// The most recent `RECENT_IDS_MAX` ids are held: an id answered again (its first
+    /// window over) leaves its old place in the order, which counted against the bound as
+    /// an id would, so ids still live were pushed out with half the bound held (found in
+    /// review, session 47).
+    #[test]
+    fn ids_answered_again_do_not_push_out_a_live_id_held_within_the_bound() {
+        let mut recent = RecentIds::default();
+        // An hour-long window's id, live until 7,200 s.
+        let hourly = id(1, 0);
+        recent.insert(hourly, remember(decision(1), window(3_600)), 10);
+        // Half the bound's ids, in one-second windows (live until 2 s), each sent again at
+        // 10 s, when its window is over: a new check in its own window, answered again.
+        let half = RECENT_IDS_MAX as u64 / 2;
+        for seq in 1..=half {
+            recent.insert(id(2, seq), remember(decision(2), window(1)), 0);
+        }
+        let later = Window::containing(10, 1).unwrap();
+        for seq in 1..=half {
+            assert_eq!(
+                held(&recent, id(2, seq), 10_000),
+                None,
+                "its window is over"
+            );
+            recent.insert(id(2, seq), remember(decision(3), later), 10);
+        }
+        let distinct = recent.len();
+        assert!(
+            distinct as u64 <= half + 1 && distinct < RECENT_IDS_MAX,
+            "{distinct} ids held"
+        );
+        assert_eq!(
+            held(&recent, hourly, 10_000),
+            Some(1),
+            "one of the {} most recent ids, its window live: a retry of it counts again",
+            half + 1
+        );
+    }
+
+    /// The places ids answered again leave behind a live id are bounded too: at most as
+    /// many as the ids held.
+    #[test]
+    fn the_places_left_by_ids_answered_again_are_bounded() {
+        let mut recent = RecentIds::with_max(4);
+        recent.insert(id(1, 0), remember(decision(1), window(3_600)), 0);
+        for second in 0..100 {
+            for seq in 1..=3 {
+                let this_second = Window::containing(second, 1).unwrap();
+                recent.insert(id(2, seq), remember(decision(2), this_second), second);
+            }
+        }
+        assert!(recent.order.len() <= 2 * 4, "{} places", recent.order.len());
+        assert_eq!(recent.len(), 4);
+        assert_eq!(held(&recent, id(1, 0), 99_000), Some(1));
     }
 
     #[test]
