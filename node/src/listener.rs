@@ -2139,18 +2139,8 @@ mod tests {
         reading: &mut tokio::io::ReadHalf<tokio::io::DuplexStream>,
         count: usize,
     ) -> Vec<u64> {
-        let (mut output, mut chunk) = (Vec::new(), vec![0; 64 * 1024]);
-        let read = async {
-            while responses(&output).len() < count {
-                let read = reading.read(&mut chunk).await.unwrap();
-                assert!(read > 0, "the connection closed");
-                output.extend_from_slice(&chunk[..read]);
-            }
-        };
-        tokio::time::timeout(std::time::Duration::from_secs(10), read)
-            .await
-            .expect("the answers come");
-        responses(&output).iter().map(|r| r.id).collect()
+        let answers = read_responses(reading, count).await;
+        answers.iter().map(|answer| answer.id).collect()
     }
 
     #[tokio::test(flavor = "current_thread")]
@@ -2496,34 +2486,55 @@ mod tests {
         other_serving.abort();
     }
 
+    /// A connection kept open: its client's halves, and its serving task, aborted when
+    /// dropped.
+    struct Open {
+        _reading: tokio::io::ReadHalf<tokio::io::DuplexStream>,
+        _writing: tokio::io::WriteHalf<tokio::io::DuplexStream>,
+        serving: tokio::task::JoinHandle<()>,
+    }
+
+    impl Drop for Open {
+        fn drop(&mut self) {
+            self.serving.abort();
+        }
+    }
+
+    /// A service whose node's room holds two exact checks, one of them taken for 600 s by
+    /// another connection (returned: it holds its place while kept), with the exact rules
+    /// `quota` (600 s), `fast` (100 ms) and `other`, of the timeout in ms given.
+    async fn a_room_of_two_one_taken(other: (&str, u64)) -> (Arc<Service>, Open) {
+        let mut service = service_to_nowhere(600_000);
+        let rule = |name, region_timeout_ms| RuleConfig {
+            region_timeout_ms,
+            ..RuleConfig::for_test(name, 100, RuleMode::Exact)
+        };
+        let rules = [
+            rule("quota", 600_000),
+            rule("fast", 100),
+            rule(other.0, other.1),
+        ];
+        service.rules = Rules::new(&rules).unwrap();
+        service.exact_room = Arc::new(ExactRoom::new(2));
+        let service = Arc::new(service);
+        let (reading, writing, filling) = connection_open(&service, &[check_of("quota", 1)]);
+        while service.exact_room.taken() < 1 {
+            tokio::task::yield_now().await;
+        }
+        let filling = Open {
+            _reading: reading,
+            _writing: writing,
+            serving: filling,
+        };
+        (service, filling)
+    }
+
     /// Places given back go to the connections waiting in the order they
     /// asked, whatever else a waiting connection does meanwhile (here: its own forwarded
     /// check answered).
     #[tokio::test(flavor = "current_thread")]
     async fn a_connection_waiting_for_a_place_keeps_its_turn_while_its_checks_are_answered() {
-        let mut service = service_to_nowhere(600_000);
-        service.rules = Rules::new(&[
-            RuleConfig {
-                region_timeout_ms: 600_000,
-                ..RuleConfig::for_test("quota", 100, RuleMode::Exact)
-            },
-            RuleConfig {
-                region_timeout_ms: 100,
-                ..RuleConfig::for_test("fast", 100, RuleMode::Exact)
-            },
-            RuleConfig {
-                region_timeout_ms: 400,
-                ..RuleConfig::for_test("medium", 100, RuleMode::Exact)
-            },
-        ])
-        .unwrap();
-        service.exact_room = Arc::new(ExactRoom::new(2));
-        let service = Arc::new(service);
-        // One place taken for 600 s.
-        let (_f_reading, _f_writing, filling) = connection_open(&service, &[check_of("quota", 1)]);
-        while service.exact_room.taken() < 1 {
-            tokio::task::yield_now().await;
-        }
+        let (service, _filling) = a_room_of_two_one_taken(("medium", 400)).await;
         // A takes the other place with a 100 ms check, and waits for one for the next:
         // A asks first.
         let (_a_reading, _a_writing, a) =
@@ -2550,7 +2561,7 @@ mod tests {
             "no room to forward it within 400 ms",
             "B's check took the place A asked for first"
         );
-        for task in [filling, a, b] {
+        for task in [a, b] {
             task.abort();
         }
     }
@@ -2563,29 +2574,7 @@ mod tests {
     /// 47).
     #[tokio::test(flavor = "current_thread")]
     async fn a_client_that_stops_reading_keeps_no_place_granted_to_its_request() {
-        let mut service = service_to_nowhere(600_000);
-        service.rules = Rules::new(&[
-            RuleConfig {
-                region_timeout_ms: 600_000,
-                ..RuleConfig::for_test("quota", 100, RuleMode::Exact)
-            },
-            RuleConfig {
-                region_timeout_ms: 100,
-                ..RuleConfig::for_test("fast", 100, RuleMode::Exact)
-            },
-            RuleConfig {
-                region_timeout_ms: 300,
-                ..RuleConfig::for_test("plain", 100, RuleMode::Exact)
-            },
-        ])
-        .unwrap();
-        service.exact_room = Arc::new(ExactRoom::new(2));
-        let service = Arc::new(service);
-        // One place taken for 600 s by another connection.
-        let (_f_reading, _f_writing, filling) = connection_open(&service, &[check_of("quota", 1)]);
-        while service.exact_room.taken() < 1 {
-            tokio::task::yield_now().await;
-        }
+        let (service, _filling) = a_room_of_two_one_taken(("plain", 300)).await;
         // C: a pipe of 16 bytes each way. Its client sends a status, a 100 ms check (which
         // takes the last place) and a 600 s one (held for a place); it reads the status's
         // answer, then stops reading.
@@ -2620,7 +2609,7 @@ mod tests {
             "D's check was never sent: the free place is held by C, whose client does not \
              read (places taken: {taken}, checks waiting at the region: 1)"
         );
-        for task in [filling, c, d] {
+        for task in [c, d] {
             task.abort();
         }
         drop(c_writer);
