@@ -360,8 +360,9 @@ fn replace(path: &Path, text: &str, mode: u32) -> Result<(), CertError> {
 /// written and synced beside its path before any is renamed over it, so a write that fails
 /// (a full disk) replaces none of them, and leaves none of its new files (found in review,
 /// session 47: a CA's certificate was left without its key, and a renewed node certificate
-/// beside the node's old key). A crash between the renames can still leave the first
-/// renamed (the key) beside the old second.
+/// beside the node's old key). A rename that fails (an immutable file) or a crash between
+/// the renames can still leave the first renamed (the key) beside the old second; a failed
+/// rename leaves none of the new files not renamed.
 fn replace_pair<const N: usize>(files: [(&Path, &str, u32); N]) -> Result<(), CertError> {
     let mut staged = Vec::with_capacity(N);
     for (path, text, mode) in files {
@@ -375,8 +376,14 @@ fn replace_pair<const N: usize>(files: [(&Path, &str, u32); N]) -> Result<(), Ce
             }
         }
     }
-    for (tmp, path) in staged {
-        std::fs::rename(&tmp, path).map_err(io(path))?;
+    let mut staged = staged.into_iter();
+    while let Some((tmp, path)) = staged.next() {
+        if let Err(source) = std::fs::rename(&tmp, path) {
+            for (tmp, _) in std::iter::once((tmp, path)).chain(staged) {
+                let _ = std::fs::remove_file(tmp);
+            }
+            return Err(io(path)(source));
+        }
     }
     Ok(())
 }
@@ -454,6 +461,27 @@ mod tests {
         write_cluster(&dir, &[NodeId(2)]).unwrap();
         assert_eq!(read(&dir.join("ca.pem")).unwrap(), ca, "the same CA");
         std::fs::remove_dir_all(dir).unwrap();
+    }
+
+    /// A renewal whose certificate cannot be renamed into place (here a directory is in
+    /// its way) leaves no staged file behind (found in review, session 47); its key, renamed
+    /// first, is the new one, as `replace_pair` says.
+    #[test]
+    fn a_renewal_whose_certificate_cannot_be_put_in_place_leaves_no_staged_file() {
+        let dir = dir("rename-fails");
+        write_cluster(&dir, &[NodeId(1)]).unwrap();
+        let cert = dir.join("node-1.pem");
+        std::fs::remove_file(&cert).unwrap();
+        std::fs::create_dir(&cert).unwrap();
+        std::fs::write(cert.join("in-the-way"), "").unwrap();
+        let err = write_cluster(&dir, &[NodeId(1)]).unwrap_err();
+        let staged: Vec<String> = (std::fs::read_dir(&dir).unwrap())
+            .map(|entry| entry.unwrap().file_name().to_string_lossy().into_owned())
+            .filter(|name| name.ends_with(".tmp"))
+            .collect();
+        std::fs::remove_dir_all(&dir).unwrap();
+        assert!(err.to_string().contains("node-1.pem"), "{err}");
+        assert!(staged.is_empty(), "{staged:?}");
     }
 
     #[test]

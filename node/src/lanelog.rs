@@ -197,6 +197,12 @@ pub fn open(
         // still holds every record (the rename is synced before anything else is written).
         std::fs::remove_file(path).map_err(io(path))?;
     }
+    // Each earlier life's log and its live lanes, read now and rewritten after the wait
+    // below: a start killed in it leaves the logs as the last served start did, whose
+    // lanes the next start skips past (found in review, session 47: rewritten first, they
+    // lost the expired lanes the last start had re-published, and the next start took a
+    // generation too low to skip past them).
+    let mut logs = Vec::new();
     for path in paths {
         let Some(old) = log_generation(&path) else {
             continue;
@@ -213,12 +219,7 @@ pub fn open(
             .into_iter()
             .filter(|(key, lane)| key.window.is_live(now_unix_secs) && *lane != Lane::default())
             .collect();
-        if live.is_empty() {
-            std::fs::remove_file(&path).map_err(io(&path))?;
-        } else {
-            rewrite(&path, &live)?;
-            retired.push((ReplicaId::new(node, Generation(old)), live));
-        }
+        logs.push((path, old, live));
     }
     let (answered, answers_generation_max) = answerlog::recover(dir, now_unix_secs)?;
     // The last start re-published each earlier life's lanes from its generation times
@@ -244,16 +245,25 @@ pub fn open(
     // start with this directory wiped takes the wall clock's, and must not take this one
     // (found in review, session 46). A clock stepped back past the last start is not waited
     // out: that could take hours, and a wiped start is not kept new then anyway. The wait
-    // comes before anything of this life is written, so that a start killed in it leaves
-    // the directory as the last life did, and the next start is not ahead of a generation
-    // no life served (found in review, session 47: it read that one as a clock stepped
-    // back, waited nothing, and served under a generation the wall clock had not passed).
+    // comes before anything of this life is written and before the earlier logs are
+    // rewritten, so that a start killed in it leaves the generation and the lane logs as
+    // the last served start did, and the next start is not ahead of a generation no life
+    // served (found in review, session 47: it read that one as a clock stepped back,
+    // waited nothing, and served under a generation the wall clock had not passed).
     let wait_ms = if previous < wall_ms {
         (generation + 1).saturating_sub(wall_ms)
     } else {
         0
     };
     wait(Duration::from_millis(wait_ms));
+    for (path, old, live) in logs {
+        if live.is_empty() {
+            std::fs::remove_file(&path).map_err(io(&path))?;
+        } else {
+            rewrite(&path, &live)?;
+            retired.push((ReplicaId::new(node, Generation(old)), live));
+        }
+    }
     let generation = Generation(generation);
     replace_synced(dir, "generation", generation.0.to_string().as_bytes())?;
     let recovered = Recovered {
@@ -979,6 +989,51 @@ mod tests {
         std::fs::remove_dir_all(dir).unwrap();
     }
 
+    /// (Found in review, session 47.) once a collection's sync has synced the answers the second's sync took,
+    /// a later collection with no answer written since has none to sync: every lane sync
+    /// while the second's sync is still in flight fsyncs the answer file again for nothing.
+    #[test]
+    fn a_later_collection_does_not_sync_answers_an_earlier_one_covered() {
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .max_blocking_threads(1)
+            .build()
+            .unwrap();
+        let _entered = runtime.enter();
+        let (release, busy) = std::sync::mpsc::channel::<()>();
+        let (started, is_busy) = std::sync::mpsc::channel::<()>();
+        let occupied = tokio::task::spawn_blocking(move || {
+            started.send(()).unwrap();
+            let _ = busy.recv();
+        });
+        is_busy.recv().unwrap();
+
+        let dir = dir("answers-covered");
+        let (mut log, _) = open(&dir, NodeId(1), 5, NOW).unwrap();
+        log.append(&key("a"), 2, 0).unwrap();
+        log.append_answered(CheckId { session: 3, seq: 1 }, incremented(2));
+        log.flush().unwrap();
+        // The node's tick takes the answers; its blocking thread has not run.
+        log.sync_answers();
+        // Collection 1: syncs the answer with the write (needed), and returns.
+        let first = log.sync_handle().unwrap();
+        assert!(first.answers.is_some());
+        first.sync().unwrap();
+        // A write with no answer (no request id), and its collection.
+        log.append(&key("b"), 1, 0).unwrap();
+        log.flush().unwrap();
+        let second = log.sync_handle().unwrap();
+        let resyncs = second.answers.is_some();
+        second.sync().unwrap();
+        release.send(()).unwrap();
+        runtime.block_on(occupied).unwrap();
+        assert!(
+            !resyncs,
+            "collection 2 fsyncs the answer file again though collection 1 synced every \
+             answer written and none was written since"
+        );
+        std::fs::remove_dir_all(dir).unwrap();
+    }
+
     #[test]
     fn an_answer_flushed_after_its_write_reaches_the_next_life() {
         let dir = dir("answered");
@@ -1640,6 +1695,51 @@ mod tests {
         std::fs::remove_dir_all(&dir).unwrap();
         let (_, wiped) = open(&dir, NodeId(1), serves_at + 11, NOW).unwrap();
         assert!(wiped.generation > next.generation, "{wiped:?}");
+        std::fs::remove_dir_all(dir).unwrap();
+    }
+
+    /// A start killed in its wait leaves the earlier logs as the last served start left
+    /// them, so the next start still skips past every lane that start re-published, the
+    /// expired ones too (found in review, session 47: the killed start had rewritten them
+    /// without the lanes whose windows had ended since, and the next start's generation
+    /// fell below the versions the last one re-published).
+    #[test]
+    fn a_start_killed_in_its_wait_keeps_the_next_floor_above_the_last_republish() {
+        let dir = dir("killed-in-wait-rewrite");
+        let in_window = |subject: &str, len_secs| {
+            let window = Window::containing(NOW, len_secs).unwrap();
+            Key::new(
+                Rule::new("r").unwrap(),
+                Subject::new(subject).unwrap(),
+                window,
+            )
+        };
+        let (mut log, _) = open(&dir, NodeId(1), 1_000_000, NOW).unwrap();
+        for subject in 0..2_400 {
+            log.append(&in_window(&format!("s{subject}"), 60), 1, 0)
+                .unwrap();
+        }
+        for subject in 0..100 {
+            log.append(&in_window(&format!("l{subject}"), 86_400), 1, 0)
+                .unwrap();
+        }
+        log.flush().unwrap();
+        drop(log);
+        let (_, served) = open(&dir, NodeId(1), 1_000_001, NOW).unwrap();
+        assert_eq!(served.retired[0].1.len(), 2_500);
+        // The versions the served start re-published, and the restamps above them.
+        let highest = served.republish_floor().0 + 2_500 + 2_000;
+        // 200 s later, the minute windows over, a start is killed in its wait.
+        let killed = std::panic::catch_unwind(|| {
+            super::open(&dir, NodeId(1), 1_000_006, NOW + 200, |_| panic!("killed"))
+        });
+        assert!(killed.is_err());
+        let (_, next) = open(&dir, NodeId(1), 1_000_007, NOW + 200).unwrap();
+        assert!(
+            next.republish_floor().0 >= highest,
+            "{:?}",
+            next.republish_floor()
+        );
         std::fs::remove_dir_all(dir).unwrap();
     }
 
