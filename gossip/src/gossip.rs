@@ -761,11 +761,14 @@ impl Gossip {
             let held = self.map.watermark(entry.origin).stamp;
             if entry.origin != me && held > before {
                 self.members.heard_stamped(entry.origin, held, now.mono);
-                // A member's current replica alone: an earlier life's lanes, still in a live
-                // window, arrive as old as that life's end, which is no delay of this one's
-                // (found in review, session 47: a restart half an hour ago was sampled as
-                // a delay of half an hour).
-                if self.members.replica(entry.origin.node) == Some(entry.origin) {
+                // Not an earlier life's: its lanes, still in a live window, arrive as old as
+                // that life's end, which is no delay of the current one (found in review,
+                // session 47: a restart half an hour ago was sampled as a delay of half an
+                // hour). A node with no row here yet (a push from one that just joined) is
+                // taken as its current life, as a push always is.
+                let current = (self.members.replica(entry.origin.node))
+                    .is_none_or(|row| row.generation <= entry.origin.generation);
+                if entry.origin.node != me.node && current {
                     self.stats
                         .propagation
                         .record(Duration::from_millis(now.wall.0.saturating_sub(held.0)));
@@ -1465,6 +1468,34 @@ mod tests {
             0,
             "a sample past 60 s, sum {} ms: {:?}",
             propagation.sum_ms,
+            propagation.counts
+        );
+    }
+
+    /// (Found in review, session 47.) a node that joins pushes its writes to every member it learned from its
+    /// seed, some of which have not yet learned its row (they do at a later anti-entropy
+    /// round): a push is its sender's current life (`earlier_lives_in`: "its own live
+    /// life"), and its delay is a sample.
+    #[test]
+    fn a_push_from_a_member_whose_row_has_not_arrived_is_a_sample() {
+        let mut gossip = node(1);
+        announce_node_2(&mut gossip);
+        let three = ReplicaId::new(NodeId(3), Generation(1));
+        gossip.handle_input(Input::Receive {
+            now: now(5),
+            from: NodeId(3),
+            frame: push_frame(three),
+        });
+        assert_eq!(
+            gossip.map.watermark(three).stamp,
+            Stamp(WALL),
+            "its lanes are taken"
+        );
+        let propagation = &gossip.stats().propagation;
+        assert_eq!(
+            propagation.counts.iter().sum::<u64>(),
+            1,
+            "node 3's push, 5 ms old, was not sampled: {:?}",
             propagation.counts
         );
     }

@@ -85,6 +85,8 @@ pub struct AnswerLog {
     compact_at: u64,
     // Whether answers were written out since the last sync began.
     unsynced: bool,
+    // Whether the once-a-second sync took the last handle: its sync may not have run.
+    taken_by_second: bool,
     // Whether a sync is in flight.
     syncing: Arc<AtomicBool>,
     // Whether a sync failed since the file was last rewritten: the kernel may have dropped
@@ -114,6 +116,7 @@ impl AnswerLog {
             written: 0,
             compact_at: COMPACT_BYTES,
             unsynced: false,
+            taken_by_second: false,
             syncing: Arc::default(),
             sync_failed: Arc::default(),
             stopped: None,
@@ -171,6 +174,7 @@ impl AnswerLog {
         let syncing = self.syncing.clone();
         match self.take_sync_handle() {
             Some(answers) => {
+                self.taken_by_second = true;
                 tokio::task::spawn_blocking(move || {
                     answers.sync();
                     syncing.store(false, Ordering::Release);
@@ -182,15 +186,17 @@ impl AnswerLog {
 
     /// A handle that syncs the answers written out so far, off the node's thread
     /// ([`AnswersSync::sync`]); `None` if none were written since the last handle was
-    /// taken and no sync of them is in flight, or while logging is stopped. A sync in
-    /// flight is not waited for but repeated: the once-a-second sync may not have run yet
-    /// when a collection's sync makes the writes those answers answered durable (found in
-    /// review, session 47: the collection then synced the writes alone). A file that cannot
-    /// be handed out (no file descriptor left) stops the logging.
+    /// taken and the once-a-second sync that took the last one is not in flight, or while
+    /// logging is stopped. That sync is not waited for but repeated, once: it may not have
+    /// run yet when a collection's sync makes the writes those answers answered durable
+    /// (found in review, session 47: the collection then synced the writes alone). A file
+    /// that cannot be handed out (no file descriptor left) stops the logging.
     pub fn sync_handle(&mut self) -> Option<AnswersSync> {
-        if !self.unsynced && !self.syncing.load(Ordering::Acquire) {
+        let in_flight = self.taken_by_second && self.syncing.load(Ordering::Acquire);
+        if !self.unsynced && !in_flight {
             return None;
         }
+        self.taken_by_second = false;
         self.take_sync_handle()
     }
 

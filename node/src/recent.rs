@@ -185,7 +185,7 @@ impl RecentIds {
             }
             self.order.pop_front();
         }
-        if self.order.len() > 2 * self.max {
+        if self.order.len() >= 2 * self.max {
             let answered = &self.answered;
             (self.order)
                 .retain(|(id, number)| answered.get(id).is_some_and(|held| held.1 == *number));
@@ -421,6 +421,39 @@ mod tests {
         assert!(recent.order.len() <= 2 * 4, "{} places", recent.order.len());
         assert_eq!(recent.len(), 4);
         assert_eq!(held(&recent, id(1, 0), 99_000), Some(1));
+    }
+
+    /// (Found in review, session 47.) the order holds at most twice the bound's places, as the memory bound
+    /// (about 18 MB) is reckoned with; its allocation should be no larger.
+    #[test]
+    fn the_orders_allocation_is_within_the_memory_bound() {
+        let mut recent = RecentIds::default();
+        let max = RECENT_IDS_MAX as u64;
+        // The oldest id is live and stays at the front; the others are answered again
+        // (each after its first window ended): each leaves a place behind it.
+        recent.insert(id(9, 0), remember(decision(1), window(3_600)), 0);
+        for seq in 1..max {
+            recent.insert(id(1, seq), remember(decision(1), window(3_600)), 0);
+        }
+        for seq in 1..max {
+            recent.insert(id(1, seq), remember(decision(2), window(3_600)), 0);
+        }
+        recent.insert(id(1, 1), remember(decision(3), window(3_600)), 0);
+        recent.insert(id(1, 2), remember(decision(3), window(3_600)), 0);
+        assert_eq!(recent.len(), RECENT_IDS_MAX);
+        assert!(recent.order.len() <= 2 * RECENT_IDS_MAX);
+        let entry = size_of::<(CheckId, u64)>();
+        let order_bytes = recent.order.capacity() * entry;
+        let table_bytes = 131_072 * size_of::<(CheckId, (Remembered, u64))>();
+        assert!(
+            recent.order.capacity() <= 2 * RECENT_IDS_MAX,
+            "the order's allocation holds {} places ({} bytes, {:.1} MB with the table), \
+             not the bound's {} (about 18 MB)",
+            recent.order.capacity(),
+            order_bytes,
+            (order_bytes + table_bytes) as f64 / 1e6,
+            2 * RECENT_IDS_MAX
+        );
     }
 
     #[test]
