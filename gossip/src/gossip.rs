@@ -764,10 +764,13 @@ impl Gossip {
                 // Not an earlier life's: its lanes, still in a live window, arrive as old as
                 // that life's end, which is no delay of the current one (found in review,
                 // session 47: a restart half an hour ago was sampled as a delay of half an
-                // hour). A node with no row here yet (a push from one that just joined) is
-                // taken as its current life, as a push always is.
-                let current = (self.members.replica(entry.origin.node))
-                    .is_none_or(|row| row.generation <= entry.origin.generation);
+                // hour). With no row here for its node, an origin is its node's current life
+                // only if it sent the frame (a push from a node that just joined); a relay
+                // may carry an earlier life without its node's row.
+                let current = match self.members.replica(entry.origin.node) {
+                    Some(row) => row.generation <= entry.origin.generation,
+                    None => entry.origin == from.0,
+                };
                 if entry.origin.node != me.node && current {
                     self.stats
                         .propagation
@@ -1472,7 +1475,54 @@ mod tests {
         );
     }
 
-    /// (Found in review, session 47.) a node that joins pushes its writes to every member it learned from its
+    /// (Found in review, session 47.) Node 1 holds no row of node 3 yet; node 2 relays, by anti-entropy
+    /// without rows, node 3's first life's lanes last stamped half an hour ago (node 3 has
+    /// restarted since). That life's age is no propagation delay.
+    #[test]
+    fn a_relayed_earlier_life_of_a_node_with_no_row_is_no_sample() {
+        let mut gossip = node(1);
+        announce_node_2(&mut gossip);
+        let old_life = ReplicaId::new(NodeId(3), Generation(1));
+        let key = Key::new(
+            Rule::new("r").unwrap(),
+            Subject::new("s").unwrap(),
+            Window::containing(WALL / 1_000, 3_600).unwrap(),
+        );
+        let delta = Message::Delta {
+            to: gossip.replica(),
+            delta: Delta {
+                origins: vec![OriginDelta {
+                    origin: old_life,
+                    through: Watermark {
+                        version: Version(1),
+                        stamp: Stamp(WALL - 1_800_000),
+                    },
+                    lanes: vec![tally_crdt::LaneUpdate {
+                        key,
+                        lane: Lane::new(5, 0),
+                        version: Version(1),
+                    }],
+                }],
+            },
+            members: Vec::new(),
+            dead: Vec::new(),
+        };
+        receive_from_node_2(&mut gossip, wire::encode(node(2).replica(), &delta));
+        assert_eq!(
+            gossip.map.watermark(old_life).stamp,
+            Stamp(WALL - 1_800_000),
+            "taken"
+        );
+        let propagation = &gossip.stats().propagation;
+        assert_eq!(
+            propagation.counts[crate::Histogram::BOUNDS_MS.len()],
+            0,
+            "a sample past 60 s, sum {} ms: {:?}",
+            propagation.sum_ms,
+            propagation.counts
+        );
+    }
+    /// (Found in review, session 47.) A node that joins pushes its writes to every member it learned from its
     /// seed, some of which have not yet learned its row (they do at a later anti-entropy
     /// round): a push is its sender's current life (`earlier_lives_in`: "its own live
     /// life"), and its delay is a sample.
