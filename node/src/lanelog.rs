@@ -945,20 +945,15 @@ mod tests {
         std::fs::remove_dir_all(dir).unwrap();
     }
 
-    /// The answers written out since the last sync are synced with each collection's sync
-    /// of the lane log, so the answers to the writes a sync makes durable are durable too:
-    /// also when the once-a-second sync of the answers has taken them and not yet synced
-    /// them (here: its blocking thread has not run yet). Found in review, session 47: the
-    /// collection's sync then synced the write alone.
-    #[test]
-    fn a_collections_sync_covers_an_answer_the_seconds_sync_took_but_has_not_synced() {
+    /// Runs `collections` on a log whose write of `a`, and its answer, were written out
+    /// and taken by the once-a-second sync of the answers, which has not run: the runtime's
+    /// one blocking thread is held busy (as by another sync under way) until they return.
+    fn with_the_seconds_sync_held<T>(name: &str, collections: impl FnOnce(&mut LaneLog) -> T) -> T {
         let runtime = tokio::runtime::Builder::new_current_thread()
             .max_blocking_threads(1)
             .build()
             .unwrap();
         let _entered = runtime.enter();
-        // The one blocking thread busy (as with another sync under way): the second's sync
-        // of the answers waits for it.
         let (release, busy) = std::sync::mpsc::channel::<()>();
         let (started, is_busy) = std::sync::mpsc::channel::<()>();
         let occupied = tokio::task::spawn_blocking(move || {
@@ -966,72 +961,63 @@ mod tests {
             let _ = busy.recv();
         });
         is_busy.recv().unwrap();
-
-        let dir = dir("answers-second-sync");
+        let dir = dir(name);
         let (mut log, _) = open(&dir, NodeId(1), 5, NOW).unwrap();
         log.append(&key("a"), 2, 0).unwrap();
         log.append_answered(CheckId { session: 3, seq: 1 }, incremented(2));
         log.flush().unwrap();
-        // The node's tick: the answers' sync is handed to a blocking thread.
+        // The node's tick: the answers' sync is handed to the blocking thread.
         log.sync_answers();
-        // The collection that makes the write durable.
-        let sync = log.sync_handle().unwrap();
-        let covers_answer = sync.answers.is_some();
-        sync.sync().unwrap();
-        // The write is durable now; the answer's sync has not run.
+        let result = collections(&mut log);
         release.send(()).unwrap();
         runtime.block_on(occupied).unwrap();
+        std::fs::remove_dir_all(dir).unwrap();
+        result
+    }
+
+    /// The answers written out since the last sync are synced with each collection's sync
+    /// of the lane log, so the answers to the writes a sync makes durable are durable too:
+    /// also when the once-a-second sync of the answers has taken them and not yet synced
+    /// them. Found in review, session 47: the collection's sync then synced the write alone.
+    #[test]
+    fn a_collections_sync_covers_an_answer_the_seconds_sync_took_but_has_not_synced() {
+        let covers_answer = with_the_seconds_sync_held("answers-second-sync", |log| {
+            let sync = log.sync_handle().unwrap();
+            let covers_answer = sync.answers.is_some();
+            sync.sync().unwrap();
+            covers_answer
+        });
         assert!(
             covers_answer,
             "the lane sync returned with the write durable and its answer not synced: a \
              machine crash now keeps the write and loses the answer, and a retry counts twice"
         );
-        std::fs::remove_dir_all(dir).unwrap();
     }
 
-    /// (Found in review, session 47.) once a collection's sync has synced the answers the second's sync took,
-    /// a later collection with no answer written since has none to sync: every lane sync
-    /// while the second's sync is still in flight fsyncs the answer file again for nothing.
+    /// Once a collection's sync has synced the answers the second's sync took, a later
+    /// collection with no answer written since has none to sync (found in review, session
+    /// 47: every lane sync while the second's sync was in flight fsynced the answer file
+    /// again for nothing).
     #[test]
     fn a_later_collection_does_not_sync_answers_an_earlier_one_covered() {
-        let runtime = tokio::runtime::Builder::new_current_thread()
-            .max_blocking_threads(1)
-            .build()
-            .unwrap();
-        let _entered = runtime.enter();
-        let (release, busy) = std::sync::mpsc::channel::<()>();
-        let (started, is_busy) = std::sync::mpsc::channel::<()>();
-        let occupied = tokio::task::spawn_blocking(move || {
-            started.send(()).unwrap();
-            let _ = busy.recv();
+        let resyncs = with_the_seconds_sync_held("answers-covered", |log| {
+            // Collection 1: syncs the answer with the write (needed), and returns.
+            let first = log.sync_handle().unwrap();
+            assert!(first.answers.is_some());
+            first.sync().unwrap();
+            // A write with no answer (no request id), and its collection.
+            log.append(&key("b"), 1, 0).unwrap();
+            log.flush().unwrap();
+            let second = log.sync_handle().unwrap();
+            let resyncs = second.answers.is_some();
+            second.sync().unwrap();
+            resyncs
         });
-        is_busy.recv().unwrap();
-
-        let dir = dir("answers-covered");
-        let (mut log, _) = open(&dir, NodeId(1), 5, NOW).unwrap();
-        log.append(&key("a"), 2, 0).unwrap();
-        log.append_answered(CheckId { session: 3, seq: 1 }, incremented(2));
-        log.flush().unwrap();
-        // The node's tick takes the answers; its blocking thread has not run.
-        log.sync_answers();
-        // Collection 1: syncs the answer with the write (needed), and returns.
-        let first = log.sync_handle().unwrap();
-        assert!(first.answers.is_some());
-        first.sync().unwrap();
-        // A write with no answer (no request id), and its collection.
-        log.append(&key("b"), 1, 0).unwrap();
-        log.flush().unwrap();
-        let second = log.sync_handle().unwrap();
-        let resyncs = second.answers.is_some();
-        second.sync().unwrap();
-        release.send(()).unwrap();
-        runtime.block_on(occupied).unwrap();
         assert!(
             !resyncs,
             "collection 2 fsyncs the answer file again though collection 1 synced every \
              answer written and none was written since"
         );
-        std::fs::remove_dir_all(dir).unwrap();
     }
 
     #[test]
