@@ -18,11 +18,12 @@
 //! answer whose write it lost (answers go first: a retry then counts once too few, rather
 //! than twice).
 //!
-//! A start keeps the newest [`RECENT_IDS_MAX`] answers in live windows over every earlier
-//! life ([`recover`]), as many as the sidecar's memory holds, rewriting each earlier file
-//! with the answers it keeps or removing it. A life's file is appended to; past
-//! `COMPACT_BYTES` (or twice its size after the last compaction) it is rewritten as the
-//! life's last [`RECENT_IDS_MAX`] answers, in two steps (`compaction.rs`): the copy
+//! A start keeps the newest answer of each of the newest [`RECENT_IDS_MAX`] ids in live
+//! windows over every earlier life ([`recover`]), as many ids as the sidecar's memory
+//! holds, rewriting each earlier file with the answers it keeps or removing it. A life's
+//! file is appended to; past `COMPACT_BYTES` (or twice its size after the last compaction)
+//! it is rewritten as the newest answer of each of the life's newest [`RECENT_IDS_MAX`]
+//! ids, in two steps (`compaction.rs`): the copy
 //! is written and synced on a thread of its own while answers go on being appended, so
 //! that the node's thread waits only for the answers given meanwhile. A failed write or
 //! rewrite (a full disk) stops the logging of answers, reported on stderr: the writes go
@@ -36,7 +37,7 @@ use crate::compaction::Compaction;
 use crate::lanelog::{read_whole, replace_by_copy, sync_dir, LogError};
 use crate::recent::{Answered, Asked, Remembered, RECENT_IDS_MAX};
 use serde::{Deserialize, Serialize};
-use std::collections::VecDeque;
+use std::collections::{HashSet, VecDeque};
 use std::fs::{File, OpenOptions};
 use std::io::Write;
 use std::path::{Path, PathBuf};
@@ -94,7 +95,8 @@ pub struct AnswerLog {
     sync_failed: Arc<AtomicBool>,
     // Set while answers are not written out, after a write or a rewrite failed.
     stopped: Option<Stopped>,
-    // The life's last RECENT_IDS_MAX answers, which a compaction writes.
+    // The life's newest answers, holding those of its newest RECENT_IDS_MAX ids, which a
+    // compaction writes: up to twice that many answers.
     answered: VecDeque<AnsweredId>,
     // A compaction whose copy is being written, if one is.
     compaction: Option<Compaction>,
@@ -128,10 +130,17 @@ impl AnswerLog {
     /// Buffers an answer, to be written out by the next [`AnswerLog::flush`].
     pub fn append(&mut self, answered: AnsweredId) {
         encode(&answered, &mut self.pending);
-        if self.answered.len() == RECENT_IDS_MAX {
-            self.answered.pop_front();
-        }
         self.answered.push_back(answered);
+        // Bounded by ids, as the memory is: answers superseded by a later one of their id
+        // go first (amortized: at most twice the bound's answers are kept).
+        if self.answered.len() >= 2 * RECENT_IDS_MAX {
+            let newest = newest_ids(
+                self.answered.iter().rev().copied(),
+                RECENT_IDS_MAX,
+                &mut HashSet::new(),
+            );
+            self.answered = newest.into();
+        }
     }
 
     /// Writes the buffered answers out (to the page cache: a process crash keeps them),
@@ -253,7 +262,11 @@ impl AnswerLog {
         }
         // The rewrite writes every answer a failed sync may have lost.
         self.sync_failed.store(false, Ordering::Release);
-        let answered: Vec<AnsweredId> = self.answered.iter().copied().collect();
+        let answered = newest_ids(
+            self.answered.iter().rev().copied(),
+            RECENT_IDS_MAX,
+            &mut HashSet::new(),
+        );
         let started = Compaction::start(&self.path, "tally-answers-copy", move || {
             let mut body = Vec::new();
             for answered in &answered {
@@ -341,8 +354,8 @@ impl AnswersSync {
     }
 }
 
-/// The newest [`RECENT_IDS_MAX`] answers in windows live at `now_unix_secs` over the earlier
-/// lives' files in `dir`, oldest first, and the newest generation of a file kept (0 if
+/// The newest answer of each of the newest [`RECENT_IDS_MAX`] ids in windows live at
+/// `now_unix_secs` over the earlier lives' files in `dir`, oldest first, and the newest generation of a file kept (0 if
 /// none), which the next life's generation must pass. Each file is rewritten with the
 /// answers it keeps, or removed if it keeps none; a rewrite cut off by a crash is removed
 /// first (its file is whole).
@@ -374,12 +387,12 @@ pub fn recover(dir: &Path, now_unix_secs: u64) -> Result<(Vec<AnsweredId>, u64),
     lives.sort_unstable_by_key(|(generation, _)| std::cmp::Reverse(*generation));
     let (mut kept, mut newest_kept) = (Vec::new(), 0);
     let mut room = RECENT_IDS_MAX;
+    // Ids kept from newer answers: an older answer of one is superseded.
+    let mut seen = HashSet::new();
     for (generation, path) in lives {
-        let live: Vec<AnsweredId> = replay(&read_whole(&path)?)
-            .into_iter()
-            .filter(|(_, remembered)| remembered.window.is_live(now_unix_secs))
-            .collect();
-        let keep = live[live.len().saturating_sub(room)..].to_vec();
+        let live = (replay(&read_whole(&path)?).into_iter().rev())
+            .filter(|(_, remembered)| remembered.window.is_live(now_unix_secs));
+        let keep = newest_ids(live, room, &mut seen);
         room -= keep.len();
         if keep.is_empty() {
             std::fs::remove_file(&path).map_err(io(&path))?;
@@ -428,9 +441,6 @@ pub fn replay(bytes: &[u8]) -> Vec<AnsweredId> {
         let Ok(window) = Window::new(record.window_index, record.window_secs) else {
             continue;
         };
-        if answers.len() == RECENT_IDS_MAX {
-            answers.pop_front();
-        }
         let remembered = Remembered {
             answered: record.answered,
             asked: record.asked,
@@ -439,6 +449,26 @@ pub fn replay(bytes: &[u8]) -> Vec<AnsweredId> {
         answers.push_back((record.id, remembered));
     }
     answers.into()
+}
+
+/// The newest answer of each of the newest `max` ids of `newest_first` not in `seen`,
+/// oldest first; the ids taken are added to `seen`.
+fn newest_ids(
+    newest_first: impl Iterator<Item = AnsweredId>,
+    max: usize,
+    seen: &mut HashSet<CheckId>,
+) -> Vec<AnsweredId> {
+    let mut kept = Vec::new();
+    for answered in newest_first {
+        if kept.len() == max {
+            break;
+        }
+        if seen.insert(answered.0) {
+            kept.push(answered);
+        }
+    }
+    kept.reverse();
+    kept
 }
 
 /// Replaces the file at `path` with `answers`, synced (`lanelog::open` syncs the directory
@@ -646,7 +676,73 @@ mod tests {
         );
         assert_eq!(
             seqs(&replay(&read_whole(&log.path).unwrap())),
-            (5..max + 5).collect::<Vec<_>>()
+            (3..max + 5).collect::<Vec<_>>()
+        );
+        std::fs::remove_dir_all(dir).unwrap();
+    }
+
+    /// An hour's id, then half the bound's ids in one-second windows, each answered again
+    /// 10 s later, once its first window is over, as a life gives them: logged to `log`,
+    /// and remembered in a sidecar's memory ([`crate::recent::RecentIds`]), which holds
+    /// the hour's id (half the bound's ids and one). Returns the hour's id.
+    fn a_live_id_behind_ids_answered_again(log: &mut AnswerLog) -> CheckId {
+        let mut memory = crate::recent::RecentIds::default();
+        let half = RECENT_IDS_MAX as u64 / 2;
+        let hour = Window::containing(NOW, 3_600).unwrap();
+        let hourly = (CheckId { session: 1, seq: 0 }, answer(0, hour).1);
+        let mut given = vec![(hourly, NOW - 10)];
+        let first = Window::containing(NOW - 10, 1).unwrap();
+        let again = Window::containing(NOW, 1).unwrap();
+        given.extend((1..=half).map(|seq| (answer(seq, first), NOW - 10)));
+        given.extend((1..=half).map(|seq| (answer(seq, again), NOW)));
+        for (answered, live_at) in given {
+            memory.insert(answered.0, answered.1, live_at);
+            log.append(answered);
+        }
+        log.flush();
+        assert!(
+            memory.get(hourly.0, NOW * 1_000, NOW).is_some(),
+            "the memory holds it"
+        );
+        hourly.0
+    }
+
+    /// A start remembers the live ids the last life's memory held: an id answered again
+    /// (its first window over) adds an answer to the log but no id to the memory, which
+    /// counts ids held since session 47. Counted as answers, the hour's id was dropped by
+    /// the replay (its file's last RECENT_IDS_MAX records), with half the bound's live
+    /// ids kept, and a retry of it sent to the next life counted again.
+    #[test]
+    fn a_start_keeps_a_live_id_the_memory_held_behind_ids_answered_again() {
+        let dir = dir("start-answered-again");
+        let mut log = AnswerLog::create(&dir, Generation(7)).unwrap();
+        let hourly = a_live_id_behind_ids_answered_again(&mut log);
+        drop(log);
+        let (recovered, _) = recover(&dir, NOW).unwrap();
+        assert!(
+            recovered.iter().any(|(id, _)| *id == hourly),
+            "the next life forgot a live id the last life's memory held \
+             ({} live answers kept): a retry of it counts again",
+            recovered.len()
+        );
+        std::fs::remove_dir_all(dir).unwrap();
+    }
+
+    /// The same for a life's compaction: it rewrote the file as its last RECENT_IDS_MAX
+    /// answers, not the answers of its last RECENT_IDS_MAX ids.
+    #[test]
+    fn a_compaction_keeps_a_live_id_the_memory_holds_behind_ids_answered_again() {
+        let dir = dir("compaction-answered-again");
+        let mut log = AnswerLog::create(&dir, Generation(7)).unwrap();
+        let hourly = a_live_id_behind_ids_answered_again(&mut log);
+        log.compact_at = 0;
+        log.compact_if_large();
+        finish_compaction(&mut log);
+        let kept = replay(&read_whole(&log.path).unwrap());
+        assert!(
+            kept.iter().any(|(id, _)| *id == hourly),
+            "the compaction dropped a live id the memory holds ({} answers kept)",
+            kept.len()
         );
         std::fs::remove_dir_all(dir).unwrap();
     }

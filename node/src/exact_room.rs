@@ -50,8 +50,9 @@ impl ExactRoom {
     }
 
     /// A place for one check, once there is one: places given back go to those waiting in
-    /// the order they asked. The turn is the returned future's: kept while it is kept
-    /// (polled or not), lost when it is dropped, so a waiter keeps it across its waits.
+    /// the order they asked. The turn is the returned future's, from its first poll (it
+    /// asks nothing before): kept while the future is kept, polled again or not, and lost
+    /// when it is dropped, so a waiter keeps it across its waits.
     pub fn take(&self) -> impl Future<Output = ExactSlot> + Send + 'static {
         let places = Arc::clone(&self.places);
         async move {

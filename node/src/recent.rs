@@ -10,8 +10,8 @@
 //! seconds, well past a client's timeout. Each sidecar remembers only its own: a retry sent
 //! to another sidecar is counted again. With a data directory, every answer remembered is
 //! also logged there, written out after the writes it made ([`crate::answerlog`]), and the
-//! next life starts remembering the newest 65,536 over its earlier lives whose windows are
-//! live ([`RecentIds::remembering`]); without one, a retry sent to the next life is
+//! next life starts remembering the newest 65,536 ids over its earlier lives whose windows
+//! are live ([`RecentIds::remembering`]); without one, a retry sent to the next life is
 //! counted again.
 
 use crate::decide::reset_after_ms;
