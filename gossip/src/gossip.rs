@@ -761,14 +761,16 @@ impl Gossip {
             let held = self.map.watermark(entry.origin).stamp;
             if entry.origin != me && held > before {
                 self.members.heard_stamped(entry.origin, held, now.mono);
-                // Not an earlier life's: its lanes, still in a live window, arrive as old as
-                // that life's end, which is no delay of the current one (found in review,
-                // session 47: a restart half an hour ago was sampled as a delay of half an
-                // hour). With no row here for its node, an origin is its node's current life
-                // only if it sent the frame (a push from a node that just joined); a relay
-                // may carry an earlier life without its node's row.
+                // Sampled only for the current life of a member alive or suspect (after
+                // this hearing). An earlier life's lanes, or a dead or left member's, still
+                // in a live window, arrive as old as that life's end, which is no delay
+                // (found in review, sessions 47 and 48: a restart, and a death, half an hour
+                // ago were sampled as delays of half an hour). With no row here for its
+                // node, an origin is its node's current life only if it sent the frame (a
+                // push from a node that just joined); a relay may carry an earlier life
+                // without its node's row.
                 let current = match self.members.replica(entry.origin.node) {
-                    Some(row) => row.generation <= entry.origin.generation,
+                    Some(_) => self.members.is_live_replica(entry.origin),
                     None => entry.origin == from.0,
                 };
                 if entry.origin.node != me.node && current {
@@ -1430,6 +1432,16 @@ mod tests {
     /// since), relayed by node 2 to node 1 by anti-entropy with `rows`; the samples past
     /// 60 s node 1's propagation delay took (none, as that life's age is no delay).
     fn samples_past_a_minute_of_an_earlier_life_relayed_with(rows: Vec<MemberEntry>) -> u64 {
+        samples_past_a_minute_of_node_3_gen_1_relayed_with(rows, Vec::new())
+    }
+
+    /// Node 3's generation-1 lanes, last stamped half an hour ago, relayed by node 2 to a
+    /// node 1 that has just started, by anti-entropy with `rows` and `dead`: the samples
+    /// past 60 s node 1's propagation delay took.
+    fn samples_past_a_minute_of_node_3_gen_1_relayed_with(
+        rows: Vec<MemberEntry>,
+        dead: Vec<NodeId>,
+    ) -> u64 {
         let mut gossip = node(1);
         announce_node_2(&mut gossip);
         let old_life = ReplicaId::new(NodeId(3), Generation(1));
@@ -1456,7 +1468,7 @@ mod tests {
                 }],
             },
             members: rows,
-            dead: Vec::new(),
+            dead,
         };
         receive_from_node_2(&mut gossip, wire::encode(node(2).replica(), &delta));
         assert_eq!(gossip.map.watermark(old_life).stamp, stamp, "taken");
@@ -1488,6 +1500,43 @@ mod tests {
         assert_eq!(
             samples_past_a_minute_of_an_earlier_life_relayed_with(Vec::new()),
             0
+        );
+    }
+
+    /// (Review of f06843f/1f27df4.) Node 3 crashed half an hour ago and was declared dead;
+    /// its one life's lanes are still in a live window. Node 1 starts (or restarts under a
+    /// new generation) and node 2 sends it, by anti-entropy, node 3's row (listed dead) with
+    /// those lanes. They arrive as old as that life's end, no delay of anything: yet node 3's
+    /// row is of that very generation, so the sample of half an hour is taken.
+    #[test]
+    fn a_dead_members_old_state_relayed_to_a_new_node_is_no_sample() {
+        let row = MemberEntry {
+            node: NodeId(3),
+            generation: Generation(1),
+            addr: "n3".into(),
+            left: false,
+        };
+        assert_eq!(
+            samples_past_a_minute_of_node_3_gen_1_relayed_with(vec![row], vec![NodeId(3)]),
+            0,
+            "a dead member's half-hour-old state was sampled as a propagation delay"
+        );
+    }
+
+    /// (Review of f06843f/1f27df4.) The same for a member that left half an hour ago: its
+    /// lanes stay counted until their window ends, and reach a node that starts meanwhile.
+    #[test]
+    fn a_left_members_old_state_relayed_to_a_new_node_is_no_sample() {
+        let row = MemberEntry {
+            node: NodeId(3),
+            generation: Generation(1),
+            addr: "n3".into(),
+            left: true,
+        };
+        assert_eq!(
+            samples_past_a_minute_of_node_3_gen_1_relayed_with(vec![row], Vec::new()),
+            0,
+            "a left member's half-hour-old state was sampled as a propagation delay"
         );
     }
 
