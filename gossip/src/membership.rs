@@ -361,6 +361,14 @@ impl Members {
         self.members.get(&node).map(|m| m.entry.replica())
     }
 
+    /// The newest stamp kept of `replica`, if it is its node's row's generation: what the
+    /// map held of it, also once its watermark went with its last lanes.
+    pub fn stamp(&self, replica: ReplicaId) -> Option<Stamp> {
+        (self.members.get(&replica.node))
+            .filter(|member| member.entry.generation == replica.generation)
+            .map(|member| member.stamp)
+    }
+
     /// Whether `replica` is the current generation of a member that is not dead or gone:
     /// its lanes are kept even when they hold nothing.
     pub fn is_live_replica(&self, replica: ReplicaId) -> bool {

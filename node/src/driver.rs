@@ -15,7 +15,7 @@ use crate::view::{unheard_seeds, View};
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Duration;
-use tally_crdt::{Counter, Key, Lane, NodeId, ReplicaId, Version};
+use tally_crdt::{Counter, Key, Lane, NodeId, ReplicaId, Stamp, Version};
 use tally_gossip::membership::{ForgetError, State};
 use tally_gossip::{Event, Gossip, Input, Output};
 use tokio::sync::{mpsc, oneshot, watch};
@@ -392,7 +392,13 @@ impl Driver {
             .collect();
         let stamps = rows
             .iter()
-            .map(|(_, replica, _)| (*replica, map.watermark(*replica).stamp))
+            .map(|(_, replica, _)| {
+                // A dead or gone member's watermark goes with its last lanes; its row keeps
+                // the stamp, so its staleness stays the age of its last state.
+                let held = map.watermark(*replica).stamp;
+                let kept = || members.stamp(*replica).unwrap_or_default();
+                (*replica, if held == Stamp(0) { kept() } else { held })
+            })
             .filter(|(replica, _)| *replica != me)
             .collect();
         let mut view = self.view.lock();
