@@ -343,9 +343,10 @@ struct Held<T> {
     next_seq: u64,
     clock: Clock,
     stats: Arc<ForwardStats>,
-    // The checks answered `RegionUnavailable`, the most recent `TIMED_OUT_HELD`, with when
-    // each arrived, and where an admission of one answered later goes.
-    timed_out: BTreeMap<u64, Duration>,
+    // The written checks past their deadline (answered `RegionUnavailable`, or whose caller
+    // left), the most recent `TIMED_OUT_HELD`, with when each arrived and whether its caller
+    // was answered, and where an admission of an answered one decided later goes.
+    timed_out: BTreeMap<u64, (Duration, bool)>,
     late: LateAdmissions,
 }
 
@@ -493,14 +494,14 @@ impl<T> Held<T> {
         let mut late = Vec::new();
         for (seq, answer) in frame {
             let Some(pending) = self.remove(seq) else {
-                let Some(arrived) = self.timed_out.remove(&seq) else {
+                let Some((arrived, answered)) = self.timed_out.remove(&seq) else {
                     continue;
                 };
                 if let ExactAnswer::Decided(Outcome { allowed, .. }) = answer {
                     // Decided after its timeout: its latency too (found in review, session
                     // 47: the histogram stopped at the rules' timeouts).
                     self.stats.latency.record(now.saturating_sub(arrived));
-                    if allowed {
+                    if allowed && answered {
                         late.push(seq);
                     }
                 }
@@ -598,6 +599,11 @@ impl<T> Held<T> {
                 continue;
             };
             if pending.abandoned() {
+                // Its caller was answered nothing, so no fallback is to be taken back; if
+                // written, the region may still decide it, and its latency counts.
+                if pending.writes > 0 {
+                    self.time_out(seq, pending.arrived, false);
+                }
                 continue;
             }
             let why = format!("no answer within {} ms", pending.timeout_ms);
@@ -607,11 +613,18 @@ impl<T> Held<T> {
             let arrived = pending.arrived;
             pending.answer(Err(refusal), late_seq);
             if late_seq.is_some() {
-                self.timed_out.insert(seq, arrived);
-                if self.timed_out.len() > TIMED_OUT_HELD {
-                    self.timed_out.pop_first();
-                }
+                self.time_out(seq, arrived, true);
             }
+        }
+    }
+
+    /// Holds check `seq`, which arrived at `arrived`, as timed out, among the most recent
+    /// `TIMED_OUT_HELD`; `answered` if its caller was answered (an admission of it decided
+    /// later is then reported late).
+    fn time_out(&mut self, seq: u64, arrived: Duration, answered: bool) {
+        self.timed_out.insert(seq, (arrived, answered));
+        if self.timed_out.len() > TIMED_OUT_HELD {
+            self.timed_out.pop_first();
         }
     }
 
@@ -1147,6 +1160,54 @@ mod tests {
         });
         held.answer_frame(vec![(0, denied)]);
         assert_eq!(stats.latency.count(), 1);
+    }
+
+    /// README: `tally_region_latency_seconds` counts "every check the region decided,
+    /// after its rule's `region_timeout_ms` too", a written check whose caller went away as
+    /// well (found in review, session 48: `expire` skipped abandoned checks before they
+    /// reached `timed_out`, and one decided after its deadline was not counted).
+    #[test]
+    fn a_check_whose_caller_left_decided_after_its_timeout_is_in_the_latency_histogram() {
+        let denied = ExactAnswer::Decided(Outcome {
+            allowed: false,
+            count: 1,
+        });
+        // In time: counted.
+        let (answers, answered) = mpsc::unbounded_channel();
+        let (mut checks_held, _checks, stats) = held();
+        checks_held.insert(pending(0, 100, &answers));
+        assert!(
+            checks_held.next_frame(ms(0)).is_some(),
+            "written to the region"
+        );
+        drop(answered);
+        checks_held.answer_frame(vec![(0, denied)]);
+        assert_eq!(stats.latency.count(), 1, "decided in time, caller gone");
+        // After its deadline: counted too, and an admission is no late one (its caller was
+        // answered nothing, no fallback to take back).
+        let (answers, answered) = mpsc::unbounded_channel();
+        let (_checks, incoming) = mpsc::unbounded_channel();
+        let (late, mut reported) = mpsc::unbounded_channel();
+        let stats = Arc::new(ForwardStats::default());
+        let mut checks_held = Held::new(incoming, Clock::start(), stats.clone(), late);
+        checks_held.insert(pending(0, 100, &answers));
+        assert!(
+            checks_held.next_frame(ms(0)).is_some(),
+            "written to the region"
+        );
+        drop(answered);
+        checks_held.expire(ms(100));
+        let admitted = ExactAnswer::Decided(Outcome {
+            allowed: true,
+            count: 1,
+        });
+        checks_held.answer_frame(vec![(0, admitted)]);
+        assert_eq!(
+            stats.latency.count(),
+            1,
+            "decided after its timeout, caller gone"
+        );
+        assert!(reported.try_recv().is_err(), "no late admission reported");
     }
 
     #[test]
