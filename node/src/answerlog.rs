@@ -18,8 +18,8 @@
 //! answer whose write it lost (answers go first: a retry then counts once too few, rather
 //! than twice).
 //!
-//! A start keeps the newest answer of each of the newest [`RECENT_IDS_MAX`] ids in live
-//! windows over every earlier life ([`recover`]), as many ids as the sidecar's memory
+//! A start keeps the newest answer of each of the newest [`RECENT_IDS_MAX`] ids whose
+//! newest answer is in a live window, over every earlier life ([`recover`]), as many ids as the sidecar's memory
 //! holds, rewriting each earlier file with the answers it keeps or removing it. A life's
 //! file is appended to; past `COMPACT_BYTES` (or twice its size after the last compaction)
 //! it is rewritten as the newest answer of each of the life's newest [`RECENT_IDS_MAX`]
@@ -36,8 +36,9 @@ use crate::checksummed;
 use crate::compaction::Compaction;
 use crate::lanelog::{read_whole, replace_by_copy, sync_dir, LogError};
 use crate::recent::{Answered, Asked, Remembered, RECENT_IDS_MAX};
+use crate::store::KeyHasher;
 use serde::{Deserialize, Serialize};
-use std::collections::{HashSet, VecDeque};
+use std::collections::{HashMap, HashSet, VecDeque};
 use std::fs::{File, OpenOptions};
 use std::io::Write;
 use std::path::{Path, PathBuf};
@@ -95,9 +96,13 @@ pub struct AnswerLog {
     sync_failed: Arc<AtomicBool>,
     // Set while answers are not written out, after a write or a rewrite failed.
     stopped: Option<Stopped>,
-    // The life's newest answers, holding those of its newest RECENT_IDS_MAX ids, which a
-    // compaction writes: up to twice that many answers.
+    // The life's newest answers, holding the newest of each of its newest RECENT_IDS_MAX
+    // ids, which a compaction writes: an answer is dropped from the front once a later one
+    // of its id is held, or once more ids than that are. Superseded answers held behind
+    // one still needed are dropped all at once if they make it twice that many answers.
     answered: VecDeque<AnsweredId>,
+    // How many answers of each id `answered` holds.
+    answers_held: HashMap<CheckId, u32, KeyHasher>,
     // A compaction whose copy is being written, if one is.
     compaction: Option<Compaction>,
 }
@@ -123,6 +128,7 @@ impl AnswerLog {
             sync_failed: Arc::default(),
             stopped: None,
             answered: VecDeque::new(),
+            answers_held: HashMap::with_hasher(KeyHasher::new()),
             compaction: None,
         })
     }
@@ -130,15 +136,30 @@ impl AnswerLog {
     /// Buffers an answer, to be written out by the next [`AnswerLog::flush`].
     pub fn append(&mut self, answered: AnsweredId) {
         encode(&answered, &mut self.pending);
+        *self.answers_held.entry(answered.0).or_insert(0) += 1;
         self.answered.push_back(answered);
-        // Bounded by ids, as the memory is: answers superseded by a later one of their id
-        // go first (amortized: at most twice the bound's answers are kept).
+        // Bounded by ids, as the memory is (found in review, session 48: the last
+        // RECENT_IDS_MAX answers, with ids answered again, left out a live id it held).
+        while let Some((oldest, _)) = self.answered.front() {
+            let held = (self.answers_held.get_mut(oldest))
+                .expect("invariant: every answer held is counted");
+            if *held > 1 {
+                *held -= 1;
+            } else if self.answers_held.len() > RECENT_IDS_MAX {
+                self.answers_held.remove(oldest);
+            } else {
+                break;
+            }
+            self.answered.pop_front();
+        }
         if self.answered.len() >= 2 * RECENT_IDS_MAX {
             let newest = newest_ids(
-                self.answered.iter().rev().copied(),
-                RECENT_IDS_MAX,
-                &mut HashSet::new(),
+                self.answered.drain(..).rev(),
+                usize::MAX,
+                &mut seen(),
+                |_| true,
             );
+            self.answers_held = newest.iter().map(|(id, _)| (*id, 1)).collect();
             self.answered = newest.into();
         }
     }
@@ -262,14 +283,14 @@ impl AnswerLog {
         }
         // The rewrite writes every answer a failed sync may have lost.
         self.sync_failed.store(false, Ordering::Release);
-        let answered = newest_ids(
-            self.answered.iter().rev().copied(),
-            RECENT_IDS_MAX,
-            &mut HashSet::new(),
-        );
+        // Each id's newest answer is picked out on the compaction's thread.
+        let answered: Vec<AnsweredId> = self.answered.iter().copied().collect();
         let started = Compaction::start(&self.path, "tally-answers-copy", move || {
+            let newest = newest_ids(answered.into_iter().rev(), usize::MAX, &mut seen(), |_| {
+                true
+            });
             let mut body = Vec::new();
-            for answered in &answered {
+            for answered in &newest {
                 encode(answered, &mut body);
             }
             body
@@ -388,11 +409,14 @@ pub fn recover(dir: &Path, now_unix_secs: u64) -> Result<(Vec<AnsweredId>, u64),
     let (mut kept, mut newest_kept) = (Vec::new(), 0);
     let mut room = RECENT_IDS_MAX;
     // Ids kept from newer answers: an older answer of one is superseded.
-    let mut seen = HashSet::new();
+    let mut seen = seen();
     for (generation, path) in lives {
-        let live = (replay(&read_whole(&path)?).into_iter().rev())
-            .filter(|(_, remembered)| remembered.window.is_live(now_unix_secs));
-        let keep = newest_ids(live, room, &mut seen);
+        // Each id's newest answer only, kept if its window is live: an older answer of an
+        // id whose newest one's window is over is superseded, as in the memory.
+        let newest_first = replay(&read_whole(&path)?).into_iter().rev();
+        let keep = newest_ids(newest_first, room, &mut seen, |remembered| {
+            remembered.window.is_live(now_unix_secs)
+        });
         room -= keep.len();
         if keep.is_empty() {
             std::fs::remove_file(&path).map_err(io(&path))?;
@@ -451,24 +475,31 @@ pub fn replay(bytes: &[u8]) -> Vec<AnsweredId> {
     answers.into()
 }
 
-/// The newest answer of each of the newest `max` ids of `newest_first` not in `seen`,
-/// oldest first; the ids taken are added to `seen`.
+/// The newest answer of each of the newest `max` ids of `newest_first` not in `seen` whose
+/// newest answer is `kept_if`, oldest first; every id met is added to `seen` (its older
+/// answers are superseded, kept or not).
 fn newest_ids(
     newest_first: impl Iterator<Item = AnsweredId>,
     max: usize,
-    seen: &mut HashSet<CheckId>,
+    seen: &mut HashSet<CheckId, KeyHasher>,
+    kept_if: impl Fn(&Remembered) -> bool,
 ) -> Vec<AnsweredId> {
     let mut kept = Vec::new();
     for answered in newest_first {
         if kept.len() == max {
             break;
         }
-        if seen.insert(answered.0) {
+        if seen.insert(answered.0) && kept_if(&answered.1) {
             kept.push(answered);
         }
     }
     kept.reverse();
     kept
+}
+
+/// An empty set of ids, for [`newest_ids`].
+fn seen() -> HashSet<CheckId, KeyHasher> {
+    HashSet::with_hasher(KeyHasher::new())
 }
 
 /// Replaces the file at `path` with `answers`, synced (`lanelog::open` syncs the directory
@@ -743,6 +774,89 @@ mod tests {
             kept.iter().any(|(id, _)| *id == hourly),
             "the compaction dropped a live id the memory holds ({} answers kept)",
             kept.len()
+        );
+        std::fs::remove_dir_all(dir).unwrap();
+    }
+
+    /// The copy a compaction writes is bounded by ids, as the memory is: at most
+    /// RECENT_IDS_MAX ids, an answer each once superseded ones are dropped, and never past
+    /// twice that many answers, however often ids are answered again behind one still
+    /// needed; and it drops no id among the newest RECENT_IDS_MAX.
+    #[test]
+    fn the_copy_holds_the_newest_answer_of_the_newest_ids_within_its_bound() {
+        let dir = dir("copy-bound");
+        let mut log = AnswerLog::create(&dir, Generation(7)).unwrap();
+        let max = RECENT_IDS_MAX as u64;
+        let id = |seq| CheckId { session: 4, seq };
+        for seq in 0..max + 100 {
+            log.append((id(seq), answer(seq, live()).1));
+        }
+        assert_eq!(log.answered.len(), RECENT_IDS_MAX, "one answer an id");
+        assert_eq!(
+            log.answered.front().unwrap().0,
+            id(100),
+            "the oldest ids dropped"
+        );
+        // The oldest id held stays at the front while the newest is answered again and again.
+        for again in 0..2 * max {
+            log.append((id(max + 99), answer(again, live()).1));
+            assert!(
+                log.answered.len() < 2 * RECENT_IDS_MAX,
+                "{}",
+                log.answered.len()
+            );
+        }
+        assert_eq!(log.answers_held.len(), RECENT_IDS_MAX);
+        let ids: HashSet<CheckId> = log.answered.iter().map(|(id, _)| *id).collect();
+        assert_eq!(
+            ids,
+            (100..max + 100).map(id).collect(),
+            "the newest ids, each held"
+        );
+        let newest = log
+            .answered
+            .iter()
+            .rev()
+            .find(|(held, _)| *held == id(max + 99));
+        assert_eq!(
+            newest.unwrap().1,
+            answer(2 * max - 1, live()).1,
+            "its newest answer"
+        );
+        std::fs::remove_dir_all(dir).unwrap();
+    }
+
+    /// (Review of dfc8d90.) An id whose newest answer's window is over is not held by the
+    /// memory (`RecentIds` keeps one answer an id, its newest, and answers a retry afresh
+    /// once that window is over), nor by a compaction (which keeps that newest answer). A
+    /// start filtered the dead answers out before it looked for each id's newest, so it
+    /// took up the id's older, superseded answer, still in a longer live window (the rule's
+    /// window shortened across a restart, or the wall clock stepped back): the next life
+    /// gave a retry that old answer (or refused it `BadField`) where the last one decided
+    /// it afresh, and whether it did depended on whether a compaction had run.
+    #[test]
+    fn a_start_does_not_take_up_an_answer_superseded_by_one_whose_window_is_over() {
+        let dir = dir("superseded-dead");
+        let id = CheckId { session: 9, seq: 1 };
+        let hour = Window::containing(NOW - 20, 3_600).unwrap();
+        let second = Window::containing(NOW - 10, 1).unwrap();
+        let first = (id, answer(1, hour).1);
+        let again = (id, answer(1, second).1);
+        life(&dir, 7, [first]);
+        life(&dir, 8, [again, answer(2, live())]);
+        // The memory of life 8, given both answers in order.
+        let mut memory = crate::recent::RecentIds::remembering([first], NOW - 20);
+        memory.insert(again.0, again.1, NOW - 10);
+        assert!(
+            memory.get(id, NOW * 1_000, NOW).is_none(),
+            "answered afresh"
+        );
+        let (recovered, _) = recover(&dir, NOW).unwrap();
+        let next = crate::recent::RecentIds::remembering(recovered.iter().copied(), NOW);
+        assert!(
+            next.get(id, NOW * 1_000, NOW).is_none(),
+            "the next life remembers a superseded answer the last life's memory no longer \
+             gave: {recovered:?}"
         );
         std::fs::remove_dir_all(dir).unwrap();
     }
