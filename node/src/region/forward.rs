@@ -343,10 +343,13 @@ struct Held<T> {
     next_seq: u64,
     clock: Clock,
     stats: Arc<ForwardStats>,
-    // The written checks past their deadline (answered `RegionUnavailable`, or whose caller
-    // left), the most recent `TIMED_OUT_HELD`, with when each arrived and whether its caller
-    // was answered, and where an admission of an answered one decided later goes.
-    timed_out: BTreeMap<u64, (Duration, bool)>,
+    // The written checks past their deadline, with when each arrived, the most recent
+    // `TIMED_OUT_HELD` of each kind: those answered `RegionUnavailable`, whose admission
+    // decided later is reported to `late`, and those whose caller left, held only to be
+    // timed (apart, so that these never push out one whose late admission is to be
+    // reported: found in review, session 48).
+    timed_out_answered: BTreeMap<u64, Duration>,
+    timed_out_left: BTreeMap<u64, Duration>,
     late: LateAdmissions,
 }
 
@@ -367,7 +370,8 @@ impl<T> Held<T> {
             next_seq: 0,
             clock,
             stats,
-            timed_out: BTreeMap::new(),
+            timed_out_answered: BTreeMap::new(),
+            timed_out_left: BTreeMap::new(),
             late,
         }
     }
@@ -494,8 +498,12 @@ impl<T> Held<T> {
         let mut late = Vec::new();
         for (seq, answer) in frame {
             let Some(pending) = self.remove(seq) else {
-                let Some((arrived, answered)) = self.timed_out.remove(&seq) else {
-                    continue;
+                let (arrived, answered) = match self.timed_out_answered.remove(&seq) {
+                    Some(arrived) => (arrived, true),
+                    None => match self.timed_out_left.remove(&seq) {
+                        Some(arrived) => (arrived, false),
+                        None => continue,
+                    },
                 };
                 if let ExactAnswer::Decided(Outcome { allowed, .. }) = answer {
                     // Decided after its timeout: its latency too (found in review, session
@@ -602,7 +610,7 @@ impl<T> Held<T> {
                 // Its caller was answered nothing, so no fallback is to be taken back; if
                 // written, the region may still decide it, and its latency counts.
                 if pending.writes > 0 {
-                    self.time_out(seq, pending.arrived, false);
+                    time_out(&mut self.timed_out_left, seq, pending.arrived);
                 }
                 continue;
             }
@@ -613,18 +621,8 @@ impl<T> Held<T> {
             let arrived = pending.arrived;
             pending.answer(Err(refusal), late_seq);
             if late_seq.is_some() {
-                self.time_out(seq, arrived, true);
+                time_out(&mut self.timed_out_answered, seq, arrived);
             }
-        }
-    }
-
-    /// Holds check `seq`, which arrived at `arrived`, as timed out, among the most recent
-    /// `TIMED_OUT_HELD`; `answered` if its caller was answered (an admission of it decided
-    /// later is then reported late).
-    fn time_out(&mut self, seq: u64, arrived: Duration, answered: bool) {
-        self.timed_out.insert(seq, (arrived, answered));
-        if self.timed_out.len() > TIMED_OUT_HELD {
-            self.timed_out.pop_first();
         }
     }
 
@@ -890,6 +888,15 @@ async fn read_answers(
         if answers.send(frame).is_err() {
             return;
         }
+    }
+}
+
+/// Holds check `seq`, which arrived at `arrived`, in `timed_out`, among its most recent
+/// `TIMED_OUT_HELD`.
+fn time_out(timed_out: &mut BTreeMap<u64, Duration>, seq: u64, arrived: Duration) {
+    timed_out.insert(seq, arrived);
+    if timed_out.len() > TIMED_OUT_HELD {
+        timed_out.pop_first();
     }
 }
 
@@ -1208,6 +1215,42 @@ mod tests {
             "decided after its timeout, caller gone"
         );
         assert!(reported.try_recv().is_err(), "no late admission reported");
+    }
+
+    /// (Review of 20467eb.) Checks whose callers left, held since that commit among the
+    /// `TIMED_OUT_HELD` most recent timed-out checks only to time a late decision, pushed
+    /// out a check whose caller was answered `RegionUnavailable` (and may have counted its
+    /// rule's fallback): the region's admission of it, decided later, was then not
+    /// reported late, and the fallback's count stayed on top of the region's.
+    #[test]
+    fn checks_whose_callers_left_do_not_push_out_a_late_admission_to_report() {
+        let (answers, _answered) = mpsc::unbounded_channel();
+        let (gone, answered_gone) = mpsc::unbounded_channel();
+        let (_checks, incoming) = mpsc::unbounded_channel::<Vec<Box<Pending<u64>>>>();
+        let (late, mut reported) = mpsc::unbounded_channel();
+        let stats = Arc::new(ForwardStats::default());
+        let mut held = Held::new(incoming, Clock::start(), stats, late);
+        held.insert(pending(0, 100, &answers));
+        let left = TIMED_OUT_HELD as u64;
+        for seq in 1..=left {
+            held.insert(pending(seq, 100, &gone));
+        }
+        while held.next_frame(ms(0)).is_some() {}
+        // Every one written; then the callers of all but the first go away (their client
+        // timed out first, or its connection broke).
+        drop(answered_gone);
+        held.expire(ms(100));
+        let admitted = ExactAnswer::Decided(Outcome {
+            allowed: true,
+            count: 1,
+        });
+        held.answer_frame(vec![(0, admitted)]);
+        assert_eq!(
+            reported.try_recv().ok(),
+            Some(vec![0]),
+            "the admission of a check answered RegionUnavailable went unreported, pushed \
+             out by {left} checks whose callers left"
+        );
     }
 
     #[test]
