@@ -447,6 +447,10 @@ struct State {
     closed: Option<Broken>,
     /// Requests encoded and not yet handed to the writer, in id order.
     queued: Vec<u8>,
+    /// The first id whose request no byte of has been handed to the socket or the writer:
+    /// it and every later one are wholly in `queued`, so if the link closes now the
+    /// sidecar cannot have read them.
+    unwritten: u64,
     /// The open link's socket, while no write is under way: the writer task takes it out
     /// for each batch, and a call alone in flight writes to it in place.
     write_half: Option<WriteHalf>,
@@ -490,6 +494,9 @@ impl State {
             return;
         };
         if let Ok(wrote) = write.try_write(&self.queued) {
+            // The outbox was empty before this call's requests, so it begins at the
+            // `unwritten` one: each request begun on the socket may be read.
+            self.unwritten += wire::frames_begun(&self.queued, wrote);
             self.queued.drain(..wrote);
         }
     }
@@ -537,6 +544,7 @@ impl Shared {
                 link: NO_LINK,
                 closed: Some(Broken::Disconnected),
                 queued: Vec::new(),
+                unwritten: 1,
                 write_half: None,
                 writer: None,
                 socket_writer: None,
@@ -575,6 +583,7 @@ impl Shared {
         state.closed = None;
         state.write_half = Some(write);
         state.next_id_at_tick = state.in_flight.next_id();
+        state.unwritten = state.in_flight.next_id();
         state.wake_sweeper = Arc::new(Notify::new());
         self.open_link.store(state.link, Ordering::Release);
         (state.link, Arc::clone(&state.wake_sweeper))
@@ -607,6 +616,9 @@ impl Shared {
         } else if state.has_room() {
             let first_id = state.in_flight.next_id();
             let was_empty = state.queued.is_empty();
+            if was_empty {
+                state.unwritten = first_id;
+            }
             for &op in ops {
                 let id = state.in_flight.push(waker.clone(), since);
                 wire::encode_request(&RequestRef { id, op }, &mut state.queued);
@@ -746,6 +758,7 @@ impl Shared {
             );
             // A swap, so that both buffers keep their capacity: no allocation per batch.
             std::mem::swap(&mut state.queued, batch);
+            state.unwritten = state.in_flight.next_id();
             // Busy: calls need not wake it until it parks again.
             state.writer = None;
             let room = state.take_room_waiters();
@@ -822,7 +835,8 @@ impl Shared {
             if !state.is_open(link) {
                 return;
             }
-            state.in_flight.close(&broken, &mut wakers);
+            let unwritten = state.unwritten;
+            state.in_flight.close(&broken, unwritten, &mut wakers);
             state.closed = Some(broken);
             self.open_link.store(NO_LINK, Ordering::Release);
             // The queued requests were for this link's socket, and their calls have just
@@ -1216,6 +1230,73 @@ mod tests {
             state.room.len() <= 202,
             "{} wakers listed for 202 tasks",
             state.room.len()
+        );
+    }
+
+    /// Requests still in the client's outbox when the link closes were never handed to the
+    /// socket: the sidecar cannot have read them, so their calls are told `NotSent` (nothing
+    /// was counted, safe to send again), not `Disconnected` ("may have been applied").
+    #[tokio::test]
+    async fn requests_still_in_the_outbox_when_the_link_closes_fail_not_sent() {
+        const CALLS: usize = 200;
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let endpoint = Endpoint::Tcp(listener.local_addr().unwrap());
+        let connection = Arc::new(
+            Connection::open(&endpoint, Duration::from_secs(60))
+                .await
+                .unwrap(),
+        );
+        // Accepted, never read: the socket's buffers fill, then the outbox.
+        let (sidecar, _) = listener.accept().await.unwrap();
+        let subject = "s".repeat(CLIENT_FRAME_BYTES_MAX - 100);
+        let calls: Vec<_> = (0..CALLS)
+            .map(|_| {
+                let connection = Arc::clone(&connection);
+                let subject = subject.clone();
+                tokio::spawn(async move {
+                    connection
+                        .call(OpRef::Incr {
+                            rule: "r",
+                            subject: &subject,
+                            amount: 1,
+                            id: None,
+                        })
+                        .await
+                })
+            })
+            .collect();
+        for _ in 0..200 {
+            tokio::task::yield_now().await;
+        }
+        // Wait for the writer to be stuck on a full socket, with requests behind it.
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        let (in_outbox, sent_or_queued) = {
+            let state = connection.shared.lock();
+            let mut frames = 0;
+            let mut at = 0;
+            while at < state.queued.len() {
+                let prefix: [u8; 4] = state.queued[at..at + 4].try_into().unwrap();
+                at += 4 + wire::frame_len(prefix).unwrap();
+                frames += 1;
+            }
+            (frames, state.in_flight.live())
+        };
+        assert!(in_outbox > 0, "the outbox holds requests never written");
+        drop(sidecar);
+        let mut not_sent = 0;
+        for call in calls {
+            match call.await.unwrap() {
+                Err(Error::NotSent { .. }) => not_sent += 1,
+                Err(Error::Disconnected) => {}
+                other => panic!("{other:?}"),
+            }
+        }
+        // Those that waited for room, and those whose requests were still in the outbox.
+        let never_sent = CALLS - sent_or_queued + in_outbox;
+        // Exactly those: a request handed to the socket may have been read.
+        assert_eq!(
+            not_sent, never_sent,
+            "calls told NotSent, and calls never written ({in_outbox} in the outbox)"
         );
     }
 

@@ -7,7 +7,8 @@ use std::str::FromStr;
 
 /// Where a sidecar listens.
 ///
-/// Parsed from `unix:/path/to.sock` or `ip:port` (`127.0.0.1:7100`, `[::1]:7100`), and
+/// Parsed from `unix:/path/to.sock` (a path of at most 107 bytes, 103 off Linux, without a
+/// NUL byte) or `ip:port` (`127.0.0.1:7100`, `[::1]:7100`), and
 /// displayed the same way, so `endpoint.to_string().parse()` gives the endpoint back (for a
 /// Unix socket, when its path is UTF-8).
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
@@ -21,6 +22,14 @@ pub enum Endpoint {
 /// The prefix that marks a Unix socket path.
 const UNIX_PREFIX: &str = "unix:";
 
+/// The longest Unix socket path a socket address holds (`sun_path` less its NUL): 107
+/// bytes on Linux, 103 on the BSDs and macOS. tallyd refuses a longer `client_socket`.
+const UNIX_PATH_BYTES_MAX: usize = if cfg!(any(target_os = "linux", target_os = "android")) {
+    107
+} else {
+    103
+};
+
 impl FromStr for Endpoint {
     type Err = ParseEndpointError;
 
@@ -29,7 +38,9 @@ impl FromStr for Endpoint {
             text: text.to_string(),
         };
         match text.strip_prefix(UNIX_PREFIX) {
-            Some("") => Err(error()),
+            // No socket can have it: every connect would fail the same way.
+            Some(path) if path.is_empty() || path.len() > UNIX_PATH_BYTES_MAX => Err(error()),
+            Some(path) if path.contains('\0') => Err(error()),
             Some(path) => Ok(Endpoint::Unix(PathBuf::from(path))),
             None => text.parse().map(Endpoint::Tcp).map_err(|_| error()),
         }
@@ -90,6 +101,8 @@ mod tests {
         for text in [
             "",
             "unix:",
+            "unix:/tmp/a\0b.sock",
+            &format!("unix:/{}", "s".repeat(UNIX_PATH_BYTES_MAX)),
             "localhost:7100",
             "127.0.0.1",
             "127.0.0.1:99999",

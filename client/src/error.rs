@@ -19,7 +19,8 @@ pub enum Error {
     /// counted an exact check refused with `RegionUnavailable`, `Storage` or `Forgotten`,
     /// or with `BadField { field: "id" }` when another request of another kind under the
     /// same `CheckId` was answered at the sidecar while the region decided it (see
-    /// [`Refusal`]): retry such a check under its own id, not a new one.
+    /// [`Refusal`]): a check sent again after such a refusal goes under its own id, not a new
+    /// one (sent again, `Forgotten` and `BadField` get the same answer).
     ///
     /// The client gives the same answer, [`Refusal::BadField`], without sending, for a
     /// request whose rule and subject would not fit in one frame
@@ -39,8 +40,8 @@ pub enum Error {
     Disconnected,
     /// The request was never sent, so nothing was counted: the client's outbox had no room
     /// for it within [`Options::timeout`](crate::Options::timeout) (the sidecar is not
-    /// reading what this client sends), or the connection closed before it was queued (the
-    /// next call reconnects).
+    /// reading what this client sends), or the connection closed before it was queued or
+    /// while it still waited in the outbox, never written (the next call reconnects).
     #[error("not sent: {why}; nothing was counted")]
     NotSent {
         /// Which of the two.
@@ -73,7 +74,8 @@ impl Error {
     /// Whether the same call may succeed if made again.
     ///
     /// True for [`Error::Timeout`], [`Error::Disconnected`], [`Error::NotSent`] and
-    /// [`Error::Connect`], and for refusals that name a passing condition
+    /// [`Error::Connect`] (but for an endpoint no socket can have, its source
+    /// `InvalidInput`: a Unix socket path too long or with a NUL byte), and for refusals that name a passing condition
     /// ([`Refusal::RegionUnavailable`], [`Refusal::Storage`]). False for other refusals,
     /// for [`Error::Protocol`] and for [`Error::RuntimeStopped`]: asking again gets the
     /// same answer. (When the sidecar refuses one frame of a connection, every request in
@@ -93,10 +95,10 @@ impl Error {
     /// does).
     pub fn is_retryable(&self) -> bool {
         match self {
-            Error::Timeout { .. }
-            | Error::Disconnected
-            | Error::NotSent { .. }
-            | Error::Connect { .. } => true,
+            Error::Timeout { .. } | Error::Disconnected | Error::NotSent { .. } => true,
+            // `InvalidInput`: an address no socket can have (a Unix path too long for
+            // `sun_path`, or with a NUL byte), refused the same way at every attempt.
+            Error::Connect { source, .. } => source.kind() != std::io::ErrorKind::InvalidInput,
             Error::Refused(refusal) => matches!(
                 refusal,
                 Refusal::RegionUnavailable { .. } | Refusal::Storage { .. }

@@ -47,6 +47,9 @@ pub(crate) enum Outcome {
     TimedOut,
     /// The connection closed first.
     Closed(Broken),
+    /// The connection closed while the request was still in the client's outbox, never
+    /// handed to the socket: the sidecar cannot have read it.
+    Unwritten(Broken),
     /// The sidecar answered under the call's id with a body this client does not decode
     /// (a reply or a refusal newer than this build): why.
     Undecodable(String),
@@ -60,6 +63,15 @@ impl Outcome {
             Outcome::Answered(result) => result.map_err(Error::Refused),
             Outcome::TimedOut => Err(Error::Timeout { after: timeout }),
             Outcome::Closed(broken) => Err(broken.into()),
+            Outcome::Unwritten(broken) => {
+                let why = "the connection closed before the request was written";
+                Err(Error::NotSent {
+                    why: match broken {
+                        Broken::Disconnected => why.to_string(),
+                        Broken::Protocol(broken) => format!("{why} ({broken})"),
+                    },
+                })
+            }
             Outcome::Undecodable(why) => Err(Error::Protocol(why)),
         }
     }
@@ -267,13 +279,20 @@ impl InFlight {
         }
     }
 
-    /// Fails every waiting call with `broken`, pushing their wakers to `wakers`.
-    pub(crate) fn close(&mut self, broken: &Broken, wakers: &mut Vec<Waker>) {
-        for slot in self.slots.iter_mut().chain(self.parked.values_mut()) {
+    /// Fails every waiting call with `broken`, pushing their wakers to `wakers`: those from
+    /// id `unwritten` on were never written ([`Outcome::Unwritten`]).
+    pub(crate) fn close(&mut self, broken: &Broken, unwritten: u64, wakers: &mut Vec<Waker>) {
+        let ids = self.first_id..;
+        let slots = ids.zip(self.slots.iter_mut());
+        let parked = self.parked.iter_mut().map(|(&id, slot)| (id, slot));
+        for (id, slot) in slots.chain(parked) {
             if matches!(slot, Slot::Waiting { .. }) {
-                if let Slot::Waiting { waker, .. } =
-                    std::mem::replace(slot, Slot::Done(Outcome::Closed(broken.clone())))
-                {
+                let outcome = if id >= unwritten {
+                    Outcome::Unwritten(broken.clone())
+                } else {
+                    Outcome::Closed(broken.clone())
+                };
+                if let Slot::Waiting { waker, .. } = std::mem::replace(slot, Slot::Done(outcome)) {
                     wakers.push(waker);
                 }
             }
@@ -409,7 +428,7 @@ mod tests {
             in_flight.poll(timed_out, &waker()),
             Some(Outcome::TimedOut)
         ));
-        in_flight.close(&Broken::Disconnected, &mut wakers);
+        in_flight.close(&Broken::Disconnected, u64::MAX, &mut wakers);
         assert!(matches!(
             in_flight.poll(closed, &waker()),
             Some(Outcome::Closed(Broken::Disconnected))
@@ -500,7 +519,7 @@ mod tests {
         let waiting = in_flight.push(waker(), 0);
         in_flight.answer(answered, counted(1));
         let mut wakers = Vec::new();
-        in_flight.close(&Broken::Protocol("bad frame".into()), &mut wakers);
+        in_flight.close(&Broken::Protocol("bad frame".into()), u64::MAX, &mut wakers);
         assert_eq!(wakers.len(), 1);
         assert!(matches!(
             in_flight.poll(answered, &waker()),

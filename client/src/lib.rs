@@ -13,7 +13,8 @@
 //!
 //! Architecture Invariant: a [`Client`] holds at most one connection. When it breaks, the
 //! requests in flight fail with [`Error::Disconnected`] (or [`Error::Protocol`], after a
-//! frame that does not decode as far as its request id, or one the sidecar refused) and
+//! frame that does not decode as far as its request id, or one the sidecar refused; those
+//! still in the client's outbox, never written, with [`Error::NotSent`]) and
 //! the next request makes one
 //! attempt to reconnect; nothing reconnects in the background and nothing retries.
 //!

@@ -19,7 +19,7 @@ pub mod form;
 mod hot_path;
 
 pub use hot_path::{decode_request, encode_response};
-pub(crate) use hot_path::{decode_response, encode_request, response_id};
+pub(crate) use hot_path::{decode_response, encode_request, frames_begun, response_id};
 
 /// The client protocol version this build speaks.
 pub const CLIENT_WIRE_VERSION: u8 = 3;

@@ -431,6 +431,32 @@ async fn a_unix_socket_endpoint_works() {
     assert_eq!(counted.unwrap(), estimate(-2));
 }
 
+/// A Unix socket path no socket can have (over the 107 bytes of `sun_path`, or with a NUL
+/// byte) fails every connect the same way: the error must not say that asking again may
+/// succeed (the sidecar refuses such a `client_socket` at start, so none listens there).
+#[cfg(unix)]
+#[tokio::test]
+async fn a_unix_socket_path_no_socket_can_have_is_no_retryable_connect_error() {
+    let too_long = format!("/tmp/{}.sock", "a".repeat(200));
+    for path in [too_long.as_str(), "/tmp/tally\0client.sock"] {
+        let endpoint = Endpoint::Unix(path.into());
+        for _ in 0..2 {
+            let err = Client::connect(endpoint.clone(), options())
+                .await
+                .unwrap_err();
+            assert!(matches!(err, Error::Connect { .. }), "{err:?}");
+            assert!(
+                !err.is_retryable(),
+                "{path:?}: {err}: {:?} called retryable",
+                std::error::Error::source(&err)
+            );
+        }
+        // Refused when parsed, naming the text, rather than at each connect.
+        let text = format!("unix:{path}");
+        assert!(text.parse::<Endpoint>().is_err(), "{text:?} parsed");
+    }
+}
+
 #[tokio::test]
 async fn calls_to_a_sidecar_that_stops_reading_wait_for_room_and_time_out() {
     // Enough big requests to fill the socket's buffers and then the client's outbox, so

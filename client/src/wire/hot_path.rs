@@ -94,6 +94,20 @@ const MODES: [Mode; 4] = [
     Mode::RegionFallback,
 ];
 
+/// How many of the whole frames in `frames` (as [`encode_request`] appends them) its
+/// first `bytes` bytes begin.
+pub(crate) fn frames_begun(frames: &[u8], bytes: usize) -> u64 {
+    let (mut at, mut begun) = (0, 0);
+    while at < bytes {
+        let prefix: [u8; 4] = frames[at..at + 4]
+            .try_into()
+            .expect("invariant: a 4-byte slice");
+        at += 4 + u32::from_le_bytes(prefix) as usize;
+        begun += 1;
+    }
+    begun
+}
+
 /// Appends one frame: the length prefix, the version byte, and what `body` writes.
 fn framed(out: &mut Vec<u8>, body: impl FnOnce(&mut Vec<u8>)) {
     let start = out.len();
