@@ -1272,14 +1272,8 @@ mod tests {
         tokio::time::sleep(Duration::from_millis(200)).await;
         let (in_outbox, sent_or_queued) = {
             let state = connection.shared.lock();
-            let mut frames = 0;
-            let mut at = 0;
-            while at < state.queued.len() {
-                let prefix: [u8; 4] = state.queued[at..at + 4].try_into().unwrap();
-                at += 4 + wire::frame_len(prefix).unwrap();
-                frames += 1;
-            }
-            (frames, state.in_flight.live())
+            let frames = wire::frames_begun(&state.queued, state.queued.len());
+            (frames as usize, state.in_flight.live())
         };
         assert!(in_outbox > 0, "the outbox holds requests never written");
         drop(sidecar);

@@ -10,7 +10,8 @@ use std::str::FromStr;
 /// Parsed from `unix:/path/to.sock` (a path of at most 107 bytes, 103 off Linux, without a
 /// NUL byte) or `ip:port` (`127.0.0.1:7100`, `[::1]:7100`), and
 /// displayed the same way, so `endpoint.to_string().parse()` gives the endpoint back (for a
-/// Unix socket, when its path is UTF-8).
+/// Unix socket, when its path is UTF-8 and one that parses: an `Endpoint::Unix` built with
+/// a longer path, or one with a NUL byte, displays as text that is refused).
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
 pub enum Endpoint {
     /// A TCP address. Host names are not resolved: a sidecar is local.
@@ -94,6 +95,22 @@ mod tests {
             "unix:/tmp/t.sock".parse::<Endpoint>().unwrap(),
             Endpoint::Unix(PathBuf::from("/tmp/t.sock"))
         );
+    }
+
+    /// (Review of 52e1a60.) The round trip holds for the paths that parse, and an
+    /// `Endpoint::Unix` built with a longer one displays as text that is refused.
+    #[test]
+    fn a_unix_endpoint_with_a_utf8_path_displays_to_text_that_parses_back() {
+        let longest = Endpoint::Unix(PathBuf::from(format!(
+            "/{}",
+            "s".repeat(UNIX_PATH_BYTES_MAX - 1)
+        )));
+        assert_eq!(longest.to_string().parse::<Endpoint>().ok(), Some(longest));
+        let longer = Endpoint::Unix(PathBuf::from(format!(
+            "/{}",
+            "s".repeat(UNIX_PATH_BYTES_MAX)
+        )));
+        assert!(longer.to_string().parse::<Endpoint>().is_err());
     }
 
     #[test]

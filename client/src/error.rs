@@ -74,9 +74,9 @@ impl Error {
     /// Whether the same call may succeed if made again.
     ///
     /// True for [`Error::Timeout`], [`Error::Disconnected`], [`Error::NotSent`] and
-    /// [`Error::Connect`] (but for an endpoint no socket can have, its source
-    /// `InvalidInput`: a Unix socket path too long or with a NUL byte), and for refusals that name a passing condition
-    /// ([`Refusal::RegionUnavailable`], [`Refusal::Storage`]). False for other refusals,
+    /// [`Error::Connect`] (but for a Unix socket path no socket can have, too long or with
+    /// a NUL byte: its source `InvalidInput`), and for refusals that name a passing
+    /// condition ([`Refusal::RegionUnavailable`], [`Refusal::Storage`]). False for other refusals,
     /// for [`Error::Protocol`] and for [`Error::RuntimeStopped`]: asking again gets the
     /// same answer. (When the sidecar refuses one frame of a connection, every request in
     /// flight on it fails with `Protocol`, the well-formed ones beside it too: those may
@@ -96,9 +96,13 @@ impl Error {
     pub fn is_retryable(&self) -> bool {
         match self {
             Error::Timeout { .. } | Error::Disconnected | Error::NotSent { .. } => true,
-            // `InvalidInput`: an address no socket can have (a Unix path too long for
-            // `sun_path`, or with a NUL byte), refused the same way at every attempt.
-            Error::Connect { source, .. } => source.kind() != std::io::ErrorKind::InvalidInput,
+            // A Unix path no socket can have (too long for `sun_path`, or with a NUL byte)
+            // is refused the same way at every attempt. Over TCP, `InvalidInput` can be
+            // passing (`TCP_NODELAY` on a socket the peer just reset, off Linux).
+            Error::Connect { endpoint, source } => {
+                !(endpoint.starts_with("unix:")
+                    && source.kind() == std::io::ErrorKind::InvalidInput)
+            }
             Error::Refused(refusal) => matches!(
                 refusal,
                 Refusal::RegionUnavailable { .. } | Refusal::Storage { .. }
@@ -160,6 +164,16 @@ mod tests {
         assert!(Error::Connect {
             endpoint: "127.0.0.1:7100".into(),
             source: std::io::ErrorKind::ConnectionRefused.into(),
+        }
+        .is_retryable());
+        assert!(Error::Connect {
+            endpoint: "127.0.0.1:7100".into(),
+            source: std::io::ErrorKind::InvalidInput.into(),
+        }
+        .is_retryable());
+        assert!(!Error::Connect {
+            endpoint: format!("unix:/{}", "s".repeat(200)),
+            source: std::io::ErrorKind::InvalidInput.into(),
         }
         .is_retryable());
         assert!(!Error::Protocol("frame: empty".into()).is_retryable());
