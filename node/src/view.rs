@@ -186,10 +186,15 @@ impl Rate {
         if until < self.at_ms + Rate::SAMPLE_MS_MIN || per_sec(until) >= self.per_sec {
             return;
         }
-        // Falling slowly, from the time up to which the total is whole.
+        // Falling slowly, over the span up to which the total is whole. The next sample
+        // starts from this one's time, not from `until`: the total taken holds the
+        // others' increments up to `at_ms`, and a span from `until` would count the time
+        // between without them (found in review, session 48). What the writer heard up
+        // to `until` wrote since arrives later, counted in a later sample: too high, the
+        // safe side.
         let keep = 0.5f64.powf((until - self.at_ms) as f64 / 1_000.0 / Rate::HALF_LIFE_SECS);
         self.per_sec = self.per_sec * keep + per_sec(until) * (1.0 - keep);
-        (self.total, self.at_ms) = (total, until);
+        (self.total, self.at_ms) = (total, at_ms);
     }
 
     /// Increments per second.
@@ -965,6 +970,34 @@ mod tests {
         writers.counter.incr(writers.three, 500).unwrap();
         writers.take_in(2_500, 1_500);
         assert_eq!(writers.rate(), 1_001.0, "held: node 3's rate is unchanged");
+    }
+
+    /// Found in review, session 48: a slower sample taken only up to `heard_until()` kept
+    /// the total of the whole sample but moved its time back to `heard_until()`, so the
+    /// next sample spanned that time again without the increments of it: a writer going on
+    /// steadily at 1,000 a second read 742 a second once every origin was heard.
+    #[test]
+    fn a_steady_writers_rate_does_not_read_below_it_once_a_late_origin_is_heard() {
+        // Nodes 2 and 3 wrote 1,000 each in the first second: 2,000 a second. Node 2 goes
+        // on at 1,000 a second, merged every 100 ms; node 3 is quiet, its heartbeats (one
+        // a second) relayed 1.5 s late, until at 9.4 s its state comes fresh.
+        let mut writers = TwoWriters::start(1_000);
+        assert_eq!(writers.rate(), 2_000.0);
+        let mut lowest = f64::INFINITY;
+        for ms in (1_100u64..=10_000).step_by(100) {
+            writers.counter.incr(writers.two, 100).unwrap();
+            let three = if ms >= 9_400 {
+                ms
+            } else {
+                (ms.saturating_sub(1_500) / 1_000 * 1_000).max(1_000)
+            };
+            writers.take_in(ms, three);
+            lowest = lowest.min(writers.rate());
+        }
+        assert!(
+            lowest >= 1_000.0,
+            "node 2 writes 1,000 a second throughout; the rate read {lowest}"
+        );
     }
 
     #[test]
