@@ -85,6 +85,24 @@ mod tests {
         assert!(err.to_string().contains("incr total 18446744073709551615"));
     }
 
+    /// TESTING.md C2 for the decrements too: a lane's `decr` total never wraps either.
+    #[test]
+    fn overflowing_decrement_is_refused_and_leaves_the_lane_unchanged() {
+        let mut lane = Lane::new(7, u64::MAX - 1);
+        assert_eq!(lane.decr(1), Ok(()));
+        let err = lane.decr(2).unwrap_err();
+        assert_eq!(
+            err,
+            Overflow {
+                field: "decr",
+                total: u64::MAX,
+                amount: 2
+            }
+        );
+        assert_eq!(lane, Lane::new(7, u64::MAX));
+        assert_eq!(lane.value(), 7 - i128::from(u64::MAX));
+    }
+
     #[test]
     fn value_is_exact_at_the_extremes() {
         assert_eq!(Lane::new(u64::MAX, 0).value(), i128::from(u64::MAX));
