@@ -106,14 +106,20 @@ mod tests {
         let record: Record = (7, "key".to_owned());
         let mut whole = Vec::new();
         append(&record, &mut whole);
-        assert_eq!(read::<Record>(&whole, 0), Some((record.clone(), whole.len())));
+        assert_eq!(
+            read::<Record>(&whole, 0),
+            Some((record.clone(), whole.len()))
+        );
         // The same body and one byte more, framed with its own length and checksum.
         let mut body = whole[8..].to_vec();
         body.push(0);
         let mut longer = (body.len() as u32).to_le_bytes().to_vec();
         longer.extend_from_slice(&crc32fast::hash(&body).to_le_bytes());
         longer.extend_from_slice(&body);
-        assert!(read_body(&longer, 0).is_some(), "whole, and its checksum holds");
+        assert!(
+            read_body(&longer, 0).is_some(),
+            "whole, and its checksum holds"
+        );
         assert_eq!(decode::<Record>(&body), None);
         assert_eq!(read::<Record>(&longer, 0), None);
         let (records, end) = read_all::<Record>(&[whole.clone(), longer].concat());
