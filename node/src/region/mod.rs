@@ -1095,6 +1095,44 @@ mod tests {
         );
     }
 
+    /// TESTING.md C2 at the region: a cost that would take a count past `u64::MAX` is
+    /// denied, however high the limit; the count never wraps to admit it.
+    #[test]
+    fn a_cost_that_would_take_the_count_past_u64_max_is_denied_not_wrapped() {
+        let mut ledger = Ledger::default();
+        let admitted = Outcome {
+            allowed: true,
+            count: 5,
+        };
+        assert_eq!(decide(&mut ledger, 1, 5, u64::MAX), Decided::New(admitted));
+        assert_eq!(
+            decide(&mut ledger, 2, u64::MAX, u64::MAX),
+            Decided::New(Outcome {
+                allowed: false,
+                count: 5
+            })
+        );
+        assert_eq!(ledger.count(&key()), 5);
+        assert_eq!(
+            decide(&mut ledger, 3, u64::MAX - 5, u64::MAX),
+            Decided::New(Outcome {
+                allowed: true,
+                count: u64::MAX
+            }),
+            "up to u64::MAX exactly"
+        );
+        // Under a small limit too: 5 + (u64::MAX - 1) wrapped would be 3, within 10.
+        let mut ledger = Ledger::default();
+        assert_eq!(decide(&mut ledger, 1, 5, 10), Decided::New(admitted));
+        assert_eq!(
+            decide(&mut ledger, 2, u64::MAX - 1, 10),
+            Decided::New(Outcome {
+                allowed: false,
+                count: 5
+            })
+        );
+    }
+
     #[test]
     fn a_retried_request_id_gets_its_first_outcome_and_counts_nothing_more() {
         let mut ledger = Ledger::default();
