@@ -1110,6 +1110,32 @@ mod tests {
         assert_eq!(state.arrivals.held.len(), 1);
     }
 
+    /// What /metrics and /status report of an origin grows with the time since the
+    /// members were last set, as the decisions' staleness does: a scrape between two
+    /// gossip steps, or while steps stall, does not read the age as of the last one.
+    #[test]
+    fn an_origins_staleness_keeps_rising_between_the_times_the_members_are_set() {
+        let peer = ReplicaId::new(NodeId(2), tally_crdt::Generation(1));
+        let members = vec![(NodeId(2), peer, State::Alive)];
+        let mut state = ViewState::default();
+        let stamp = BTreeMap::from([(peer, Stamp(99_500))]);
+        state.set_members(members, stamp, at(100_000));
+        assert_eq!(
+            state.staleness_of(peer, Stamp(100_000)),
+            Duration::from_millis(500)
+        );
+        assert_eq!(
+            state.staleness_of(peer, Stamp(105_000)),
+            Duration::from_millis(5_500),
+            "5 s later, with no step since"
+        );
+        assert_eq!(
+            state.staleness_of(peer, Stamp(105_000)),
+            state.freshness(Stamp(105_000)).staleness,
+            "as the decisions see it"
+        );
+    }
+
     #[test]
     fn a_member_gone_quiet_stays_stale_when_this_nodes_wall_clock_steps_back() {
         let peer = ReplicaId::new(NodeId(2), tally_crdt::Generation(1));
