@@ -812,4 +812,107 @@ mod tests {
         }
         assert_eq!(admitted, [(key("a"), 3), (key("b"), 4), (key("a"), 8)]);
     }
+
+    /// Storage whose every sync fails, as a disk's `EIO` does.
+    struct SyncFails;
+
+    impl Storage for SyncFails {
+        fn reserve(&mut self, _bytes: usize) -> std::io::Result<()> {
+            Ok(())
+        }
+        fn append(&mut self, _bytes: &[u8]) -> std::io::Result<()> {
+            Ok(())
+        }
+        fn sync(&mut self) -> std::io::Result<()> {
+            Err(std::io::Error::other("injected sync failure"))
+        }
+        fn replace(&mut self, _bytes: &[u8]) -> Result<(), log::ReplaceError> {
+            Ok(())
+        }
+    }
+
+    /// Serves `service` to a session within the node that names itself node `from`, sends
+    /// each of `frames` on it in turn, and returns each one's answers (`None` for a frame
+    /// refused: the session ends).
+    async fn served(
+        service: RegionService,
+        from: u64,
+        frames: &[Vec<ExactCheck>],
+    ) -> Vec<Option<Vec<Answered>>> {
+        use crate::transport::{FrameRead, Sessions};
+        let (to_region, frames_in) = mpsc::channel(8);
+        let sessions = Sessions {
+            frames: to_region,
+            frame_bytes_max: wire::REGION_FRAME_BYTES_MAX,
+        };
+        let mut session = sessions.open_local(NodeId(from));
+        let (stop, stopped) = watch::channel(false);
+        let (watcher, _ended) = crate::tasks::watch();
+        let serving = tokio::spawn(service.serve(frames_in, stopped, watcher));
+        let mut answered = Vec::new();
+        for checks in frames {
+            let checks: Vec<_> = checks.iter().map(ExactCheck::as_ref).collect();
+            session
+                .send
+                .write(wire::encode_checks(&checks))
+                .await
+                .unwrap();
+            let read = session.receive.read(wire::REGION_FRAME_BYTES_MAX).await;
+            answered.push(match read {
+                FrameRead::Frame(body) => Some(wire::decode_answers(&body).unwrap()),
+                _ => None,
+            });
+        }
+        stop.send(true).unwrap();
+        serving.await.unwrap();
+        answered
+    }
+
+    /// TESTING.md D5 at the service: a frame whose records fail their sync is answered
+    /// with the storage error, never with its decisions; and so is every frame after it,
+    /// a retry of a check decided before the failure too (its first decision's sync
+    /// failed with it).
+    #[tokio::test]
+    async fn decisions_whose_sync_failed_are_answered_with_the_storage_error_never_acked() {
+        let dir = std::env::temp_dir().join(format!("tally-sync-fails-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        let mut service = open(&dir);
+        service.committer = Committer::start(Box::new(SyncFails));
+        // The first frame, a frame of retries of its checks alone, and new checks.
+        let frames = [checks(0..5), checks(3..5), checks(5..8)];
+        let answered = served(service, 2, &frames).await;
+        assert_eq!(answered.len(), frames.len());
+        for (frame, answers) in answered.into_iter().enumerate() {
+            let answers = answers.unwrap_or_else(|| panic!("frame {frame} was refused"));
+            assert_eq!(answers.len(), frames[frame].len(), "frame {frame}");
+            for (seq, answer) in answers {
+                assert!(
+                    matches!(&answer, ExactAnswer::Storage(why) if why.contains("injected sync failure")),
+                    "frame {frame}, check {seq}: {answer:?}"
+                );
+            }
+        }
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    /// A frame from a member asking under another node's request ids is refused whole:
+    /// nothing of it is decided (its ids would let that member read or block the other
+    /// edge's answers).
+    #[tokio::test]
+    async fn a_frame_under_another_nodes_ids_is_refused_and_decides_nothing() {
+        let dir = std::env::temp_dir().join(format!("tally-other-ids-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        // The checks name node 2; the session is node 3's.
+        let answered = served(open(&dir), 3, &[checks(0..5)]).await;
+        assert_eq!(answered, vec![None]);
+        let reopened = open(&dir);
+        assert_eq!(reopened.ledger.counts().count(), 0, "nothing was decided");
+        // Node 2's own frame is decided.
+        let answered = served(reopened, 2, &[checks(0..5)]).await;
+        let answers = answered[0].as_ref().expect("decided");
+        assert!(answers
+            .iter()
+            .all(|(_, answer)| matches!(answer, ExactAnswer::Decided(outcome) if outcome.allowed)));
+        let _ = std::fs::remove_dir_all(&dir);
+    }
 }
