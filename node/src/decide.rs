@@ -626,6 +626,53 @@ mod tests {
         assert_eq!(store.own(key).value(), 3, "a refused check counts nothing");
     }
 
+    /// BOUND, as BRIEF.md computes it: connected, the bound in force is the other nodes'
+    /// rate on the key times their staleness; isolated, what they admit over `stale_after`
+    /// at that rate counts toward what the other locations hold beyond their shares.
+    #[test]
+    fn the_bound_in_force_is_the_remote_rate_times_the_time_unseen() {
+        let rule = rule(40, 0);
+        let (store, owned) = setup(&rule);
+        let key = KeyRef::from(&owned);
+        let peer = ReplicaId::new(NodeId(2), Generation(1));
+        // Node 2's lane of the key rises by 50 in a second: 50 a second.
+        let rising = |view: &mut ViewState| {
+            let mut counter = PnCounter::default();
+            view.take_in(
+                &owned,
+                &counter,
+                || None::<PnCounter>,
+                store.replica(),
+                1_000,
+            );
+            counter.incr(peer, 50).unwrap();
+            view.take_in(
+                &owned,
+                &counter,
+                || None::<PnCounter>,
+                store.replica(),
+                2_000,
+            );
+            assert_eq!(view.remote_rate(key), 50.0);
+        };
+        let mut connected = view(Stamp(NOW.0 - 500));
+        rising(&mut connected);
+        let decision = context(&store, &connected).check(&rule, key, 1).unwrap();
+        assert_eq!(decision.mode, Mode::ApproximateConnected);
+        assert_eq!(decision.staleness_ms, 500);
+        assert_eq!(
+            decision.bound, 25.0,
+            "50 a second, unseen for half a second"
+        );
+        // Isolated, on a share of 40 / 2 = 20: node 2 admits 50 unseen over the rule's
+        // stale_after of a second, 30 beyond its share.
+        let mut isolated = view(Stamp(NOW.0 - 5_000));
+        rising(&mut isolated);
+        let decision = context(&store, &isolated).check(&rule, key, 1).unwrap();
+        assert_eq!(decision.mode, Mode::ApproximateIsolated);
+        assert_eq!(decision.bound, 30.0, "{decision:?}");
+    }
+
     #[test]
     fn a_stale_peer_puts_the_rule_in_isolated_mode_on_its_share() {
         let rule = rule(10, 1);
