@@ -13,7 +13,7 @@ use std::time::Duration;
 
 use tally_client::wire::{self, Op, Reply, Request, Response};
 use tally_client::{
-    Client, Decision, Endpoint, Error, Estimate, Mode, Options, Pipeline, Refusal, Status,
+    CheckId, Client, Decision, Endpoint, Error, Estimate, Mode, Options, Pipeline, Refusal, Status,
 };
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 use tokio::net::TcpListener;
@@ -117,6 +117,96 @@ async fn pipelined_requests_answered_in_reverse_are_matched_by_id() {
         assert_eq!(counted.unwrap(), estimate(amount.into()));
     }
     server.await.unwrap();
+}
+
+/// TESTING.md C3 at the client: each call made under a `CheckId` sends that id with its
+/// arguments, every time it is made, so that a retry is one request to the sidecar; a call
+/// without one sends none.
+#[tokio::test]
+async fn calls_under_a_check_id_send_it_with_every_retry() {
+    let (listener, endpoint) = listen().await;
+    let server = tokio::spawn(async move {
+        let (mut stream, _) = listener.accept().await.unwrap();
+        let mut ops = Vec::new();
+        while let Some(request) = read_request(&mut stream).await {
+            let reply = match request.op {
+                Op::Check { .. } => Reply::Decision(allowed()),
+                _ => Reply::Counted(estimate(1)),
+            };
+            ops.push(request.op);
+            let response = Response {
+                id: request.id,
+                result: Ok(reply),
+            };
+            write_responses(&mut stream, &[response]).await;
+        }
+        ops
+    });
+
+    let client = Client::connect(endpoint, options()).await.unwrap();
+    let ids = [CheckId::new(), CheckId::new(), CheckId::new()];
+    for _ in 0..2 {
+        client
+            .incr_with_id(ids[0], "login", "user-1", 2)
+            .await
+            .unwrap();
+        client
+            .decr_with_id(ids[1], "login", "user-1", 3)
+            .await
+            .unwrap();
+        client
+            .check_with_id(ids[2], "login", "user-1", 4)
+            .await
+            .unwrap();
+    }
+    client.incr("login", "user-1", 5).await.unwrap();
+    client.decr("login", "user-1", 6).await.unwrap();
+    client.check("login", "user-1", 7).await.unwrap();
+    drop(client);
+
+    let (rule, subject) = (String::from("login"), String::from("user-1"));
+    let named = [
+        Op::Incr {
+            rule: rule.clone(),
+            subject: subject.clone(),
+            amount: 2,
+            id: Some(ids[0]),
+        },
+        Op::Decr {
+            rule: rule.clone(),
+            subject: subject.clone(),
+            amount: 3,
+            id: Some(ids[1]),
+        },
+        Op::Check {
+            rule: rule.clone(),
+            subject: subject.clone(),
+            cost: 4,
+            id: Some(ids[2]),
+        },
+    ];
+    let unnamed = [
+        Op::Incr {
+            rule: rule.clone(),
+            subject: subject.clone(),
+            amount: 5,
+            id: None,
+        },
+        Op::Decr {
+            rule: rule.clone(),
+            subject: subject.clone(),
+            amount: 6,
+            id: None,
+        },
+        Op::Check {
+            rule,
+            subject,
+            cost: 7,
+            id: None,
+        },
+    ];
+    let expected: Vec<Op> = [named.clone(), named, unnamed].concat();
+    assert_eq!(server.await.unwrap(), expected);
 }
 
 #[tokio::test]
