@@ -853,6 +853,37 @@ window_secs = 60
         assert!(err.contains("limt"), "{err}");
     }
 
+    /// BRIEF.md's bad input: an unknown key refuses the start naming it and the file,
+    /// wherever it is: at the top, in a seed, in the TLS table, as in a rule.
+    #[test]
+    fn an_unknown_key_anywhere_in_the_file_is_refused_naming_the_key_and_the_file() {
+        for (typo, key) in [
+            (
+                GOOD.replace("node_id = 1", "node_id = 1\nkeys_mx = 5"),
+                "keys_mx",
+            ),
+            (
+                GOOD.replace(
+                    "addr = \"127.0.0.1:7002\" }",
+                    "addr = \"127.0.0.1:7002\", nod = 3 }",
+                ),
+                "nod",
+            ),
+            (
+                GOOD.replace(
+                    "key = \"node-1.key\" }",
+                    "key = \"node-1.key\", crt = \"x.pem\" }",
+                ),
+                "crt",
+            ),
+        ] {
+            assert_ne!(typo, GOOD, "{key} was put in");
+            let err = parse(&typo).unwrap_err().to_string();
+            assert!(err.contains("node-1.toml"), "{err}");
+            assert!(err.contains(key), "{key}: {err}");
+        }
+    }
+
     #[test]
     fn an_exact_rule_on_an_edge_without_a_region_is_refused() {
         let exact = GOOD.replace("window_secs = 60", "window_secs = 60\nmode = \"exact\"");
