@@ -164,13 +164,19 @@ impl Rate {
     /// (one push every few milliseconds), and a burst over one millisecond is not a rate.
     pub const SAMPLE_MS_MIN: u64 = 100;
 
+    /// A slower sample taken only up to `heard_until()` spans at least this many times the
+    /// time after it, up to `at_ms`: its total holds the increments of that time of the
+    /// writers heard since, so it reads at most `1 + 1 / SPAN_PER_TAIL` times a steady rate.
+    const SPAN_PER_TAIL: u64 = 2;
+
     /// Takes in that the total was `total` at `at_ms`, holding every writer's increments
     /// only up to `heard_until()` if that is earlier (the first of their newest states to
     /// arrive: a writer cut off since adds nothing it wrote after; asked only of a slower
     /// sample). A faster sample raises the rate at once. A slower one lowers it only as
     /// taken up to `heard_until()`, the same increments over that shorter span, and only if
-    /// that span is a sample's and it is still slower; else it is not taken, and the next
-    /// one spans its time too.
+    /// that span is a sample's, at least `SPAN_PER_TAIL` times the time after it, and it is
+    /// still slower; else it is not taken, and the next one spans its time too. Taken, the
+    /// next sample starts from `at_ms`.
     pub fn observe(&mut self, total: u64, at_ms: u64, heard_until: impl FnOnce() -> Option<u64>) {
         if at_ms < self.at_ms + Rate::SAMPLE_MS_MIN || total < self.total {
             return;
@@ -183,7 +189,15 @@ impl Rate {
             return;
         }
         let until = heard_until().map_or(at_ms, |heard| heard.min(at_ms));
-        if until < self.at_ms + Rate::SAMPLE_MS_MIN || per_sec(until) >= self.per_sec {
+        // The span up to `until` holds the increments of the time after it too, of the
+        // writers heard since: taken only once that time is at most half the span, or a
+        // writer heard late throughout would hold the rate at many times its own (found
+        // in review, session 48: 1.5 s late, a sample every 1.6 s spanned 100 ms, and the
+        // rate held at 16 times a steady writer's).
+        if until < self.at_ms + Rate::SAMPLE_MS_MIN
+            || until - self.at_ms < Rate::SPAN_PER_TAIL * (at_ms - until)
+            || per_sec(until) >= self.per_sec
+        {
             return;
         }
         // Falling slowly, over the span up to which the total is whole. The next sample
@@ -998,6 +1012,103 @@ mod tests {
             lowest >= 1_000.0,
             "node 2 writes 1,000 a second throughout; the rate read {lowest}"
         );
+    }
+
+    /// Found in review, session 48 (of the fix above): a slower sample taken up to
+    /// `heard_until()` starts the next from its own time, so with an origin heard 1.5 s
+    /// late throughout, each sample spanned 100 ms of it and held 1.6 s of the others'
+    /// increments. The rate fell only towards 16 times a steady writer's and stayed there:
+    /// from 2,000 a second, node 2 writing 100 a second read 1,814 a second 30 s on, and
+    /// never less than 1,600 (node 3 stamped by its heartbeats alone, one a second: halved
+    /// only 10.5 s on, 514 a second 30 s on).
+    #[test]
+    fn a_rate_falls_to_near_a_steady_writers_while_an_origin_is_heard_persistently_late() {
+        // Nodes 2 and 3 wrote 1,000 each in the first second: 2,000 a second. Node 2 goes
+        // on at 100 a second, merged every 100 ms; node 3 is quiet, its state relayed
+        // 1.5 s late throughout: stamped every 100 ms (it writes other keys), or by its
+        // heartbeats alone, one a second.
+        let steady = |ms: u64| ms.saturating_sub(1_500);
+        let beats = |ms: u64| ms.saturating_sub(1_500) / 1_000 * 1_000;
+        for (stamps, three) in [
+            ("every 100 ms", &steady as &dyn Fn(u64) -> u64),
+            ("once a second", &beats),
+        ] {
+            let mut writers = TwoWriters::start(1_000);
+            assert_eq!(writers.rate(), 2_000.0);
+            let mut halved = None;
+            for ms in (1_100u64..=31_000).step_by(100) {
+                writers.counter.incr(writers.two, 10).unwrap();
+                writers.take_in(ms, three(ms).max(1_000));
+                if halved.is_none() && writers.rate() <= 1_000.0 {
+                    halved = Some(ms);
+                }
+                assert!(
+                    writers.rate() >= 100.0,
+                    "never below node 2's rate: {}",
+                    writers.rate()
+                );
+            }
+            // Fresh, it halves by 3.2 s: a 2 s half-life from 1 s. Heard 1.5 s late, by
+            // 1.5 s more, give or take a heartbeat.
+            assert!(
+                halved.is_some_and(|ms| ms <= 6_000),
+                "node 3 stamped {stamps}: halved at {halved:?} ms"
+            );
+            assert!(
+                writers.rate() <= 200.0,
+                "node 3 stamped {stamps}: node 2 writes 100 a second; the rate read {} at 31 s",
+                writers.rate()
+            );
+        }
+    }
+
+    /// One to four writers at steady rates from 0 s, each heard fresh, late by up to 3 s,
+    /// 1.5 s late, or not again (cut off), at random at each merge (every 10 ms to 1 s):
+    /// the rate, started at one to four times theirs, never reads below theirs. With a
+    /// slower sample's next starting from `heard_until()` (before session 48), two writers
+    /// at 300 a second read 589 a second in case 12.
+    #[test]
+    fn a_rate_never_reads_below_steady_writers_however_late_each_is_heard() {
+        let mut seed: u64 = 0x1234_5678;
+        let mut random = |n: u64| {
+            seed = seed
+                .wrapping_mul(6_364_136_223_846_793_005)
+                .wrapping_add(1_442_695_040_888_963_407);
+            (seed >> 33) % n
+        };
+        for case in 0..3_000 {
+            let writers = 1 + random(4) as usize;
+            let rates: Vec<u64> = (0..writers).map(|_| 100 * random(5)).collect();
+            let sum: u64 = rates.iter().sum();
+            let mut heard = vec![0u64; writers];
+            let mut rate = Rate::start(0, 0, (sum * (1 + random(4))) as f64);
+            let tick = [10, 50, 100, 250, 1_000][random(5) as usize];
+            let mode = random(3);
+            for now in (1..=400).map(|n| n * tick) {
+                for heard in &mut heard {
+                    let how = match mode {
+                        0 => random(6),
+                        1 => 4 * random(2),
+                        _ => 4,
+                    };
+                    *heard = match how {
+                        0 => now,
+                        1 | 2 => (*heard).max(now.saturating_sub(random(3_000))),
+                        3 => *heard,
+                        _ => (*heard).max(now.saturating_sub(1_500)),
+                    };
+                }
+                let total = (0..writers).map(|i| rates[i] * heard[i] / 1_000).sum();
+                let until = heard.iter().min().copied();
+                rate.observe(total, now, || until);
+                // Totals are rounded down to whole increments.
+                assert!(
+                    rate.per_sec() >= sum as f64 * 0.99,
+                    "case {case}: {rates:?} read {} at {now} ms",
+                    rate.per_sec()
+                );
+            }
+        }
     }
 
     #[test]
