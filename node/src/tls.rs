@@ -95,8 +95,6 @@ pub enum TlsError {
 
 /// What one node needs for QUIC: its server and client configurations.
 pub struct Identity {
-    /// The node this is (its certificate names it).
-    pub node: NodeId,
     /// For accepting peers.
     pub server: quinn::ServerConfig,
     /// For dialing peers.
@@ -139,7 +137,6 @@ pub fn identity(files: &TlsConfig, node: NodeId) -> Result<Identity, TlsError> {
     let mut client = quinn::ClientConfig::new(Arc::new(client));
     client.transport_config(transport());
     Ok(Identity {
-        node,
         server,
         client,
         expires_unix_secs,

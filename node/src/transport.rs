@@ -6,9 +6,8 @@
 //! one writer task fed by a bounded queue: when the queue is full the frame is dropped and
 //! counted (gossip repairs what is lost), so a slow peer never stalls the gossip task.
 //! A connection either side opened is used by both: a writer looks for a live connection
-//! to its peer before it dials (one dial at a time per peer), so two nodes share one
-//! connection; when they dial each other at the same moment, both keep the one the lower
-//! node id dialled and close the other (`adopt`).
+//! to its peer before it dials (one dial at a time per peer), so two nodes normally share
+//! one connection (two if they dial each other at the same moment, both kept open).
 
 use crate::certs::server_name;
 use crate::tls;
@@ -81,19 +80,6 @@ const CLOSE_OVER_CAP: u32 = 2;
 
 /// The QUIC error code of a connection closed because its peer's certificate expired.
 const CLOSE_EXPIRED: u32 = 3;
-
-/// The QUIC error code of a connection closed because the two nodes dialled each other at
-/// once: both close the one that the node with the higher id dialled.
-const CLOSE_DUPLICATE: u32 = 4;
-
-/// How long a dial may take.
-const DIAL_TIMEOUT: Duration = Duration::from_secs(2);
-
-/// How recently a connection must have been adopted for another one to the same node,
-/// dialled by the other side, to be a duplicate of it (the two nodes dialled each other
-/// at once) rather than its replacement (the peer restarted and dialled again). Past a
-/// dial's timeout, so that both ends of a race see it as one.
-const DUPLICATE_WINDOW: Duration = Duration::from_secs(3);
 
 /// The longest a connection's watch for its peer's certificate's end sleeps before it
 /// reads the wall clock again: a step of the clock is followed within this, and no sleep
@@ -213,9 +199,7 @@ struct Writer {
 
 struct Shared {
     endpoint: quinn::Endpoint,
-    // This node.
-    me: NodeId,
-    connections: Mutex<HashMap<NodeId, Adopted>>,
+    connections: Mutex<HashMap<NodeId, quinn::Connection>>,
     // Per peer, held while dialling it: one dial at a time, so a writer and a session that
     // both find no connection make one.
     dialing: Mutex<HashMap<NodeId, Arc<tokio::sync::Mutex<()>>>>,
@@ -284,7 +268,6 @@ impl Transport {
                 && limits.inbound_bytes_per_member >= frame_bytes_max.max(session_bytes_max),
             "a largest frame must fit a member's share, and a share all the room"
         );
-        let me = identity.node;
         let keys = identity.endpoint_keys;
         let reset_key = ring::hmac::Key::new(ring::hmac::HMAC_SHA256, &keys.reset);
         let mut config = quinn::EndpointConfig::new(Arc::new(reset_key));
@@ -297,7 +280,6 @@ impl Transport {
         let (inbound, receiver) = mpsc::channel(4_096);
         let shared = Arc::new(Shared {
             endpoint,
-            me,
             connections: Mutex::new(HashMap::new()),
             dialing: Mutex::new(HashMap::new()),
             accepted: Mutex::new(HashMap::new()),
@@ -378,7 +360,7 @@ impl Transport {
         let mut connections = lock(&self.shared.connections);
         if connections
             .get(&from)
-            .is_some_and(|held| held.connection.stable_id() == connection.stable_id())
+            .is_some_and(|held| held.stable_id() == connection.stable_id())
         {
             connections.remove(&from);
         }
@@ -456,7 +438,7 @@ async fn accept(shared: Arc<Shared>) {
                 }
             };
             keep_accepted(&shared, peer.node, &connection);
-            adopt(&shared, peer.node, &connection, false);
+            adopt(&shared, peer.node, &connection);
             read_streams(shared, peer, connection).await;
         });
     }
@@ -541,73 +523,18 @@ fn keep_accepted(shared: &Shared, node: NodeId, connection: &quinn::Connection) 
     }
 }
 
-/// The connection held for a node, whether this node dialled it, and when it was adopted.
-struct Adopted {
-    connection: quinn::Connection,
-    dialled: bool,
-    at: tokio::time::Instant,
-}
-
-/// Records `connection` (which this node `dialled`, or accepted) as the one to use for
-/// `node`, and returns the one to use. The newest wins: a peer that restarted dials again
-/// while this node may still hold its dead life's connection (QUIC notices only at the
-/// idle timeout); writers move to the new one at their next frame. But two nodes that
-/// dialled each other at once hold one connection each way, each adopted at both ends,
-/// in an order that differs: within [`DUPLICATE_WINDOW`] of the one held, both ends keep
-/// the one the lower node id dialled and close the other, which keep-alives would
-/// otherwise hold open for good.
-fn adopt(
-    shared: &Shared,
-    node: NodeId,
-    connection: &quinn::Connection,
-    dialled: bool,
-) -> quinn::Connection {
+/// Records `connection` as the one to use for `node`: the newest wins. A peer that
+/// restarted dials again while this node may still hold its dead life's connection (QUIC
+/// notices only at the idle timeout); writers move to the new one at their next frame.
+fn adopt(shared: &Shared, node: NodeId, connection: &quinn::Connection) {
     shared.stats.connections.fetch_add(1, Ordering::Relaxed);
-    let mut connections = lock(&shared.connections);
-    let now = tokio::time::Instant::now();
-    if let Some(held) = connections.get(&node) {
-        let duplicate = held.connection.close_reason().is_none()
-            && held.connection.stable_id() != connection.stable_id()
-            && held.dialled != dialled
-            && now.duration_since(held.at) < DUPLICATE_WINDOW;
-        if duplicate {
-            // The lower id's dial: this node's if it is the lower.
-            let keep_dialled = shared.me < node;
-            let (kept, closed) = if held.dialled == keep_dialled {
-                (held.connection.clone(), connection.clone())
-            } else {
-                (connection.clone(), held.connection.clone())
-            };
-            closed.close(CLOSE_DUPLICATE.into(), b"dialled each other at once");
-            if kept.stable_id() == connection.stable_id() {
-                connections.insert(
-                    node,
-                    Adopted {
-                        connection: kept.clone(),
-                        dialled,
-                        at: now,
-                    },
-                );
-            }
-            return kept;
-        }
-    }
-    connections.insert(
-        node,
-        Adopted {
-            connection: connection.clone(),
-            dialled,
-            at: now,
-        },
-    );
-    connection.clone()
+    lock(&shared.connections).insert(node, connection.clone());
 }
 
 /// The live connection held for `node`, if any.
 fn held(shared: &Shared, node: NodeId) -> Option<quinn::Connection> {
     lock(&shared.connections)
         .get(&node)
-        .map(|held| &held.connection)
         .filter(|connection| connection.close_reason().is_none())
         .cloned()
 }
@@ -1267,7 +1194,7 @@ async fn connection_to(
                 .endpoint
                 .connect(addr, &server_name(node))
                 .map_err(|err| err.to_string())?;
-            let connection = tokio::time::timeout(DIAL_TIMEOUT, connecting)
+            let connection = tokio::time::timeout(Duration::from_secs(2), connecting)
                 .await
                 .map_err(|_| "handshake timed out".to_owned())?
                 .map_err(|err| err.to_string())?;
@@ -1292,9 +1219,9 @@ async fn connection_to(
                     return Err(format!("node {}: {why}", node.0));
                 }
             };
-            let kept = adopt(shared, node, &connection, true);
-            tokio::spawn(read_streams(shared.clone(), peer, connection));
-            kept
+            adopt(shared, node, &connection);
+            tokio::spawn(read_streams(shared.clone(), peer, connection.clone()));
+            connection
         }
     };
     Ok(connection)
@@ -2093,105 +2020,40 @@ mod tests {
         std::fs::remove_dir_all(dir).unwrap();
     }
 
-    /// A node's transport and its inbound frames.
-    type Node = (Transport, mpsc::Receiver<Inbound>);
-
-    /// Nodes 1 and 2 bound on loopback, both nodes' inbound frames, and their certificates'
-    /// directory.
-    fn two_nodes_both_ways(name: &str) -> (Node, Node, PathBuf) {
-        let dir = std::env::temp_dir().join(format!("tally-{name}-{}", std::process::id()));
-        let files = crate::certs::write_cluster(&dir, &[NodeId(1), NodeId(2)]).unwrap();
-        let one = bound(&dir, &files[0], 1, Limits::NODE);
-        let two = bound(&dir, &files[1], 2, Limits::NODE);
-        (one, two, dir)
-    }
-
-    /// Sends a frame each way every 20 ms for `how_long`, as gossip does, taking every
-    /// frame that comes in; how many came in at each node.
-    async fn gossip_both_ways(
-        one: &mut Node,
-        two: &mut Node,
-        how_long: Duration,
-    ) -> (usize, usize) {
-        gossip(one, two, how_long, true).await
-    }
-
-    /// [`gossip_both_ways`], node 2 sending only if `both`.
-    async fn gossip(
-        one: &mut Node,
-        two: &mut Node,
-        how_long: Duration,
-        both: bool,
-    ) -> (usize, usize) {
-        let one_addr = one.0.local_addr().unwrap().to_string();
-        let two_addr = two.0.local_addr().unwrap().to_string();
-        let (mut at_one, mut at_two) = (0, 0);
-        let end = tokio::time::Instant::now() + how_long;
+    /// A node's gossip writer and its forwarder's session open at the same moment to a peer
+    /// it holds no connection to (at start, or once the connection broke): one dial, one
+    /// connection (found in review, session 48: each dialled, and the second connection
+    /// lived as long as the node).
+    #[tokio::test(flavor = "current_thread")]
+    async fn a_writer_and_a_session_to_one_peer_at_once_dial_it_once() {
+        let (mut one, two, mut to_two, dir) = two_nodes("writer-and-session");
+        let two_addr = two.local_addr().unwrap().to_string();
+        let requester = one.requester();
+        let session_addr = two_addr.clone();
+        let session =
+            tokio::spawn(async move { requester.open_session(NodeId(2), &session_addr).await });
+        // Only node 1 sends, as gossip does (a frame every 20 ms): node 2 dials nothing.
+        let mut at_two = 0;
+        let end = tokio::time::Instant::now() + IDLE_TIMEOUT_PAST;
         while tokio::time::Instant::now() < end {
-            one.0.send(NodeId(2), &two_addr, b"from one".to_vec());
-            if both {
-                two.0.send(NodeId(1), &one_addr, b"from two".to_vec());
-            }
+            one.send(NodeId(2), &two_addr, b"from one".to_vec());
             tokio::time::sleep(Duration::from_millis(20)).await;
-            while one.1.try_recv().is_ok() {
-                at_one += 1;
-            }
-            while two.1.try_recv().is_ok() {
+            while to_two.try_recv().is_ok() {
                 at_two += 1;
             }
         }
-        (at_one, at_two)
-    }
-
-    /// Two nodes that start together dial each other at the same moment (a cluster's
-    /// seeds do, at start): one connection between them must be kept, not both for as long
-    /// as both nodes live (keep-alives hold each open past the idle timeout).
-    #[tokio::test(flavor = "current_thread")]
-    async fn two_nodes_dialling_each_other_at_once_keep_one_connection() {
-        let (mut one, mut two, dir) = two_nodes_both_ways("both-dial");
-        let (at_one, at_two) = gossip_both_ways(&mut one, &mut two, Duration::from_secs(1)).await;
-        assert!(
-            at_one > 0 && at_two > 0,
-            "frames came in: {at_one}, {at_two}"
-        );
-        // Past the idle timeout: a connection nobody uses would have ended by now, were it
-        // not kept alive.
-        let (at_one, at_two) = gossip_both_ways(&mut one, &mut two, IDLE_TIMEOUT_PAST).await;
-        assert!(
-            at_one > 0 && at_two > 0,
-            "frames came in: {at_one}, {at_two}"
-        );
-        let open = (
-            one.0.shared.endpoint.open_connections(),
-            two.0.shared.endpoint.open_connections(),
-        );
-        assert_eq!(open, (1, 1), "connections open at nodes 1 and 2");
-        std::fs::remove_dir_all(dir).unwrap();
-    }
-
-    /// A node's gossip writer and its forwarder's session open at the same moment to a peer
-    /// it holds no connection to (at start, or once the connection broke): one dial, one
-    /// connection.
-    #[tokio::test(flavor = "current_thread")]
-    async fn a_writer_and_a_session_to_one_peer_at_once_dial_it_once() {
-        let (mut one, mut two, dir) = two_nodes_both_ways("writer-and-session");
-        let two_addr = two.0.local_addr().unwrap().to_string();
-        let requester = one.0.requester();
-        let session =
-            tokio::spawn(async move { requester.open_session(NodeId(2), &two_addr).await });
-        // Only node 1 sends: node 2 dials nothing.
-        let (_, at_two) = gossip(&mut one, &mut two, IDLE_TIMEOUT_PAST, false).await;
         assert!(at_two > 0, "frames came in: {at_two}");
         let _session = session.await.unwrap().unwrap();
         let open = (
-            one.0.shared.endpoint.open_connections(),
-            two.0.shared.endpoint.open_connections(),
+            one.shared.endpoint.open_connections(),
+            two.shared.endpoint.open_connections(),
         );
         assert_eq!(open, (1, 1), "connections open at nodes 1 and 2");
         std::fs::remove_dir_all(dir).unwrap();
     }
 
-    /// Longer than the idle timeout, by a keep-alive.
+    /// Longer than the idle timeout, by a keep-alive: a second connection nobody uses
+    /// would have ended by now, were it not kept alive.
     const IDLE_TIMEOUT_PAST: Duration = Duration::from_millis(
         tls::IDLE_TIMEOUT.as_millis() as u64 + tls::KEEP_ALIVE.as_millis() as u64,
     );
