@@ -1166,21 +1166,25 @@ mod tests {
         late_sweeper.abort();
     }
 
+    /// A connection (answers waited for up to a minute) to a sidecar that accepted it and
+    /// never reads: the socket's buffers fill, then the outbox.
+    async fn a_sidecar_that_never_reads() -> (Arc<Connection>, tokio::net::TcpStream) {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let endpoint = Endpoint::Tcp(listener.local_addr().unwrap());
+        let connection = Connection::open(&endpoint, Duration::from_secs(60))
+            .await
+            .unwrap();
+        let (sidecar, _) = listener.accept().await.unwrap();
+        (Arc::new(connection), sidecar)
+    }
+
     /// Two tasks whose calls wait for room, each polled again and again by turns (a
     /// `select!` loop with another busy branch): each is listed once, not once a poll
     /// (found in review: only the last listed waker was compared, so the list grew by one
     /// a poll until the next tick).
     #[tokio::test]
     async fn tasks_polled_by_turns_while_they_wait_for_room_are_listed_once_each() {
-        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let endpoint = Endpoint::Tcp(listener.local_addr().unwrap());
-        let connection = Arc::new(
-            Connection::open(&endpoint, Duration::from_secs(60))
-                .await
-                .unwrap(),
-        );
-        // Accepted, never read: the socket's buffers fill, then the outbox.
-        let (_sidecar, _) = listener.accept().await.unwrap();
+        let (connection, _sidecar) = a_sidecar_that_never_reads().await;
         let subject = "s".repeat(CLIENT_FRAME_BYTES_MAX - 100);
         for _ in 0..200 {
             let connection = Arc::clone(&connection);
@@ -1239,15 +1243,7 @@ mod tests {
     #[tokio::test]
     async fn requests_still_in_the_outbox_when_the_link_closes_fail_not_sent() {
         const CALLS: usize = 200;
-        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let endpoint = Endpoint::Tcp(listener.local_addr().unwrap());
-        let connection = Arc::new(
-            Connection::open(&endpoint, Duration::from_secs(60))
-                .await
-                .unwrap(),
-        );
-        // Accepted, never read: the socket's buffers fill, then the outbox.
-        let (sidecar, _) = listener.accept().await.unwrap();
+        let (connection, sidecar) = a_sidecar_that_never_reads().await;
         let subject = "s".repeat(CLIENT_FRAME_BYTES_MAX - 100);
         let calls: Vec<_> = (0..CALLS)
             .map(|_| {
