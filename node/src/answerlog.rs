@@ -19,13 +19,13 @@
 //! than twice).
 //!
 //! A start keeps the newest answer of each of the newest [`RECENT_IDS_MAX`] ids whose
-//! newest answer is in a live window, over every earlier life ([`recover`]), as many ids as the sidecar's memory
-//! holds, rewriting each earlier file with the answers it keeps or removing it. A life's
-//! file is appended to; past `COMPACT_BYTES` (or twice its size after the last compaction)
-//! it is rewritten as the newest answer of each of the life's newest [`RECENT_IDS_MAX`]
-//! ids, in two steps (`compaction.rs`): the copy
-//! is written and synced on a thread of its own while answers go on being appended, so
-//! that the node's thread waits only for the answers given meanwhile. A failed write or
+//! newest answer is in a live window, over every earlier life ([`recover`]): as many ids
+//! as the sidecar's memory holds. It rewrites each earlier file with the answers it keeps,
+//! or removes it. A life's file is appended to; past `COMPACT_BYTES` (or twice its size
+//! after the last compaction) it is rewritten as the newest answer of each of the life's
+//! newest [`RECENT_IDS_MAX`] ids, in two steps (`compaction.rs`): the copy is written and
+//! synced on a thread of its own while answers go on being appended, so that the node's
+//! thread waits only for the answers given meanwhile. A failed write or
 //! rewrite (a full disk) stops the logging of answers, reported on stderr: the writes go
 //! on, and their answers are remembered in memory only, until a rewrite of the file from
 //! memory succeeds. One is tried at the next of the node's once-a-second ticks
@@ -375,9 +375,10 @@ impl AnswersSync {
     }
 }
 
-/// The newest answer of each of the newest [`RECENT_IDS_MAX`] ids in windows live at
-/// `now_unix_secs` over the earlier lives' files in `dir`, oldest first, and the newest generation of a file kept (0 if
-/// none), which the next life's generation must pass. Each file is rewritten with the
+/// The newest answer of each of the newest [`RECENT_IDS_MAX`] ids whose newest answer is
+/// in a window live at `now_unix_secs`, over the earlier lives' files in `dir`, oldest
+/// first; and the newest generation of a file kept (0 if none), which the next life's
+/// generation must pass. Each file is rewritten with the
 /// answers it keeps, or removed if it keeps none; a rewrite cut off by a crash is removed
 /// first (its file is whole).
 pub fn recover(dir: &Path, now_unix_secs: u64) -> Result<(Vec<AnsweredId>, u64), LogError> {
