@@ -24,7 +24,8 @@ pub enum Endpoint {
 const UNIX_PREFIX: &str = "unix:";
 
 /// The longest Unix socket path a socket address holds (`sun_path` less its NUL): 107
-/// bytes on Linux, 103 on the BSDs and macOS. tallyd refuses a longer `client_socket`.
+/// bytes on Linux, 103 on the BSDs and macOS. tallyd refuses a `client_socket` over 107
+/// bytes.
 const UNIX_PATH_BYTES_MAX: usize = if cfg!(any(target_os = "linux", target_os = "android")) {
     107
 } else {

@@ -44,7 +44,7 @@ pub enum Error {
     /// while it still waited in the outbox, never written (the next call reconnects).
     #[error("not sent: {why}; nothing was counted")]
     NotSent {
-        /// Which of the two.
+        /// Which of these.
         why: String,
     },
     /// No connection could be made within
@@ -57,8 +57,8 @@ pub enum Error {
         source: std::io::Error,
     },
     /// The sidecar sent something this client does not understand: a frame that does not
-    /// decode as far as its request id (the connection is closed and every pending request
-    /// fails with this), or, under a request's id, an answer that does not decode (one
+    /// decode as far as its request id (the connection is closed and every request written
+    /// on it fails with this; one still in the outbox fails [`Error::NotSent`]), or, under a request's id, an answer that does not decode (one
     /// newer than this build) or a reply of the wrong kind for the request (that call alone
     /// fails, and the connection stays open). The outcome is unknown.
     #[error("protocol: {0}")]
@@ -78,8 +78,8 @@ impl Error {
     /// a NUL byte: its source `InvalidInput`), and for refusals that name a passing
     /// condition ([`Refusal::RegionUnavailable`], [`Refusal::Storage`]). False for other refusals,
     /// for [`Error::Protocol`] and for [`Error::RuntimeStopped`]: asking again gets the
-    /// same answer. (When the sidecar refuses one frame of a connection, every request in
-    /// flight on it fails with `Protocol`, the well-formed ones beside it too: those may
+    /// same answer. (When the sidecar refuses one frame of a connection, every request
+    /// written on it fails with `Protocol`, the well-formed ones beside it too: those may
     /// have counted, and sent again may succeed.)
     ///
     /// Retryable does not mean safe to retry. After a `Timeout` or a `Disconnected` the

@@ -1506,8 +1506,9 @@ mod tests {
     /// (Review of f06843f/1f27df4.) Node 3 crashed half an hour ago and was declared dead;
     /// its one life's lanes are still in a live window. Node 1 starts (or restarts under a
     /// new generation) and node 2 sends it, by anti-entropy, node 3's row (listed dead) with
-    /// those lanes. They arrive as old as that life's end, no delay of anything: yet node 3's
-    /// row is of that very generation, so the sample of half an hour is taken.
+    /// those lanes. They arrive as old as that life's end, no delay of anything; node 3's row
+    /// is of that very generation, so before session 48 the sample of half an hour was
+    /// taken.
     #[test]
     fn a_dead_members_old_state_relayed_to_a_new_node_is_no_sample() {
         let row = MemberEntry {

@@ -48,7 +48,8 @@ use tally_client::wire::CheckId;
 use tally_crdt::{Generation, Window};
 
 /// A life's file past this many bytes (or twice its size after its last compaction) is
-/// rewritten as its last answers: about three times what [`RECENT_IDS_MAX`] answers take.
+/// rewritten as the newest answer of each of its newest ids: about three times what
+/// [`RECENT_IDS_MAX`] answers take.
 const COMPACT_BYTES: u64 = 16 << 20;
 
 /// The most ticks (one a second) between two tries of the file's rewrite from memory.
@@ -254,7 +255,8 @@ impl AnswerLog {
         }
     }
 
-    /// Rewrites the file as the life's last answers once it has grown past its bound, or
+    /// Rewrites the file as the newest answer of each of the life's newest ids once it has
+    /// grown past its bound, or
     /// after a sync failed: the kernel may then have dropped pages of it, so the answers
     /// are written again, to a new file, synced; or, while logging is stopped, once its
     /// retry is due, which starts logging again. Call with nothing pending, once a batch.

@@ -125,8 +125,9 @@ pub struct Recovered {
     /// Earlier lives' own lanes, per retired replica, from their logs (live windows and
     /// non-zero lanes only).
     pub retired: Vec<(ReplicaId, Vec<(Key, Lane)>)>,
-    /// The answers earlier lives gave under request ids: the newest
-    /// [`crate::recent::RECENT_IDS_MAX`] in live windows, oldest first ([`answerlog`]).
+    /// The answers earlier lives gave under request ids: the newest answer of each of the
+    /// newest [`crate::recent::RECENT_IDS_MAX`] ids whose newest answer is in a live
+    /// window, oldest first ([`answerlog`]).
     pub answered: Vec<AnsweredId>,
     /// How many logs had a torn tail, dropped.
     pub torn: usize,

@@ -54,8 +54,8 @@ struct Limits {
     /// Connections from one member (by the node id its certificate names) kept open; a
     /// new one past it closes that member's oldest, so a member that dials without end
     /// holds at most this many here, each with its receive windows. An honest member has
-    /// one, and a second for a while after a restart or when two nodes dial each other
-    /// at once.
+    /// one, a second for a while after it restarts, and a second for good when two nodes
+    /// dialled each other at once.
     connections_per_member: usize,
 }
 

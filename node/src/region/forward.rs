@@ -84,8 +84,9 @@ pub type Answers<T> = mpsc::UnboundedSender<Vec<Forwarded<T>>>;
 /// were answered `RegionUnavailable`: a fallback counted for one counts it a second time.
 pub type LateAdmissions = mpsc::UnboundedSender<Vec<u64>>;
 
-/// How many checks written to the region and then answered `RegionUnavailable` a forwarder
-/// remembers, the most recent, to report if the region admits them after all.
+/// How many written checks past their deadline a forwarder remembers, the most recent, of
+/// each kind: those answered `RegionUnavailable` (to report if the region admits them
+/// after all) and those whose caller left (to time a decision that comes later).
 const TIMED_OUT_HELD: usize = 4_096;
 
 /// A check to forward.
@@ -598,7 +599,8 @@ impl<T> Held<T> {
     }
 
     /// Answers every check whose deadline is at or before `now` (on the monotonic clock)
-    /// with `RegionUnavailable`; one whose caller is gone is dropped.
+    /// with `RegionUnavailable`; one whose caller is gone is answered nothing and, if it was
+    /// written, held to time a decision that comes later.
     fn expire(&mut self, now: Duration) {
         let mut due = Vec::new();
         self.deadlines.take_due(now, &mut due);
