@@ -943,6 +943,7 @@ async fn serve_connection<S: AsyncRead + AsyncWrite + Unpin>(
         if !sending && in_flight == 0 && held.is_none() && !full {
             if bad_frame {
                 let _ = stream.shutdown().await;
+                drain_until_closed(&mut stream).await;
             }
             return;
         }
@@ -1038,6 +1039,22 @@ async fn serve_connection<S: AsyncRead + AsyncWrite + Unpin>(
             (sending, bad_frame) = (false, true);
         }
     }
+}
+
+/// How long a connection closed for a bad frame goes on reading, and dropping, what its
+/// client sent after it, for the client to see the close.
+const LINGER: Duration = Duration::from_secs(1);
+
+/// Reads and drops what the client sends until it closes, or for at most [`LINGER`]:
+/// called once the answers are written and the connection shut down for writing. A socket
+/// closed with bytes unread resets the connection, and the answers still queued to be
+/// sent (a client that pipelined past a bad frame, reading slowly) are dropped with them
+/// (found in review, session 49: 255 of 2,001 answers came, then a reset,
+/// `the_answers_before_a_bad_frame_reach_a_client_that_sent_more_after_it`).
+async fn drain_until_closed<S: AsyncRead + Unpin>(stream: &mut S) {
+    let mut dropped = [0; 8 * 1024];
+    let drained = async { while let Ok(1..) = stream.read(&mut dropped).await {} };
+    let _ = tokio::time::timeout(LINGER, drained).await;
 }
 
 /// Frames held unread at an exact check with no room for it.
@@ -2644,6 +2661,63 @@ mod tests {
         assert!(tokio::net::UnixStream::connect(&path).await.is_err());
         assert!(tokio::net::TcpStream::connect(tcp_addr).await.is_err());
         let _ = std::fs::remove_file(&path);
+    }
+
+    /// A client that pipelines past a bad frame (frames it sent after it, which the
+    /// sidecar never reads) still gets every answer before it and the `Malformed` one,
+    /// then the close: a socket closed with bytes unread resets the connection, and the
+    /// answers still queued to be sent are dropped with it.
+    #[tokio::test(flavor = "current_thread")]
+    async fn the_answers_before_a_bad_frame_reach_a_client_that_sent_more_after_it() {
+        let service = Arc::new(service(10));
+        let tcp = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = tcp.local_addr().unwrap();
+        let serving = tokio::spawn(serve(Arc::clone(&service), tcp, None, 4));
+        let socket = tokio::net::TcpSocket::new_v4().unwrap();
+        // A client's receive buffer smaller than the answers: some wait in the sidecar's.
+        socket.set_recv_buffer_size(4096).unwrap();
+        let stream = socket.connect(addr).await.unwrap();
+        let requests: Vec<Request> = (1..=2_000).map(|id| incr(id, "a")).collect();
+        let mut sent = frames(&requests);
+        sent.extend_from_slice(&u32::MAX.to_le_bytes());
+        // More after the bad frame than one read takes: never read by the sidecar.
+        sent.extend(std::iter::repeat_n(0, 2 * READ_BYTES));
+        let (mut reading, mut writing) = stream.into_split();
+        let writer = tokio::spawn(async move {
+            let _ = writing.write_all(&sent).await;
+            writing
+        });
+        while estimate(&service, "count") < 2_000 {
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        let mut output = Vec::new();
+        let mut chunk = vec![0; 64 * 1024];
+        let ended = loop {
+            match reading.read(&mut chunk).await {
+                Ok(0) => break Ok(()),
+                Ok(read) => output.extend_from_slice(&chunk[..read]),
+                Err(err) => break Err(err),
+            }
+        };
+        let mut answers = Vec::new();
+        let mut rest = &output[..];
+        while let Ok(Some((body, len))) = next_frame(rest) {
+            answers.push(wire::decode_body::<Response>(body).unwrap());
+            rest = &rest[len..];
+        }
+        let ids: Vec<u64> = answers.iter().map(|response| response.id).collect();
+        let expected: Vec<u64> = (1..=2_000).chain([0]).collect();
+        assert!(
+            ids == expected && ended.is_ok(),
+            "{} of the 2,001 answers came ({} bytes, the last id {:?}), and then {:?}",
+            ids.len(),
+            output.len(),
+            ids.last(),
+            ended
+        );
+        drop(writer);
+        serving.abort();
     }
 
     #[test]
