@@ -2683,9 +2683,10 @@ mod tests {
         // More after the bad frame than one read takes: never read by the sidecar.
         sent.extend(std::iter::repeat_n(0, 2 * READ_BYTES));
         let (mut reading, mut writing) = stream.into_split();
+        // The client closes its side once it has sent everything: the sidecar's drain then
+        // ends at that close, not at its time limit.
         let writer = tokio::spawn(async move {
             let _ = writing.write_all(&sent).await;
-            writing
         });
         while estimate(&service, "count") < 2_000 {
             tokio::time::sleep(Duration::from_millis(5)).await;
@@ -2716,7 +2717,7 @@ mod tests {
             ids.last(),
             ended
         );
-        drop(writer);
+        writer.await.unwrap();
         serving.abort();
     }
 
