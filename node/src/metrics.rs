@@ -420,6 +420,11 @@ pub fn render(sources: &Sources<'_>) -> String {
             load(&forward.retries),
         ),
         (
+            "region_answers_bad",
+            "Frames of answers from the region that did not decode or had a length of zero or over the limit: each broke its session, whose checks were sent again",
+            load(&forward.answers_bad),
+        ),
+        (
             "exact_room_full",
             "Times a client connection held an exact check because the node held its maximum of exact checks waiting for the region",
             sources.exact_room.full(),
