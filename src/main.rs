@@ -80,8 +80,9 @@ struct Sidecar {
     /// The sidecar: `127.0.0.1:7100` or `unix:/path/to.sock`.
     #[arg(long, default_value = "127.0.0.1:7100")]
     endpoint: Endpoint,
-    /// How long to wait for an answer, in milliseconds.
-    #[arg(long, default_value_t = 2_000)]
+    /// How long to wait for an answer, in milliseconds (at least 1: with none, every
+    /// request would time out, perhaps counted).
+    #[arg(long, default_value_t = 2_000, value_parser = clap::value_parser!(u64).range(1..))]
     timeout_ms: u64,
 }
 

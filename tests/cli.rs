@@ -138,3 +138,16 @@ fn tally_certs_refuses_a_node_id_listed_twice() {
     assert!(stderr.contains("node id 1 is listed twice"), "{stderr}");
     assert!(!wrote, "nothing is written");
 }
+
+#[test]
+fn a_request_timeout_of_zero_is_refused_naming_the_flag() {
+    // Nothing listens on the endpoint: the flag is refused before any connection.
+    let output = Command::new(env!("CARGO_BIN_EXE_tally"))
+        .args(["incr", "api", "user-1", "--timeout-ms", "0"])
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(!output.status.success(), "{output:?}");
+    assert!(stderr.contains("--timeout-ms"), "{stderr}");
+    assert!(!stderr.contains("connect"), "{stderr}");
+}
