@@ -594,8 +594,10 @@ impl<T> Held<T> {
             }),
             ExactAnswer::Storage(why) => {
                 self.stats.storage_errors.fetch_add(1, Ordering::Relaxed);
+                // Cut as the region cuts it: a garbled or hostile frame's longer reason
+                // would go to the client past its frame limit, failing its connection.
                 Err(Refusal::Storage {
-                    why: format!("region: {why}"),
+                    why: format!("region: {}", wire::storage_why(&why)),
                 })
             }
         }
@@ -1190,6 +1192,42 @@ mod tests {
                 if field == "id" && why.contains("another rule, subject or cost at the region")),
             "{results:?}"
         );
+    }
+
+    /// A region frame whose `Storage` reason is far past the 256 bytes a region sends
+    /// (`STORAGE_WHY_BYTES_MAX`) decodes, and its reason went to the client as it was: in
+    /// an answer frame past the client protocol's 64 KiB, which the client refuses,
+    /// failing its connection and every request pipelined on it. A region frame's lengths
+    /// are not trusted (BRIEF: "no other trust in lengths"): the reason is cut.
+    #[test]
+    fn a_storage_reason_past_its_bound_from_the_region_is_cut_to_fit_a_clients_frame() {
+        let (answers, mut answered) = mpsc::unbounded_channel();
+        let (mut held, _checks, _stats) = held();
+        held.insert(pending(0, 10_000, &answers));
+        assert!(held.next_frame(ms(0)).is_some(), "written to the region");
+        let garbled = wire::encode_answers(&[(0, ExactAnswer::Storage("x".repeat(100_000)))]);
+        let frame = wire::decode_answers(&garbled[4..]).expect("a frame of answers");
+        held.answer_frame(frame);
+        let [forwarded] = &drain(&mut answered)[..] else {
+            panic!("one answer")
+        };
+        let Err(refusal @ Refusal::Storage { why }) = &forwarded.result else {
+            panic!("{:?}", forwarded.result)
+        };
+        // As the listener answers its client.
+        let response = tally_client::wire::Response {
+            id: 1,
+            result: Err(refusal.clone()),
+        };
+        let mut out = Vec::new();
+        tally_client::wire::encode_response(&response, &mut out);
+        assert!(
+            out.len() - 4 <= tally_client::wire::CLIENT_FRAME_BYTES_MAX,
+            "an answer frame of {} bytes to the client, past its {}",
+            out.len() - 4,
+            tally_client::wire::CLIENT_FRAME_BYTES_MAX,
+        );
+        assert!(why.len() <= "region: ".len() + wire::STORAGE_WHY_BYTES_MAX);
     }
 
     /// The forwarder stops with two checks held, one written to the region and one not:

@@ -175,12 +175,19 @@ pub type Answered = (u64, ExactAnswer);
 impl ExactAnswer {
     /// A `Storage` answer, its reason cut to what a frame carries.
     pub fn storage(why: &str) -> ExactAnswer {
-        let mut end = why.len().min(STORAGE_WHY_BYTES_MAX);
-        while !why.is_char_boundary(end) {
-            end -= 1;
-        }
-        ExactAnswer::Storage(why[..end].to_owned())
+        ExactAnswer::Storage(storage_why(why).to_owned())
     }
+}
+
+/// A `Storage` answer's reason, cut to [`STORAGE_WHY_BYTES_MAX`] at a character boundary:
+/// as the region sends it, and as an edge takes it from a frame, whose lengths it does not
+/// trust (its client's frames hold at most 64 KiB).
+pub fn storage_why(why: &str) -> &str {
+    let mut end = why.len().min(STORAGE_WHY_BYTES_MAX);
+    while !why.is_char_boundary(end) {
+        end -= 1;
+    }
+    &why[..end]
 }
 
 // `ExactAnswer`'s variant indexes, in the order it declares them.
