@@ -1845,4 +1845,184 @@ mod tests {
         assert_eq!(applied.lanes_throttled, 2);
         assert_eq!(peer.watermark(replica(1)).version, Version(1));
     }
+
+    /// A small deterministic generator for the randomized histories below.
+    struct Rng(u64);
+
+    impl Rng {
+        fn next(&mut self) -> u64 {
+            self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
+            let mut z = self.0;
+            z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+            z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+            z ^ (z >> 31)
+        }
+
+        fn below(&mut self, n: u64) -> u64 {
+            self.next() % n
+        }
+    }
+
+    #[test]
+    fn random_histories_of_merges_writes_and_expiries_read_back_as_a_model() {
+        type Model = BTreeMap<(Key, ReplicaId), (Lane, Version)>;
+        for seed in 0..30u64 {
+            let mut rng = Rng(seed);
+            let keys_max = [usize::MAX, 5, 40, 200][seed as usize % 4];
+            let mut map = CounterMap::new()
+                .with_keys_max(keys_max)
+                .with_hash_seed(seed);
+            let own = replica(0);
+            let mut model = Model::new();
+            // Each remote origin's next version, rising by small steps and big jumps.
+            let mut next_version: BTreeMap<ReplicaId, u64> = BTreeMap::new();
+            // What each origin has sent of each key: its history of (lane, version).
+            let mut sent: BTreeMap<(Key, ReplicaId), Vec<(Lane, Version)>> = BTreeMap::new();
+            let mut now = 100_000;
+            let key_at = |rng: &mut Rng, now: u64| {
+                let len = [5, 10, 30, 5, 10, 30, 60, 3_600][rng.below(8) as usize];
+                Key::new(
+                    Rule::new(["r", "q"][rng.below(2) as usize]).unwrap(),
+                    Subject::new(format!("s{}", rng.below(300))).unwrap(),
+                    Window::containing(now - rng.below(u64::from(len) / 2 + 1), len).unwrap(),
+                )
+            };
+            let amount = |rng: &mut Rng| match rng.below(5) {
+                0 => u64::MAX - rng.below(3),
+                1 => u64::from(u32::MAX) + rng.below(3),
+                _ => rng.below(100),
+            };
+            for step in 0..600 {
+                match rng.below(10) {
+                    0..=4 => {
+                        // A remote lane: a new write of its origin, or an earlier copy.
+                        let origin =
+                            ReplicaId::new(NodeId(1 + rng.below(12)), Generation(1 + rng.below(2)));
+                        let key = key_at(&mut rng, now);
+                        let history = sent.entry((key.clone(), origin)).or_default();
+                        let update = if !history.is_empty() && rng.below(3) == 0 {
+                            history[rng.below(history.len() as u64) as usize]
+                        } else {
+                            let next = next_version.entry(origin).or_insert(1);
+                            let version = Version(*next);
+                            *next += match rng.below(6) {
+                                0 => 1 << 16,
+                                1 => (1 << 32) + rng.below(70_000),
+                                _ => 1 + rng.below(3),
+                            };
+                            let mut lane = history.last().map_or(Lane::default(), |l| l.0);
+                            let _ = lane.incr(amount(&mut rng));
+                            if rng.below(2) == 0 {
+                                let _ = lane.decr(amount(&mut rng));
+                            }
+                            history.push((lane, version));
+                            (lane, version)
+                        };
+                        let delta = Delta {
+                            origins: vec![OriginDelta {
+                                origin,
+                                through: Watermark::default(),
+                                lanes: vec![LaneUpdate {
+                                    key: key.clone(),
+                                    lane: update.0,
+                                    version: update.1,
+                                }],
+                            }],
+                        };
+                        let held_keys: std::collections::BTreeSet<&Key> =
+                            model.keys().map(|(k, _)| k).collect();
+                        let new_key = !held_keys.contains(&key);
+                        let full = held_keys.len() >= keys_max;
+                        let live = key.window.is_live(now);
+                        let applied = map.apply(&delta, now);
+                        if !live {
+                            assert_eq!(applied.lanes_expired, 1, "seed {seed} step {step}");
+                        } else if full && new_key {
+                            assert_eq!(applied.lanes_refused, 1, "seed {seed} step {step}");
+                        } else {
+                            assert_eq!(applied.lanes_refused, 0, "seed {seed} step {step}");
+                            let held = model.entry((key, origin)).or_insert(update);
+                            held.0.merge(update.0);
+                            held.1 = held.1.max(update.1);
+                        }
+                    }
+                    5..=6 => {
+                        // An own write, never refused at the cap.
+                        let key = key_at(&mut rng, now);
+                        if !key.window.is_live(now) {
+                            continue;
+                        }
+                        let by = amount(&mut rng);
+                        let decr = rng.below(3) == 0;
+                        let result = if decr {
+                            map.decr(own, &key, by, Stamp(step))
+                        } else {
+                            map.incr(own, &key, by, Stamp(step))
+                        };
+                        let held = model.get(&(key.clone(), own)).map(|l| l.0);
+                        let mut lane = held.unwrap_or_default();
+                        let expected = if decr { lane.decr(by) } else { lane.incr(by) };
+                        match (result, expected) {
+                            (Ok(version), Ok(())) => {
+                                if held != Some(lane) {
+                                    model.insert((key, own), (lane, version));
+                                }
+                            }
+                            (Err(_), Err(_)) => {}
+                            (result, expected) => {
+                                panic!("seed {seed} step {step}: {result:?}, model {expected:?}")
+                            }
+                        }
+                    }
+                    7 => {
+                        // Time passes, and ended windows go.
+                        now += if rng.below(4) == 0 {
+                            rng.below(70)
+                        } else {
+                            rng.below(5)
+                        };
+                        let keep = rng.below(2) == 0;
+                        map.expire(now, |replica| keep || replica == own);
+                        model.retain(|(key, _), _| key.window.is_live(now));
+                    }
+                    _ => {
+                        // A read-only step: a full delta, checked below.
+                    }
+                }
+                // Every read agrees with the model.
+                let keys: std::collections::BTreeSet<&Key> = model.keys().map(|(k, _)| k).collect();
+                assert_eq!(map.len(), keys.len(), "seed {seed} step {step}: keys");
+                assert_eq!(map.lanes(), model.len(), "seed {seed} step {step}: lanes");
+                for ((key, replica), (lane, version)) in &model {
+                    let slot = map.counter(key).and_then(|c| c.slot(*replica));
+                    assert_eq!(
+                        slot.map(|s| (s.lane, s.version)),
+                        Some((*lane, *version)),
+                        "seed {seed} step {step}: {key} {replica}"
+                    );
+                }
+                for key in keys {
+                    let value: i128 = (model
+                        .range((key.clone(), ReplicaId::new(NodeId(0), Generation(0)))..))
+                    .take_while(|((k, _), _)| k == key)
+                    .map(|(_, (lane, _))| lane.value())
+                    .sum();
+                    assert_eq!(map.value(key), value, "seed {seed} step {step}: {key}");
+                }
+                assert_index_names_each_lane(&map);
+                let mut sent_lanes = Model::new();
+                for entry in map.delta_for(&Digest::default(), usize::MAX, 0).origins {
+                    for update in entry.lanes {
+                        let fresh = sent_lanes
+                            .insert((update.key, entry.origin), (update.lane, update.version));
+                        assert!(
+                            fresh.is_none(),
+                            "seed {seed} step {step}: a lane sent twice"
+                        );
+                    }
+                }
+                assert_eq!(sent_lanes, model, "seed {seed} step {step}: full delta");
+            }
+        }
+    }
 }

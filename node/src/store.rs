@@ -1185,6 +1185,150 @@ mod tests {
         assert!(store.is_empty());
     }
 
+    /// A small deterministic generator for the randomized histories below.
+    struct Rng(u64);
+
+    impl Rng {
+        fn next(&mut self) -> u64 {
+            self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
+            let mut z = self.0;
+            z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+            z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+            z ^ (z >> 31)
+        }
+
+        fn below(&mut self, n: u64) -> u64 {
+            self.next() % n
+        }
+    }
+
+    #[test]
+    fn random_histories_of_writes_publishes_collections_and_expiries_read_back_as_a_model() {
+        // Per key: own lane, remote sum, written since last collected.
+        type Model = std::collections::BTreeMap<Key, (Lane, i128, bool)>;
+        for seed in 0..60u64 {
+            let mut rng = Rng(seed);
+            let keys_max = [usize::MAX, 3, 30, 150][seed as usize % 4];
+            let store = store(keys_max);
+            let mut model = Model::new();
+            let mut now = 1_000u64;
+            let key_at = |rng: &mut Rng, now: u64| {
+                let len = [5u32, 10, 60][rng.below(3) as usize];
+                let start = now.saturating_sub(rng.below(u64::from(len) * 3));
+                key_in(
+                    &format!("s{}", rng.below(200)),
+                    Window::containing(start, len).unwrap(),
+                )
+            };
+            for step in 0..800 {
+                let context = format!("seed {seed} step {step}");
+                match rng.below(12) {
+                    0..=4 => {
+                        let key = key_at(&mut rng, now);
+                        let amount = match rng.below(6) {
+                            0 => u64::MAX - rng.below(3),
+                            1 => 1 << 62,
+                            _ => rng.below(100),
+                        };
+                        let decr = rng.below(3) == 0;
+                        let result = if decr {
+                            store.decr(&key, amount)
+                        } else {
+                            store.incr(&key, amount)
+                        };
+                        let held = model.get(&key).copied();
+                        if held.is_none() && model.len() >= keys_max {
+                            assert_eq!(result, Err(StoreError::KeysFull { keys_max }), "{context}");
+                            continue;
+                        }
+                        let (mut lane, remote, dirty) = held.unwrap_or_default();
+                        let added = if decr {
+                            lane.decr(amount)
+                        } else {
+                            lane.incr(amount)
+                        };
+                        match added {
+                            Ok(()) => {
+                                let counted = result.expect(&context);
+                                assert_eq!(counted.own, lane, "{context}");
+                                assert_eq!(counted.estimate, lane.value() + remote, "{context}");
+                                model.insert(key, (lane, remote, true));
+                            }
+                            Err(_) => {
+                                assert!(
+                                    matches!(result, Err(StoreError::Overflow(_))),
+                                    "{context}: {result:?}"
+                                );
+                                model.insert(key, (lane, remote, dirty));
+                            }
+                        }
+                    }
+                    5..=6 => {
+                        let key = key_at(&mut rng, now);
+                        let remote = match rng.below(5) {
+                            0 => i128::from(i64::MAX) * i128::from(rng.below(3)) + 5,
+                            1 => -(1i128 << 61) + i128::from(rng.below(3)),
+                            2 => (1i128 << 61) - i128::from(rng.below(3)),
+                            _ => i128::from(rng.below(1_000)) - 500,
+                        };
+                        let result = store.publish_remote(&key, remote);
+                        if !model.contains_key(&key) && model.len() >= keys_max {
+                            assert_eq!(result, Err(StoreError::KeysFull { keys_max }), "{context}");
+                            continue;
+                        }
+                        result.expect(&context);
+                        model.entry(key).or_default().1 = remote;
+                    }
+                    7 => {
+                        let mut out = collected(&store);
+                        out.sort_by(|a, b| a.0.cmp(&b.0));
+                        let expected: Vec<(Key, Lane)> = (model.iter_mut())
+                            .filter(|(_, held)| held.2)
+                            .map(|(key, held)| {
+                                held.2 = false;
+                                (key.clone(), held.0)
+                            })
+                            .collect();
+                        assert_eq!(out, expected, "{context}: collected");
+                    }
+                    8 => {
+                        let key = key_at(&mut rng, now);
+                        let removable = model.get(&key).is_some_and(|held| !held.2);
+                        assert_eq!(store.remove(&key), removable, "{context}: remove");
+                        if removable {
+                            model.remove(&key);
+                        }
+                    }
+                    9 => {
+                        now += rng.below(15);
+                        let before = model.len();
+                        model.retain(|key, held| held.2 || key.window.is_live(now));
+                        assert_eq!(store.expire(now), before - model.len(), "{context}: expire");
+                    }
+                    10 => store.reclaim(),
+                    _ => {}
+                }
+                assert_eq!(store.len(), model.len(), "{context}: len");
+                for (key, (lane, remote, _)) in &model {
+                    assert_eq!(store.own(key), *lane, "{context}: {key}");
+                    assert_eq!(
+                        store.estimate(key),
+                        lane.value() + remote,
+                        "{context}: {key}"
+                    );
+                }
+                let mut held = Vec::new();
+                store.for_each_own(|key, lane| held.push((key.clone(), lane)));
+                held.sort_by(|a, b| a.0.cmp(&b.0));
+                let expected: Vec<(Key, Lane)> = model
+                    .iter()
+                    .map(|(key, held)| (key.clone(), held.0))
+                    .collect();
+                assert_eq!(held, expected, "{context}: for_each_own");
+            }
+        }
+    }
+
     /// What [`spawn_writers`] started.
     struct Writers {
         threads: Vec<std::thread::JoinHandle<()>>,
@@ -1237,6 +1381,58 @@ mod tests {
             lane: Lane::new((threads - 1) * per_key, per_key),
         };
         (store, writers)
+    }
+
+    #[test]
+    fn concurrent_creations_across_growth_with_reclaims_lose_nothing() {
+        let threads = 4u64;
+        let keys = 30_000u64;
+        let store = Arc::new(store(usize::MAX));
+        let names: Arc<Vec<Key>> = Arc::new((0..keys).map(|k| key(&format!("user-{k}"))).collect());
+        let done = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let reclaimer = {
+            let (store, done) = (store.clone(), done.clone());
+            std::thread::spawn(move || {
+                while !done.load(Ordering::Relaxed) {
+                    store.reclaim();
+                    std::thread::yield_now();
+                }
+            })
+        };
+        let handles: Vec<_> = (0..threads)
+            .map(|thread| {
+                let (store, names) = (store.clone(), names.clone());
+                std::thread::spawn(move || {
+                    for round in 0..3u64 {
+                        for k in 0..keys {
+                            let at = (k * 7 + thread * 1_013 + round * 17) % keys;
+                            store.incr(&names[at as usize], 1).unwrap();
+                        }
+                    }
+                })
+            })
+            .collect();
+        let mut lanes: HashMap<Key, Lane> = HashMap::new();
+        while !handles.iter().all(|h| h.is_finished()) {
+            for (key, lane) in collected(&store) {
+                lanes.insert(key, lane);
+            }
+            store.reclaim();
+        }
+        for handle in handles {
+            handle.join().unwrap();
+        }
+        done.store(true, Ordering::Relaxed);
+        reclaimer.join().unwrap();
+        for (key, lane) in collected(&store) {
+            lanes.insert(key, lane);
+        }
+        assert_eq!(store.len(), keys as usize);
+        assert_eq!(lanes.len(), keys as usize);
+        for key in names.iter() {
+            assert_eq!(store.own(key), Lane::new(threads * 3, 0), "{key}");
+            assert_eq!(lanes[key], Lane::new(threads * 3, 0), "{key}");
+        }
     }
 
     #[test]
