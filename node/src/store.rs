@@ -1185,20 +1185,19 @@ mod tests {
         assert!(store.is_empty());
     }
 
-    /// A small deterministic generator for the randomized histories below.
-    struct Rng(u64);
+    /// The randomized histories' generator: proptest's, seeded, so a seed replays.
+    struct Rng(proptest::test_runner::TestRng);
 
     impl Rng {
-        fn next(&mut self) -> u64 {
-            self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
-            let mut z = self.0;
-            z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-            z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-            z ^ (z >> 31)
+        fn seeded(seed: u64) -> Rng {
+            let mut bytes = [0; 32];
+            bytes[..8].copy_from_slice(&seed.to_le_bytes());
+            let algorithm = proptest::test_runner::RngAlgorithm::ChaCha;
+            Rng(proptest::test_runner::TestRng::from_seed(algorithm, &bytes))
         }
 
         fn below(&mut self, n: u64) -> u64 {
-            self.next() % n
+            proptest::prelude::RngExt::random_range(&mut self.0, 0..n)
         }
     }
 
@@ -1207,7 +1206,7 @@ mod tests {
         // Per key: own lane, remote sum, written since last collected.
         type Model = std::collections::BTreeMap<Key, (Lane, i128, bool)>;
         for seed in 0..60u64 {
-            let mut rng = Rng(seed);
+            let mut rng = Rng::seeded(seed);
             let keys_max = [usize::MAX, 3, 30, 150][seed as usize % 4];
             let store = store(keys_max);
             let mut model = Model::new();
