@@ -162,14 +162,21 @@ fn forget(node: u64, http: std::net::SocketAddr) -> anyhow::Result<()> {
         stream,
         "DELETE /members/{node} HTTP/1.1\r\nhost: {http}\r\n\r\n"
     )?;
-    let mut answer = String::new();
+    let mut answer = Vec::new();
     stream
-        .read_to_string(&mut answer)
+        .read_to_end(&mut answer)
         .with_context(|| format!("read the answer from {http}"))?;
     anyhow::ensure!(
         !answer.is_empty(),
         "{http} closed the connection without answering"
     );
+    // Another port (the client port, say) answers with bytes that are no HTTP: not
+    // printed, as they may hold control bytes.
+    anyhow::ensure!(
+        answer.starts_with(b"HTTP/"),
+        "{http} answered with something other than HTTP: is it the node's `listen_http` port?"
+    );
+    let answer = String::from_utf8_lossy(&answer);
     let (head, body) = answer.split_once("\r\n\r\n").unwrap_or((&answer, ""));
     let status = head.lines().next().unwrap_or_default();
     anyhow::ensure!(

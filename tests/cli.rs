@@ -151,3 +151,101 @@ fn a_request_timeout_of_zero_is_refused_naming_the_flag() {
     assert!(stderr.contains("--timeout-ms"), "{stderr}");
     assert!(!stderr.contains("connect"), "{stderr}");
 }
+
+/// A port on 127.0.0.1 nothing listens on now (bound and let go).
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+#[test]
+fn a_node_whose_log_pipe_was_closed_keeps_serving() {
+    let dir = std::env::temp_dir().join(format!("tally-cli-log-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    certs(&dir, "1");
+    let udp = std::net::UdpSocket::bind("127.0.0.1:0").unwrap();
+    let gossip = udp.local_addr().unwrap();
+    drop(udp);
+    let (client, http) = (free_port(), free_port());
+    let config = dir.join("node-1.toml");
+    std::fs::write(
+        &config,
+        format!(
+            "node_id = 1\n\
+             listen_gossip = \"{gossip}\"\n\
+             listen_client = \"127.0.0.1:{client}\"\n\
+             listen_http = \"127.0.0.1:{http}\"\n\
+             tls = {{ ca = \"{dir}/ca.pem\", cert = \"{dir}/node-1.pem\", key = \"{dir}/node-1.key\" }}\n\
+             [[rules]]\nname = \"api\"\nlimit = 10\nwindow_secs = 60\n",
+            dir = dir.display()
+        ),
+    )
+    .unwrap();
+    // The node's log is a pipe whose reader has gone (a log shipper that stopped): every
+    // line it writes fails with a broken pipe.
+    let mut node = Command::new(env!("CARGO_BIN_EXE_tally"))
+        .arg("daemon")
+        .arg("--config")
+        .arg(&config)
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    drop(node.stderr.take());
+    let endpoint = format!("127.0.0.1:{client}");
+    let mut answered = None;
+    for _ in 0..100 {
+        let output = Command::new(env!("CARGO_BIN_EXE_tally"))
+            .args(["incr", "api", "user-1", "--endpoint", &endpoint])
+            .output()
+            .unwrap();
+        if output.status.success() {
+            answered = Some(output);
+            break;
+        }
+        if node.try_wait().unwrap().is_some() {
+            break;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    }
+    let exited = node.try_wait().unwrap();
+    let _ = node.kill();
+    let _ = node.wait();
+    let _ = std::fs::remove_dir_all(&dir);
+    assert_eq!(exited, None, "the node exited");
+    let answered = answered.expect("the node answered");
+    assert!(
+        String::from_utf8_lossy(&answered.stdout).contains("estimate: 1"),
+        "{answered:?}"
+    );
+}
+
+#[test]
+fn tally_forget_pointed_at_a_port_that_speaks_no_http_says_so_without_its_bytes() {
+    // A port that answers as the client port does: a length-prefixed binary frame.
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = listener.local_addr().unwrap();
+    let server = std::thread::spawn(move || {
+        use std::io::{Read, Write};
+        let (mut stream, _) = listener.accept().unwrap();
+        let mut head = [0; 512];
+        let _ = stream.read(&mut head).unwrap();
+        stream.write_all(b"7\0\0\0\x03\0\x01\0\x06frame").unwrap();
+    });
+    let output = Command::new(env!("CARGO_BIN_EXE_tally"))
+        .args(["forget", "2", "--http"])
+        .arg(addr.to_string())
+        .output()
+        .unwrap();
+    server.join().unwrap();
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(!output.status.success(), "{output:?}");
+    assert!(
+        stderr.contains("answered with something other than HTTP"),
+        "{stderr}"
+    );
+    assert!(!stderr.contains('\0'), "{stderr:?}");
+}

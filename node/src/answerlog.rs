@@ -305,7 +305,7 @@ impl AnswerLog {
                 self.written = written;
                 self.compact_at = COMPACT_BYTES.max(2 * written);
                 if self.stopped.take().is_some() {
-                    eprintln!(
+                    log_line!(
                         "tallyd: {}: rewritten from memory; answers under request ids are \
                          logged again",
                         self.path.display()
@@ -327,7 +327,7 @@ impl AnswerLog {
             ticks_left: backoff,
             backoff,
         });
-        eprintln!(
+        log_line!(
             "tallyd: warning: {err}; answers under request ids are remembered in memory \
              only (a retry sent to the next life counts again) until the file is rewritten \
              from memory, tried next in about {backoff} s"
@@ -351,7 +351,7 @@ impl AnswersSync {
     pub fn sync(self) {
         if let Err(err) = self.file.sync_data() {
             if !self.failed.swap(true, Ordering::AcqRel) {
-                eprintln!(
+                log_line!(
                     "tallyd: warning: {}: {err}; the file's rewrite from memory begins at \
                      the next batch",
                     self.path.display()

@@ -114,7 +114,6 @@ pub fn run(args: &DaemonArgs) -> Result<(), StartError> {
         .enable_all()
         .build()
         .map_err(StartError::Runtime)?;
-    let keyed = config.clone();
     let ran = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
         runtime.block_on(daemon::run(config, shutdown_signal()))
     }));
@@ -123,7 +122,7 @@ pub fn run(args: &DaemonArgs) -> Result<(), StartError> {
     // panic too.
     runtime.shutdown_timeout(STOP_BLOCKING_WAIT);
     match ran {
-        Ok(ran) => ran.map_err(|err| match err.key(&keyed) {
+        Ok(ran) => ran.map_err(|err| match err.key() {
             Some(key) => StartError::Setting {
                 file: args.named(),
                 key,

@@ -86,17 +86,15 @@ pub enum DaemonError {
 }
 
 impl DaemonError {
-    /// The key of `config` whose value this failure to start is about, if one is: a TLS
+    /// The config key whose value this failure to start is about, if one is: a TLS
     /// file that cannot be used, a data directory, an address or a socket that cannot be
     /// bound, a rule's name. `None` for a node that stopped on its own.
-    pub fn key(&self, config: &Config) -> Option<&'static str> {
-        let tls = &config.tls;
+    pub fn key(&self) -> Option<&'static str> {
         match self {
-            DaemonError::Tls(TlsError::File { path, .. }) if *path == tls.ca => Some("tls.ca"),
-            DaemonError::Tls(TlsError::File { path, .. }) if *path == tls.key => Some("tls.key"),
-            DaemonError::Tls(
-                TlsError::File { .. } | TlsError::WrongNode { .. } | TlsError::NotValidNow { .. },
-            ) => Some("tls.cert"),
+            DaemonError::Tls(TlsError::File { key, .. }) => Some(key),
+            DaemonError::Tls(TlsError::WrongNode { .. } | TlsError::NotValidNow { .. }) => {
+                Some("tls.cert")
+            }
             DaemonError::Tls(TlsError::NotFromCa { .. } | TlsError::Config(_)) => Some("tls"),
             DaemonError::Log(_) | DaemonError::Ledger(_) | DaemonError::Region(_) => {
                 Some("data_dir")
@@ -160,7 +158,7 @@ pub async fn run(config: Config, shutdown: impl Future<Output = ()>) -> Result<(
     let certificate_expires = identity.expires_unix_secs;
     let days_left = (certificate_expires - (now.wall.0 / 1_000) as i64) / 86_400;
     if days_left < CERT_WARN_DAYS {
-        eprintln!(
+        log_line!(
             "tallyd: warning: {} expires in {days_left} days; issue a new one with `tally certs` \
              (peers refuse an expired certificate)",
             config.tls.cert.display()
@@ -233,7 +231,7 @@ pub async fn run(config: Config, shutdown: impl Future<Output = ()>) -> Result<(
         ),
     };
     let replica = ReplicaId::new(node, recovered.generation);
-    eprintln!(
+    log_line!(
         "tallyd: node {} generation {} starting; {} earlier lives recovered, {} torn log tails, \
          {} ms waited for the wall clock to pass the generation",
         node.0,
@@ -276,11 +274,14 @@ pub async fn run(config: Config, shutdown: impl Future<Output = ()>) -> Result<(
                 &recovered.retired,
                 expiry,
             )?;
-            eprintln!(
+            log_line!(
                 "tallyd: region log: {} entries replayed, {} torn bytes dropped, compacted \
                  to its live windows; {} admissions repaired into the region's lanes; {} \
                  owed until its lane log has room",
-                opened.entries, opened.torn, opened.repaired, opened.owed
+                opened.entries,
+                opened.torn,
+                opened.repaired,
+                opened.owed
             );
             let (frames, receiver) = tokio::sync::mpsc::channel(1_024);
             let sessions = Sessions {
@@ -436,7 +437,7 @@ pub async fn run(config: Config, shutdown: impl Future<Output = ()>) -> Result<(
         let serving = service.serve(requests, region_stopped, watcher.clone());
         watcher.spawn("region", serving)
     });
-    eprintln!(
+    log_line!(
         "tallyd: node {} serving: gossip {gossip_addr}, client {client_addr}, http {http_addr}",
         node.0
     );
@@ -451,12 +452,12 @@ pub async fn run(config: Config, shutdown: impl Future<Output = ()>) -> Result<(
         result = &mut driver_task => Some(result),
         () = &mut shutdown => None,
         Ok(by) = &mut forgotten_by => {
-            eprintln!("tallyd: node {}'s table holds this life as forgotten; stopping", by.0);
+            log_line!("tallyd: node {}'s table holds this life as forgotten; stopping", by.0);
             forgotten = Some(by);
             None
         }
         task = ended.first() => {
-            eprintln!("tallyd: the {task} task ended while the node ran; stopping");
+            log_line!("tallyd: the {task} task ended while the node ran; stopping");
             task_ended = Some(task);
             None
         }
@@ -568,10 +569,8 @@ mod tests {
         let config = |node: u64, client: &str| config_in(&dir, "", node, client);
         let refused = start(config(4, "127.0.0.1:0"));
         assert!(matches!(refused, Err(DaemonError::Tls(_))), "{refused:?}");
-        let key = |refused: &Result<(), DaemonError>, node, client| {
-            refused.as_ref().unwrap_err().key(&config(node, client))
-        };
-        assert_eq!(key(&refused, 4, "127.0.0.1:0"), Some("tls.cert"));
+        let key = |refused: &Result<(), DaemonError>| refused.as_ref().unwrap_err().key();
+        assert_eq!(key(&refused), Some("tls.cert"));
         assert!(!data.join("node").exists(), "claimed for node 4");
         let in_use = taken.local_addr().unwrap().to_string();
         let refused = start(config(3, &in_use));
@@ -579,7 +578,7 @@ mod tests {
             matches!(refused, Err(DaemonError::Bind { what: "client", .. })),
             "{refused:?}"
         );
-        assert_eq!(key(&refused, 3, &in_use), Some("listen_client"));
+        assert_eq!(key(&refused), Some("listen_client"));
         assert!(
             !data.join("node").exists(),
             "claimed by a start that failed to bind"
@@ -591,6 +590,23 @@ mod tests {
             "3"
         );
         std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    /// A certificate file given under two keys (the CA's as the node's, a copy-paste slip)
+    /// is refused naming the key whose use of it failed, not the first key that names the
+    /// file (found in a walk through README, session 49: it said `tls.ca`).
+    #[test]
+    #[cfg(not(tally_loom))]
+    fn a_ca_certificate_given_as_the_nodes_is_refused_naming_tls_cert() {
+        let dir = std::env::temp_dir().join(format!("tally-cert-is-ca-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        crate::certs::write_cluster(&dir, &[NodeId(3)]).unwrap();
+        let mut config = config_in(&dir, "", 3, "127.0.0.1:0");
+        config.tls.cert = config.tls.ca.clone();
+        let refused = start(config);
+        std::fs::remove_dir_all(&dir).unwrap();
+        assert!(matches!(refused, Err(DaemonError::Tls(_))), "{refused:?}");
+        assert_eq!(refused.unwrap_err().key(), Some("tls.cert"));
     }
 
     /// A region starts only on the ledger an earlier start made, and `--new-ledger` only
@@ -612,7 +628,7 @@ mod tests {
             matches!(&refused, Err(DaemonError::Ledger(LedgerError::Missing { path })) if *path == ledger),
             "{refused:?}"
         );
-        let key = refused.as_ref().unwrap_err().key(&region(false));
+        let key = refused.as_ref().unwrap_err().key();
         assert_eq!(key, Some("data_dir"));
         assert!(!data.exists(), "a refused start made its data dir");
         let message = refused.unwrap_err().to_string();

@@ -264,7 +264,7 @@ impl Driver {
                 self.local_lanes(durable);
             }
             Err(err) => {
-                eprintln!("tallyd: {err}; stopping: own lanes are sent only once durable");
+                log_line!("tallyd: {err}; stopping: own lanes are sent only once durable");
                 std::process::exit(EXIT_LOG_FAILED);
             }
         }
@@ -294,7 +294,7 @@ impl Driver {
             }
         });
         if collected.await.is_err() {
-            eprintln!("tallyd: the lane log's sync did not return; leaving without its lanes");
+            log_line!("tallyd: the lane log's sync did not return; leaving without its lanes");
         }
     }
 
@@ -310,7 +310,7 @@ impl Driver {
                 Output::Send { to, addr, frame } => self.transport.send(to, &addr, frame),
                 Output::Event(Event::Changed { keys }) => self.publish(me, &keys),
                 Output::Event(Event::Member(transition)) => {
-                    eprintln!(
+                    log_line!(
                         "tallyd: member node {} generation {} at {} is now {:?}",
                         transition.node.0,
                         transition.replica.generation.0,

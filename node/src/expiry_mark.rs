@@ -149,7 +149,7 @@ impl ExpiryMark {
         tokio::task::spawn_blocking(move || {
             match write(&dir, &mark) {
                 Ok(()) => failing.store(false, Ordering::Relaxed),
-                Err(err) if !failing.swap(true, Ordering::Relaxed) => eprintln!(
+                Err(err) if !failing.swap(true, Ordering::Relaxed) => log_line!(
                     "tallyd: warning: {err}: the paced clock's reading is not kept, so a \
                      start with the wall clock ahead may end live windows early"
                 ),

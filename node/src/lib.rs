@@ -32,6 +32,17 @@
 //! assert_eq!(changed, vec![(key, Lane::new(3, 0))]);
 //! ```
 
+/// Writes one line to stderr, the node's log, as `eprintln!` does, except that a stderr
+/// that cannot be written (a pipe whose reader went away: a log shipper restarted) does not
+/// panic: the node keeps serving and the line is lost (found in review, session 49: the
+/// node exited with status 101 at its first line).
+macro_rules! log_line {
+    ($($arg:tt)*) => {{
+        use std::io::Write as _;
+        let _ = writeln!(std::io::stderr(), $($arg)*);
+    }};
+}
+
 pub mod answerlog;
 pub mod certs;
 mod checksummed;

@@ -765,17 +765,17 @@ impl Service {
 /// log if it is due. A failed write stops the node: see [`EXIT_LOG_FAILED`].
 pub fn write_out(log: &mut LaneLog, store: &LaneStore) {
     if let Err(err) = log.flush() {
-        eprintln!("tallyd: {err}; stopping: writes cannot be made durable");
+        log_line!("tallyd: {err}; stopping: writes cannot be made durable");
         std::process::exit(EXIT_LOG_FAILED);
     }
     if let Err(err) = log.compact_if_large(store) {
         if log.has_failed() {
             // Renamed over the log but not reopened: nothing can be appended now.
-            eprintln!("tallyd: {err}; stopping: writes cannot be made durable");
+            log_line!("tallyd: {err}; stopping: writes cannot be made durable");
             std::process::exit(EXIT_LOG_FAILED);
         }
         // The log is still whole; only its rewrite failed, to be tried again later.
-        eprintln!("tallyd: {err}");
+        log_line!("tallyd: {err}");
     }
 }
 

@@ -44,6 +44,9 @@ pub enum TlsError {
     /// A PEM file could not be read or parsed.
     #[error("tls: {path}: {why}")]
     File {
+        /// The config key that named the file (`tls.ca`, `tls.cert` or `tls.key`): one
+        /// file may be named by two (a certificate given as the CA, say).
+        key: &'static str,
         /// The file.
         path: PathBuf,
         /// What was wrong.
@@ -172,9 +175,10 @@ fn endpoint_keys(key: &PrivateKeyDer<'_>) -> EndpointKeys {
 /// Loads the node's certificate files and builds both TLS configurations: TLS 1.3 only,
 /// peers verified against the cluster CA both ways, no session resumption.
 fn tls(files: &TlsConfig, node: NodeId) -> Result<Tls, TlsError> {
-    let ca = certs(&files.ca)?;
-    let chain = certs(&files.cert)?;
+    let ca = certs("tls.ca", &files.ca)?;
+    let chain = certs("tls.cert", &files.cert)?;
     let key = PrivateKeyDer::from_pem_file(&files.key).map_err(|err| TlsError::File {
+        key: "tls.key",
         path: files.key.clone(),
         why: err.to_string(),
     })?;
@@ -189,12 +193,14 @@ fn tls(files: &TlsConfig, node: NodeId) -> Result<Tls, TlsError> {
         }
         Some(Err(why)) => {
             return Err(TlsError::File {
+                key: "tls.cert",
                 path: files.cert.clone(),
                 why,
             })
         }
         None => {
             return Err(TlsError::File {
+                key: "tls.cert",
                 path: files.cert.clone(),
                 why: "no certificate in the file".into(),
             })
@@ -204,6 +210,7 @@ fn tls(files: &TlsConfig, node: NodeId) -> Result<Tls, TlsError> {
     let mut roots = rustls::RootCertStore::empty();
     for cert in ca {
         roots.add(cert).map_err(|err| TlsError::File {
+            key: "tls.ca",
             path: files.ca.clone(),
             why: format!("not a CA certificate rustls takes: {err}"),
         })?;
@@ -214,6 +221,7 @@ fn tls(files: &TlsConfig, node: NodeId) -> Result<Tls, TlsError> {
     // The key is refused with the certificate it goes with: another node's key, or a kind
     // rustls does not take.
     let key_err = |err: rustls::Error| TlsError::File {
+        key: "tls.key",
         path: files.key.clone(),
         why: format!(
             "does not go with the certificate in {}: {err}",
@@ -274,6 +282,7 @@ fn no_resumption(server: &mut rustls::ServerConfig) {
 /// clock.
 fn valid_now(path: &std::path::Path, cert: &CertificateDer<'_>) -> Result<i64, TlsError> {
     let (_, parsed) = x509_parser::parse_x509_certificate(cert).map_err(|err| TlsError::File {
+        key: "tls.cert",
         path: path.to_owned(),
         why: format!("certificate does not parse: {err}"),
     })?;
@@ -348,8 +357,10 @@ fn transport() -> Arc<quinn::TransportConfig> {
     Arc::new(transport)
 }
 
-fn certs(path: &Path) -> Result<Vec<CertificateDer<'static>>, TlsError> {
+/// The certificates in `path`, the file config key `key` names.
+fn certs(key: &'static str, path: &Path) -> Result<Vec<CertificateDer<'static>>, TlsError> {
     let file_err = |why: String| TlsError::File {
+        key,
         path: path.to_owned(),
         why,
     };

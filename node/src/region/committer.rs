@@ -275,7 +275,7 @@ fn compact(
         }
         Err(failure) if failure.harmless() => {
             stats.compactions_failed.fetch_add(1, Ordering::Relaxed);
-            eprintln!(
+            log_line!(
                 "tallyd: region log: a compaction failed before it replaced the log ({}); \
                  the log is as it was and takes appends, and the next compaction is due once \
                  it has grown as much again",

@@ -340,7 +340,7 @@ impl RegionService {
     fn finish_compaction(&mut self, snapshot: Option<Vec<u8>>) {
         let since = self.since_snapshot.take().unwrap_or_default();
         let Some(snapshot) = snapshot else {
-            eprintln!(
+            log_line!(
                 "tallyd: region: the compaction's snapshot could not be encoded; the log is \
                  left as it is, and the next compaction is due once it has grown as much again"
             );
