@@ -1815,6 +1815,71 @@ mod tests {
         std::fs::remove_dir_all(dir).unwrap();
     }
 
+    /// A region that answers with a length prefix out of bounds (over the region frame
+    /// limit): the edge's forwarder drops the session and counts the frame in
+    /// `answers_bad`, as it does a frame that does not decode.
+    #[tokio::test(flavor = "current_thread")]
+    async fn a_frame_of_answers_out_of_bounds_from_the_region_is_counted_at_the_edge() {
+        use crate::region::forward::{Check, ForwardStats, Forwarder};
+        use tally_crdt::{Key, Rule, Subject, Window};
+        let dir = std::env::temp_dir().join(format!("tally-oob-answers-{}", std::process::id()));
+        let files = crate::certs::write_cluster(&dir, &[NodeId(1), NodeId(2)]).unwrap();
+        let (one, _) = bound(&dir, &files[0], 1, Limits::NODE);
+        let (frames, mut to_region) = mpsc::channel(1_024);
+        let sessions = Sessions {
+            frames,
+            frame_bytes_max: crate::region::wire::REGION_FRAME_BYTES_MAX,
+        };
+        let (two, _gossip_untaken) = Transport::bind_within(
+            std::net::UdpSocket::bind("127.0.0.1:0").unwrap(),
+            identity(&dir, &files[1], 2),
+            16_384,
+            Limits::NODE,
+            Arc::default(),
+            Some(sessions),
+        )
+        .unwrap();
+        let addr = two.local_addr().unwrap().to_string();
+        let stats = Arc::new(ForwardStats::default());
+        let (late, _reported) = mpsc::unbounded_channel();
+        let replica = tally_crdt::ReplicaId::new(NodeId(1), tally_crdt::Generation(1));
+        let forwarder = Forwarder::new(
+            one.requester(),
+            NodeId(2),
+            addr,
+            replica,
+            crate::clock::Clock::start(),
+            stats.clone(),
+            late,
+        );
+        let (answers, _answered) = mpsc::unbounded_channel();
+        let check = Check {
+            key: Key::new(
+                Rule::new("quota").unwrap(),
+                Subject::new("a").unwrap(),
+                Window::new(0, 60).unwrap(),
+            ),
+            cost: 1,
+            timeout_ms: 10_000,
+            check_id: None,
+            ticket: 0u64,
+        };
+        forwarder.submit([check], tokio::time::Instant::now(), &answers);
+        let frame = tokio::time::timeout(Duration::from_secs(10), to_region.recv())
+            .await
+            .expect("the check at the region")
+            .unwrap();
+        // A length prefix past the region frame limit, and a little of a body.
+        let mut answer = u32::MAX.to_le_bytes().to_vec();
+        answer.extend_from_slice(&[0; 16]);
+        frame.reply.send(answer);
+        until("the frame out of bounds counted", || {
+            stats.answers_bad.load(Ordering::Relaxed) == 1
+        })
+        .await;
+        std::fs::remove_dir_all(dir).unwrap();
+    }
+
     #[tokio::test(flavor = "current_thread")]
     async fn a_writer_made_before_its_peers_address_was_known_dials_the_one_given_later() {
         let (mut one, two, mut to_two, dir) = two_nodes("unaddressed");
