@@ -726,17 +726,6 @@ impl CounterMap {
     /// origin left with no lanes for which `keep_origin` is false (a retired generation,
     /// a dead node). Returns how many counters were dropped.
     pub fn expire(&mut self, now_unix_secs: u64, keep_origin: impl Fn(ReplicaId) -> bool) -> usize {
-        self.expire_noting(now_unix_secs, keep_origin, |_, _| {})
-    }
-
-    /// [`CounterMap::expire`], calling `removed` with the replica and version of every
-    /// lane it drops.
-    pub fn expire_noting(
-        &mut self,
-        now_unix_secs: u64,
-        keep_origin: impl Fn(ReplicaId) -> bool,
-        mut removed: impl FnMut(ReplicaId, Version),
-    ) -> usize {
         let expired: Vec<KeyId> = (self.keys)
             .ids_in_windows(|window| !window.is_live(now_unix_secs))
             .collect();
@@ -745,7 +734,6 @@ impl CounterMap {
             if let Some(cells) = self.keys.remove(id) {
                 for (index, version) in cells.versions() {
                     let replica = self.replicas.replica(index);
-                    removed(replica, version);
                     if let Some(origin) = self.origins.get_mut(&replica) {
                         origin.by_version.remove(version);
                     }

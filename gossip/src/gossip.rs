@@ -164,10 +164,6 @@ pub struct Gossip {
     // live again; this node's own lanes of it are gone, and nothing is left to compare a
     // peer's copy with.
     collected_at: u64,
-    // The highest version of the own lanes a round has collected: a lane of this node's
-    // handed back at a version above it was not collected here, so it is compared even in
-    // a window that ended before `collected_at` (one written since the clock stepped back).
-    collected_through: Version,
     // The stamps this node gives its own states: the wall clock, carried on by the
     // monotonic clock while the wall clock is stepped back.
     own_stamps: OwnStamps,
@@ -231,7 +227,6 @@ impl Gossip {
             ack_from: FIRST_ORIGIN,
             expiry: None,
             collected_at: 0,
-            collected_through: Version::ZERO,
             own_stamps: OwnStamps::default(),
             wall_latest: Stamp::default(),
             table_matched: false,
@@ -507,17 +502,9 @@ impl Gossip {
         }
         let live_at = self.expiry_secs(now);
         self.collected_at = self.collected_at.max(live_at);
-        let (me, members) = (self.config.replica, &self.members);
-        let collected_through = &mut self.collected_through;
-        self.map.expire_noting(
-            live_at,
-            |replica| members.is_live_replica(replica),
-            |replica, version| {
-                if replica == me {
-                    *collected_through = (*collected_through).max(version);
-                }
-            },
-        );
+        let members = &self.members;
+        self.map
+            .expire(live_at, |replica| members.is_live_replica(replica));
     }
 
     /// What this node holds of the origins that write no more ([`Gossip::writes_no_more`]),
@@ -749,17 +736,12 @@ impl Gossip {
         // a window expired here is not held to compare: a peer may hand back this node's
         // own lane after its window ended here. So is one of a window a round collected
         // here that reads live again because the wall clock, and with it the paced clock,
-        // stepped back: its own lane went with the window. Only at a version a collected
-        // lane may have had: a lane it wrote since, of a window that ended before the
-        // collection, is still compared.)
-        let (collected_at, collected_through) = (self.collected_at, self.collected_through);
+        // stepped back: its own lane went with the window.)
+        let compared_at = at.live_at_unix_secs.max(self.collected_at);
         let inflated = (delta.origins.iter())
             .filter(|entry| entry.origin == me)
             .flat_map(|entry| &entry.lanes)
-            .filter(|update| update.key.window.is_live(at.live_at_unix_secs))
-            .filter(|update| {
-                update.key.window.is_live(collected_at) || update.version > collected_through
-            })
+            .filter(|update| update.key.window.is_live(compared_at))
             .find(|update| !self.map.lane(&update.key, me).covers(update.lane))
             .map(|update| update.version);
         let applied = match (after, delta.origins.first()) {
@@ -1686,73 +1668,6 @@ mod tests {
         .count();
         // It wrote that lane: nothing was reused, and `tallyd` would have stopped on it.
         assert_eq!(reused, 0, "its own lane, handed back as written");
-    }
-
-    #[test]
-    fn a_lane_it_never_wrote_of_a_window_written_after_its_clock_stepped_back_is_a_reuse() {
-        // Node 1 writes a lane of a 60 s window, and three minutes on collects it.
-        let mut gossip = node(1);
-        let key = |subject: &str, at_ms: u64| {
-            Key::new(
-                Rule::new("r").unwrap(),
-                Subject::new(subject).unwrap(),
-                Window::containing((WALL + at_ms) / 1_000, 60).unwrap(),
-            )
-        };
-        gossip.handle_input(Input::LocalLanes {
-            now: now(1),
-            lanes: vec![(key("before", 1), Lane::new(3, 0))],
-        });
-        gossip.handle_input(Input::Timeout { now: now(180_000) });
-        // Its wall clock steps back two minutes, and it writes a lane (version 2) of the
-        // window it is in now: a window it never wrote before, which ended before the
-        // round's collection, and which it holds.
-        let stepped = Now {
-            mono: Duration::from_millis(181_000),
-            wall: Stamp(WALL + 61_000),
-        };
-        let mine = key("after", 61_000);
-        gossip.handle_input(Input::LocalLanes {
-            now: stepped,
-            lanes: vec![(mine.clone(), Lane::new(1, 0))],
-        });
-        while !matches!(gossip.poll_output(), Output::Timeout(_)) {}
-        // A peer hands back that lane at that version, with totals this life never wrote:
-        // another life under the same replica id wrote it.
-        let delta = Message::Delta {
-            to: gossip.replica(),
-            delta: Delta {
-                origins: vec![OriginDelta {
-                    origin: gossip.replica(),
-                    through: Watermark::default(),
-                    lanes: vec![tally_crdt::LaneUpdate {
-                        key: mine,
-                        lane: Lane::new(100, 0),
-                        version: Version(2),
-                    }],
-                }],
-            },
-            members: Vec::new(),
-            dead: Vec::new(),
-        };
-        gossip.handle_input(Input::Receive {
-            now: Now {
-                mono: Duration::from_millis(182_000),
-                wall: Stamp(WALL + 62_000),
-            },
-            from: NodeId(2),
-            frame: wire::encode(node(2).replica(), &delta),
-        });
-        let reused = std::iter::from_fn(|| match gossip.poll_output() {
-            Output::Timeout(_) => None,
-            output => Some(output),
-        })
-        .filter(|output| matches!(output, Output::Event(Event::GenerationReused { .. })))
-        .count();
-        assert_eq!(
-            reused, 1,
-            "a lane above the one it holds, at a version it wrote"
-        );
     }
 
     #[test]
