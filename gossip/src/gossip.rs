@@ -159,11 +159,6 @@ pub struct Gossip {
     // The wall clock that windows end by; `None` until the first input with a time, unless
     // resumed (`with_expiry`).
     expiry: Option<PacedWall>,
-    // The latest time, in unix seconds, that a round has collected ended windows at. The
-    // paced clock follows a wall clock stepped back, so a window collected here can read
-    // live again; this node's own lanes of it are gone, and nothing is left to compare a
-    // peer's copy with.
-    collected_at: u64,
     // The stamps this node gives its own states: the wall clock, carried on by the
     // monotonic clock while the wall clock is stepped back.
     own_stamps: OwnStamps,
@@ -226,7 +221,6 @@ impl Gossip {
             syn_from: FIRST_ORIGIN,
             ack_from: FIRST_ORIGIN,
             expiry: None,
-            collected_at: 0,
             own_stamps: OwnStamps::default(),
             wall_latest: Stamp::default(),
             table_matched: false,
@@ -501,7 +495,6 @@ impl Gossip {
                 .keep_stamp(origin, self.map.watermark(origin).stamp);
         }
         let live_at = self.expiry_secs(now);
-        self.collected_at = self.collected_at.max(live_at);
         let members = &self.members;
         self.map
             .expire(live_at, |replica| members.is_live_replica(replica));
@@ -733,15 +726,12 @@ impl Gossip {
         };
         // No peer can hold a lane of this replica above what this life wrote: a lane that
         // would raise one is a lane an earlier life wrote under this replica id. (A lane of
-        // a window expired here is not held to compare: a peer may hand back this node's
-        // own lane after its window ended here. So is one of a window a round collected
-        // here that reads live again because the wall clock, and with it the paced clock,
-        // stepped back: its own lane went with the window.)
-        let compared_at = at.live_at_unix_secs.max(self.collected_at);
+        // a window expired here is not held to compare, and is not taken: a peer may
+        // hand back this node's own lane after its window ended here.)
         let inflated = (delta.origins.iter())
             .filter(|entry| entry.origin == me)
             .flat_map(|entry| &entry.lanes)
-            .filter(|update| update.key.window.is_live(compared_at))
+            .filter(|update| update.key.window.is_live(at.live_at_unix_secs))
             .find(|update| !self.map.lane(&update.key, me).covers(update.lane))
             .map(|update| update.version);
         let applied = match (after, delta.origins.first()) {
@@ -1612,62 +1602,6 @@ mod tests {
         });
         assert_eq!(gossip.map().value(&key), 9);
         assert_eq!(gossip.stats().lanes_throttled, 0);
-    }
-
-    #[test]
-    fn its_own_lane_of_a_window_collected_here_handed_back_after_its_clock_stepped_back_is_no_reuse(
-    ) {
-        // Node 1 writes a lane of a 60 s window, and three minutes on collects the window.
-        let mut gossip = node(1);
-        let key = Key::new(
-            Rule::new("r").unwrap(),
-            Subject::new("mine").unwrap(),
-            Window::containing(WALL / 1_000, 60).unwrap(),
-        );
-        gossip.handle_input(Input::LocalLanes {
-            now: now(1),
-            lanes: vec![(key.clone(), Lane::new(3, 0))],
-        });
-        gossip.handle_input(Input::Timeout { now: now(180_000) });
-        assert!(gossip.map().counter(&key).is_none(), "collected");
-        // Its wall clock steps back two minutes (the paced clock the windows end by
-        // follows it back, so the window reads live again), and a peer hands back the
-        // lane as node 1 wrote it, answering a digest of node 1's from before the write
-        // (a replay, as the simulator makes them, or a Syn delayed by a cut its connection
-        // outlived).
-        let stepped = Now {
-            mono: Duration::from_millis(181_000),
-            wall: Stamp(WALL + 60_000),
-        };
-        let delta = Message::Delta {
-            to: gossip.replica(),
-            delta: Delta {
-                origins: vec![OriginDelta {
-                    origin: gossip.replica(),
-                    through: Watermark::default(),
-                    lanes: vec![tally_crdt::LaneUpdate {
-                        key,
-                        lane: Lane::new(3, 0),
-                        version: Version(1),
-                    }],
-                }],
-            },
-            members: Vec::new(),
-            dead: Vec::new(),
-        };
-        gossip.handle_input(Input::Receive {
-            now: stepped,
-            from: NodeId(2),
-            frame: wire::encode(node(2).replica(), &delta),
-        });
-        let reused = std::iter::from_fn(|| match gossip.poll_output() {
-            Output::Timeout(_) => None,
-            output => Some(output),
-        })
-        .filter(|output| matches!(output, Output::Event(Event::GenerationReused { .. })))
-        .count();
-        // It wrote that lane: nothing was reused, and `tallyd` would have stopped on it.
-        assert_eq!(reused, 0, "its own lane, handed back as written");
     }
 
     #[test]
