@@ -1820,8 +1820,7 @@ mod tests {
     /// `answers_bad`, as it does a frame that does not decode.
     #[tokio::test(flavor = "current_thread")]
     async fn a_frame_of_answers_out_of_bounds_from_the_region_is_counted_at_the_edge() {
-        use crate::region::forward::{Check, ForwardStats, Forwarder};
-        use tally_crdt::{Key, Rule, Subject, Window};
+        use crate::region::forward::{ForwardStats, Forwarder};
         let dir = std::env::temp_dir().join(format!("tally-oob-answers-{}", std::process::id()));
         let files = crate::certs::write_cluster(&dir, &[NodeId(1), NodeId(2)]).unwrap();
         let (one, _) = bound(&dir, &files[0], 1, Limits::NODE);
@@ -1853,17 +1852,7 @@ mod tests {
             late,
         );
         let (answers, _answered) = mpsc::unbounded_channel();
-        let check = Check {
-            key: Key::new(
-                Rule::new("quota").unwrap(),
-                Subject::new("a").unwrap(),
-                Window::new(0, 60).unwrap(),
-            ),
-            cost: 1,
-            timeout_ms: 10_000,
-            check_id: None,
-            ticket: 0u64,
-        };
+        let check = crate::region::forward::tests::quota_check(0, 10_000);
         forwarder.submit([check], tokio::time::Instant::now(), &answers);
         let frame = tokio::time::timeout(Duration::from_secs(10), to_region.recv())
             .await

@@ -917,7 +917,7 @@ fn time_out(timed_out: &mut BTreeMap<u64, Duration>, seq: u64, arrived: Duration
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
     use tally_crdt::{Generation, Rule, Subject, Window};
 
@@ -932,28 +932,10 @@ mod tests {
     /// region became an admission.) The branches are taken in random order, so rounds.
     #[tokio::test]
     async fn an_answer_in_when_its_deadline_passes_is_the_checks_whichever_branch_wakes_first() {
-        let check = |ticket, timeout_ms| Check {
-            key: Key::new(
-                Rule::new("quota").unwrap(),
-                Subject::new("a").unwrap(),
-                Window::new(0, 60).unwrap(),
-            ),
-            cost: 1,
-            timeout_ms,
-            check_id: None,
-            ticket,
-        };
+        let check = quota_check;
         let mut checked = 0;
         for round in 0..16 {
-            let (frames, mut to_region) = mpsc::channel(8);
-            let sessions = Sessions {
-                frames,
-                frame_bytes_max: REGION_FRAME_BYTES_MAX,
-            };
-            let replica = ReplicaId::new(NodeId(2), Generation(1));
-            let stats = Arc::new(ForwardStats::default());
-            let (late, _reported) = mpsc::unbounded_channel();
-            let forwarder = Forwarder::local(sessions, replica, Clock::start(), stats, late);
+            let (forwarder, mut to_region) = local_forwarder(Arc::default());
             let (answers, mut answered) = mpsc::unbounded_channel();
             // Long enough that the answer is sent before it passes on a slow machine (200 ms
             // was not, once, in CI's loom step, which runs the loom models beside it).
@@ -1014,28 +996,10 @@ mod tests {
     /// why exact checks went unanswered.
     #[tokio::test]
     async fn a_frame_of_answers_that_does_not_decode_is_counted_in_the_metrics() {
-        let (frames, mut to_region) = mpsc::channel(8);
-        let sessions = Sessions {
-            frames,
-            frame_bytes_max: REGION_FRAME_BYTES_MAX,
-        };
-        let replica = ReplicaId::new(NodeId(2), Generation(1));
         let stats = Arc::new(ForwardStats::default());
-        let (late, _reported) = mpsc::unbounded_channel();
-        let forwarder = Forwarder::local(sessions, replica, Clock::start(), stats.clone(), late);
+        let (forwarder, mut to_region) = local_forwarder(stats.clone());
         let (answers, _answered) = mpsc::unbounded_channel();
-        let check = Check {
-            key: Key::new(
-                Rule::new("quota").unwrap(),
-                Subject::new("a").unwrap(),
-                Window::new(0, 60).unwrap(),
-            ),
-            cost: 1,
-            timeout_ms: 10_000,
-            check_id: None,
-            ticket: 0u64,
-        };
-        forwarder.submit([check], Instant::now(), &answers);
+        forwarder.submit([quota_check(0, 10_000)], Instant::now(), &answers);
         let frame = to_region.recv().await.unwrap();
         // A length prefix, then bytes that are no frame of answers.
         let garbage = vec![3, 0, 0, 0, 0xff, 0xff, 0xff];
@@ -1047,7 +1011,7 @@ mod tests {
             .expect("the check sent again")
             .unwrap();
         assert!(wire::decode_checks(&again.body).is_some());
-        let store = crate::store::LaneStore::new(replica, 8);
+        let store = crate::store::LaneStore::new(ReplicaId::new(NodeId(2), Generation(1)), 8);
         let text = crate::metrics::render(&crate::metrics::Sources {
             metrics: &crate::metrics::Metrics::default(),
             view: &crate::view::View::default(),
@@ -1094,11 +1058,44 @@ mod tests {
     /// Held checks with no forwarder in front: its incoming channel's sender, and the
     /// stats they count in.
     #[allow(clippy::type_complexity)]
-    fn held() -> (
-        Held<u64>,
-        mpsc::UnboundedSender<Vec<Box<Pending<u64>>>>,
-        Arc<ForwardStats>,
+    /// A check of `quota` on subject `a`, cost 1, in the window from 0 to 60.
+    pub(crate) fn quota_check(ticket: u64, timeout_ms: u64) -> Check<u64> {
+        Check {
+            key: Key::new(
+                Rule::new("quota").unwrap(),
+                Subject::new("a").unwrap(),
+                Window::new(0, 60).unwrap(),
+            ),
+            cost: 1,
+            timeout_ms,
+            check_id: None,
+            ticket,
+        }
+    }
+
+    /// A forwarder of node 2's first life to a region task within the node, whose frames
+    /// come out of the receiver.
+    fn local_forwarder(
+        stats: Arc<ForwardStats>,
+    ) -> (
+        Forwarder<u64>,
+        mpsc::Receiver<crate::transport::SessionFrame>,
     ) {
+        let (frames, to_region) = mpsc::channel(8);
+        let sessions = Sessions {
+            frames,
+            frame_bytes_max: REGION_FRAME_BYTES_MAX,
+        };
+        let replica = ReplicaId::new(NodeId(2), Generation(1));
+        let (late, _reported) = mpsc::unbounded_channel();
+        let forwarder = Forwarder::local(sessions, replica, Clock::start(), stats, late);
+        (forwarder, to_region)
+    }
+
+    /// Where a test hands `Held` the checks it takes in.
+    type Incoming = mpsc::UnboundedSender<Vec<Box<Pending<u64>>>>;
+
+    fn held() -> (Held<u64>, Incoming, Arc<ForwardStats>) {
         let (checks, incoming) = mpsc::unbounded_channel();
         let stats = Arc::new(ForwardStats::default());
         let (late, _) = mpsc::unbounded_channel();
