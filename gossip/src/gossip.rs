@@ -1605,6 +1605,73 @@ mod tests {
     }
 
     #[test]
+    fn a_lane_it_never_wrote_of_a_window_written_after_its_clock_stepped_back_is_a_reuse() {
+        // Node 1 writes a lane of a 60 s window, and three minutes on collects it.
+        let mut gossip = node(1);
+        let key = |subject: &str, at_ms: u64| {
+            Key::new(
+                Rule::new("r").unwrap(),
+                Subject::new(subject).unwrap(),
+                Window::containing((WALL + at_ms) / 1_000, 60).unwrap(),
+            )
+        };
+        gossip.handle_input(Input::LocalLanes {
+            now: now(1),
+            lanes: vec![(key("before", 1), Lane::new(3, 0))],
+        });
+        gossip.handle_input(Input::Timeout { now: now(180_000) });
+        // Its wall clock steps back two minutes, and it writes a lane (version 2) of the
+        // window it is in now: a window it never wrote before, which ended before the
+        // round's collection, and which it holds.
+        let stepped = Now {
+            mono: Duration::from_millis(181_000),
+            wall: Stamp(WALL + 61_000),
+        };
+        let mine = key("after", 61_000);
+        gossip.handle_input(Input::LocalLanes {
+            now: stepped,
+            lanes: vec![(mine.clone(), Lane::new(1, 0))],
+        });
+        while !matches!(gossip.poll_output(), Output::Timeout(_)) {}
+        // A peer hands back that lane at that version, with totals this life never wrote:
+        // another life under the same replica id wrote it.
+        let delta = Message::Delta {
+            to: gossip.replica(),
+            delta: Delta {
+                origins: vec![OriginDelta {
+                    origin: gossip.replica(),
+                    through: Watermark::default(),
+                    lanes: vec![tally_crdt::LaneUpdate {
+                        key: mine,
+                        lane: Lane::new(100, 0),
+                        version: Version(2),
+                    }],
+                }],
+            },
+            members: Vec::new(),
+            dead: Vec::new(),
+        };
+        gossip.handle_input(Input::Receive {
+            now: Now {
+                mono: Duration::from_millis(182_000),
+                wall: Stamp(WALL + 62_000),
+            },
+            from: NodeId(2),
+            frame: wire::encode(node(2).replica(), &delta),
+        });
+        let reused = std::iter::from_fn(|| match gossip.poll_output() {
+            Output::Timeout(_) => None,
+            output => Some(output),
+        })
+        .filter(|output| matches!(output, Output::Event(Event::GenerationReused { .. })))
+        .count();
+        assert_eq!(
+            reused, 1,
+            "a lane above the one it holds, at a version it wrote"
+        );
+    }
+
+    #[test]
     fn a_lane_of_its_own_replica_that_this_life_never_wrote_reports_the_generation_reused() {
         // Past a gap: a version above this life's, the watermark not raised by it.
         assert_eq!(
