@@ -1846,27 +1846,14 @@ mod tests {
         assert_eq!(peer.watermark(replica(1)).version, Version(1));
     }
 
-    /// The randomized histories' generator: proptest's, seeded, so a seed replays.
-    struct Rng(proptest::test_runner::TestRng);
-
-    impl Rng {
-        fn seeded(seed: u64) -> Rng {
-            let mut bytes = [0; 32];
-            bytes[..8].copy_from_slice(&seed.to_le_bytes());
-            let algorithm = proptest::test_runner::RngAlgorithm::ChaCha;
-            Rng(proptest::test_runner::TestRng::from_seed(algorithm, &bytes))
-        }
-
-        fn below(&mut self, n: u64) -> u64 {
-            proptest::prelude::RngExt::random_range(&mut self.0, 0..n)
-        }
-    }
-
     #[test]
     fn random_histories_of_merges_writes_and_expiries_read_back_as_a_model() {
+        use proptest::prelude::RngExt;
+        use proptest::test_runner::{RngAlgorithm, TestRng};
+        // Seeded by the history's number, so a failing one replays.
         type Model = BTreeMap<(Key, ReplicaId), (Lane, Version)>;
         for seed in 0..30u64 {
-            let mut rng = Rng::seeded(seed);
+            let mut rng = TestRng::from_seed(RngAlgorithm::ChaCha, &[seed as u8; 32]);
             let keys_max = [usize::MAX, 5, 40, 200][seed as usize % 4];
             let mut map = CounterMap::new()
                 .with_keys_max(keys_max)
@@ -1878,40 +1865,43 @@ mod tests {
             // What each origin has sent of each key: its history of (lane, version).
             let mut sent: BTreeMap<(Key, ReplicaId), Vec<(Lane, Version)>> = BTreeMap::new();
             let mut now = 100_000;
-            let key_at = |rng: &mut Rng, now: u64| {
-                let len = [5, 10, 30, 5, 10, 30, 60, 3_600][rng.below(8) as usize];
+            let key_at = |rng: &mut TestRng, now: u64| {
+                let len = [5, 10, 30, 5, 10, 30, 60, 3_600][rng.random_range(0..8) as usize];
                 Key::new(
-                    Rule::new(["r", "q"][rng.below(2) as usize]).unwrap(),
-                    Subject::new(format!("s{}", rng.below(300))).unwrap(),
-                    Window::containing(now - rng.below(u64::from(len) / 2 + 1), len).unwrap(),
+                    Rule::new(["r", "q"][rng.random_range(0..2) as usize]).unwrap(),
+                    Subject::new(format!("s{}", rng.random_range(0..300))).unwrap(),
+                    Window::containing(now - rng.random_range(0..u64::from(len) / 2 + 1), len)
+                        .unwrap(),
                 )
             };
-            let amount = |rng: &mut Rng| match rng.below(5) {
-                0 => u64::MAX - rng.below(3),
-                1 => u64::from(u32::MAX) + rng.below(3),
-                _ => rng.below(100),
+            let amount = |rng: &mut TestRng| match rng.random_range(0..5) {
+                0 => u64::MAX - rng.random_range(0..3),
+                1 => u64::from(u32::MAX) + rng.random_range(0..3),
+                _ => rng.random_range(0..100),
             };
             for step in 0..600 {
-                match rng.below(10) {
+                match rng.random_range(0..10) {
                     0..=4 => {
                         // A remote lane: a new write of its origin, or an earlier copy.
-                        let origin =
-                            ReplicaId::new(NodeId(1 + rng.below(12)), Generation(1 + rng.below(2)));
+                        let origin = ReplicaId::new(
+                            NodeId(1 + rng.random_range(0..12)),
+                            Generation(1 + rng.random_range(0..2)),
+                        );
                         let key = key_at(&mut rng, now);
                         let history = sent.entry((key.clone(), origin)).or_default();
-                        let update = if !history.is_empty() && rng.below(3) == 0 {
-                            history[rng.below(history.len() as u64) as usize]
+                        let update = if !history.is_empty() && rng.random_range(0..3) == 0 {
+                            history[rng.random_range(0..history.len() as u64) as usize]
                         } else {
                             let next = next_version.entry(origin).or_insert(1);
                             let version = Version(*next);
-                            *next += match rng.below(6) {
+                            *next += match rng.random_range(0..6) {
                                 0 => 1 << 16,
-                                1 => (1 << 32) + rng.below(70_000),
-                                _ => 1 + rng.below(3),
+                                1 => (1 << 32) + rng.random_range(0..70_000),
+                                _ => 1 + rng.random_range(0..3),
                             };
                             let mut lane = history.last().map_or(Lane::default(), |l| l.0);
                             let _ = lane.incr(amount(&mut rng));
-                            if rng.below(2) == 0 {
+                            if rng.random_range(0..2) == 0 {
                                 let _ = lane.decr(amount(&mut rng));
                             }
                             history.push((lane, version));
@@ -1952,7 +1942,7 @@ mod tests {
                             continue;
                         }
                         let by = amount(&mut rng);
-                        let decr = rng.below(3) == 0;
+                        let decr = rng.random_range(0..3) == 0;
                         let result = if decr {
                             map.decr(own, &key, by, Stamp(step))
                         } else {
@@ -1975,12 +1965,12 @@ mod tests {
                     }
                     7 => {
                         // Time passes, and ended windows go.
-                        now += if rng.below(4) == 0 {
-                            rng.below(70)
+                        now += if rng.random_range(0..4) == 0 {
+                            rng.random_range(0..70)
                         } else {
-                            rng.below(5)
+                            rng.random_range(0..5)
                         };
-                        let keep = rng.below(2) == 0;
+                        let keep = rng.random_range(0..2) == 0;
                         map.expire(now, |replica| keep || replica == own);
                         model.retain(|(key, _), _| key.window.is_live(now));
                     }

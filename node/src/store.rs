@@ -1185,51 +1185,38 @@ mod tests {
         assert!(store.is_empty());
     }
 
-    /// The randomized histories' generator: proptest's, seeded, so a seed replays.
-    struct Rng(proptest::test_runner::TestRng);
-
-    impl Rng {
-        fn seeded(seed: u64) -> Rng {
-            let mut bytes = [0; 32];
-            bytes[..8].copy_from_slice(&seed.to_le_bytes());
-            let algorithm = proptest::test_runner::RngAlgorithm::ChaCha;
-            Rng(proptest::test_runner::TestRng::from_seed(algorithm, &bytes))
-        }
-
-        fn below(&mut self, n: u64) -> u64 {
-            proptest::prelude::RngExt::random_range(&mut self.0, 0..n)
-        }
-    }
-
     #[test]
     fn random_histories_of_writes_publishes_collections_and_expiries_read_back_as_a_model() {
+        use proptest::prelude::RngExt;
+        use proptest::test_runner::{RngAlgorithm, TestRng};
+        // Seeded by the history's number, so a failing one replays.
         // Per key: own lane, remote sum, written since last collected.
         type Model = std::collections::BTreeMap<Key, (Lane, i128, bool)>;
         for seed in 0..60u64 {
-            let mut rng = Rng::seeded(seed);
+            let mut rng = TestRng::from_seed(RngAlgorithm::ChaCha, &[seed as u8; 32]);
             let keys_max = [usize::MAX, 3, 30, 150][seed as usize % 4];
             let store = store(keys_max);
             let mut model = Model::new();
             let mut now = 1_000u64;
-            let key_at = |rng: &mut Rng, now: u64| {
-                let len = [5u32, 10, 60][rng.below(3) as usize];
-                let start = now.saturating_sub(rng.below(u64::from(len) * 3));
+            let key_at = |rng: &mut TestRng, now: u64| {
+                let len = [5u32, 10, 60][rng.random_range(0..3) as usize];
+                let start = now.saturating_sub(rng.random_range(0..u64::from(len) * 3));
                 key_in(
-                    &format!("s{}", rng.below(200)),
+                    &format!("s{}", rng.random_range(0..200)),
                     Window::containing(start, len).unwrap(),
                 )
             };
             for step in 0..800 {
                 let context = format!("seed {seed} step {step}");
-                match rng.below(12) {
+                match rng.random_range(0..12) {
                     0..=4 => {
                         let key = key_at(&mut rng, now);
-                        let amount = match rng.below(6) {
-                            0 => u64::MAX - rng.below(3),
+                        let amount = match rng.random_range(0..6) {
+                            0 => u64::MAX - rng.random_range(0..3),
                             1 => 1 << 62,
-                            _ => rng.below(100),
+                            _ => rng.random_range(0..100),
                         };
-                        let decr = rng.below(3) == 0;
+                        let decr = rng.random_range(0..3) == 0;
                         let result = if decr {
                             store.decr(&key, amount)
                         } else {
@@ -1264,11 +1251,11 @@ mod tests {
                     }
                     5..=6 => {
                         let key = key_at(&mut rng, now);
-                        let remote = match rng.below(5) {
-                            0 => i128::from(i64::MAX) * i128::from(rng.below(3)) + 5,
-                            1 => -(1i128 << 61) + i128::from(rng.below(3)),
-                            2 => (1i128 << 61) - i128::from(rng.below(3)),
-                            _ => i128::from(rng.below(1_000)) - 500,
+                        let remote = match rng.random_range(0..5) {
+                            0 => i128::from(i64::MAX) * i128::from(rng.random_range(0..3)) + 5,
+                            1 => -(1i128 << 61) + i128::from(rng.random_range(0..3)),
+                            2 => (1i128 << 61) - i128::from(rng.random_range(0..3)),
+                            _ => i128::from(rng.random_range(0..1_000)) - 500,
                         };
                         let result = store.publish_remote(&key, remote);
                         if !model.contains_key(&key) && model.len() >= keys_max {
@@ -1299,7 +1286,7 @@ mod tests {
                         }
                     }
                     9 => {
-                        now += rng.below(15);
+                        now += rng.random_range(0..15);
                         let before = model.len();
                         model.retain(|key, held| held.2 || key.window.is_live(now));
                         assert_eq!(store.expire(now), before - model.len(), "{context}: expire");
