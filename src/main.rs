@@ -158,10 +158,9 @@ fn forget(node: u64, http: std::net::SocketAddr) -> anyhow::Result<()> {
     let mut stream = std::net::TcpStream::connect_timeout(&http, timeout)
         .with_context(|| format!("connect to the sidecar's HTTP port {http}"))?;
     stream.set_read_timeout(Some(timeout))?;
-    write!(
-        stream,
-        "DELETE /members/{node} HTTP/1.1\r\nhost: {http}\r\n\r\n"
-    )?;
+    // One write: `write!` on a socket writes each piece of the format apart.
+    let request = format!("DELETE /members/{node} HTTP/1.1\r\nhost: {http}\r\n\r\n");
+    stream.write_all(request.as_bytes())?;
     let mut answer = Vec::new();
     stream
         .read_to_end(&mut answer)
