@@ -1,5 +1,7 @@
-//! Starting a node: the data directory and generation, TLS, QUIC, the gossip task, the
-//! client listener and the HTTP endpoints, in that order; and stopping it.
+//! Starting a node: what can refuse the start (TLS, the rules, a region's ledger), the
+//! data directory's lock and the listening sockets, the data directory and generation,
+//! QUIC, the gossip task, the client listener and the HTTP endpoints, in that order; and
+//! stopping it.
 
 use crate::clock::{self, Clock, ExpiryClock};
 use crate::config::{Config, Role};
