@@ -25,8 +25,10 @@
 //! after the last compaction) it is rewritten as the newest answer of each of the life's
 //! newest [`RECENT_IDS_MAX`] ids, in two steps (`compaction.rs`): the copy is written and
 //! synced on a thread of its own while answers go on being appended, so that the node's
-//! thread waits only for the answers given meanwhile. A failed write or
-//! rewrite (a full disk) stops the logging of answers, reported on stderr: the writes go
+//! thread waits only for the answers given meanwhile. A compaction that fails or is given
+//! up leaves the file whole, appended to, and is tried again once the file has grown by
+//! `COMPACT_BYTES` more. A failed write (a full disk), or a failed rewrite of a file that
+//! may lack answers, stops the logging of answers, reported on stderr: the writes go
 //! on, and their answers are remembered in memory only, until a rewrite of the file from
 //! memory succeeds. One is tried at the next of the node's once-a-second ticks
 //! ([`AnswerLog::sync_in_background`]), then after twice as many ticks at each failure, up
@@ -110,6 +112,10 @@ pub struct AnswerLog {
     answered: VecDeque<AnsweredId>,
     // A compaction whose copy is being written, if one is.
     compaction: Option<Compaction>,
+    // Whether that compaction must replace the file, which may lack answers: it was begun
+    // while logging was stopped, or after a sync failed. One begun for the file's size
+    // that fails leaves the file whole, and appending goes on.
+    must_replace: bool,
 }
 
 impl AnswerLog {
@@ -134,6 +140,7 @@ impl AnswerLog {
             stopped: None,
             answered: VecDeque::new(),
             compaction: None,
+            must_replace: false,
         })
     }
 
@@ -253,7 +260,11 @@ impl AnswerLog {
         if let Some(compaction) = &mut self.compaction {
             if let Some(replaced) = compaction.try_finish(&self.path) {
                 self.compaction = None;
-                self.reopen(replaced);
+                match replaced {
+                    Ok(written) => self.reopen(written),
+                    // Left as it was: whole, and still the file appended to.
+                    Err(err) => self.compaction_failed(&err),
+                }
             }
             return;
         }
@@ -264,6 +275,7 @@ impl AnswerLog {
         if !due {
             return;
         }
+        self.must_replace = self.stopped.is_some() || self.sync_failed.load(Ordering::Acquire);
         // The rewrite writes every answer a failed sync may have lost.
         self.sync_failed.store(false, Ordering::Release);
         // Each id's newest answer is picked out on the compaction's thread.
@@ -283,24 +295,42 @@ impl AnswerLog {
         });
         match started {
             Ok(compaction) => self.compaction = Some(compaction),
-            Err(err) => self.stop(&err),
+            Err(err) => self.compaction_failed(&err),
         }
     }
 
-    /// Appends to the file a compaction `replaced` the old one with, `written` bytes long,
+    /// After a rewrite failed with `err`, or was given up, having left the file as it was:
+    /// stops the logging if the file may lack answers ([`AnswerLog::stop`]), else goes on
+    /// appending to it, and tries again once it has grown by `COMPACT_BYTES` more, as the
+    /// lane log does (found in review, session 50: a compaction given up, with the disk
+    /// taking every write, stopped the logging, and at the rate that gave it up each
+    /// rewrite from memory was given up too, the answers held in memory only).
+    fn compaction_failed(&mut self, err: &LogError) {
+        if self.must_replace || self.stopped.is_some() {
+            self.stop(err);
+            return;
+        }
+        self.compact_at = self.written.saturating_add(COMPACT_BYTES);
+        log_line!(
+            "tallyd: {err}; {} is left as it was and appended to, and rewritten once it \
+             has grown by {} MiB more",
+            self.path.display(),
+            COMPACT_BYTES >> 20
+        );
+    }
+
+    /// Appends to the file a compaction replaced the old one with, `written` bytes long,
     /// once the rename is synced, logging again if logging had stopped; or stops logging.
-    fn reopen(&mut self, replaced: Result<u64, LogError>) {
+    fn reopen(&mut self, written: u64) {
         let dir = self.path.parent().unwrap_or(Path::new("."));
-        let reopened = replaced.and_then(|written| {
-            sync_dir(dir)?;
-            let file = OpenOptions::new()
+        let reopened = sync_dir(dir).and_then(|()| {
+            OpenOptions::new()
                 .append(true)
                 .open(&self.path)
-                .map_err(LogError::io_at(&self.path))?;
-            Ok((file, written))
+                .map_err(LogError::io_at(&self.path))
         });
         match reopened {
-            Ok((file, written)) => {
+            Ok(file) => {
                 self.file = file;
                 self.written = written;
                 self.compact_at = COMPACT_BYTES.max(2 * written);
@@ -878,6 +908,45 @@ mod tests {
         assert_eq!(
             seqs(&replay(&read_whole(&log.path).unwrap())),
             [0, 1, 2, 3, 4]
+        );
+        std::fs::remove_dir_all(dir).unwrap();
+    }
+
+    /// A compaction given up (more answers written while its copy was than it may keep,
+    /// `compaction::SINCE_BYTES_MAX`) leaves the file as it was, whole, and answers go on
+    /// being written to it. Before, it stopped the logging as a failed write does: the
+    /// answers given until a rewrite from memory succeeded (at the rate that gave the copy
+    /// up, each rewrite is given up too) were held in memory only, though the disk took
+    /// every write, and a retry after a process crash counted them again.
+    #[test]
+    #[cfg(not(tally_loom))]
+    fn a_compaction_given_up_leaves_the_file_whole_and_answers_logged() {
+        let dir = dir("given-up");
+        let mut log = AnswerLog::create(&dir, Generation(7)).unwrap();
+        log.append(answer(0, live()));
+        log.flush();
+        log.compact_at = 0;
+        log.compact_if_large();
+        log.compaction
+            .as_mut()
+            .expect("the copy is being written")
+            .give_up();
+        log.append(answer(1, live()));
+        log.flush();
+        finish_compaction(&mut log);
+        log.compact_if_large();
+        assert!(
+            log.compaction.is_none(),
+            "tried again once the file has grown"
+        );
+        // Acknowledged once flushed: a process crash now keeps what the file holds.
+        log.append(answer(2, live()));
+        log.flush();
+        assert_eq!(
+            seqs(&replay(&read_whole(&log.path).unwrap())),
+            [0, 1, 2],
+            "an answer given after a compaction was given up is not in the file: a retry \
+             after a process crash counts again"
         );
         std::fs::remove_dir_all(dir).unwrap();
     }
