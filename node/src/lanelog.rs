@@ -235,8 +235,9 @@ pub fn open(
         .max(wall_ms);
     if generation > GENERATION_MAX {
         let why = format!(
-            "the next generation, {generation}, is past {GENERATION_MAX}: the file or a \
-             lanes-<generation>.log name is not one this node wrote"
+            "the next generation, {generation}, is past {GENERATION_MAX}: the file, or a \
+             lanes-<generation>.log or answers-<generation>.log name, is not one this node \
+             wrote"
         );
         let source = std::io::Error::new(std::io::ErrorKind::InvalidData, why);
         return Err(io(&generation_file)(source));
@@ -1319,6 +1320,28 @@ mod tests {
         std::fs::write(dir.join("generation"), (u64::MAX - 7).to_string()).unwrap();
         let err = open(&dir, NodeId(1), 5, NOW).unwrap_err().to_string();
         assert!(err.contains("generation") && err.contains("past"), "{err}");
+        std::fs::remove_dir_all(dir).unwrap();
+    }
+
+    /// An answer log whose name is past the generations a node gives (a stray file, not
+    /// one this node wrote) stops the start with an error that points at it: before, the
+    /// error named the `generation` file and lane logs only, neither of which was wrong.
+    #[test]
+    fn an_answer_log_named_past_the_generations_stops_the_start_naming_answer_logs() {
+        let dir = dir("answers-generation-past");
+        std::fs::create_dir_all(&dir).unwrap();
+        let mut bytes = Vec::new();
+        answerlog::encode(
+            &(CheckId { session: 3, seq: 1 }, incremented(2)),
+            &mut bytes,
+        );
+        let name = format!("answers-{}.log", GENERATION_MAX + 1);
+        std::fs::write(dir.join(&name), bytes).unwrap();
+        let err = open(&dir, NodeId(1), 5, NOW).unwrap_err().to_string();
+        assert!(
+            err.contains("past") && err.contains("answers-<generation>.log"),
+            "the error does not point at {name}: {err}"
+        );
         std::fs::remove_dir_all(dir).unwrap();
     }
 
