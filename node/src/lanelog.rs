@@ -1665,6 +1665,21 @@ mod tests {
         std::fs::remove_dir_all(dir).unwrap();
     }
 
+    /// The message of the panic that ended a start run in `catch_unwind`: a start that
+    /// returned, or panicked with a formatted message (a failed assertion's), names that.
+    fn killed_by<T: std::fmt::Debug>(ran: std::thread::Result<T>) -> &'static str {
+        match ran {
+            Ok(started) => panic!("the start was not killed: {started:?}"),
+            Err(payload) => match payload.downcast::<&'static str>() {
+                Ok(message) => *message,
+                Err(payload) => panic!(
+                    "the start panicked otherwise: {:?}",
+                    payload.downcast_ref::<String>()
+                ),
+            },
+        }
+    }
+
     /// A start killed while it waits out its generation writes nothing of its life, so
     /// the next start is not ahead of a generation no life served: it waits out its own,
     /// and a later start with the directory wiped takes a newer one (found in review,
@@ -1681,14 +1696,21 @@ mod tests {
         log.flush().unwrap();
         drop(log);
         // 1 ms later it must wait 7 ms (past the 5,000 lanes the last start re-published,
-        // and two more), and is killed in that wait.
+        // and two more), and is killed in that wait. The wait is read after the unwind:
+        // an assertion inside it would panic into the same `catch_unwind` and pass.
+        let waited = std::sync::Mutex::new(None);
         let killed = std::panic::catch_unwind(|| {
             super::open(&dir, NodeId(1), 1_000_001, NOW, |wait| {
-                assert_eq!(wait, Duration::from_millis(7));
+                *waited.lock().unwrap() = Some(wait);
                 panic!("killed in its wait");
             })
         });
-        assert!(killed.is_err());
+        assert_eq!(killed_by(killed), "killed in its wait");
+        assert_eq!(
+            waited.into_inner().unwrap(),
+            Some(Duration::from_millis(7)),
+            "the start waits out its generation"
+        );
         let generation = std::fs::read_to_string(dir.join("generation")).unwrap();
         assert_eq!(
             generation, "1000000",
@@ -1743,7 +1765,11 @@ mod tests {
         let killed = std::panic::catch_unwind(|| {
             super::open(&dir, NodeId(1), 1_000_006, NOW + 200, |_| panic!("killed"))
         });
-        assert!(killed.is_err());
+        assert_eq!(
+            killed_by(killed),
+            "killed",
+            "killed in its wait, not before it"
+        );
         let (_, next) = open(&dir, NodeId(1), 1_000_007, NOW + 200).unwrap();
         assert!(
             next.republish_floor().0 >= highest,
