@@ -1419,7 +1419,11 @@ mod tests {
         assert!(held(&three.shared, NodeId(2)).is_none());
         // A new dial to node 2 fails its handshake: node 1 refuses its expired certificate.
         let dialed = connection_to(&one.shared, NodeId(2), &two_addr).await;
-        assert!(dialed.is_err(), "dialed node 2 after its certificate ended");
+        let why = dialed.expect_err("dialed node 2 after its certificate ended");
+        assert!(
+            why.contains("certificate expired"),
+            "refused otherwise: {why}"
+        );
         assert!(held(&one.shared, NodeId(2)).is_none());
         // Nor does a frame sent to it after the end reach it.
         one.send(NodeId(2), &two_addr, b"after".to_vec());
