@@ -252,11 +252,20 @@ fn every_crate_from_the_registry_in_the_lock_is_in_the_dependency_review_list() 
 #[test]
 fn every_bincode_config_carries_a_decode_limit() {
     let ws = workspace();
-    let mut sources = Vec::new();
+    let mut violations = Vec::new();
     for package in ws.packages() {
-        sources.extend(rust_files(&format!("{}/src", package.dir)));
+        let sources = rust_files(&format!("{}/src", package.dir));
+        violations.extend(check_bincode_limits(&sources));
+        let uses_bincode = package
+            .table
+            .get("dependencies")
+            .and_then(Value::as_table)
+            .is_some_and(|deps| deps.contains_key("bincode"));
+        if uses_bincode {
+            violations.extend(check_bincode_config_found(package.name(), &sources));
+        }
     }
-    assert_none(check_bincode_limits(&sources));
+    assert_none(violations);
 }
 
 #[test]
@@ -939,6 +948,26 @@ fn check_bincode_limits(sources: &[(String, String)]) -> Vec<String> {
         }
     }
     violations
+}
+
+/// A package that depends on bincode builds its config where [`check_bincode_limits`]
+/// sees it: else that check passes having seen nothing (a config built another way, say
+/// from an imported `standard()`, would go unchecked).
+fn check_bincode_config_found(package: &str, sources: &[(String, String)]) -> Vec<String> {
+    let found = sources.iter().any(|(_, text)| {
+        let code: String = code_only(text)
+            .chars()
+            .filter(|c| !c.is_whitespace())
+            .collect();
+        code.contains("config::standard()") || code.contains("config::legacy()")
+    });
+    if found {
+        return Vec::new();
+    }
+    vec![format!(
+        "{package} depends on bincode, but no `config::standard()` or `config::legacy()` is in \
+         its src: the decode-limit check saw nothing to check"
+    )]
 }
 
 /// Every paragraph of ARCHITECTURE.md that states an "Architecture Invariant:" says
@@ -1694,6 +1723,21 @@ fn f() -> &'static str { let _c = '\''; let _l: &'static str = r#"tokio "quoted"
         );
         let limited = "const CONFIG: C = bincode::config::standard()\n    .with_limit::<65536>();";
         assert_none(check_bincode_limits(&source("gossip/src/wire.rs", limited)));
+    }
+
+    #[test]
+    fn a_bincode_user_whose_config_the_check_cannot_see_is_reported() {
+        let imported =
+            "use bincode::config::standard;\nconst C: () = standard().with_limit::<64>();";
+        assert_reported(
+            check_bincode_config_found("tally-gossip", &source("gossip/src/wire.rs", imported)),
+            "tally-gossip depends on bincode",
+        );
+        let qualified = "const C: () = bincode::config::standard().with_limit::<64>();";
+        assert_none(check_bincode_config_found(
+            "tally-gossip",
+            &source("gossip/src/wire.rs", qualified),
+        ));
     }
 
     #[test]
