@@ -547,7 +547,8 @@ async fn demo(args: &DemoArgs, cluster: &mut DemoCluster) -> anyhow::Result<()> 
     let (stale_p50, stale_p99) = percentiles(&staleness);
     let (write_p50_us, write_p99_us) = percentiles(&write_delays_us);
     let propagation = propagation_p99_ms(&nodes).await;
-    let propagation_shown = propagation.map_or("none measured".to_owned(), |p99| format!("{p99}"));
+    let propagation_shown =
+        propagation.map_or("none measured".to_owned(), |p99| format!("p99 <= {p99} ms"));
     let exact: Vec<u64> = all
         .iter()
         .flat_map(|s| s.exact_us.iter().copied())
@@ -616,7 +617,7 @@ async fn demo(args: &DemoArgs, cluster: &mut DemoCluster) -> anyhow::Result<()> 
         write_p99_us as f64 / 1_000.0,
         if probes_failed > 0 { format!(" ({probes_failed} probes got an error)") } else { String::new() }
     );
-    println!("  age of the newest state as it arrived (propagation histogram, all nodes): p99 <= {propagation_shown} ms");
+    println!("  age of the newest state as it arrived (propagation histogram, all nodes): {propagation_shown}");
     println!("  staleness decisions reported (stalest live member): p50 {stale_p50} ms, p99 {stale_p99} ms");
     println!(
         "  overshoot on `api`: admitted {allowed} of limit {hot_limit}: overshoot {overshoot}, largest bound reported near the limit {max_bound:.1}{unbounded_shown}"
