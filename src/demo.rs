@@ -151,6 +151,11 @@ struct DemoCluster {
 }
 
 impl DemoCluster {
+    /// Whether a node has exited: a start waiting for it would wait in vain.
+    fn any_exited(&mut self) -> bool {
+        (self.children.iter_mut()).any(|(_, child)| matches!(child.try_wait(), Ok(Some(_))))
+    }
+
     /// The last lines of the log of every node that has exited, for an error message.
     fn stopped_nodes(&mut self) -> String {
         let mut said = Vec::new();
@@ -350,12 +355,12 @@ async fn demo(args: &DemoArgs, cluster: &mut DemoCluster) -> anyhow::Result<()> 
         println!("  started node {id} ({role}): client {}", Ports::client(id));
     }
     print!("  waiting for every node to see the others ...");
-    let clients = match connect_all(&nodes).await {
+    let clients = match connect_all(cluster, &nodes).await {
         Ok(clients) => clients,
         // The logs go with the cluster's directory: show why a node stopped first.
         Err(err) => return Err(err.context(cluster.stopped_nodes())),
     };
-    if let Err(err) = wait_for_members(&nodes, nodes.len() - 1).await {
+    if let Err(err) = wait_for_members(cluster, &nodes, nodes.len() - 1).await {
         return Err(err.context(cluster.stopped_nodes()));
     }
     println!(" done");
@@ -700,12 +705,21 @@ fn percentiles(samples: &[u64]) -> (u64, u64) {
     (at(0.50), at(0.99))
 }
 
-async fn connect_all(nodes: &[u64]) -> anyhow::Result<BTreeMap<u64, Client>> {
+/// Connects to every node, waiting up to 10 s for each to listen; at once an error if a
+/// node exits meanwhile (its port taken, say: found in review, session 50, when the demo
+/// waited out the 10 s and then the 20 s of [`wait_for_members`] before saying so).
+async fn connect_all(
+    cluster: &mut DemoCluster,
+    nodes: &[u64],
+) -> anyhow::Result<BTreeMap<u64, Client>> {
     let mut clients = BTreeMap::new();
     for &id in nodes {
         let endpoint: Endpoint = Ports::client(id).parse()?;
         let mut last = None;
         for _ in 0..100 {
+            if cluster.any_exited() {
+                bail!("a node exited while the others started");
+            }
             match Client::connect(endpoint.clone(), Options::default()).await {
                 Ok(client) => {
                     last = None;
@@ -725,8 +739,17 @@ async fn connect_all(nodes: &[u64]) -> anyhow::Result<BTreeMap<u64, Client>> {
     Ok(clients)
 }
 
-async fn wait_for_members(nodes: &[u64], others: usize) -> anyhow::Result<()> {
+/// Waits up to 20 s for every node to hold `others` members alive and fresh; at once an
+/// error if a node exits meanwhile.
+async fn wait_for_members(
+    cluster: &mut DemoCluster,
+    nodes: &[u64],
+    others: usize,
+) -> anyhow::Result<()> {
     for _ in 0..200 {
+        if cluster.any_exited() {
+            bail!("a node exited before the nodes all saw each other");
+        }
         let mut all = true;
         for &id in nodes {
             let status = http_get(&Ports::http(id), "/status")
@@ -901,6 +924,33 @@ mod tests {
         let unheard = fresh.replace("\"staleness_ms\":40}]", "\"staleness_ms\":1796206236457}]");
         assert!(!all_fresh(&unheard, 1_000));
         assert!(!all_fresh("", 1_000), "no status");
+    }
+
+    /// A node that exits while the demo waits for the cluster (its port taken by another
+    /// process, say) ends the wait at once, saying so, rather than after 20 s.
+    #[test]
+    fn a_node_that_exits_ends_the_wait_for_members() {
+        let dir = std::env::temp_dir().join(format!("tally-demo-test-{}", std::process::id()));
+        std::fs::create_dir(&dir).unwrap();
+        Ports::pick(1).unwrap();
+        let mut exited = Command::new("true").spawn().unwrap();
+        exited.wait().unwrap();
+        let mut cluster = DemoCluster {
+            dir,
+            children: vec![(1, exited)],
+        };
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap();
+        let waited = runtime.block_on(wait_for_members(&mut cluster, &[1], 1));
+        let err = waited
+            .expect_err("node 1 exited, and answers on no port")
+            .to_string();
+        assert!(err.contains("a node exited"), "{err}");
+        let connected = runtime.block_on(connect_all(&mut cluster, &[1]));
+        let err = connected.expect_err("node 1 exited").to_string();
+        assert!(err.contains("a node exited"), "{err}");
     }
 
     #[test]
