@@ -275,9 +275,11 @@ impl AnswerLog {
         if !due {
             return;
         }
-        self.must_replace = self.stopped.is_some() || self.sync_failed.load(Ordering::Acquire);
-        // The rewrite writes every answer a failed sync may have lost.
-        self.sync_failed.store(false, Ordering::Release);
+        // The rewrite writes every answer a failed sync may have lost. Read and cleared at
+        // once: a sync failing in between would be forgotten, and this rewrite, failing,
+        // would leave appending to a file that lacks what it dropped.
+        let sync_failed = self.sync_failed.swap(false, Ordering::AcqRel);
+        self.must_replace = self.stopped.is_some() || sync_failed;
         // Each id's newest answer is picked out on the compaction's thread.
         let answered: Vec<AnsweredId> = self.answered.iter().copied().collect();
         let started = Compaction::start(&self.path, "tally-answers-copy", move || {
