@@ -1057,9 +1057,6 @@ pub(crate) mod tests {
         })
     }
 
-    /// Held checks with no forwarder in front: its incoming channel's sender, and the
-    /// stats they count in.
-    #[allow(clippy::type_complexity)]
     /// A check of `quota` on subject `a`, cost 1, in the window from 0 to 60.
     pub(crate) fn quota_check(ticket: u64, timeout_ms: u64) -> Check<u64> {
         Check {
@@ -1097,6 +1094,8 @@ pub(crate) mod tests {
     /// Where a test hands `Held` the checks it takes in.
     type Incoming = mpsc::UnboundedSender<Vec<Box<Pending<u64>>>>;
 
+    /// Held checks with no forwarder in front: its incoming channel's sender, and the
+    /// stats they count in.
     fn held() -> (Held<u64>, Incoming, Arc<ForwardStats>) {
         let (checks, incoming) = mpsc::unbounded_channel();
         let stats = Arc::new(ForwardStats::default());
