@@ -932,10 +932,7 @@ fn check_pure_sources(sources: &[(String, String)]) -> Vec<String> {
 fn check_bincode_limits(sources: &[(String, String)]) -> Vec<String> {
     let mut violations = Vec::new();
     for (path, text) in sources {
-        let code: String = code_only(text)
-            .chars()
-            .filter(|c| !c.is_whitespace())
-            .collect();
+        let code = squashed_code(text);
         for constructor in ["config::standard()", "config::legacy()"] {
             for (at, _) in code.match_indices(constructor) {
                 if !code[at + constructor.len()..].starts_with(".with_limit::<") {
@@ -950,15 +947,21 @@ fn check_bincode_limits(sources: &[(String, String)]) -> Vec<String> {
     violations
 }
 
+/// [`code_only`] of `text` without whitespace: an expression split over lines reads as
+/// one.
+fn squashed_code(text: &str) -> String {
+    code_only(text)
+        .chars()
+        .filter(|c| !c.is_whitespace())
+        .collect()
+}
+
 /// A package that depends on bincode builds its config where [`check_bincode_limits`]
 /// sees it: else that check passes having seen nothing (a config built another way, say
 /// from an imported `standard()`, would go unchecked).
 fn check_bincode_config_found(package: &str, sources: &[(String, String)]) -> Vec<String> {
     let found = sources.iter().any(|(_, text)| {
-        let code: String = code_only(text)
-            .chars()
-            .filter(|c| !c.is_whitespace())
-            .collect();
+        let code = squashed_code(text);
         code.contains("config::standard()") || code.contains("config::legacy()")
     });
     if found {
