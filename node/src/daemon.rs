@@ -7,6 +7,7 @@ use crate::clock::{self, Clock, ExpiryClock};
 use crate::config::{Config, Role};
 use crate::decide::Rules;
 use crate::driver::{Collecting, Driver, DriverError};
+use crate::ended::EndedLives;
 use crate::exact_room::ExactRoom;
 use crate::expiry_mark::{self, ExpiryMark};
 use crate::handoff::Handoff;
@@ -251,10 +252,14 @@ pub async fn run(config: Config, shutdown: impl Future<Output = ()>) -> Result<(
         .with_hash_seed(clock::entropy_seed())
         .with_keys_max(config.keys_max)
         .with_lane_rate_max(config.lane_rate_max_per_sec);
+    // Stamped after this life's generation (`lanelog::open` waited for the wall clock to
+    // pass it): a peer that holds a retired life's state that new holds all it admitted,
+    // and no longer counts it as a life that ended unheard (`ended`).
+    let republished_at = clock.now().wall;
     for (retired, lanes) in &recovered.retired {
         map.raise_version(*retired, recovered.republish_floor());
         for (key, lane) in lanes {
-            map.write(*retired, key, *lane, now.wall);
+            map.write(*retired, key, *lane, republished_at);
         }
     }
 
@@ -349,6 +354,12 @@ pub async fn run(config: Config, shutdown: impl Future<Output = ()>) -> Result<(
         (None, None) => None,
     };
     let view = Arc::new(View::default());
+    // A life that ended unheard may have admitted in a window as long as the longest
+    // rule's, weighed again in the window after by a sliding rule.
+    let longest_window = (config.rules.iter()).map(|rule| rule.window_secs).max();
+    view.lock().ended = EndedLives::kept_for(std::time::Duration::from_secs(
+        2 * u64::from(longest_window.unwrap_or(0)),
+    ));
     // Before the gossip task's first refresh: no check is decided alone meanwhile.
     view.lock().unheard_seeds = unheard_seeds(
         &gossip_config.seeds,

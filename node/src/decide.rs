@@ -307,10 +307,11 @@ impl Context<'_> {
         // count: connected there (its side reads this one dead too), it admits up to the
         // limit; isolated, up to its share. Neither shows here.
         let dead_may_admit = freshness.dead as f64 * rule.limit.max(share) as f64;
+        let ended_may_admit = self.ended_may_admit(rule, key, share);
         let (mode, allowed, bound, room) = if connected {
             let room = i128::from(rule.limit) - (current + previous);
             let unseen = self.view.remote_rate(key) * freshness.staleness.as_secs_f64();
-            let bound = unseen + dead_may_admit;
+            let bound = unseen + dead_may_admit + ended_may_admit;
             (Mode::ApproximateConnected, cost_i <= room, bound, room)
         } else {
             // This location's count: its lives before a restart admitted under the share
@@ -340,7 +341,8 @@ impl Context<'_> {
             let bound = locations as f64 * rule.slack as f64
                 + unconfigured as f64 * share as f64
                 + beyond_shares
-                + dead_beyond_share;
+                + dead_beyond_share
+                + ended_may_admit;
             (Mode::ApproximateIsolated, cost_i <= room, bound, room)
         };
         // What a member none of whose state has arrived admitted is unknown, and so is
@@ -368,6 +370,37 @@ impl Context<'_> {
             }
         };
         Ok(self.decision(rule, key, decided, freshness.staleness))
+    }
+
+    /// What the lives that ended unheard since `key`'s window began (the window before
+    /// too, for a sliding rule) may have admitted in their time unheard and taken with
+    /// them ([`crate::ended`]): each as much as a live member that stale here may admit
+    /// unseen. Past `dead_after` as a member declared dead (it may have declared the
+    /// others dead, and decided connected and alone); past the rule's `stale_after_ms` its
+    /// share (it decided isolated); within it, the remote rate over its time unheard.
+    fn ended_may_admit(&self, rule: &RuleConfig, key: KeyRef<'_>, share: u64) -> f64 {
+        if self.view.ended.is_empty() {
+            return 0.0;
+        }
+        let window = key.window();
+        let counted_from = match window.previous() {
+            Some(previous) if rule.sliding => previous,
+            _ => window,
+        };
+        let since = Stamp(counted_from.start_unix_secs() * 1_000);
+        let stale_after = Duration::from_millis(rule.stale_after_ms);
+        let dead_after = self.view.dead_after;
+        (self.view.ended.unheard_after(since))
+            .map(|unheard| {
+                if dead_after.is_some_and(|dead_after| unheard >= dead_after) {
+                    rule.limit.max(share) as f64
+                } else if unheard > stale_after {
+                    share as f64
+                } else {
+                    self.view.remote_rate(key) * unheard.as_secs_f64()
+                }
+            })
+            .sum()
     }
 
     /// What a `sliding` rule's estimate takes from the previous window: its count (as
@@ -481,7 +514,7 @@ mod tests {
     use super::*;
     use crate::refused_sums::RefusedSums;
     use crate::view::UnheardSeeds;
-    use tally_crdt::{Generation, Key, NodeId, PnCounter, ReplicaId};
+    use tally_crdt::{CounterMap, Generation, Key, NodeId, PnCounter, ReplicaId};
     use tally_gossip::membership::State;
 
     const NOW: Stamp = Stamp(1_767_225_630_000);
@@ -840,6 +873,105 @@ mod tests {
             .all(|d| d.mode == Mode::ApproximateIsolated));
         assert_eq!(decisions.iter().filter(|d| d.allowed).count(), 33 - 1);
         assert!(decisions.iter().all(|d| d.bound == 67.0), "{decisions:?}");
+    }
+
+    /// A view in which node 2's life of generation 1, last heard at `heard`, was replaced
+    /// by one that started at `next` (its generation) and is fresh, `dead_after` set.
+    fn replaced(heard: Stamp, next: Stamp, dead_after: Duration) -> ViewState {
+        let mut view = view_of(&[(2, State::Alive)], heard);
+        view.dead_after = Some(dead_after);
+        let life = ReplicaId::new(NodeId(2), Generation(next.0));
+        let at = |stamp: Stamp| tally_gossip::Now {
+            mono: Duration::from_millis(stamp.0),
+            wall: stamp,
+        };
+        let fresh = Stamp(NOW.0 - 100);
+        view.set_members(
+            vec![(NodeId(2), life, State::Alive)],
+            [(life, fresh)].into(),
+            at(fresh),
+        );
+        view
+    }
+
+    #[test]
+    fn a_life_that_ended_unheard_keeps_what_it_may_have_admitted_in_the_bound() {
+        // Node 2's first life went unheard 6 s before its next life started, 1 s ago: it
+        // may have admitted in those 6 s what no count holds now (no data dir kept it).
+        // Found by the BOUND simulator: the bound fell to 9 while the cluster passed the
+        // limit by the 283 such a life admitted.
+        let rule = rule(100, 0);
+        let (store, owned) = setup(&rule);
+        let key = KeyRef::from(&owned);
+        let decide = |view: &ViewState| context(&store, view).check(&rule, key, 1).unwrap();
+        let (heard, next) = (Stamp(NOW.0 - 7_000), Stamp(NOW.0 - 1_000));
+
+        // Past `dead_after`: it may have declared node 1 dead and decided on the whole limit.
+        let decision = decide(&replaced(heard, next, Duration::from_secs(4)));
+        assert_eq!(decision.mode, Mode::ApproximateConnected);
+        assert_eq!(decision.bound, 100.0, "{decision:?}");
+        // Past `stale_after_ms` alone: isolated there, on its share of 100 / 2.
+        let decision = decide(&replaced(heard, next, Duration::from_secs(10)));
+        assert_eq!(decision.bound, 50.0, "{decision:?}");
+        // Unheard for less than `stale_after_ms`: the remote rate over that time (none
+        // here).
+        let decision = decide(&replaced(Stamp(next.0 - 500), next, Duration::from_secs(4)));
+        assert_eq!(decision.bound, 0.0, "{decision:?}");
+
+        // A life that ended before the window began admitted nothing in it.
+        let window_start = Stamp(key.window().start_unix_secs() * 1_000);
+        let before = replaced(
+            Stamp(window_start.0 - 10_000),
+            window_start,
+            Duration::from_secs(4),
+        );
+        assert_eq!(decide(&before).bound, 0.0);
+        // A sliding rule weighs the window before too, where it may have admitted.
+        let sliding = RuleConfig {
+            sliding: true,
+            ..rule.clone()
+        };
+        let decision = context(&store, &before).check(&sliding, key, 1).unwrap();
+        assert_eq!(decision.bound, 100.0, "{decision:?}");
+
+        // Isolated, node 2's new life stale too: its location's share, and the ended
+        // life's whole limit beyond it.
+        let mut isolated = replaced(heard, next, Duration::from_secs(4));
+        let life = ReplicaId::new(NodeId(2), Generation(next.0));
+        isolated.set_members(
+            vec![(NodeId(2), life, State::Alive)],
+            [(life, Stamp(NOW.0 - 2_000))].into(),
+            tally_gossip::Now {
+                mono: Duration::from_millis(NOW.0),
+                wall: NOW,
+            },
+        );
+        let decision = decide(&isolated);
+        assert_eq!(decision.mode, Mode::ApproximateIsolated);
+        assert_eq!(decision.bound, 100.0, "{decision:?}");
+    }
+
+    #[test]
+    fn a_life_heard_up_to_its_successors_start_adds_nothing_to_the_bound() {
+        // Its successor re-published it from its data dir, stamped after its start.
+        let rule = rule(100, 0);
+        let (store, owned) = setup(&rule);
+        let key = KeyRef::from(&owned);
+        let next = Stamp(NOW.0 - 1_000);
+        let mut view = replaced(Stamp(NOW.0 - 7_000), next, Duration::from_secs(4));
+        let first = ReplicaId::new(NodeId(2), Generation(1));
+        let mut map = CounterMap::new();
+        map.write(first, &owned, Lane::new(3, 0), Stamp(next.0 + 1));
+        map.write(
+            ReplicaId::new(NodeId(2), Generation(next.0)),
+            &owned,
+            Lane::new(1, 0),
+            next,
+        );
+        view.take_ended(&map, ReplicaId::new(NodeId(1), Generation(1)));
+        let decision = context(&store, &view).check(&rule, key, 1).unwrap();
+        assert_eq!(decision.bound, 0.0, "{decision:?}");
+        assert!(view.ended.is_empty());
     }
 
     #[test]

@@ -413,6 +413,7 @@ impl Driver {
         view.dead_after = Some(config.dead_after);
         let relocated = view.set_members(rows, stamps, self.clock.now());
         view.take_relocated(&relocated, map, me);
+        view.take_ended(map, me);
         view.own_held_for = held_for;
         view.gossip = self.gossip.stats().clone();
         view.lanes = map.lanes();

@@ -324,6 +324,7 @@ impl Endpoints {
             "members": members,
             "unheard_seeds": view.unheard_seeds.live,
             "dead_seeds": view.unheard_seeds.dead,
+            "lives_ended_unheard": view.ended.len(),
             "staleness_ms": freshness.staleness.as_millis() as u64,
             "keys": self.store.len(),
             "lanes": view.lanes,

@@ -53,6 +53,7 @@ pub mod config;
 pub mod daemon;
 pub mod decide;
 pub mod driver;
+pub mod ended;
 pub mod exact_room;
 pub mod expiry_mark;
 pub mod handoff;

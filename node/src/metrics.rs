@@ -236,6 +236,14 @@ pub fn render(sources: &Sources<'_>) -> String {
             .set(count as i64);
     }
     registry.register("members", "Other members by state", members);
+    let ended = Gauge::<i64>::default();
+    ended.set(view.ended.len() as i64);
+    registry.register(
+        "lives_ended_unheard",
+        "Lives of members a later life replaced while unheard, counted in every bound of \
+         the windows they may have admitted in",
+        ended,
+    );
 
     let gossip = &view.gossip;
     let pairs = [
@@ -904,5 +912,19 @@ mod tests {
         assert_eq!(series.len(), 1, "{series:?}");
         assert!(series[0].contains(r#"node="2""#), "{series:?}");
         assert!(text.contains(r#"tally_members{state="left"} 1"#), "{text}");
+        assert!(text.contains("tally_lives_ended_unheard 0\n"), "{text}");
+
+        // Node 2 comes back as a newer life, none of its first life's state held.
+        let next = ReplicaId::new(NodeId(2), Generation(5));
+        view.lock().set_members(
+            vec![(NodeId(2), next, State::Alive)],
+            std::collections::BTreeMap::new(),
+            tally_gossip::Now {
+                mono: std::time::Duration::ZERO,
+                wall: Stamp(0),
+            },
+        );
+        let text = rendered_with(&Metrics::default(), &view, &ExactRoom::default());
+        assert!(text.contains("tally_lives_ended_unheard 1\n"), "{text}");
     }
 }

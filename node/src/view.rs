@@ -6,10 +6,11 @@
 //! inputs; the client listener reads it for decisions, the HTTP server for metrics. It is a
 //! copy behind a mutex, never the state machine itself.
 
+use crate::ended::EndedLives;
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::sync::{Mutex, MutexGuard};
 use std::time::Duration;
-use tally_crdt::{Counter, CounterMap, Key, KeyRef, NodeId, ReplicaId, Slot, Stamp};
+use tally_crdt::{Counter, CounterMap, Generation, Key, KeyRef, NodeId, ReplicaId, Slot, Stamp};
 use tally_gossip::membership::State;
 use tally_gossip::{Now, Seed, Stats};
 
@@ -89,6 +90,10 @@ pub struct ViewState {
     /// node's writes since, and a peer may have declared it dead and stopped counting it,
     /// so it decides as stale as that, isolated once past a rule's `stale_after_ms`.
     pub own_held_for: Option<Duration>,
+    /// The lives of members (this node's earlier lives among them) that a newer life of
+    /// their node replaced while unheard: what each admitted unseen may be lost with it,
+    /// and a decision counts it in its bound for the windows it may have admitted in.
+    pub ended: EndedLives,
 }
 
 /// When each member's newest stamp first arrived, by this node's clocks.
@@ -359,6 +364,7 @@ impl ViewState {
         stamps: BTreeMap<ReplicaId, Stamp>,
         now: Now,
     ) -> Relocated {
+        self.note_replaced(&members);
         let vouched = self.arrivals.vouch(stamps, now);
         let mut summary = Summary {
             at: now.wall,
@@ -415,9 +421,60 @@ impl ViewState {
         relocated
     }
 
-    /// Forgets the per-key values of windows no longer live at `now_secs`. Walks the maps
-    /// only once some window may have ended since the last walk.
+    /// Notes the lives of the members last set that a newer life of their node in
+    /// `members` replaced, each unheard from the newest stamp of it held here (the epoch if
+    /// none was) to the newer life's generation. A life that left is let go: it left after
+    /// its last push, or an operator forgot it as a crashed member not to be counted.
+    fn note_replaced(&mut self, members: &[(NodeId, ReplicaId, State)]) {
+        let current: HashMap<NodeId, Generation> = (members.iter())
+            .map(|(node, replica, _)| (*node, replica.generation))
+            .collect();
+        for (node, life, state) in &self.members {
+            let Some(&next) = current.get(node) else {
+                continue;
+            };
+            if next <= life.generation {
+                continue;
+            }
+            if *state == State::Left {
+                self.ended.let_go(*life, Stamp(next.0));
+            } else {
+                let newest = self.arrivals.held.get(life).map_or(Stamp(0), |held| held.0);
+                self.ended.note(*life, newest, Stamp(next.0));
+            }
+        }
+    }
+
+    /// Notes the lives `map` holds lanes of that a later life of their node, in `map`,
+    /// among the members or `me`, replaced: each ended by the next life of its node, and
+    /// unheard from its newest stamp in `map` (`EndedLives::note`). This node's own
+    /// earlier lives are among them, and a member's lives this life never saw as members.
+    /// Noted again at every call, a life a later state of which arrived (re-published by
+    /// its successor from its data dir) is heard whole and forgotten.
+    pub fn take_ended(&mut self, map: &CounterMap, me: ReplicaId) {
+        let mut current: HashMap<NodeId, Generation> = (self.members.iter())
+            .map(|(node, replica, _)| (*node, replica.generation))
+            .collect();
+        current.insert(me.node, me.generation);
+        let mut origins = map.origins().peekable();
+        while let Some(life) = origins.next() {
+            let next = match origins.peek() {
+                Some(later) if later.node == life.node => Some(later.generation),
+                _ => current.get(&life.node).copied(),
+            };
+            if let Some(next) = next.filter(|next| *next > life.generation) {
+                self.ended
+                    .note(life, map.watermark(life).stamp, Stamp(next.0));
+            }
+        }
+    }
+
+    /// Forgets the per-key values of windows no longer live at `now_secs`, and the ended
+    /// lives no window live then can hold admissions of. Walks the per-key maps only once
+    /// some window may have ended since the last walk.
     pub fn forget_ended_windows(&mut self, now_secs: u64) {
+        self.ended
+            .forget_before(Stamp(now_secs.saturating_mul(1_000)));
         if now_secs < self.ends_from {
             return;
         }
@@ -443,7 +500,8 @@ impl ViewState {
 
     /// A copy of what `/metrics` and `/status` report: everything but the per-key maps,
     /// which can hold a million keys and are not reported (a copy of them would hold the
-    /// view's lock, and so every decision, for as long).
+    /// view's lock, and so every decision, for as long). The ended lives are copied: one
+    /// for each restart of a member within the longest rule's two windows.
     pub fn reported(&self) -> ViewState {
         ViewState {
             members: self.members.clone(),
@@ -463,6 +521,7 @@ impl ViewState {
             live_ages: self.live_ages.clone(),
             dead_after: self.dead_after,
             own_held_for: self.own_held_for,
+            ended: self.ended.clone(),
             ends_from: self.ends_from,
             heard_since: self.heard_since,
         }
@@ -678,7 +737,7 @@ fn sparse_get(map: &HashMap<Key, i128>, key: KeyRef<'_>) -> i128 {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use tally_crdt::{Generation, PnCounter, Window};
+    use tally_crdt::{Generation, Lane, PnCounter, Window};
 
     /// `api`'s key of `user-1` in its second minute.
     fn user_1() -> Key {
@@ -687,6 +746,60 @@ mod tests {
             tally_crdt::Subject::new("user-1").unwrap(),
             Window::new(1, 60).unwrap(),
         )
+    }
+
+    #[test]
+    fn lives_a_later_life_of_their_node_replaced_are_noted_from_the_members_and_the_map() {
+        let life = |node, generation| ReplicaId::new(NodeId(node), Generation(generation));
+        let now = |wall| Now {
+            mono: Duration::from_millis(wall),
+            wall: Stamp(wall),
+        };
+        let unheard = |view: &ViewState| -> Vec<u64> {
+            let unheard = view.ended.unheard_after(Stamp(0));
+            unheard.map(|unheard| unheard.as_millis() as u64).collect()
+        };
+        let mut view = ViewState::default();
+        view.set_members(
+            vec![
+                (NodeId(2), life(2, 1_000), State::Alive),
+                (NodeId(3), life(3, 1_000), State::Left),
+            ],
+            [(life(2, 1_000), Stamp(3_000))].into(),
+            now(3_000),
+        );
+        // Node 2's life went unheard from 3 s until its next life started at 8 s; node 3's
+        // life that left is let go.
+        view.set_members(
+            vec![
+                (NodeId(2), life(2, 8_000), State::Alive),
+                (NodeId(3), life(3, 8_500), State::Alive),
+            ],
+            BTreeMap::new(),
+            now(9_000),
+        );
+        assert_eq!(unheard(&view), [5_000]);
+
+        // From the map: this node's own earlier life (node 1's, before its generation
+        // 9,000), and lives of node 2 this node never held as members, each ended by the
+        // next life of its node; node 3's life let go stays uncounted.
+        let key = user_1();
+        let mut map = CounterMap::new();
+        for (replica, stamp) in [
+            (life(1, 500), 6_000),
+            (life(2, 100), 150),
+            (life(2, 200), 900),
+            (life(3, 1_000), 2_000),
+        ] {
+            map.write(replica, &key, Lane::new(1, 0), Stamp(stamp));
+        }
+        view.take_ended(&map, life(1, 9_000));
+        assert_eq!(unheard(&view), [3_000, 50, 7_100, 5_000]);
+
+        // Node 2's first life re-published by a later one, stamped after its end.
+        map.write(life(2, 100), &key, Lane::new(2, 0), Stamp(200));
+        view.take_ended(&map, life(1, 9_000));
+        assert_eq!(unheard(&view), [3_000, 7_100, 5_000]);
     }
 
     #[test]

@@ -393,6 +393,7 @@ fn refresh(sim: &Sim, index: usize, node: &mut Deciding) {
     node.view.dead_after = Some(config.dead_after);
     let relocated = node.view.set_members(rows, stamps, now);
     node.view.take_relocated(&relocated, map, me);
+    node.view.take_ended(map, me);
 }
 
 #[test]

@@ -745,15 +745,19 @@ fn new_map() -> CounterMap {
 }
 
 /// The seeds a test runs: `TALLY_SIM_SEED` alone if set, else `count` seeds from `first`,
-/// or as many as `TALLY_SIM_SEEDS` says (for a long run by hand: TESTING.md asks 10^4 of
-/// some). Each is printed as its run begins, so that a test that panics outside the
+/// or as many as `TALLY_SIM_SEEDS` says from `TALLY_SIM_FIRST` if set (for a long run by
+/// hand: TESTING.md asks 10^4 of some; a test stops at its first failing seed, and the
+/// run goes on past it). Each is printed as its run begins, so that a test that panics outside the
 /// checkers (in the gossip itself, say) still shows its seed: the test harness prints a
 /// failed test's output.
 pub fn seeds(first: u64, count: u64) -> impl Iterator<Item = u64> {
     let var = |name| std::env::var(name).ok().and_then(|s| s.parse().ok());
     let seeds = match var("TALLY_SIM_SEED") {
         Some(seed) => seed..seed + 1,
-        None => first..first + var("TALLY_SIM_SEEDS").unwrap_or(count),
+        None => {
+            let first = var("TALLY_SIM_FIRST").unwrap_or(first);
+            first..first + var("TALLY_SIM_SEEDS").unwrap_or(count)
+        }
     };
     seeds.inspect(|seed| eprintln!("seed {seed}"))
 }

@@ -1,0 +1,193 @@
+//! Lives that ended unheard: a member's life that a newer life of its node replaced while
+//! the newest state of it held here was older than the newer life's start.
+//!
+//! What such a life admitted after its newest state held here may never arrive: a node
+//! without a data dir keeps nothing of a life past its process. No count anywhere then
+//! holds those admissions, and once the newer life is heard the cluster decides as if
+//! they had not been made, and admits them again. While the life was live and stale, a
+//! decision counted what it may have admitted unseen; this keeps that count for the
+//! windows it may have admitted in, after the life is gone (`decide`). Found by the BOUND
+//! simulator past its CI seeds (session 50: `node/tests/bound_sim.rs`, seeds 472, 1143,
+//! 2319 and 2425, each a node cut off alone and killed with its state lost before the
+//! heal).
+//!
+//! A life is heard whole again, and forgotten here, once a state of it as new as its
+//! successor's start arrives: a successor with a data dir re-publishes its earlier lives'
+//! logged lanes stamped after its start (`daemon::run`).
+
+use std::collections::BTreeMap;
+use std::time::Duration;
+use tally_crdt::{ReplicaId, Stamp, WINDOW_SECS_MAX};
+
+/// The ended lives this node knows of, each until its unseen admissions' windows are over.
+#[derive(Debug, Clone)]
+pub struct EndedLives {
+    // Per life with a time unheard: the newest stamp of it held here, and when it ended
+    // at the latest (its successor's generation, the wall clock of the successor's start),
+    // both on its node's clock, `newest` before `by`.
+    unheard: BTreeMap<ReplicaId, (Stamp, Stamp)>,
+    // Lives not counted, each with its end: heard whole, or let go as gone
+    // (`EndedLives::let_go`). Held so that a note of them again, from a map that still
+    // holds their lanes, does not count them.
+    settled: BTreeMap<ReplicaId, Stamp>,
+    // How long after its end a life is kept: a window it admitted in may be as long as the
+    // longest rule's, and a sliding rule weighs the window before too.
+    kept_for: Duration,
+}
+
+impl Default for EndedLives {
+    /// Lives kept for two of the longest windows a rule may have.
+    fn default() -> EndedLives {
+        EndedLives::kept_for(Duration::from_secs(2 * u64::from(WINDOW_SECS_MAX)))
+    }
+}
+
+impl EndedLives {
+    /// No ended lives yet, each to be kept `kept_for` after its end.
+    pub fn kept_for(kept_for: Duration) -> EndedLives {
+        EndedLives {
+            unheard: BTreeMap::new(),
+            settled: BTreeMap::new(),
+            kept_for,
+        }
+    }
+
+    /// Notes that `life` ended by `by` (its successor's generation, as a stamp), the
+    /// newest state of it held here stamped `newest`. Noted again, a life keeps the newest
+    /// of its stamps and the earliest of its ends; once its newest state is as new as its
+    /// end, it was heard whole and is settled.
+    pub fn note(&mut self, life: ReplicaId, newest: Stamp, by: Stamp) {
+        if self.settled.contains_key(&life) {
+            return;
+        }
+        let (newest, by) = match self.unheard.get(&life) {
+            Some(&(held, ended)) => (newest.max(held), by.min(ended)),
+            None => (newest, by),
+        };
+        if newest >= by {
+            self.unheard.remove(&life);
+            self.settled.insert(life, by);
+        } else {
+            self.unheard.insert(life, (newest, by));
+        }
+    }
+
+    /// Lets `life`, ended by `by`, go uncounted: it left, after its last push, or an
+    /// operator forgot it as a crashed member that will not come back (`tally forget`).
+    pub fn let_go(&mut self, life: ReplicaId, by: Stamp) {
+        self.unheard.remove(&life);
+        self.settled.insert(life, by);
+    }
+
+    /// Forgets the lives that ended more than `kept_for` before `now`.
+    pub fn forget_before(&mut self, now: Stamp) {
+        let kept_for = self.kept_for.as_millis() as u64;
+        let kept = |by: Stamp| by.0.saturating_add(kept_for) > now.0;
+        self.unheard.retain(|_, (_, by)| kept(*by));
+        self.settled.retain(|_, by| kept(*by));
+    }
+
+    /// How long each life that ended after `since` (a window's start, as a stamp) had gone
+    /// unheard when it ended: from its newest state held here to its end.
+    pub fn unheard_after(&self, since: Stamp) -> impl Iterator<Item = Duration> + '_ {
+        (self.unheard.values())
+            .filter(move |(_, by)| *by > since)
+            .map(|(newest, by)| Duration::from_millis(by.0 - newest.0))
+    }
+
+    /// How many lives that ended unheard are held.
+    pub fn len(&self) -> usize {
+        self.unheard.len()
+    }
+
+    /// Whether none is held.
+    pub fn is_empty(&self) -> bool {
+        self.unheard.is_empty()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tally_crdt::{Generation, NodeId};
+
+    fn life(generation: u64) -> ReplicaId {
+        ReplicaId::new(NodeId(2), Generation(generation))
+    }
+
+    #[test]
+    fn a_life_is_unheard_from_its_newest_state_held_to_its_successors_start() {
+        let mut ended = EndedLives::default();
+        ended.note(life(1_000), Stamp(4_000), Stamp(9_000));
+        let unheard: Vec<Duration> = ended.unheard_after(Stamp(0)).collect();
+        assert_eq!(unheard, [Duration::from_secs(5)]);
+        assert_eq!(
+            ended.unheard_after(Stamp(9_000)).count(),
+            0,
+            "a window that began after the life ended holds nothing of it"
+        );
+        assert_eq!(ended.unheard_after(Stamp(8_999)).count(), 1);
+    }
+
+    #[test]
+    fn a_newer_state_shortens_the_time_unheard_and_one_as_new_as_the_end_forgets_it() {
+        let mut ended = EndedLives::default();
+        ended.note(life(1_000), Stamp(4_000), Stamp(9_000));
+        ended.note(life(1_000), Stamp(3_000), Stamp(9_500));
+        let unheard: Vec<Duration> = ended.unheard_after(Stamp(0)).collect();
+        assert_eq!(
+            unheard,
+            [Duration::from_secs(5)],
+            "an older stamp or a later end noted again changes nothing"
+        );
+        ended.note(life(1_000), Stamp(8_000), Stamp(9_000));
+        let unheard: Vec<Duration> = ended.unheard_after(Stamp(0)).collect();
+        assert_eq!(unheard, [Duration::from_secs(1)]);
+        ended.note(life(1_000), Stamp(9_000), Stamp(9_000));
+        assert!(
+            ended.is_empty(),
+            "a life re-published after its end was heard whole"
+        );
+        ended.note(life(1_000), Stamp(4_000), Stamp(9_000));
+        assert!(
+            ended.is_empty(),
+            "a life heard whole stays settled, noted again from a map that holds its lanes"
+        );
+        ended.note(life(2_000), Stamp(2_000), Stamp(2_000));
+        assert!(
+            ended.is_empty(),
+            "a life heard up to its end was never unheard"
+        );
+    }
+
+    #[test]
+    fn a_life_let_go_is_not_counted_however_it_is_noted() {
+        let mut ended = EndedLives::default();
+        ended.note(life(1_000), Stamp(4_000), Stamp(9_000));
+        ended.let_go(life(1_000), Stamp(9_000));
+        assert!(ended.is_empty());
+        ended.let_go(life(9_000), Stamp(20_000));
+        ended.note(life(9_000), Stamp(10_000), Stamp(20_000));
+        assert!(ended.is_empty());
+    }
+
+    #[test]
+    fn a_life_is_kept_for_its_windows_after_its_end() {
+        let mut ended = EndedLives::kept_for(Duration::from_secs(120));
+        ended.note(life(1_000), Stamp(4_000), Stamp(9_000));
+        ended.note(life(9_000), Stamp(10_000), Stamp(60_000));
+        ended.let_go(life(2_000), Stamp(9_000));
+        ended.forget_before(Stamp(128_999));
+        assert_eq!(ended.len(), 2);
+        ended.forget_before(Stamp(129_000));
+        assert_eq!(ended.len(), 1);
+        assert_eq!(
+            ended.unheard_after(Stamp(0)).collect::<Vec<_>>(),
+            [Duration::from_secs(50)]
+        );
+        assert!(
+            ended.settled.is_empty(),
+            "a life let go is forgotten when its windows are over too"
+        );
+    }
+}
