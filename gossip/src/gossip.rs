@@ -162,6 +162,9 @@ pub struct Gossip {
     // The stamps this node gives its own states: the wall clock, carried on by the
     // monotonic clock while the wall clock is stepped back.
     own_stamps: OwnStamps,
+    // When (monotonic) the oldest write of this node that has not reached the gossip yet
+    // was made, if any ([`Gossip::hold_stamps_from`]).
+    pending_since: Option<Duration>,
     // The latest wall clock of any input: what a peer's lane is held to the rate by, so
     // that a clock stepped back does not hold back every lane of the windows it stepped
     // back over (each would look as if it had not started).
@@ -222,6 +225,7 @@ impl Gossip {
             ack_from: FIRST_ORIGIN,
             expiry: None,
             own_stamps: OwnStamps::default(),
+            pending_since: None,
             wall_latest: Stamp::default(),
             table_matched: false,
             republished: BTreeSet::new(),
@@ -242,6 +246,18 @@ impl Gossip {
             .filter(|life| life.node == me.node && life.generation < me.generation)
             .collect();
         self
+    }
+
+    /// Tells the gossip that this node's writes made from `since` (monotonic, as the
+    /// inputs' `now`) on may not have reached it yet: collected and waiting for a sync of
+    /// the node's log, or not collected yet; `None` once every write has. A heartbeat then
+    /// stamps this node's state no later than `since`: a peer reads a stamp as the time up
+    /// to which it holds every write of this node, and bounds what it has not seen by the
+    /// time since (found in session 51 by the BOUND simulator: a heartbeat stamped while
+    /// writes waited for their collection read fresh without them, and the cluster passed
+    /// the limit by more than the bound).
+    pub fn hold_stamps_from(&mut self, since: Option<Duration>) {
+        self.pending_since = since;
     }
 
     /// The node, its windows ending by `expiry` (resumed from an earlier life's reading:
@@ -439,6 +455,10 @@ impl Gossip {
         self.rounds += 1;
         self.next_round = Some(now.mono + self.config.gossip_interval);
         let stamp = self.own_stamps.at(now);
+        let held_back =
+            (self.pending_since).map_or(Duration::ZERO, |since| now.mono.saturating_sub(since));
+        let held_back = u64::try_from(held_back.as_millis()).unwrap_or(u64::MAX);
+        let stamp = Stamp(stamp.0.saturating_sub(held_back));
         self.map.touch(self.config.replica, stamp);
         let digest = self.map.digest();
         // Own lanes count as settled once an earlier push sent them: the ones this round's
@@ -1355,6 +1375,28 @@ mod tests {
                 lanes,
             },
         )
+    }
+
+    #[test]
+    fn a_heartbeat_vouches_for_no_write_the_gossip_does_not_hold_yet() {
+        let mut gossip = node(1);
+        let me = gossip.replica();
+        let stamp_after = |gossip: &mut Gossip, ms: u64| {
+            gossip.handle_input(Input::Timeout { now: now(ms) });
+            gossip.map().watermark(me).stamp
+        };
+        let first = gossip.config().gossip_interval.as_millis() as u64;
+        assert_eq!(stamp_after(&mut gossip, first), Stamp(WALL + first));
+        // A write made 300 ms before the next round waits for its collection or a sync.
+        let next = 2 * first;
+        gossip.hold_stamps_from(Some(Duration::from_millis(next - 300)));
+        assert_eq!(
+            stamp_after(&mut gossip, next),
+            Stamp(WALL + next - 300),
+            "the heartbeat is stamped no later than the write the gossip lacks"
+        );
+        gossip.hold_stamps_from(None);
+        assert_eq!(stamp_after(&mut gossip, 3 * first), Stamp(WALL + 3 * first));
     }
 
     /// Node 2 announces itself to `gossip`, and becomes its live peer.

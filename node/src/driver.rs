@@ -177,6 +177,8 @@ impl Driver {
                             collect_due = false;
                             self.collect(&mut lanes, queued_at);
                         }
+                        let pending = self.pending_since(collect_due, queued_at);
+                        self.gossip.hold_stamps_from(pending);
                         self.gossip.handle_input(Input::Timeout { now: self.clock.now() });
                     }
                 }
@@ -222,6 +224,7 @@ impl Driver {
                 }
                 _ = self.shutdown.changed() => {
                     self.last_lanes(&mut lanes).await;
+                    self.gossip.hold_stamps_from(None);
                     // Push what is left, then say goodbye.
                     self.gossip.handle_input(Input::Timeout { now: self.clock.now() });
                     self.gossip.handle_input(Input::Leave);
@@ -231,6 +234,19 @@ impl Driver {
                 }
             }
         }
+    }
+
+    /// When (monotonic) the oldest write the gossip does not hold yet was queued: the
+    /// oldest the lane log's sync in flight holds back, or the first queued since the last
+    /// collection (`queued_at`, while `collect_due`), or, for a write queued since this
+    /// task last woke, now. `None` if the gossip holds every write.
+    fn pending_since(&self, collect_due: bool, queued_at: Duration) -> Option<Duration> {
+        let unseen = self.store.has_queued().then(|| self.clock.mono());
+        let queued = collect_due.then_some(queued_at);
+        [self.handoff.oldest_held(), queued, unseen]
+            .into_iter()
+            .flatten()
+            .min()
     }
 
     /// If the lane log's sync is overdue, how long ago the oldest write it holds back was

@@ -63,13 +63,19 @@ impl Handoff {
         self.syncing.is_some()
     }
 
+    /// When the oldest write the sync in flight holds back was queued (monotonic), if a
+    /// sync is in flight.
+    pub fn oldest_held(&self) -> Option<Duration> {
+        self.syncing.as_ref().map(|syncing| syncing.oldest)
+    }
+
     /// If the oldest write the sync in flight holds back was queued more than `limit`
     /// before `now` (monotonic), how long ago: the disk is not answering fast enough, and
     /// no peer has this node's writes since then. Counted from the write, not from its
     /// collection, which waited for the sync before (writes made while a sync runs are
     /// collected once it returns).
     pub fn overdue(&self, now: Duration, limit: Duration) -> Option<Duration> {
-        let held_for = now.saturating_sub(self.syncing.as_ref()?.oldest);
+        let held_for = now.saturating_sub(self.oldest_held()?);
         (held_for > limit).then_some(held_for)
     }
 

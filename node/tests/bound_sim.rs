@@ -20,7 +20,8 @@
 //! changed to its store and takes the counter into its view (`Driver::publish`), and sets
 //! its view's members and stamps (`Driver::refresh_view`). An admission is handed to the
 //! node's gossip 3 ms after it is made, and goes out in the next push (5 ms after the
-//! first lane a push waits for): `tallyd` with a data dir collects its store every half
+//! first lane a push waits for); until then the node's heartbeats are stamped no later
+//! than when it was made, as the driver has its gossip stamp them: `tallyd` with a data dir collects its store every half
 //! push interval (2.5 ms by default), and without one just before the push that carries
 //! the admission, which then reaches peers no later than here. A lane-log sync that
 //! holds writes back is not modelled.
@@ -236,8 +237,9 @@ fn run(seed: u64) -> (Scenario, Admitted) {
     advance(&mut sim, &mut nodes, 1_000);
     let (refused_log, refused_keys) = (AtomicU64::new(0), AtomicU64::new(0));
     let mut admitted = Admitted::default();
-    // Admissions not yet collected, each with when it will be and by which node.
-    let mut collecting: Vec<(u64, usize)> = Vec::new();
+    // Admissions not yet collected, each with when it will be, by which node, and when
+    // it was made (the simulator's time).
+    let mut collecting: Vec<(u64, usize, Duration)> = Vec::new();
     for ms in 0..RUN_MS {
         if let Some((cut, from, to)) = &scenario.partition {
             let rest: Vec<usize> = (0..scenario.nodes).filter(|i| !cut.contains(i)).collect();
@@ -288,7 +290,7 @@ fn run(seed: u64) -> (Scenario, Admitted) {
             };
             let decision = context.check(&rule.1, key, 1).unwrap();
             if decision.allowed {
-                collecting.push((ms + COLLECT_EVERY_MS, index));
+                collecting.push((ms + COLLECT_EVERY_MS, index, sim.time()));
                 admitted.total += 1;
                 // An isolated decision's bound covers the overshoot as it stands, whoever
                 // made it: `locations x slack` and what the locations held beyond their
@@ -318,8 +320,14 @@ fn run(seed: u64) -> (Scenario, Admitted) {
         // of a node killed with its state lost before its collection is lost with it (a
         // `tallyd` without a data dir, or one whose disk is lost), and still counts as
         // admitted.
-        collecting.retain(|&(due, index)| {
-            if due > ms || down(index, scenario.pause) {
+        // A collection takes every admission its node made so far, as `LaneStore::collect`
+        // takes every key queued: a hand-off stamped now leaves none made before it behind.
+        let collected: Vec<usize> = (collecting.iter())
+            .filter(|&&(due, index, _)| due <= ms && !down(index, scenario.pause))
+            .map(|&(_, index, _)| index)
+            .collect();
+        collecting.retain(|&(_, index, _)| {
+            if !collected.contains(&index) {
                 return true;
             }
             let counted = sim.incr(index, SUBJECT, 1);
@@ -329,6 +337,15 @@ fn run(seed: u64) -> (Scenario, Admitted) {
             );
             false
         });
+        // A heartbeat vouches for no write the gossip does not hold yet, as `tallyd`'s
+        // driver tells its gossip (`Gossip::hold_stamps_from`).
+        for index in 0..scenario.nodes {
+            let pending = (collecting.iter())
+                .filter(|(_, node, _)| *node == index)
+                .map(|&(_, _, made)| made)
+                .min();
+            sim.hold_stamps_from(index, pending);
+        }
         advance(&mut sim, &mut nodes, 1);
     }
     sim.assert_clean("bound_sim");

@@ -226,6 +226,15 @@ impl Sim {
         true
     }
 
+    /// Node `index`'s writes made from `since` (the simulator's time) on have not reached
+    /// its gossip yet, or none (`None`): [`Gossip::hold_stamps_from`]. Nothing if the node
+    /// is crashed.
+    pub fn hold_stamps_from(&mut self, index: usize, since: Option<Duration>) {
+        if let Some(gossip) = &mut self.nodes[index].gossip {
+            gossip.hold_stamps_from(since);
+        }
+    }
+
     /// Crashes node `index`. With `keep_state` its counters survive as a snapshot taken
     /// at the crash; without, they are gone and it restarts as a new generation.
     pub fn crash(&mut self, index: usize, keep_state: bool) {
