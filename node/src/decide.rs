@@ -60,7 +60,7 @@ use crate::config::{OnRegionUnavailable, RuleConfig};
 use crate::lanelog::LaneLog;
 use crate::region::Outcome;
 use crate::store::{KeyHasher, LaneStore, StoreError};
-use crate::view::ViewState;
+use crate::view::{Remote, ViewState};
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
@@ -307,10 +307,11 @@ impl Context<'_> {
         // count: connected there (its side reads this one dead too), it admits up to the
         // limit; isolated, up to its share. Neither shows here.
         let dead_may_admit = freshness.dead as f64 * rule.limit.max(share) as f64;
-        let ended_may_admit = self.ended_may_admit(rule, key, share);
+        let remote = self.view.remote(key);
+        let ended_may_admit = self.ended_may_admit(rule, key, share, remote);
         let (mode, allowed, bound, room) = if connected {
             let room = i128::from(rule.limit) - (current + previous);
-            let unseen = self.view.remote_rate(key) * freshness.staleness.as_secs_f64();
+            let unseen = remote.unseen_in(freshness.staleness);
             let bound = unseen + dead_may_admit + ended_may_admit;
             (Mode::ApproximateConnected, cost_i <= room, bound, room)
         } else {
@@ -320,7 +321,7 @@ impl Context<'_> {
             let own_in = |key: KeyRef<'_>| self.store.own(key).value() + self.view.other_lives(key);
             let own = own_in(key) + self.previous_window_part(rule, key, own_in);
             let room = i128::from(share) - own;
-            let unseen = self.view.remote_rate(key) * rule.stale_after_ms as f64 / 1_000.0;
+            let unseen = remote.unseen_in(Duration::from_millis(rule.stale_after_ms));
             // Each other location counts at no less than zero: one below it would hide
             // another's excess in the sum.
             let below_zero_in = |key: KeyRef<'_>| self.view.below_zero(key);
@@ -377,8 +378,15 @@ impl Context<'_> {
     /// them ([`crate::ended`]): each as much as a live member that stale here may admit
     /// unseen. Past `dead_after` as a member declared dead (it may have declared the
     /// others dead, and decided connected and alone); past the rule's `stale_after_ms` its
-    /// share (it decided isolated); within it, the remote rate over its time unheard.
-    fn ended_may_admit(&self, rule: &RuleConfig, key: KeyRef<'_>, share: u64) -> f64 {
+    /// share (it decided isolated); within it, what the other replicas make unseen in its
+    /// time unheard.
+    fn ended_may_admit(
+        &self,
+        rule: &RuleConfig,
+        key: KeyRef<'_>,
+        share: u64,
+        remote: Remote,
+    ) -> f64 {
         if self.view.ended.is_empty() {
             return 0.0;
         }
@@ -397,7 +405,7 @@ impl Context<'_> {
                 } else if unheard > stale_after {
                     share as f64
                 } else {
-                    self.view.remote_rate(key) * unheard.as_secs_f64()
+                    remote.unseen_in(unheard)
                 }
             })
             .sum()
@@ -660,8 +668,9 @@ mod tests {
     }
 
     /// BOUND, as BRIEF.md computes it: connected, the bound in force is the other nodes'
-    /// rate on the key times their staleness; isolated, what they admit over `stale_after`
-    /// at that rate counts toward what the other locations hold beyond their shares.
+    /// rate on the key times their staleness, and one for each of its writers (a rate is
+    /// an average); isolated, what they admit over `stale_after` so counts toward what the
+    /// other locations hold beyond their shares.
     #[test]
     fn the_bound_in_force_is_the_remote_rate_times_the_time_unseen() {
         let rule = rule(40, 0);
@@ -694,16 +703,17 @@ mod tests {
         assert_eq!(decision.mode, Mode::ApproximateConnected);
         assert_eq!(decision.staleness_ms, 500);
         assert_eq!(
-            decision.bound, 25.0,
-            "50 a second, unseen for half a second"
+            decision.bound, 26.0,
+            "50 a second, unseen for half a second, and one more its one writer may make \
+             sooner than its average"
         );
-        // Isolated, on a share of 40 / 2 = 20: node 2 admits 50 unseen over the rule's
-        // stale_after of a second, 30 beyond its share.
+        // Isolated, on a share of 40 / 2 = 20: node 2 admits 51 unseen over the rule's
+        // stale_after of a second, 31 beyond its share.
         let mut isolated = view(Stamp(NOW.0 - 5_000));
         rising(&mut isolated);
         let decision = context(&store, &isolated).check(&rule, key, 1).unwrap();
         assert_eq!(decision.mode, Mode::ApproximateIsolated);
-        assert_eq!(decision.bound, 30.0, "{decision:?}");
+        assert_eq!(decision.bound, 31.0, "{decision:?}");
     }
 
     #[test]
