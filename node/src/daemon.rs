@@ -252,9 +252,10 @@ pub async fn run(config: Config, shutdown: impl Future<Output = ()>) -> Result<(
         .with_hash_seed(clock::entropy_seed())
         .with_keys_max(config.keys_max)
         .with_lane_rate_max(config.lane_rate_max_per_sec);
-    // Stamped after this life's generation (`lanelog::open` waited for the wall clock to
-    // pass it): a peer that holds a retired life's state that new holds all it admitted,
-    // and no longer counts it as a life that ended unheard (`ended`).
+    // Re-published above this generation in microseconds: a peer that holds a retired
+    // life's state that high holds all it admitted, and no longer counts it as a life that
+    // ended unheard (`ViewState::take_ended`). Stamped after this life's generation too
+    // (`lanelog::open` waited for the wall clock to pass it, unless it was stepped back).
     let republished_at = clock.now().wall;
     for (retired, lanes) in &recovered.retired {
         map.raise_version(*retired, recovered.republish_floor());

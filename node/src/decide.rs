@@ -971,6 +971,8 @@ mod tests {
         let mut view = replaced(Stamp(NOW.0 - 7_000), next, Duration::from_secs(4));
         let first = ReplicaId::new(NodeId(2), Generation(1));
         let mut map = CounterMap::new();
+        // As `daemon::run` re-publishes it: above the new generation in microseconds.
+        map.raise_version(first, tally_crdt::Version(next.0 * 1_000));
         map.write(first, &owned, Lane::new(3, 0), Stamp(next.0 + 1));
         map.write(
             ReplicaId::new(NodeId(2), Generation(next.0)),
@@ -982,6 +984,71 @@ mod tests {
         let decision = context(&store, &view).check(&rule, key, 1).unwrap();
         assert_eq!(decision.bound, 0.0, "{decision:?}");
         assert!(view.ended.is_empty());
+    }
+
+    /// `Now` at `wall`, the monotonic clock reading the same.
+    fn at(wall: Stamp) -> tally_gossip::Now {
+        tally_gossip::Now {
+            mono: Duration::from_millis(wall.0),
+            wall,
+        }
+    }
+
+    #[test]
+    fn a_life_whose_stamps_ran_ahead_of_its_successors_generation_still_counts() {
+        // Node 2's first life stamped its state 10 s ahead of this node's clock and of its
+        // successor's: its host's wall clock was stepped back 10 s while it ran (its stamps
+        // keep their monotonic pace, `OwnStamps`), or its node moved to a host whose clock
+        // is 10 s behind. Its newest state arrived here 9 s ago; its successor started 1 s
+        // ago. It may have gone on admitting, cut off, for up to 8 s: past `dead_after`,
+        // a whole limit that no count holds.
+        let rule = rule(100, 0);
+        let (store, owned) = setup(&rule);
+        let key = KeyRef::from(&owned);
+        let first = ReplicaId::new(NodeId(2), Generation(1));
+        let next = ReplicaId::new(NodeId(2), Generation(NOW.0 - 1_000));
+        let ahead = Stamp(NOW.0 + 1_000);
+        // By the members.
+        let mut view = ViewState::default();
+        view.dead_after = Some(Duration::from_secs(4));
+        view.set_members(
+            vec![(NodeId(2), first, State::Alive)],
+            [(first, ahead)].into(),
+            at(Stamp(NOW.0 - 9_000)),
+        );
+        let fresh = Stamp(NOW.0 - 100);
+        view.set_members(
+            vec![(NodeId(2), next, State::Alive)],
+            [(next, fresh)].into(),
+            at(fresh),
+        );
+        let decision = context(&store, &view).check(&rule, key, 1).unwrap();
+        assert_eq!(decision.bound, 100.0, "by the members: {decision:?}");
+    }
+
+    #[test]
+    fn a_life_never_held_as_a_member_whose_stamps_ran_ahead_of_its_successor_still_counts() {
+        // As above, node 2's first life known here only by its lanes in the map.
+        let rule = rule(100, 0);
+        let (store, owned) = setup(&rule);
+        let key = KeyRef::from(&owned);
+        let first = ReplicaId::new(NodeId(2), Generation(1));
+        let next = ReplicaId::new(NodeId(2), Generation(NOW.0 - 1_000));
+        let ahead = Stamp(NOW.0 + 1_000);
+        let fresh = Stamp(NOW.0 - 100);
+        let mut view = ViewState::default();
+        view.dead_after = Some(Duration::from_secs(4));
+        view.set_members(
+            vec![(NodeId(2), next, State::Alive)],
+            [(next, fresh)].into(),
+            at(fresh),
+        );
+        let mut map = CounterMap::new();
+        map.write(first, &owned, Lane::new(3, 0), ahead);
+        map.write(next, &owned, Lane::new(1, 0), fresh);
+        view.take_ended(&map, ReplicaId::new(NodeId(1), Generation(1)));
+        let decision = context(&store, &view).check(&rule, key, 1).unwrap();
+        assert_eq!(decision.bound, 100.0, "by the map: {decision:?}");
     }
 
     #[test]

@@ -11,9 +11,20 @@
 //! 2319 and 2425, each a node cut off alone and killed with its state lost before the
 //! heal).
 //!
-//! A life is heard whole again, and forgotten here, once a state of it as new as its
-//! successor's start arrives: a successor with a data dir re-publishes its earlier lives'
-//! logged lanes stamped after its start (`daemon::run`).
+//! A life is heard whole again, and forgotten here, once a later life of its node has
+//! re-published it: a successor with a data dir re-publishes its earlier lives' logged
+//! lanes at versions above its generation in microseconds (`daemon::run`), which no life's
+//! own versions reach (`ViewState::take_ended`). A stamp does not tell it: a life's stamps
+//! keep their monotonic pace while its wall clock is stepped back (`OwnStamps`), and a
+//! node may start again on a host whose clock is behind, so a life that went on admitting
+//! unheard may hold a state stamped after its successor's start (found in review, session
+//! 51: such a life was taken as heard whole, and the bound read 0 against its limit).
+//! How long such a life went unheard is unknown, and counted as from the epoch.
+//!
+//! A life forgotten once its windows are over is not noted again, though the gossip map
+//! may hold its lanes for longer (a peer's rule with a longer window than any here): it
+//! was counted again, as unheard even if it had been let go, at the next refresh (found
+//! in review, session 51).
 
 use std::collections::BTreeMap;
 use std::time::Duration;
@@ -33,6 +44,9 @@ pub struct EndedLives {
     // How long after its end a life is kept: a window it admitted in may be as long as the
     // longest rule's, and a sliding rule weighs the window before too.
     kept_for: Duration,
+    // The lives that ended by this stamp were forgotten (`EndedLives::forget_before`), and
+    // are not noted again.
+    forgotten_through: Stamp,
 }
 
 impl Default for EndedLives {
@@ -49,21 +63,25 @@ impl EndedLives {
             unheard: BTreeMap::new(),
             settled: BTreeMap::new(),
             kept_for,
+            forgotten_through: Stamp(0),
         }
     }
 
     /// Notes that `life` ended by `by` (its successor's generation, as a stamp), the
     /// newest state of it held here stamped `newest`. Noted again, a life keeps the newest
-    /// of its stamps and the earliest of its ends; once its newest state is as new as its
-    /// end, it was heard whole and is settled.
+    /// of its stamps and the earliest of its ends; once its newest state is stamped at its
+    /// end, it was heard up to it and is settled. A newest state stamped after its end came
+    /// from a clock that is not its successor's, or that was stepped back: how long the
+    /// life went unheard is unknown, and counted from the epoch.
     pub fn note(&mut self, life: ReplicaId, newest: Stamp, by: Stamp) {
-        if self.settled.contains_key(&life) {
+        if self.settled.contains_key(&life) || by <= self.forgotten_through {
             return;
         }
         let (newest, by) = match self.unheard.get(&life) {
             Some(&(held, ended)) => (newest.max(held), by.min(ended)),
             None => (newest, by),
         };
+        let newest = if newest > by { Stamp(0) } else { newest };
         if newest >= by {
             self.unheard.remove(&life);
             self.settled.insert(life, by);
@@ -75,14 +93,28 @@ impl EndedLives {
     /// Lets `life`, ended by `by`, go uncounted: it left, after its last push, or an
     /// operator forgot it as a crashed member that will not come back (`tally forget`).
     pub fn let_go(&mut self, life: ReplicaId, by: Stamp) {
+        self.settle(life, by);
+    }
+
+    /// Settles `life`, ended by `by`, as heard whole: a later life of its node re-published
+    /// it from its data dir.
+    pub fn heard_whole(&mut self, life: ReplicaId, by: Stamp) {
+        self.settle(life, by);
+    }
+
+    fn settle(&mut self, life: ReplicaId, by: Stamp) {
         self.unheard.remove(&life);
-        self.settled.insert(life, by);
+        if by > self.forgotten_through {
+            self.settled.insert(life, by);
+        }
     }
 
     /// Forgets the lives that ended more than `kept_for` before `now`.
     pub fn forget_before(&mut self, now: Stamp) {
         let kept_for = self.kept_for.as_millis() as u64;
         let kept = |by: Stamp| by.0.saturating_add(kept_for) > now.0;
+        self.forgotten_through =
+            (self.forgotten_through).max(Stamp(now.0.saturating_sub(kept_for)));
         self.unheard.retain(|_, (_, by)| kept(*by));
         self.settled.retain(|_, by| kept(*by));
     }

@@ -10,7 +10,9 @@ use crate::ended::EndedLives;
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::sync::{Mutex, MutexGuard};
 use std::time::Duration;
-use tally_crdt::{Counter, CounterMap, Generation, Key, KeyRef, NodeId, ReplicaId, Slot, Stamp};
+use tally_crdt::{
+    Counter, CounterMap, Generation, Key, KeyRef, NodeId, ReplicaId, Slot, Stamp, Version,
+};
 use tally_gossip::membership::State;
 use tally_gossip::{Now, Seed, Stats};
 
@@ -482,8 +484,9 @@ impl ViewState {
     /// among the members or `me`, replaced: each ended by the next life of its node, and
     /// unheard from its newest stamp in `map` (`EndedLives::note`). This node's own
     /// earlier lives are among them, and a member's lives this life never saw as members.
-    /// Noted again at every call, a life a later state of which arrived (re-published by
-    /// its successor from its data dir) is heard whole and forgotten.
+    /// Noted again at every call, a life re-published by a later life of its node from its
+    /// data dir (at versions above that life's generation in microseconds, which no life's
+    /// own versions reach) is heard whole and forgotten.
     pub fn take_ended(&mut self, map: &CounterMap, me: ReplicaId) {
         let mut current: HashMap<NodeId, Generation> = (self.members.iter())
             .map(|(node, replica, _)| (*node, replica.generation))
@@ -496,8 +499,15 @@ impl ViewState {
                 _ => current.get(&life.node).copied(),
             };
             if let Some(next) = next.filter(|next| *next > life.generation) {
-                self.ended
-                    .note(life, map.watermark(life).stamp, Stamp(next.0));
+                // Re-published by a later life: held through a version above those its own
+                // writes reach.
+                let floor = Version(life.generation.0.saturating_add(1).saturating_mul(1_000));
+                let watermark = map.watermark(life);
+                if watermark.version >= floor {
+                    self.ended.heard_whole(life, Stamp(next.0));
+                } else {
+                    self.ended.note(life, watermark.stamp, Stamp(next.0));
+                }
             }
         }
     }
@@ -787,7 +797,7 @@ fn sparse_get(map: &HashMap<Key, i128>, key: KeyRef<'_>) -> i128 {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use tally_crdt::{Generation, Lane, PnCounter, Window};
+    use tally_crdt::{Generation, Lane, PnCounter, Rule, Subject, Window};
 
     /// `api`'s key of `user-1` in its second minute.
     fn user_1() -> Key {
@@ -846,10 +856,64 @@ mod tests {
         view.take_ended(&map, life(1, 9_000));
         assert_eq!(unheard(&view), [3_000, 50, 7_100, 5_000]);
 
-        // Node 2's first life re-published by a later one, stamped after its end.
+        // Node 2's first life re-published by a later one, above its generation in
+        // microseconds (stamped after its end).
+        map.raise_version(life(2, 100), Version(200 * 1_000));
         map.write(life(2, 100), &key, Lane::new(2, 0), Stamp(200));
         view.take_ended(&map, life(1, 9_000));
         assert_eq!(unheard(&view), [3_000, 7_100, 5_000]);
+    }
+
+    #[test]
+    fn a_life_forgotten_once_its_windows_are_over_is_not_counted_again_from_the_map() {
+        // Node 2's first life left (let go) and its second life ended unheard; a peer's
+        // rule with a longer window than any here keeps their lanes in the map after
+        // this node's rules' windows are over.
+        let life = |generation| ReplicaId::new(NodeId(2), Generation(generation));
+        let now = |wall| Now {
+            mono: Duration::from_millis(wall),
+            wall: Stamp(wall),
+        };
+        let mut view = ViewState {
+            ended: EndedLives::kept_for(Duration::from_secs(120)),
+            ..ViewState::default()
+        };
+        view.set_members(
+            vec![(NodeId(2), life(1_000), State::Left)],
+            [(life(1_000), Stamp(3_000))].into(),
+            now(3_000),
+        );
+        view.set_members(
+            vec![(NodeId(2), life(8_000), State::Alive)],
+            [(life(8_000), Stamp(8_000))].into(),
+            now(8_000),
+        );
+        let long = Key::new(
+            Rule::new("daily").unwrap(),
+            Subject::new("user-1").unwrap(),
+            Window::new(0, 86_400).unwrap(),
+        );
+        let mut map = CounterMap::new();
+        map.write(life(1_000), &long, Lane::new(1, 0), Stamp(3_000));
+        map.write(life(8_000), &long, Lane::new(1, 0), Stamp(9_000));
+        map.write(life(20_000), &long, Lane::new(1, 0), Stamp(21_000));
+        view.set_members(
+            vec![(NodeId(2), life(20_000), State::Alive)],
+            [(life(20_000), Stamp(21_000))].into(),
+            now(21_000),
+        );
+        view.take_ended(&map, ReplicaId::new(NodeId(1), Generation(1)));
+        assert_eq!(view.ended.len(), 1, "the second life; the first was let go");
+        // Two minutes after the second life's end, no window here holds its admissions.
+        view.forget_ended_windows(140);
+        assert_eq!(view.ended.len(), 0);
+        view.take_ended(&map, ReplicaId::new(NodeId(1), Generation(1)));
+        assert_eq!(
+            view.ended.len(),
+            0,
+            "counted again at the next refresh: {:?}",
+            view.ended
+        );
     }
 
     #[test]
