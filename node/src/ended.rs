@@ -28,15 +28,18 @@
 
 use std::collections::BTreeMap;
 use std::time::Duration;
-use tally_crdt::{ReplicaId, Stamp, WINDOW_SECS_MAX};
+use tally_crdt::{Generation, NodeId, ReplicaId, Stamp, WINDOW_SECS_MAX};
 
 /// The ended lives this node knows of, each until its unseen admissions' windows are over.
 #[derive(Debug, Clone)]
 pub struct EndedLives {
-    // Per life with a time unheard: the newest stamp of it held here, and when it ended
-    // at the latest (its successor's generation, the wall clock of the successor's start),
-    // both on its node's clock, `newest` before `by`.
-    unheard: BTreeMap<ReplicaId, (Stamp, Stamp)>,
+    // The lives with a time unheard, by when each ended at the latest (its successor's
+    // generation, the wall clock of the successor's start): the newest stamp of it held
+    // here, before its end, both on its node's clock. In order of their ends, so that a
+    // decision walks only the lives that ended in its key's windows.
+    unheard: BTreeMap<(Stamp, ReplicaId), Stamp>,
+    // When each life in `unheard` ended.
+    ends: BTreeMap<ReplicaId, Stamp>,
     // Lives not counted, each with its end: heard whole, or let go as gone
     // (`EndedLives::let_go`). Held so that a note of them again, from a map that still
     // holds their lanes, does not count them.
@@ -61,6 +64,7 @@ impl EndedLives {
     pub fn kept_for(kept_for: Duration) -> EndedLives {
         EndedLives {
             unheard: BTreeMap::new(),
+            ends: BTreeMap::new(),
             settled: BTreeMap::new(),
             kept_for,
             forgotten_through: Stamp(0),
@@ -77,16 +81,16 @@ impl EndedLives {
         if self.settled.contains_key(&life) || by <= self.forgotten_through {
             return;
         }
-        let (newest, by) = match self.unheard.get(&life) {
-            Some(&(held, ended)) => (newest.max(held), by.min(ended)),
+        let (newest, by) = match self.remove_unheard(life) {
+            Some((held, ended)) => (newest.max(held), by.min(ended)),
             None => (newest, by),
         };
         let newest = if newest > by { Stamp(0) } else { newest };
         if newest >= by {
-            self.unheard.remove(&life);
             self.settled.insert(life, by);
         } else {
-            self.unheard.insert(life, (newest, by));
+            self.unheard.insert((by, life), newest);
+            self.ends.insert(life, by);
         }
     }
 
@@ -103,10 +107,17 @@ impl EndedLives {
     }
 
     fn settle(&mut self, life: ReplicaId, by: Stamp) {
-        self.unheard.remove(&life);
+        self.remove_unheard(life);
         if by > self.forgotten_through {
             self.settled.insert(life, by);
         }
+    }
+
+    /// Takes `life` out of the unheard lives: its newest stamp and its end, if it was one.
+    fn remove_unheard(&mut self, life: ReplicaId) -> Option<(Stamp, Stamp)> {
+        let by = self.ends.remove(&life)?;
+        let newest = self.unheard.remove(&(by, life))?;
+        Some((newest, by))
     }
 
     /// Forgets the lives that ended more than `kept_for` before `now`.
@@ -115,26 +126,30 @@ impl EndedLives {
         let kept = |by: Stamp| by.0.saturating_add(kept_for) > now.0;
         self.forgotten_through =
             (self.forgotten_through).max(Stamp(now.0.saturating_sub(kept_for)));
-        self.unheard.retain(|_, (_, by)| kept(*by));
+        self.unheard.retain(|(by, _), _| kept(*by));
+        self.ends.retain(|_, by| kept(*by));
         self.settled.retain(|_, by| kept(*by));
     }
 
     /// How long each life that ended after `since` (a window's start, as a stamp) had gone
-    /// unheard when it ended: from its newest state held here to its end.
+    /// unheard when it ended: from its newest state held here to its end. Walks only those
+    /// lives.
     pub fn unheard_after(&self, since: Stamp) -> impl Iterator<Item = Duration> + '_ {
-        (self.unheard.values())
-            .filter(move |(_, by)| *by > since)
-            .map(|(newest, by)| Duration::from_millis(by.0 - newest.0))
+        let first = ReplicaId::new(NodeId(0), Generation(0));
+        (self
+            .unheard
+            .range((Stamp(since.0.saturating_add(1)), first)..))
+        .map(|((by, _), newest)| Duration::from_millis(by.0 - newest.0))
     }
 
     /// How many lives that ended unheard are held.
     pub fn len(&self) -> usize {
-        self.unheard.len()
+        self.ends.len()
     }
 
     /// Whether none is held.
     pub fn is_empty(&self) -> bool {
-        self.unheard.is_empty()
+        self.ends.is_empty()
     }
 }
 

@@ -324,7 +324,7 @@ impl Endpoints {
             "members": members,
             "unheard_seeds": view.unheard_seeds.live,
             "dead_seeds": view.unheard_seeds.dead,
-            "lives_ended_unheard": view.ended.len(),
+            "lives_ended_unheard": view.lives_ended_unheard(),
             "staleness_ms": freshness.staleness.as_millis() as u64,
             "keys": self.store.len(),
             "lanes": view.lanes,

@@ -237,7 +237,7 @@ pub fn render(sources: &Sources<'_>) -> String {
     }
     registry.register("members", "Other members by state", members);
     let ended = Gauge::<i64>::default();
-    ended.set(view.ended.len() as i64);
+    ended.set(view.lives_ended_unheard() as i64);
     registry.register(
         "lives_ended_unheard",
         "Lives of members a later life replaced while unheard, counted in every bound of \
