@@ -1399,6 +1399,44 @@ mod tests {
         assert_eq!(stamp_after(&mut gossip, 3 * first), Stamp(WALL + 3 * first));
     }
 
+    #[test]
+    fn lanes_handed_after_a_round_keep_the_stamp_of_their_collection() {
+        // With a data_dir, lanes collected at `collected` reach the gossip once the lane
+        // log's sync returns; a round may run meanwhile, its stamp held back to the oldest
+        // write the gossip lacks. The lanes must not vouch for the round's time: a write
+        // queued after their collection is still missing.
+        let mut gossip = node(1);
+        let me = gossip.replica();
+        let first = gossip.config().gossip_interval.as_millis() as u64;
+        gossip.handle_input(Input::Timeout { now: now(first) });
+        let round = 2 * first;
+        let collected = round - 300;
+        let queued_after = round - 200;
+        // At the round, the collected lanes wait for their sync (their oldest write a
+        // little before their collection).
+        gossip.hold_stamps_from(Some(Duration::from_millis(collected - 10)));
+        gossip.handle_input(Input::Timeout { now: now(round) });
+        assert_eq!(gossip.map().watermark(me).stamp, Stamp(WALL + collected - 10));
+        // The sync returns; a write queued at `queued_after` is still not collected.
+        let key = Key::new(
+            Rule::new("r").unwrap(),
+            Subject::new("s").unwrap(),
+            Window::containing(WALL / 1_000, 60).unwrap(),
+        );
+        gossip.handle_input(Input::LocalLanes {
+            now: now(collected),
+            lanes: vec![(key, Lane::new(1, 0))],
+        });
+        let stamp = gossip.map().watermark(me).stamp;
+        assert!(
+            stamp < Stamp(WALL + queued_after),
+            "lanes collected at {collected} ms are stamped {} ms: they vouch for the write \
+             queued at {queued_after} ms that the gossip lacks",
+            stamp.0 - WALL
+        );
+        assert_eq!(stamp, Stamp(WALL + collected));
+    }
+
     /// Node 2 announces itself to `gossip`, and becomes its live peer.
     fn announce_node_2(gossip: &mut Gossip) {
         let announce = Message::Members {

@@ -76,7 +76,19 @@ pub struct OwnStamps {
 
 impl OwnStamps {
     /// The stamp for this node's state at `now`.
+    ///
+    /// A `now` before the last reading (lanes collected, then handed in once the lane
+    /// log's sync returned, after a round) is stamped as of then: its wall clock, carried
+    /// back from the last reading at the monotonic pace if that is later (the wall clock
+    /// was stepped back), and never past the last reading. Carried forward from the last
+    /// reading, it would vouch for the writes made between then and now that it lacks.
     pub fn at(&mut self, now: Now) -> Stamp {
+        if now.mono < self.anchor_mono {
+            let back = (self.anchor_mono - now.mono).as_millis();
+            let back = u64::try_from(back).unwrap_or(u64::MAX);
+            let carried = (self.anchor.0).saturating_sub(back);
+            return Stamp(now.wall.0.max(carried).min(self.anchor.0));
+        }
         let since = now.mono.saturating_sub(self.anchor_mono).as_millis();
         let carried = (self.anchor.0).saturating_add(u64::try_from(since).unwrap_or(u64::MAX));
         if now.wall.0 >= carried {
@@ -114,6 +126,26 @@ mod tests {
         assert_eq!(stamps.at(now(941_600, 11_600)), Stamp(1_001_600));
         // Once the wall clock has caught up, they follow it again.
         assert_eq!(stamps.at(now(1_070_000, 70_000)), Stamp(1_070_000));
+    }
+
+    #[test]
+    fn own_stamps_of_an_earlier_moment_are_no_later_than_it() {
+        let now = |wall, mono_ms| Now {
+            mono: Duration::from_millis(mono_ms),
+            wall: Stamp(wall),
+        };
+        let mut stamps = OwnStamps::default();
+        assert_eq!(stamps.at(now(1_000_500, 10_500)), Stamp(1_000_500));
+        assert_eq!(
+            stamps.at(now(1_000_200, 10_200)),
+            Stamp(1_000_200),
+            "read after a later moment, in step"
+        );
+        assert_eq!(stamps.at(now(1_000_600, 10_600)), Stamp(1_000_600));
+        // Stepped back a minute: carried on, and carried back at the same pace.
+        assert_eq!(stamps.at(now(940_900, 10_900)), Stamp(1_000_900));
+        assert_eq!(stamps.at(now(940_700, 10_700)), Stamp(1_000_700));
+        assert_eq!(stamps.at(now(941_000, 11_000)), Stamp(1_001_000));
     }
 
     #[test]
