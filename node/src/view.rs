@@ -174,12 +174,15 @@ impl Remote {
     /// span shorter than the time between its increments (found in session 51 by the BOUND
     /// simulator past its CI seeds: seeds 4567, 5122 and 7317 of 10,000 passed the limit by
     /// 1, 6 and 2 against bounds of 0.6, 5.8 and 0.8, each where two or three writers each
-    /// admitted once in a few milliseconds unseen). None in no time, or while none rises.
+    /// admitted once in a few milliseconds unseen). None in no time, or while none has
+    /// incremented it. A writer counts before the rate has risen: a key's first sample in
+    /// a window with none before sets its rate at 0, and the writers seen in it may each
+    /// admit once more unseen all the same (found in review, session 51).
     pub fn unseen_in(&self, span: Duration) -> f64 {
-        if self.per_sec <= 0.0 || span.is_zero() {
+        if span.is_zero() || (self.per_sec <= 0.0 && self.writers == 0) {
             return 0.0;
         }
-        self.per_sec * span.as_secs_f64() + f64::from(self.writers)
+        self.per_sec.max(0.0) * span.as_secs_f64() + f64::from(self.writers)
     }
 }
 
@@ -1051,6 +1054,32 @@ mod tests {
         state.take_in(&key, &counter, no_previous, life(1, 2), 0);
         assert_eq!(state.below_zero(KeyRef::from(&key)), 0);
         assert!(state.below_zero.is_empty());
+    }
+
+    #[test]
+    fn writers_first_seen_in_a_sample_with_no_rate_yet_still_may_admit_one_each_unseen() {
+        // A key's first remote lanes in a window with no rate before: each of two writers
+        // has admitted once, and may again before this node hears it. The rate has no
+        // second sample to rise from yet, but the writers are known.
+        let me = ReplicaId::new(NodeId(1), Generation(1));
+        let peer = |node| ReplicaId::new(NodeId(node), Generation(1));
+        let key = Key::new(
+            tally_crdt::Rule::new("api").unwrap(),
+            tally_crdt::Subject::new("user-1").unwrap(),
+            Window::new(1, 60).unwrap(),
+        );
+        let mut state = ViewState::default();
+        let mut counter = PnCounter::new();
+        counter.incr(peer(2), 1).unwrap();
+        counter.incr(peer(3), 1).unwrap();
+        state.take_in(&key, &counter, no_previous, me, 60_000);
+        let remote = state.remote(KeyRef::from(&key));
+        assert_eq!(remote.writers, 2);
+        assert_eq!(
+            remote.unseen_in(Duration::from_millis(500)),
+            2.0,
+            "{remote:?}: two writers, each may admit once unseen"
+        );
     }
 
     #[test]
