@@ -1416,7 +1416,10 @@ mod tests {
         // little before their collection).
         gossip.hold_stamps_from(Some(Duration::from_millis(collected - 10)));
         gossip.handle_input(Input::Timeout { now: now(round) });
-        assert_eq!(gossip.map().watermark(me).stamp, Stamp(WALL + collected - 10));
+        assert_eq!(
+            gossip.map().watermark(me).stamp,
+            Stamp(WALL + collected - 10)
+        );
         // The sync returns; a write queued at `queued_after` is still not collected.
         let key = Key::new(
             Rule::new("r").unwrap(),
