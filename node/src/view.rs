@@ -472,9 +472,7 @@ impl ViewState {
     /// none was) to the newer life's generation. A life that left is let go: it left after
     /// its last push, or an operator forgot it as a crashed member not to be counted.
     fn note_replaced(&mut self, members: &[(NodeId, ReplicaId, State)]) {
-        let current: HashMap<NodeId, Generation> = (members.iter())
-            .map(|(node, replica, _)| (*node, replica.generation))
-            .collect();
+        let current = generations(members);
         for (node, life, state) in &self.members {
             let Some(&next) = current.get(node) else {
                 continue;
@@ -499,9 +497,7 @@ impl ViewState {
     /// data dir (at versions above that life's generation in microseconds, which no life's
     /// own versions reach) is heard whole and forgotten.
     pub fn take_ended(&mut self, map: &CounterMap, me: ReplicaId) {
-        let mut current: HashMap<NodeId, Generation> = (self.members.iter())
-            .map(|(node, replica, _)| (*node, replica.generation))
-            .collect();
+        let mut current = generations(&self.members);
         current.insert(me.node, me.generation);
         let mut origins = map.origins().peekable();
         while let Some(life) = origins.next() {
@@ -783,6 +779,13 @@ impl ViewState {
     }
 }
 
+/// Each member's node and the generation of its current life.
+fn generations(members: &[(NodeId, ReplicaId, State)]) -> HashMap<NodeId, Generation> {
+    (members.iter())
+        .map(|(node, replica, _)| (*node, replica.generation))
+        .collect()
+}
+
 /// Sets `key`'s value in a map that holds only values other than 0.
 fn set_sparse(map: &mut HashMap<Key, i128>, key: &Key, value: i128) {
     match value {
@@ -813,10 +816,15 @@ mod tests {
 
     /// `api`'s key of `user-1` in its second minute.
     fn user_1() -> Key {
+        user_1_in(1)
+    }
+
+    /// `api`'s key of `user-1` in minute `window`.
+    fn user_1_in(window: u64) -> Key {
         Key::new(
             tally_crdt::Rule::new("api").unwrap(),
             tally_crdt::Subject::new("user-1").unwrap(),
-            Window::new(1, 60).unwrap(),
+            Window::new(window, 60).unwrap(),
         )
     }
 
@@ -1086,13 +1094,7 @@ mod tests {
     fn a_keys_writers_are_counted_and_each_may_make_one_more_than_the_rate_says() {
         let me = ReplicaId::new(NodeId(1), Generation(1));
         let peer = |node| ReplicaId::new(NodeId(node), Generation(1));
-        let key = |window| {
-            Key::new(
-                tally_crdt::Rule::new("api").unwrap(),
-                tally_crdt::Subject::new("user-1").unwrap(),
-                Window::new(window, 60).unwrap(),
-            )
-        };
+        let key = user_1_in;
         let mut state = ViewState::default();
         let mut counter = PnCounter::new();
         // Its own lane, and a peer's decrements alone, are no writers.
@@ -1124,13 +1126,7 @@ mod tests {
     fn a_keys_rate_in_a_new_window_starts_from_its_rate_in_the_window_before() {
         let me = ReplicaId::new(NodeId(1), Generation(1));
         let peer = ReplicaId::new(NodeId(2), Generation(1));
-        let key = |window| {
-            Key::new(
-                tally_crdt::Rule::new("api").unwrap(),
-                tally_crdt::Subject::new("user-1").unwrap(),
-                Window::new(window, 60).unwrap(),
-            )
-        };
+        let key = user_1_in;
         let mut state = ViewState::default();
         let mut counter = PnCounter::new();
         state.take_in(&key(1), &counter, no_previous, me, 0);
