@@ -1005,48 +1005,40 @@ mod tests {
         // keep their monotonic pace, `OwnStamps`), or its node moved to a host whose clock
         // is 10 s behind. Its newest state arrived here 9 s ago; its successor started 1 s
         // ago. It may have gone on admitting, cut off, for up to 8 s: past `dead_after`,
-        // a whole limit that no count holds.
+        // a whole limit that no count holds. It counts whether this node held it as a
+        // member or knows it only by its lanes in the map.
         let rule = rule(100, 0);
         let (store, owned) = setup(&rule);
         let key = KeyRef::from(&owned);
         let first = ReplicaId::new(NodeId(2), Generation(1));
         let next = ReplicaId::new(NodeId(2), Generation(NOW.0 - 1_000));
         let ahead = Stamp(NOW.0 + 1_000);
-        // By the members.
-        let mut view = ViewState::default();
-        view.dead_after = Some(Duration::from_secs(4));
+        let fresh = Stamp(NOW.0 - 100);
+        let with_dead_after = || {
+            let mut view = ViewState::default();
+            view.dead_after = Some(Duration::from_secs(4));
+            view
+        };
+        let successor_heard = |view: &mut ViewState| {
+            view.set_members(
+                vec![(NodeId(2), next, State::Alive)],
+                [(next, fresh)].into(),
+                at(fresh),
+            );
+        };
+
+        let mut view = with_dead_after();
         view.set_members(
             vec![(NodeId(2), first, State::Alive)],
             [(first, ahead)].into(),
             at(Stamp(NOW.0 - 9_000)),
         );
-        let fresh = Stamp(NOW.0 - 100);
-        view.set_members(
-            vec![(NodeId(2), next, State::Alive)],
-            [(next, fresh)].into(),
-            at(fresh),
-        );
+        successor_heard(&mut view);
         let decision = context(&store, &view).check(&rule, key, 1).unwrap();
         assert_eq!(decision.bound, 100.0, "by the members: {decision:?}");
-    }
 
-    #[test]
-    fn a_life_never_held_as_a_member_whose_stamps_ran_ahead_of_its_successor_still_counts() {
-        // As above, node 2's first life known here only by its lanes in the map.
-        let rule = rule(100, 0);
-        let (store, owned) = setup(&rule);
-        let key = KeyRef::from(&owned);
-        let first = ReplicaId::new(NodeId(2), Generation(1));
-        let next = ReplicaId::new(NodeId(2), Generation(NOW.0 - 1_000));
-        let ahead = Stamp(NOW.0 + 1_000);
-        let fresh = Stamp(NOW.0 - 100);
-        let mut view = ViewState::default();
-        view.dead_after = Some(Duration::from_secs(4));
-        view.set_members(
-            vec![(NodeId(2), next, State::Alive)],
-            [(next, fresh)].into(),
-            at(fresh),
-        );
+        let mut view = with_dead_after();
+        successor_heard(&mut view);
         let mut map = CounterMap::new();
         map.write(first, &owned, Lane::new(3, 0), ahead);
         map.write(next, &owned, Lane::new(1, 0), fresh);
