@@ -130,11 +130,7 @@ impl Driver {
         tokio::pin!(protocol);
         // The collection's ticks, with `Collecting::Every`.
         let mut collect = match self.collecting {
-            Collecting::Every(every) => {
-                let mut ticks = tokio::time::interval(every);
-                ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-                Some(ticks)
-            }
+            Collecting::Every(every) => Some(crate::tasks::every(every)),
             Collecting::AtPush => None,
         };
         let at_push = self.collecting == Collecting::AtPush;
@@ -142,7 +138,7 @@ impl Driver {
         // (monotonic).
         let mut collect_due = false;
         let mut queued_at = Duration::ZERO;
-        let mut expire = tokio::time::interval(Duration::from_secs(1));
+        let mut expire = crate::tasks::every(Duration::from_secs(1));
         let mut lanes = Vec::new();
         loop {
             let next = self.drain(me)?;

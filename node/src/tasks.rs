@@ -67,6 +67,17 @@ impl Drop for ReportsEnd {
     }
 }
 
+/// Ticks every `period`, the first at once, for a task's housekeeping (windows' expiry,
+/// purges, retries). Each tick acts on the time it finds, so ticks missed while the task
+/// did not run (the process was stopped, or the node's one thread was busy) are not made
+/// up in a burst: after a pause of a minute, one tick does what sixty would, and the node
+/// goes back to its requests at once.
+pub fn every(period: std::time::Duration) -> tokio::time::Interval {
+    let mut ticks = tokio::time::interval(period);
+    ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    ticks
+}
+
 /// A value dropped on the runtime's blocking pool rather than where the guard is dropped,
 /// however its holder ends (an aborted task included): for a value whose drop may wait on
 /// a disk, so that the node's one thread goes on. Dropped in place where no runtime runs,
@@ -159,6 +170,22 @@ mod tests {
         assert!(none.is_err(), "a task still running was reported: {none:?}");
         running.abort();
         assert_eq!(ended.first().await, "running");
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn ticks_missed_during_a_pause_are_not_made_up_in_a_burst() {
+        let mut ticks = every(Duration::from_secs(1));
+        ticks.tick().await;
+        // The task does not run for a minute: a stopped process, or a busy thread.
+        tokio::time::advance(Duration::from_secs(60)).await;
+        ticks.tick().await;
+        let next = tokio::time::timeout(Duration::from_millis(999), ticks.tick()).await;
+        assert!(
+            next.is_err(),
+            "a missed tick was made up at once instead of a second after the last"
+        );
+        let next = tokio::time::timeout(Duration::from_millis(2), ticks.tick()).await;
+        assert!(next.is_ok(), "the next tick comes a second after the last");
     }
 
     #[tokio::test]

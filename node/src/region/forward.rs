@@ -801,7 +801,7 @@ async fn carry<T>(region: &Region, session: Session, held: &mut Held<T>) -> Carr
     tokio::spawn(write_frames(send, to_write));
     held.resend_all();
     let mut answered_any = false;
-    let mut purge = tokio::time::interval(PURGE_EVERY);
+    let mut purge = crate::tasks::every(PURGE_EVERY);
     let alarm = tokio::time::sleep(Duration::ZERO);
     tokio::pin!(alarm);
     let carried = loop {

@@ -282,7 +282,7 @@ impl RegionService {
             .take()
             .expect("invariant: a service is served once");
         let acknowledging = watcher.spawn("region acknowledgements", acknowledge(decided, own));
-        let mut expire = tokio::time::interval(Duration::from_secs(1));
+        let mut expire = crate::tasks::every(Duration::from_secs(1));
         // A compaction's snapshot, being encoded.
         let mut snapshot: Option<oneshot::Receiver<Vec<u8>>> = None;
         loop {
@@ -537,9 +537,7 @@ struct Batch {
 /// admissions, it tries to count them in every second too, since no admission may come
 /// (after a full disk, the region log refuses until a restart).
 async fn acknowledge(mut batches: mpsc::UnboundedReceiver<Batch>, mut own: OwnLanes) {
-    let mut retry = tokio::time::interval(OWED_RETRY);
-    // Ticks missed while nothing was owed are not made up in a burst.
-    retry.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let mut retry = crate::tasks::every(OWED_RETRY);
     loop {
         let mut batch = tokio::select! {
             batch = batches.recv() => match batch {
