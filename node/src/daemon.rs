@@ -417,6 +417,7 @@ pub async fn run(config: Config, shutdown: impl Future<Output = ()>) -> Result<(
         waiting: Arc::default(),
         late: std::sync::Mutex::default(),
         expiry: std::sync::Mutex::new(expiry),
+        clock,
     });
     let endpoints = Arc::new(Endpoints {
         replica,

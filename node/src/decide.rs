@@ -131,6 +131,9 @@ pub struct Context<'a> {
     pub view: &'a ViewState,
     /// The wall clock now.
     pub now: Stamp,
+    /// The monotonic clock now, as the gossip task reads it: when this context's writes
+    /// are made, for the store to tell the gossip task ([`LaneStore::note_written`]).
+    pub written_at: Duration,
     /// The lane log, if the node has a data dir.
     pub log: Option<&'a mut LaneLog>,
     /// The most a lane may hold per second its window has run (`lane_rate_max_per_sec`):
@@ -207,6 +210,7 @@ impl Context<'_> {
             }
             refusal(err)
         })?;
+        self.store.note_written(self.written_at);
         Ok(Estimate {
             estimate: counted.estimate,
             window: key.window().index(),
@@ -568,6 +572,7 @@ mod tests {
             store,
             view,
             now: NOW,
+            written_at: Duration::from_millis(NOW.0),
             log: None,
             lane_rate_max: u64::MAX,
             lane_log_refused: &REFUSED,
@@ -610,6 +615,26 @@ mod tests {
         let rules = Rules::new(std::slice::from_ref(rule)).unwrap();
         let key = key(rules.get("api").unwrap(), "user-1", NOW).unwrap();
         (store, key.to_key())
+    }
+
+    #[test]
+    fn a_counted_write_tells_the_store_when_it_was_made_and_a_refused_one_does_not() {
+        let rule = rule(100, 0);
+        let (store, owned) = setup(&rule);
+        let key = KeyRef::from(&owned);
+        let view = view(Stamp(NOW.0 - 100));
+        let mut context = Context {
+            written_at: Duration::from_millis(7),
+            ..context(&store, &view)
+        };
+        context.count(key, 0, true).unwrap_err();
+        assert_eq!(store.first_written(), None, "nothing was counted");
+        context.count(key, 2, true).unwrap();
+        assert_eq!(store.first_written(), Some(Duration::from_millis(7)));
+        // The gossip task's `Driver::pending_since` holds this node's stamps to it until a
+        // collection takes the write.
+        store.collect(&mut Vec::new());
+        assert_eq!(store.first_written(), None);
     }
 
     #[test]

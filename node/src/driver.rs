@@ -232,12 +232,17 @@ impl Driver {
         }
     }
 
-    /// When (monotonic) the oldest write the gossip does not hold yet was queued: the
-    /// oldest the lane log's sync in flight holds back, or the first queued since the last
-    /// collection (`queued_at`, while `collect_due`), or, for a write queued since this
-    /// task last woke, now. `None` if the gossip holds every write.
+    /// When (monotonic) the oldest write the gossip does not hold yet was made: the oldest
+    /// the lane log's sync in flight holds back, or the first written since the last
+    /// collection. That one is the time its writer noted in the store, else when this task
+    /// saw it queued (`queued_at`, while `collect_due`), else, for a write queued since
+    /// this task last woke by a writer that noted nothing, now. `None` if the gossip holds
+    /// every write.
     fn pending_since(&self, collect_due: bool, queued_at: Duration) -> Option<Duration> {
-        let unseen = self.store.has_queued().then(|| self.clock.mono());
+        let unseen = self
+            .store
+            .has_queued()
+            .then(|| self.store.first_written().unwrap_or(self.clock.mono()));
         let queued = collect_due.then_some(queued_at);
         [self.handoff.oldest_held(), queued, unseen]
             .into_iter()
@@ -253,15 +258,18 @@ impl Driver {
     }
 
     /// Collects the lanes written since the last collection, the first of them queued at
-    /// `queued_at` (monotonic), and hands them to the gossip at once or once synced.
+    /// `queued_at` (monotonic) or written earlier, as its writer noted, and hands them to
+    /// the gossip at once or once synced.
     fn collect(&mut self, lanes: &mut Vec<(Key, Lane)>, queued_at: Duration) {
+        let first_written = self.store.first_written().unwrap_or(queued_at);
         self.store.collect(lanes);
         if lanes.is_empty() {
             return;
         }
         let now = self.clock.now();
         let collected = (now, std::mem::take(lanes));
-        if let Some(durable) = self.handoff.collected(collected, queued_at.min(now.mono)) {
+        let oldest = first_written.min(queued_at).min(now.mono);
+        if let Some(durable) = self.handoff.collected(collected, oldest) {
             self.local_lanes(durable);
         }
     }

@@ -98,6 +98,8 @@ pub struct Service {
     pub late: Mutex<LateFallbacks>,
     /// The clock windows end by, for what is remembered of them here.
     pub expiry: Mutex<clock::ExpiryClock>,
+    /// The node's clocks, the gossip task's own: its monotonic reading times writes.
+    pub clock: clock::Clock,
 }
 
 /// An exact check taken out of its batch, to forward to the region; the forwarder hands it
@@ -373,6 +375,7 @@ impl Service {
             store: &self.store,
             view: &view,
             now,
+            written_at: self.clock.mono(),
             log: log.as_deref_mut(),
             lane_rate_max: self.lane_rate_max,
             lane_log_refused: &self.metrics.lane_log_refused,
@@ -1122,6 +1125,7 @@ mod tests {
             closing: std::sync::atomic::AtomicBool::new(false),
             recent: Mutex::default(),
             expiry: Mutex::new(clock::ExpiryClock::start()),
+            clock: clock::Clock::start(),
             waiting: Arc::default(),
             late: Mutex::default(),
         }

@@ -48,6 +48,7 @@ use std::hash::{BuildHasher, Hash, RandomState};
 // models check, and the store's map and queue are not loom-aware anyway.
 use std::sync::atomic::AtomicUsize;
 use std::sync::{Arc, OnceLock};
+use std::time::Duration;
 use tally_crdt::{Key, KeyRef, Lane, Overflow, ReplicaId};
 use tokio::sync::Notify;
 
@@ -81,7 +82,14 @@ pub struct LaneStore {
     ends_from: std::sync::atomic::AtomicU64,
     // The most keys `reclaim` has seen held: it finishes a growth of the map only past it.
     keys_high: AtomicUsize,
+    // When the first write since the last collection was made, in nanoseconds on the
+    // writer's monotonic clock, as the writer said ([`LaneStore::note_written`]);
+    // `NOT_WRITTEN` if none said so.
+    first_written: std::sync::atomic::AtomicU64,
 }
+
+/// `LaneStore::first_written` when no write since the last collection was noted.
+const NOT_WRITTEN: u64 = u64::MAX;
 
 /// What a write left behind: the key's own lane and its estimate just after the write.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -123,6 +131,7 @@ impl LaneStore {
             keys: AtomicUsize::new(0),
             ends_from: std::sync::atomic::AtomicU64::new(u64::MAX),
             keys_high: AtomicUsize::new(0),
+            first_written: std::sync::atomic::AtomicU64::new(NOT_WRITTEN),
         }
     }
 
@@ -200,6 +209,10 @@ impl LaneStore {
     /// starts are taken, so writers that keep writing cannot keep it from returning.
     pub fn collect(&self, out: &mut Vec<(Key, Lane)>) {
         let guard = self.slots.guard();
+        // Cleared before the keys are counted: a write queued after the count stays for
+        // the next collection, and its note, made after its key was queued, with it.
+        self.first_written
+            .store(NOT_WRITTEN, std::sync::atomic::Ordering::Relaxed);
         for _ in 0..self.dirty.len() {
             let Some(key) = self.dirty.pop() else {
                 // Another collection took the rest.
@@ -322,6 +335,36 @@ impl LaneStore {
     /// already took. Meant for one collector: a second would take the other's wake-ups.
     pub async fn queued(&self) {
         self.queued.notified().await;
+    }
+
+    /// Notes that a write was made at `at` (monotonic, on the clock of whoever collects),
+    /// after it counted. Only the first since the last collection is kept, so a writer
+    /// calls this after every write for the cost of one load: then
+    /// [`LaneStore::first_written`] says how long the writes not yet collected have
+    /// waited, which the gossip must not vouch for before it holds them
+    /// (`Driver::pending_since`). Exact with one writing thread, as in `tallyd`. With
+    /// several, a writer that notes after another may find that note kept though its own
+    /// write was made first (later than its write by as long as the two were apart), or a
+    /// note may outlive the write a collection took (earlier than needed).
+    pub fn note_written(&self, at: Duration) {
+        let at = u64::try_from(at.as_nanos()).unwrap_or(NOT_WRITTEN - 1);
+        if self
+            .first_written
+            .load(std::sync::atomic::Ordering::Relaxed)
+            == NOT_WRITTEN
+        {
+            self.first_written
+                .fetch_min(at, std::sync::atomic::Ordering::Relaxed);
+        }
+    }
+
+    /// When the first write noted since the last collection was made, if one was
+    /// ([`LaneStore::note_written`]). A writer that notes nothing queues keys all the same.
+    pub fn first_written(&self) -> Option<Duration> {
+        let at = self
+            .first_written
+            .load(std::sync::atomic::Ordering::Relaxed);
+        (at != NOT_WRITTEN).then(|| Duration::from_nanos(at))
     }
 
     /// Whether a key is queued for collection now: [`LaneStore::queued`] may complete for
@@ -852,6 +895,31 @@ mod tests {
             3,
             "the wake-up's collection takes all three"
         );
+    }
+
+    #[test]
+    fn the_first_write_noted_since_a_collection_is_the_one_kept() {
+        let store = store(8);
+        let ms = Duration::from_millis;
+        assert_eq!(store.first_written(), None);
+        store.incr(&key("a"), 1).unwrap();
+        store.note_written(ms(5));
+        store.incr(&key("b"), 1).unwrap();
+        store.note_written(ms(9));
+        assert_eq!(
+            store.first_written(),
+            Some(ms(5)),
+            "the first write has waited longest"
+        );
+        assert_eq!(collected(&store).len(), 2);
+        assert_eq!(
+            store.first_written(),
+            None,
+            "the collection took the writes, and their note"
+        );
+        store.incr(&key("a"), 1).unwrap();
+        store.note_written(ms(12));
+        assert_eq!(store.first_written(), Some(ms(12)));
     }
 
     #[test]

@@ -283,6 +283,7 @@ fn run(seed: u64) -> (Scenario, Admitted) {
                 store: &node.store,
                 view: &node.view,
                 now,
+                written_at: sim.time(),
                 log: None,
                 lane_rate_max: u64::MAX,
                 lane_log_refused: &refused_log,
