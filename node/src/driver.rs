@@ -170,8 +170,10 @@ impl Driver {
                     if self.held_for().is_none() {
                         // Keys queued since the last wake-up was handled go too.
                         if at_push && (collect_due || self.store.has_queued()) {
+                            // `queued_at` is of an earlier wake-up unless `collect_due`.
+                            let noticed = collect_due.then_some(queued_at);
                             collect_due = false;
-                            self.collect(&mut lanes, queued_at);
+                            self.collect(&mut lanes, noticed);
                         }
                         let pending = self.pending_since(collect_due, queued_at);
                         self.gossip.hold_stamps_from(pending);
@@ -184,7 +186,7 @@ impl Driver {
                         queued_at = self.clock.mono();
                         if at_push && !self.gossip.push_pending() {
                             // Their lanes schedule the push that the next writes wait for.
-                            self.collect(&mut lanes, queued_at);
+                            self.collect(&mut lanes, Some(queued_at));
                         } else {
                             collect_due = true;
                         }
@@ -193,7 +195,7 @@ impl Driver {
                 // Keys written while a sync runs stay queued until it returns.
                 () = tick(&mut collect), if collect_due && !self.handoff.is_syncing() => {
                     collect_due = false;
-                    self.collect(&mut lanes, queued_at);
+                    self.collect(&mut lanes, Some(queued_at));
                 }
                 synced = self.handoff.synced(), if self.handoff.is_syncing() => {
                     self.synced(synced);
@@ -257,18 +259,26 @@ impl Driver {
         self.handoff.overdue(self.clock.mono(), limit)
     }
 
-    /// Collects the lanes written since the last collection, the first of them queued at
-    /// `queued_at` (monotonic) or written earlier, as its writer noted, and hands them to
-    /// the gossip at once or once synced.
-    fn collect(&mut self, lanes: &mut Vec<(Key, Lane)>, queued_at: Duration) {
-        let first_written = self.store.first_written().unwrap_or(queued_at);
+    /// Collects the lanes written since the last collection and hands them to the gossip
+    /// at once or once synced. The first of them was written when its writer noted
+    /// ([`LaneStore::note_written`]), else seen queued at `noticed` (monotonic), else
+    /// now: a write no wake-up of this task has seen was queued since its last one.
+    /// (Until session 52 that last case took the wake-up before's moment, which could be
+    /// long past: the sync then read as overdue from its start, and the node decided
+    /// isolated while it ran.)
+    fn collect(&mut self, lanes: &mut Vec<(Key, Lane)>, noticed: Option<Duration>) {
+        let written = self.store.first_written();
         self.store.collect(lanes);
         if lanes.is_empty() {
             return;
         }
         let now = self.clock.now();
         let collected = (now, std::mem::take(lanes));
-        let oldest = first_written.min(queued_at).min(now.mono);
+        let oldest = [written, noticed]
+            .into_iter()
+            .flatten()
+            .min()
+            .map_or(now.mono, |oldest| oldest.min(now.mono));
         if let Some(durable) = self.handoff.collected(collected, oldest) {
             self.local_lanes(durable);
         }
@@ -302,8 +312,7 @@ impl Driver {
                     self.synced(synced);
                 }
                 // Nothing waits on the sync's age at shutdown (`LAST_FRAMES_DEADLINE` does).
-                let now = self.clock.mono();
-                self.collect(lanes, now);
+                self.collect(lanes, None);
                 if !self.handoff.is_syncing() {
                     break;
                 }
