@@ -17,7 +17,9 @@
 //!   connection is idle.
 //!
 //! When a read or a write fails, the link closes: every waiting call is told why, its
-//! tasks stop, and its socket is dropped. The client then opens the next link on the same
+//! tasks stop, and its socket is dropped. After a failed write it closes once the reader
+//! has delivered the answers already received (at the stream's end), or a tick later
+//! (at most 100 ms). The client then opens the next link on the same
 //! [`Connection`], so that a call reaches the connection through a plain reference, not
 //! through a lock and a reference count.
 
@@ -904,6 +906,11 @@ impl SocketWait {
     }
 }
 
+/// The longest a link whose write failed stays open for its reader to deliver the answers
+/// already received. Those are in the socket already, so the reader needs only to be run;
+/// the bound keeps a long timeout's tick from holding new calls that long before they fail.
+const DRAIN_AFTER_FAILED_WRITE_MAX: Duration = Duration::from_millis(100);
+
 /// The writer task of `link`: writes everything queued, one batch at a time.
 async fn write_requests(shared: Arc<Shared>, link: u64) {
     let mut batch = Vec::new();
@@ -914,14 +921,32 @@ async fn write_requests(shared: Arc<Shared>, link: u64) {
             return;
         };
         let written = write_all(&mut write, &batch, &shared, &mut wait).await;
-        shared.end_batch(link, write);
-        match written {
-            Ok(()) => {}
-            Err(Stopped::Closed) => return,
-            Err(Stopped::Failed) => {
+        if let Err(Stopped::Failed) = written {
+            // The socket is not handed back, so no call writes to it again: requests queued
+            // from now on stay whole in the outbox and fail `NotSent` when the link closes.
+            drop(write);
+            // A write fails once the sidecar has reset the connection, but the answers it sent
+            // before may still wait in the socket, unread. Closing the link here at once
+            // would tell their calls `Disconnected`, outcome unknown, though their answers
+            // came. The reader delivers them and closes the link at the stream's end; if the
+            // stream does not end (a peer that no longer reads but stays), this closes it a
+            // tick later, and at most `DRAIN_AFTER_FAILED_WRITE_MAX` later.
+            let closed = poll_fn(|cx| {
+                if wait.park(&shared, cx.waker()) {
+                    Poll::Pending
+                } else {
+                    Poll::Ready(())
+                }
+            });
+            let drain = shared.deadlines.tick.min(DRAIN_AFTER_FAILED_WRITE_MAX);
+            if tokio::time::timeout(drain, closed).await.is_err() {
                 shared.close(link, Broken::Disconnected);
-                return;
             }
+            return;
+        }
+        shared.end_batch(link, write);
+        if written.is_err() {
+            return;
         }
     }
 }

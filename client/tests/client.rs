@@ -1078,3 +1078,37 @@ async fn an_answer_trickled_byte_by_byte_is_decoded_and_a_truncated_one_disconne
     assert!(matches!(err, Error::Disconnected), "{err:?}");
     server.await.unwrap();
 }
+
+/// A sidecar that answers a request and then goes away with a request of this client still
+/// unread resets the connection. The answer was in the client's socket before the reset: a
+/// write failing on the reset socket must not close the link before the reader has handed
+/// that answer to its call, which would be told `Disconnected` (outcome unknown, and a
+/// retry may count twice) for a request whose answer had come (found in review).
+#[tokio::test]
+async fn an_answer_that_came_before_the_connection_was_reset_reaches_its_call() {
+    let (listener, endpoint) = listen().await;
+    let client = Client::connect(endpoint, options()).await.unwrap();
+    let (mut sidecar, _) = listener.accept().await.unwrap();
+    let call = |amount| {
+        let client = client.clone();
+        tokio::spawn(async move { client.incr("login", "user-42", amount).await })
+    };
+    let answered = call(1);
+    let first = read_request(&mut sidecar).await.unwrap();
+    // A second request arrives and is left unread, so that closing resets the connection.
+    let unread = call(2);
+    sidecar.peek(&mut [0]).await.unwrap();
+    let answer = Response {
+        id: first.id,
+        result: Ok(Reply::Counted(estimate(1))),
+    };
+    write_responses(&mut sidecar, &[answer]).await;
+    drop(sidecar);
+    // The writer meets the reset with this request, before the reader has run.
+    let failed_write = call(3);
+    assert_eq!(answered.await.unwrap().unwrap(), estimate(1));
+    for call in [unread, failed_write] {
+        let err = call.await.unwrap().unwrap_err();
+        assert!(matches!(err, Error::Disconnected), "{err:?}");
+    }
+}
