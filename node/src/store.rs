@@ -211,8 +211,7 @@ impl LaneStore {
         let guard = self.slots.guard();
         // Cleared before the keys are counted: a write queued after the count stays for
         // the next collection, and its note, made after its key was queued, with it.
-        self.first_written
-            .store(NOT_WRITTEN, std::sync::atomic::Ordering::Relaxed);
+        self.first_written.store(NOT_WRITTEN, Ordering::Relaxed);
         for _ in 0..self.dirty.len() {
             let Some(key) = self.dirty.pop() else {
                 // Another collection took the rest.
@@ -348,22 +347,15 @@ impl LaneStore {
     /// note may outlive the write a collection took (earlier than needed).
     pub fn note_written(&self, at: Duration) {
         let at = u64::try_from(at.as_nanos()).unwrap_or(NOT_WRITTEN - 1);
-        if self
-            .first_written
-            .load(std::sync::atomic::Ordering::Relaxed)
-            == NOT_WRITTEN
-        {
-            self.first_written
-                .fetch_min(at, std::sync::atomic::Ordering::Relaxed);
+        if self.first_written.load(Ordering::Relaxed) == NOT_WRITTEN {
+            self.first_written.fetch_min(at, Ordering::Relaxed);
         }
     }
 
     /// When the first write noted since the last collection was made, if one was
     /// ([`LaneStore::note_written`]). A writer that notes nothing queues keys all the same.
     pub fn first_written(&self) -> Option<Duration> {
-        let at = self
-            .first_written
-            .load(std::sync::atomic::Ordering::Relaxed);
+        let at = self.first_written.load(Ordering::Relaxed);
         (at != NOT_WRITTEN).then(|| Duration::from_nanos(at))
     }
 

@@ -67,11 +67,11 @@ impl Drop for ReportsEnd {
     }
 }
 
-/// Ticks every `period`, the first at once, for a task's housekeeping (windows' expiry,
-/// purges, retries). Each tick acts on the time it finds, so ticks missed while the task
-/// did not run (the process was stopped, or the node's one thread was busy) are not made
-/// up in a burst: after a pause of a minute, one tick does what sixty would, and the node
-/// goes back to its requests at once.
+/// Ticks every `period`, the first at once, for a task's periodic work (windows' expiry,
+/// purges, retries, collections). Each tick acts on the time it finds, so ticks missed
+/// while the task did not run (the process was stopped, or the node's one thread was
+/// busy) are not made up in a burst: after a pause of a minute, one tick does what sixty
+/// would, and the node goes back to its requests at once.
 pub fn every(period: std::time::Duration) -> tokio::time::Interval {
     let mut ticks = tokio::time::interval(period);
     ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);

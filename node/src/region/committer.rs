@@ -12,11 +12,12 @@
 //! committer never retries and then acknowledges. A write of zeros ahead that fails is
 //! let go: it made nothing durable, and the group that needs the room meets the failure
 //! in its own allocation, or, where the room was allocated before, in its own write and
-//! sync (found in review, session 52, where this said it refused everything after it). A full disk fails the allocation, before any of the group
-//! that needed it is written. The one failure it goes on after is a compaction's that left
-//! the log as it was, before its rename, and was no failed write or sync but for want of
-//! room ([`ReplaceError::harmless`]): the log still holds every record, and takes appends
-//! as before.
+//! sync (found in review, session 52, where this said it refused everything after it). A
+//! full disk fails the allocation, before any of the group that needed it is written. The
+//! one failure it goes on after is a compaction's that left the log as it was, before its
+//! rename, and was no failed write or sync but for want of room
+//! ([`ReplaceError::harmless`]): the log still holds every record, and takes appends as
+//! before.
 //!
 //! [`ReplaceError::harmless`]: super::log::ReplaceError::harmless
 
