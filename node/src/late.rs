@@ -20,22 +20,34 @@ const HELD_MAX: usize = 4_096;
 /// Counted fallbacks and late admissions, by the check's sequence number.
 #[derive(Debug, Default)]
 pub struct LateFallbacks {
-    // Fallbacks counted whose check the region has not been reported to admit: the key
-    // and the cost counted.
-    counted: BTreeMap<u64, (Key, u64)>,
+    // Fallbacks counted whose check the region has not been reported to admit: the key,
+    // the cost counted, and the other sends of the check's id the same count is held under
+    // (those that timed out with no fallback while it waited), for it to be taken back once.
+    counted: BTreeMap<u64, (Key, u64, Vec<u64>)>,
     // Late admissions reported before their check's fallback was counted.
     admitted: BTreeSet<u64>,
 }
 
 impl LateFallbacks {
-    /// A fallback counted `cost` on `key` for check `seq`. True if the region was already
-    /// reported to have admitted it: the caller takes the count back now.
-    pub fn counted(&mut self, seq: u64, key: Key, cost: u64) -> bool {
-        if self.admitted.remove(&seq) {
+    /// A fallback counted `cost` on `key` for the sends `seqs` of one check: the one that
+    /// fell back, if it was written, and those of its id that timed out with no fallback
+    /// while it waited. The region admitting any of them counts the check. True if the
+    /// region was already reported to have admitted one: the caller takes the count back
+    /// now.
+    pub fn counted(&mut self, seqs: &[u64], key: Key, cost: u64) -> bool {
+        let mut reported = false;
+        for seq in seqs {
+            reported |= self.admitted.remove(seq);
+        }
+        if reported {
             return true;
         }
-        self.counted.insert(seq, (key, cost));
-        if self.counted.len() > HELD_MAX {
+        for &seq in seqs {
+            let others = seqs.iter().copied().filter(|&other| other != seq);
+            self.counted
+                .insert(seq, (key.clone(), cost, others.collect()));
+        }
+        while self.counted.len() > HELD_MAX {
             self.counted.pop_first();
         }
         false
@@ -44,14 +56,18 @@ impl LateFallbacks {
     /// The region admitted check `seq` after it was answered `RegionUnavailable`: the
     /// fallback's count to take back, if one was counted.
     pub fn admitted(&mut self, seq: u64) -> Option<(Key, u64)> {
-        let counted = self.counted.remove(&seq);
-        if counted.is_none() {
+        let Some((key, cost, others)) = self.counted.remove(&seq) else {
             self.admitted.insert(seq);
             if self.admitted.len() > HELD_MAX {
                 self.admitted.pop_first();
             }
+            return None;
+        };
+        // Taken back once, whichever of the sends the region reports.
+        for other in others {
+            self.counted.remove(&other);
         }
-        counted
+        Some((key, cost))
     }
 }
 
@@ -71,19 +87,19 @@ mod tests {
     #[test]
     fn a_late_admission_matches_its_counted_fallback_in_either_order_once() {
         let mut late = LateFallbacks::default();
-        assert!(!late.counted(1, key(), 5));
+        assert!(!late.counted(&[1], key(), 5));
         assert_eq!(late.admitted(1), Some((key(), 5)));
         assert_eq!(late.admitted(1), None, "taken back once");
 
         assert_eq!(late.admitted(2), None);
         assert!(
-            late.counted(2, key(), 3),
+            late.counted(&[2], key(), 3),
             "reported first: taken back at the count"
         );
-        assert!(!late.counted(2, key(), 3), "the report matched once");
+        assert!(!late.counted(&[2], key(), 3), "the report matched once");
 
         for seq in 10..10 + HELD_MAX as u64 + 1 {
-            late.counted(seq, key(), 1);
+            late.counted(&[seq], key(), 1);
         }
         assert_eq!(late.admitted(10), None, "the oldest is forgotten");
         assert!(late.admitted(11).is_some());

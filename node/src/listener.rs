@@ -342,10 +342,20 @@ impl Service {
                 if waiting.as_ref().is_some_and(WaitingSend::has_company)
                     || self.closing.load(Ordering::Relaxed) =>
             {
+                // Written, this send may yet be admitted at the region; the send of its id
+                // that falls back later is to be taken back then, or the check counts
+                // twice (found in review, session 52).
+                if let (Some(waiting), Some(seq)) = (&waiting, late_seq) {
+                    waiting.pass_on(seq);
+                }
                 Err(unavailable)
             }
             Err(unavailable @ Refusal::RegionUnavailable { .. }) => {
-                self.fallback(context, &rule, key, cost, check_id, unavailable, late_seq)
+                let mut late_seqs = (waiting.as_ref())
+                    .map(WaitingSend::take_passed_on)
+                    .unwrap_or_default();
+                late_seqs.extend(late_seq);
+                self.fallback(context, &rule, key, cost, check_id, unavailable, &late_seqs)
             }
             Err(other) => Err(other),
         };
@@ -471,7 +481,7 @@ impl Service {
                                     cost,
                                     check_id,
                                     unavailable,
-                                    None,
+                                    &[],
                                 )?
                             }
                         }
@@ -661,10 +671,11 @@ impl Service {
     /// under it. One that counted is remembered, so a retry counts nothing more
     /// ([`Service::recalled`]); one that counted nothing is not, so a retry may yet reach
     /// the region.
-    /// `late_seq` is the sequence number of a forwarded check the region may still decide
-    /// (see [`Forwarded::late_seq`]): an admitted fallback (which counted its cost) is
-    /// remembered under it, and taken back if the region admitted the check after all
-    /// ([`Service::late_admissions`]).
+    /// `late_seqs` are the sequence numbers of the forwarded sends of the check the region
+    /// may still decide (see [`Forwarded::late_seq`]): this one's, and those of its id that
+    /// timed out with no fallback while it waited ([`WaitingSend::pass_on`]). An admitted
+    /// fallback (which counted its cost) is remembered under them, and taken back once if
+    /// the region admitted any of them after all ([`Service::late_admissions`]).
     /// A check whose window is over here by now (its rule's timeout is longer than what
     /// is left of its window and the one after) and whose fallback would count (`allow`,
     /// `approximate`) gets `unavailable` and counts nothing: its key may be gone from the
@@ -679,7 +690,7 @@ impl Service {
         cost: u64,
         id: Option<CheckId>,
         unavailable: Refusal,
-        late_seq: Option<u64>,
+        late_seqs: &[u64],
     ) -> Result<Decision, Refusal> {
         let counts = matches!(
             rule.on_region_unavailable,
@@ -690,8 +701,8 @@ impl Service {
         }
         let count = |context: &mut Context<'_>| {
             let decision = context.fallback(rule, key, cost, unavailable)?;
-            if let (true, Some(seq)) = (decision.allowed, late_seq) {
-                let admitted = self.late_lock().counted(seq, key.to_key(), cost);
+            if decision.allowed && !late_seqs.is_empty() {
+                let admitted = self.late_lock().counted(late_seqs, key.to_key(), cost);
                 if admitted {
                     self.take_back(context, key, cost);
                 }
@@ -1881,6 +1892,61 @@ mod tests {
         assert_eq!(estimate(&service, "quota"), 0, "nothing counted here");
         let again = service.waiting.add(CheckId { session: 9, seq: 8 });
         assert!(!again.has_company(), "both sends let go of their places");
+    }
+
+    /// A send that timed out while another of its id waited got no fallback, but it was
+    /// written, and the region may admit it after all: the fallback the other send counted
+    /// is then taken back, whichever comes first, as for the send that fell back itself.
+    #[tokio::test(flavor = "current_thread")]
+    async fn a_fallback_is_taken_back_when_a_send_of_its_id_that_got_none_is_admitted_late() {
+        let mut service = service(10);
+        service.rules = Rules::new(&[RuleConfig {
+            on_region_unavailable: crate::config::OnRegionUnavailable::Allow,
+            ..RuleConfig::for_test("quota", 100, RuleMode::Exact)
+        }])
+        .unwrap();
+        service.forwarder = Some(forwarder_to_nowhere());
+        let unavailable = Refusal::RegionUnavailable {
+            rule: "quota".into(),
+            why: "no answer".into(),
+        };
+        // Check id 8's first send was written (sequence number 1) and its deadline passed
+        // while the second waited; the second was never written, and its deadline passes
+        // too. Then check id 9's the same way (sequence number 2), but the region's late
+        // admission of its first send is reported before the two time out: its fallback
+        // is taken back as it counts.
+        service.late_admissions(&[2]);
+        for (check, seq, counted) in [(8, 1, 2), (9, 2, 2)] {
+            let (mut output, mut exact) = (Vec::new(), Vec::new());
+            let twice = frames(&[quota_check(check, 2), quota_check(check, 2)]);
+            handle(&service, &twice, &mut output, &mut exact);
+            assert_eq!(exact.len(), 2);
+            let mut answers: Vec<Forwarded<Exact>> = (exact.drain(..))
+                .zip([Some(seq), None])
+                .map(|(ticket, late_seq)| Forwarded {
+                    ticket,
+                    late_seq,
+                    result: Err(unavailable.clone()),
+                })
+                .collect();
+            service.answer_exact(&mut answers, &mut output);
+            let both = responses(&output);
+            assert!(
+                matches!(&both[0].result, Err(Refusal::RegionUnavailable { .. })),
+                "no fallback while another send waits: {both:?}"
+            );
+            assert!(decisions(&both[1..])[0].allowed, "the last send falls back");
+            assert_eq!(estimate(&service, "quota"), counted);
+        }
+        // The region admits check id 8's first send after all: it counts the check.
+        service.late_admissions(&[1]);
+        assert_eq!(
+            estimate(&service, "quota"),
+            0,
+            "each check counted once, at the region"
+        );
+        service.late_admissions(&[1, 2]);
+        assert_eq!(estimate(&service, "quota"), 0, "taken back once");
     }
 
     #[tokio::test(flavor = "current_thread")]

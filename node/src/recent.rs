@@ -203,28 +203,39 @@ impl RecentIds {
 /// given its rule's fallback (the other may yet be decided there, and both would count).
 #[derive(Debug, Default)]
 pub struct Waiting {
-    sends: Mutex<HashMap<CheckId, usize>>,
+    sends: Mutex<HashMap<CheckId, Sends>>,
+}
+
+/// The sends of one check id waiting for the region.
+#[derive(Debug, Default)]
+struct Sends {
+    /// How many.
+    waiting: usize,
+    /// The sequence numbers of sends of the id that were written to the region and timed
+    /// out while these waited, so got no fallback: the region may yet admit one of them,
+    /// and the fallback one of these counts is then to be taken back.
+    passed_on: Vec<u64>,
 }
 
 impl Waiting {
     /// Records a send of `id` going to the region; it waits until the returned guard is
     /// dropped (answered, or abandoned with its connection).
     pub fn add(self: &Arc<Waiting>, id: CheckId) -> WaitingSend {
-        *self.lock().entry(id).or_default() += 1;
+        self.lock().entry(id).or_default().waiting += 1;
         WaitingSend {
             id,
             waiting: Arc::clone(self),
         }
     }
 
-    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<CheckId, usize>> {
+    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<CheckId, Sends>> {
         self.sends.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
     /// How many sends wait, of every id.
     #[cfg(test)]
     pub fn sends(&self) -> usize {
-        self.lock().values().sum()
+        self.lock().values().map(|sends| sends.waiting).sum()
     }
 }
 
@@ -241,7 +252,25 @@ impl WaitingSend {
         self.waiting
             .lock()
             .get(&self.id)
-            .is_some_and(|&sends| sends > 1)
+            .is_some_and(|sends| sends.waiting > 1)
+    }
+
+    /// This send, written to the region as sequence number `seq`, timed out with no
+    /// fallback while others of its id wait: the one of them that falls back takes `seq`
+    /// ([`WaitingSend::take_passed_on`]), so that the region's late admission of this
+    /// send takes that fallback's count back. Dropped with the id's last send.
+    pub fn pass_on(&self, seq: u64) {
+        if let Some(sends) = self.waiting.lock().get_mut(&self.id) {
+            sends.passed_on.push(seq);
+        }
+    }
+
+    /// The sequence numbers passed on by sends of this id that timed out with no fallback
+    /// while this one waited ([`WaitingSend::pass_on`]).
+    pub fn take_passed_on(&self) -> Vec<u64> {
+        (self.waiting.lock().get_mut(&self.id))
+            .map(|sends| std::mem::take(&mut sends.passed_on))
+            .unwrap_or_default()
     }
 }
 
@@ -249,8 +278,8 @@ impl Drop for WaitingSend {
     fn drop(&mut self) {
         let mut sends = self.waiting.lock();
         if let Some(count) = sends.get_mut(&self.id) {
-            *count -= 1;
-            if *count == 0 {
+            count.waiting -= 1;
+            if count.waiting == 0 {
                 sends.remove(&self.id);
             }
         }
