@@ -1850,12 +1850,7 @@ mod tests {
 
     #[tokio::test(flavor = "current_thread")]
     async fn a_send_that_times_out_while_another_of_its_id_waits_gets_no_fallback() {
-        let mut service = service(10);
-        service.rules = Rules::new(&[RuleConfig {
-            on_region_unavailable: crate::config::OnRegionUnavailable::Allow,
-            ..RuleConfig::for_test("quota", 100, RuleMode::Exact)
-        }])
-        .unwrap();
+        let (mut service, _, _) = allowing_service();
         service.forwarder = Some(forwarder_to_nowhere());
         let (mut output, mut exact) = (Vec::new(), Vec::new());
         let twice = frames(&[quota_check(8, 2), quota_check(8, 2)]);
@@ -1899,12 +1894,7 @@ mod tests {
     /// is then taken back, whichever comes first, as for the send that fell back itself.
     #[tokio::test(flavor = "current_thread")]
     async fn a_fallback_is_taken_back_when_a_send_of_its_id_that_got_none_is_admitted_late() {
-        let mut service = service(10);
-        service.rules = Rules::new(&[RuleConfig {
-            on_region_unavailable: crate::config::OnRegionUnavailable::Allow,
-            ..RuleConfig::for_test("quota", 100, RuleMode::Exact)
-        }])
-        .unwrap();
+        let (mut service, _, _) = allowing_service();
         service.forwarder = Some(forwarder_to_nowhere());
         let unavailable = Refusal::RegionUnavailable {
             rule: "quota".into(),
