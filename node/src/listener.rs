@@ -1848,6 +1848,22 @@ mod tests {
         );
     }
 
+    /// Answers two sends of one check id, the first timed out while the second waited, and
+    /// returns both responses: the first gets no fallback.
+    fn answer_two_sends(
+        service: &Service,
+        answers: &mut Vec<Forwarded<Exact>>,
+        output: &mut Vec<u8>,
+    ) -> Vec<Response> {
+        service.answer_exact(answers, output);
+        let both = responses(output);
+        assert!(
+            matches!(&both[0].result, Err(Refusal::RegionUnavailable { .. })),
+            "no fallback while another send waits: {both:?}"
+        );
+        both
+    }
+
     #[tokio::test(flavor = "current_thread")]
     async fn a_send_that_times_out_while_another_of_its_id_waits_gets_no_fallback() {
         let (mut service, _, _) = allowing_service();
@@ -1876,12 +1892,7 @@ mod tests {
                 result,
             })
             .collect();
-        service.answer_exact(&mut answers, &mut output);
-        let both = responses(&output);
-        assert!(
-            matches!(&both[0].result, Err(Refusal::RegionUnavailable { .. })),
-            "no fallback while another send waits: {both:?}"
-        );
+        let both = answer_two_sends(&service, &mut answers, &mut output);
         let decided = decisions(&both[1..])[0];
         assert_eq!((decided.mode, decided.estimate), (wire::Mode::Exact, 30));
         assert_eq!(estimate(&service, "quota"), 0, "nothing counted here");
@@ -1919,12 +1930,7 @@ mod tests {
                     result: Err(unavailable.clone()),
                 })
                 .collect();
-            service.answer_exact(&mut answers, &mut output);
-            let both = responses(&output);
-            assert!(
-                matches!(&both[0].result, Err(Refusal::RegionUnavailable { .. })),
-                "no fallback while another send waits: {both:?}"
-            );
+            let both = answer_two_sends(&service, &mut answers, &mut output);
             assert!(decisions(&both[1..])[0].allowed, "the last send falls back");
             assert_eq!(estimate(&service, "quota"), counted);
         }
