@@ -423,6 +423,13 @@ impl Cluster {
 
 impl Drop for Cluster {
     fn drop(&mut self) {
+        if std::thread::panicking() {
+            // CI's machine is gone once the run ends: what each node said and counted goes
+            // into the test's output.
+            for node in &self.nodes {
+                node.report();
+            }
+        }
         for node in &mut self.nodes {
             node.kill9();
         }
@@ -603,6 +610,33 @@ impl Node {
         stream.read_to_string(&mut response).ok()?;
         let (head, body) = response.split_once("\r\n\r\n")?;
         head.starts_with("HTTP/1.1 200").then(|| body.to_owned())
+    }
+
+    /// Prints the last lines of the node's log and, if it answers, its counters that are
+    /// not zero: for a failed test's output.
+    fn report(&self) {
+        let log = std::fs::read_to_string(&self.log).unwrap_or_default();
+        let lines: Vec<&str> = log.lines().collect();
+        eprintln!("---- node {} log, last lines:", self.id);
+        for line in &lines[lines.len().saturating_sub(30)..] {
+            eprintln!("  {line}");
+        }
+        let Some(metrics) = self.http("/metrics") else {
+            eprintln!("---- node {}: no /metrics answer", self.id);
+            return;
+        };
+        let counted = metrics.lines().filter(|line| {
+            !line.starts_with('#')
+                && !line.contains("_bucket")
+                && line
+                    .rsplit(' ')
+                    .next()
+                    .is_some_and(|value| value.parse::<f64>().is_ok_and(|v| v != 0.0))
+        });
+        eprintln!("---- node {} metrics not zero:", self.id);
+        for line in counted {
+            eprintln!("  {line}");
+        }
     }
 
     /// The parsed `/metrics`.
