@@ -19,7 +19,7 @@ use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 use tally_client::{
-    CheckId, Client, Decision, Endpoint, Error, Mode, Options, Pipeline, Refusal, Reply,
+    CheckId, Client, Decision, Endpoint, Error, Estimate, Mode, Options, Pipeline, Refusal, Reply,
 };
 
 /// This file's loopback network: 127.1.x.y.
@@ -33,12 +33,7 @@ struct Ledger {
 }
 
 impl Ledger {
-    fn record(
-        &mut self,
-        subject: &str,
-        amount: u64,
-        result: &Result<tally_client::Estimate, Error>,
-    ) {
+    fn record(&mut self, subject: &str, amount: u64, result: &Result<Estimate, Error>) {
         let amount = i128::from(amount);
         match result {
             Ok(_) => *self.ok.entry(subject.to_owned()).or_default() += amount,
@@ -217,45 +212,46 @@ async fn converge_and_read_writes(cluster: Cluster) {
 
 /// FRESH, what a read's staleness promises: a node that has heard every peer's state as of
 /// after a write includes it. With every increment of `ledger` acknowledged by
-/// `acknowledged_by_ms` (wall clock), each node is read until its staleness, counted back
-/// from before the read was sent, reaches no further back than that; that read must be the
-/// acknowledged sum, exactly. Unlike FINAL's agreement, it cannot be met by nodes that all
-/// lack the same writes. 2 ms of margin: a stamp held back from a write, and the staleness
-/// reported, are each rounded to a millisecond.
+/// `acknowledged_by_ms` (wall clock), each node's first read that [`fresh_read`] takes
+/// must be the acknowledged sum, exactly. Unlike FINAL's agreement, it cannot be met by
+/// nodes that all lack the same writes.
 async fn assert_fresh_reads_hold_every_write(
     cluster: &Cluster,
     ledger: &Ledger,
     acknowledged_by_ms: u64,
 ) {
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(15);
     for node in cluster.nodes.iter().filter(|n| n.is_running()) {
         let client = node.client().await;
         for (subject, &acknowledged) in &ledger.ok {
-            loop {
-                // The clock the nodes stamp their states by.
-                let sent_ms = tally_node::clock::wall().0;
-                let read = client.get("count", subject).await.unwrap();
-                let heard_since_ms = sent_ms.saturating_sub(read.staleness_ms);
-                if heard_since_ms > acknowledged_by_ms + 2 {
-                    assert_eq!(
-                        read.estimate,
-                        acknowledged,
-                        "FRESH: node {} read {subject} as {read:?}, heard from every peer \
-                         {} ms past the last acknowledged increment",
-                        node.id,
-                        heard_since_ms - acknowledged_by_ms
-                    );
-                    break;
-                }
-                assert!(
-                    tokio::time::Instant::now() < deadline,
-                    "FRESH: node {} never read {subject} fresh past the last acknowledged \
-                     increment: last read {read:?}",
-                    node.id
-                );
-                tokio::time::sleep(Duration::from_millis(10)).await;
-            }
+            let read = fresh_read(&client, "count", subject, acknowledged_by_ms).await;
+            assert_eq!(
+                read.estimate, acknowledged,
+                "FRESH: node {} read {subject} as {read:?}, heard from every peer since \
+                 the last acknowledged increment",
+                node.id
+            );
         }
+    }
+}
+
+/// Reads `subject` under `rule` until the read's staleness, counted back from before it
+/// was sent, says the node has heard every peer's state as of after `after_ms` (wall
+/// clock); returns that read. 2 ms of margin: a stamp held back from a write, and the
+/// staleness reported, are each rounded to a millisecond. Panics after 15 s.
+async fn fresh_read(client: &Client, rule: &str, subject: &str, after_ms: u64) -> Estimate {
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(15);
+    loop {
+        // The clock the nodes stamp their states by.
+        let sent_ms = tally_node::clock::wall().0;
+        let read = client.get(rule, subject).await.unwrap();
+        if sent_ms.saturating_sub(read.staleness_ms) > after_ms + 2 {
+            return read;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "FRESH: {rule}/{subject} never read fresh past {after_ms}: last read {read:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
     }
 }
 
@@ -1701,12 +1697,26 @@ async fn twenty_partitions_two_against_two_each_heal_to_every_write_on_both_side
         }
         wait_read(&cluster, &a, "count", "n1", side_sums[0]).await;
         wait_read(&cluster, &b, "count", "n1", side_sums[1]).await;
+        let written_by_ms = tally_node::clock::wall().0;
         total = side_sums[0] + side_sums[1] - total;
         // Cuts of up to 19 rounds, over which QUIC's probes for the lost pushes back off.
         tokio::time::sleep(GOSSIP_INTERVAL * cycle as u32).await;
         let cut = cut_at.elapsed();
+        let heal_at = tokio::time::Instant::now();
         partition.heal();
-        let healed = wait_read(&cluster, &[1, 2, 3, 4], "count", "n1", total).await;
+        // FRESH across the heal: each node's first read whose staleness vouches for every
+        // peer since the last write holds every write. Staleness counts the other side's
+        // members (suspected, not dead: `dead_after_ms` is a minute) as stale all along.
+        for (id, client) in (1..).zip(&clients) {
+            let read = fresh_read(client, "count", "n1", written_by_ms).await;
+            assert_eq!(
+                read.estimate, total,
+                "FRESH: cycle {cycle}: node {id} read {read:?}, heard from every peer \
+                 since the last write"
+            );
+        }
+        wait_read(&cluster, &[1, 2, 3, 4], "count", "n1", total).await;
+        let healed = heal_at.elapsed();
         // W_heal = cut + PTO + (R(4) + 1) rounds, with R(4) = log_7(4) + 2 < 3 and
         // loopback's PTO under a round; and 2 s more for a machine busy with the other
         // tests of this binary. (`cut` counts from the partition, so it includes the sides'
