@@ -54,7 +54,7 @@ const IN_FLIGHT_MAX: usize = 1 << 16;
 const READ_BUFFER_BYTES: usize = 2 * CLIENT_FRAME_BYTES_MAX;
 
 /// The handle on the connection. Dropping it closes the open link once the queued requests
-/// are written.
+/// are written, or once the calls' timeout has passed, if they are not written by then.
 pub(crate) struct Connection {
     shared: Arc<Shared>,
 }
@@ -149,13 +149,25 @@ impl Connection {
 impl Drop for Connection {
     fn drop(&mut self) {
         // The writer closes the link once it has written what is queued.
-        let writer = {
+        let (writer, busy_link) = {
             let mut state = self.shared.lock();
             state.handles_gone = true;
-            state.writer.take()
+            let busy = state.closed.is_none() && state.writer.is_none();
+            (state.writer.take(), busy.then_some(state.link))
         };
         if let Some(writer) = writer {
             writer.wake();
+        }
+        // A writer that is not parked may be waiting on a socket the sidecar no longer
+        // reads, and would keep the link, its tasks and its socket forever: it has the
+        // calls' timeout to write what is queued, then the link closes (found in review,
+        // session 53). No call waits on it: calls borrow the handle.
+        if let Some(link) = busy_link {
+            let shared = Arc::clone(&self.shared);
+            self.shared.runtime.spawn(async move {
+                tokio::time::sleep(shared.timeout).await;
+                shared.close(link, Broken::Disconnected);
+            });
         }
     }
 }
@@ -1313,6 +1325,62 @@ mod tests {
             not_sent, never_sent,
             "calls told NotSent, and calls never written ({in_outbox} in the outbox)"
         );
+    }
+
+    /// Dropping the handle while the writer waits on a socket the sidecar does not read
+    /// (no call can be waiting then: calls borrow the handle) closes the link within the
+    /// calls' timeout: its tasks end and its socket is dropped. Found in review, session 53:
+    /// the writer, busy, was not told, and waited for room forever, with the reader, the
+    /// sweeper and the socket.
+    #[tokio::test]
+    async fn dropping_the_handle_while_the_writer_waits_on_a_full_socket_closes_the_link() {
+        let timeout = Duration::from_millis(200);
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let endpoint = Endpoint::Tcp(listener.local_addr().unwrap());
+        let connection = Arc::new(Connection::open(&endpoint, timeout).await.unwrap());
+        // Accepted and never read.
+        let (_sidecar, _) = listener.accept().await.unwrap();
+        let subject = "s".repeat(CLIENT_FRAME_BYTES_MAX - 100);
+        let calls: Vec<_> = (0..200)
+            .map(|_| {
+                let connection = Arc::clone(&connection);
+                let subject = subject.clone();
+                tokio::spawn(async move {
+                    let _ = (connection.call(OpRef::Incr {
+                        rule: "r",
+                        subject: &subject,
+                        amount: 1,
+                        id: None,
+                    }))
+                    .await;
+                })
+            })
+            .collect();
+        for call in calls {
+            call.await.unwrap();
+        }
+        let shared = Arc::clone(&connection.shared);
+        {
+            let state = shared.lock();
+            assert!(state.closed.is_none(), "the link is open");
+            assert!(
+                state.write_half.is_none() && state.writer.is_none(),
+                "the writer waits on the full socket"
+            );
+        }
+        drop(connection);
+        let gone = tokio::time::timeout(Duration::from_secs(5), async {
+            while Arc::strong_count(&shared) > 1 {
+                tokio::time::sleep(Duration::from_millis(10)).await;
+            }
+        })
+        .await;
+        assert!(
+            gone.is_ok(),
+            "the link's tasks outlived the handle (link open: {})",
+            shared.lock().closed.is_none()
+        );
+        assert!(shared.lock().closed.is_some(), "the link is closed");
     }
 
     #[tokio::test]
