@@ -17,9 +17,10 @@
 //!   connection is idle.
 //!
 //! When a read or a write fails, the link closes: every waiting call is told why, its
-//! tasks stop, and its socket is dropped. After a failed write it closes once the reader
-//! has delivered the answers already received (at the stream's end), or a tick later
-//! (at most 100 ms). The client then opens the next link on the same
+//! tasks stop, and its socket is dropped. After the writer's failed write it closes once
+//! the reader has delivered the answers already received (at the stream's end), or a tick
+//! later (at most 100 ms); after a call's own failed write, at once (it was alone in
+//! flight), its requests never written. The client then opens the next link on the same
 //! [`Connection`], so that a call reaches the connection through a plain reference, not
 //! through a lock and a reference count.
 
@@ -501,17 +502,26 @@ impl State {
     }
 
     /// Writes what the socket takes of the outbox now, if no write is under way. What it
-    /// does not take (or an error, which the writer meets again and closes the link on) is
-    /// left to the writer.
-    fn write_directly(&mut self) {
+    /// does not take is left to the writer. False if the write failed: the socket took no
+    /// byte of it, and the caller closes the link, so that its calls are told `NotSent`
+    /// (handed to the writer, which would meet the error again, they would be told
+    /// `Disconnected`, outcome unknown: found in review, session 53).
+    fn write_directly(&mut self) -> bool {
         let Some(write) = &self.write_half else {
-            return;
+            return true;
         };
-        if let Ok(wrote) = write.try_write(&self.queued) {
-            // The outbox was empty before this call's requests, so it begins at the
-            // `unwritten` one: each request begun on the socket may be read.
-            self.unwritten += wire::frames_begun(&self.queued, wrote);
-            self.queued.drain(..wrote);
+        match write.try_write(&self.queued) {
+            Ok(wrote) => {
+                // The outbox was empty before this call's requests, so it begins at the
+                // `unwritten` one: each request begun on the socket may be read.
+                self.unwritten += wire::frames_begun(&self.queued, wrote);
+                self.queued.drain(..wrote);
+                true
+            }
+            Err(err) => matches!(
+                err.kind(),
+                io::ErrorKind::WouldBlock | io::ErrorKind::Interrupted
+            ),
         }
     }
 
@@ -621,6 +631,8 @@ impl Shared {
         // A call waits for its timeout (or for room) only while the sweeper ticks.
         let sweeper =
             std::mem::take(&mut state.sweeper_parked).then(|| Arc::clone(&state.wake_sweeper));
+        // The link, if this call's own write found its socket broken.
+        let mut broken = None;
         // A call that waited for room past its timeout is not sent, even if room has come:
         // `NotSent` says that nothing was counted, where a send could only end `Timeout`.
         let (sent, writer) = if waited && self.deadlines.expired(since, state.epoch) {
@@ -637,13 +649,18 @@ impl Shared {
                 let id = state.in_flight.push(waker.clone(), since);
                 wire::encode_request(&RequestRef { id, op }, &mut state.queued);
             }
-            if was_empty && state.in_flight.live() == ops.len() {
+            if was_empty
+                && state.in_flight.live() == ops.len()
                 // Alone in flight: no other request is coming soon to share a write with,
                 // so waking the writer would only add a task switch to the round trip.
-                state.write_directly();
+                && !state.write_directly()
+            {
+                // Nothing else waits for an answer on the link (alone in flight), so it
+                // closes at once: no answer already received is lost.
+                broken = Some(state.link);
             }
             // A writer that is not parked will look at the outbox again before it parks.
-            let writer = if was_empty && !state.queued.is_empty() {
+            let writer = if was_empty && !state.queued.is_empty() && broken.is_none() {
                 state.writer.take()
             } else {
                 None
@@ -654,6 +671,9 @@ impl Shared {
             (Sent::NoRoom, None)
         };
         drop(state);
+        if let Some(link) = broken {
+            self.close(link, Broken::Disconnected);
+        }
         if let Some(writer) = writer {
             writer.wake();
         }
@@ -1381,6 +1401,53 @@ mod tests {
             shared.lock().closed.is_none()
         );
         assert!(shared.lock().closed.is_some(), "the link is closed");
+    }
+
+    /// A call alone in flight writes its request itself. When that write fails, no byte of
+    /// the request reached the socket (a write that fails writes nothing), so the sidecar
+    /// cannot have read it: the call is told `NotSent`, not `Disconnected`. Found in review,
+    /// session 53: the request was left to the writer, whose batch counts as written.
+    #[cfg(unix)]
+    #[tokio::test]
+    async fn a_request_whose_direct_write_fails_is_not_sent() {
+        let path = std::env::temp_dir().join(format!(
+            "tally-client-direct-write-{}.sock",
+            std::process::id()
+        ));
+        let _ = std::fs::remove_file(&path);
+        let listener = tokio::net::UnixListener::bind(&path).unwrap();
+        let endpoint = Endpoint::Unix(path.clone());
+        let connection = Connection::open(&endpoint, Duration::from_secs(60))
+            .await
+            .unwrap();
+        let (sidecar, _) = listener.accept().await.unwrap();
+        // The link's tasks are parked on the socket.
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        // The sidecar goes away; the reader has not run since, so the link is still open,
+        // and the call's write is what finds the socket broken.
+        drop(sidecar);
+        let call = connection.call(OpRef::Incr {
+            rule: "login",
+            subject: "user-42",
+            amount: 1,
+            id: None,
+        });
+        tokio::pin!(call);
+        assert!(
+            poll_fn(|cx| Poll::Ready(call.as_mut().poll(cx).is_pending())).await,
+            "sent, and waiting for its answer"
+        );
+        assert_eq!(
+            connection.shared.lock().unwritten,
+            1,
+            "the socket took no byte of the request"
+        );
+        let outcome = tokio::time::timeout(Duration::from_secs(5), call).await;
+        let _ = std::fs::remove_file(&path);
+        assert!(
+            matches!(outcome, Ok(Err(Error::NotSent { .. }))),
+            "{outcome:?}"
+        );
     }
 
     #[tokio::test]
