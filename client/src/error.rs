@@ -41,7 +41,8 @@ pub enum Error {
     /// The request was never sent, so nothing was counted: the client's outbox had no room
     /// for it within [`Options::timeout`](crate::Options::timeout) (the sidecar is not
     /// reading what this client sends), or the connection closed before it was queued or
-    /// while it still waited in the outbox, never written (the next call reconnects).
+    /// while it still waited in the outbox, never written, or its own write found the
+    /// connection broken and wrote nothing (the next call reconnects).
     #[error("not sent: {why}; nothing was counted")]
     NotSent {
         /// Which of these.
