@@ -3145,4 +3145,54 @@ mod tests {
             answer.result
         );
     }
+
+    /// A region without the rule of an exact check (its rules and this sidecar's disagree:
+    /// a misconfiguration) answers `NoRule`: it is reachable, and never decides the check
+    /// however often it is sent. That is no unreachable region, for which alone a rule's
+    /// `on_region_unavailable` answers instead (BRIEF: "Region unreachable: a
+    /// `RegionUnavailable` error ..., unless the rule opts into" a fallback): the client
+    /// gets a typed error naming the rule, which no retry changes, and nothing is counted,
+    /// as for the region's other refusals (`Storage`, `KeysFull`).
+    #[tokio::test(flavor = "current_thread")]
+    async fn a_check_the_region_has_no_rule_for_is_refused_naming_the_rule_and_not_a_fallback() {
+        use crate::region::wire::{self as region_wire, ExactAnswer};
+        let (mut service, _, key) = allowing_service();
+        let (frames_tx, mut to_region) = mpsc::channel(8);
+        let sessions = crate::transport::Sessions {
+            frames: frames_tx,
+            frame_bytes_max: region_wire::REGION_FRAME_BYTES_MAX,
+        };
+        service.forwarder = Some(Forwarder::local(
+            sessions,
+            service.replica,
+            crate::clock::Clock::start(),
+            Arc::default(),
+            mpsc::unbounded_channel().0,
+        ));
+        let (mut output, mut exact) = (Vec::new(), Vec::new());
+        handle(
+            &service,
+            &frames(&[quota_check(5, 2)]),
+            &mut output,
+            &mut exact,
+        );
+        let (answers, mut answered) = mpsc::unbounded_channel();
+        service.forward(&mut exact, Instant::now(), &answers);
+        let frame = to_region.recv().await.unwrap();
+        let (_, checks) = region_wire::decode_checks(&frame.body).unwrap();
+        frame.reply.send(region_wire::encode_answers(&[(
+            checks[0].id.seq,
+            ExactAnswer::NoRule,
+        )]));
+        let mut forwarded = answered.recv().await.unwrap();
+        service.answer_exact(&mut forwarded, &mut output);
+        let response = responses(&output).pop().unwrap();
+        assert!(
+            matches!(&response.result, Err(Refusal::BadField { field, why })
+                if field == "rule" && why.contains("\"quota\"") && why.contains("region")),
+            "{:?}",
+            response.result
+        );
+        assert_eq!(service.store.estimate(&key), 0, "nothing counted");
+    }
 }

@@ -70,12 +70,13 @@ pub struct Forwarded<T> {
     /// an admission the region answers late is reported ([`LateAdmissions`]). `None`
     /// otherwise: the region answered in time, or never got the check.
     pub late_seq: Option<u64>,
-    /// The region's durable outcome; else `RegionUnavailable` (no answer in time, a region
-    /// without the rule, a stopped forwarder), `Forgotten` (a retry of an id the region no
+    /// The region's durable outcome; else `RegionUnavailable` (no answer in time, no live
+    /// window at the region, a stopped forwarder), `Forgotten` (a retry of an id the region no
     /// longer remembers: decided once, never again), `Storage` (the region could not
     /// make the decision durable), `KeysFull` (the region's ledger holds its maximum of
-    /// keys and the check would add one: not decided), or `BadField` on the id (the
-    /// region decided the check's [`CheckId`] for another check: not decided).
+    /// keys and the check would add one: not decided), `BadField` on the id (the
+    /// region decided the check's [`CheckId`] for another check: not decided), or
+    /// `BadField` on the rule (the region has no such exact rule: never decided).
     pub result: Result<Outcome, Refusal>,
 }
 
@@ -573,14 +574,19 @@ impl<T> Held<T> {
                     pending.key.rule.as_str()
                 ),
             )),
-            // Never decided, however often sent: the rule's fallback applies.
-            ExactAnswer::NoRule => Err(self.unavailable(
-                pending.rule(),
-                format!(
-                    "the region has no exact rule {:?} of this window's length",
-                    pending.key.rule.as_str()
+            // A reachable region that lacks the rule (its rules and this sidecar's
+            // disagree) never decides the check, however often sent: a typed error naming
+            // the rule, which no retry changes, and never the rule's fallback, which is for
+            // a region that does not answer (BRIEF), as for the region's other refusals.
+            ExactAnswer::NoRule => Err(Refusal::BadField {
+                field: "rule".into(),
+                why: format!(
+                    "the region has no exact rule {:?} of {} s windows: its rules and this \
+                     sidecar's disagree; nothing counted",
+                    pending.key.rule.as_str(),
+                    pending.key.window.len_secs()
                 ),
-            )),
+            }),
             ExactAnswer::Forgotten => Err(Refusal::Forgotten {
                 rule: pending.rule(),
             }),
@@ -1151,23 +1157,32 @@ pub(crate) mod tests {
     /// A region without the check's exact rule (misconfigured) answers
     /// `NoRule` (region/service.rs, `decide`: the rule looked up after the ledger's
     /// recall; `UnknownRule`, as for a window not live, until session 47), however often
-    /// the check is sent: it never decided it. Sent again after a
-    /// broken session, the check must get `RegionUnavailable`, and so its rule's
-    /// fallback, as it does sent once; not `Forgotten`.
+    /// the check is sent: it never decided it. Sent once or again after a broken session,
+    /// the check gets a typed error naming the rule: not `Forgotten`, and not
+    /// `RegionUnavailable`, which a rule's fallback would answer instead (a reachable
+    /// region that refuses is no unreachable one).
     #[test]
-    fn a_check_sent_again_to_a_region_without_its_rule_is_unavailable_not_forgotten() {
+    fn a_check_sent_to_a_region_without_its_rule_is_refused_naming_the_rule_sent_once_or_again() {
         let (answers, mut answered) = mpsc::unbounded_channel();
         let (mut held, _checks, _stats) = held();
         held.insert(pending(0, 10_000, &answers));
         assert!(held.next_frame(ms(0)).is_some());
         held.resend_all();
+        held.insert(pending(1, 10_000, &answers));
         assert!(held.next_frame(ms(1)).is_some());
-        held.answer_frame(vec![(0, REGION_WITHOUT_THE_RULE)]);
+        held.answer_frame(vec![
+            (0, REGION_WITHOUT_THE_RULE),
+            (1, REGION_WITHOUT_THE_RULE),
+        ]);
         let results: Vec<_> = (drain(&mut answered).into_iter())
             .map(|forwarded| forwarded.result)
             .collect();
+        let named = |result: &Result<Outcome, Refusal>| {
+            matches!(result, Err(Refusal::BadField { field, why })
+                if field == "rule" && why.contains("no exact rule \"quota\" of 60 s windows"))
+        };
         assert!(
-            matches!(&results[..], [Err(Refusal::RegionUnavailable { .. })]),
+            results.len() == 2 && results.iter().all(named),
             "{results:?}"
         );
     }
