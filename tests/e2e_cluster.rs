@@ -255,6 +255,26 @@ async fn fresh_read(client: &Client, rule: &str, subject: &str, after_ms: u64) -
     }
 }
 
+/// FRESH at each of `nodes`: its first read of `rule`/`subject` whose staleness vouches for
+/// every peer since `after_ms` (wall clock; [`fresh_read`]) is `value`.
+async fn assert_fresh_reads(
+    cluster: &Cluster,
+    nodes: &[u64],
+    (rule, subject): (&str, &str),
+    value: i128,
+    after_ms: u64,
+) {
+    for &id in nodes {
+        let client = cluster.nodes[id as usize - 1].client().await;
+        let read = fresh_read(&client, rule, subject, after_ms).await;
+        assert_eq!(
+            read.estimate, value,
+            "FRESH: node {id} read {rule}/{subject} as {read:?}, heard from every peer since \
+             {after_ms} (the last write)"
+        );
+    }
+}
+
 /// Writes to every node until `stop`, recording each outcome; while it runs, observers on
 /// the nodes in `watch` check that no estimate ever decreases (MONO).
 struct Load {
@@ -1707,14 +1727,8 @@ async fn twenty_partitions_two_against_two_each_heal_to_every_write_on_both_side
         // FRESH across the heal: each node's first read whose staleness vouches for every
         // peer since the last write holds every write. Staleness counts the other side's
         // members (suspected, not dead: `dead_after_ms` is a minute) as stale all along.
-        for (id, client) in (1..).zip(&clients) {
-            let read = fresh_read(client, "count", "n1", written_by_ms).await;
-            assert_eq!(
-                read.estimate, total,
-                "FRESH: cycle {cycle}: node {id} read {read:?}, heard from every peer \
-                 since the last write"
-            );
-        }
+        let nodes = [1, 2, 3, 4];
+        assert_fresh_reads(&cluster, &nodes, ("count", "n1"), total, written_by_ms).await;
         wait_read(&cluster, &[1, 2, 3, 4], "count", "n1", total).await;
         let healed = heal_at.elapsed();
         // W_heal = cut + PTO + (R(4) + 1) rounds, with R(4) = log_7(4) + 2 < 3 and
@@ -1801,7 +1815,12 @@ async fn a_one_way_cut_neither_wedges_nor_evicts_and_every_write_arrives() {
         total += 3;
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
-    let under_cut = wait_read(&cluster, &[1, 2, 3], "count", "n2", total).await;
+    // FRESH under the cut: node 1's state reaches node 2 only through node 3, and so do
+    // its stamps.
+    let (written_at, written_by_ms) = (tokio::time::Instant::now(), tally_node::clock::wall().0);
+    assert_fresh_reads(&cluster, &[1, 2, 3], ("count", "n2"), total, written_by_ms).await;
+    wait_read(&cluster, &[1, 2, 3], "count", "n2", total).await;
+    let under_cut = written_at.elapsed();
     let before_heal = established();
     assert_eq!(
         before_heal, at_cut,
@@ -1840,7 +1859,12 @@ async fn a_tenth_of_every_links_datagrams_lost_still_converges_to_every_write() 
     wait_read(&cluster, &[1, 2, 3, 4], "count", "n4", total).await;
     let loss = cluster.lossy(10);
     let lossy = writes_and_checks(&clients, &mut total).await;
-    let converged = wait_read(&cluster, &[1, 2, 3, 4], "count", "n4", total).await;
+    let (written_at, written_by_ms) = (tokio::time::Instant::now(), tally_node::clock::wall().0);
+    // FRESH under the loss: a push lost and sent again leaves its stamps behind with it.
+    let nodes = [1, 2, 3, 4];
+    assert_fresh_reads(&cluster, &nodes, ("count", "n4"), total, written_by_ms).await;
+    wait_read(&cluster, &nodes, "count", "n4", total).await;
+    let converged = written_at.elapsed();
     let dropped = loss.dropped();
     assert!(dropped > 0, "no datagram was lost");
     for node in &cluster.nodes {
