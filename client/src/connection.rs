@@ -1225,14 +1225,30 @@ mod tests {
 
     /// A connection (answers waited for up to a minute) to a sidecar that accepted it and
     /// never reads: the socket's buffers fill, then the outbox.
-    async fn a_sidecar_that_never_reads() -> (Arc<Connection>, tokio::net::TcpStream) {
+    async fn a_sidecar_that_never_reads(
+        timeout: Duration,
+    ) -> (Arc<Connection>, tokio::net::TcpStream) {
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         let endpoint = Endpoint::Tcp(listener.local_addr().unwrap());
-        let connection = Connection::open(&endpoint, Duration::from_secs(60))
-            .await
-            .unwrap();
+        let connection = Connection::open(&endpoint, timeout).await.unwrap();
         let (sidecar, _) = listener.accept().await.unwrap();
         (Arc::new(connection), sidecar)
+    }
+
+    /// A task that sends an increment of a subject as long as a frame allows, its outcome
+    /// dropped: a few hundred fill a socket nobody reads.
+    fn spawn_a_large_incr(connection: &Arc<Connection>) -> tokio::task::JoinHandle<()> {
+        let connection = Arc::clone(connection);
+        tokio::spawn(async move {
+            let subject = "s".repeat(CLIENT_FRAME_BYTES_MAX - 100);
+            let _ = (connection.call(OpRef::Incr {
+                rule: "r",
+                subject: &subject,
+                amount: 1,
+                id: None,
+            }))
+            .await;
+        })
     }
 
     /// Two tasks whose calls wait for room, each polled again and again by turns (a
@@ -1241,20 +1257,9 @@ mod tests {
     /// a poll until the next tick).
     #[tokio::test]
     async fn tasks_polled_by_turns_while_they_wait_for_room_are_listed_once_each() {
-        let (connection, _sidecar) = a_sidecar_that_never_reads().await;
-        let subject = "s".repeat(CLIENT_FRAME_BYTES_MAX - 100);
+        let (connection, _sidecar) = a_sidecar_that_never_reads(Duration::from_secs(60)).await;
         for _ in 0..200 {
-            let connection = Arc::clone(&connection);
-            let subject = subject.clone();
-            tokio::spawn(async move {
-                let _ = (connection.call(OpRef::Incr {
-                    rule: "r",
-                    subject: &subject,
-                    amount: 1,
-                    id: None,
-                }))
-                .await;
-            });
+            spawn_a_large_incr(&connection);
             tokio::task::yield_now().await;
         }
         for _ in 0..50 {
@@ -1300,7 +1305,7 @@ mod tests {
     #[tokio::test]
     async fn requests_still_in_the_outbox_when_the_link_closes_fail_not_sent() {
         const CALLS: usize = 200;
-        let (connection, sidecar) = a_sidecar_that_never_reads().await;
+        let (connection, sidecar) = a_sidecar_that_never_reads(Duration::from_secs(60)).await;
         let subject = "s".repeat(CLIENT_FRAME_BYTES_MAX - 100);
         let calls: Vec<_> = (0..CALLS)
             .map(|_| {
@@ -1354,28 +1359,8 @@ mod tests {
     /// sweeper and the socket.
     #[tokio::test]
     async fn dropping_the_handle_while_the_writer_waits_on_a_full_socket_closes_the_link() {
-        let timeout = Duration::from_millis(200);
-        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let endpoint = Endpoint::Tcp(listener.local_addr().unwrap());
-        let connection = Arc::new(Connection::open(&endpoint, timeout).await.unwrap());
-        // Accepted and never read.
-        let (_sidecar, _) = listener.accept().await.unwrap();
-        let subject = "s".repeat(CLIENT_FRAME_BYTES_MAX - 100);
-        let calls: Vec<_> = (0..200)
-            .map(|_| {
-                let connection = Arc::clone(&connection);
-                let subject = subject.clone();
-                tokio::spawn(async move {
-                    let _ = (connection.call(OpRef::Incr {
-                        rule: "r",
-                        subject: &subject,
-                        amount: 1,
-                        id: None,
-                    }))
-                    .await;
-                })
-            })
-            .collect();
+        let (connection, _sidecar) = a_sidecar_that_never_reads(Duration::from_millis(200)).await;
+        let calls: Vec<_> = (0..200).map(|_| spawn_a_large_incr(&connection)).collect();
         for call in calls {
             call.await.unwrap();
         }
