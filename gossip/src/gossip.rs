@@ -108,7 +108,10 @@ pub enum Event {
     Member(Transition),
     /// A peer holds a lane of this node's own replica that this life never wrote: at a
     /// version above its writes, or with totals above its own. This replica id was used
-    /// before by a life that lost its state. The node must take a new generation.
+    /// before by a life that lost its state. The node must take a new generation, and
+    /// feed this state machine nothing more: its own versions may now be used up (a peer's
+    /// lane at `u64::MAX`), and own writes after that would share one version (found in
+    /// review, session 53; `tallyd` stops at once).
     GenerationReused {
         /// The version of the lane a peer holds.
         seen: Version,
