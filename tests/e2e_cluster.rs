@@ -1729,7 +1729,7 @@ async fn twenty_partitions_two_against_two_each_heal_to_every_write_on_both_side
         // members (suspected, not dead: `dead_after_ms` is a minute) as stale all along.
         let nodes = [1, 2, 3, 4];
         assert_fresh_reads(&cluster, &nodes, ("count", "n1"), total, written_by_ms).await;
-        wait_read(&cluster, &[1, 2, 3, 4], "count", "n1", total).await;
+        wait_read(&cluster, &nodes, "count", "n1", total).await;
         let healed = heal_at.elapsed();
         // W_heal = cut + PTO + (R(4) + 1) rounds, with R(4) = log_7(4) + 2 < 3 and
         // loopback's PTO under a round; and 2 s more for a machine busy with the other
