@@ -162,12 +162,17 @@ impl Drop for Connection {
         // A writer that is not parked may be waiting on a socket the sidecar no longer
         // reads, and would keep the link, its tasks and its socket forever: it has the
         // calls' timeout to write what is queued, then the link closes (found in review,
-        // session 53). No call waits on it: calls borrow the handle.
+        // session 53). No call waits on it: calls borrow the handle. The timer holds the
+        // shared state weakly: a link that closes sooner lets it go at once, not after the
+        // timeout (found in review, session 53), and then there is nothing left to close.
         if let Some(link) = busy_link {
-            let shared = Arc::clone(&self.shared);
+            let shared = Arc::downgrade(&self.shared);
+            let timeout = self.shared.timeout;
             self.shared.runtime.spawn(async move {
-                tokio::time::sleep(shared.timeout).await;
-                shared.close(link, Broken::Disconnected);
+                tokio::time::sleep(timeout).await;
+                if let Some(shared) = shared.upgrade() {
+                    shared.close(link, Broken::Disconnected);
+                }
             });
         }
     }
@@ -1386,6 +1391,51 @@ mod tests {
             shared.lock().closed.is_none()
         );
         assert!(shared.lock().closed.is_some(), "the link is closed");
+    }
+
+    /// Dropping the handle while the writer is busy on a sidecar that does read: the writer
+    /// writes what is queued and closes the link, and nothing keeps the connection's shared
+    /// state after that, though the calls' timeout (a minute) has not passed. Found in
+    /// review, session 53: the task that closes a link still busy after the timeout held it
+    /// for the whole timeout, whether or not the link had closed long before.
+    #[tokio::test]
+    async fn dropping_the_handle_while_the_writer_is_busy_keeps_nothing_once_the_link_closes() {
+        use tokio::io::AsyncReadExt;
+        let (connection, mut sidecar) = a_sidecar_that_never_reads(Duration::from_secs(60)).await;
+        let calls: Vec<_> = (0..200).map(|_| spawn_a_large_incr(&connection)).collect();
+        for _ in 0..50 {
+            tokio::task::yield_now().await;
+        }
+        // The calls go (their requests stay queued or in the writer's batch).
+        for call in calls {
+            call.abort();
+            let _ = call.await;
+        }
+        let shared = Arc::clone(&connection.shared);
+        {
+            let state = shared.lock();
+            assert!(state.closed.is_none(), "the link is open");
+            assert!(state.writer.is_none(), "the writer is busy");
+        }
+        drop(connection);
+        // The sidecar reads everything now, until the link closes.
+        let reader = tokio::spawn(async move {
+            let mut sink = vec![0; 1 << 16];
+            while sidecar.read(&mut sink).await.is_ok_and(|read| read > 0) {}
+        });
+        let gone = tokio::time::timeout(Duration::from_secs(5), async {
+            while Arc::strong_count(&shared) > 1 {
+                tokio::time::sleep(Duration::from_millis(10)).await;
+            }
+        })
+        .await;
+        assert!(shared.lock().closed.is_some(), "the link is closed");
+        assert!(
+            gone.is_ok(),
+            "the shared state is held {} times more, with the link closed",
+            Arc::strong_count(&shared) - 1
+        );
+        reader.await.unwrap();
     }
 
     /// A call alone in flight writes its request itself. When that write fails, no byte of
