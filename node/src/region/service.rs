@@ -434,8 +434,11 @@ impl RegionService {
             {
                 (name, rule)
             }
-            // Not decided on any session (the ledger recalls nothing of it): an edge that
-            // sent it again may answer its rule's fallback (found in review, session 47).
+            // Not decided on any session (the ledger recalls nothing of it), and never
+            // will be: `NoRule`, not `UnknownRule`, so that an edge that sent it again does
+            // not take it for one decided in a window since forgotten (found in review,
+            // session 47). The edge answers it a typed error naming the rule, never the
+            // rule's fallback (since session 53).
             _ => {
                 self.bad_requests.fetch_add(1, Ordering::Relaxed);
                 return ExactAnswer::NoRule;
