@@ -237,7 +237,9 @@ async fn assert_fresh_reads_hold_every_write(
 /// Reads `subject` under `rule` until the read's staleness, counted back from before it
 /// was sent, says the node has heard every peer's state as of after `after_ms` (wall
 /// clock); returns that read. 2 ms of margin: a stamp held back from a write, and the
-/// staleness reported, are each rounded to a millisecond. Panics after 15 s.
+/// staleness reported, are each rounded to a millisecond. Panics after 15 s. Only for
+/// writers that stay live members in one life throughout: staleness counts no member held
+/// dead or gone, and a restarted node's new life vouches for none of its last life's lanes.
 async fn fresh_read(client: &Client, rule: &str, subject: &str, after_ms: u64) -> Estimate {
     let deadline = tokio::time::Instant::now() + Duration::from_secs(15);
     loop {
