@@ -361,6 +361,10 @@ pub async fn run(config: Config, shutdown: impl Future<Output = ()>) -> Result<(
     view.lock().ended = EndedLives::kept_for(std::time::Duration::from_secs(
         2 * u64::from(longest_window.unwrap_or(0)),
     ));
+    let mut seeds: Vec<_> = (gossip_config.seeds.iter()).map(|seed| seed.node).collect();
+    seeds.sort_unstable();
+    seeds.dedup();
+    view.lock().seeds = seeds;
     // Before the gossip task's first refresh: no check is decided alone meanwhile.
     view.lock().unheard_seeds = unheard_seeds(
         &gossip_config.seeds,

@@ -212,9 +212,29 @@ pub fn render(sources: &Sources<'_>) -> String {
             .get_or_create(&origin_labels(node.0, *replica, &format!("{state:?}")))
             .set(age);
     }
+    // A seed with no row, while decisions count it (as a live member with no state held,
+    // or past `dead_after_ms` as one declared dead), is as stale as a member never heard:
+    // the seconds since the epoch. It has no generation known yet: 0.
+    let seed_state = match view.unheard_seeds {
+        seeds if seeds.live > 0 => Some("unheard_seed"),
+        seeds if seeds.dead > 0 => Some("dead_seed"),
+        _ => None,
+    };
+    if let Some(state) = seed_state {
+        let never = Duration::from_millis(sources.now.0).as_secs_f64();
+        let rowless = (view.seeds.iter())
+            .filter(|seed| !view.members().iter().any(|(node, _, _)| node == *seed));
+        for seed in rowless {
+            let unknown = ReplicaId::new(*seed, tally_crdt::Generation(0));
+            staleness
+                .get_or_create(&origin_labels(seed.0, unknown, state))
+                .set(never);
+        }
+    }
     registry.register(
         "origin_staleness_seconds",
-        "How old the newest state held from each member's current replica is",
+        "How old the newest state held from each member's current replica is (the epoch \
+         for one never heard, and for a seed counted with no row: unheard_seed, dead_seed)",
         staleness,
     );
     registry.register(
@@ -884,6 +904,67 @@ mod tests {
         });
         assert!(text.contains("# TYPE tally_region_latency_seconds histogram"));
         assert!(!text.contains("tally_region_log_sync_seconds"), "{text}");
+    }
+
+    /// A seed not yet heard, with no row among the members, is counted by decisions as a
+    /// live member as old as the epoch (isolated), and past `dead_after_ms` as a member
+    /// declared dead: its staleness is shown as a member's never heard is, not left out
+    /// (found in review, session 53: a node started cut off from its seeds showed no
+    /// staleness series at all while it decided isolated).
+    #[test]
+    fn a_seed_never_heard_has_a_staleness_series_as_old_as_the_epoch() {
+        let view = View::default();
+        let replica = |node| ReplicaId::new(NodeId(node), Generation(1));
+        {
+            let mut state = view.lock();
+            state.seeds = vec![NodeId(2), NodeId(3)];
+            state.set_members(
+                vec![(NodeId(2), replica(2), State::Alive)],
+                [(replica(2), Stamp(1_000))].into_iter().collect(),
+                tally_gossip::Now {
+                    mono: Duration::ZERO,
+                    wall: Stamp(2_000),
+                },
+            );
+        }
+        let series = |seeds: crate::view::UnheardSeeds| -> Vec<String> {
+            view.lock().unheard_seeds = seeds;
+            let store = LaneStore::new(ReplicaId::new(NodeId(1), Generation(1)), 8);
+            let text = render(&Sources {
+                metrics: &Metrics::default(),
+                view: &view,
+                store: &store,
+                transport: &TransportStats::default(),
+                forward: &ForwardStats::default(),
+                exact_room: &ExactRoom::default(),
+                region: None,
+                now: Stamp(3_000),
+            });
+            let mut series: Vec<String> = (text.lines())
+                .filter(|line| line.starts_with("tally_origin_staleness_seconds{"))
+                .map(str::to_owned)
+                .collect();
+            series.sort_unstable();
+            series
+        };
+        let alive = r#"tally_origin_staleness_seconds{node="2",generation="1",state="alive"} 2.0"#;
+        use crate::view::UnheardSeeds;
+        assert_eq!(
+            series(UnheardSeeds { live: 2, dead: 0 }),
+            [
+                alive,
+                r#"tally_origin_staleness_seconds{node="3",generation="0",state="unheard_seed"} 3.0"#,
+            ]
+        );
+        assert_eq!(
+            series(UnheardSeeds { live: 0, dead: 1 }),
+            [
+                alive,
+                r#"tally_origin_staleness_seconds{node="3",generation="0",state="dead_seed"} 3.0"#,
+            ]
+        );
+        // Once the table matched a peer's, a seed with no row is no member.
+        assert_eq!(series(UnheardSeeds::default()), [alive]);
     }
 
     #[test]

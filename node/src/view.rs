@@ -55,6 +55,9 @@ pub struct ViewState {
     /// decides isolated, on its share among them, not connected and alone on the whole
     /// limit; past `dead_after`, as a member declared dead.
     pub unheard_seeds: UnheardSeeds,
+    /// The distinct seed nodes, set at start: which nodes `unheard_seeds` counts (those
+    /// with no row among the members have no other staleness series in `/metrics`).
+    pub seeds: Vec<NodeId>,
     /// Per key, the value of this node's lanes of its other lives (its replicas under
     /// other generations: the lives before a restart), where it is not zero. An isolated
     /// decision counts them as this node's own.
@@ -562,6 +565,7 @@ impl ViewState {
             lanes: self.lanes,
             keys: self.keys,
             unheard_seeds: self.unheard_seeds,
+            seeds: self.seeds.clone(),
             remote_rates: HashMap::new(),
             heard_live: HashMap::new(),
             other_lives: HashMap::new(),
