@@ -2866,6 +2866,28 @@ mod tests {
 
     /// A service whose one rule, `quota`, is exact and falls back to `allow`; the rule, and
     /// its key for subject `a`.
+    /// Gives `service` a forwarder to a region on this node, whose side of the sessions is
+    /// returned: it gets each frame of checks written, and answers through the frame's
+    /// reply. Admissions the region answers late are reported to `late`.
+    fn forward_to_a_local_region(
+        service: &mut Service,
+        late: crate::region::forward::LateAdmissions,
+    ) -> mpsc::Receiver<crate::transport::SessionFrame> {
+        let (frames, to_region) = mpsc::channel(8);
+        let sessions = crate::transport::Sessions {
+            frames,
+            frame_bytes_max: crate::region::wire::REGION_FRAME_BYTES_MAX,
+        };
+        service.forwarder = Some(Forwarder::local(
+            sessions,
+            service.replica,
+            crate::clock::Clock::start(),
+            Arc::default(),
+            late,
+        ));
+        to_region
+    }
+
     fn allowing_service() -> (Service, Arc<RuleConfig>, Key) {
         let mut service = service(10);
         let allow = RuleConfig {
@@ -3068,19 +3090,8 @@ mod tests {
             ..RuleConfig::for_test("quota", 100, RuleMode::Exact)
         }])
         .unwrap();
-        let (frames_tx, mut to_region) = mpsc::channel(8);
-        let sessions = crate::transport::Sessions {
-            frames: frames_tx,
-            frame_bytes_max: region_wire::REGION_FRAME_BYTES_MAX,
-        };
         let (late, mut late_reported) = mpsc::unbounded_channel();
-        service.forwarder = Some(Forwarder::local(
-            sessions,
-            service.replica,
-            crate::clock::Clock::start(),
-            Arc::default(),
-            late,
-        ));
+        let mut to_region = forward_to_a_local_region(&mut service, late);
         // Connection 1 sends check id (9, 5); it is written to the region.
         let (mut output, mut exact) = (Vec::new(), Vec::new());
         handle(
@@ -3157,18 +3168,7 @@ mod tests {
     async fn a_check_the_region_has_no_rule_for_is_refused_naming_the_rule_and_not_a_fallback() {
         use crate::region::wire::{self as region_wire, ExactAnswer};
         let (mut service, _, key) = allowing_service();
-        let (frames_tx, mut to_region) = mpsc::channel(8);
-        let sessions = crate::transport::Sessions {
-            frames: frames_tx,
-            frame_bytes_max: region_wire::REGION_FRAME_BYTES_MAX,
-        };
-        service.forwarder = Some(Forwarder::local(
-            sessions,
-            service.replica,
-            crate::clock::Clock::start(),
-            Arc::default(),
-            mpsc::unbounded_channel().0,
-        ));
+        let mut to_region = forward_to_a_local_region(&mut service, mpsc::unbounded_channel().0);
         let (mut output, mut exact) = (Vec::new(), Vec::new());
         handle(
             &service,
