@@ -24,7 +24,7 @@ use crate::store::LaneStore;
 use crate::tasks;
 use crate::tls::{self, TlsError};
 use crate::transport::{Sessions, Transport, TransportStats};
-use crate::view::{unheard_seeds, View};
+use crate::view::{seed_nodes, unheard_seeds, View};
 use std::future::Future;
 use std::sync::{Arc, Mutex};
 use tally_crdt::{CounterMap, Generation, KeyError, NodeId, ReplicaId};
@@ -361,10 +361,7 @@ pub async fn run(config: Config, shutdown: impl Future<Output = ()>) -> Result<(
     view.lock().ended = EndedLives::kept_for(std::time::Duration::from_secs(
         2 * u64::from(longest_window.unwrap_or(0)),
     ));
-    let mut seeds: Vec<_> = (gossip_config.seeds.iter()).map(|seed| seed.node).collect();
-    seeds.sort_unstable();
-    seeds.dedup();
-    view.lock().seeds = seeds;
+    view.lock().seeds = seed_nodes(&gossip_config.seeds);
     // Before the gossip task's first refresh: no check is decided alone meanwhile.
     view.lock().unheard_seeds = unheard_seeds(
         &gossip_config.seeds,

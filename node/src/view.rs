@@ -294,9 +294,7 @@ pub fn unheard_seeds(
     if table_matched {
         return UnheardSeeds::default();
     }
-    let mut nodes: Vec<NodeId> = seeds.iter().map(|seed| seed.node).collect();
-    nodes.sort_unstable();
-    nodes.dedup();
+    let nodes = seed_nodes(seeds);
     if serving_for < dead_after {
         UnheardSeeds {
             live: nodes.len(),
@@ -308,6 +306,14 @@ pub fn unheard_seeds(
             dead: nodes.into_iter().filter(|&node| !has_row(node)).count(),
         }
     }
+}
+
+/// The distinct nodes of `seeds`, in order.
+pub fn seed_nodes(seeds: &[Seed]) -> Vec<NodeId> {
+    let mut nodes: Vec<NodeId> = seeds.iter().map(|seed| seed.node).collect();
+    nodes.sort_unstable();
+    nodes.dedup();
+    nodes
 }
 
 /// The nodes that became locations ([`ViewState::set_members`]), and those that stopped
