@@ -40,7 +40,8 @@ use tokio::time::{Instant, Sleep};
 pub struct ForwardStats {
     /// Checks the region decided, by their time from reading to the durable answer.
     pub latency: LatencyHistogram,
-    /// Checks that got no durable answer in time.
+    /// Checks answered `RegionUnavailable` or by their fallback: no durable answer in time,
+    /// the forwarder stopped, or the region held no live window for them.
     pub unavailable: AtomicU64,
     /// Checks the region refused for its storage.
     pub storage_errors: AtomicU64,
