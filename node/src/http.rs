@@ -476,6 +476,32 @@ mod tests {
     /// there (found in review, session 46), and the answer arrives whole, though the
     /// client was still sending.
     #[tokio::test(flavor = "current_thread")]
+    async fn a_request_whose_body_is_not_read_still_gets_its_answer() {
+        let addr = start().await;
+        let body = "x".repeat(16 << 20);
+        let stream = TcpStream::connect(addr).await.unwrap();
+        let (mut reader, mut writer) = stream.into_split();
+        let request = format!(
+            "DELETE /members/x HTTP/1.1\r\nhost: localhost\r\ncontent-length: {}\r\n\r\n{body}",
+            body.len()
+        );
+        // The server answers after the head and closes with the body unread, which resets
+        // the connection while the body is still being sent: the answer must still arrive
+        // whole (Linux keeps what was received before the reset for reading).
+        let sending = tokio::spawn(async move { writer.write_all(request.as_bytes()).await });
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        let mut answer = String::new();
+        let read = reader.read_to_string(&mut answer).await;
+        let sent = sending.await.unwrap();
+        assert!(sent.is_err(), "the body was cut off by the reset: {sent:?}");
+        assert!(read.is_ok(), "{read:?}, having read {answer:?}");
+        assert!(
+            answer.starts_with("HTTP/1.1 400 Bad Request\r\n"),
+            "{answer:?}"
+        );
+    }
+
+    #[tokio::test(flavor = "current_thread")]
     async fn a_request_head_over_the_limit_is_refused_not_answered() {
         let addr = start().await;
         let padding = "x".repeat(2 * HEAD_BYTES_MAX);
