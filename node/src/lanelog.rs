@@ -700,10 +700,11 @@ fn replay_file(path: &Path) -> Result<(Vec<(Key, Lane)>, usize), LogError> {
 }
 
 /// Whether what follows a record found past damage, at `next`, is what follows a record:
-/// another that checks, a length of 0 (the zeros allocated ahead), or the file's end.
+/// another that checks, a length of 0 (the zeros allocated ahead), or the file's end. The
+/// zeros may run to the end in fewer than 4 bytes: a log's last record can end that close
+/// to the end of its allocation.
 fn followed_well(bytes: &[u8], next: usize) -> bool {
-    next == bytes.len()
-        || bytes.get(next..next + 4) == Some(&[0; 4])
+    bytes[next..].iter().take(4).all(|&byte| byte == 0)
         || checksummed::read_body(bytes, next).is_some()
 }
 
@@ -1249,6 +1250,29 @@ mod tests {
         let (lanes, torn) = replay_file(&path).unwrap();
         assert_eq!((lanes[0].1.incr, torn), (1, 1));
         std::fs::remove_dir_all(dir).unwrap();
+    }
+
+    /// A record found past damage is kept when zeros follow it up to the file's end,
+    /// however few: a log's last record can end 1 to 3 bytes before the end of its
+    /// allocation, as it can end at the file's end or 4 or more bytes before it.
+    #[test]
+    fn a_record_past_damage_followed_by_fewer_than_four_zeros_to_the_end_is_kept() {
+        let mut first = Vec::new();
+        encode(&key("a"), 1, 0, &mut first);
+        let mut last = Vec::new();
+        encode(&key("a"), 2, 0, &mut last);
+        for zeros in 0..=5 {
+            let mut bytes = first.clone();
+            bytes.extend_from_slice(&[0x5a; 40]);
+            bytes.extend_from_slice(&last);
+            bytes.extend(std::iter::repeat_n(0, zeros));
+            let (lanes, torn) = replay(&bytes).unwrap();
+            assert_eq!(
+                (lanes, torn),
+                (vec![(key("a"), Lane::new(3, 0))], 1),
+                "{zeros} zeros after the last record"
+            );
+        }
     }
 
     #[test]
