@@ -1945,6 +1945,54 @@ mod tests {
         assert_eq!(estimate(&service, "quota"), 0, "taken back once");
     }
 
+    /// A send that timed out with no fallback while another of its id waited passed its
+    /// sequence number on to that one, whose connection then went: it is let go unanswered.
+    /// The next send of the id that falls back takes the number, so the region's late
+    /// admission of the first send takes that fallback back.
+    #[tokio::test(flavor = "current_thread")]
+    async fn a_number_passed_on_to_a_send_let_go_unanswered_goes_to_the_next_that_falls_back() {
+        let (mut service, _, _) = allowing_service();
+        service.forwarder = Some(forwarder_to_nowhere());
+        let unavailable = Refusal::RegionUnavailable {
+            rule: "quota".into(),
+            why: "no answer".into(),
+        };
+        let (mut output, mut exact) = (Vec::new(), Vec::new());
+        let twice = frames(&[quota_check(8, 2), quota_check(8, 2)]);
+        handle(&service, &twice, &mut output, &mut exact);
+        let (first, second) = (exact.remove(0), exact.remove(0));
+        // The first send was written (sequence number 1) and times out while the second
+        // waits: no fallback.
+        let timed_out = |ticket, late_seq| Forwarded {
+            ticket,
+            late_seq,
+            result: Err(unavailable.clone()),
+        };
+        let both = answer_two_sends(&service, &mut vec![timed_out(first, Some(1))], &mut output);
+        assert_eq!(both.len(), 1);
+        // The second's connection goes: the forwarder lets it go unanswered.
+        drop(second);
+        // A retry of the id, never written, times out alone and falls back.
+        output.clear();
+        handle(
+            &service,
+            &frames(&[quota_check(8, 2)]),
+            &mut output,
+            &mut exact,
+        );
+        assert_eq!(exact.len(), 1, "nothing remembered: the retry is forwarded");
+        service.answer_exact(&mut vec![timed_out(exact.remove(0), None)], &mut output);
+        assert!(decisions(&responses(&output))[0].allowed, "it falls back");
+        assert_eq!(estimate(&service, "quota"), 2);
+        // The region admits the first send after all: it counts the check.
+        service.late_admissions(&[1]);
+        assert_eq!(
+            estimate(&service, "quota"),
+            0,
+            "counted once, at the region"
+        );
+    }
+
     #[tokio::test(flavor = "current_thread")]
     async fn a_client_that_has_finished_sending_still_gets_the_answers_of_its_exact_checks() {
         let mut service = service(10);

@@ -203,7 +203,22 @@ impl RecentIds {
 /// given its rule's fallback (the other may yet be decided there, and both would count).
 #[derive(Debug, Default)]
 pub struct Waiting {
-    sends: Mutex<HashMap<CheckId, Sends>>,
+    sends: Mutex<Ids>,
+}
+
+/// How many check ids whose every send is gone keep the sequence numbers passed on to
+/// them ([`WaitingSend::pass_on`]), the most recent: as many as the forwarder remembers
+/// checks answered `RegionUnavailable` to report late admissions of.
+const PASSED_ON_IDS_HELD: usize = 4_096;
+
+/// The sends of each check id, and the ids whose sends are all gone that keep numbers
+/// passed on, oldest first.
+#[derive(Debug, Default)]
+struct Ids {
+    sends: HashMap<CheckId, Sends>,
+    // Invariant: every id of `sends` with no send waiting is here (an id may be here
+    // more than once, or no longer in `sends`: skipped when it comes to the front).
+    parked: VecDeque<CheckId>,
 }
 
 /// The sends of one check id waiting for the region.
@@ -221,21 +236,21 @@ impl Waiting {
     /// Records a send of `id` going to the region; it waits until the returned guard is
     /// dropped (answered, or abandoned with its connection).
     pub fn add(self: &Arc<Waiting>, id: CheckId) -> WaitingSend {
-        self.lock().entry(id).or_default().waiting += 1;
+        self.lock().sends.entry(id).or_default().waiting += 1;
         WaitingSend {
             id,
             waiting: Arc::clone(self),
         }
     }
 
-    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<CheckId, Sends>> {
+    fn lock(&self) -> std::sync::MutexGuard<'_, Ids> {
         self.sends.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
     /// How many sends wait, of every id.
     #[cfg(test)]
     pub fn sends(&self) -> usize {
-        self.lock().values().map(|sends| sends.waiting).sum()
+        self.lock().sends.values().map(|sends| sends.waiting).sum()
     }
 }
 
@@ -251,6 +266,7 @@ impl WaitingSend {
     pub fn has_company(&self) -> bool {
         self.waiting
             .lock()
+            .sends
             .get(&self.id)
             .is_some_and(|sends| sends.waiting > 1)
     }
@@ -258,9 +274,11 @@ impl WaitingSend {
     /// This send, written to the region as sequence number `seq`, timed out with no
     /// fallback while others of its id wait: the one of them that falls back takes `seq`
     /// ([`WaitingSend::take_passed_on`]), so that the region's late admission of this
-    /// send takes that fallback's count back. Dropped with the id's last send.
+    /// send takes that fallback's count back. If none of them falls back (each answered
+    /// by the region, or let go unanswered when its connection went), the next send of
+    /// the id takes it, while the id is among the last [`PASSED_ON_IDS_HELD`] kept so.
     pub fn pass_on(&self, seq: u64) {
-        if let Some(sends) = self.waiting.lock().get_mut(&self.id) {
+        if let Some(sends) = self.waiting.lock().sends.get_mut(&self.id) {
             sends.passed_on.push(seq);
         }
     }
@@ -268,7 +286,7 @@ impl WaitingSend {
     /// The sequence numbers passed on by sends of this id that timed out with no fallback
     /// while this one waited ([`WaitingSend::pass_on`]).
     pub fn take_passed_on(&self) -> Vec<u64> {
-        (self.waiting.lock().get_mut(&self.id))
+        (self.waiting.lock().sends.get_mut(&self.id))
             .map(|sends| std::mem::take(&mut sends.passed_on))
             .unwrap_or_default()
     }
@@ -276,11 +294,30 @@ impl WaitingSend {
 
 impl Drop for WaitingSend {
     fn drop(&mut self) {
-        let mut sends = self.waiting.lock();
-        if let Some(count) = sends.get_mut(&self.id) {
-            count.waiting -= 1;
-            if count.waiting == 0 {
-                sends.remove(&self.id);
+        let mut ids = self.waiting.lock();
+        let Some(sends) = ids.sends.get_mut(&self.id) else {
+            return;
+        };
+        sends.waiting -= 1;
+        if sends.waiting > 0 {
+            return;
+        }
+        if sends.passed_on.is_empty() {
+            ids.sends.remove(&self.id);
+            return;
+        }
+        // Numbers passed on to sends that all went without a fallback (found in review,
+        // session 54: dropped here, a later retry's fallback stayed counted when the
+        // region admitted the send that passed its number on).
+        ids.parked.push_back(self.id);
+        while ids.parked.len() > PASSED_ON_IDS_HELD {
+            let oldest = ids.parked.pop_front().expect("invariant: not empty");
+            if ids
+                .sends
+                .get(&oldest)
+                .is_some_and(|sends| sends.waiting == 0)
+            {
+                ids.sends.remove(&oldest);
             }
         }
     }
@@ -532,5 +569,30 @@ mod tests {
         );
         assert_eq!(held(&again, id(1, 3), 15_000), Some(3));
         assert_eq!(again.len(), 2);
+    }
+
+    #[test]
+    fn numbers_passed_on_outlive_the_ids_last_send_for_the_last_ids_kept_so() {
+        let waiting = Arc::new(Waiting::default());
+        let pass_on_and_go = |id: CheckId, seq: u64| {
+            let (first, second) = (waiting.add(id), waiting.add(id));
+            first.pass_on(seq);
+            drop((first, second));
+        };
+        pass_on_and_go(id(1, 0), 7);
+        let next = waiting.add(id(1, 0));
+        assert!(!next.has_company(), "no send of it waits");
+        assert_eq!(next.take_passed_on(), [7], "the next send takes the number");
+        drop(next);
+        assert!(waiting.lock().sends.is_empty(), "taken, then let go");
+        for seq in 0..=PASSED_ON_IDS_HELD as u64 {
+            pass_on_and_go(id(2, seq), seq);
+        }
+        assert_eq!(waiting.lock().sends.len(), PASSED_ON_IDS_HELD);
+        assert!(
+            waiting.add(id(2, 0)).take_passed_on().is_empty(),
+            "the oldest went"
+        );
+        assert_eq!(waiting.sends(), 0);
     }
 }
