@@ -30,8 +30,8 @@ impl CheckId {
     /// process id: a grandchild given the process id of the one that made ids (gone, and
     /// the process ids wrapped round) would take that one's session and numbers. Make an
     /// id just before its check's first send: numbers are given out here, and the region remembers
-    /// a session's most recent 16,384 decided ones, so an id first sent after that many
-    /// later ids of its process were decided is refused [`crate::Refusal::Forgotten`]
+    /// a session's most recent 16,384 decided ones, so an id first sent after more than that
+    /// many later ids of its process were decided is refused [`crate::Refusal::Forgotten`]
     /// though never decided. Once sent, keep it with the work it names (a queued job, say)
     /// to retry the check from another process, or after a restart, within the first
     /// check's window.

@@ -403,8 +403,8 @@ pub enum Refusal {
         why: String,
     },
     /// The rule is exact, and the region no longer remembers this check: it decided the
-    /// check once, or the id's number is below the session's most recent 16,384 decided
-    /// ones though it was never sent before (an id made long before its first send), or the
+    /// check once, or the id's number is below one the region let go of to keep the session's
+    /// most recent 16,384 decided ones, though it was never sent before (an id made long before its first send), or the
     /// sidecar sent the check again after its window ended at the region, which may have
     /// decided it before; and it will not decide it again. Whether it was admitted is not
     /// known.

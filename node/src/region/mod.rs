@@ -1348,6 +1348,36 @@ mod tests {
     }
 
     #[test]
+    fn an_application_number_below_the_held_ones_is_forgotten_only_below_the_last_let_go() {
+        // Numbers 1,000 on, 16,384 of them decided: none let go yet, so number 5, made
+        // before them and never sent, is decided (and let go at once, the oldest held).
+        let mut ledger = Ledger::default();
+        let held = 1_000..1_000 + RECENT_CLIENT_IDS as u64;
+        for app_seq in held.clone() {
+            ledger.decide(&named(1, app_seq), &key(), u64::MAX);
+        }
+        assert!(matches!(
+            ledger.decide(&named(1, 5), &key(), u64::MAX),
+            Decided::New(_)
+        ));
+        assert_eq!(
+            ledger.decide(&named(1, 5), &key(), u64::MAX),
+            Decided::Forgotten
+        );
+        // One more decided lets number 1,000 go: number 7, below it, is forgotten, but 1,001
+        // is still held.
+        ledger.decide(&named(1, held.end), &key(), u64::MAX);
+        assert_eq!(
+            ledger.decide(&named(1, 7), &key(), u64::MAX),
+            Decided::Forgotten
+        );
+        assert!(matches!(
+            ledger.decide(&named(1, 1_001), &key(), u64::MAX),
+            Decided::Repeat(_)
+        ));
+    }
+
+    #[test]
     fn a_forgotten_name_stays_forgotten_while_its_window_lives_though_nothing_else_is_held() {
         // A session's first check is of an hour's window; the checks that push it out of
         // the session's most recent are of one-second windows, over long before it.
