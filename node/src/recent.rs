@@ -216,9 +216,12 @@ const PASSED_ON_IDS_HELD: usize = 4_096;
 #[derive(Debug, Default)]
 struct Ids {
     sends: HashMap<CheckId, Sends>,
-    // Invariant: every id of `sends` with no send waiting is here (an id may be here
-    // more than once, or no longer in `sends`: skipped when it comes to the front).
-    parked: VecDeque<CheckId>,
+    // Invariant: every id of `sends` with no send waiting is here, with the number of its
+    // last keeping (`Sends::kept`); an entry of an id kept again since, or no longer in
+    // `sends`, is skipped when it comes to the front.
+    parked: VecDeque<(CheckId, u64)>,
+    // How many times an id was kept.
+    keepings: u64,
 }
 
 /// The sends of one check id waiting for the region.
@@ -230,6 +233,8 @@ struct Sends {
     /// out while these waited, so got no fallback: the region may yet admit one of them,
     /// and the fallback one of these counts is then to be taken back.
     passed_on: Vec<u64>,
+    /// The number of the id's last keeping in `Ids::parked`.
+    kept: u64,
 }
 
 impl Waiting {
@@ -294,8 +299,13 @@ impl WaitingSend {
 
 impl Drop for WaitingSend {
     fn drop(&mut self) {
-        let mut ids = self.waiting.lock();
-        let Some(sends) = ids.sends.get_mut(&self.id) else {
+        let mut guard = self.waiting.lock();
+        let Ids {
+            sends: all,
+            parked,
+            keepings,
+        } = &mut *guard;
+        let Some(sends) = all.get_mut(&self.id) else {
             return;
         };
         sends.waiting -= 1;
@@ -303,21 +313,19 @@ impl Drop for WaitingSend {
             return;
         }
         if sends.passed_on.is_empty() {
-            ids.sends.remove(&self.id);
+            all.remove(&self.id);
             return;
         }
         // Numbers passed on to sends that all went without a fallback (found in review,
         // session 54: dropped here, a later retry's fallback stayed counted when the
         // region admitted the send that passed its number on).
-        ids.parked.push_back(self.id);
-        while ids.parked.len() > PASSED_ON_IDS_HELD {
-            let oldest = ids.parked.pop_front().expect("invariant: not empty");
-            if ids
-                .sends
-                .get(&oldest)
-                .is_some_and(|sends| sends.waiting == 0)
-            {
-                ids.sends.remove(&oldest);
+        *keepings += 1;
+        sends.kept = *keepings;
+        parked.push_back((self.id, *keepings));
+        while parked.len() > PASSED_ON_IDS_HELD {
+            let (oldest, keeping) = parked.pop_front().expect("invariant: not empty");
+            if (all.get(&oldest)).is_some_and(|sends| sends.waiting == 0 && sends.kept == keeping) {
+                all.remove(&oldest);
             }
         }
     }
@@ -571,22 +579,24 @@ mod tests {
         assert_eq!(again.len(), 2);
     }
 
+    /// Two sends of `id`: the first passes `seq` on to the second, and both go.
+    fn pass_on_and_go(waiting: &Arc<Waiting>, id: CheckId, seq: u64) {
+        let (first, second) = (waiting.add(id), waiting.add(id));
+        first.pass_on(seq);
+        drop((first, second));
+    }
+
     #[test]
     fn numbers_passed_on_outlive_the_ids_last_send_for_the_last_ids_kept_so() {
         let waiting = Arc::new(Waiting::default());
-        let pass_on_and_go = |id: CheckId, seq: u64| {
-            let (first, second) = (waiting.add(id), waiting.add(id));
-            first.pass_on(seq);
-            drop((first, second));
-        };
-        pass_on_and_go(id(1, 0), 7);
+        pass_on_and_go(&waiting, id(1, 0), 7);
         let next = waiting.add(id(1, 0));
         assert!(!next.has_company(), "no send of it waits");
         assert_eq!(next.take_passed_on(), [7], "the next send takes the number");
         drop(next);
         assert!(waiting.lock().sends.is_empty(), "taken, then let go");
         for seq in 0..=PASSED_ON_IDS_HELD as u64 {
-            pass_on_and_go(id(2, seq), seq);
+            pass_on_and_go(&waiting, id(2, seq), seq);
         }
         assert_eq!(waiting.lock().sends.len(), PASSED_ON_IDS_HELD);
         assert!(
@@ -594,5 +604,22 @@ mod tests {
             "the oldest went"
         );
         assert_eq!(waiting.sends(), 0);
+    }
+
+    #[test]
+    fn an_id_kept_again_counts_from_its_last_keeping() {
+        let waiting = Arc::new(Waiting::default());
+        pass_on_and_go(&waiting, id(1, 0), 7);
+        // A send of it that takes nothing (answered by the region), then goes: kept again.
+        drop(waiting.add(id(1, 0)));
+        for seq in 1..PASSED_ON_IDS_HELD as u64 {
+            pass_on_and_go(&waiting, id(2, seq), seq);
+        }
+        assert_eq!(
+            waiting.add(id(1, 0)).take_passed_on(),
+            [7],
+            "kept {} ids ago, the newest of those held",
+            PASSED_ON_IDS_HELD - 1
+        );
     }
 }
