@@ -33,7 +33,8 @@ struct Args {
 enum Command {
     /// Make a cluster CA (or reuse the one in DIR) and a certificate for each node.
     Certs {
-        /// Where to write `ca.pem`, `ca.key` and `node-<id>.pem`/`.key`.
+        /// Where to write `ca.pem`, `ca.key` and `node-<id>.pem`/`.key` (and `certs.lock`,
+        /// held while a run writes, so that runs there go one at a time).
         #[arg(long)]
         out: PathBuf,
         /// Node ids, comma-separated: `1,2,3`.

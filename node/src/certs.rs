@@ -314,7 +314,8 @@ pub fn write_cluster(dir: &Path, nodes: &[NodeId]) -> Result<Vec<NodeFiles>, Cer
     Ok(issue_cluster(dir, nodes)?.1)
 }
 
-/// [`write_cluster`], returning the CA the certificates were issued under too.
+/// [`write_cluster`], returning the CA the certificates were issued under too. Runs in one
+/// `dir` go one at a time ([`LOCK`]).
 pub fn issue_cluster(dir: &Path, nodes: &[NodeId]) -> Result<(Ca, Vec<NodeFiles>), CertError> {
     if nodes.contains(&NodeId(0)) {
         return Err(CertError::NodeZero);
@@ -327,12 +328,39 @@ pub fn issue_cluster(dir: &Path, nodes: &[NodeId]) -> Result<(Ca, Vec<NodeFiles>
         path: dir.to_owned(),
         source,
     })?;
+    let _one_run = lock(dir)?;
     let ca = Ca::load_or_create(dir)?;
     let files = nodes
         .iter()
         .map(|&node| ca.write_node(dir, node))
         .collect::<Result<_, _>>()?;
     Ok((ca, files))
+}
+
+/// The file a run locks in its directory: runs in one directory go one at a time, so that
+/// two at once make one CA, not each its own (the second's replacing the first's after the
+/// first issued under it), and do not take each other's staged files.
+const LOCK: &str = "certs.lock";
+
+/// Locks [`LOCK`] in `dir`, made if missing, waiting for another run's to be given back;
+/// given back when the file returned is dropped.
+fn lock(dir: &Path) -> Result<std::fs::File, CertError> {
+    let path = dir.join(LOCK);
+    // Made new, never opened for writing: a link in its place is not followed to make or
+    // change a file elsewhere.
+    let made = std::fs::OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .mode(PUBLIC)
+        .open(&path);
+    match made {
+        Ok(_) => {}
+        Err(err) if err.kind() == std::io::ErrorKind::AlreadyExists => {}
+        Err(err) => return Err(io(&path)(err)),
+    }
+    let file = std::fs::File::open(&path).map_err(io(&path))?;
+    file.lock().map_err(io(&path))?;
+    Ok(file)
 }
 
 fn read(path: &Path) -> Result<String, CertError> {
@@ -603,6 +631,41 @@ mod tests {
             "a certificate was written"
         );
         std::fs::remove_dir_all(dir).unwrap();
+    }
+
+    /// Two runs at once in one directory without a CA: both found none, and each made one,
+    /// staged under the same names as the other's; one's CA replaced the other's after that
+    /// one had issued under it, or one removed the other's staged files. Found in review,
+    /// session 54: a run reported success for a certificate its `ca.pem` does not verify.
+    #[test]
+    fn two_runs_at_once_in_one_directory_share_one_ca_and_both_certificates_verify() {
+        for round in 0..10 {
+            let dir = dir(&format!("two-runs-{round}"));
+            let start = std::sync::Arc::new(std::sync::Barrier::new(2));
+            let runs: Vec<_> = [NodeId(1), NodeId(2)]
+                .into_iter()
+                .map(|node| {
+                    let (dir, start) = (dir.clone(), start.clone());
+                    std::thread::spawn(move || {
+                        start.wait();
+                        write_cluster(&dir, &[node]).map_err(|err| err.to_string())
+                    })
+                })
+                .collect();
+            let files: Vec<NodeFiles> = (runs.into_iter())
+                .map(|run| run.join().unwrap())
+                .collect::<Result<Vec<_>, _>>()
+                .unwrap_or_else(|err| panic!("round {round}: a run failed: {err}"))
+                .into_iter()
+                .flatten()
+                .collect();
+            for (files, node) in files.iter().zip([NodeId(1), NodeId(2)]) {
+                if let Err(err) = crate::tls::identity(&files.tls_config(), node) {
+                    panic!("round {round}: {err}");
+                }
+            }
+            std::fs::remove_dir_all(dir).unwrap();
+        }
     }
 
     #[test]
