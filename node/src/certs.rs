@@ -315,7 +315,7 @@ pub fn write_cluster(dir: &Path, nodes: &[NodeId]) -> Result<Vec<NodeFiles>, Cer
 }
 
 /// [`write_cluster`], returning the CA the certificates were issued under too. Runs in one
-/// `dir` go one at a time ([`LOCK`]).
+/// `dir` go one at a time, holding a lock on `certs.lock` there.
 pub fn issue_cluster(dir: &Path, nodes: &[NodeId]) -> Result<(Ca, Vec<NodeFiles>), CertError> {
     if nodes.contains(&NodeId(0)) {
         return Err(CertError::NodeZero);

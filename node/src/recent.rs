@@ -281,7 +281,7 @@ impl WaitingSend {
     /// ([`WaitingSend::take_passed_on`]), so that the region's late admission of this
     /// send takes that fallback's count back. If none of them falls back (each answered
     /// by the region, or let go unanswered when its connection went), the next send of
-    /// the id takes it, while the id is among the last [`PASSED_ON_IDS_HELD`] kept so.
+    /// the id takes it, while the id is among the last `PASSED_ON_IDS_HELD` kept so.
     pub fn pass_on(&self, seq: u64) {
         if let Some(sends) = self.waiting.lock().sends.get_mut(&self.id) {
             sends.passed_on.push(seq);
