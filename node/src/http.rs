@@ -472,9 +472,8 @@ mod tests {
         assert!(answer.starts_with("HTTP/1.1 503"), "{answer}");
     }
 
-    /// A head past `HEAD_BYTES_MAX` is refused (431), not answered as if it had ended
-    /// there (found in review, session 46), and the answer arrives whole, though the
-    /// client was still sending.
+    /// A request whose body the server never reads (it answers after the head) still gets
+    /// its whole answer, though the connection is reset under the body's send.
     #[tokio::test(flavor = "current_thread")]
     async fn a_request_whose_body_is_not_read_still_gets_its_answer() {
         let addr = start().await;
@@ -501,6 +500,9 @@ mod tests {
         );
     }
 
+    /// A head past `HEAD_BYTES_MAX` is refused (431), not answered as if it had ended
+    /// there (found in review, session 46), and the answer arrives whole, though the
+    /// client was still sending.
     #[tokio::test(flavor = "current_thread")]
     async fn a_request_head_over_the_limit_is_refused_not_answered() {
         let addr = start().await;
