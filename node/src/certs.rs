@@ -346,8 +346,9 @@ const LOCK: &str = "certs.lock";
 /// given back when the file returned is dropped.
 fn lock(dir: &Path) -> Result<std::fs::File, CertError> {
     let path = dir.join(LOCK);
-    // Made new, never opened for writing: a link in its place is not followed to make or
-    // change a file elsewhere.
+    // Made new: a link in its place is not followed to make a file elsewhere. Then opened
+    // for writing, never truncated or written: NFS locks a file exclusively only through a
+    // descriptor open for writing.
     let made = std::fs::OpenOptions::new()
         .write(true)
         .create_new(true)
@@ -358,7 +359,7 @@ fn lock(dir: &Path) -> Result<std::fs::File, CertError> {
         Err(err) if err.kind() == std::io::ErrorKind::AlreadyExists => {}
         Err(err) => return Err(io(&path)(err)),
     }
-    let file = std::fs::File::open(&path).map_err(io(&path))?;
+    let file = (std::fs::OpenOptions::new().write(true).open(&path)).map_err(io(&path))?;
     file.lock().map_err(io(&path))?;
     Ok(file)
 }
