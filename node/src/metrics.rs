@@ -434,7 +434,7 @@ pub fn render(sources: &Sources<'_>) -> String {
     let pairs = [
         (
             "region_unavailable",
-            "Exact checks that got no durable answer: the rule's timeout passed, the forwarder stopped, or the region held no live window for them",
+            "Exact checks that got no durable answer: the rule's timeout passed, the forwarder stopped before writing them, or the region held no live window for them on their first send",
             load(&forward.unavailable),
         ),
         (

@@ -206,9 +206,11 @@ pub struct Waiting {
     sends: Mutex<Ids>,
 }
 
-/// How many check ids whose every send is gone keep the sequence numbers passed on to
-/// them ([`WaitingSend::pass_on`]), the most recent: as many as the forwarder remembers
-/// checks answered `RegionUnavailable` to report late admissions of.
+/// How many times check ids whose every send is gone were kept, with the sequence numbers
+/// passed on to them ([`WaitingSend::pass_on`]), are remembered, the most recent: as many
+/// as the forwarder remembers checks answered `RegionUnavailable` to report late
+/// admissions of. An id kept again takes another of these places, its earlier one left
+/// empty, so at most this many ids are kept, and fewer when ids are kept again.
 const PASSED_ON_IDS_HELD: usize = 4_096;
 
 /// The sends of each check id, and the ids whose sends are all gone that keep numbers
@@ -281,7 +283,7 @@ impl WaitingSend {
     /// ([`WaitingSend::take_passed_on`]), so that the region's late admission of this
     /// send takes that fallback's count back. If none of them falls back (each answered
     /// by the region, or let go unanswered when its connection went), the next send of
-    /// the id takes it, while the id is among the last `PASSED_ON_IDS_HELD` kept so.
+    /// the id takes it, while the id's keeping is among the last `PASSED_ON_IDS_HELD`.
     pub fn pass_on(&self, seq: u64) {
         if let Some(sends) = self.waiting.lock().sends.get_mut(&self.id) {
             sends.passed_on.push(seq);

@@ -41,7 +41,8 @@ pub struct ForwardStats {
     /// Checks the region decided, by their time from reading to the durable answer.
     pub latency: LatencyHistogram,
     /// Checks answered `RegionUnavailable` or by their fallback: no durable answer in time,
-    /// the forwarder stopped, or the region held no live window for them.
+    /// the forwarder stopped before writing them, or the region held no live window for
+    /// them on their first send.
     pub unavailable: AtomicU64,
     /// Checks the region refused for its storage.
     pub storage_errors: AtomicU64,
