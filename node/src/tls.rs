@@ -9,6 +9,7 @@
 
 use crate::certs::server_name;
 use crate::config::TlsConfig;
+use rustls::client::danger::ServerCertVerifier;
 use rustls::pki_types::pem::PemObject;
 use rustls::pki_types::{CertificateDer, PrivateKeyDer};
 use std::path::{Path, PathBuf};
@@ -62,18 +63,22 @@ pub enum TlsError {
         /// The configured node id.
         node: u64,
     },
-    /// The node's own certificate does not chain to the cluster CA it was given: peers
-    /// would refuse its handshakes and it theirs, and it would decide alone.
+    /// Peers would not take the node's own certificate at one end of a connection: it does
+    /// not chain to the cluster CA it was given, or is not issued for serving or for
+    /// connecting. Peers would refuse its handshakes and it theirs, and it would decide
+    /// alone.
     #[error(
-        "tls: {cert}: not issued by the CA in {ca} ({why}): this node and its peers would \
-         refuse each other's handshakes; give the cluster's CA and a certificate it issued"
+        "tls: {cert}: peers would not take it under the CA in {ca} ({why}): this node and \
+         its peers would refuse each other's handshakes; give the cluster's CA and a \
+         certificate it issued for serving and connecting, as `tally certs` makes"
     )]
     NotFromCa {
         /// The certificate file.
         cert: PathBuf,
         /// The CA file.
         ca: PathBuf,
-        /// What the verification said.
+        /// The end peers would refuse it at ("for serving", "for connecting"), and what
+        /// the verification said.
         why: String,
     },
     /// rustls or quinn refused the configuration.
@@ -235,14 +240,27 @@ fn tls(files: &TlsConfig, node: NodeId) -> Result<Tls, TlsError> {
     )
     .build()
     .map_err(|err| TlsError::Config(err.to_string()))?;
-    // As a peer would verify it.
-    verifier
-        .verify_client_cert(&chain[0], &chain[1..], rustls::pki_types::UnixTime::now())
-        .map_err(|err| TlsError::NotFromCa {
+    // As a peer would verify it, at either end: a certificate not issued for serving (no
+    // `serverAuth` use) lets a node connect out while every connection to it is refused
+    // (found in review, session 55: checked only as a client's, it was taken at start).
+    let not_from_ca = |role| {
+        move |err: rustls::Error| TlsError::NotFromCa {
             cert: files.cert.clone(),
             ca: files.ca.clone(),
-            why: err.to_string(),
-        })?;
+            why: format!("for {role}: {err}"),
+        }
+    };
+    let now = rustls::pki_types::UnixTime::now();
+    verifier
+        .verify_client_cert(&chain[0], &chain[1..], now)
+        .map_err(not_from_ca("connecting"))?;
+    let name = rustls::pki_types::ServerName::try_from(server_name(node))
+        .map_err(|err| TlsError::Config(err.to_string()))?;
+    rustls::client::WebPkiServerVerifier::builder_with_provider(roots.clone(), provider.clone())
+        .build()
+        .map_err(|err| TlsError::Config(err.to_string()))?
+        .verify_server_cert(&chain[0], &chain[1..], &name, &[], now)
+        .map_err(not_from_ca("serving"))?;
     let mut server = rustls::ServerConfig::builder_with_provider(provider.clone())
         .with_protocol_versions(&[&rustls::version::TLS13])
         .map_err(config_err)?
@@ -524,6 +542,33 @@ mod tests {
         // A node's own certificate given as the CA is refused too.
         config.ca = ours[0].tls_config().cert;
         assert!(identity(&config, NodeId(1)).is_err());
+        std::fs::remove_dir_all(dir).unwrap();
+    }
+
+    #[test]
+    fn a_certificate_peers_would_not_take_for_both_ends_is_refused_at_start() {
+        let dir = std::env::temp_dir().join(format!("tally-tls-usage-{}", std::process::id()));
+        let files = crate::certs::write_cluster(&dir, &[NodeId(3)]).unwrap();
+        let config = files[0].tls_config();
+        let ca_key = std::fs::read_to_string(dir.join("ca.key")).unwrap();
+        let ca_pem = std::fs::read_to_string(&config.ca).unwrap();
+        let issuer =
+            rcgen::Issuer::from_ca_cert_pem(&ca_pem, rcgen::KeyPair::from_pem(&ca_key).unwrap())
+                .unwrap();
+        use rcgen::ExtendedKeyUsagePurpose::{ClientAuth, ServerAuth};
+        for (usage, missing) in [(ClientAuth, "serving"), (ServerAuth, "connecting")] {
+            let mut params = rcgen::CertificateParams::new(vec![server_name(NodeId(3))]).unwrap();
+            params.extended_key_usages = vec![usage];
+            let key = rcgen::KeyPair::generate().unwrap();
+            let cert = params.signed_by(&key, &issuer).unwrap();
+            std::fs::write(&config.cert, cert.pem()).unwrap();
+            std::fs::write(&config.key, key.serialize_pem()).unwrap();
+            let err = identity(&config, NodeId(3)).err().unwrap().to_string();
+            assert!(
+                err.contains("node-3.pem") && err.contains(missing),
+                "without {missing}: {err}"
+            );
+        }
         std::fs::remove_dir_all(dir).unwrap();
     }
 
