@@ -23,8 +23,35 @@ pub struct Slot {
 /// A boxed slice, not a `Vec`: most counters hold one or a few lanes and gain one at a
 /// time, so the room is always exactly the lanes held, and the counter is 16 bytes, not 24.
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(from = "ReadSlots")]
 pub struct PnCounter {
     slots: Box<[Slot]>,
+}
+
+/// A counter's lanes as read from outside: in any order, a replica's maybe more than once.
+#[derive(Deserialize)]
+struct ReadSlots {
+    slots: Vec<Slot>,
+}
+
+impl From<ReadSlots> for PnCounter {
+    /// Sorted by replica, and a replica's lanes merged into one, so that the counter read
+    /// keeps the invariant every merge and read relies on.
+    fn from(read: ReadSlots) -> PnCounter {
+        let mut slots = read.slots;
+        slots.sort_unstable_by_key(|slot| slot.replica);
+        slots.dedup_by(|later, kept| {
+            let same = later.replica == kept.replica;
+            if same {
+                kept.lane.merge(later.lane);
+                kept.version = kept.version.max(later.version);
+            }
+            same
+        });
+        PnCounter {
+            slots: slots.into_boxed_slice(),
+        }
+    }
 }
 
 /// Reading a PN-counter's lanes: its value, and the parts of it that a decision takes.
@@ -292,5 +319,32 @@ mod tests {
         a.merge(&b);
         assert_eq!(a.lane(replica(1)), Lane::new(5, 2));
         assert_eq!(a.value(), 5 - 2 + 1);
+    }
+
+    /// A counter read from outside keeps the invariant whatever order its lanes came in and
+    /// however often a replica's: merging it stays commutative and its value counts each
+    /// replica once (found in review: the derived form took the lanes as they came).
+    #[test]
+    fn a_counter_read_with_lanes_out_of_order_or_repeated_holds_each_replica_once_in_order() {
+        let mut written = PnCounter::new();
+        written.incr(replica(1), 5).unwrap();
+        written.decr(replica(2), 3).unwrap();
+        let mut slots: Vec<Slot> = written.slots().collect();
+        slots.reverse();
+        let earlier = Slot {
+            lane: Lane::new(2, 0),
+            ..slots[1]
+        };
+        slots.push(earlier);
+        let read: PnCounter =
+            serde_json::from_value(serde_json::json!({ "slots": slots })).unwrap();
+        assert_eq!(read, written);
+        assert_eq!(read.value(), 5 - 3);
+        let mut other = PnCounter::new();
+        other.incr(replica(3), 1).unwrap();
+        let (mut left, mut right) = (read.clone(), other.clone());
+        left.merge(&other);
+        right.merge(&read);
+        assert_eq!(left, right);
     }
 }
