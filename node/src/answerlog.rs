@@ -396,9 +396,9 @@ impl AnswersSync {
 /// The newest answer of each of the newest [`RECENT_IDS_MAX`] ids whose newest answer is
 /// in a window live at `now_unix_secs`, over the earlier lives' files in `dir`, oldest
 /// first; and the newest generation of a file kept (0 if none), which the next life's
-/// generation must pass. Each file is rewritten with the
-/// answers it keeps, or removed if it keeps none; a rewrite cut off by a crash is removed
-/// first (its file is whole).
+/// generation must pass. Once every file is read, each is rewritten with the answers it
+/// keeps, or removed if it keeps none, oldest first; a rewrite cut off by a crash is
+/// removed first (its file is whole).
 pub fn recover(dir: &Path, now_unix_secs: u64) -> Result<(Vec<AnsweredId>, u64), LogError> {
     let io = LogError::io_at;
     let mut paths = Vec::new();
@@ -425,10 +425,10 @@ pub fn recover(dir: &Path, now_unix_secs: u64) -> Result<(Vec<AnsweredId>, u64),
         }
     }
     lives.sort_unstable_by_key(|(generation, _)| std::cmp::Reverse(*generation));
-    let (mut kept, mut newest_kept) = (Vec::new(), 0);
     let mut room = RECENT_IDS_MAX;
     // Ids kept from newer answers: an older answer of one is superseded.
     let mut seen = seen();
+    let mut keeps = Vec::new();
     for (generation, path) in lives {
         // Each id's newest answer only, kept if its window is live: an older answer of an
         // id whose newest one's window is over is superseded, as in the memory.
@@ -437,6 +437,14 @@ pub fn recover(dir: &Path, now_unix_secs: u64) -> Result<(Vec<AnsweredId>, u64),
             remembered.window.is_live(now_unix_secs)
         });
         room -= keep.len();
+        keeps.push((generation, path, keep));
+    }
+    // Every file read before any is changed, and the oldest changed first: a start stopped
+    // part way (a file it cannot read, a crash) leaves each newer file whole, with the
+    // answers whose windows are over that supersede older ones. A newer file rewritten
+    // first drops them, and the next start took up the older answers again.
+    let (mut kept, mut newest_kept) = (Vec::new(), 0);
+    for (generation, path, keep) in keeps.into_iter().rev() {
         if keep.is_empty() {
             std::fs::remove_file(&path).map_err(io(&path))?;
         } else {
@@ -445,7 +453,7 @@ pub fn recover(dir: &Path, now_unix_secs: u64) -> Result<(Vec<AnsweredId>, u64),
             newest_kept = newest_kept.max(generation);
         }
     }
-    Ok((kept.into_iter().rev().flatten().collect(), newest_kept))
+    Ok((kept.into_iter().flatten().collect(), newest_kept))
 }
 
 /// Whether `path` is named as an answer log but for its generation, not written as a node
@@ -865,6 +873,34 @@ mod tests {
             "the next life remembers a superseded answer the last life's memory no longer \
              gave: {recovered:?}"
         );
+        std::fs::remove_dir_all(dir).unwrap();
+    }
+
+    /// A start stopped part way (here by a file it cannot read; a crash, or a removal
+    /// that fails, likewise) leaves the next start the same answers to keep: it changed
+    /// no file yet. Before, it had rewritten the newer life's file without the answer
+    /// whose window was over, and the next start took up the older answer that answer
+    /// superseded.
+    #[test]
+    fn a_start_stopped_part_way_leaves_no_superseded_answer_to_take_up() {
+        let dir = dir("stopped-part-way");
+        let id = CheckId { session: 9, seq: 1 };
+        let hour = Window::containing(NOW - 20, 3_600).unwrap();
+        let second = Window::containing(NOW - 10, 1).unwrap();
+        let first = (id, answer(1, hour).1);
+        life(&dir, 8, [(id, answer(1, second).1), answer(2, live())]);
+        let older = dir.join("answers-7.log");
+        std::fs::create_dir(&older).unwrap();
+        recover(&dir, NOW).expect_err("a life's file that cannot be read stops the start");
+        std::fs::remove_dir(&older).unwrap();
+        life(&dir, 7, [first]);
+        let (recovered, _) = recover(&dir, NOW).unwrap();
+        let next = crate::recent::RecentIds::remembering(recovered.iter().copied(), NOW);
+        assert!(
+            next.get(id, NOW * 1_000, NOW).is_none(),
+            "the next life remembers a superseded answer: {recovered:?}"
+        );
+        assert_eq!(seqs(&recovered), [2]);
         std::fs::remove_dir_all(dir).unwrap();
     }
 
