@@ -101,8 +101,9 @@ pub struct OriginDelta {
     /// Whose lanes these are.
     pub origin: ReplicaId,
     /// After applying `lanes`, the receiver holds everything of `origin` up to here.
-    /// Equal to the sender's watermark when the send is complete, or to the last lane's
-    /// version when the budget cut it short.
+    /// Equal to the sender's watermark when the send is complete; when the budget cut it
+    /// short, the last lane's version (the receiver's own if no lane was sent), or the
+    /// sender's watermark if lower (the last lane sent was held past a gap).
     pub through: Watermark,
     /// Lanes with versions above the receiver's watermark.
     // Invariant: versions ascend strictly, from 1. They may lie above `through` (lanes the
