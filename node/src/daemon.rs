@@ -266,6 +266,7 @@ pub async fn run(config: Config, shutdown: impl Future<Output = ()>) -> Result<(
 
     let transport_stats = Arc::new(TransportStats::default());
     let store = Arc::new(LaneStore::new(replica, config.keys_max));
+    let refused_sums = Arc::new(RefusedSums::default());
     // The region decides forwarded exact checks on its durable ledger.
     let (region, sessions) = match (config.role, &config.data_dir) {
         (Role::Region, Some(dir)) => {
@@ -384,7 +385,7 @@ pub async fn run(config: Config, shutdown: impl Future<Output = ()>) -> Result<(
         transport,
         inbound,
         store: store.clone(),
-        refused_sums: RefusedSums::default(),
+        refused_sums: refused_sums.clone(),
         view: view.clone(),
         metrics: metrics.clone(),
         clock,
@@ -400,6 +401,7 @@ pub async fn run(config: Config, shutdown: impl Future<Output = ()>) -> Result<(
     let exact_room = Arc::new(ExactRoom::default());
     let service = Arc::new(Service {
         store: store.clone(),
+        refused_sums,
         view: view.clone(),
         rules,
         log,

@@ -58,6 +58,7 @@
 
 use crate::config::{OnRegionUnavailable, RuleConfig};
 use crate::lanelog::LaneLog;
+use crate::refused_sums::RefusedSums;
 use crate::region::Outcome;
 use crate::store::{KeyHasher, LaneStore, StoreError};
 use crate::view::{Remote, ViewState};
@@ -143,6 +144,8 @@ pub struct Context<'a> {
     pub lane_log_refused: &'a AtomicU64,
     /// Counts the writes refused because the store held `keys_max` keys.
     pub keys_refused: &'a AtomicU64,
+    /// The remote sums the store refused at its key cap.
+    pub refused: &'a RefusedSums,
 }
 
 /// How long until `window` ends, at wall-clock `now_ms`: a decision's `reset_after_ms`.
@@ -302,7 +305,9 @@ impl Context<'_> {
         let freshness = self.view.freshness(self.now);
         let connected = freshness.staleness <= Duration::from_millis(rule.stale_after_ms);
         let current = self.store.estimate(key);
-        let previous = self.previous_window_part(rule, key, |key| self.store.estimate(key));
+        let previous = self.previous_window_part(rule, key, |key| {
+            self.refused.count(key, |key| self.store.estimate(key))
+        });
         let cost_i = i128::from(cost);
         let locations = rule.locations.unwrap_or(freshness.locations as u64).max(1);
         let share = (rule.limit / locations).saturating_add(rule.slack);
@@ -524,7 +529,6 @@ fn refusal(err: StoreError) -> Refusal {
 #[cfg(not(tally_loom))]
 mod tests {
     use super::*;
-    use crate::refused_sums::RefusedSums;
     use crate::view::UnheardSeeds;
     use tally_crdt::{CounterMap, Generation, Key, NodeId, PnCounter, ReplicaId};
     use tally_gossip::membership::State;
@@ -566,6 +570,8 @@ mod tests {
 
     static REFUSED: AtomicU64 = AtomicU64::new(0);
     static KEYS_REFUSED: AtomicU64 = AtomicU64::new(0);
+    static NONE_REFUSED: std::sync::LazyLock<RefusedSums> =
+        std::sync::LazyLock::new(RefusedSums::default);
 
     fn context<'a>(store: &'a LaneStore, view: &'a ViewState) -> Context<'a> {
         Context {
@@ -577,6 +583,7 @@ mod tests {
             lane_rate_max: u64::MAX,
             lane_log_refused: &REFUSED,
             keys_refused: &KEYS_REFUSED,
+            refused: &NONE_REFUSED,
         }
     }
 
@@ -595,7 +602,7 @@ mod tests {
             .incr(KeyRef::from(&owned).in_window(ended), 1)
             .unwrap();
         store.collect(&mut Vec::new());
-        let mut refused = RefusedSums::default();
+        let refused = RefusedSums::default();
         assert!(refused.publish(&store, &owned, 100), "the store is full");
         let now_secs = NOW.0 / 1_000;
         assert_eq!(store.expire(now_secs), 1);
@@ -1139,6 +1146,36 @@ mod tests {
         let refused = context.check(&rule, key, 40).unwrap();
         assert!(!refused.allowed);
         assert_eq!((refused.estimate, refused.remaining), (65, 35));
+    }
+
+    #[test]
+    fn a_sliding_rules_previous_window_refused_at_the_key_cap_still_weighs_in_its_decisions() {
+        // The store is full when the peers' count of the window before comes: refused,
+        // and kept by the driver to publish again. The key of this window is held already.
+        let rule = RuleConfig {
+            sliding: true,
+            ..rule(100, 0)
+        };
+        let store = LaneStore::new(ReplicaId::new(NodeId(1), Generation(1)), 1);
+        let rules = Rules::new(std::slice::from_ref(&rule)).unwrap();
+        let owned = key(rules.get("api").unwrap(), "user-1", NOW)
+            .unwrap()
+            .to_key();
+        let key = KeyRef::from(&owned);
+        let before = key.in_window(owned.window.previous().unwrap()).to_key();
+        let refused = RefusedSums::default();
+        assert!(!refused.publish(&store, &owned, 0));
+        assert!(refused.publish(&store, &before, 1_000), "the store is full");
+        let view = view(Stamp(NOW.0 - 100));
+        let decision = Context {
+            refused: &refused,
+            ..context(&store, &view)
+        }
+        .check(&rule, key, 1)
+        .unwrap();
+        // Half of the window has run: half the peers' 1,000 still weighs.
+        assert_eq!(decision.estimate, 500, "{decision:?}");
+        assert!(!decision.allowed, "{decision:?}");
     }
 
     #[test]

@@ -88,8 +88,9 @@ pub struct Driver {
     pub inbound: mpsc::Receiver<Inbound>,
     /// The lane store the client path writes.
     pub store: Arc<LaneStore>,
-    /// Remote sums the store refused at its key cap, published again every second.
-    pub refused_sums: RefusedSums,
+    /// Remote sums the store refused at its key cap, published again every second, and
+    /// read by decisions.
+    pub refused_sums: Arc<RefusedSums>,
     /// What the rest of the node reads.
     pub view: Arc<View>,
     /// The live counters.

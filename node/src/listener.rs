@@ -22,6 +22,7 @@ use crate::lanelog::LaneLog;
 use crate::late::LateFallbacks;
 use crate::metrics::Metrics;
 use crate::recent::{Answered, Asked, RecentIds, Remembered, Waiting, WaitingSend};
+use crate::refused_sums::RefusedSums;
 use crate::region::forward::{Answers, Check, Forwarded, Forwarder};
 use crate::region::wire::Outcome;
 use crate::store::LaneStore;
@@ -66,6 +67,8 @@ const OUTPUT_KEPT_BYTES: usize = 64 * 1024;
 pub struct Service {
     /// The lane store.
     pub store: Arc<LaneStore>,
+    /// The remote sums the store refused at its key cap, kept by the gossip task.
+    pub refused_sums: Arc<RefusedSums>,
     /// The gossip's view.
     pub view: Arc<View>,
     /// The rules.
@@ -390,6 +393,7 @@ impl Service {
             lane_rate_max: self.lane_rate_max,
             lane_log_refused: &self.metrics.lane_log_refused,
             keys_refused: &self.metrics.keys_refused,
+            refused: &self.refused_sums,
         };
         let answered = answer(&mut context);
         if let Some(log) = log.as_deref_mut() {
@@ -1124,6 +1128,7 @@ mod tests {
         let replica = ReplicaId::new(tally_crdt::NodeId(1), tally_crdt::Generation(1));
         Service {
             store: Arc::new(LaneStore::new(replica, keys_max)),
+            refused_sums: Arc::default(),
             view: Arc::new(View::default()),
             rules: Rules::new(&[rule, quota]).unwrap(),
             log: None,

@@ -7,29 +7,41 @@
 //! never changed again (a peer at the limit only denies, and a denial writes nothing), its
 //! estimate here would lack its peers' counts for the rest of its window: decided on this
 //! node's lane alone, under a bound that does not know (found in review, session 44). So a
-//! refused key is kept here, and the driver publishes it again every second, right after
-//! expiry, until the store takes it or the gossip's map no longer holds it.
+//! refused key is kept here with its sum, and the driver publishes it again every second,
+//! right after expiry, until the store takes it or the gossip's map no longer holds it.
+//!
+//! A `sliding` rule's decisions read the window before's count too, a key no client writes
+//! and so never refused to one: they read a refused key's sum here (found in review,
+//! session 55: it counted 0, and a subject the peers had filled the limit for was admitted).
 
 use crate::store::LaneStore;
-use std::collections::HashSet;
-use tally_crdt::Key;
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Mutex, MutexGuard};
+use tally_crdt::{Key, KeyRef};
 
-/// The keys whose remote sums the lane store refused, and has not taken since.
+/// The keys whose remote sums the lane store refused, and has not taken since, with the
+/// sums as last published. Written by the gossip task alone, read by decisions.
 #[derive(Debug, Default)]
 pub struct RefusedSums {
-    keys: HashSet<Key>,
+    sums: Mutex<HashMap<Key, i128>>,
+    /// How many keys `sums` holds: decisions read it without the lock, and take the lock
+    /// only when some key is refused.
+    held: AtomicUsize,
 }
 
 impl RefusedSums {
     /// Publishes `remote` as `key`'s remote sum in `store`; whether the store refused it (at
-    /// its key cap), in which case the key is kept to publish again.
-    pub fn publish(&mut self, store: &LaneStore, key: &Key, remote: i128) -> bool {
+    /// its key cap), in which case the key is kept with its sum to publish again.
+    pub fn publish(&self, store: &LaneStore, key: &Key, remote: i128) -> bool {
+        let mut sums = self.lock();
         let refused = store.publish_remote(key, remote).is_err();
         if refused {
-            self.keys.insert(key.clone());
+            sums.insert(key.clone(), remote);
         } else {
-            self.keys.remove(key);
+            sums.remove(key);
         }
+        self.held.store(sums.len(), Ordering::Release);
         refused
     }
 
@@ -39,32 +51,58 @@ impl RefusedSums {
     /// gossip's map expires on its own rounds, so it may still hold the key, and the room
     /// expiry just made is for live keys. So is a key `remote_sum` has none for.
     pub fn retry(
-        &mut self,
+        &self,
         store: &LaneStore,
         now_unix_secs: u64,
         remote_sum: impl Fn(&Key) -> Option<i128>,
     ) {
-        self.keys.retain(|key| {
+        let mut sums = self.lock();
+        sums.retain(|key, sum| {
             if !key.window.is_live(now_unix_secs) {
                 return false;
             }
             match remote_sum(key) {
-                Some(remote) => store.publish_remote(key, remote).is_err(),
+                Some(remote) => {
+                    *sum = remote;
+                    store.publish_remote(key, remote).is_err()
+                }
                 None => false,
             }
         });
+        self.held.store(sums.len(), Ordering::Release);
+    }
+
+    /// `key`'s count: its remote sum kept here if the store refused it, else what `count`
+    /// reads in the store. Read under the lock when any key is kept, so that a sum the
+    /// store takes meanwhile is counted once, here or there.
+    pub fn count(&self, key: KeyRef<'_>, count: impl FnOnce(KeyRef<'_>) -> i128) -> i128 {
+        if self.held.load(Ordering::Acquire) == 0 {
+            return count(key);
+        }
+        let sums = self.lock();
+        match sums.get(&key.to_key()) {
+            Some(&sum) => sum,
+            None => count(key),
+        }
     }
 
     /// How many keys are kept.
     #[cfg(all(test, not(tally_loom)))]
     pub fn len(&self) -> usize {
-        self.keys.len()
+        self.lock().len()
     }
 
     /// Whether no key is kept.
     #[cfg(all(test, not(tally_loom)))]
     pub fn is_empty(&self) -> bool {
-        self.keys.is_empty()
+        self.lock().is_empty()
+    }
+
+    fn lock(&self) -> MutexGuard<'_, HashMap<Key, i128>> {
+        // Every critical section leaves the map whole: a panic in one loses nothing.
+        self.sums
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
     }
 }
 
@@ -91,7 +129,7 @@ mod tests {
         let hot = key_in("hot", live);
         store.incr(&ended, 1).unwrap();
         store.collect(&mut Vec::new());
-        let mut refused = RefusedSums::default();
+        let refused = RefusedSums::default();
         assert!(refused.publish(&store, &hot, 100), "the store is full");
         assert_eq!((store.estimate(&hot), refused.len()), (0, 1));
         let now = live.start_unix_secs();
@@ -113,7 +151,7 @@ mod tests {
         let ended = Window::new(1, 60).unwrap();
         store.incr(&key_in("own", ended), 1).unwrap();
         store.collect(&mut Vec::new());
-        let mut refused = RefusedSums::default();
+        let refused = RefusedSums::default();
         assert!(refused.publish(&store, &key_in("peer", ended), 100));
         // The gossip's map, expiring on its own rounds, still holds the peer's key.
         let now = ended.live_until_unix_secs();
@@ -133,7 +171,7 @@ mod tests {
         let store = LaneStore::new(ReplicaId::new(NodeId(1), Generation(1)), 1);
         let window = Window::new(1_000, 60).unwrap();
         let (a, b) = (key_in("a", window), key_in("b", window));
-        let mut refused = RefusedSums::default();
+        let refused = RefusedSums::default();
         assert!(!refused.publish(&store, &a, 5));
         assert!(refused.publish(&store, &b, 7));
         refused.retry(&store, window.start_unix_secs(), |_| None);

@@ -236,6 +236,7 @@ fn run(seed: u64) -> (Scenario, Admitted) {
     }
     advance(&mut sim, &mut nodes, 1_000);
     let (refused_log, refused_keys) = (AtomicU64::new(0), AtomicU64::new(0));
+    let refused_sums = tally_node::refused_sums::RefusedSums::default();
     let mut admitted = Admitted::default();
     // Admissions not yet collected, each with when it will be, by which node, and when
     // it was made (the simulator's time).
@@ -288,6 +289,7 @@ fn run(seed: u64) -> (Scenario, Admitted) {
                 lane_rate_max: u64::MAX,
                 lane_log_refused: &refused_log,
                 keys_refused: &refused_keys,
+                refused: &refused_sums,
             };
             let decision = context.check(&rule.1, key, 1).unwrap();
             if decision.allowed {
