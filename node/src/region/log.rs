@@ -711,6 +711,42 @@ mod tests {
         }
     }
 
+    #[test]
+    fn the_protocol_doc_lists_the_entries_by_their_encoded_index() {
+        // docs/protocol.md gives each entry as "its variant's index, then its fields": its
+        // table's order is the index a reader decodes.
+        let doc = include_str!("../../../docs/protocol.md");
+        let table = doc
+            .split_once("its fields), one of:")
+            .expect("the entry table in docs/protocol.md")
+            .1;
+        let documented: Vec<&str> = (table.lines())
+            .skip_while(|line| !line.starts_with("| `"))
+            .take_while(|line| line.starts_with('|'))
+            .filter_map(|line| line.strip_prefix("| `")?.split(['`', '(']).next())
+            .collect();
+        let windows_forgotten = Entry::WindowsForgotten {
+            window_secs: 3_600,
+            through_index: 500_000,
+        };
+        let kinds = [
+            ("Decided", entry(0)),
+            ("Count", entry(1)),
+            ("Floor", entry(2)),
+            ("FloorKept", entry(3)),
+            ("Outcome", entry(4)),
+            ("NamedOutcome", entry(5)),
+            ("WindowsForgotten", windows_forgotten),
+        ];
+        // A body starts with its variant's index, a one-byte varint.
+        let mut by_index: Vec<(u8, &str)> = (kinds.into_iter())
+            .map(|(name, entry)| (encoded(&[entry])[8], name))
+            .collect();
+        by_index.sort();
+        let encoded: Vec<&str> = by_index.into_iter().map(|(_, name)| name).collect();
+        assert_eq!(documented, encoded);
+    }
+
     fn temp_dir(name: &str) -> PathBuf {
         let dir = std::env::temp_dir().join(format!("tally-{name}-{}", std::process::id()));
         std::fs::create_dir_all(&dir).unwrap();
