@@ -3033,6 +3033,60 @@ mod tests {
         assert_eq!(responses[1].result, Err(forgotten));
     }
 
+    /// A fallback that counted nothing (a `deny` rule's) is not remembered under its id, so
+    /// a send again may reach the region (README.md, docs/protocol.md "Check ids"): it gets
+    /// the region's decision, not the first send's denial.
+    #[test]
+    fn a_fallback_that_counted_nothing_is_not_remembered_and_a_send_again_gets_the_regions_decision(
+    ) {
+        let mut service = service(10);
+        let deny = RuleConfig {
+            on_region_unavailable: crate::config::OnRegionUnavailable::Deny,
+            ..RuleConfig::for_test("quota", 100, RuleMode::Exact)
+        };
+        service.rules = Rules::new(&[deny]).unwrap();
+        let found = service.rules.get("quota").unwrap();
+        let (rule, key) = (
+            found.1.clone(),
+            decide::key(found, "a", clock::wall()).unwrap().to_key(),
+        );
+        let send = |result| Forwarded {
+            ticket: Exact {
+                id: 7,
+                rule: rule.clone(),
+                key: key.clone(),
+                cost: 1,
+                check_id: Some(CheckId { session: 1, seq: 2 }),
+                waiting: None,
+                slot: service.exact_room.try_take(),
+            },
+            late_seq: None,
+            result,
+        };
+        let unavailable = Refusal::RegionUnavailable {
+            rule: "quota".into(),
+            why: "no answer".into(),
+        };
+        let admitted = Outcome {
+            allowed: true,
+            count: 1,
+        };
+        let mut output = Vec::new();
+        service.answer_exact(&mut vec![send(Err(unavailable))], &mut output);
+        service.answer_exact(&mut vec![send(Ok(admitted))], &mut output);
+        let decided: Vec<_> = (decisions(&responses(&output)).iter())
+            .map(|decision| (decision.mode, decision.allowed))
+            .collect();
+        assert_eq!(
+            decided,
+            [
+                (wire::Mode::RegionFallback, false),
+                (wire::Mode::Exact, true)
+            ],
+            "the denial, then the region's admission"
+        );
+    }
+
     #[test]
     fn a_stopping_node_counts_no_fallback_and_answers_the_region_unavailable() {
         let (service, rule, key) = allowing_service();
