@@ -221,10 +221,11 @@ impl Context<'_> {
         })
     }
 
-    /// The key's estimate now.
+    /// The key's estimate now: its peers' sum kept in `refused` while the store refuses
+    /// the key at its cap (found in review, session 55: it read 0).
     pub fn estimate(&self, key: KeyRef<'_>) -> Estimate {
         Estimate {
-            estimate: self.store.estimate(key),
+            estimate: self.refused.count(key, |key| self.store.estimate(key)),
             window: key.window().index(),
             staleness_ms: self.staleness().as_millis() as u64,
         }
@@ -1176,6 +1177,30 @@ mod tests {
         // Half of the window has run: half the peers' 1,000 still weighs.
         assert_eq!(decision.estimate, 500, "{decision:?}");
         assert!(!decision.allowed, "{decision:?}");
+    }
+
+    #[test]
+    fn a_get_of_a_key_refused_at_the_key_cap_reads_the_peers_sum_kept_for_it() {
+        // The store is full when the peers' count of the key comes: refused, and kept by
+        // the driver to publish again. Its estimate is theirs, not 0.
+        let store = LaneStore::new(ReplicaId::new(NodeId(1), Generation(1)), 1);
+        let rule = rule(100, 0);
+        let rules = Rules::new(std::slice::from_ref(&rule)).unwrap();
+        let owned = key(rules.get("api").unwrap(), "user-1", NOW)
+            .unwrap()
+            .to_key();
+        let other = key(rules.get("api").unwrap(), "user-2", NOW)
+            .unwrap()
+            .to_key();
+        let refused = RefusedSums::default();
+        assert!(!refused.publish(&store, &other, 0));
+        assert!(refused.publish(&store, &owned, 1_000), "the store is full");
+        let view = view(Stamp(NOW.0 - 100));
+        let context = Context {
+            refused: &refused,
+            ..context(&store, &view)
+        };
+        assert_eq!(context.estimate(KeyRef::from(&owned)).estimate, 1_000);
     }
 
     #[test]

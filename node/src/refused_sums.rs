@@ -13,6 +13,7 @@
 //! A `sliding` rule's decisions read the window before's count too, a key no client writes
 //! and so never refused to one: they read a refused key's sum here (found in review,
 //! session 55: it counted 0, and a subject the peers had filled the limit for was admitted).
+//! So does a `get` of a refused key (found in review, session 55: it answered 0).
 
 use crate::store::LaneStore;
 use std::collections::HashMap;
