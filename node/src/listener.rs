@@ -3181,6 +3181,30 @@ mod tests {
         assert_eq!(service.store.estimate(&key), 3);
     }
 
+    /// A fallback counted while its window was live, whose window is over by the time the
+    /// region's late admission is reported: its lanes are being dropped everywhere, so
+    /// nothing is taken back (a decrement would begin the key again in this node's lane).
+    #[test]
+    fn a_fallback_whose_window_is_over_is_not_taken_back_when_the_region_admits_it_late() {
+        let (service, _, _) = allowing_service();
+        let found = service.rules.get("quota").unwrap();
+        let a_day_ago = tally_crdt::Stamp(clock::wall().0 - 86_400_000);
+        let ended = decide::key(found, "a", a_day_ago).unwrap().to_key();
+        // As the fallback left it, counted in the window then live.
+        service.store.incr(&ended, 3).unwrap();
+        assert!(!service.late_lock().counted(&[1], ended.clone(), 3));
+        service.late_admissions(&[1]);
+        assert_eq!(
+            service.store.own(&ended),
+            tally_crdt::Lane::new(3, 0),
+            "nothing taken back"
+        );
+        assert_eq!(
+            service.metrics.fallbacks_taken_back.load(Ordering::Relaxed),
+            0
+        );
+    }
+
     /// A written send of a check id whose connection went (its client reset it) may still
     /// be decided at the region: until its deadline it counts as waiting, so a retry of the
     /// id that gets no answer in time falls back to nothing (found in review, session 44:
