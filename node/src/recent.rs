@@ -608,6 +608,26 @@ mod tests {
         assert_eq!(waiting.sends(), 0);
     }
 
+    /// An id whose keeping falls out of the last `PASSED_ON_IDS_HELD` while a send of it
+    /// waits again stays: the send still counts as waiting, so a retry beside it gets no
+    /// fallback (both would count), and the number passed on stays for the send to take.
+    #[test]
+    fn an_id_whose_keeping_falls_out_while_a_send_of_it_waits_is_kept() {
+        let waiting = Arc::new(Waiting::default());
+        pass_on_and_go(&waiting, id(1, 0), 7);
+        let next = waiting.add(id(1, 0));
+        for seq in 0..PASSED_ON_IDS_HELD as u64 {
+            pass_on_and_go(&waiting, id(2, seq), seq);
+        }
+        let retry = waiting.add(id(1, 0));
+        assert!(retry.has_company(), "the send before it still waits");
+        assert_eq!(
+            next.take_passed_on(),
+            [7],
+            "the number is still there to take"
+        );
+    }
+
     #[test]
     fn an_id_kept_again_counts_from_its_last_keeping() {
         let waiting = Arc::new(Waiting::default());
