@@ -1382,6 +1382,35 @@ pub(crate) mod tests {
         );
     }
 
+    /// The last `TIMED_OUT_HELD` written checks answered `RegionUnavailable` are held, as
+    /// ARCHITECTURE.md says: the region's admission of the oldest of them is reported late,
+    /// and of one before them is not.
+    #[test]
+    fn the_last_timed_out_held_checks_answered_unavailable_are_reported_if_admitted_late() {
+        let (answers, _answered) = mpsc::unbounded_channel();
+        let (_checks, incoming) = mpsc::unbounded_channel::<Vec<Box<Pending<u64>>>>();
+        let (late, mut reported) = mpsc::unbounded_channel();
+        let stats = Arc::new(ForwardStats::default());
+        let mut held = Held::new(incoming, Clock::start(), stats, late);
+        for seq in 0..=TIMED_OUT_HELD as u64 {
+            held.insert(pending(seq, 100, &answers));
+        }
+        while held.next_frame(ms(0)).is_some() {}
+        held.expire(ms(100));
+        let admitted = || {
+            ExactAnswer::Decided(Outcome {
+                allowed: true,
+                count: 1,
+            })
+        };
+        held.answer_frame(vec![(0, admitted()), (1, admitted())]);
+        assert_eq!(
+            reported.try_recv().ok(),
+            Some(vec![1]),
+            "check 0 pushed out; the {TIMED_OUT_HELD} after it held"
+        );
+    }
+
     #[test]
     fn an_admission_answered_after_its_check_timed_out_is_reported_late() {
         let (answers, mut answered) = mpsc::unbounded_channel();
