@@ -221,11 +221,10 @@ impl Context<'_> {
         })
     }
 
-    /// The key's estimate now: its peers' sum kept in `refused` while the store refuses
-    /// the key at its cap (found in review, session 55: it read 0).
+    /// The key's estimate now.
     pub fn estimate(&self, key: KeyRef<'_>) -> Estimate {
         Estimate {
-            estimate: self.refused.count(key, |key| self.store.estimate(key)),
+            estimate: self.count_of(key),
             window: key.window().index(),
             staleness_ms: self.staleness().as_millis() as u64,
         }
@@ -271,7 +270,7 @@ impl Context<'_> {
                 let written = self.write(key, cost, true, "cost").map_err(not_here)?;
                 (true, written.estimate)
             }
-            OnRegionUnavailable::Deny => (false, self.store.estimate(key)),
+            OnRegionUnavailable::Deny => (false, self.count_of(key)),
         };
         let staleness = self.staleness();
         let decided = Verdict::fallback(rule, allowed, estimate);
@@ -305,10 +304,8 @@ impl Context<'_> {
     ) -> Result<Decision, Refusal> {
         let freshness = self.view.freshness(self.now);
         let connected = freshness.staleness <= Duration::from_millis(rule.stale_after_ms);
-        let current = self.store.estimate(key);
-        let previous = self.previous_window_part(rule, key, |key| {
-            self.refused.count(key, |key| self.store.estimate(key))
-        });
+        let current = self.count_of(key);
+        let previous = self.previous_window_part(rule, key, |key| self.count_of(key));
         let cost_i = i128::from(cost);
         let locations = rule.locations.unwrap_or(freshness.locations as u64).max(1);
         let share = (rule.limit / locations).saturating_add(rule.slack);
@@ -419,6 +416,14 @@ impl Context<'_> {
                 }
             })
             .sum()
+    }
+
+    /// `key`'s estimate in the store, or while the store refuses the key at its cap, its
+    /// peers' sum kept in `refused` (found in review, session 55: a `get` read 0, a check
+    /// was admitted on 0 and refused `KeysFull` when counted, and a sliding rule's window
+    /// before weighed 0).
+    fn count_of(&self, key: KeyRef<'_>) -> i128 {
+        self.refused.count(key, |key| self.store.estimate(key))
     }
 
     /// What a `sliding` rule's estimate takes from the previous window: its count (as
@@ -1201,6 +1206,39 @@ mod tests {
             ..context(&store, &view)
         };
         assert_eq!(context.estimate(KeyRef::from(&owned)).estimate, 1_000);
+    }
+
+    #[test]
+    fn a_check_on_a_key_refused_at_the_key_cap_is_denied_on_the_peers_sum_kept_for_it() {
+        // The peers filled the limit on a key the full store refused: a check is denied on
+        // their count, as it would be were the key held, not admitted on 0 and then
+        // refused `KeysFull` when counted.
+        let store = LaneStore::new(ReplicaId::new(NodeId(1), Generation(1)), 1);
+        let rule = rule(100, 0);
+        let rules = Rules::new(std::slice::from_ref(&rule)).unwrap();
+        let found = rules.get("api").unwrap();
+        let owned = key(found, "user-1", NOW).unwrap().to_key();
+        let other = key(found, "user-2", NOW).unwrap().to_key();
+        let refused = RefusedSums::default();
+        assert!(!refused.publish(&store, &other, 0));
+        assert!(refused.publish(&store, &owned, 1_000), "the store is full");
+        let view = view(Stamp(NOW.0 - 100));
+        let mut context = Context {
+            refused: &refused,
+            ..context(&store, &view)
+        };
+        let decision = context.check(&rule, KeyRef::from(&owned), 1);
+        assert!(
+            matches!(
+                decision,
+                Ok(Decision {
+                    allowed: false,
+                    estimate: 1_000,
+                    ..
+                })
+            ),
+            "{decision:?}"
+        );
     }
 
     #[test]

@@ -11,9 +11,10 @@
 //! right after expiry, until the store takes it or the gossip's map no longer holds it.
 //!
 //! A `sliding` rule's decisions read the window before's count too, a key no client writes
-//! and so never refused to one: they read a refused key's sum here (found in review,
+//! any more and so never refused to one: they read a refused key's sum here (found in review,
 //! session 55: it counted 0, and a subject the peers had filled the limit for was admitted).
-//! So does a `get` of a refused key (found in review, session 55: it answered 0).
+//! So do a `get` and a check of a refused key (found in review, session 55: a `get`
+//! answered 0, and a check was admitted on 0, then refused `KeysFull` when counted).
 
 use crate::store::LaneStore;
 use std::collections::HashMap;
