@@ -364,11 +364,12 @@ fn lock(dir: &Path) -> Result<std::fs::File, CertError> {
     Ok(file)
 }
 
-/// Whether anything is at `path`, a link included even if what it names is not (found in
-/// review, session 55: a CA kept behind links to a volume not mounted read as no CA, and a
-/// new one replaced the links). Reading such a link then fails naming it.
+/// Whether anything may be at `path`: a link even if what it names is not, or a path that
+/// cannot be looked at (found in review, session 55: a CA kept behind links to a volume not
+/// mounted read as no CA, and a new one replaced the links). Reading it then fails naming
+/// it.
 fn there(path: &Path) -> bool {
-    std::fs::symlink_metadata(path).is_ok()
+    !matches!(std::fs::symlink_metadata(path), Err(err) if err.kind() == std::io::ErrorKind::NotFound)
 }
 
 fn read(path: &Path) -> Result<String, CertError> {
