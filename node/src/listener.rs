@@ -2942,12 +2942,20 @@ mod tests {
     }
 
     fn allowing_service() -> (Service, Arc<RuleConfig>, Key) {
+        falling_back_to(crate::config::OnRegionUnavailable::Allow)
+    }
+
+    /// A service whose exact rule `quota` falls back to `fallback`, the rule, and the key
+    /// of subject `a` in its window now.
+    fn falling_back_to(
+        fallback: crate::config::OnRegionUnavailable,
+    ) -> (Service, Arc<RuleConfig>, Key) {
         let mut service = service(10);
-        let allow = RuleConfig {
-            on_region_unavailable: crate::config::OnRegionUnavailable::Allow,
+        let rule = RuleConfig {
+            on_region_unavailable: fallback,
             ..RuleConfig::for_test("quota", 100, RuleMode::Exact)
         };
-        service.rules = Rules::new(&[allow]).unwrap();
+        service.rules = Rules::new(&[rule]).unwrap();
         let found = service.rules.get("quota").unwrap();
         let rule = found.1.clone();
         let key = decide::key(found, "a", clock::wall()).unwrap().to_key();
@@ -3039,17 +3047,7 @@ mod tests {
     #[test]
     fn a_fallback_that_counted_nothing_is_not_remembered_and_a_send_again_gets_the_regions_decision(
     ) {
-        let mut service = service(10);
-        let deny = RuleConfig {
-            on_region_unavailable: crate::config::OnRegionUnavailable::Deny,
-            ..RuleConfig::for_test("quota", 100, RuleMode::Exact)
-        };
-        service.rules = Rules::new(&[deny]).unwrap();
-        let found = service.rules.get("quota").unwrap();
-        let (rule, key) = (
-            found.1.clone(),
-            decide::key(found, "a", clock::wall()).unwrap().to_key(),
-        );
+        let (service, rule, key) = falling_back_to(crate::config::OnRegionUnavailable::Deny);
         let send = |result| Forwarded {
             ticket: Exact {
                 id: 7,
