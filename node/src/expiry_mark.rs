@@ -17,9 +17,10 @@
 //! The driver writes the reading every [`MARK_EVERY`], on a blocking thread. The file is
 //! written beside itself, synced and renamed over itself, so a crash leaves the old reading
 //! or the new one. The directory is not synced: a rename that a machine crash loses leaves
-//! the older reading, and an older reading only makes expiry later. A start with no
-//! reading (the directory's first, or the first after an upgrade to a build that keeps
-//! one) takes the wall clock as it is, unprotected.
+//! the older reading, and an older reading only makes expiry later, or no reading if the
+//! rename lost was the directory's first. A start with no reading (the directory's first,
+//! the first after an upgrade to a build that keeps one, or after that first rename was
+//! lost) takes the wall clock as it is, unprotected.
 
 use crate::clock::{self, Boot};
 use crate::lanelog::{write_synced, LogError};
