@@ -253,7 +253,8 @@ impl RegionService {
     /// Serves frames of forwarded checks until the channel closes or `stop` turns true.
     /// Then it decides nothing more, and returns once every frame it decided is answered
     /// and its admissions are counted in the region's own lanes (or refused), so that a
-    /// stopping node's last push carries them.
+    /// stopping node's last push carries them: all but those its lanes still owe for want
+    /// of room in the lane log, which the next start's repair counts in.
     ///
     /// The task that answers frames once durable is spawned on `watcher`: should it end
     /// first, the node stops.
