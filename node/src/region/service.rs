@@ -209,7 +209,8 @@ impl RegionService {
         let opened = Opened {
             entries: entries.len(),
             torn,
-            repaired: missing.iter().map(|(_, missing)| missing).sum(),
+            // Saturating: a limit may be as high as `u64::MAX / 91`, and so each key's count.
+            repaired: (missing.iter()).fold(0, |sum, (_, missing)| sum.saturating_add(*missing)),
             owed: owed.load(Ordering::Relaxed),
         };
         let service = RegionService {
