@@ -358,7 +358,17 @@ impl Service {
                     .map(WaitingSend::take_passed_on)
                     .unwrap_or_default();
                 late_seqs.extend(late_seq);
-                self.fallback(context, &rule, key, cost, check_id, unavailable, &late_seqs)
+                let result =
+                    self.fallback(context, &rule, key, cost, check_id, unavailable, &late_seqs);
+                // A fallback that counted nothing has nothing to take back: the sends it
+                // took go on to the next of the id that falls back, as if it got none
+                // (found in review, session 55: dropped, that one stayed counted when the
+                // region admitted one of them late).
+                let counted = result.as_ref().is_ok_and(|decision| decision.allowed);
+                if let (Some(waiting), false) = (&waiting, counted) {
+                    late_seqs.into_iter().for_each(|seq| waiting.pass_on(seq));
+                }
+                result
             }
             Err(other) => Err(other),
         };
@@ -1996,6 +2006,74 @@ mod tests {
             0,
             "counted once, at the region"
         );
+    }
+
+    /// A send that falls back but counts nothing (the key cap refuses its count) leaves the
+    /// numbers passed on to it, and its own, to the next send of its id that falls back:
+    /// the region may still admit any of those sends, which counts the check.
+    #[tokio::test(flavor = "current_thread")]
+    async fn a_fallback_that_counted_nothing_leaves_its_numbers_to_the_next_that_falls_back() {
+        for admitted_late in [1, 2] {
+            let (mut service, _, _) = allowing_service();
+            service.forwarder = Some(forwarder_to_nowhere());
+            let found = service.rules.get("quota").unwrap();
+            let others: Vec<Key> = (0..10)
+                .map(|n| {
+                    let subject = format!("o{n}");
+                    decide::key(found, &subject, clock::wall())
+                        .unwrap()
+                        .to_key()
+                })
+                .collect();
+            for other in &others {
+                service.store.incr(other, 1).unwrap();
+            }
+            let timed_out = |ticket, late_seq| Forwarded {
+                ticket,
+                late_seq,
+                result: Err(Refusal::RegionUnavailable {
+                    rule: "quota".into(),
+                    why: "no answer".into(),
+                }),
+            };
+            let (mut output, mut exact) = (Vec::new(), Vec::new());
+            let twice = frames(&[quota_check(8, 2), quota_check(8, 2)]);
+            handle(&service, &twice, &mut output, &mut exact);
+            let (first, second) = (exact.remove(0), exact.remove(0));
+            // The first send was written (sequence number 1) and times out while the second
+            // waits: no fallback. The second (2) times out alone, at the key cap.
+            answer_two_sends(&service, &mut vec![timed_out(first, Some(1))], &mut output);
+            output.clear();
+            service.answer_exact(&mut vec![timed_out(second, Some(2))], &mut output);
+            assert!(
+                matches!(
+                    &responses(&output)[0].result,
+                    Err(Refusal::RegionUnavailable { .. })
+                ),
+                "its fallback could not count"
+            );
+            // A key's window ends. A retry of the id, never written, times out alone and
+            // falls back.
+            service.store.collect(&mut Vec::new());
+            assert!(service.store.remove(&others[0]));
+            output.clear();
+            handle(
+                &service,
+                &frames(&[quota_check(8, 2)]),
+                &mut output,
+                &mut exact,
+            );
+            service.answer_exact(&mut vec![timed_out(exact.remove(0), None)], &mut output);
+            assert!(decisions(&responses(&output))[0].allowed, "it falls back");
+            assert_eq!(estimate(&service, "quota"), 2);
+            // The region admits one of the first two sends after all: it counts the check.
+            service.late_admissions(&[admitted_late]);
+            assert_eq!(
+                estimate(&service, "quota"),
+                0,
+                "counted once, at the region, when it admits send {admitted_late}"
+            );
+        }
     }
 
     #[tokio::test(flavor = "current_thread")]

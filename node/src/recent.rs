@@ -279,7 +279,8 @@ impl WaitingSend {
     }
 
     /// This send, written to the region as sequence number `seq`, timed out with no
-    /// fallback while others of its id wait: the one of them that falls back takes `seq`
+    /// fallback while others of its id wait, or with one that counted nothing (then with
+    /// the numbers it took): the one of them that falls back takes `seq`
     /// ([`WaitingSend::take_passed_on`]), so that the region's late admission of this
     /// send takes that fallback's count back. If none of them falls back (each answered
     /// by the region, or let go unanswered when its connection went), the next send of
