@@ -23,7 +23,7 @@ use super::{ExactAnswer, Outcome};
 use crate::clock::Clock;
 use crate::metrics::LatencyHistogram;
 use crate::transport::{FrameRead, Requester, Session, SessionReceive, SessionSend, Sessions};
-use std::collections::{BTreeMap, VecDeque};
+use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::future::Future;
 use std::pin::Pin;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -90,8 +90,8 @@ pub type Answers<T> = mpsc::UnboundedSender<Vec<Forwarded<T>>>;
 /// were answered `RegionUnavailable`: a fallback counted for one counts it a second time.
 pub type LateAdmissions = mpsc::UnboundedSender<Vec<u64>>;
 
-/// How many written checks past their deadline a forwarder remembers, the most recent, of
-/// each kind: those answered `RegionUnavailable` (to report if the region admits them
+/// How many written checks past their deadline a forwarder remembers, the last to time
+/// out, of each kind: those answered `RegionUnavailable` (to report if the region admits them
 /// after all) and those whose caller left (to time a decision that comes later).
 const TIMED_OUT_HELD: usize = 4_096;
 
@@ -350,13 +350,13 @@ struct Held<T> {
     next_seq: u64,
     clock: Clock,
     stats: Arc<ForwardStats>,
-    // The written checks past their deadline, with when each arrived, the most recent
-    // `TIMED_OUT_HELD` of each kind: those answered `RegionUnavailable`, whose admission
+    // The written checks past their deadline, with when each arrived, the last
+    // `TIMED_OUT_HELD` to time out of each kind: those answered `RegionUnavailable`, whose admission
     // decided later is reported to `late`, and those whose caller left, held only to be
     // timed (apart, so that these never push out one whose late admission is to be
     // reported: found in review, session 48).
-    timed_out_answered: BTreeMap<u64, Duration>,
-    timed_out_left: BTreeMap<u64, Duration>,
+    timed_out_answered: TimedOut,
+    timed_out_left: TimedOut,
     late: LateAdmissions,
 }
 
@@ -377,8 +377,8 @@ impl<T> Held<T> {
             next_seq: 0,
             clock,
             stats,
-            timed_out_answered: BTreeMap::new(),
-            timed_out_left: BTreeMap::new(),
+            timed_out_answered: TimedOut::default(),
+            timed_out_left: TimedOut::default(),
             late,
         }
     }
@@ -505,9 +505,9 @@ impl<T> Held<T> {
         let mut late = Vec::new();
         for (seq, answer) in frame {
             let Some(pending) = self.remove(seq) else {
-                let (arrived, answered) = match self.timed_out_answered.remove(&seq) {
+                let (arrived, answered) = match self.timed_out_answered.remove(seq) {
                     Some(arrived) => (arrived, true),
-                    None => match self.timed_out_left.remove(&seq) {
+                    None => match self.timed_out_left.remove(seq) {
                         Some(arrived) => (arrived, false),
                         None => continue,
                     },
@@ -625,7 +625,7 @@ impl<T> Held<T> {
                 // Its caller was answered nothing, so no fallback is to be taken back; if
                 // written, the region may still decide it, and its latency counts.
                 if pending.writes > 0 {
-                    time_out(&mut self.timed_out_left, seq, pending.arrived);
+                    self.timed_out_left.hold(seq, pending.arrived);
                 }
                 continue;
             }
@@ -636,7 +636,7 @@ impl<T> Held<T> {
             let arrived = pending.arrived;
             pending.answer(Err(refusal), late_seq);
             if late_seq.is_some() {
-                time_out(&mut self.timed_out_answered, seq, arrived);
+                self.timed_out_answered.hold(seq, arrived);
             }
         }
     }
@@ -915,12 +915,39 @@ async fn read_answers(
     }
 }
 
-/// Holds check `seq`, which arrived at `arrived`, in `timed_out`, among its most recent
-/// `TIMED_OUT_HELD`.
-fn time_out(timed_out: &mut BTreeMap<u64, Duration>, seq: u64, arrived: Duration) {
-    timed_out.insert(seq, arrived);
-    if timed_out.len() > TIMED_OUT_HELD {
-        timed_out.pop_first();
+/// Written checks past their deadline, with when each arrived: the last `TIMED_OUT_HELD`
+/// to time out. Pushed out in the order they timed out, not by sequence number: rules'
+/// timeouts differ, so a check sent first may time out after thousands sent later, and
+/// pushed out by those it was forgotten as it timed out (found in review, session 55: its
+/// late admission went unreported, and its fallback counted twice).
+#[derive(Debug, Default)]
+struct TimedOut {
+    // Each check's arrival, and the number of its timing out.
+    arrived: HashMap<u64, (Duration, u64)>,
+    // The checks held, by the number of their timing out.
+    order: BTreeMap<u64, u64>,
+    timed_out: u64,
+}
+
+impl TimedOut {
+    /// Holds check `seq`, which arrived at `arrived`, pushing out the one that timed out
+    /// first past `TIMED_OUT_HELD`.
+    fn hold(&mut self, seq: u64, arrived: Duration) {
+        self.timed_out += 1;
+        self.arrived.insert(seq, (arrived, self.timed_out));
+        self.order.insert(self.timed_out, seq);
+        if self.order.len() > TIMED_OUT_HELD {
+            if let Some((_, first)) = self.order.pop_first() {
+                self.arrived.remove(&first);
+            }
+        }
+    }
+
+    /// When check `seq` arrived, if it is held; it is held no more.
+    fn remove(&mut self, seq: u64) -> Option<Duration> {
+        let (arrived, number) = self.arrived.remove(&seq)?;
+        self.order.remove(&number);
+        Some(arrived)
     }
 }
 
@@ -1408,6 +1435,34 @@ pub(crate) mod tests {
             reported.try_recv().ok(),
             Some(vec![1]),
             "check 0 pushed out; the {TIMED_OUT_HELD} after it held"
+        );
+    }
+
+    /// The checks held are the last to time out, not the last sent: rules' timeouts
+    /// differ, so a check sent first may time out after thousands sent later.
+    #[test]
+    fn a_check_that_times_out_after_later_ones_is_reported_if_admitted_late() {
+        let (answers, _answered) = mpsc::unbounded_channel();
+        let (_checks, incoming) = mpsc::unbounded_channel::<Vec<Box<Pending<u64>>>>();
+        let (late, mut reported) = mpsc::unbounded_channel();
+        let stats = Arc::new(ForwardStats::default());
+        let mut held = Held::new(incoming, Clock::start(), stats, late);
+        held.insert(pending(0, 300, &answers));
+        for seq in 1..=TIMED_OUT_HELD as u64 {
+            held.insert(pending(seq, 100, &answers));
+        }
+        while held.next_frame(ms(0)).is_some() {}
+        held.expire(ms(100));
+        held.expire(ms(300));
+        let admitted = ExactAnswer::Decided(Outcome {
+            allowed: true,
+            count: 1,
+        });
+        held.answer_frame(vec![(0, admitted)]);
+        assert_eq!(
+            reported.try_recv().ok(),
+            Some(vec![0]),
+            "the check last to time out was pushed out by {TIMED_OUT_HELD} sent after it"
         );
     }
 
