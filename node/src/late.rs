@@ -10,20 +10,28 @@
 //! count come on different tasks, in either order: whichever comes second matches the
 //! first here.
 
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::{BTreeMap, BTreeSet, HashMap};
 use tally_crdt::Key;
 
-/// How many counted fallbacks, and how many early reports, are remembered: the most
-/// recent by sequence number.
+/// How many counted fallbacks, and how many early reports, are remembered: the fallbacks
+/// counted last, and the reports by the most recent sequence numbers.
 const HELD_MAX: usize = 4_096;
 
 /// Counted fallbacks and late admissions, by the check's sequence number.
 #[derive(Debug, Default)]
 pub struct LateFallbacks {
-    // Fallbacks counted whose check the region has not been reported to admit: the key,
-    // the cost counted, and the other sends of the check's id the same count is held under
-    // (those that timed out with no fallback while it waited), for it to be taken back once.
+    // Fallbacks counted whose check the region has not been reported to admit, by the
+    // number of their counting: the key, the cost counted, and the sends of the check's id
+    // the count is held under (the one that fell back, and those that timed out with no
+    // fallback while it waited), for it to be taken back once. Pushed out in the order
+    // they were counted, not by sequence number: rules' timeouts differ, so a check sent
+    // first may fall back after thousands sent later, and pushed out by those its count
+    // was forgotten as it was made (found in review, session 55).
     counted: BTreeMap<u64, (Key, u64, Vec<u64>)>,
+    // The number of the fallback each send's sequence number is held under.
+    by_seq: HashMap<u64, u64>,
+    // How many fallbacks were counted.
+    counts: u64,
     // Late admissions reported before their check's fallback was counted.
     admitted: BTreeSet<u64>,
 }
@@ -42,13 +50,18 @@ impl LateFallbacks {
         if reported {
             return true;
         }
-        for &seq in seqs {
-            let others = seqs.iter().copied().filter(|&other| other != seq);
-            self.counted
-                .insert(seq, (key.clone(), cost, others.collect()));
+        if seqs.is_empty() {
+            return false;
         }
+        self.counts += 1;
+        for &seq in seqs {
+            self.by_seq.insert(seq, self.counts);
+        }
+        self.counted.insert(self.counts, (key, cost, seqs.to_vec()));
         while self.counted.len() > HELD_MAX {
-            self.counted.pop_first();
+            if let Some((_, (_, _, seqs))) = self.counted.pop_first() {
+                self.forget_seqs(&seqs);
+            }
         }
         false
     }
@@ -56,7 +69,8 @@ impl LateFallbacks {
     /// The region admitted check `seq` after it was answered `RegionUnavailable`: the
     /// fallback's count to take back, if one was counted.
     pub fn admitted(&mut self, seq: u64) -> Option<(Key, u64)> {
-        let Some((key, cost, others)) = self.counted.remove(&seq) else {
+        let Some((key, cost, seqs)) = (self.by_seq.get(&seq)).and_then(|n| self.counted.remove(n))
+        else {
             self.admitted.insert(seq);
             if self.admitted.len() > HELD_MAX {
                 self.admitted.pop_first();
@@ -64,10 +78,16 @@ impl LateFallbacks {
             return None;
         };
         // Taken back once, whichever of the sends the region reports.
-        for other in others {
-            self.counted.remove(&other);
-        }
+        self.forget_seqs(&seqs);
         Some((key, cost))
+    }
+
+    /// Forgets the sends `seqs` of a fallback no longer held: a later report of one of
+    /// them has no count to take back.
+    fn forget_seqs(&mut self, seqs: &[u64]) {
+        for seq in seqs {
+            self.by_seq.remove(seq);
+        }
     }
 }
 
@@ -103,5 +123,20 @@ mod tests {
         }
         assert_eq!(late.admitted(10), None, "the oldest is forgotten");
         assert!(late.admitted(11).is_some());
+    }
+
+    /// Rules' timeouts differ: a check sent first may fall back after thousands sent later.
+    #[test]
+    fn a_fallback_counted_after_those_of_later_checks_is_taken_back() {
+        let mut late = LateFallbacks::default();
+        for seq in 1..=HELD_MAX as u64 {
+            late.counted(&[seq], key(), 1);
+        }
+        assert!(!late.counted(&[0], key(), 5));
+        assert_eq!(
+            late.admitted(0),
+            Some((key(), 5)),
+            "the last fallback counted is held"
+        );
     }
 }
