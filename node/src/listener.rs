@@ -1887,10 +1887,7 @@ mod tests {
         let twice = frames(&[quota_check(8, 2), quota_check(8, 2)]);
         handle(&service, &twice, &mut output, &mut exact);
         assert_eq!(exact.len(), 2);
-        let unavailable = Refusal::RegionUnavailable {
-            rule: "quota".into(),
-            why: "no answer".into(),
-        };
+        let unavailable = no_answer();
         // The first send's deadline passes; the second is then decided at the region.
         let outcome = Outcome {
             allowed: true,
@@ -1922,10 +1919,7 @@ mod tests {
     async fn a_fallback_is_taken_back_when_a_send_of_its_id_that_got_none_is_admitted_late() {
         let (mut service, _, _) = allowing_service();
         service.forwarder = Some(forwarder_to_nowhere());
-        let unavailable = Refusal::RegionUnavailable {
-            rule: "quota".into(),
-            why: "no answer".into(),
-        };
+        let unavailable = no_answer();
         // Check id 8's first send was written (sequence number 1) and its deadline passed
         // while the second waited; the second was never written, and its deadline passes
         // too. Then check id 9's the same way (sequence number 2), but the region's late
@@ -1968,10 +1962,7 @@ mod tests {
     async fn a_number_passed_on_to_a_send_let_go_unanswered_goes_to_the_next_that_falls_back() {
         let (mut service, _, _) = allowing_service();
         service.forwarder = Some(forwarder_to_nowhere());
-        let unavailable = Refusal::RegionUnavailable {
-            rule: "quota".into(),
-            why: "no answer".into(),
-        };
+        let unavailable = no_answer();
         let (mut output, mut exact) = (Vec::new(), Vec::new());
         let twice = frames(&[quota_check(8, 2), quota_check(8, 2)]);
         handle(&service, &twice, &mut output, &mut exact);
@@ -2031,10 +2022,7 @@ mod tests {
             let timed_out = |ticket, late_seq| Forwarded {
                 ticket,
                 late_seq,
-                result: Err(Refusal::RegionUnavailable {
-                    rule: "quota".into(),
-                    why: "no answer".into(),
-                }),
+                result: Err(no_answer()),
             };
             let (mut output, mut exact) = (Vec::new(), Vec::new());
             let twice = frames(&[quota_check(8, 2), quota_check(8, 2)]);
@@ -3019,6 +3007,37 @@ mod tests {
         to_region
     }
 
+    /// What the forwarder answers a check of rule `quota` the region did not answer in time.
+    fn no_answer() -> Refusal {
+        Refusal::RegionUnavailable {
+            rule: "quota".into(),
+            why: "no answer".into(),
+        }
+    }
+
+    /// The forwarder's `result` for a check of `key` under `rule`, cost 1, sent under check
+    /// id (1, 2) and never written.
+    fn sent_under_an_id(
+        service: &Service,
+        rule: &Arc<RuleConfig>,
+        key: &Key,
+        result: Result<Outcome, Refusal>,
+    ) -> Forwarded<Exact> {
+        Forwarded {
+            ticket: Exact {
+                id: 7,
+                rule: rule.clone(),
+                key: key.clone(),
+                cost: 1,
+                check_id: Some(CheckId { session: 1, seq: 2 }),
+                waiting: None,
+                slot: service.exact_room.try_take(),
+            },
+            late_seq: None,
+            result,
+        }
+    }
+
     fn allowing_service() -> (Service, Arc<RuleConfig>, Key) {
         falling_back_to(crate::config::OnRegionUnavailable::Allow)
     }
@@ -3046,10 +3065,7 @@ mod tests {
         let found = service.rules.get("quota").unwrap();
         let a_day_ago = tally_crdt::Stamp(clock::wall().0 - 86_400_000);
         let ended = decide::key(found, "a", a_day_ago).unwrap().to_key();
-        let unavailable = Refusal::RegionUnavailable {
-            rule: "quota".into(),
-            why: "no answer".into(),
-        };
+        let unavailable = no_answer();
         let mut output = Vec::new();
         for key in [&ended, &live] {
             let mut answers = vec![Forwarded {
@@ -3086,23 +3102,8 @@ mod tests {
     #[test]
     fn a_forgotten_check_id_is_refused_whatever_the_rule_falls_back_to() {
         let (service, rule, key) = allowing_service();
-        let answer = |result| Forwarded {
-            ticket: Exact {
-                id: 7,
-                rule: rule.clone(),
-                key: key.clone(),
-                cost: 1,
-                check_id: Some(CheckId { session: 1, seq: 2 }),
-                waiting: None,
-                slot: service.exact_room.try_take(),
-            },
-            late_seq: None,
-            result,
-        };
-        let unavailable = Refusal::RegionUnavailable {
-            rule: "quota".into(),
-            why: "no answer".into(),
-        };
+        let answer = |result| sent_under_an_id(&service, &rule, &key, result);
+        let unavailable = no_answer();
         let forgotten = Refusal::Forgotten {
             rule: "quota".into(),
         };
@@ -3126,23 +3127,8 @@ mod tests {
     fn a_fallback_that_counted_nothing_is_not_remembered_and_a_send_again_gets_the_regions_decision(
     ) {
         let (service, rule, key) = falling_back_to(crate::config::OnRegionUnavailable::Deny);
-        let send = |result| Forwarded {
-            ticket: Exact {
-                id: 7,
-                rule: rule.clone(),
-                key: key.clone(),
-                cost: 1,
-                check_id: Some(CheckId { session: 1, seq: 2 }),
-                waiting: None,
-                slot: service.exact_room.try_take(),
-            },
-            late_seq: None,
-            result,
-        };
-        let unavailable = Refusal::RegionUnavailable {
-            rule: "quota".into(),
-            why: "no answer".into(),
-        };
+        let send = |result| sent_under_an_id(&service, &rule, &key, result);
+        let unavailable = no_answer();
         let admitted = Outcome {
             allowed: true,
             count: 1,
@@ -3166,10 +3152,7 @@ mod tests {
     #[test]
     fn a_stopping_node_counts_no_fallback_and_answers_the_region_unavailable() {
         let (service, rule, key) = allowing_service();
-        let unavailable = Refusal::RegionUnavailable {
-            rule: "quota".into(),
-            why: "no answer".into(),
-        };
+        let unavailable = no_answer();
         let answer = |id| Forwarded {
             ticket: Exact {
                 id,
@@ -3212,10 +3195,7 @@ mod tests {
                 slot: service.exact_room.try_take(),
             },
             late_seq: Some(seq),
-            result: Err(Refusal::RegionUnavailable {
-                rule: "quota".into(),
-                why: "no answer".into(),
-            }),
+            result: Err(no_answer()),
         };
         let allowed = |output: &[u8]| {
             matches!(
