@@ -1132,13 +1132,25 @@ pub(crate) mod tests {
     /// Held checks with no forwarder in front: its incoming channel's sender, and the
     /// stats they count in.
     fn held() -> (Held<u64>, Incoming, Arc<ForwardStats>) {
+        let (held, checks, stats, _) = held_reporting_late();
+        (held, checks, stats)
+    }
+
+    /// [`held`], with the receiver of the late admissions it reports.
+    fn held_reporting_late() -> (
+        Held<u64>,
+        Incoming,
+        Arc<ForwardStats>,
+        mpsc::UnboundedReceiver<Vec<u64>>,
+    ) {
         let (checks, incoming) = mpsc::unbounded_channel();
         let stats = Arc::new(ForwardStats::default());
-        let (late, _) = mpsc::unbounded_channel();
+        let (late, reported) = mpsc::unbounded_channel();
         (
             Held::new(incoming, Clock::start(), stats.clone(), late),
             checks,
             stats,
+            reported,
         )
     }
 
@@ -1382,10 +1394,7 @@ pub(crate) mod tests {
     fn checks_whose_callers_left_do_not_push_out_a_late_admission_to_report() {
         let (answers, _answered) = mpsc::unbounded_channel();
         let (gone, answered_gone) = mpsc::unbounded_channel();
-        let (_checks, incoming) = mpsc::unbounded_channel::<Vec<Box<Pending<u64>>>>();
-        let (late, mut reported) = mpsc::unbounded_channel();
-        let stats = Arc::new(ForwardStats::default());
-        let mut held = Held::new(incoming, Clock::start(), stats, late);
+        let (mut held, _checks, _, mut reported) = held_reporting_late();
         held.insert(pending(0, 100, &answers));
         let left = TIMED_OUT_HELD as u64;
         for seq in 1..=left {
@@ -1415,10 +1424,7 @@ pub(crate) mod tests {
     #[test]
     fn the_last_timed_out_held_checks_answered_unavailable_are_reported_if_admitted_late() {
         let (answers, _answered) = mpsc::unbounded_channel();
-        let (_checks, incoming) = mpsc::unbounded_channel::<Vec<Box<Pending<u64>>>>();
-        let (late, mut reported) = mpsc::unbounded_channel();
-        let stats = Arc::new(ForwardStats::default());
-        let mut held = Held::new(incoming, Clock::start(), stats, late);
+        let (mut held, _checks, _, mut reported) = held_reporting_late();
         for seq in 0..=TIMED_OUT_HELD as u64 {
             held.insert(pending(seq, 100, &answers));
         }
@@ -1443,10 +1449,7 @@ pub(crate) mod tests {
     #[test]
     fn a_check_that_times_out_after_later_ones_is_reported_if_admitted_late() {
         let (answers, _answered) = mpsc::unbounded_channel();
-        let (_checks, incoming) = mpsc::unbounded_channel::<Vec<Box<Pending<u64>>>>();
-        let (late, mut reported) = mpsc::unbounded_channel();
-        let stats = Arc::new(ForwardStats::default());
-        let mut held = Held::new(incoming, Clock::start(), stats, late);
+        let (mut held, _checks, _, mut reported) = held_reporting_late();
         held.insert(pending(0, 300, &answers));
         for seq in 1..=TIMED_OUT_HELD as u64 {
             held.insert(pending(seq, 100, &answers));
@@ -1469,10 +1472,7 @@ pub(crate) mod tests {
     #[test]
     fn an_admission_answered_after_its_check_timed_out_is_reported_late() {
         let (answers, mut answered) = mpsc::unbounded_channel();
-        let (checks, incoming) = mpsc::unbounded_channel::<Vec<Box<Pending<u64>>>>();
-        let (late, mut reported) = mpsc::unbounded_channel();
-        let stats = Arc::new(ForwardStats::default());
-        let mut held = Held::new(incoming, Clock::start(), stats, late);
+        let (mut held, checks, _, mut reported) = held_reporting_late();
         for seq in 0..4 {
             held.insert(pending(seq, 100, &answers));
         }
